@@ -1,0 +1,1 @@
+"""pagedray.block_manager"""

@@ -1,0 +1,20 @@
+"""pagedray.cluster: configs, requests, wire types, the scheduler, the engine (central actor body),
+executors and the offline ``LLM`` API.
+
+Heavy members are imported lazily so that ``pagedray.workers`` can import the wire types without
+pulling in the engine (which itself imports the workers).
+"""
+
+from .config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from .sampling_params import SamplingParams
+
+__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
+           "SamplingParams", "LLM"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from .llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedray.cluster' has no attribute {name!r}")

@@ -1,0 +1,139 @@
+"""Engine configuration: frozen dataclasses, validated in one place (``EngineConfig.__post_init__``).
+
+Every check raises ValueError with a message that names the field and says what to change. There
+are no environment-variable switches for behaviour: everything a run does is in these objects.
+
+- ModelConfig: which model, in which dtype, on which device, how long a sequence may be.
+- CacheConfig: KV block size, how much memory the paged KV cache gets, prefix caching.
+- ParallelConfig: tensor-parallel size, executor kind, placement of the TP ranks.
+- SchedulerConfig: per-step token budget and batch size, scheduling policy, admission limits.
+- EngineConfig: the four above plus engine-level limits (queue bound, stall watchdog).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+EXECUTORS = ("auto", "local", "ray")
+POLICIES = ("fcfs", "priority")
+BLOCK_SIZES = (8, 16, 32, 64)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # a Hugging Face model folder, or "default" for the embedded SmolLM2-135M-Instruct
+    model: str = "default"
+    # "auto": float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"
+    device: str = "auto"
+    # None: the model's max_position_embeddings
+    max_model_len: int | None = None
+    # optional separate tokenizer folder (defaults to the model folder)
+    tokenizer: str | None = None
+
+    def validate(self) -> None:
+        _require(isinstance(self.model, str) and self.model != "",
+                 "model: give a Hugging Face model folder or 'default'")
+        _require(self.dtype in DTYPES, f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.device in DEVICES, f"device: must be one of {DEVICES}, got {self.device!r}")
+        _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len > 0),
+                 f"max_model_len: must be a positive integer or None, got {self.max_model_len!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # CPU: memory for the paged KV cache of each rank, in GiB
+    kv_cache_gib: float = 1.0
+    # CUDA: fraction of the device memory the worker may use (weights + activations + KV)
+    gpu_memory_utilization: float = 0.90
+    # force an exact number of KV blocks (tests, benchmarks); None: decided from memory
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    # fraction of blocks kept free when admitting new sequences, to avoid instant preemption
+    watermark: float = 0.01
+
+    def validate(self) -> None:
+        _require(self.block_size in BLOCK_SIZES,
+                 f"block_size: must be one of {BLOCK_SIZES}, got {self.block_size!r}")
+        _require(self.kv_cache_gib > 0, f"kv_cache_gib: must be > 0, got {self.kv_cache_gib!r}")
+        _require(0 < self.gpu_memory_utilization <= 1,
+                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
+                 f"num_blocks: must be None or an integer >= 2, got {self.num_blocks!r}")
+        _require(0 <= self.watermark < 0.5, f"watermark: must be in [0, 0.5), got {self.watermark!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    # "auto": in-process for TP=1, Ray worker actors for TP>1
+    executor: str = "auto"
+    placement_strategy: str = "PACK"
+    # torch intra-op threads per TP worker on CPU; None: cores / tensor_parallel_size
+    threads_per_worker: int | None = None
+
+    def validate(self) -> None:
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        _require(self.executor in EXECUTORS, f"executor: must be one of {EXECUTORS}, got {self.executor!r}")
+        _require(self.placement_strategy in PLACEMENT_STRATEGIES,
+                 f"placement_strategy: must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}")
+        _require(not (self.executor == "local" and self.tensor_parallel_size > 1),
+                 "executor: 'local' runs a single in-process worker; use executor='ray' (or 'auto') "
+                 "for tensor_parallel_size > 1")
+        _require(self.threads_per_worker is None or self.threads_per_worker >= 1,
+                 f"threads_per_worker: must be None or >= 1, got {self.threads_per_worker!r}")
+
+    @property
+    def use_ray(self) -> bool:
+        return self.executor == "ray" or (self.executor == "auto" and self.tensor_parallel_size > 1)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+    # bound on requests waiting for admission; beyond it add_request is rejected (HTTP 429)
+    max_waiting_requests: int = 1024
+
+    def validate(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs!r}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens!r}")
+        _require(self.policy in POLICIES, f"policy: must be one of {POLICIES}, got {self.policy!r}")
+        _require(self.max_waiting_requests >= 1,
+                 f"max_waiting_requests: must be >= 1, got {self.max_waiting_requests!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # a step that has not returned after this many seconds marks the engine unhealthy
+    step_timeout_s: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.parallel.validate()
+        self.scheduler.validate()
+        _require(self.step_timeout_s > 0, f"step_timeout_s: must be > 0, got {self.step_timeout_s!r}")
+        if self.model.max_model_len is not None and self.cache.num_blocks is not None:
+            capacity = self.cache.num_blocks * self.cache.block_size
+            _require(self.model.max_model_len <= capacity,
+                     f"max_model_len: {self.model.max_model_len} tokens do not fit in num_blocks="
+                     f"{self.cache.num_blocks} x block_size={self.cache.block_size}; lower max_model_len "
+                     "or raise num_blocks")

@@ -1,0 +1,60 @@
+"""What the engine hands back to its callers (the offline LLM API, the Serve engine deployment).
+
+Outputs are streamed as deltas: each RequestOutput carries, per sample, only the tokens generated
+since the previous output of the same request. The first output of a request also carries the
+prompt token ids. Exactly one output per request has ``finished=True``, and it is the last.
+
+Finish reasons: "stop" (EOS or a stop token id; the ingress also uses it for stop strings),
+"length" (max_tokens or max_model_len reached), "abort" (cancelled by the caller),
+"error" (the engine failed while the request was in flight; ``error`` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # (token_id, logprob) pairs, best first
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    # tokens generated since this sample's previous output
+    token_ids: list[int] = field(default_factory=list)
+    # one entry per token in token_ids when the request asked for logprobs, else None
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_token_ids: list[int] | None = None
+    error: str | None = None
+    num_cached_prompt_tokens: int = 0
+
+
+class EngineError(RuntimeError):
+    """Base class for errors the engine raises to callers."""
+
+
+class QueueFullError(EngineError):
+    """The bounded admission queue is full: retry later (HTTP 429)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine or one of its TP ranks has failed; in-flight requests end with finish_reason 'error'."""
+
+
+class EngineDrainingError(EngineError):
+    """The engine is shutting down and accepts no new requests (HTTP 503)."""

@@ -1,0 +1,92 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops.
+
+Every field is validated in ``__post_init__``; a bad value raises ValueError naming the field, so
+that no request with impossible parameters ever reaches the scheduler. The dataclass is frozen and
+travels to the workers inside a StepPlan (see ``wire.py``) as a plain dict.
+
+Conventions (settled here, shared by the Sampler and the scheduler):
+- ``temperature == 0`` means greedy (argmax); other sampling knobs are then ignored.
+- ``top_k <= 0`` disables top-k (``-1`` is accepted as the OpenAI/vLLM spelling of "off").
+- ``logprobs=None``: no logprobs; ``logprobs=k`` (k >= 0): the sampled token's logprob plus the
+  top-k alternatives.
+- ``seed``: sampling for this sequence depends only on (seed, position), never on the batch.
+- ``repetition_penalty`` applies to prompt and output tokens; presence/frequency penalties apply to
+  output tokens only (the OpenAI definition).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               f"must be a positive integer, got {self.max_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
+               f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, tuple):
+            _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+                   f"must be a list of token ids, got {self.stop_token_ids!r}")
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must contain non-negative integers")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SamplingParams:
+        return cls(**data)

@@ -1,0 +1,168 @@
+"""StepPlan and StepResult: the only things that cross the engine -> worker boundary.
+
+The engine sends one StepPlan per step to every TP rank; rank 0 alone answers with a StepResult.
+Both are plain dataclasses encoded with msgpack (no pickle, no extension types, size-capped), so a
+worker can never be made to run code by a message and a corrupt message fails loudly.
+
+A plan describes the batch of one forward pass. The batch order is ``running`` followed by
+``new_seqs``; results come back in that order for the sequences that sample.
+
+Worker-side mirror (what every rank keeps per sequence id, updated only from plans):
+``token_ids`` (prompt + output tokens known so far), ``num_computed_tokens`` (tokens whose K/V are
+in the cache), ``block_ids`` and the sampling params.
+
+- ``NewSequence``: a sequence the workers have not seen (first admission, re-admission after a
+  preemption, or a forked sample of an ``n > 1`` request). It carries everything in full.
+  ``num_computed_tokens`` counts tokens whose K/V are already in the cache (prefix-cache hit, or
+  blocks shared with a parent at fork).
+- ``RunningDelta``: a sequence the workers already mirror. ``new_token_id`` is the token sampled at
+  the previous step (append it to the mirror first), or None while the sequence is still in prefill.
+  ``new_block_ids`` extend the block table.
+- In both, ``num_scheduled_tokens`` tokens are computed this step, starting at
+  ``num_computed_tokens``: the tokens ``token_ids[num_computed : num_computed + num_scheduled]``.
+  A sequence samples a token when, after this step, every known token is computed.
+- ``released_seq_ids``: sequences finished, aborted or preempted since the last plan; the workers
+  drop their mirrors (applied before anything else in the plan).
+- ``block_copies``: (src, dst) block pairs to copy in every layer's K and V before the forward
+  (copy-on-write at fork/truncate).
+
+A result carries one ``SampledToken`` per sampling sequence, in batch order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+from .sampling_params import SamplingParams
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class WireError(ValueError):
+    """A message that is not a well-formed, size-capped plan or result."""
+
+
+@dataclass
+class NewSequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: list[int]
+    sampling_params: SamplingParams
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class RunningDelta:
+    seq_id: int
+    num_scheduled_tokens: int
+    new_block_ids: list[int] = field(default_factory=list)
+    new_token_id: int | None = None
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    running: list[RunningDelta] = field(default_factory=list)
+    released_seq_ids: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.new_seqs) + sum(
+            r.num_scheduled_tokens for r in self.running)
+
+
+@dataclass
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    # (token_id, logprob) pairs, best first; None unless the sequence asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    sampled: list[SampledToken] = field(default_factory=list)
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise WireError(f"msgpack extension type {code} is not allowed on the wire")
+
+
+def _pack(obj: dict) -> bytes:
+    data = msgpack.packb(obj, use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte cap")
+    return data
+
+
+def _unpack(data: bytes) -> dict:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte cap")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for corrupt input
+        raise WireError(f"corrupt message: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise WireError(f"expected a map at the top level, got {type(obj).__name__}")
+    return obj
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    obj = asdict(plan)
+    for new in obj["new_seqs"]:
+        new["sampling_params"]["stop_token_ids"] = list(new["sampling_params"]["stop_token_ids"])
+    return _pack(obj)
+
+
+def decode_plan(data: bytes) -> StepPlan:
+    obj = _unpack(data)
+    try:
+        new_seqs = []
+        for new in obj["new_seqs"]:
+            new = dict(new)
+            new["sampling_params"] = SamplingParams.from_dict(new["sampling_params"])
+            new_seqs.append(NewSequence(**new))
+        return StepPlan(
+            step_id=obj["step_id"],
+            new_seqs=new_seqs,
+            running=[RunningDelta(**r) for r in obj["running"]],
+            released_seq_ids=list(obj["released_seq_ids"]),
+            block_copies=[(int(s), int(d)) for s, d in obj["block_copies"]],
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"malformed StepPlan: {exc}") from exc
+
+
+def encode_result(result: StepResult) -> bytes:
+    return _pack(asdict(result))
+
+
+def decode_result(data: bytes) -> StepResult:
+    obj = _unpack(data)
+    try:
+        sampled = []
+        for s in obj["sampled"]:
+            s = dict(s)
+            if s.get("top_logprobs") is not None:
+                s["top_logprobs"] = [(int(t), float(lp)) for t, lp in s["top_logprobs"]]
+            sampled.append(SampledToken(**s))
+        return StepResult(step_id=obj["step_id"], sampled=sampled)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"malformed StepResult: {exc}") from exc

@@ -1,0 +1,1 @@
+"""pagedray.kernels"""

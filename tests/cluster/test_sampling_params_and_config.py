@@ -1,0 +1,54 @@
+"""SamplingParams and the engine configs reject bad values with messages naming the field."""
+
+import math
+
+import pytest
+
+from pagedray.cluster import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("n", 1000), ("n", 1.5), ("max_tokens", 0), ("max_tokens", True), ("temperature", -0.1),
+    ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("seed", "x"),
+    ("stop_token_ids", [-1]), ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1),
+])
+def test_bad_sampling_param_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_normalise_and_round_trip():
+    params = SamplingParams(temperature=0, stop_token_ids=[3, 4], top_k=-1, logprobs=0)
+    assert params.greedy and params.stop_token_ids == (3, 4)
+    assert SamplingParams.from_dict(params.to_dict()) == params
+
+
+@pytest.mark.parametrize("build,field", [
+    (lambda: ModelConfig(dtype="float64"), "dtype"),
+    (lambda: ModelConfig(max_model_len=0), "max_model_len"),
+    (lambda: CacheConfig(block_size=12), "block_size"),
+    (lambda: CacheConfig(num_blocks=1), "num_blocks"),
+    (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
+    (lambda: ParallelConfig(executor="local", tensor_parallel_size=2), "executor"),
+    (lambda: ParallelConfig(placement_strategy="RANDOM"), "placement_strategy"),
+    (lambda: SchedulerConfig(policy="lifo"), "policy"),
+    (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
+])
+def test_bad_config_names_the_field(build, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**_wrap(build()))
+
+
+def _wrap(part):
+    name = {ModelConfig: "model", CacheConfig: "cache", ParallelConfig: "parallel",
+            SchedulerConfig: "scheduler"}[type(part)]
+    return {name: part}
+
+
+def test_max_model_len_must_fit_the_forced_pool():
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineConfig(model=ModelConfig(max_model_len=1000), cache=CacheConfig(num_blocks=10, block_size=16))
+    config = EngineConfig(model=ModelConfig(max_model_len=160), cache=CacheConfig(num_blocks=10, block_size=16))
+    assert config.parallel.use_ray is False
+    assert ParallelConfig(tensor_parallel_size=2).use_ray

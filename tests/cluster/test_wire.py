@@ -1,0 +1,78 @@
+"""The msgpack wire types: round trips, and the decoder's refusals (ext types, oversize, garbage)."""
+
+import msgpack
+import pytest
+
+from pagedray.cluster import wire
+from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.cluster.wire import (
+    NewSequence,
+    RunningDelta,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    WireError,
+    decode_plan,
+    decode_result,
+    encode_plan,
+    encode_result,
+)
+
+
+def _plan() -> StepPlan:
+    params = SamplingParams(temperature=0.7, top_k=5, seed=3, stop_token_ids=(2, 9), logprobs=2)
+    return StepPlan(
+        step_id=41,
+        new_seqs=[NewSequence(seq_id=7, prompt_token_ids=[1, 2, 3], output_token_ids=[4],
+                              num_computed_tokens=0, num_scheduled_tokens=4, block_ids=[5, 11],
+                              sampling_params=params)],
+        running=[RunningDelta(seq_id=3, num_scheduled_tokens=1, new_block_ids=[8], new_token_id=99),
+                 RunningDelta(seq_id=4, num_scheduled_tokens=16)],
+        released_seq_ids=[1, 2],
+        block_copies=[(5, 6)],
+    )
+
+
+def test_plan_round_trip_is_exact():
+    plan = _plan()
+    decoded = decode_plan(encode_plan(plan))
+    assert decoded == plan
+    assert decoded.new_seqs[0].sampling_params.stop_token_ids == (2, 9)
+    assert decoded.num_scheduled_tokens == 4 + 1 + 16
+    assert decoded.new_seqs[0].token_ids == [1, 2, 3, 4]
+
+
+def test_result_round_trip_is_exact():
+    result = StepResult(step_id=3, sampled=[
+        SampledToken(seq_id=1, token_id=5, logprob=-0.25, top_logprobs=[(5, -0.25), (7, -1.5)]),
+        SampledToken(seq_id=2, token_id=8),
+    ])
+    assert decode_result(encode_result(result)) == result
+
+
+def test_decoder_rejects_extension_types():
+    data = msgpack.packb({"step_id": 1, "sampled": [msgpack.ExtType(3, b"xx")]})
+    with pytest.raises(WireError, match="extension type 3"):
+        decode_result(data)
+
+
+def test_decoder_rejects_oversized_messages(monkeypatch):
+    data = encode_plan(_plan())
+    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", len(data) - 1)
+    with pytest.raises(WireError, match="exceeds"):
+        decode_plan(data)
+    with pytest.raises(WireError, match="exceeds"):
+        encode_plan(_plan())
+
+
+@pytest.mark.parametrize("data", [b"\xc1", b"\x93\x01\x02\x03", msgpack.packb({"step_id": 1}), b"", "text"])
+def test_decoder_rejects_malformed_messages(data):
+    with pytest.raises(WireError):
+        decode_plan(data)
+
+
+def test_decoder_rejects_bad_sampling_params():
+    obj = msgpack.unpackb(encode_plan(_plan()))
+    obj["new_seqs"][0]["sampling_params"]["temperature"] = -1.0
+    with pytest.raises(WireError, match="temperature"):
+        decode_plan(msgpack.packb(obj))

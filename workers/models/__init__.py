@@ -1,0 +1,1 @@
+"""Model definitions on pagedray parallel layers."""
