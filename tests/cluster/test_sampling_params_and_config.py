@@ -3,8 +3,14 @@
 import math
 
 import pytest
-
-from pagedray.cluster import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
+from pagedray.cluster import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
 
 
 @pytest.mark.parametrize("field,value", [

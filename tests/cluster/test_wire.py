@@ -2,7 +2,6 @@
 
 import msgpack
 import pytest
-
 from pagedray.cluster import wire
 from pagedray.cluster.sampling_params import SamplingParams
 from pagedray.cluster.wire import (
