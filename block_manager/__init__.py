@@ -1,1 +1,37 @@
-"""pagedray.block_manager"""
+"""pagedray.block_manager: the global paged-KV block allocator (pure Python, no torch).
+
+- ``BlockManager``: the only owner of sequence -> block table (allocate / fork / truncate / free,
+  slot mapping, prefix cache, stats, invariant checks).
+- ``BlockPool``: ref-counted blocks, the free queue in eviction order, the prefix-cache map.
+- ``BlockKey``: chained content key of a full block.
+- Errors: ``BlockManagerError`` and its subclasses (see ``errors``).
+
+Benchmark: ``python -m pagedray.block_manager.bench``.
+"""
+
+from .block_pool import BlockPool
+from .errors import (
+    BlockManagerError,
+    CannotAllocateError,
+    DoubleFreeError,
+    SequenceExistsError,
+    UnknownSequenceError,
+)
+from .free_queue import FreeBlockQueue
+from .manager import BlockManager
+from .prefix_key import BlockKey
+from .records import Allocation, BlockManagerStats
+
+__all__ = [
+    "Allocation",
+    "BlockKey",
+    "BlockManager",
+    "BlockManagerError",
+    "BlockManagerStats",
+    "BlockPool",
+    "CannotAllocateError",
+    "DoubleFreeError",
+    "FreeBlockQueue",
+    "SequenceExistsError",
+    "UnknownSequenceError",
+]

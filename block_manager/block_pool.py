@@ -1,0 +1,156 @@
+"""BlockPool: a fixed set of KV blocks with ref counts, a free queue and the prefix-cache map.
+
+Block ids are ``0 .. num_blocks - 1`` and are global (the same id on every tensor-parallel rank).
+
+Invariants (checked by ``check_invariants``):
+- a block is free (ref count 0, in the free queue exactly once) xor referenced (ref count > 0, not
+  in the queue);
+- ``num_free_blocks == len(free queue)``;
+- the cache map and the per-block keys agree: ``cached[key] == b`` exactly when ``key_of(b) is key``;
+  a block with a key is either referenced or free-but-findable (a "cached free" block);
+- a free block keeps its key until ``allocate`` hands it out again: only then is the key evicted.
+
+Decisions:
+- Allocation always takes the head of the free queue; freeing appends to the tail. The pool starts
+  with blocks queued in id order, so a fresh pool hands out 0, 1, 2, ...
+- ``touch`` revives a cached block (ref 0 -> 1 removes it from the middle of the queue in O(1)).
+- A key is registered for at most one block. When a second block gets content whose key is already
+  cached (two sequences computed the same prompt independently), that block stays without a key and
+  the existing block remains the cached copy.
+"""
+
+from __future__ import annotations
+
+from .errors import CannotAllocateError, DoubleFreeError
+from .free_queue import FreeBlockQueue
+from .prefix_key import BlockKey
+
+
+class BlockPool:
+    """Ref-counted blocks, a free queue in eviction order and the key -> block map of cached blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"num_blocks: must be an integer >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._ref_counts = [0] * num_blocks
+        self._keys: list[BlockKey | None] = [None] * num_blocks
+        self._free = FreeBlockQueue(num_blocks)
+        self._cached: dict[BlockKey, int] = {}
+        self.num_evictions = 0
+
+    # -- counts -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one sequence (0..1)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def ref_count(self, block_id: int) -> int:
+        self._check_block_id(block_id)
+        return self._ref_counts[block_id]
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in eviction order (head first)."""
+        return list(self._free)
+
+    # -- allocate / touch / free --------------------------------------------------------------
+    def allocate(self, count: int) -> list[int]:
+        """Hand out ``count`` blocks from the head of the free queue, each with ref count 1.
+
+        A handed-out block that still held a cached key loses it (eviction). Raises
+        CannotAllocateError and changes nothing when fewer than ``count`` blocks are free.
+        """
+        free = self._free
+        if count > len(free):
+            raise CannotAllocateError(count, len(free))
+        ref_counts = self._ref_counts
+        keys = self._keys
+        blocks = []
+        for _ in range(count):
+            block_id = free.popleft()
+            key = keys[block_id]
+            if key is not None:
+                del self._cached[key]
+                keys[block_id] = None
+                self.num_evictions += 1
+            ref_counts[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def touch(self, block_id: int) -> None:
+        """Add one reference; a free (cached) block leaves the free queue in O(1)."""
+        ref = self._ref_counts[block_id]
+        if ref == 0:
+            self._free.remove(block_id)
+        self._ref_counts[block_id] = ref + 1
+
+    def release(self, block_id: int) -> None:
+        """Drop one reference; at 0 the block goes to the tail of the free queue, keeping its key."""
+        ref = self._ref_counts[block_id]
+        if ref == 0:
+            raise DoubleFreeError(f"block {block_id} released while its ref count is already 0")
+        self._ref_counts[block_id] = ref - 1
+        if ref == 1:
+            self._free.append(block_id)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def lookup(self, key: BlockKey) -> int | None:
+        """The block cached under ``key`` (referenced or free-but-not-yet-evicted), else None."""
+        return self._cached.get(key)
+
+    def key_of(self, block_id: int) -> BlockKey | None:
+        return self._keys[block_id]
+
+    def cache(self, block_id: int, key: BlockKey) -> BlockKey:
+        """Register a referenced, full block under ``key``; return the canonical key object.
+
+        If ``key`` is already cached by another block, ``block_id`` stays without a key and the
+        cached key object is returned (callers chain their next key onto it).
+        """
+        existing = self._cached.get(key)
+        if existing is not None:
+            return self._keys[existing]  # type: ignore[return-value]
+        self._cached[key] = block_id
+        self._keys[block_id] = key
+        return key
+
+    def uncache(self, block_id: int) -> None:
+        """Forget the key of ``block_id`` (its contents are about to change)."""
+        key = self._keys[block_id]
+        if key is not None:
+            del self._cached[key]
+            self._keys[block_id] = None
+
+    def cached_keys(self) -> set[BlockKey]:
+        return set(self._cached)
+
+    # -- checks -----------------------------------------------------------------------------------
+    def _check_block_id(self, block_id: int) -> None:
+        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block_id: must be an integer in [0, {self.num_blocks}), got {block_id!r}")
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first violated invariant (see the module docstring)."""
+        queued = list(self._free)
+        queued_set = set(queued)
+        assert len(queued) == len(queued_set), f"free queue holds a block twice: {queued}"
+        assert len(queued) == len(self._free), (
+            f"free queue length {len(self._free)} != {len(queued)} linked blocks")
+        for block_id, ref in enumerate(self._ref_counts):
+            assert ref >= 0, f"block {block_id} has negative ref count {ref}"
+            assert (ref == 0) == (block_id in queued_set), (
+                f"block {block_id}: ref count {ref} but {'in' if block_id in queued_set else 'not in'}"
+                " the free queue (must be free xor referenced)")
+        for key, block_id in self._cached.items():
+            assert self._keys[block_id] is key, f"cache maps a key to block {block_id}, which holds another key"
+        num_keyed = sum(key is not None for key in self._keys)
+        assert num_keyed == len(self._cached), (
+            f"{num_keyed} blocks hold keys but the cache maps {len(self._cached)}")

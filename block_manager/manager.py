@@ -1,0 +1,394 @@
+"""BlockManager: the only owner of sequence -> block table in pagedray.
+
+A sequence's table lists the blocks holding its K/V slots in order; slot ``p`` lives at
+``table[p // block_size] * block_size + p % block_size``. ``num_slots`` counts the slots reserved
+(tokens whose K/V are computed or scheduled this step).
+
+Invariants (``check_invariants`` asserts them, together with the pool's):
+- every block is free xor referenced, and a block's ref count equals the number of block tables
+  holding it; no block appears twice in one table;
+- ``len(table) == ceil(num_slots / block_size)``: a table holds exactly the blocks its slots need;
+- a partially filled last block (the one the next slot is written into) is private: ref count 1
+  and no cache key. Full blocks are never written again, so they can be shared freely;
+- with prefix caching, the first ``num_hashed`` blocks of a table are full and their content keys
+  are known (``last_key``); ``num_hashed == num_slots // block_size``;
+- freeing every sequence returns the pool to all-free with ref counts 0; cached keys stay findable
+  until their block is handed out again.
+
+Decisions:
+- Prefix caching works on full blocks only. A block is registered in the cache as soon as the
+  ``allocate_slots`` call that fills it returns: its K/V are written by the step that scheduled those
+  tokens (a hit in the same step reads them after each layer's ``store_kv``). The lookup always
+  leaves at least one token to compute, so a fully cached prompt recomputes its last block.
+- The watermark is an admission policy: ``can_allocate`` for a new sequence keeps
+  ``int(watermark * num_blocks)`` blocks free; growing a running sequence may use them.
+  ``allocate_slots`` itself only fails when the pool is out of blocks.
+- Hit/query counters (in tokens) count the sequence-registering ``allocate_slots`` calls, not the
+  pure ``num_cached_prefix_tokens`` lookups.
+- ``fork`` shares every full block by ref count and copies a partially filled last block eagerly
+  (returns the (src, dst) copy the workers must do before the next forward).
+- ``truncate`` frees the blocks no longer needed (a block freed there loses its cache key: the
+  rewound slots may hold K/V that were never written). If the new last block is partial and shared
+  (ref count > 1), it is copied into a private block (returned as (src, dst); the shared original
+  keeps its key for its other holders). If it is private but cached, its key is dropped and it is
+  written in place. The table then differs before its end: callers must resend the table.
+- ``free`` releases blocks last-to-first, so a sequence's tail blocks are evicted before its prefix.
+- The extra key (adapter, cache salt) is fixed when a sequence is registered; later calls ignore it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+from .block_pool import BlockPool
+from .errors import CannotAllocateError, DoubleFreeError, SequenceExistsError, UnknownSequenceError
+from .prefix_key import BlockKey
+from .records import Allocation, BlockManagerStats
+
+_NEVER = float("inf")  # next_hash_at when prefix caching is off
+
+
+class _SeqBlocks:
+    """One sequence's blocks. ``next_hash_at``: num_slots at which block ``num_hashed`` becomes full."""
+
+    __slots__ = ("table", "num_slots", "num_hashed", "last_key", "extra_key", "next_hash_at")
+
+    def __init__(self, table: list[int], num_slots: int, num_hashed: int, last_key: BlockKey | None,
+                 extra_key: Hashable | None, next_hash_at: float) -> None:
+        self.table = table
+        self.num_slots = num_slots
+        self.num_hashed = num_hashed
+        self.last_key = last_key
+        self.extra_key = extra_key
+        self.next_hash_at = next_hash_at
+
+
+def _require_count(name: str, value: object) -> int:
+    if type(value) is not int or value < 0:  # noqa: E721  (bool is not a count)
+        raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+    return value
+
+
+class BlockManager:
+    """Global KV block allocator: block tables, prefix cache, fork/CoW, truncate, slot mapping."""
+
+    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True,
+                 watermark: float = 0.0) -> None:
+        if type(block_size) is not int or block_size < 1:
+            raise ValueError(f"block_size: must be an integer >= 1, got {block_size!r}")
+        if type(num_blocks) is not int or num_blocks < 1:
+            raise ValueError(f"num_blocks: must be an integer >= 1, got {num_blocks!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching: must be a bool, got {enable_prefix_caching!r}")
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark: must be a number in [0, 1), got {watermark!r}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark = float(watermark)
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.pool = BlockPool(num_blocks)
+        self._seqs: dict[Hashable, _SeqBlocks] = {}
+        self._recently_freed: OrderedDict[Hashable, None] = OrderedDict()
+        self._recently_freed_cap = max(1024, num_blocks)
+        self._prefix_query_tokens = 0
+        self._prefix_hit_tokens = 0
+
+    # -- prefix lookup ----------------------------------------------------------------------------
+    def _cached_prefix(self, token_ids: Sequence[int], extra_key: Hashable | None) -> tuple[list[int], BlockKey | None]:
+        """Blocks of the longest cached run of full blocks of ``token_ids`` (leaving >= 1 token)."""
+        blocks: list[int] = []
+        key = None
+        if not self.enable_prefix_caching:
+            return blocks, key
+        bs = self.block_size
+        pool = self.pool
+        for i in range(max(0, (len(token_ids) - 1) // bs)):
+            block_id = pool.lookup(BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs]), extra_key))
+            if block_id is None:
+                break
+            key = pool.key_of(block_id)  # the canonical object: later equality checks stop at it
+            blocks.append(block_id)
+        return blocks, key
+
+    def num_cached_prefix_tokens(self, token_ids: Sequence[int], extra_key: Hashable | None = None) -> int:
+        """Tokens covered by the longest run of cached full blocks, always < len(token_ids)."""
+        _check_extra_key(extra_key)
+        return len(self._cached_prefix(token_ids, extra_key)[0]) * self.block_size
+
+    # -- admission / growth -----------------------------------------------------------------------
+    def _blocks_to_take(self, seq: _SeqBlocks | None, token_ids: Sequence[int], num_new_tokens: int,
+                        extra_key: Hashable | None) -> tuple[int, list[int], BlockKey | None]:
+        """(free blocks the call would consume, cached prefix blocks, their last key); validates."""
+        _require_count("num_new_tokens", num_new_tokens)
+        bs = self.block_size
+        if seq is not None:
+            total = seq.num_slots + num_new_tokens
+            needed, hit_blocks, last_key = -(-total // bs) - len(seq.table), [], None
+        else:
+            _check_extra_key(extra_key)
+            hit_blocks, last_key = self._cached_prefix(token_ids, extra_key)
+            total = len(hit_blocks) * bs + num_new_tokens
+            revived = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
+            needed = -(-total // bs) - len(hit_blocks) + revived
+        if len(token_ids) < total:
+            raise ValueError(f"token_ids: {len(token_ids)} tokens given but {total} slots would be "
+                             f"reserved (num_new_tokens={num_new_tokens})")
+        return max(needed, 0), hit_blocks, last_key
+
+    def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                     extra_key: Hashable | None = None) -> bool:
+        """Whether ``allocate_slots`` with the same arguments would succeed.
+
+        For an unknown ``seq_id`` the prefix-cache hit is included and ``watermark_blocks`` must stay free.
+        """
+        seq = self._seqs.get(seq_id)
+        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens, extra_key)
+        reserve = 0 if seq is not None else self.watermark_blocks
+        return self.pool.num_free_blocks - needed >= reserve
+
+    def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                       extra_key: Hashable | None = None) -> Allocation:
+        """Reserve ``num_new_tokens`` more slots (a prefill chunk, or 1 per decode step).
+
+        An unknown ``seq_id`` is registered first with its cached prefix attached. ``token_ids`` are the
+        sequence's tokens (at least ``num_slots`` after the call); blocks that become full are hashed
+        from them. Raises CannotAllocateError (nothing changed) when the pool is short of blocks.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return self._register(seq_id, token_ids, num_new_tokens, extra_key)
+        # decode fast path: validate, bump the slot count, touch the pool only at block boundaries
+        if type(num_new_tokens) is not int or num_new_tokens < 0:  # noqa: E721
+            _require_count("num_new_tokens", num_new_tokens)
+        total = seq.num_slots + num_new_tokens
+        if len(token_ids) < total:
+            raise ValueError(f"token_ids: {len(token_ids)} tokens given but {total} slots would be "
+                             f"reserved (num_new_tokens={num_new_tokens})")
+        table = seq.table
+        missing = -(-total // self.block_size) - len(table)
+        new_ids = self.pool.allocate(missing) if missing > 0 else []
+        table += new_ids
+        seq.num_slots = total
+        if total >= seq.next_hash_at:
+            self._hash_full_blocks(seq, token_ids)
+        return Allocation(0, new_ids)
+
+    def _register(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                  extra_key: Hashable | None) -> Allocation:
+        needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens, extra_key)
+        pool = self.pool
+        if needed > pool.num_free_blocks:
+            raise CannotAllocateError(needed, pool.num_free_blocks, f"registering sequence {seq_id!r}")
+        for block_id in hit_blocks:
+            pool.touch(block_id)
+        num_hit = len(hit_blocks)
+        bs = self.block_size
+        total = num_hit * bs + num_new_tokens
+        table = hit_blocks + pool.allocate(-(-total // bs) - num_hit)
+        next_hash_at = (num_hit + 1) * bs if self.enable_prefix_caching else _NEVER
+        seq = _SeqBlocks(table, total, num_hit, last_key, extra_key, next_hash_at)
+        self._seqs[seq_id] = seq
+        self._recently_freed.pop(seq_id, None)
+        if self.enable_prefix_caching:
+            self._prefix_query_tokens += len(token_ids)
+            self._prefix_hit_tokens += num_hit * bs
+        if total >= next_hash_at:
+            self._hash_full_blocks(seq, token_ids)
+        return Allocation(num_hit * bs, list(table))
+
+    def _hash_full_blocks(self, seq: _SeqBlocks, token_ids: Sequence[int]) -> None:
+        """Key and cache every block of ``seq`` that became full since the last call."""
+        bs = self.block_size
+        pool = self.pool
+        key = seq.last_key
+        num_full = seq.num_slots // bs
+        for i in range(seq.num_hashed, num_full):
+            key = pool.cache(seq.table[i], BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs]), seq.extra_key))
+        seq.last_key = key
+        seq.num_hashed = num_full
+        seq.next_hash_at = (num_full + 1) * bs
+
+    # -- fork / truncate / free -------------------------------------------------------------------
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
+        """Register ``child_id`` sharing the parent's blocks; return the (src, dst) block copies.
+
+        Full blocks are shared by ref count. A partially filled last block is copied eagerly into a
+        fresh private block for the child (copy-on-write done at fork time).
+        """
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise SequenceExistsError(f"child_id: sequence {child_id!r} is already registered")
+        bs = self.block_size
+        partial = parent.num_slots % bs != 0
+        copies: list[tuple[int, int]] = []
+        table = list(parent.table)
+        if partial:
+            if self.pool.num_free_blocks < 1:
+                self._no_room(1, child_id)
+            dst = self.pool.allocate(1)[0]
+            copies.append((table[-1], dst))
+            table[-1] = dst
+        for block_id in table[:-1] if partial else table:
+            self.pool.touch(block_id)
+        self._seqs[child_id] = _SeqBlocks(table, parent.num_slots, parent.num_hashed, parent.last_key,
+                                          parent.extra_key, parent.next_hash_at)
+        self._recently_freed.pop(child_id, None)
+        return copies
+
+    def truncate(self, seq_id: Hashable, n: int) -> list[tuple[int, int]]:
+        """Drop the newest ``n`` slots (speculative rewind); return (src, dst) copies for the workers.
+
+        Blocks no longer needed are released (and lose their cache keys). If the new last block is
+        partial, it is made writable: copied into a private block when shared, un-cached when private.
+        """
+        seq = self._get(seq_id)
+        _require_count("n", n)
+        if n > seq.num_slots:
+            raise ValueError(f"n: cannot drop {n} slots from sequence {seq_id!r}, which has {seq.num_slots}")
+        bs = self.block_size
+        pool = self.pool
+        total = seq.num_slots - n
+        keep = -(-total // bs)
+        dropped = seq.table[keep:]
+        last = seq.table[keep - 1] if keep and total % bs else None
+        needs_copy = last is not None and pool.ref_count(last) > 1
+        if needs_copy:
+            freed_by_drop = sum(1 for b in dropped if pool.ref_count(b) == 1)
+            if pool.num_free_blocks + freed_by_drop < 1:
+                self._no_room(1, seq_id)
+        for block_id in reversed(dropped):
+            if pool.ref_count(block_id) == 1:
+                pool.uncache(block_id)
+            pool.release(block_id)
+        del seq.table[keep:]
+        copies: list[tuple[int, int]] = []
+        if needs_copy:
+            (dst,) = pool.allocate(1)
+            copies.append((last, dst))
+            seq.table[keep - 1] = dst
+            pool.release(last)
+        elif last is not None:
+            pool.uncache(last)
+        seq.num_slots = total
+        self._rewind_hashes(seq)
+        return copies
+
+    def _rewind_hashes(self, seq: _SeqBlocks) -> None:
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_slots // self.block_size
+        for _ in range(seq.num_hashed - num_full):
+            seq.last_key = seq.last_key.parent  # type: ignore[union-attr]
+        seq.num_hashed = min(seq.num_hashed, num_full)
+        seq.next_hash_at = (seq.num_hashed + 1) * self.block_size
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release every block of ``seq_id`` (last block first, so the prefix is evicted last)."""
+        seq = self._get(seq_id, freeing=True)
+        del self._seqs[seq_id]
+        release = self.pool.release
+        for block_id in reversed(seq.table):
+            release(block_id)
+        self._recently_freed[seq_id] = None
+        if len(self._recently_freed) > self._recently_freed_cap:
+            self._recently_freed.popitem(last=False)
+
+    def _get(self, seq_id: Hashable, freeing: bool = False) -> _SeqBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            return seq
+        if seq_id in self._recently_freed:
+            error = DoubleFreeError if freeing else UnknownSequenceError
+            raise error(f"sequence {seq_id!r} was already freed")
+        raise UnknownSequenceError(f"sequence {seq_id!r} is not registered with the block manager")
+
+    def _no_room(self, needed: int, seq_id: Hashable):
+        raise CannotAllocateError(needed, self.pool.num_free_blocks, f"copy-on-write for sequence {seq_id!r}")
+
+    # -- queries ----------------------------------------------------------------------------------
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Slot ids of positions [start, end): ``table[p // block_size] * block_size + p % block_size``."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self._get(seq_id)
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end <= seq.num_slots:  # noqa: E721
+            raise ValueError(f"start/end: need integers with 0 <= start <= end <= num_slots="
+                             f"{seq.num_slots}, got start={start!r}, end={end!r}")
+        bs = self.block_size
+        table = seq.table
+        if end - start == 1:
+            return [table[start // bs] * bs + start % bs]
+        slots: list[int] = []
+        pos = start
+        while pos < end:
+            base = table[pos // bs] * bs
+            stop = min(end, (pos // bs + 1) * bs)
+            slots.extend(range(base + pos % bs, base + pos % bs + (stop - pos)))
+            pos = stop
+        return slots
+
+    def num_slots(self, seq_id: Hashable) -> int:
+        return self._get(seq_id).num_slots
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of the sequence's block table."""
+        return list(self._get(seq_id).table)
+
+    def has_sequence(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def sequence_ids(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def ref_count(self, block_id: int) -> int:
+        return self.pool.ref_count(block_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def stats(self) -> BlockManagerStats:
+        query, hit = self._prefix_query_tokens, self._prefix_hit_tokens
+        return BlockManagerStats(
+            num_blocks=self.num_blocks, num_free_blocks=self.pool.num_free_blocks, usage=self.pool.usage,
+            prefix_query_tokens=query, prefix_hit_tokens=hit, prefix_hit_rate=hit / query if query else 0.0,
+            num_sequences=len(self._seqs), num_cached_blocks=self.pool.num_cached_blocks,
+            num_evictions=self.pool.num_evictions)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first violated invariant (module and pool docstrings)."""
+        self.pool.check_invariants()
+        holders = [0] * self.num_blocks
+        bs = self.block_size
+        for seq_id, seq in self._seqs.items():
+            table = seq.table
+            assert len(set(table)) == len(table), f"sequence {seq_id!r} holds a block twice: {table}"
+            assert len(table) == -(-seq.num_slots // bs), (
+                f"sequence {seq_id!r}: {len(table)} blocks for {seq.num_slots} slots")
+            for block_id in table:
+                holders[block_id] += 1
+            if seq.num_slots % bs:
+                last = table[-1]
+                assert self.pool.ref_count(last) == 1 and self.pool.key_of(last) is None, (
+                    f"sequence {seq_id!r}: partial last block {last} is shared or cached")
+            if self.enable_prefix_caching:
+                assert seq.num_hashed == seq.num_slots // bs, (
+                    f"sequence {seq_id!r}: {seq.num_hashed} hashed blocks, {seq.num_slots // bs} full")
+                depth = 0 if seq.last_key is None else seq.last_key.depth()
+                assert depth == seq.num_hashed, f"sequence {seq_id!r}: key chain depth {depth}"
+        for block_id, count in enumerate(holders):
+            ref = self.pool.ref_count(block_id)
+            assert ref == count, f"block {block_id}: ref count {ref} but held by {count} block tables"
+
+
+def _check_extra_key(extra_key: object) -> None:
+    try:
+        hash(extra_key)
+    except TypeError:
+        raise ValueError(f"extra_key: must be hashable (a str, int or tuple), got {extra_key!r}") from None

@@ -1,0 +1,31 @@
+"""Plain result records returned by the block manager."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Allocation:
+    """What ``BlockManager.allocate_slots`` did.
+
+    ``num_cached_tokens``: tokens attached from the prefix cache by this call (non-zero only for
+    the call that registers a sequence); ``new_block_ids``: blocks appended to the block table by
+    this call, in table order (the cached prefix blocks first, for a new sequence).
+    """
+
+    num_cached_tokens: int
+    new_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BlockManagerStats:
+    num_blocks: int
+    num_free_blocks: int
+    usage: float  # fraction of blocks referenced by a sequence, 0..1
+    prefix_query_tokens: int  # prompt tokens looked up when sequences were registered
+    prefix_hit_tokens: int  # of those, tokens served from the prefix cache
+    prefix_hit_rate: float  # hit / query, 0.0 when nothing was queried
+    num_sequences: int = 0
+    num_cached_blocks: int = 0  # blocks findable by the prefix cache (referenced or free)
+    num_evictions: int = 0  # cached keys dropped because their block was handed out again
