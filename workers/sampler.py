@@ -1,0 +1,189 @@
+"""Batched Sampler: one token per row from the logits of a step, plus optional logprobs.
+
+Per row, in this order (the conventions of ``SamplingParams`` and ``sampling_ops``):
+
+1. penalties on the logits: repetition (prompt + output tokens), then frequency and presence
+   (output tokens only);
+2. greedy rows (``temperature < GREEDY_TEMPERATURE``, i.e. 0 up to float noise, as in vLLM) take the
+   argmax of the penalised logits; top-k / top-p / min-p / seed are then irrelevant;
+3. sampled rows divide by the temperature, apply min-p, top-k, then top-p (each on the distribution
+   renormalised after the previous filters) and draw ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d.
+   per vocabulary entry: the "exponential race", an exact draw from ``probs`` whose randomness is a
+   plain tensor, so a row's draw depends only on the generator that produced its noise.
+   ``E = -log(U)`` with ``U = torch.rand`` in [0, 1): 8x faster than ``Tensor.exponential_`` on CPU;
+   ``U = 0`` gives ``E = inf``, which only removes that token from that one draw (probability 2^-24
+   per entry), and E is never 0 (which would force a token).
+
+Randomness: a row with ``params.seed`` draws its noise from a fresh ``torch.Generator`` seeded by a
+hash of ``(seed, len(output_token_ids))``; its token therefore depends only on its own logits, seed and
+position, never on the other rows of the batch or on a preemption that recomputes it. Rows without a
+seed share one generator owned by the Sampler (seeded by ``Sampler(seed=...)``, else from the OS).
+Disabled filters are exact no-ops for their rows (no float drift), so a seeded row gives the same token
+whichever other filters its batch-mates use.
+
+Logprobs (``params.logprobs = n``): the sampled token's logprob and the ``n`` most likely tokens come
+from ``log_softmax`` of the RAW logits, before penalties, temperature and filters (vLLM's default
+``raw_logprobs``): they describe the model's distribution and match transformers' log-softmax, whatever
+the sampling settings. ``n = 0`` gives the sampled token's logprob and an empty top list.
+
+Fast path: a batch of greedy rows without penalties or logprobs is a single argmax.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from ..cluster.sampling_params import SamplingParams
+from ..cluster.wire import SampledToken
+from .sampling_ops import apply_min_p, apply_penalties, apply_top_k_top_p, token_id_matrix
+
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    seq_id: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_TEMPERATURE
+
+
+def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """A generator that depends only on (seed, position): 64 bits of blake2b of both."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little"))
+    return generator
+
+
+class Sampler:
+    """Picks one token per row. Stateless apart from the shared generator of unseeded rows."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed: must be an integer or None, got {seed!r}")
+        self._seed = seed
+        self._shared_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        """``logits [num_rows, vocab]`` -> one SampledToken per row, in row order."""
+        logits = _validated_logits(logits, rows)
+        if all(_is_greedy(r.params) and not _has_penalty(r.params) and r.params.logprobs is None
+               for r in rows):
+            token_ids = logits.argmax(dim=1).tolist()  # fast path: one argmax
+            return [SampledToken(seq_id=r.seq_id, token_id=t) for r, t in zip(rows, token_ids)]
+        adjusted = _penalised(logits, rows)
+        tokens = self._choose(adjusted, rows)
+        return _with_logprobs(logits, rows, tokens)
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """``logits [rows, vocab]`` (penalised) -> token ids ``[rows]`` int64."""
+        tokens = logits.argmax(dim=1)
+        sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
+        if not sampled:
+            return tokens
+        sub_rows = [rows[i] for i in sampled]
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature for r in sub_rows], device=device)
+        scaled = logits[sampled] / temperature[:, None]  # [n_sampled, vocab]
+        if any(r.params.min_p > 0 for r in sub_rows):
+            min_p = torch.tensor([r.params.min_p for r in sub_rows], device=device)
+            scaled = apply_min_p(scaled, min_p)
+        if any(r.params.top_k > 0 or r.params.top_p < 1 for r in sub_rows):
+            top_k = torch.tensor([r.params.top_k for r in sub_rows], dtype=torch.int64, device=device)
+            top_p = torch.tensor([r.params.top_p for r in sub_rows], device=device)
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=1)
+        noise = self._exponential_noise(sub_rows, probs.shape[1], device)
+        tokens[sampled] = (probs / noise).argmax(dim=1)
+        return tokens
+
+    def _exponential_noise(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
+        """Exp(1) noise ``[len(rows), vocab]``: per-row generators for seeded rows, one shared otherwise."""
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if len(unseeded) == len(rows):
+            uniform = torch.rand(len(rows), vocab, device=device, generator=self._shared_generator(device))
+            return uniform.log_().neg_()
+        uniform = torch.empty(len(rows), vocab, device=device)
+        if unseeded:
+            shared = self._shared_generator(device)
+            uniform[unseeded] = torch.rand(len(unseeded), vocab, device=device, generator=shared)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                generator = seeded_generator(row.params.seed, len(row.output_token_ids), device)
+                uniform[i] = torch.rand(vocab, device=device, generator=generator)
+        return uniform.log_().neg_()
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed)
+            self._shared_generators[device] = generator
+        return generator
+
+
+def _validated_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits: must be a 2-D floating-point tensor [num_rows, vocab], got "
+                         f"{type(logits).__name__} {getattr(logits, 'shape', '')}")
+    if not isinstance(rows, list) or not all(isinstance(r, SamplingRow) for r in rows):
+        raise ValueError("rows: must be a list of SamplingRow")
+    if logits.shape[0] != len(rows) or logits.shape[1] == 0:
+        raise ValueError(f"logits: shape {tuple(logits.shape)} does not match {len(rows)} rows "
+                         "(or has an empty vocabulary)")
+    if not all(isinstance(r.params, SamplingParams) for r in rows):
+        raise ValueError("rows: every row's params must be a SamplingParams")
+    return logits.float()
+
+
+def _penalised(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Copy of ``logits [rows, vocab]`` with each row's penalties applied (rows without any: unchanged)."""
+    penalised_rows = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+    if not penalised_rows:
+        return logits
+    vocab, device = logits.shape[1], logits.device
+    sub = [rows[i] for i in penalised_rows]
+    seen = token_id_matrix([r.prompt_token_ids + r.output_token_ids if r.params.repetition_penalty != 1.0
+                            else [] for r in sub], vocab, device)
+    output = token_id_matrix([r.output_token_ids for r in sub], vocab, device)
+    repetition = torch.tensor([r.params.repetition_penalty for r in sub], device=device)
+    frequency = torch.tensor([r.params.frequency_penalty for r in sub], device=device)
+    presence = torch.tensor([r.params.presence_penalty for r in sub], device=device)
+    out = logits.clone()
+    out[penalised_rows] = apply_penalties(logits[penalised_rows], seen, output, repetition, frequency, presence)
+    return out
+
+
+def _with_logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[SampledToken]:
+    """SampledTokens in row order; logprobs from log_softmax of the raw logits for rows that ask."""
+    token_ids = tokens.tolist()
+    results = [SampledToken(seq_id=r.seq_id, token_id=t) for r, t in zip(rows, token_ids)]
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return results
+    logprobs = raw_logits[wanted].log_softmax(dim=1)  # [n_wanted, vocab]
+    chosen = logprobs.gather(1, tokens[wanted][:, None])[:, 0].tolist()
+    top_n = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(top_n, dim=1)  # sorted, best first
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs
+        results[i].logprob = chosen[j]
+        results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n]))
+    return results

@@ -1,0 +1,120 @@
+"""Vectorised logit transforms used by the Sampler: penalties and the min-p / top-k / top-p filters.
+
+Every function works on a batch ``[num_rows, vocab]`` at once with per-row parameter tensors
+``[num_rows]``, returns a new tensor (the caller's logits are never modified) and marks removed
+tokens with ``-inf``. A filter whose parameter disables it for a row leaves that row unchanged.
+
+Semantics (settled here, following vLLM / Hugging Face / OpenAI):
+- repetition penalty ``r`` on every token seen in the prompt or the output: a positive logit is
+  divided by ``r``, a negative one multiplied by ``r`` (so ``r > 1`` always discourages).
+- frequency ``f`` and presence ``p`` penalties on output tokens only (OpenAI):
+  ``logit -= f * count + p * (count > 0)``. Applied after the repetition penalty.
+- min-p keeps tokens with ``prob >= min_p * max_prob``, i.e. ``logit >= max_logit + log(min_p)``.
+- top-k keeps the ``k`` largest logits (ties with the k-th are kept); ``k <= 0`` disables it.
+- top-p keeps the smallest prefix of the tokens, sorted by probability, whose mass reaches ``top_p``
+  (a token is kept when the mass strictly before it is < top_p; the best token is always kept),
+  computed on the distribution renormalised after min-p and top-k (vLLM's order).
+- top-k and top-p together become one logit threshold per row, found among the
+  ``TOP_P_CANDIDATES`` largest logits (a ``topk``, several times cheaper than sorting 50k entries on
+  CPU); only rows whose top-p prefix is longer than that are fully sorted. Tokens tied with the last
+  kept token are kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOP_P_CANDIDATES = 256
+
+
+def token_id_matrix(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Pad ragged token id lists into ``[num_rows, max_len]`` int64, padding with ``vocab_size``.
+
+    The padding id points at an extra scratch column that callers drop, so scatters need no mask.
+    Raises ValueError (naming ``rows``) for an id outside ``[0, vocab_size)``.
+    """
+    for ids in token_lists:
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise ValueError(f"rows: token ids must lie in [0, {vocab_size}) for logits of that vocab size")
+    width = max((len(ids) for ids in token_lists), default=0)
+    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_lists]
+    matrix = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(token_lists), width)
+    return matrix
+
+
+def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``ids [rows, len]`` (padded with vocab_size) -> counts ``[rows, vocab_size]`` float32."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, output_ids: torch.Tensor,
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Penalised copy of ``logits [rows, vocab]``.
+
+    seen_ids: ``[rows, a]`` prompt + output ids; output_ids: ``[rows, b]`` output ids (both padded with
+    vocab); repetition / frequency / presence: ``[rows]`` float32 (1, 0, 0 = no penalty).
+    """
+    vocab = logits.shape[1]
+    seen = token_counts(seen_ids, vocab) > 0
+    rep = repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    counts = token_counts(output_ids, vocab)
+    return out - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Remove tokens with ``prob < min_p * max_prob``; ``min_p [rows]``, 0 disables."""
+    threshold = logits.max(dim=1, keepdim=True).values + torch.log(min_p)[:, None]  # log(0) = -inf
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+    """Top-k then top-p as one per-row logit threshold found among the largest ``candidates`` logits.
+
+    ``logits [rows, vocab]``; ``top_k [rows]`` int64 (<= 0: off); ``top_p [rows]`` (1: off).
+    A full sort of the vocabulary costs ~25x a top-k of a few hundred entries on CPU, and top-p nearly
+    always stops inside the first few hundred tokens; rows whose top-p prefix is longer than the
+    candidate set (very flat distributions) fall back to ``top_k_top_p_by_sort``.
+    Tokens tied with the last kept token are kept.
+    """
+    num_rows, vocab = logits.shape
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    width = min(vocab, max(candidates, int(top_k.max().clamp(min=1))))
+    values = logits.topk(width, dim=1).values  # [rows, width], best first
+    neg_inf = torch.full((num_rows,), float("-inf"), device=logits.device)
+    kth = torch.where(top_k > 0, values.gather(1, (k.clamp(max=width) - 1)[:, None])[:, 0], neg_inf)
+    values = values.masked_fill(values < kth[:, None], float("-inf"))
+    # top-p over the renormalised top-k survivors (all inside the candidates) or the whole row
+    log_norm = torch.where(top_k > 0, values.logsumexp(dim=1), logits.logsumexp(dim=1))
+    probs = (values - log_norm[:, None]).exp()
+    cumulative = probs.cumsum(dim=1)
+    keep = (cumulative - probs) < top_p[:, None]
+    keep[:, 0] = True
+    p_threshold = torch.where(keep, values, float("inf")).amin(dim=1)
+    p_threshold = torch.where(top_p < 1, p_threshold, neg_inf)
+    out = logits.masked_fill(logits < torch.maximum(kth, p_threshold)[:, None], float("-inf"))
+    overflow = (top_p < 1) & (top_k <= 0) & (cumulative[:, -1] < top_p) & (width < vocab)
+    if bool(overflow.any()):
+        rows = overflow.nonzero()[:, 0]
+        out[rows] = top_k_top_p_by_sort(logits[rows], top_k[rows], top_p[rows])
+    return out
+
+
+def top_k_top_p_by_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Reference / fallback for ``apply_top_k_top_p`` with one full descending sort per row."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # ties with the k-th largest survive
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=1)
+    mass_before = probs.cumsum(dim=1) - probs
+    # rows with top_p == 1 are skipped explicitly: cumsum can round to 1.0 before the tail
+    drop = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
