@@ -1,1 +1,30 @@
-"""pagedray.kernels"""
+"""pagedray.kernels: paged KV-cache attention (Triton on CUDA, torch reference on CPU).
+
+Cache layout: per layer ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+head_dim contiguous; slot of position ``p`` = ``block_table[p // block_size] * block_size + p % block_size``.
+
+``store_kv``, ``paged_decode``, ``paged_prefill`` and ``paged_attention`` validate their arguments
+(``ValueError`` naming the argument) and dispatch; the ``*_reference`` functions take the same arguments,
+skip validation and compute in float32 with torch (the CPU attention path and the test oracle).
+Benchmarks: ``python -m pagedray.kernels.bench`` (CUDA; ``--dry-run`` checks the plumbing on CPU) and
+``python -m pagedray.kernels.bench_reference`` (CPU timing of the references against dense SDPA).
+"""
+
+from .api import paged_attention, paged_decode, paged_prefill, store_kv
+from .reference import (
+    paged_attention_reference,
+    paged_decode_reference,
+    paged_prefill_reference,
+    store_kv_reference,
+)
+
+__all__ = [
+    "store_kv",
+    "paged_decode",
+    "paged_prefill",
+    "paged_attention",
+    "store_kv_reference",
+    "paged_decode_reference",
+    "paged_prefill_reference",
+    "paged_attention_reference",
+]

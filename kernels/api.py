@@ -1,0 +1,138 @@
+"""Public paged-attention entry points: validate, then dispatch to Triton (CUDA) or the torch reference.
+
+Cache layout (everywhere): per layer ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` with head_dim contiguous; token position ``p`` of a sequence lives in block
+``block_table[p // block_size]`` at offset ``p % block_size`` (slot ``block * block_size + offset``).
+
+Keyword-only extras beyond the fixed interface (all optional, defaults keep the interface's behaviour):
+* ``validate_values``: run the checks that read tensor contents (see ``validation``); default on for CPU
+  tensors, off for CUDA tensors so the GPU hot path never syncs with the host.
+* ``use_triton``: ``None`` = Triton for CUDA tensors, reference for CPU tensors. ``True`` on CPU tensors
+  runs the Triton kernels under ``TRITON_INTERPRET=1`` (the kernel tests do this); ``False`` on CUDA
+  runs the reference on the GPU (the GPU tests' oracle).
+* ``sliding_window`` on prefill / mixed batches, so a sliding-window model sees the same mask in every
+  phase (key ``j`` is visible from position ``p`` iff ``p - W < j <= p``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import validation as v
+from .decode_triton import paged_decode_triton
+from .prefill_triton import paged_prefill_triton
+from .reference import paged_decode_reference, paged_prefill_reference, store_kv_reference
+from .store_kv_triton import store_kv_triton
+
+
+def _triton_wanted(use_triton: bool | None, device: torch.device) -> bool:
+    if use_triton is None:
+        return device.type == "cuda"
+    if use_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("use_triton: Triton on non-CUDA tensors needs TRITON_INTERPRET=1 set before "
+                         "triton is imported")
+    return bool(use_triton)
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping, *, validate_values=None, use_triton=None) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into cache slots; slot < 0 is skipped."""
+    v.check_caches(k_cache, v_cache)
+    v.check_heads_tensor("key", key, k_cache, num_kv_heads_match=True)
+    v.check_heads_tensor("value", value, k_cache, num_kv_heads_match=True)
+    if value.shape != key.shape:
+        raise ValueError(f"value: shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    check = v.values_checked(validate_values, k_cache.device)
+    v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, check)
+    if _triton_wanted(use_triton, k_cache.device):
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out) -> None:
+    v.check_caches(k_cache, v_cache)
+    v.check_heads_tensor("q", q, k_cache, num_kv_heads_match=False)
+    v.check_scale(scale)
+    v.check_alibi(alibi_slopes, q)
+    v.check_sliding_window(sliding_window)
+    v.check_out(out, q)
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None, sliding_window=None,
+                 out=None, *, validate_values=None, use_triton=None):
+    """One query token per sequence at position seq_len - 1.
+
+    q [num_seqs, num_q_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
+    seq_lens [num_seqs] int32 -> out [num_seqs, num_q_heads, head_dim] (q.dtype).
+    """
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
+    v.check_block_tables(block_tables, seq_lens, q.shape[0], q.device)
+    if v.values_checked(validate_values, q.device):
+        v.check_seq_len_values("seq_lens", seq_lens, block_tables, k_cache)
+    run = paged_decode_triton if _triton_wanted(use_triton, q.device) else paged_decode_reference
+    return run(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window, out)
+
+
+def _check_varlen(q, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate: bool) -> None:
+    v.check_tensor("seq_lens_k", seq_lens_k, 1, q.device)
+    v.check_block_tables(block_tables, seq_lens_k, seq_lens_k.shape[0], q.device, lens_name="seq_lens_k")
+    v.check_cu_seqlens(cu_seqlens_q, seq_lens_k, q.shape[0], validate)
+    if validate:
+        v.check_seq_len_values("seq_lens_k", seq_lens_k, block_tables, k_cache)
+
+
+def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
+                  out=None, *, sliding_window=None, validate_values=None, use_triton=None):
+    """Causal varlen chunks over cached history.
+
+    q [total_q, num_q_heads, head_dim]; cu_seqlens_q [num_seqs + 1] int32; seq_lens_k [num_seqs] int32
+    (history + chunk; the chunk's keys are already stored); block_tables [num_seqs, max_blocks] int32
+    -> out [total_q, num_q_heads, head_dim] (q.dtype). Query i of a chunk sees keys
+    [0, seq_len_k - q_len + i].
+    """
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
+    _check_varlen(q, k_cache, cu_seqlens_q, seq_lens_k, block_tables,
+                  v.values_checked(validate_values, q.device))
+    run = paged_prefill_triton if _triton_wanted(use_triton, q.device) else paged_prefill_reference
+    return run(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes, out,
+               sliding_window=sliding_window)
+
+
+def _is_all_decode(q, cu_seqlens_q, num_seqs: int, max_query_len, values_known: bool) -> bool:
+    """True when every chunk has exactly one token. Without value checks (CUDA default) a batch with
+    ``total_q == num_seqs`` is taken as all-decode unless ``max_query_len`` says otherwise, so callers
+    that send zero-length chunks must pass ``max_query_len``."""
+    if q.shape[0] != num_seqs:
+        return False
+    if max_query_len is not None:
+        return max_query_len == 1
+    if values_known:
+        return bool(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]) == 1).all())
+    return True
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
+                    max_query_len=None, out=None, *, sliding_window=None, validate_values=None,
+                    use_triton=None):
+    """Mixed batch (decode rows and prefill chunks, shapes as ``paged_prefill``): the decode kernel when
+    every chunk is one token, else the prefill kernel. ``max_query_len`` (optional host int) is a hint."""
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
+    if max_query_len is not None and (isinstance(max_query_len, bool) or not isinstance(max_query_len, int)
+                                      or max_query_len < 0):
+        raise ValueError(f"max_query_len: expected None or a non-negative int, got {max_query_len!r}")
+    validate = v.values_checked(validate_values, q.device)
+    _check_varlen(q, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
+    if validate and max_query_len is not None and seq_lens_k.shape[0] > 0:
+        longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if longest != max_query_len:
+            raise ValueError(f"max_query_len: {max_query_len} but the longest chunk in cu_seqlens_q "
+                             f"has {longest} tokens")
+    triton_path = _triton_wanted(use_triton, q.device)
+    if _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate):
+        run = paged_decode_triton if triton_path else paged_decode_reference
+        return run(q, k_cache, v_cache, block_tables, seq_lens_k, scale, alibi_slopes, sliding_window, out)
+    run = paged_prefill_triton if triton_path else paged_prefill_reference
+    return run(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes, out,
+               sliding_window=sliding_window)

@@ -1,0 +1,171 @@
+"""Triton paged decode (one query token per sequence) with GQA grouping and split-KV.
+
+Decisions:
+* One program per (sequence, KV head, split). The program loads the ``group = Hq / Hkv`` query heads
+  that share its KV head as the rows of one ``[BLOCK_G, head_dim]`` tile (padded to >= 16 rows for
+  ``tl.dot``), so each K/V tile is read from memory once per group (GQA; MQA is ``Hkv == 1``).
+* K/V tiles are ``BLOCK_N`` consecutive token positions gathered through the block table
+  (position ``n`` -> block ``table[n // block_size]``, offset ``n % block_size``), so any block size works.
+* Split-KV (flash-decoding): when ``num_seqs * Hkv`` programs would under-fill the device, each
+  sequence's visible key range is cut into ``num_splits`` tile-aligned pieces; each piece writes its
+  running max ``m`` (log2 domain), sum ``l`` and unnormalised ``acc`` to a float32 workspace, and a
+  second kernel merges them with a log-sum-exp reduce. An empty split writes ``m = -inf, l = 0`` and
+  gets weight 0 in the reduce, so no NaN can appear; a sequence with no visible key outputs zeros.
+* The split count is chosen on the host from the SM count and the block-table capacity
+  (``block_tables.shape[1] * block_size``, an upper bound on the context known without a sync).
+* Softmax in base 2: scores are pre-multiplied by ``scale * log2(e)`` (ALiBi slopes too).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tile_triton import attend_tile
+
+LOG2E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+INTERPRETER_SM_COUNT = 8   # nominal "device size" used to choose splits under TRITON_INTERPRET
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale_log2, stride_qs, stride_qh, stride_os, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    head_dim, group_size, sliding_window, num_splits,
+    BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < group_size
+    heads = kv_head * group_size + g                                      # [BLOCK_G] query heads
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)      # [BLOCK_G, BLOCK_D]
+    slope = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634
+
+    win_start = 0
+    if HAS_WINDOW:
+        win_start = tl.maximum(seq_len - sliding_window, 0)
+    num_tiles = tl.cdiv(seq_len - win_start, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    start = win_start + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)                    # every row: the last token
+    table = block_tables_ptr + seq * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        # keys in [start, end) are all inside the window and <= q_pos: only the `n < end` mask matters
+        m, l, acc = attend_tile(q, m, l, acc, n0, k_cache_ptr + kv_head * stride_kh,
+                                v_cache_ptr + kv_head * stride_vh, table, q_pos, slope, end,
+                                stride_kb, stride_ks, stride_vb, stride_vs, 0, scale_log2, d, d_mask,
+                                BLOCK_SIZE, True, HAS_ALIBI, False, IEEE, BLOCK_N)
+
+    if SPLIT:
+        part = (seq * (group_size * tl.num_programs(1)) + heads) * num_splits + split   # [BLOCK_G]
+        tl.store(part_m_ptr + part, m, mask=g_mask)
+        tl.store(part_l_ptr + part, l, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * head_dim + d[None, :], acc,
+                 mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_os, stride_oh, head_dim, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    sp = tl.arange(0, BLOCK_S)
+    sp_mask = sp < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    ms = tl.load(part_m_ptr + row * num_splits + sp, mask=sp_mask, other=float("-inf"))   # [BLOCK_S]
+    ls = tl.load(part_l_ptr + row * num_splits + sp, mask=sp_mask, other=0.0)
+    m_max = tl.max(ms, 0)
+    m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.where(ms > float("-inf"), tl.math.exp2(ms - m_ref), 0.0)     # empty splits weigh 0
+    l_tot = tl.sum(ls * w, 0)
+    acc = tl.load(part_acc_ptr + (row * num_splits + sp)[:, None] * head_dim + d[None, :],
+                  mask=sp_mask[:, None] & d_mask[None, :], other=0.0)   # [BLOCK_S, BLOCK_D]
+    o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot > 0, l_tot, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a nominal count for the CPU interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SM_COUNT
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Split count so that ~2 waves of programs cover the SMs, with >= MIN_TOKENS_PER_SPLIT per split."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(2 * num_sms, programs)
+    by_context = max(1, max_context // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_context, MAX_SPLITS))
+
+
+def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
+                        sliding_window=None, out=None, *, num_splits=None):
+    """Launch the decode kernel (and the split reduce). Shapes as in ``pagedray.kernels.paged_decode``;
+    ``num_splits`` overrides the automatic choice (tests use it to force the split path)."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        capacity = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, sm_count(q.device))
+    split = num_splits > 1
+    part_shape = (num_seqs, num_q_heads, num_splits) if split else (1,)
+    part_m = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(part_shape + ((head_dim,) if split else ()), dtype=torch.float32,
+                           device=q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        alibi_slopes if alibi_slopes is not None else q, out, part_m, part_l, part_acc,
+        float(scale) * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        head_dim, group, sliding_window or 0, num_splits,
+        BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window is not None,
+        SPLIT=split,
+        IEEE=q.dtype == torch.float32,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, BLOCK_D=block_d,
+        num_warps=4, num_stages=2,
+    )
+    if split:
+        _reduce_splits_kernel[(num_seqs, num_q_heads)](
+            out, part_m, part_l, part_acc, out.stride(0), out.stride(1), head_dim, num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4,
+        )
+    return out

@@ -1,0 +1,183 @@
+"""Torch references for the paged-attention kernels: the test oracle *and* the CPU attention path.
+
+Same signatures as the public kernels; no argument validation here (the public wrappers do it).
+
+Decisions:
+* Math in float32 (``scaled_dot_product_attention`` on float32 tensors), result cast to ``q.dtype``.
+* GQA without repeating K/V: the ``group = Hq / Hkv`` query heads of a KV head become extra query *rows*
+  of that head (``[B, Hkv, group * rows, D]``), so one attention call per batch serves all heads.
+* Decode (and every length-1 chunk of a prefill batch) is vectorised over the batch: block tables are
+  gathered for many sequences at once (padded to the longest, masked). The gather is done in groups of
+  sequences holding at most ``GATHER_BUDGET_BYTES`` of K+V, because allocating one huge temporary per
+  call costs more (fresh pages) than the few loop iterations; typical decode batches are one group.
+* Prefill chunks longer than one token are done per sequence: one gather of the keys the chunk can
+  see, then query blocks whose mask/bias stays under the same budget, each attending only to keys up
+  to its last query position (causal skip).
+* Key ``j`` is visible to a query at absolute position ``p`` when ``j <= p`` and, with a sliding window
+  ``W``, ``j > p - W`` (W keys including the query's own). ALiBi adds ``slope[h] * (j - p)``. A query
+  with no visible key (decode with ``seq_len == 0``) outputs zeros.
+* Block-table entries past a sequence's last used block are never trusted: they are clamped before the
+  gather and masked out afterwards, like the kernels, which never load them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GATHER_BUDGET_BYTES = 4 << 20
+
+
+def store_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """key/value [num_tokens, num_kv_heads, head_dim] -> cache slots; slot < 0 is skipped."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key
+    v_cache[blocks, offsets] = value
+
+
+def _gather(cache, table, lo: int, hi: int):
+    """cache [NB, bs, Hkv, D], table [B, nb] long -> key positions [lo, hi) as [B, Hkv, hi-lo, D] fp32."""
+    block_size = cache.shape[1]
+    first, last = lo // block_size, (hi + block_size - 1) // block_size
+    ids = table[:, first:last].clamp(0, cache.shape[0] - 1)
+    g = cache.index_select(0, ids.reshape(-1))                                    # [B*nb, bs, Hkv, D]
+    g = g.view(ids.shape[0], -1, cache.shape[2], cache.shape[3])                  # [B, nb*bs, Hkv, D]
+    start = lo - first * block_size
+    return g[:, start:start + hi - lo].to(torch.float32).transpose(1, 2)
+
+
+def _attend(q_rows, keys, values, row_pos, k_lo: int, k_lens, scale, row_slopes, sliding_window):
+    """q_rows [B, Hkv, R, D]; keys/values [B, Hkv, L, D] holding positions [k_lo, k_lo + L);
+    row_pos [B, R] absolute query positions; k_lens [B] keys that exist; row_slopes [Hkv, R] or None.
+    -> [B, Hkv, R, D] float32."""
+    k_pos = torch.arange(k_lo, k_lo + keys.shape[2], device=keys.device)          # [L]
+    visible = (k_pos <= row_pos[:, :, None]) & (k_pos < k_lens[:, None, None])    # [B, R, L]
+    if sliding_window is not None:
+        visible &= k_pos > row_pos[:, :, None] - sliding_window
+    if row_slopes is None:
+        mask = visible[:, None]                                                   # [B, 1, R, L]
+    else:
+        rel = (k_pos - row_pos[:, :, None]).to(torch.float32)                     # [B, R, L]
+        mask = (row_slopes[None, :, :, None] * rel[:, None]).masked_fill_(~visible[:, None], float("-inf"))
+    out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)
+    return out.nan_to_num_(0.0)                                                   # rows with no key
+
+
+def _group_rows(x, num_kv_heads: int):
+    """[B, T, Hq, D] -> [B, Hkv, group * T, D] float32, row = g * T + t."""
+    b, t, hq, d = x.shape
+    x = x.to(torch.float32).view(b, t, num_kv_heads, hq // num_kv_heads, d)
+    return x.permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, -1, d)
+
+
+def _ungroup_rows(x, tokens: int):
+    """[B, Hkv, group * T, D] -> [B, T, Hq, D]."""
+    b, hkv, r, d = x.shape
+    return x.view(b, hkv, r // tokens, tokens, d).permute(0, 3, 1, 2, 4).reshape(b, tokens, -1, d)
+
+
+def _row_slopes(alibi_slopes, num_kv_heads: int, tokens: int):
+    """[Hq] -> [Hkv, group * T] slope of each query row, or None."""
+    if alibi_slopes is None:
+        return None
+    per_head = alibi_slopes.to(torch.float32).view(num_kv_heads, -1, 1)
+    return per_head.expand(-1, -1, tokens).reshape(num_kv_heads, -1)
+
+
+def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window):
+    """q [S, Hq, D] one query per sequence at position seq_len - 1 -> [S, Hq, D] float32."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    result = torch.zeros((num_seqs, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+    lens = seq_lens.to(device=q.device, dtype=torch.long)
+    lens_host = lens.tolist()
+    per_seq_bytes = 2 * 4 * num_kv_heads * head_dim * (max(lens_host, default=0) + block_size)
+    step = max(1, GATHER_BUDGET_BYTES // per_seq_bytes)
+    slopes = _row_slopes(alibi_slopes, num_kv_heads, 1)
+    for s0 in range(0, num_seqs, step):
+        s1 = min(num_seqs, s0 + step)
+        longest = max(lens_host[s0:s1])
+        if longest == 0:
+            continue
+        table = block_tables[s0:s1].long()
+        keys, values = _gather(k_cache, table, 0, longest), _gather(v_cache, table, 0, longest)
+        rows = _group_rows(q[s0:s1, None], num_kv_heads)                           # [n, Hkv, G, D]
+        row_pos = (lens[s0:s1] - 1)[:, None].expand(-1, rows.shape[2])             # [n, G]
+        out = _attend(rows, keys, values, row_pos, 0, lens[s0:s1], scale, slopes, sliding_window)
+        result[s0:s1] = _ungroup_rows(out, 1)[:, 0]
+    return result
+
+
+def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
+                           sliding_window=None, out=None):
+    """q [num_seqs, num_q_heads, head_dim] -> out [num_seqs, num_q_heads, head_dim] (q.dtype)."""
+    result = _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window)
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out
+
+
+def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, alibi_slopes,
+                 sliding_window, result):
+    """q_chunk [nq, Hq, D] = the last nq positions of a sequence of seq_len_k keys; writes
+    result [nq, Hq, D] float32 one query block at a time (each block's mask stays under the budget
+    and only sees keys up to its last query)."""
+    nq, num_q_heads, head_dim = q_chunk.shape
+    num_kv_heads = k_cache.shape[2]
+    per_row = 4 * num_q_heads if alibi_slopes is not None else num_q_heads // num_kv_heads
+    block_q = max(1, GATHER_BUDGET_BYTES // (per_row * seq_len_k))
+    first = seq_len_k - nq
+    lo0 = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+    table = table_row[None].long()
+    keys, values = _gather(k_cache, table, lo0, seq_len_k), _gather(v_cache, table, lo0, seq_len_k)
+    k_len = torch.tensor([seq_len_k], device=q_chunk.device)
+    for t0 in range(0, nq, block_q):
+        t1 = min(nq, t0 + block_q)
+        lo = 0 if sliding_window is None else max(0, first + t0 - sliding_window + 1)
+        hi = first + t1                                                            # last query pos + 1
+        rows = _group_rows(q_chunk[None, t0:t1], num_kv_heads)                    # [1, Hkv, G*T, D]
+        pos = torch.arange(first + t0, hi, device=q_chunk.device)
+        row_pos = pos.repeat(rows.shape[2] // (t1 - t0))[None]                     # [1, G*T]
+        slopes = _row_slopes(alibi_slopes, num_kv_heads, t1 - t0)
+        out = _attend(rows, keys[:, :, lo - lo0:hi - lo0], values[:, :, lo - lo0:hi - lo0], row_pos, lo,
+                      k_len, scale, slopes, sliding_window)
+        result[t0:t1] = _ungroup_rows(out, t1 - t0)[0]
+
+
+def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
+                            alibi_slopes=None, out=None, *, sliding_window=None):
+    """q [total_q, Hq, D] holding each sequence's newest chunk -> out [total_q, Hq, D] (q.dtype).
+
+    Length-1 chunks go through one batched decode pass; longer chunks are done per sequence.
+    """
+    result = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    k_lens = seq_lens_k.tolist()
+    singles = [i for i in range(len(k_lens)) if cu[i + 1] - cu[i] == 1]
+    if singles:
+        rows = torch.tensor([cu[i] for i in singles], device=q.device)
+        idx = torch.tensor(singles, device=q.device)
+        result[rows] = _decode_rows(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx],
+                                    scale, alibi_slopes, sliding_window)
+    for i, nk in enumerate(k_lens):
+        start, end = cu[i], cu[i + 1]
+        if end - start > 1:
+            _prefill_one(q[start:end], k_cache, v_cache, block_tables[i], nk, scale, alibi_slopes,
+                         sliding_window, result[start:end])
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out
+
+
+def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
+                              alibi_slopes=None, max_query_len=None, out=None, *, sliding_window=None):
+    """Mixed batch: the prefill reference already routes length-1 chunks through the decode pass."""
+    return paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
+                                   alibi_slopes=alibi_slopes, out=out, sliding_window=sliding_window)

@@ -1,0 +1,52 @@
+"""One online-softmax step over a tile of paged keys, shared by the decode and prefill kernels.
+
+Query rows ``q [BLOCK_M, BLOCK_D]`` sit at absolute positions ``q_pos [BLOCK_M]``; the tile covers key
+positions ``[n0, n0 + BLOCK_N)`` gathered through one sequence's block table (position ``n`` -> block
+``table[n // BLOCK_SIZE]``, offset ``n % BLOCK_SIZE``), keys at or past ``kv_end`` are never loaded.
+Scores are in base 2 (``scale_log2 = scale * log2(e)``, slopes pre-multiplied by log2(e)). With
+``MASKED`` the causal (``n <= q_pos``) and sliding-window (``n > q_pos - W``) masks are applied;
+callers pass ``MASKED=False`` only for tiles they know are fully visible. A row with no visible key in
+the tile keeps its state (guarded max), so fully masked tiles cannot produce NaN.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
+                 stride_kb, stride_ks, stride_vb, stride_vs, sliding_window, scale_log2,
+                 d, d_mask, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One online-softmax step over key positions [n0, n0 + BLOCK_N) -> updated (m, l, acc)."""
+    n = n0 + tl.arange(0, BLOCK_N)                                               # [BLOCK_N]
+    n_mask = n < kv_end
+    blk = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    off = n % BLOCK_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
+                mask=kv_mask, other=0.0)                                         # [BLOCK_N, BLOCK_D]
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2                                                           # [BLOCK_M, BLOCK_N]
+    if HAS_ALIBI:
+        s += slope[:, None] * (n[None, :] - q_pos[:, None]).to(tl.float32)
+    if MASKED:
+        visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)                          # all-masked row guard
+    alpha = tl.math.exp2(m - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
+                mask=kv_mask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc

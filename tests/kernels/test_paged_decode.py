@@ -1,0 +1,127 @@
+"""Paged decode (Triton kernel and torch reference) against the float64 dense oracle.
+
+CPU runs the Triton kernel under TRITON_INTERPRET=1 with tiny shapes; the ``gpu`` variants use larger
+shapes and bf16. ``num_splits`` forces the split-KV path (None = the automatic choice through the
+public wrapper); splits outnumbering a sequence's tiles leave empty splits that must not produce NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from paged_kv_cases import (
+    alibi_like_slopes,
+    assert_close_to_oracle,
+    dense_attention,
+    kernel_device,
+    make_paged_case,
+    nan_like,
+    seed_of,
+)
+from pagedray.kernels import paged_decode, paged_decode_reference
+from pagedray.kernels.decode_triton import choose_num_splits, paged_decode_triton
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    seq_lens: tuple
+    alibi: bool = False
+    window: int | None = None
+    num_splits: int | None = None
+
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+CPU_SPECS = [
+    DecodeSpec(4, 4, 64, 16, F32, (1, 16, 33, 200)),                                 # GQA 1, auto splits
+    DecodeSpec(4, 2, 96, 8, F16, (5, 64, 129), alibi=True, num_splits=3),            # GQA 2, head_dim 96
+    DecodeSpec(8, 2, 128, 32, F32, (300, 7), window=50, num_splits=4),               # GQA 4, window
+    DecodeSpec(16, 2, 64, 64, F16, (100, 1, 65), alibi=True, window=30, num_splits=2),  # GQA 8
+    DecodeSpec(4, 1, 128, 16, F16, (250, 18)),                                       # MQA
+    DecodeSpec(6, 2, 64, 16, F32, (40, 90), alibi=True, num_splits=5),               # group 3, empty splits
+    DecodeSpec(2, 1, 64, 16, F32, (1, 3), window=1, num_splits=4),                   # one key per query
+]
+GPU_SPECS = [
+    DecodeSpec(32, 8, 128, 16, BF16, (1, 17, 512, 2049, 4000, 100, 8191, 33)),
+    DecodeSpec(32, 8, 128, 16, F16, (3000, 1, 64, 777), alibi=True),
+    DecodeSpec(32, 4, 96, 32, F32, (1500, 20, 4097), window=1000),
+    DecodeSpec(16, 1, 64, 64, BF16, tuple(range(1, 2000, 97)), alibi=True, num_splits=7),
+    DecodeSpec(8, 8, 128, 8, F16, (9000, 5), num_splits=16),
+]
+
+
+def _run_decode(spec: DecodeSpec, impl: str, seed: int) -> None:
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(seed)
+    case = make_paged_case(gen, list(spec.seq_lens), spec.kv_heads, spec.head_dim, spec.block_size,
+                           spec.dtype, device)
+    q = torch.randn((len(spec.seq_lens), spec.q_heads, spec.head_dim), generator=gen).to(spec.dtype)
+    q = q.to(device)
+    scale = 1.0 / math.sqrt(spec.head_dim)
+    slopes = alibi_like_slopes(spec.q_heads, device) if spec.alibi else None
+    out = nan_like(q.shape, spec.dtype, device)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale, slopes, spec.window, out)
+    if impl == "reference":
+        result = paged_decode_reference(*args)
+    elif spec.num_splits is None:
+        result = paged_decode(*args, use_triton=True, validate_values=True)
+    else:
+        result = paged_decode_triton(*args, num_splits=spec.num_splits)
+    assert result is out
+    expected = torch.cat([
+        dense_attention(q[i:i + 1], case.keys[i], case.values[i], scale, slopes, spec.window)
+        for i in range(len(spec.seq_lens))
+    ])
+    assert_close_to_oracle(out, expected, spec.dtype)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("spec", CPU_SPECS, ids=lambda s: f"g{s.q_heads // s.kv_heads}-d{s.head_dim}"
+                         f"-b{s.block_size}-{str(s.dtype)[6:]}-s{s.num_splits}")
+def test_decode_matches_dense_oracle(spec, impl):
+    _run_decode(spec, impl, seed=seed_of(spec, impl))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("spec", GPU_SPECS)
+def test_decode_matches_dense_oracle_gpu(spec, impl):
+    _run_decode(spec, impl, seed=seed_of(spec, impl))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_decode_empty_sequence_outputs_zeros(impl):
+    """seq_len 0 has no visible key: the row is zeros (not NaN) and the other rows are unaffected."""
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(11)
+    case = make_paged_case(gen, [0, 40], 2, 64, 16, F32, device)
+    q = torch.randn((2, 4, 64), generator=gen).to(device)
+    out = nan_like(q.shape, F32, device)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125, None, None, out)
+    if impl == "triton":
+        paged_decode_triton(*args, num_splits=3)
+    else:
+        paged_decode_reference(*args)
+    assert torch.equal(out[0].cpu(), torch.zeros(4, 64))
+    assert_close_to_oracle(out[1:], dense_attention(q[1:], case.keys[1], case.values[1], 0.125), F32)
+
+
+def test_choose_num_splits():
+    # 1 seq x 8 KV heads on 132 SMs wants ceil(264 / 8) = 33 splits; 32k context allows 128 -> 33.
+    assert choose_num_splits(1, 8, 32768, 132) == 33
+    # The same batch at 512 tokens of context: at most 512 // 256 = 2 splits.
+    assert choose_num_splits(1, 8, 512, 132) == 2
+    # 64 seqs x 8 heads = 512 programs >= 2 waves of 132 SMs: no split.
+    assert choose_num_splits(64, 8, 8192, 132) == 1
+    # 8 seqs x 8 heads = 64 programs -> ceil(264 / 64) = 5 splits.
+    assert choose_num_splits(8, 8, 8192, 132) == 5
+    # Never more than 64 splits, never fewer than 1.
+    assert choose_num_splits(1, 1, 1 << 20, 132) == 64
+    assert choose_num_splits(1, 1, 10, 132) == 1

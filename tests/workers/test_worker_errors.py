@@ -1,0 +1,89 @@
+"""Bad input is rejected with a ValueError that names what to change, before any state changes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import engine_config, save_tiny_model
+from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.cluster.wire import NewSequence, RunningDelta, StepPlan
+from pagedray.workers.model_info import model_info
+from pagedray.workers.weight_loader import WeightLoadError
+from pagedray.workers.worker import Worker
+from safetensors.torch import load_file, save_file
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    for build in (lambda: model_info(tmp_path), lambda: Worker(engine_config(str(tmp_path)))):
+        with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported architectures: LlamaForCausalLM") as err:
+            build()
+        assert "Qwen2ForCausalLM" in str(err.value) and "Qwen3ForCausalLM" in str(err.value)
+
+
+def test_missing_weight_files(tmp_path):
+    path = save_tiny_model("llama", tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(WeightLoadError, match="no \\*.safetensors weight files"):
+        Worker(engine_config(path))
+
+
+def test_missing_shard_of_an_index(tmp_path):
+    path = save_tiny_model("llama", tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / shard).unlink()
+    with pytest.raises(WeightLoadError, match=shard):
+        Worker(engine_config(path))
+
+
+def test_missing_tensor(tmp_path):
+    path = save_tiny_model("qwen2", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match="model.layers.1.mlp.down_proj.weight"):
+        Worker(engine_config(path))
+
+
+def test_tensor_parallel_size_that_does_not_fit_the_heads(tiny_model_path):
+    path = tiny_model_path("llama")          # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        Worker(engine_config(path, tp=3), rank=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 must divide num_attention_heads=4"):
+        model_info(path).check_tensor_parallel_size(8)
+    model_info(path).check_tensor_parallel_size(4)   # 4 ranks: KV heads replicated twice, accepted
+
+
+def test_plans_that_contradict_the_mirror(tiny_model_path):
+    worker = Worker(engine_config(tiny_model_path("llama"), num_blocks=8))
+    worker.init_kv_cache(8)
+    worker.execute(StepPlan(0, new_seqs=[NewSequence(0, [5, 6, 7], [], 0, 3, [0], GREEDY)]))
+    bad_plans = {
+        "running: seq 9": StepPlan(1, running=[RunningDelta(9, 1, [], 4)]),
+        "new_seqs: seq 0": StepPlan(1, new_seqs=[NewSequence(0, [5], [], 0, 1, [1], GREEDY)]),
+        "num_scheduled_tokens: seq 0": StepPlan(1, running=[RunningDelta(0, 2, [], 4)]),
+        "block_ids: seq 1": StepPlan(1, new_seqs=[NewSequence(1, list(range(9)), [], 0, 9, [1], GREEDY)]),
+        "block_copies": StepPlan(1, released_seq_ids=[0], block_copies=[(0, 8)]),
+    }
+    kv_before = worker.runner.kv_cache.clone()
+    for message, plan in bad_plans.items():
+        with pytest.raises(ValueError, match=message):
+            worker.execute(plan)
+        assert worker.num_sequences() == 1 and worker.runner.mirror.state(0).num_tokens == 3
+    assert torch.equal(worker.runner.kv_cache, kv_before)
+    result = worker.execute(StepPlan(1, running=[RunningDelta(0, 1, [], 4)]))   # the mirror still works
+    assert [s.seq_id for s in result.sampled] == [0]
+
+
+def test_sliding_window_shorter_than_the_context(tiny_model_path):
+    path = tiny_model_path("mistral")       # sliding_window=4096, max_position_embeddings=512
+    Worker(engine_config(path, num_blocks=600, max_model_len=4096))     # window == context: accepted
+    with pytest.raises(ValueError, match="max_model_len: 4097 exceeds the model's sliding_window=4096"):
+        Worker(engine_config(path, num_blocks=600, max_model_len=4097))

@@ -1,0 +1,56 @@
+"""Greedy tokens of the Worker == transformers generate(do_sample=False), fp32 CPU, token for token.
+
+Every run is batched (prompts of different lengths admitted one per step), uses chunked prefill
+(``max_chunk`` smaller than the longer prompts) and a per-step token budget, so steps mix prefill
+chunks with decode tokens; ``_assert_mixed`` checks that the plans really did.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, local_driver, save_tiny_model
+
+NEW_TOKENS = 64
+TINY_PROMPTS = [[5, 17, 33, 8, 99, 120, 7], list(range(3, 40)), [200, 201, 4], list(range(60, 80))]
+
+
+def _assert_mixed(plans) -> None:
+    """Some step carried a multi-token prefill chunk next to a decode token, and some prompt was chunked."""
+    mixed = any(any(r.num_scheduled_tokens == 1 for r in p.running)
+                and any(n.num_scheduled_tokens > 1 for n in p.new_seqs) for p in plans)
+    chunked = any(n.num_scheduled_tokens < len(n.prompt_token_ids) for p in plans for n in p.new_seqs)
+    assert mixed and chunked
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tiny_models_match_transformers(kind, tiny_model_path):
+    path = tiny_model_path(kind)
+    worker, driver = local_driver(path, token_budget=24, max_chunk=16)
+    outputs = driver.generate(TINY_PROMPTS, NEW_TOKENS)
+    assert outputs == hf_greedy(path, TINY_PROMPTS, NEW_TOKENS)
+    _assert_mixed(driver.plans)
+    assert worker.num_sequences() == 0  # every finished sequence was released
+
+
+def test_index_sharded_checkpoint(tmp_path):
+    path = save_tiny_model("llama", tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    prompts = TINY_PROMPTS[:2]
+    _, driver = local_driver(path)
+    assert driver.generate(prompts, NEW_TOKENS) == hf_greedy(path, prompts, NEW_TOKENS)
+
+
+def test_smollm2_plain_and_chat_prompts(default_model_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    plain = [tokenizer("The capital of France is")["input_ids"]]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about the sea."}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=True)
+    prompts = plain + [list(chat["input_ids"])]
+    assert len(prompts[0]) < 24 < len(prompts[1])   # the chat prompt is prefilled in two chunks
+    _, driver = local_driver(default_model_path, num_blocks=32, block_size=16, token_budget=32, max_chunk=24)
+    outputs = driver.generate(prompts, NEW_TOKENS)
+    assert outputs == hf_greedy(default_model_path, prompts, NEW_TOKENS)
+    _assert_mixed(driver.plans)

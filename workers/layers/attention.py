@@ -1,0 +1,47 @@
+"""Paged attention over this rank's KV shard, through ``pagedray.kernels`` only.
+
+Per layer and step: write the new K/V of the scheduled tokens into their cache slots
+(``kernels.store_kv``), then attend every query over its sequence's cached history plus itself
+(``kernels.paged_attention``, which picks the decode or prefill kernel). The kernels are looked up
+on the module at call time (``kernels.paged_attention``), never copied into this package.
+
+``AttentionMetadata`` is built once per step by the input builder and passed down the forward
+explicitly (there is no global batch context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ... import kernels
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor    # [tokens] int64: cache slot of each scheduled token
+    cu_seqlens_q: torch.Tensor    # [seqs + 1] int32: query token offsets per sequence
+    seq_lens_k: torch.Tensor      # [seqs] int32: history + scheduled tokens per sequence
+    block_tables: torch.Tensor    # [seqs, max_blocks] int32 (padded with 0)
+    max_query_len: int
+
+
+class PagedAttention(nn.Module):
+    """q [tokens, heads_local, head_dim], k/v [tokens, kv_heads_local, head_dim] -> [tokens, heads_local, head_dim]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # kv_layer [2, num_blocks, block_size, kv_heads_local, head_dim]
+        k_cache, v_cache = kv_layer[0], kv_layer[1]
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k,
+                                       meta.block_tables, self.scale, max_query_len=meta.max_query_len)

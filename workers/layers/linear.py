@@ -1,0 +1,124 @@
+"""Column- and row-parallel linear layers.
+
+- ``ColumnParallelLinear``: the output features are split across ranks; no communication. Its
+  output is a list of *segments*, each a row range of one checkpoint tensor, so the same class
+  serves a plain column split, the merged gate/up projection and the merged QKV projection
+  (whose K/V segments may be replicated across ranks, see ``partition.py``).
+- ``RowParallelLinear``: the input features are split across ranks; each rank computes a partial
+  product and one all-reduce sums them (the bias is added once, after the reduction).
+
+Weights follow torch's ``[out_features, in_features]`` convention, as in HF checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tp_group import TPGroup
+from ..weight_loader import CheckpointReader, copy_into
+from .partition import HeadPartition, check_even_split
+
+
+def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[start, start + rows)`` of a checkpoint tensor with ``full_rows`` output rows."""
+
+    full_rows: int
+    start: int
+    rows: int
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, input_size: int, segments: list[Segment], bias: bool,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.segments = list(segments)
+        out_local = sum(s.rows for s in self.segments)
+        self.weight = empty_param((out_local, input_size), dtype, device)            # [out_local, in]
+        self.bias = empty_param((out_local,), dtype, device) if bias else None       # [out_local]
+
+    @classmethod
+    def split(cls, input_size: int, output_size: int, bias: bool, tp: TPGroup, dtype, device,
+              name: str = "output_size") -> ColumnParallelLinear:
+        rows = check_even_split(output_size, tp.world_size, name)
+        return cls(input_size, [Segment(output_size, tp.rank * rows, rows)], bias, dtype, device)
+
+    @classmethod
+    def merged(cls, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup, dtype, device,
+               name: str = "intermediate_size") -> ColumnParallelLinear:
+        segments = []
+        for size in output_sizes:
+            rows = check_even_split(size, tp.world_size, name)
+            segments.append(Segment(size, tp.rank * rows, rows))
+        return cls(input_size, segments, bias, dtype, device)
+
+    @classmethod
+    def qkv(cls, hidden_size: int, head_dim: int, heads: HeadPartition, bias: bool,
+            dtype, device) -> ColumnParallelLinear:
+        q = Segment(heads.num_heads * head_dim, heads.first_head * head_dim, heads.num_local_heads * head_dim)
+        kv_rows = heads.num_local_kv_heads * head_dim
+        kv = Segment(heads.num_kv_heads * head_dim, heads.first_kv_head * head_dim, kv_rows)
+        return cls(hidden_size, [q, kv, kv], bias, dtype, device)
+
+    @property
+    def output_sizes(self) -> list[int]:
+        return [s.rows for s in self.segments]
+
+    def load(self, reader: CheckpointReader, prefixes: list[str]) -> None:
+        """prefixes[i] names the checkpoint module of segment i (``{prefix}.weight`` / ``.bias``)."""
+        if len(prefixes) != len(self.segments):
+            raise ValueError(f"prefixes: expected {len(self.segments)} names, got {len(prefixes)}")
+        offset = 0
+        for seg, prefix in zip(self.segments, prefixes):
+            rows = slice(offset, offset + seg.rows)
+            name = f"{prefix}.weight"
+            value = reader.read(name, 0, seg.start, seg.start + seg.rows,
+                                expect_shape=[seg.full_rows, self.input_size])
+            copy_into(self.weight[rows], value, name)
+            if self.bias is not None:
+                name = f"{prefix}.bias"
+                value = reader.read(name, 0, seg.start, seg.start + seg.rows, expect_shape=[seg.full_rows])
+                copy_into(self.bias[rows], value, name)
+            offset += seg.rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [tokens, in] -> [tokens, out_local]
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup, dtype, device,
+                 name: str = "input_size") -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.cols = check_even_split(input_size, tp.world_size, name)
+        self.weight = empty_param((output_size, self.cols), dtype, device)          # [out, in_local]
+        self.bias = empty_param((output_size,), dtype, device) if bias else None    # [out]
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        start = self.tp.rank * self.cols
+        name = f"{prefix}.weight"
+        value = reader.read(name, 1, start, start + self.cols, expect_shape=[self.output_size, self.input_size])
+        copy_into(self.weight, value, name)
+        if self.bias is not None:
+            name = f"{prefix}.bias"
+            copy_into(self.bias, reader.read(name, expect_shape=[self.output_size]), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [tokens, in_local] -> partial [tokens, out] -> all-reduce over ranks -> [tokens, out]
+        y = F.linear(x, self.weight)
+        self.tp.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

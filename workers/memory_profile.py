@@ -1,0 +1,60 @@
+"""GPU KV capacity: free memory after a profiling forward at the largest step the scheduler can send.
+
+The profile runs one forward of ``max_num_batched_tokens`` tokens split over
+``min(max_num_seqs, tokens)`` sequences (each no longer than ``max_model_len``), all sampling, with a
+throw-away KV cache just big enough for them. Then
+
+    budget = total * gpu_memory_utilization - (peak_torch - profile_kv) - memory_not_owned_by_torch
+
+where ``peak_torch`` includes the weights and the activations of that step and
+``memory_not_owned_by_torch`` (CUDA context, NCCL buffers, other processes) is ``total - free - reserved``.
+With TP > 1 the profile forward is collective: every rank must call it at the same time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cluster.config import EngineConfig
+from ..cluster.sampling_params import SamplingParams
+from .input_batch import build_batch
+from .kv_cache import KVCacheSpec
+from .models.decoder import DecoderForCausalLM
+from .seq_mirror import ScheduledSequence, SequenceState
+
+
+def _profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> tuple[list[ScheduledSequence], int]:
+    per_seq = -(-num_tokens // num_seqs)
+    batch, next_block = [], 0
+    params = SamplingParams(temperature=0.0)
+    while num_tokens > 0:
+        n = min(per_seq, num_tokens)
+        blocks = -(-n // block_size)
+        state = SequenceState(len(batch), [0] * n, [], 0, list(range(next_block, next_block + blocks)), params)
+        batch.append(ScheduledSequence.of(state, n))
+        next_block += blocks
+        num_tokens -= n
+    return batch, next_block
+
+
+@torch.inference_mode()
+def profile_gpu_num_blocks(model: DecoderForCausalLM, spec: KVCacheSpec, config: EngineConfig,
+                           max_model_len: int, device: torch.device) -> int:
+    num_tokens = config.scheduler.max_num_batched_tokens
+    num_seqs = max(min(config.scheduler.max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
+    batch, num_blocks = _profile_batch(num_tokens, num_seqs, spec.block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    kv = spec.allocate(num_blocks, device)
+    inputs = build_batch(batch, spec.block_size, device)
+    hidden = model(inputs.input_ids, inputs.positions, kv, inputs.meta)
+    model.compute_logits(hidden[inputs.logits_indices])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - kv.numel() * kv.element_size()
+    del kv, inputs, hidden
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    not_torch = total - free - torch.cuda.memory_reserved(device)
+    budget = total * config.cache.gpu_memory_utilization - peak - not_torch
+    return spec.blocks_for_bytes(budget)

@@ -1,0 +1,193 @@
+"""The pre-norm decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+
+The families differ only in the switches of ``ArchSpec`` (projection biases, per-head q/k RMSNorm);
+each model module derives the spec from its Hugging Face config and subclasses
+``DecoderForCausalLM``. Checkpoint names follow the Hugging Face layout
+(``model.layers.{i}.self_attn.q_proj.weight`` ...).
+
+Per layer and rank: merged QKV (column-parallel) -> [q/k RMSNorm] -> rotary -> paged attention over
+this rank's KV heads -> o_proj (row-parallel, one all-reduce) -> merged gate/up (column-parallel)
+-> SiLU*up -> down_proj (row-parallel, one all-reduce). Two all-reduces per layer, plus one for the
+embedding and one gather for the logits per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..layers.activation import silu_and_mul
+from ..layers.attention import AttentionMetadata, PagedAttention
+from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.norm import RMSNorm
+from ..layers.partition import HeadPartition, check_even_split, check_head_split
+from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from ..tp_group import TPGroup
+from ..weight_loader import CheckpointReader
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg) -> ModelDims:
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+                   cfg.num_attention_heads, num_kv_heads, head_dim, cfg.rms_norm_eps,
+                   bool(getattr(cfg, "tie_word_embeddings", False)))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, dims: ModelDims, spec: ArchSpec, tp: TPGroup, dtype, device) -> None:
+        super().__init__()
+        heads = HeadPartition(dims.num_heads, dims.num_kv_heads, tp.world_size, tp.rank)
+        self.head_dim = dims.head_dim
+        self.num_heads = heads.num_local_heads
+        self.num_kv_heads = heads.num_local_kv_heads
+        self.qkv_proj = ColumnParallelLinear.qkv(dims.hidden_size, dims.head_dim, heads, spec.qkv_bias,
+                                                 dtype, device)
+        self.o_proj = RowParallelLinear(dims.num_heads * dims.head_dim, dims.hidden_size, spec.o_bias, tp,
+                                        dtype, device, name="num_attention_heads * head_dim")
+        self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device) if spec.qk_norm else None
+        self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device) if spec.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5)
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        self.qkv_proj.load(reader, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
+        self.o_proj.load(reader, f"{prefix}.o_proj")
+        if self.q_norm is not None:
+            self.q_norm.load(reader, f"{prefix}.q_norm.weight")
+            self.k_norm.load(reader, f"{prefix}.k_norm.weight")
+
+    def forward(self, hidden, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+        # hidden [tokens, hidden] -> [tokens, hidden]
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v.contiguous(), kv_layer, meta)        # [tokens, heads_local, head_dim]
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, dims: ModelDims, spec: ArchSpec, tp: TPGroup, dtype, device) -> None:
+        super().__init__()
+        size = dims.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear.merged(dims.hidden_size, [size, size], spec.mlp_bias, tp,
+                                                        dtype, device)
+        self.down_proj = RowParallelLinear(size, dims.hidden_size, spec.mlp_bias, tp, dtype, device,
+                                           name="intermediate_size")
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        self.gate_up_proj.load(reader, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj.load(reader, f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dims: ModelDims, spec: ArchSpec, tp: TPGroup, dtype, device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
+        self.self_attn = DecoderAttention(dims, spec, tp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
+        self.mlp = DecoderMLP(dims, spec, tp, dtype, device)
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight")
+        self.self_attn.load(reader, f"{prefix}.self_attn")
+        self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight")
+        self.mlp.load(reader, f"{prefix}.mlp")
+
+    def forward(self, hidden, residual, cos, sin, kv_layer, meta):
+        # returns (mlp output, residual stream before it), both [tokens, hidden]
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_layer, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    """Subclasses define ``arch_spec(hf_config, max_model_len) -> ArchSpec`` (and may reject configs)."""
+
+    @staticmethod
+    def arch_spec(hf_config, max_model_len: int) -> ArchSpec:
+        raise NotImplementedError
+
+    @classmethod
+    def validate_config(cls, hf_config, max_model_len: int, tp_size: int) -> None:
+        """Every check the constructor would make, without allocating anything (ValueError)."""
+        cls.arch_spec(hf_config, max_model_len)
+        dims = ModelDims.from_hf(hf_config)
+        check_head_split(dims.num_heads, dims.num_kv_heads, tp_size)
+        check_even_split(dims.intermediate_size, tp_size, "intermediate_size")
+        RotaryEmbedding(dims.head_dim, rope_parameters(hf_config), torch.device("cpu"))
+
+    def __init__(self, hf_config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int) -> None:
+        super().__init__()
+        spec = self.arch_spec(hf_config, max_model_len)
+        self.dims = dims = ModelDims.from_hf(hf_config)
+        self.tp = tp
+        self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(hf_config), device)
+        self.embed_tokens = VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(dims, spec, tp, dtype, device) for _ in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
+        self.lm_head = ParallelLMHead(self.embed_tokens, tied=dims.tie_word_embeddings)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    def load_weights(self, reader: CheckpointReader) -> None:
+        self.embed_tokens.load(reader, "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load(reader, f"model.layers.{i}")
+        self.norm.load(reader, "model.norm.weight")
+        self.lm_head.load(reader, "lm_head.weight")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions [tokens]; kv_cache [layers, 2, blocks, block_size, kv_heads_local, head_dim]
+        hidden = self.embed_tokens(input_ids)                                   # [tokens, hidden]
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden [rows, hidden] -> float32 logits [rows, vocab] on rank 0, None elsewhere
+        return self.lm_head(hidden)

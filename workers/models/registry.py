@@ -1,0 +1,37 @@
+"""Hugging Face ``architectures`` name -> pagedray model class.
+
+The table is an immutable mapping; an architecture outside it is rejected with a ValueError that
+lists the supported ones.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from .decoder import DecoderForCausalLM
+from .llama import LlamaForCausalLM
+from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES = MappingProxyType({
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+})
+
+SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
+
+
+def architecture_of(hf_config) -> str:
+    """The first supported name in ``config.architectures``, or ValueError listing the supported ones."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    for name in names:
+        if name in MODEL_CLASSES:
+            return name
+    raise ValueError(f"model: architecture {names or 'unknown'} is not supported; supported architectures: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def model_class(hf_config) -> type[DecoderForCausalLM]:
+    return MODEL_CLASSES[architecture_of(hf_config)]

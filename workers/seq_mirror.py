@@ -1,0 +1,132 @@
+"""The worker-side mirror of every running sequence, updated only from StepPlans.
+
+See ``cluster/wire.py`` for the protocol. Per sequence id the mirror keeps the prompt and output
+token ids, ``num_computed_tokens`` (tokens whose K/V are in this rank's cache), the block table and
+the sampling params. The scheduler decides; the mirror only follows:
+
+1. ``released_seq_ids`` are dropped first (ids the mirror does not hold are ignored: a sequence
+   may be released before it ever reached the workers).
+2. Running deltas append their ``new_token_id`` (the token sampled last step) and extend the block
+   table; new sequences are registered in full.
+3. The batch order is ``plan.running`` then ``plan.new_seqs``; a sequence with 0 scheduled tokens is
+   updated but not part of the forward.
+4. After the forward, ``mark_computed`` advances ``num_computed_tokens`` by the scheduled tokens.
+
+A plan that contradicts the mirror (unknown running id, a new id that is already mirrored, more
+scheduled tokens than known tokens, a block table too short for them) raises ValueError naming the
+field, before the mirror changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cluster.sampling_params import SamplingParams
+from ..cluster.wire import StepPlan
+
+
+@dataclass
+class SequenceState:
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token ids of positions [start, end) of prompt + output, without concatenating the lists."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    state: SequenceState
+    num_scheduled_tokens: int
+    # every known token is computed after this step: the sequence samples its next token
+    samples: bool
+
+    @classmethod
+    def of(cls, state: SequenceState, num_scheduled_tokens: int) -> ScheduledSequence:
+        done = state.num_computed_tokens + num_scheduled_tokens == state.num_tokens
+        return cls(state, num_scheduled_tokens, done)
+
+
+def _check_fits(seq_id: int, computed: int, scheduled: int, num_tokens: int, num_blocks: int,
+                block_size: int) -> None:
+    if scheduled < 0 or computed < 0:
+        raise ValueError(f"num_scheduled_tokens: negative count for seq {seq_id}")
+    if computed + scheduled > num_tokens:
+        raise ValueError(f"num_scheduled_tokens: seq {seq_id} schedules {scheduled} tokens after {computed} "
+                         f"computed, but only {num_tokens} tokens are known")
+    if computed + scheduled > num_blocks * block_size:
+        raise ValueError(f"block_ids: seq {seq_id} has {num_blocks} blocks of {block_size} slots, too few for "
+                         f"{computed + scheduled} tokens")
+
+
+class SequenceMirror:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._seqs: dict[int, SequenceState] = {}
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def state(self, seq_id: int) -> SequenceState:
+        return self._seqs[seq_id]
+
+    def _validate(self, plan: StepPlan) -> None:
+        alive = set(self._seqs) - set(plan.released_seq_ids)
+        for delta in plan.running:
+            state = self._seqs.get(delta.seq_id)
+            if delta.seq_id not in alive or state is None:
+                raise ValueError(f"running: seq {delta.seq_id} is not mirrored by this worker")
+            num_tokens = state.num_tokens + (delta.new_token_id is not None)
+            _check_fits(delta.seq_id, state.num_computed_tokens, delta.num_scheduled_tokens, num_tokens,
+                        len(state.block_ids) + len(delta.new_block_ids), self.block_size)
+        seen = set()
+        for new in plan.new_seqs:
+            if new.seq_id in alive or new.seq_id in seen:
+                raise ValueError(f"new_seqs: seq {new.seq_id} is already mirrored by this worker")
+            seen.add(new.seq_id)
+            _check_fits(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens,
+                        len(new.prompt_token_ids) + len(new.output_token_ids), len(new.block_ids),
+                        self.block_size)
+
+    def apply(self, plan: StepPlan) -> list[ScheduledSequence]:
+        """Validate, then update the mirror; returns the forward's sequences in batch order."""
+        self._validate(plan)
+        for seq_id in plan.released_seq_ids:
+            self._seqs.pop(seq_id, None)
+        batch = []
+        for delta in plan.running:
+            state = self._seqs[delta.seq_id]
+            if delta.new_token_id is not None:
+                state.output_token_ids.append(delta.new_token_id)
+            state.block_ids.extend(delta.new_block_ids)
+            if delta.num_scheduled_tokens:
+                batch.append(ScheduledSequence.of(state, delta.num_scheduled_tokens))
+        for new in plan.new_seqs:
+            state = SequenceState(new.seq_id, list(new.prompt_token_ids), list(new.output_token_ids),
+                                  new.num_computed_tokens, list(new.block_ids), new.sampling_params)
+            self._seqs[new.seq_id] = state
+            if new.num_scheduled_tokens:
+                batch.append(ScheduledSequence.of(state, new.num_scheduled_tokens))
+        return batch
+
+    @staticmethod
+    def mark_computed(batch: list[ScheduledSequence]) -> None:
+        for item in batch:
+            item.state.num_computed_tokens += item.num_scheduled_tokens

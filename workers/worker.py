@@ -1,0 +1,117 @@
+"""Worker: one tensor-parallel rank (plain class; ``ray_worker.RayWorker`` wraps it in an actor).
+
+Life cycle: ``__init__`` (pin threads, validate, join the TP group, load this rank's weight shard)
+-> ``available_kv_blocks`` (engine takes the min over ranks) -> ``init_kv_cache(num_blocks)`` ->
+``execute(plan)`` per step -> ``shutdown``.
+
+Decisions:
+- device "auto": CUDA when available (rank r uses ``cuda:(r % device_count)``; under Ray each actor
+  sees only its own GPU, i.e. cuda:0), else CPU. dtype "auto": float32 on CPU, bfloat16 on CUDA.
+- torch intra-op threads: ``parallel.threads_per_worker`` or ``cpu_count // tensor_parallel_size``.
+- Everything that can be rejected from the config and the model folder (architecture, head split,
+  sliding window, missing weight files) is checked *before* joining the process group, so a bad
+  model fails on every rank instead of leaving the others waiting for the group.
+- Only rank 0 samples and returns a StepResult; other ranks return None.
+"""
+
+from __future__ import annotations
+
+import os
+from types import MappingProxyType
+
+import torch
+
+from ..cluster.config import EngineConfig
+from ..cluster.wire import StepPlan, StepResult, decode_plan, encode_result
+from .default_model import resolve_model_path
+from .kv_cache import KVCacheSpec
+from .memory_profile import profile_gpu_num_blocks
+from .model_info import load_hf_config
+from .model_runner import ModelRunner, StepOutput
+from .models.registry import model_class
+from .sampler import Sampler, SamplingRow
+from .tp_group import TPGroup
+from .weight_loader import CheckpointReader
+
+DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16})
+
+
+def resolve_device(device: str, rank: int) -> torch.device:
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' was requested but no CUDA device is available")
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_init_method: str | None = None) -> None:
+        tp_size = config.parallel.tensor_parallel_size
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank: must be in [0, tensor_parallel_size={tp_size}), got {rank}")
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config.model.device, rank)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        model_path = resolve_model_path(config.model.model)
+        hf_config = load_hf_config(model_path)
+        cls = model_class(hf_config)
+        self.max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
+        cls.validate_config(hf_config, self.max_model_len, tp_size)
+        torch.set_num_threads(config.parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // tp_size))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with CheckpointReader(model_path) as reader:
+            self.tp = TPGroup.join(rank, tp_size, self.device, dist_init_method)
+            self.model = cls(hf_config, self.tp, self.dtype, self.device, self.max_model_len)
+            self.model.load_weights(reader)
+        self.model.eval()
+        dims = self.model.dims
+        self.kv_spec = KVCacheSpec(dims.num_layers, config.cache.block_size, self.model.num_local_kv_heads,
+                                   dims.head_dim, self.dtype)
+        self.sampler = Sampler(seed=config.seed) if self.tp.is_first else None
+        self.runner: ModelRunner | None = None
+
+    def available_kv_blocks(self) -> int:
+        """KV blocks this rank can hold (collective on GPU with TP > 1: call on every rank)."""
+        if self.config.cache.num_blocks is not None:
+            return self.config.cache.num_blocks
+        if self.device.type == "cpu":
+            return self.kv_spec.blocks_for_bytes(self.config.cache.kv_cache_gib * 2**30)
+        return profile_gpu_num_blocks(self.model, self.kv_spec, self.config, self.max_model_len, self.device)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        kv_cache = self.kv_spec.allocate(num_blocks, self.device)
+        self.runner = ModelRunner(self.model, kv_cache, self.config.cache.block_size, self.device)
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        if self.runner is None:
+            raise RuntimeError("Worker.execute: call init_kv_cache(num_blocks) first")
+        output = self.runner.execute(plan)
+        if not self.tp.is_first:
+            return None
+        return StepResult(step_id=plan.step_id, sampled=self._sample(output))
+
+    def _sample(self, output: StepOutput) -> list:
+        if output.logits is None:
+            return []
+        rows = [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids)
+                for s in output.sampling_seqs]
+        return self.sampler(output.logits, rows)
+
+    def execute_bytes(self, data: bytes) -> bytes | None:
+        result = self.execute(decode_plan(data))
+        return None if result is None else encode_result(result)
+
+    def num_sequences(self) -> int:
+        return 0 if self.runner is None else len(self.runner.mirror)
+
+    def shutdown(self) -> None:
+        self.runner = None
+        self.tp.destroy()
