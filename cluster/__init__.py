@@ -9,12 +9,15 @@ from .config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, Sche
 from .sampling_params import SamplingParams
 
 __all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
-           "SamplingParams", "LLM"]
+           "SamplingParams", "LLM", "Engine", "AsyncEngine"]
+
+_LAZY = {"LLM": ("llm", "LLM"), "Engine": ("engine", "Engine"), "AsyncEngine": ("async_engine", "AsyncEngine")}
 
 
 def __getattr__(name: str):
-    if name == "LLM":
-        from .llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attr)
     raise AttributeError(f"module 'pagedray.cluster' has no attribute {name!r}")

@@ -1,0 +1,214 @@
+"""AsyncEngine: the central actor's body: async streams over the synchronous Engine.
+
+Threads: the asyncio event loop (intake, streams, health) and ONE step thread that alone touches
+the Engine. Intake (``generate``, ``abort``) only validates the arguments (no engine state), appends
+a command to a deque under a lock held for that append, and wakes the step loop: it never waits for
+a step. The step thread drains the commands, applies them, runs one ``Engine.step`` and hands the
+outputs back to the loop, which puts them on the per-request asyncio queues.
+
+The step loop is an asyncio task: it sleeps on an Event while there is no work and runs steps
+back to back while there is.
+
+Decisions:
+- A consumer that stops iterating (``aclose``, cancellation, break) aborts its request; the abort is
+  applied before the next step, so its blocks are freed within one step.
+- ``abort(request_id)`` from another caller ends the stream with finish_reason "abort".
+- Queue bound: a request is refused (QueueFullError) when the waiting requests seen after the last
+  step plus the adds not yet applied reach ``max_waiting_requests``.
+- Health: EngineDeadError when the engine died (a failed step ended every request with "error"), the
+  step loop crashed, a step has run longer than ``config.step_timeout_s``, or the executor reports a
+  dead rank.
+- ``drain(timeout_s)``: refuse new requests (EngineDrainingError), wait for in-flight ones; those
+  still running at the timeout are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from .config import EngineConfig
+from .engine import Engine
+from .executor import Executor
+from .outputs import EngineDeadError, EngineDrainingError, QueueFullError, RequestOutput
+from .sampling_params import SamplingParams
+from .stats import EngineStats
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.engine = Engine(config, executor)
+        self.config = config
+        self._lock = threading.Lock()             # guards _commands and _pending_adds only
+        self._commands: collections.deque = collections.deque()
+        self._pending_adds = 0
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedray-step")
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._step_started: float | None = None
+        self._stats = self.engine.stats()
+        self._draining = False
+        self._closed = False
+
+    # -- intake -------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        self._check_accepting()
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        self.engine.validate_request(prompt_token_ids, params, priority)
+        limit = self.config.scheduler.max_waiting_requests
+        with self._lock:
+            if self._stats.num_waiting + self._pending_adds >= limit:
+                raise QueueFullError(f"{limit} requests are waiting (max_waiting_requests); retry later")
+            self._pending_adds += 1
+            self._commands.append(("add", request_id, list(prompt_token_ids), params, priority))
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._ensure_loop()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._streams.pop(request_id, None)
+                self._push(("abort", request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id not in self._streams:
+            return False
+        self._push(("abort", request_id))
+        return True
+
+    def _push(self, command: tuple) -> None:
+        with self._lock:
+            self._commands.append(command)
+        if self._wake is not None and not self._closed:
+            self._wake.set()
+
+    def _check_accepting(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine has been shut down")
+        if self._draining:
+            raise EngineDrainingError("the engine is draining and accepts no new requests")
+        self._raise_if_loop_failed()
+
+    # -- step loop ----------------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None:
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        self._wake.set()
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                more = True
+                while more:
+                    outputs, errors, more = await loop.run_in_executor(self._pool, self._step_once)
+                    self._deliver(outputs, errors)
+        except Exception as exc:  # a crashed loop must not leave any consumer waiting
+            dead = EngineDeadError(f"the step loop crashed: {type(exc).__name__}: {exc}")
+            for queue in self._streams.values():
+                queue.put_nowait(dead)
+            self._streams.clear()
+            raise
+
+    def _step_once(self) -> tuple[list[RequestOutput], list[tuple[str, BaseException]], bool]:
+        """Runs on the step thread: apply commands, run one step, snapshot stats."""
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        errors = []
+        for command in commands:
+            if command[0] == "add":
+                with self._lock:
+                    self._pending_adds -= 1
+                try:
+                    self.engine.add_request(*command[1:])
+                except (ValueError, QueueFullError, EngineDeadError) as exc:
+                    errors.append((command[1], exc))
+            else:
+                self.engine.abort(command[1])
+        outputs = []
+        if self.engine.has_unfinished_requests():
+            self._step_started = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            finally:
+                self._step_started = None
+        self._stats = self.engine.stats()
+        with self._lock:
+            more = bool(self._commands)
+        return outputs, errors, more or self.engine.has_unfinished_requests()
+
+    def _deliver(self, outputs: list[RequestOutput], errors: list) -> None:
+        for request_id, exc in errors:
+            queue = self._streams.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(exc)
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is None:
+                continue   # the consumer went away; its abort is applied before the next step
+            queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    # -- health / stats / drain ---------------------------------------------------------------
+    def _raise_if_loop_failed(self) -> None:
+        task = self._loop_task
+        if task is not None and task.done():
+            exc = None if task.cancelled() else task.exception()
+            raise EngineDeadError(f"the step loop stopped: {exc!r}")
+
+    async def check_health(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine has been shut down")
+        self._raise_if_loop_failed()
+        if self.engine.is_dead:
+            self.engine.check_health()
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.config.step_timeout_s:
+            raise EngineDeadError(f"a step has been running for more than step_timeout_s="
+                                  f"{self.config.step_timeout_s} s")
+        await asyncio.to_thread(self.engine.executor.check_health)
+
+    async def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, timeout_s: float) -> None:
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            await self.abort(request_id)
+        while self._streams and self._loop_task is not None and not self._loop_task.done():
+            await asyncio.sleep(0.01)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._pool.shutdown(wait=True)
+        self.engine.shutdown()

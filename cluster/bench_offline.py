@@ -1,0 +1,185 @@
+"""Benchmark 1: offline throughput (output tokens/s) against Hugging Face transformers.
+
+Workload (fixed seed): N requests (default 64), prompts of 8-120 random words, max_tokens uniform in
+[16, 128], ignore EOS, greedy, fp32 on CPU. Every run in the script uses the same torch thread count
+(``--threads``, default 1: on the shared 2-core machine one thread per process is several times faster
+than two, whose OpenMP barriers stall when a core is taken by another process).
+
+Section A, the default SmolLM2-135M-Instruct:
+- pagedray LLM, in-process LocalExecutor (TP=1); with ``--compare-threads`` also with 2 threads;
+- pagedray LLM through the Ray executor with one rank (TP=2 is impossible for SmolLM2: 9 query
+  heads cannot be split over 2 ranks);
+- HF ``generate`` in static padded batches (``--hf-batch`` prompts per batch, left padding, each batch
+  runs to its longest max_tokens; only each request's own max_tokens count as output);
+- HF ``generate_batch`` continuous batching (transformers' ContinuousBatchingManager, which
+  ``generate_batch`` wraps; used directly because it takes a per-request ``max_new_tokens``), on the
+  first ``--hf-cb-requests`` requests only (default 16: it is very slow on CPU).
+
+Section B (``--tp2``), a random-weight model of SmolLM2's shape but with 8 query / 4 KV heads (so that
+it splits over 2 ranks): LocalExecutor TP=1 vs Ray TP=2 with threads pinned (1 per rank) and
+unpinned (2 per rank: oversubscribes the 2 cores).
+
+Usage: ``python -m pagedray.cluster.bench_offline [--num-requests 64] [--tp2] [--compare-threads]``
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .bench_common import Timer, make_max_tokens, make_prompts, print_table, write_json
+
+
+def run_pagedray(prompts, max_tokens, model="default", **llm_kwargs) -> dict:
+    from . import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", **llm_kwargs)
+    try:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+        with Timer() as t:
+            results = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    assert out_tokens == sum(max_tokens), "ignore_eos: every request must produce max_tokens"
+    return {"seconds": t.seconds, "output_tokens": out_tokens, "preemptions": stats.num_preemptions_total,
+            "steps": stats.num_steps_total}
+
+
+def save_even_head_model(folder: str) -> None:
+    """SmolLM2-135M's shape with 8 query / 4 KV heads (head_dim 72), random weights, SmolLM2 tokenizer."""
+    import torch
+    from pagedray.workers.default_model import ensure_default_model
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    source = str(ensure_default_model())
+    config = LlamaConfig.from_pretrained(source)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 8, 4, 72
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+
+
+def _hf_model_and_tokenizer():
+    import torch
+    from pagedray.workers.default_model import ensure_default_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(ensure_default_model())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def run_hf_static(prompts, max_tokens, batch_size: int) -> dict:
+    import torch
+
+    model, tokenizer = _hf_model_and_tokenizer()
+    with Timer() as t, torch.no_grad():
+        for start in range(0, len(prompts), batch_size):
+            batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True)
+            longest = max(max_tokens[start:start + batch_size])
+            model.generate(**batch, do_sample=False, max_new_tokens=longest, min_new_tokens=longest,
+                           pad_token_id=tokenizer.pad_token_id or 0)
+    return {"seconds": t.seconds, "output_tokens": sum(max_tokens)}
+
+
+def run_hf_continuous(prompts, max_tokens) -> dict:
+    from transformers import GenerationConfig
+
+    model, tokenizer = _hf_model_and_tokenizer()
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=None,
+                              pad_token_id=tokenizer.pad_token_id or 0)
+    inputs = [tokenizer(p).input_ids for p in prompts]
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    produced = 0
+    try:
+        with Timer() as t:
+            for i, (ids, m) in enumerate(zip(inputs, max_tokens)):
+                manager.add_request(ids, request_id=f"r{i}", max_new_tokens=m)
+            done = 0
+            while done < len(inputs):
+                result = manager.get_result(timeout=600)
+                if result is None:
+                    raise RuntimeError("HF continuous batching stopped returning results")
+                if result.is_finished():
+                    done += 1
+                    produced += len(result.generated_tokens)
+    finally:
+        manager.stop(block=True)
+    return {"seconds": t.seconds, "output_tokens": produced}
+
+
+def _record(runs: dict, name: str, run: dict, base_name: str) -> None:
+    runs[name] = run
+    if "error" not in run:
+        run["output_tok_s"] = run["output_tokens"] / run["seconds"]
+        base = runs.get(base_name)
+        if base is not None and "output_tok_s" in base:
+            run["ratio_vs_" + base_name] = run["output_tok_s"] / base["output_tok_s"]
+    print(name, run, flush=True)
+
+
+def main() -> None:
+    import tempfile
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--skip-ray", action="store_true")
+    parser.add_argument("--skip-hf-continuous", action="store_true")
+    parser.add_argument("--hf-cb-requests", type=int, default=16,
+                        help="HF continuous batching runs on the first K requests only (it is very slow on CPU)")
+    parser.add_argument("--compare-threads", action="store_true")
+    parser.add_argument("--tp2", action="store_true")
+    parser.add_argument("--json-name", default="offline", help="bench_results/<name>.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts = make_prompts(args.num_requests, 8, 120, args.seed)
+    max_tokens = make_max_tokens(args.num_requests, 16, 128, args.seed)
+    common = {"max_num_seqs": 64, "num_blocks": 2048}
+    runs: dict[str, dict] = {}
+    base = "hf_generate_static"
+    _record(runs, base, run_hf_static(prompts, max_tokens, args.hf_batch), base)
+    _record(runs, "pagedray_local_tp1", run_pagedray(prompts, max_tokens, threads_per_worker=args.threads,
+                                                     **common), base)
+    if args.compare_threads:
+        _record(runs, "pagedray_local_tp1_2threads", run_pagedray(prompts, max_tokens, threads_per_worker=2,
+                                                                  **common), base)
+    if not args.skip_ray:
+        _record(runs, "pagedray_ray_tp1", run_pagedray(prompts, max_tokens, executor="ray",
+                                                       threads_per_worker=args.threads, **common), base)
+    if not args.skip_hf_continuous:
+        try:
+            k = args.hf_cb_requests
+            run = run_hf_continuous(prompts[:k], max_tokens[:k])
+            run["num_requests"] = k
+        except Exception as exc:  # recorded, not hidden: the table shows the failure
+            run = {"error": f"{type(exc).__name__}: {exc}"}
+        _record(runs, "hf_generate_batch", run, base)
+    tp2_runs: dict[str, dict] = {}
+    if args.tp2:
+        with tempfile.TemporaryDirectory(prefix="pagedray-8heads-") as folder:
+            save_even_head_model(folder)
+            local = "even_heads_local_tp1"
+            _record(tp2_runs, local, run_pagedray(prompts, max_tokens, folder, threads_per_worker=1, **common), local)
+            _record(tp2_runs, "even_heads_ray_tp2_pinned", run_pagedray(
+                prompts, max_tokens, folder, tensor_parallel_size=2, threads_per_worker=1, **common), local)
+            _record(tp2_runs, "even_heads_ray_tp2_unpinned", run_pagedray(
+                prompts, max_tokens, folder, tensor_parallel_size=2, threads_per_worker=2, **common), local)
+    rows = [{"run": k, **v} for k, v in {**runs, **tp2_runs}.items()]
+    print_table(rows, ["run", "seconds", "output_tokens", "output_tok_s", "ratio_vs_hf_generate_static",
+                       "ratio_vs_even_heads_local_tp1", "steps", "preemptions", "error"])
+    write_json(args.json_name, {"num_requests": args.num_requests, "seed": args.seed, "hf_batch": args.hf_batch,
+                           "threads": args.threads, "runs": runs, "tp2_runs": tp2_runs})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Benchmark 3: prefix caching: time to first token of requests sharing a long system prompt.
+
+Workload: a ~1k-token system prompt (fixed seed words, default SmolLM2 tokenizer) followed by a
+short distinct question per request; 32 requests arrive together after one warm-up request with the
+same system prompt (the "earlier user" whose blocks the cache keeps). max_tokens=1: the run measures
+TTFT only. Both runs (caching on / off) use the same engine settings; TTFT is measured from the
+moment all requests were added to the step that returned each request's first token.
+
+Usage: ``python -m pagedray.cluster.bench_prefix [--num-requests 32] [--system-tokens 1024]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from .bench_common import make_prompts, print_table, write_json
+
+
+def _workload(tokenizer, num_requests: int, system_tokens: int, seed: int):
+    text = make_prompts(1, 2 * system_tokens, 2 * system_tokens, seed)[0]
+    system = tokenizer(text).input_ids[:system_tokens]
+    questions = make_prompts(num_requests + 1, 8, 16, seed + 7)
+    return [system + tokenizer(" Question: " + q).input_ids for q in questions]
+
+
+def run(prompts, caching: bool) -> dict:
+    from . import LLM, SamplingParams
+
+    llm = LLM("default", dtype="float32", enable_prefix_caching=caching, num_blocks=4096, max_num_seqs=64,
+              max_num_batched_tokens=2048)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, temperature=0)
+    try:
+        llm.generate(prompts[:1], params, use_tqdm=False)           # warm-up / first user
+        for i, prompt in enumerate(prompts[1:]):
+            engine.add_request(f"q{i}", prompt, params)
+        start = time.perf_counter()
+        ttft = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.outputs and out.outputs[0].token_ids and out.request_id not in ttft:
+                    ttft[out.request_id] = time.perf_counter() - start
+        stats = engine.stats()
+    finally:
+        llm.shutdown()
+    values = sorted(ttft.values())
+    return {"caching": caching, "requests": len(values), "mean_ttft_s": statistics.mean(values),
+            "p50_ttft_s": statistics.median(values), "max_ttft_s": values[-1],
+            "prefix_hit_rate": stats.prefix_hit_rate, "computed_tokens": stats.num_computed_tokens_total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from pagedray.workers.default_model import ensure_default_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    prompts = _workload(tokenizer, args.num_requests, args.system_tokens, args.seed)
+    rows = [run(prompts, caching=True), run(prompts, caching=False)]
+    speedup = rows[1]["mean_ttft_s"] / rows[0]["mean_ttft_s"]
+    print_table(rows, ["caching", "requests", "mean_ttft_s", "p50_ttft_s", "max_ttft_s", "prefix_hit_rate",
+                       "computed_tokens"])
+    print(f"mean TTFT speedup with prefix caching: {speedup:.1f}x (goal >= 5x)")
+    write_json("prefix", {"num_requests": args.num_requests, "system_tokens": args.system_tokens,
+                          "prompt_tokens": [len(p) for p in prompts], "rows": rows, "ttft_speedup": speedup})
+
+
+if __name__ == "__main__":
+    main()

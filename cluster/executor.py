@@ -1,0 +1,68 @@
+"""Executors: the one interface through which the engine runs a StepPlan on the TP workers.
+
+- ``LocalExecutor``: one in-process ``Worker`` (tensor_parallel_size == 1): offline use, GPU benchmarks,
+  tests. No serialization: the plan object is handed over directly.
+- ``RayExecutor`` (``ray_executor.py``): one RayWorker actor per TP rank in a placement group.
+
+Every executor decides the number of KV blocks at construction: the minimum of what each rank can
+hold (``Worker.available_kv_blocks``), then initialises every rank's cache with it. The engine builds
+its BlockManager with ``executor.num_blocks``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .config import EngineConfig
+from .outputs import EngineDeadError
+from .wire import StepPlan, StepResult
+
+
+class Executor(Protocol):
+    num_blocks: int
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """Runs the single TP rank in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size: LocalExecutor runs one rank, got "
+                             f"{config.parallel.tensor_parallel_size}; use the Ray executor")
+        from pagedray.workers.worker import Worker
+
+        self.worker = Worker(config, rank=0)
+        self.num_blocks = self.worker.available_kv_blocks()
+        self.worker.init_kv_cache(self.num_blocks)
+        self._closed = False
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self._closed:
+            raise EngineDeadError("the executor has been shut down")
+        result = self.worker.execute(plan)
+        if result is None:
+            raise RuntimeError("rank 0 returned no StepResult")
+        return result
+
+    def check_health(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the executor has been shut down")
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.worker.shutdown()
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    if config.parallel.use_ray:
+        from .ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    return LocalExecutor(config)

@@ -1,0 +1,156 @@
+"""LLM: the offline batch API.
+
+    from pagedray.cluster import LLM, SamplingParams
+    llm = LLM("default", tensor_parallel_size=2, max_num_seqs=64)
+    results = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
+    results[0].outputs[0].text, .token_ids, .finish_reason
+
+Keyword arguments are routed by name to the config dataclasses (``ModelConfig``, ``CacheConfig``,
+``ParallelConfig``, ``SchedulerConfig``, then ``EngineConfig``'s own fields); an unknown name is a
+ValueError. ``generate`` feeds requests as the bounded waiting queue allows, steps the engine until
+all are done (a tqdm bar counts finished requests) and returns results in input order, with
+``params.n`` outputs each. Strings are tokenized with the model's tokenizer (its default special
+tokens, as ``tokenizer(text)`` does); token-id lists are used as given. Output text is decoded with
+``skip_special_tokens=True``; it is None when the model folder has no tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from .engine import Engine
+from .outputs import EngineDeadError
+from .sampling_params import SamplingParams
+
+_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("parallel", ParallelConfig),
+             ("scheduler", SchedulerConfig))
+
+
+@dataclass
+class SampleOutput:
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[SampleOutput] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0
+
+
+def build_engine_config(model: str = "default", tensor_parallel_size: int = 1, dtype: str = "auto",
+                        **engine_kwargs) -> EngineConfig:
+    """Routes keyword arguments to the config sections; ValueError naming an unknown argument."""
+    sections: dict[str, dict] = {"model": {"model": model, "dtype": dtype},
+                                 "parallel": {"tensor_parallel_size": tensor_parallel_size}}
+    top = {f.name for f in dataclasses.fields(EngineConfig)} - {name for name, _ in _SECTIONS}
+    top_kwargs = {}
+    for key, value in engine_kwargs.items():
+        section = next((name for name, cls in _SECTIONS
+                        if key in {f.name for f in dataclasses.fields(cls)}), None)
+        if section is not None:
+            sections.setdefault(section, {})[key] = value
+        elif key in top:
+            top_kwargs[key] = value
+        else:
+            raise ValueError(f"{key}: not a known engine setting (see pagedray.cluster.config)")
+    parts = {name: cls(**sections.get(name, {})) for name, cls in _SECTIONS}
+    return EngineConfig(**parts, **top_kwargs)
+
+
+class LLM:
+    def __init__(self, model: str = "default", tensor_parallel_size: int = 1, dtype: str = "auto",
+                 **engine_kwargs) -> None:
+        self.config = build_engine_config(model, tensor_parallel_size, dtype, **engine_kwargs)
+        self.engine = Engine(self.config)
+        self._next_id = 0
+
+    def _tokenizer_or_none(self):
+        try:
+            return self.engine.tokenizer
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _normalize(self, prompts, params) -> tuple[list, list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: give a string, a list of strings or a list of token-id lists")
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if not isinstance(params, (list, tuple)) or len(params) != len(prompts):
+            raise ValueError(f"params: give one SamplingParams or a list of {len(prompts)} (one per prompt)")
+        return list(prompts), list(params)
+
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            tokenizer = self._tokenizer_or_none()
+            if tokenizer is None:
+                raise ValueError("prompts: this model folder has no tokenizer; pass token-id lists")
+            return prompt, list(tokenizer(prompt).input_ids)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompts: each prompt must be a string or a list of token ids, got {prompt!r:.60}")
+
+    def generate(self, prompts, params: SamplingParams | list | None = None,
+                 use_tqdm: bool = True) -> list[GenerationResult]:
+        prompts, params = self._normalize(prompts, params)
+        encoded = [self._encode(p) for p in prompts]
+        ids = [f"llm-{self._next_id + i}" for i in range(len(prompts))]
+        self._next_id += len(prompts)
+        for rid, (_, token_ids), p in zip(ids, encoded, params):  # validate all before adding any
+            self.engine.check_request(rid, token_ids, p)
+        results = {rid: GenerationResult(text, token_ids, [SampleOutput(i, [], None, None) for i in range(p.n)])
+                   for rid, (text, token_ids), p in zip(ids, encoded, params)}
+        self._run(list(zip(ids, encoded, params)), results, use_tqdm)
+        tokenizer = self._tokenizer_or_none()
+        for result in results.values():
+            for sample in result.outputs:
+                if tokenizer is not None:
+                    sample.text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        return [results[rid] for rid in ids]
+
+    def _run(self, todo: list, results: dict[str, GenerationResult], use_tqdm: bool) -> None:
+        from tqdm.auto import tqdm
+
+        engine = self.engine
+        limit = self.config.scheduler.max_waiting_requests
+        todo.reverse()
+        with tqdm(total=len(results), disable=not use_tqdm, desc="generate", unit="req") as bar:
+            while todo or engine.has_unfinished_requests():
+                while todo and engine.scheduler.num_waiting < limit:
+                    rid, (_, token_ids), p = todo.pop()
+                    engine.add_request(rid, token_ids, p)
+                for out in engine.step():
+                    result = results[out.request_id]
+                    if out.num_cached_prompt_tokens:
+                        result.num_cached_prompt_tokens = out.num_cached_prompt_tokens
+                    for completion in out.outputs:
+                        sample = result.outputs[completion.index]
+                        sample.token_ids.extend(completion.token_ids)
+                        if completion.logprobs is not None:
+                            sample.logprobs = (sample.logprobs or []) + completion.logprobs
+                        if completion.finish_reason is not None:
+                            sample.finish_reason = completion.finish_reason
+                    if out.error is not None:
+                        raise EngineDeadError(out.error)
+                    if out.finished:
+                        bar.update(1)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

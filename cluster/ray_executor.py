@@ -1,0 +1,143 @@
+"""RayExecutor: the TP group as Ray actors (one ``RayWorker`` per rank, one bundle per rank).
+
+Start-up: place the ranks (``placement.py``: a new placement group, or the current Serve replica's),
+create the actors, ask rank 0 for ``node_ip_and_free_port`` and initialise every rank at once with
+``tcp://ip:port`` (torch.distributed: gloo on CPU, NCCL on CUDA), take the minimum of the ranks'
+``available_kv_blocks`` and initialise every cache with it.
+
+Each step encodes the plan once (msgpack), sends the same bytes to every rank and decodes the
+StepResult of rank 0 (the other ranks answer None; their replies are still awaited so that an error
+on any rank surfaces in that step). Two transports, same semantics:
+
+- ``"compiled"``: a Ray compiled graph ``InputNode -> each actor's execute_bytes -> MultiOutputNode``
+  compiled once; a step is ``graph.execute(data)`` over shared-memory channels.
+- ``"actor"``: plain ``actor.execute_bytes.remote(data)`` calls.
+
+Measured by ``bench_overhead.py`` (2-core shared CPU, TP=2, median of 20): the round trip of an empty
+plan costs 0.13-0.33 ms with the compiled graph and 1.0-1.07 ms with actor calls, i.e. 0.04% vs
+0.37% of a 64-sequence decode step (0.3 s on this CPU). The compiled graph is the default
+(``transport="compiled"``); ``"actor"`` stays available (the two-node test uses it).
+
+Every wait is bounded by ``config.step_timeout_s`` so a stalled rank fails the step (the engine then
+ends the in-flight requests with "error") instead of hanging. ``shutdown`` tears the compiled graph
+down, kills the actors and removes the placement group if this executor created it.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from .config import EngineConfig
+from .outputs import EngineDeadError
+from .placement import Placement, place_ranks
+from .wire import StepPlan, StepResult, decode_result, encode_plan
+
+TRANSPORTS = ("compiled", "actor")
+DEFAULT_TRANSPORT = "compiled"
+HEALTH_PING_TIMEOUT_S = 10.0
+CHANNEL_BUFFER_BYTES = 8 * 1024 * 1024   # initial shared-memory channel size of the compiled graph
+
+
+def _wants_gpu(config: EngineConfig) -> bool:
+    if config.model.device == "cuda":
+        return True
+    if config.model.device == "cpu":
+        return False
+    return bool(ray.cluster_resources().get("GPU", 0))
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, transport: str = DEFAULT_TRANSPORT) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport: must be one of {TRANSPORTS}, got {transport!r}")
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)
+        from pagedray.workers.ray_worker import RayWorker
+
+        self.config = config
+        self.transport = transport
+        self.tp_size = config.parallel.tensor_parallel_size
+        self._timeout = config.step_timeout_s
+        self._graph = None
+        self._closed = False
+        self.placement: Placement = place_ranks(self.tp_size, _wants_gpu(config), config.parallel.placement_strategy)
+        self.actors = []
+        try:
+            self.actors = [RayWorker.options(**self.placement.actor_options(rank)).remote(config, rank)
+                           for rank in range(self.tp_size)]
+            self._init_workers()
+            if transport == "compiled":
+                self._graph = self._compile()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_workers(self) -> None:
+        if self.tp_size > 1:
+            ip, port = ray.get(self.actors[0].node_ip_and_free_port.remote())
+            ray.get([a.init_worker.remote(f"tcp://{ip}:{port}") for a in self.actors])
+        self.num_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors]))
+        ray.get([a.init_kv_cache.remote(self.num_blocks) for a in self.actors])
+
+    def _compile(self):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as plan_bytes:
+            graph = MultiOutputNode([a.execute_bytes.bind(plan_bytes) for a in self.actors])
+        # Ray's default 10 s submit/get timeouts would fail long prefill steps on a slow CPU: every wait is
+        # bounded by step_timeout_s instead
+        return graph.experimental_compile(_submit_timeout=self._timeout, _buffer_size_bytes=CHANNEL_BUFFER_BYTES)
+
+    @property
+    def node_ids(self) -> list[str]:
+        """The Ray node id hosting each rank's bundle (rank order): shows where the placement put them."""
+        from ray.util import placement_group_table
+
+        nodes = placement_group_table(self.placement.placement_group)["bundles_to_node_id"]
+        return [nodes[i] for i in self.placement.bundle_indices]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self._closed:
+            raise EngineDeadError("the Ray executor has been shut down")
+        data = encode_plan(plan)
+        if self._graph is not None:
+            replies = [ref.get(timeout=self._timeout) for ref in self._graph.execute(data)]
+        else:
+            replies = ray.get([a.execute_bytes.remote(data) for a in self.actors], timeout=self._timeout)
+        if replies[0] is None:
+            raise RuntimeError("rank 0 returned no StepResult")
+        return decode_result(replies[0])
+
+    def num_sequences(self) -> list[int]:
+        """Mirrored sequences per rank (leak checks)."""
+        return ray.get([a.num_sequences.remote() for a in self.actors], timeout=HEALTH_PING_TIMEOUT_S)
+
+    def check_health(self) -> None:
+        """EngineDeadError when a rank's actor is dead. A busy rank (ping timeout) is not dead:
+        stalls are the step watchdog's business."""
+        if self._closed:
+            raise EngineDeadError("the Ray executor has been shut down")
+        refs = [a.num_sequences.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_PING_TIMEOUT_S)
+        for rank, ref in enumerate(refs):
+            if ref not in ready:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise EngineDeadError(f"TP rank {rank} is dead: {exc}") from exc
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._graph is not None:
+            try:
+                self._graph.teardown()
+            except Exception:  # a dead rank makes teardown complain; the actors are killed anyway
+                pass
+            self._graph = None
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        self.placement.remove()

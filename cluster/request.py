@@ -1,0 +1,122 @@
+"""Requests and sequences: the scheduler's view of the work.
+
+A ``Request`` is what a caller submits (one prompt, one SamplingParams, a priority). It owns one
+``Sequence`` per sample (``params.n`` of them). Token bookkeeping lives on the Sequence:
+
+- ``token_ids`` = prompt + output tokens known so far.
+- ``num_computed_tokens``: tokens whose K/V are in the paged cache. The tokens still to compute are
+  ``token_ids[num_computed_tokens:]``; a sequence samples a new token in a step after which every
+  known token is computed (so a decoding sequence always has exactly one uncomputed token: the one
+  it sampled last).
+
+Decisions settled here:
+- Priority: a LOWER ``priority`` value is more important (the vLLM convention). It only matters under
+  the "priority" policy; under "fcfs" arrival order alone decides.
+- A preempted sequence keeps its output tokens, drops its blocks (``num_computed_tokens = 0``) and
+  goes back to WAITING; when re-admitted it is recomputed from prompt + output tokens (the prefix
+  cache may turn much of that into a hit).
+- ``n > 1``: a request starts with ONE sequence (sample 0, the "parent"). The parent prefills
+  ``fork_at = len(prompt) - 1`` tokens; then the scheduler forks the other n-1 samples from it
+  (they share the prompt blocks, copy-on-write) and every sample computes the last prompt token and
+  samples on its own. So the shared prompt is computed once and no sample is special afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS or a stop token id
+    LENGTH = "length"    # max_tokens or max_model_len reached
+    ABORT = "abort"      # cancelled by the caller
+    ERROR = "error"      # the engine failed while the sequence was in flight
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request. Identity-compared; ``seq_id`` is unique within an engine."""
+
+    seq_id: int
+    request: Request
+    index: int                       # sample index within the request, 0 .. n-1
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # logprobs of the sampled tokens (only filled when the request asked for them)
+    output_logprobs: list = field(default_factory=list)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    def __post_init__(self) -> None:
+        # prompt + output tokens, maintained by append_token (read on every step: no re-concatenation)
+        self._token_ids = self.request.prompt_token_ids + self.output_token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + output tokens (a live list: do not mutate)."""
+        return self._token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._token_ids.append(token_id)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def must_fork_first(self) -> bool:
+        """The parent of an n > 1 request that has not forked its siblings yet."""
+        return self.index == 0 and self.request.num_unforked > 0
+
+    def computable_tokens(self) -> int:
+        """Tokens this sequence may compute now: up to the fork point for an unforked parent."""
+        if self.must_fork_first:
+            return max(0, self.request.fork_at - self.num_computed_tokens)
+        return self.num_uncomputed_tokens
+
+
+@dataclass(eq=False)
+class Request:
+    """A caller's request. ``arrival`` is a strictly increasing admission counter (ties impossible)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    priority: int = 0
+    sequences: list[Sequence] = field(default_factory=list)
+    # number of samples still to fork from sequence 0 (n - 1 until the fork happens)
+    num_unforked: int = 0
+    # prompt tokens reported as prefix-cache hits (first admission of sample 0)
+    num_cached_prompt_tokens: int = 0
+
+    @property
+    def fork_at(self) -> int:
+        return len(self.prompt_token_ids) - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_unforked == 0 and all(s.is_finished for s in self.sequences)

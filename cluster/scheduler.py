@@ -1,0 +1,319 @@
+"""Scheduler: decides, every step, which tokens of which sequences are computed.
+
+It owns the waiting and running queues and is the only caller of the BlockManager on the engine
+side. One ``schedule()`` builds one batch under two limits: ``max_num_batched_tokens`` (tokens
+computed this step) and ``max_num_seqs`` (sequences holding KV blocks at once).
+
+Order within a step (each sequence at most once):
+1. forks: an ``n > 1`` parent that has computed ``len(prompt) - 1`` tokens forks its siblings
+   (BlockManager.fork; the block copies go into the plan).
+2. running sequences with ONE token left (decodes), in queue order;
+3. running sequences with more than one token left (partial prefills), each takes
+   ``min(left, budget)`` tokens (chunked prefill);
+4. waiting sequences in queue order while budget and seats remain; a prefix-cache hit becomes
+   ``num_computed_tokens`` and only the rest is scheduled (again chunked). Strict head-of-line: when
+   the head cannot get its blocks, admission stops for this step. No admission in a step that
+   preempted (the freed blocks go to the running sequences first).
+
+Queue order: "fcfs" = arrival; "priority" = (priority, arrival) with LOWER priority value first.
+Preemption by recompute: when a running sequence cannot get blocks, the victim is the last
+sequence in queue order (lowest priority, then latest arrival) among those not yet scheduled this
+step — possibly the sequence itself. The victim's blocks are freed at once, it keeps its output
+tokens, is put back at the FRONT of the waiting queue and ``num_preemptions`` is incremented.
+
+Stop rules (checked after each sampled token, in this order): EOS (unless ``ignore_eos``) or a stop
+token id -> "stop"; ``max_tokens`` outputs or ``max_model_len`` total tokens -> "length".
+Admission: prompts must be non-empty and shorter than ``max_model_len`` (ValueError otherwise).
+
+Invariant: every sequence in ``running`` is registered with the BlockManager and holds exactly
+``num_computed_tokens`` slots between steps; waiting and finished sequences hold none.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from .config import SchedulerConfig
+from .outputs import QueueFullError
+from .request import FinishReason, Request, Sequence, SequenceStatus
+from .sampling_params import SamplingParams
+from .scheduler_output import ScheduledSequence, SchedulerOutput
+from .wire import SampledToken
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager, max_model_len: int,
+                 eos_token_ids: frozenset[int] | set[int] = frozenset()) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0       # prompt tokens of admitted requests (cached ones included)
+        self.num_computed_tokens = 0     # tokens computed by the workers (prefill chunks + decodes)
+        self.num_generated_tokens = 0
+        self._next_seq_id = 0
+        self._next_arrival = 0
+        self._next_step_id = 0
+        self._released: list[int] = []
+
+    # -- intake -------------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Checks that depend only on the arguments and the config (no queue state); ValueError."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if not isinstance(prompt_token_ids, (list, tuple)) or len(prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids: the prompt has {len(prompt_token_ids)} tokens, which leaves no "
+                             f"room for output within max_model_len={self.max_model_len}; shorten the prompt")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
+
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      priority: int = 0) -> None:
+        """Raises ValueError / QueueFullError for a request that cannot be admitted; changes nothing."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        self.validate_request(prompt_token_ids, params, priority)
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting_requests="
+                                 f"{self.config.max_waiting_requests}); retry later")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> Request:
+        self.check_request(request_id, prompt_token_ids, params, priority)
+        request = Request(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids],
+                          params=params, arrival=self._next_arrival, priority=priority,
+                          num_unforked=params.n - 1)
+        self._next_arrival += 1
+        self.num_prompt_tokens += len(request.prompt_token_ids)
+        request.sequences.append(self._new_sequence(request, 0))
+        self.requests[request_id] = request
+        self.waiting.append(request.sequences[0])
+        return request
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        seq = Sequence(seq_id=self._next_seq_id, request=request, index=index)
+        self._next_seq_id += 1
+        return seq
+
+    # -- queries ------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def has_pending_releases(self) -> bool:
+        """Sequences left the running set since the last schedule() (the workers must be told)."""
+        return bool(self._released)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def _key(self, seq: Sequence) -> tuple[int, int, int]:
+        priority = seq.request.priority if self.config.policy == "priority" else 0
+        return (priority, seq.request.arrival, seq.index)
+
+    def _seats_taken(self) -> int:
+        return sum(1 + s.request.num_unforked * s.must_fork_first for s in self.running)
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._next_step_id, released_seq_ids=self._released)
+        self._released = []
+        self._next_step_id += 1
+        self._fork_ready_parents(out)
+        self.running.sort(key=self._key)
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        for decode_phase in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                left = seq.computable_tokens()
+                if seq.seq_id in scheduled or left == 0 or (left == 1) != decode_phase:
+                    continue
+                if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                    continue
+                num = min(left, budget)
+                if self._reserve(seq, num, scheduled, out):
+                    out.scheduled.append(ScheduledSequence(seq, num))
+                    scheduled.add(seq.seq_id)
+                    budget -= num
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _reserve(self, seq: Sequence, num: int, scheduled: set[int], out: SchedulerOutput) -> bool:
+        """Gets slots for ``num`` more tokens of a running sequence, preempting as needed.
+
+        Returns False when ``seq`` itself had to be preempted."""
+        while not self.block_manager.can_allocate(seq.seq_id, seq.token_ids, num):
+            victims = [s for s in self.running if s.seq_id not in scheduled]
+            victim = max(victims, key=self._key)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq.seq_id)
+        self.running.remove(seq)
+        out.released_seq_ids.append(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _next_waiting(self) -> Sequence:
+        if self.config.policy == "priority":
+            return min(self.waiting, key=self._key)
+        return self.waiting[0]
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        taken = self._seats_taken()
+        while self.waiting and budget > 0:
+            seq = self._next_waiting()
+            seats = 1 + (seq.request.num_unforked if seq.must_fork_first else 0)
+            if taken + seats > self.config.max_num_seqs:
+                return
+            num = self._admit(seq, budget, out)
+            if num is None:
+                return
+            budget -= num
+            taken += seats
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Registers ``seq`` with the BlockManager and schedules its first chunk; None if it does not fit."""
+        bm = self.block_manager
+        tokens = seq.token_ids
+        hit = bm.num_cached_prefix_tokens(tokens)
+        target = seq.request.fork_at if seq.must_fork_first else len(tokens)
+        num = min(target - hit, budget)
+        if num > 0 and not bm.can_allocate(seq.seq_id, tokens, num):
+            return None
+        if num == 0 and not bm.can_allocate(seq.seq_id, tokens, 1):  # fork right away, then 1 token
+            return None
+        allocation = bm.allocate_slots(seq.seq_id, tokens, num)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = allocation.num_cached_tokens
+        if seq.index == 0 and seq.num_preemptions == 0:
+            seq.request.num_cached_prompt_tokens = allocation.num_cached_tokens
+        self.running.append(seq)
+        if num > 0:
+            out.scheduled.append(ScheduledSequence(seq, num))
+            return num
+        # an n > 1 parent whose prompt (minus its last token) is all cached: fork now
+        self._fork(seq, out)
+        taken = 0
+        for member in seq.request.sequences:
+            if taken < budget and bm.can_allocate(member.seq_id, member.token_ids, 1):
+                bm.allocate_slots(member.seq_id, member.token_ids, 1)
+                out.scheduled.append(ScheduledSequence(member, 1))
+                taken += 1
+        return taken
+
+    def _fork_ready_parents(self, out: SchedulerOutput) -> None:
+        """Forks parents that reached their fork point; a partial last block needs one free block per
+        child (copy-on-write), which may take preemptions (victims in the usual order)."""
+        for seq in sorted(self.running, key=self._key):
+            if seq.status is not SequenceStatus.RUNNING or not seq.must_fork_first \
+                    or seq.num_computed_tokens != seq.request.fork_at:
+                continue
+            partial = seq.num_computed_tokens % self.block_manager.block_size != 0
+            needed = seq.request.num_unforked if partial else 0
+            while self.block_manager.num_free_blocks < needed:
+                victim = max(self.running, key=self._key)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self._fork(seq, out)
+
+    def _fork(self, parent: Sequence, out: SchedulerOutput) -> None:
+        request = parent.request
+        for index in range(1, request.num_unforked + 1):
+            child = self._new_sequence(request, index)
+            out.block_copies.extend(self.block_manager.fork(parent.seq_id, child.seq_id))
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            request.sequences.append(child)
+            self.running.append(child)
+        request.num_unforked = 0
+
+    # -- results ------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Request]:
+        """Applies a step's result; returns the requests that got tokens or finished (each once)."""
+        by_seq = {s.seq_id: s for s in sampled}
+        touched: dict[str, Request] = {}
+        for sched in out.scheduled:
+            seq = sched.seq
+            if seq.is_finished:
+                continue
+            samples = sched.samples
+            seq.num_computed_tokens += sched.num_tokens
+            self.num_computed_tokens += sched.num_tokens
+            if not samples:
+                continue
+            token = by_seq.get(seq.seq_id)
+            if token is None:
+                raise RuntimeError(f"step {out.step_id}: no sampled token for sequence {seq.seq_id}")
+            self._append_token(seq, token)
+            touched[seq.request.request_id] = seq.request
+        return list(touched.values())
+
+    def _append_token(self, seq: Sequence, token: SampledToken) -> None:
+        seq.append_token(token.token_id)
+        self.num_generated_tokens += 1
+        if seq.request.params.logprobs is not None:
+            seq.output_logprobs.append(token)
+        params = seq.request.params
+        if (not params.ignore_eos and token.token_id in self.eos_token_ids) \
+                or token.token_id in params.stop_token_ids:
+            self._finish(seq, FinishReason.STOP)
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.free(seq.seq_id)
+            self.running.remove(seq)
+            self._released.append(seq.seq_id)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.request.is_finished:
+            self.requests.pop(seq.request.request_id, None)
+
+    # -- abort / failure ----------------------------------------------------------------------
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """Finishes every unfinished sample of the request and frees its blocks now."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.num_unforked = 0
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self._finish(seq, reason)
+        self.requests.pop(request_id, None)
+        return request
+
+    def abort_all(self, reason: FinishReason) -> list[Request]:
+        return [r for r in (self.abort(rid, reason) for rid in list(self.requests)) if r is not None]

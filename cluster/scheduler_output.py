@@ -1,0 +1,44 @@
+"""What one scheduling decision contains, before it is translated into a wire StepPlan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import Sequence
+
+
+@dataclass
+class ScheduledSequence:
+    """``num_tokens`` tokens of ``seq`` are computed this step, starting at its num_computed_tokens."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when every known token is computed after this step (so the worker samples one)."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    # batch in scheduling order: running decodes, running partial prefills, then admitted sequences
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    # sequences that left the running set since the previous output (finished, aborted, preempted)
+    released_seq_ids: list[int] = field(default_factory=list)
+    # copy-on-write block copies (src, dst) from forks made for this step
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # sequences preempted while building this step (already counted and requeued)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def tokens_by_seq_id(self) -> dict[int, int]:
+        return {s.seq.seq_id: s.num_tokens for s in self.scheduled}

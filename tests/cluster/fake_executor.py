@@ -1,0 +1,66 @@
+"""TEST DOUBLE of the Executor protocol (never used outside tests).
+
+It mirrors sequences from the plans exactly as the wire contract says (tokens, computed counts,
+released ids) and "samples" a deterministic token: (last known token + 1) % vocab. It can be told to
+fail at a given step, to check that failures end requests with finish_reason "error".
+"""
+
+from pagedray.cluster.wire import SampledToken, StepResult
+
+
+class FakeExecutor:
+    def __init__(self, num_blocks, vocab=512, fail_at_step=None):
+        self.num_blocks = num_blocks
+        self.vocab = vocab
+        self.fail_at_step = fail_at_step
+        self.mirror = {}          # seq_id -> [tokens, num_computed]
+        self.plans = []
+        self.closed = False
+
+    def execute(self, plan):
+        self.plans.append(plan)
+        if self.fail_at_step is not None and len(self.plans) - 1 >= self.fail_at_step:
+            raise RuntimeError("simulated rank failure")
+        for seq_id in plan.released_seq_ids:
+            del self.mirror[seq_id]
+        batch = []
+        for delta in plan.running:
+            state = self.mirror[delta.seq_id]
+            if delta.new_token_id is not None:
+                state[0].append(delta.new_token_id)
+            batch.append((delta.seq_id, delta.num_scheduled_tokens))
+        for new in plan.new_seqs:
+            assert new.seq_id not in self.mirror, f"seq {new.seq_id} sent in full twice"
+            self.mirror[new.seq_id] = [new.prompt_token_ids + new.output_token_ids, new.num_computed_tokens]
+            batch.append((new.seq_id, new.num_scheduled_tokens))
+        sampled = []
+        for seq_id, num in batch:
+            state = self.mirror[seq_id]
+            state[1] += num
+            assert state[1] <= len(state[0]), "scheduled past the known tokens"
+            if state[1] == len(state[0]):
+                sampled.append(SampledToken(seq_id, (state[0][-1] + 1) % self.vocab))
+        return StepResult(step_id=plan.step_id, sampled=sampled)
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
+        self.closed = True
+
+
+class GatedFakeExecutor(FakeExecutor):
+    """TEST DOUBLE: like FakeExecutor, but every step waits for ``gate`` (a threading.Event) to be set;
+    ``entered`` is set when a step is waiting at the gate."""
+
+    def __init__(self, num_blocks, **kwargs):
+        import threading
+
+        super().__init__(num_blocks, **kwargs)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def execute(self, plan):
+        self.entered.set()
+        assert self.gate.wait(timeout=30), "test never opened the gate"
+        return super().execute(plan)
