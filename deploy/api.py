@@ -1,0 +1,187 @@
+"""The FastAPI application of the ingress: routes, API-key auth, body-size limit, error bodies.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with ``stream: true`` -> SSE),
+GET /v1/models, GET /health, GET /metrics.
+
+Decisions:
+- Bodies are read and decoded here (not by FastAPI's model binding) so that oversized bodies get
+  413 before they are read in full (Content-Length is checked first; chunked bodies are counted
+  while reading), malformed JSON gets an OpenAI-style 400, and type errors name the field.
+- Only JSON is accepted: a Content-Type other than ``application/json`` (or ``*/*+json``) is a 415;
+  bodies that are not one UTF-8 JSON document are a 400 ``invalid_json``: bad UTF-8, syntax errors,
+  nesting deeper than the JSON parser's recursion limit, and strings with unpaired surrogate escapes
+  (``"\\ud800"``, which no tokenizer or UTF-8 response can carry). ``NaN`` / ``Infinity`` literals
+  are decoded (Python's JSON extension) and then refused by the field checks (finite numbers only).
+- With ``api_key`` set, every route but /health needs ``Authorization: Bearer <key>`` (compared in
+  constant time); otherwise 401 with code ``invalid_api_key``.
+- Every error leaves as ``{"error": {message, type, param, code}}`` (errors.py), including 404/405
+  for unknown routes. A 429 carries ``Retry-After``.
+- A stream's first engine output is awaited before the 200 and the SSE headers are sent, so queue
+  rejections and engine-side validation errors are real HTTP statuses. Errors after that are sent as
+  one SSE error event followed by ``data: [DONE]``.
+- /health answers 503 when the engine reports itself (or a TP rank, or its step loop) unhealthy.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import APIError, bad_request, engine_error_message, to_api_error
+from .metrics import METRICS_CONTENT_TYPE
+from .service import OpenAIService
+from .sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def check_api_key(request: Request, api_key: str | None) -> None:
+    if not api_key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                       "invalid_request_error", code="invalid_api_key")
+
+
+def check_content_type(request: Request) -> None:
+    """JSON bodies only: a Content-Type other than ``application/json`` / ``*/*+json`` is a 415 (a
+    missing one is accepted, as most HTTP clients and curl with ``-H`` set it anyway)."""
+    header = request.headers.get("content-type")
+    if header is None:
+        return
+    media_type = header.split(";", 1)[0].strip().lower()
+    is_json = media_type == "application/json" or (media_type.startswith("application/")
+                                                    and media_type.endswith("+json"))
+    if not is_json:
+        raise APIError(415, f"Content-Type must be application/json, got {header!r}", "invalid_request_error",
+                       code="unsupported_media_type")
+
+
+def _lone_surrogate_path(value) -> str | None:
+    """Where a decoded JSON value holds a string with an unpaired UTF-16 surrogate (``"\\ud800"``),
+    which no tokenizer or UTF-8 response can carry; None when there is none. Iterative (no recursion)."""
+    stack = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(item, dict):
+            stack.extend((f"{path}.{key}" if path else str(key), child) for key, child in item.items())
+            stack.extend((path or "body", key) for key in item)
+        elif isinstance(item, list):
+            stack.extend((f"{path}.{i}" if path else str(i), child) for i, child in enumerate(item))
+    return None
+
+
+def decode_json(raw: bytes):
+    """Bytes -> JSON value; APIError 400 for anything that is not one well-formed UTF-8 JSON document."""
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers over 4300 digits
+        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("malformed JSON body: nested too deeply", code="invalid_json") from None
+    if b"\\u" in raw:
+        where = _lone_surrogate_path(value)
+        if where is not None:
+            param = where.split(".", 1)[0]
+            raise bad_request(f"{where}: a string holds an unpaired UTF-16 surrogate escape; send valid Unicode",
+                              param=None if param == "body" else param, code="invalid_json")
+    return value
+
+
+async def read_json_body(request: Request, max_bytes: int):
+    check_content_type(request)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes",
+                       "invalid_request_error", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes",
+                           "invalid_request_error", code="request_too_large")
+        chunks.append(chunk)
+    return decode_json(b"".join(chunks))
+
+
+async def sse_body(chunks) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+    except Exception as exc:  # noqa: BLE001 - the status is already sent; report in-band
+        yield sse_event(to_api_error(exc).body())
+    finally:
+        await chunks.aclose()
+    yield SSE_DONE
+
+
+def create_api(service: OpenAIService, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="pagedray", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, str(exc.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def _any_error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc))
+
+    async def _generate(request: Request, whole, open_stream):
+        check_api_key(request, api_key)
+        body = await read_json_body(request, max_body_bytes)
+        if isinstance(body, dict) and body.get("stream") is True:
+            chunks = await open_stream(body)
+            return StreamingResponse(sse_body(chunks), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
+                                     background=BackgroundTask(chunks.aclose))
+        return JSONResponse(await whole(body))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, service.completion, service.open_completion_stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, service.chat, service.open_chat_stream)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_api_key(request, api_key)
+        return JSONResponse(service.models())
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await service.check_health()
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            return JSONResponse({"status": "unhealthy", "reason": engine_error_message(exc)}, status_code=503)
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        check_api_key(request, api_key)
+        return Response(await service.metrics_text(), media_type=METRICS_CONTENT_TYPE)
+
+    return app

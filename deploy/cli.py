@@ -1,0 +1,176 @@
+"""The ``pagedray`` command line.
+
+    pagedray serve [--model default] [--tensor-parallel-size 1] [--host 127.0.0.1] [--port 8000] ...
+        connects to a running Ray cluster (``ray start --head``) or starts a local one, deploys the
+        Serve application (build_app), prints the URL and blocks until Ctrl-C, then removes the app.
+    pagedray generate "prompt" [--max-tokens 64] [--temperature 0] [--chat] ...
+        one offline generation through the ``LLM`` API (no Ray Serve), printed to stdout.
+    pagedray fetch-model [--cache-dir DIR]
+        fetches and converts the default model once; prints its folder.
+    pagedray loadtest ...
+        the cluster load tester (pagedray.deploy.loadtest), arguments passed through.
+
+Engine options are the same for ``serve`` and ``generate`` and map one to one onto build_app's
+``args`` keys (see app.py); options left unset keep the defaults there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+APP_NAME = "pagedray"
+
+# (flag, type, help); dest = flag without dashes, with underscores
+ENGINE_OPTIONS = (
+    ("--model", str, "'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face model folder"),
+    ("--tensor-parallel-size", int, "tensor-parallel ranks per replica"),
+    ("--dtype", str, "auto | float32 | float16 | bfloat16"),
+    ("--device", str, "auto | cpu | cuda"),
+    ("--block-size", int, "KV block size in tokens"),
+    ("--kv-cache-gib", float, "KV cache memory per rank on CPU, GiB"),
+    ("--num-blocks", int, "force an exact number of KV blocks"),
+    ("--max-num-seqs", int, "sequences per step"),
+    ("--max-num-batched-tokens", int, "tokens per step"),
+    ("--max-model-len", int, "context length (default: the model's)"),
+)
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    for flag, kind, help_text in ENGINE_OPTIONS:
+        parser.add_argument(flag, type=kind, default=None, help=help_text)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse KV blocks of shared prompt prefixes")
+
+
+def _engine_kwargs(ns: argparse.Namespace) -> dict:
+    names = [flag[2:].replace("-", "_") for flag, _, _ in ENGINE_OPTIONS] + ["enable_prefix_caching"]
+    return {name: getattr(ns, name) for name in names if getattr(ns, name) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedray", description="paged-KV LLM serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve_p = sub.add_parser("serve", help="deploy the OpenAI-compatible server on Ray Serve")
+    _add_engine_options(serve_p)
+    serve_p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
+    serve_p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    serve_p.add_argument("--name", default=APP_NAME, help="Serve application name")
+    serve_p.add_argument("--served-model-name", default=None, help="model name clients pass")
+    serve_p.add_argument("--num-replicas", type=int, default=None, help="engine replicas")
+    serve_p.add_argument("--max-queued-requests", type=int, default=None, help="queue bound per replica (429)")
+    serve_p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+
+    gen_p = sub.add_parser("generate", help="generate once with the offline LLM API")
+    gen_p.add_argument("prompt", help="the prompt text")
+    _add_engine_options(gen_p)
+    gen_p.add_argument("--max-tokens", type=int, default=64)
+    gen_p.add_argument("--temperature", type=float, default=0.0)
+    gen_p.add_argument("--seed", type=int, default=None)
+    gen_p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+    fetch_p = sub.add_parser("fetch-model", help="fetch and convert the default model")
+    fetch_p.add_argument("--cache-dir", default=None, help="where to keep it (default: user cache dir)")
+
+    sub.add_parser("loadtest", help="load-test a running server (see pagedray loadtest --help)",
+                   add_help=False)
+    return parser
+
+
+def serve_args(ns: argparse.Namespace) -> dict:
+    """build_app args from parsed ``serve`` options."""
+    args = _engine_kwargs(ns)
+    for name in ("served_model_name", "num_replicas", "max_queued_requests", "api_key"):
+        if getattr(ns, name) is not None:
+            args[name] = getattr(ns, name)
+    return args
+
+
+def _connect_or_start_ray() -> bool:
+    """Connect to a running cluster; start a local one when there is none. True when started here."""
+    import ray
+
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        return False
+    except ConnectionError:
+        ray.init(log_to_driver=False)
+        return True
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM both end the blocking wait (also when started in the background, where a
+    shell leaves SIGINT ignored), so the app is removed and a Ray started here is shut down."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from .app import build_app
+
+    app = build_app(serve_args(ns))  # validates the options before anything starts
+    started_ray = _connect_or_start_ray()
+    serve.start(http_options={"host": ns.host, "port": ns.port})
+    serve.run(app, name=ns.name, route_prefix="/")
+    print(f"pagedray is serving at http://{ns.host}:{ns.port}/v1 (Serve app {ns.name!r}); Ctrl-C stops it",
+          flush=True)
+    _stop_on_signals()
+    try:
+        while True:
+            time.sleep(0.5)  # short naps: a signal caught by another thread is acted on promptly
+    except KeyboardInterrupt:
+        print("stopping ...", flush=True)
+    finally:
+        serve.delete(ns.name)
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+    return 0
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    from pagedray.cluster import LLM, SamplingParams
+
+    llm = LLM(**_engine_kwargs(ns))
+    prompt: str | list[int] = ns.prompt
+    if ns.chat:
+        tokenizer = llm.engine.tokenizer
+        text = tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}],
+                                             add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed)
+    result = llm.generate([prompt], params, use_tqdm=False)[0]
+    print(result.outputs[0].text)
+    return 0
+
+
+def run_fetch_model(ns: argparse.Namespace) -> int:
+    from pagedray.workers.default_model import ensure_default_model
+
+    print(ensure_default_model(ns.cache_dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "loadtest":
+        from pagedray.deploy.loadtest import main as loadtest_main
+
+        return loadtest_main(argv[1:])
+    ns = build_parser().parse_args(argv)
+    handlers = {"serve": run_serve, "generate": run_generate, "fetch-model": run_fetch_model}
+    return handlers[ns.command](ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The ingress side of one generation: engine outputs -> per-choice text deltas.
+
+``stream_choices`` consumes the engine's RequestOutput deltas for one prompt and yields
+``ChoiceDelta`` objects carrying text that is safe to show: incrementally detokenized, with any text
+that could begin a stop string held back. When every choice has finished (finish reason from the
+engine, or a stop string seen here) it stops consuming, which cancels the engine stream and so
+aborts the request in the engine: its KV blocks are freed within one step.
+
+Decisions:
+- A stop string finishes its choice with ``finish_reason="stop"``; the text is cut before it. With
+  n > 1 the engine request is aborted only once every choice has finished; tokens that a choice
+  stopped by a stop string still receives are dropped (and not counted in usage).
+- A stop token id that ended a choice is not shown in the text (EOS is hidden anyway: special
+  tokens are skipped when detokenizing); it is counted in ``completion_tokens``.
+- An engine output with ``finish_reason="error"`` raises ``EngineRequestError`` (HTTP 500 before
+  the stream starts, an SSE error event after).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pagedray.cluster.outputs import CompletionOutput, EngineError, RequestOutput, TokenLogprob
+from pagedray.cluster.sampling_params import SamplingParams
+
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .validation import PreparedRequest
+
+
+class EngineRequestError(EngineError):
+    """The engine finished this request with finish_reason 'error'."""
+
+
+class EngineClient(Protocol):
+    """What the ingress needs from the engine (the Serve engine deployment, or a test double)."""
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+
+    async def stats(self): ...
+
+    async def check_health(self) -> None: ...
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestTimer:
+    """Latency bookkeeping for one request (seconds, time.monotonic)."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    inter_token: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def on_tokens(self, count: int) -> None:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        elif self.last_token is not None:
+            self.inter_token.append(now - self.last_token)
+        self.last_token = now
+        self.completion_tokens += count
+
+
+class _ChoiceState:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.matcher = StopStringMatcher(stop)
+        self.finished = False
+
+    def advance(self, out: CompletionOutput, hidden_ids: frozenset[int]) -> ChoiceDelta:
+        visible = out.token_ids
+        if out.finish_reason == "stop" and visible and visible[-1] in hidden_ids:
+            visible = visible[:-1]
+        text = self.matcher.feed(self.detokenizer.add(visible))
+        finish_reason = None
+        if self.matcher.stopped:
+            finish_reason = "stop"
+        elif out.finish_reason is not None:
+            text += self.matcher.feed(self.detokenizer.flush())
+            text += self.matcher.flush()
+            finish_reason = "stop" if self.matcher.stopped else out.finish_reason
+        self.finished = finish_reason is not None
+        return ChoiceDelta(out.index, text, list(out.token_ids), out.logprobs, finish_reason)
+
+
+async def stream_choices(engine: EngineClient, request_id: str, prepared: PreparedRequest, tokenizer,
+                         timer: RequestTimer) -> AsyncIterator[list[ChoiceDelta]]:
+    """Yield, per engine step, the deltas of the choices that advanced (see the module docstring)."""
+    params = prepared.params
+    states = [_ChoiceState(tokenizer, prepared.prompt_token_ids, prepared.stop) for _ in range(params.n)]
+    hidden_ids = frozenset(params.stop_token_ids)
+    timer.prompt_tokens += len(prepared.prompt_token_ids)
+    async with aclosing(engine.generate(request_id, prepared.prompt_token_ids, params)) as outputs:
+        async for output in outputs:
+            if output.error is not None or any(o.finish_reason == "error" for o in output.outputs):
+                raise EngineRequestError(output.error or "the engine failed while generating")
+            deltas = [states[o.index].advance(o, hidden_ids) for o in output.outputs
+                      if not states[o.index].finished]
+            new_tokens = sum(len(d.token_ids) for d in deltas)
+            if new_tokens:
+                timer.on_tokens(new_tokens)
+            if deltas:
+                yield deltas
+            if all(state.finished for state in states):
+                return
+    if not all(state.finished for state in states):
+        raise EngineRequestError("the engine stream ended before every choice finished")
+
+
+_END = object()
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators as (stream index, item); closes them all on exit."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async with aclosing(stream) as it:
+                async for item in it:
+                    await queue.put((i, item))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, _END))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class PrefetchedStream:
+    """An async iterator whose first item has already been awaited (so admission errors surface
+    before a response starts). ``aclose()`` closes the underlying stream even if never iterated."""
+
+    def __init__(self, stream: AsyncIterator) -> None:
+        self._stream = stream
+        self._first: list = []
+
+    async def prefetch(self) -> bool:
+        """Await the first item; False when the stream is empty."""
+        try:
+            self._first.append(await anext(self._stream))
+        except StopAsyncIteration:
+            return False
+        return True
+
+    def __aiter__(self) -> PrefetchedStream:
+        return self
+
+    async def __anext__(self):
+        if self._first:
+            return self._first.pop()
+        return await anext(self._stream)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()

@@ -1,0 +1,162 @@
+"""The ingress deployment: OpenAI HTTP API (FastAPI) + Python handle API, in front of the engine.
+
+The ingress validates, applies the chat template, tokenizes, detokenizes incrementally, applies stop
+strings and formats responses; the engine deployment only sees token ids and SamplingParams.
+
+Python handle API (the methods below that are not HTTP routes). Request bodies are the same dicts the
+HTTP API takes; results are the same JSON objects, as dicts::
+
+    import ray
+    from ray import serve
+    from pagedray.deploy.app import build_app
+
+    ray.init()
+    serve.run(build_app({"model": "default"}), name="pagedray", route_prefix="/")
+
+    handle = serve.get_app_handle("pagedray")
+    # one call, the whole result (an OpenAI "text_completion" object)
+    result = handle.generate.remote("The capital of France is", {"max_tokens": 8, "temperature": 0}).result()
+    print(result["choices"][0]["text"])
+    # streaming: OpenAI completion chunks, the last one with usage when include_usage is set
+    stream = handle.options(stream=True).generate_stream.remote("Count to five:", {"max_tokens": 16})
+    for chunk in stream:
+        for choice in chunk["choices"]:
+            print(choice["text"], end="", flush=True)
+    print()
+    # the full OpenAI request bodies work too
+    chat = handle.chat.remote({"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16}).result()
+    for chunk in handle.options(stream=True).chat_stream.remote(
+            {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16}):
+        print(chunk["choices"][0]["delta"].get("content") or "", end="")
+    print()
+
+Before a shutdown, ``handle.drain.remote(timeout_s).result()`` stops admission (503 from then on) and
+lets the requests in flight finish (``DrainReport``).
+
+Errors come back as ``pagedray.deploy.errors.APIError`` (``.status``, ``.body()``), wrapped by Ray
+(``isinstance(err, APIError)`` holds). Cancelling a streaming call aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from pagedray.cluster.outputs import EngineDeadError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from .api import DEFAULT_MAX_BODY_BYTES, create_api
+from .engine_deployment import GRACEFUL_SHUTDOWN_S, DrainReport, ModelMeta
+from .errors import to_api_error
+from .metrics import ServerMetrics
+from .service import OpenAIService
+from .validation import ModelLimits
+
+INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
+# /health answers 503 when the engine replica does not answer within this (e.g. while Serve replaces it)
+HEALTH_TIMEOUT_S = 5.0
+
+
+async def _awaited(response):
+    return await response
+
+
+class HandleEngineClient:
+    """EngineClient over a DeploymentHandle to the engine deployment."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator:
+        response = self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params)
+        exhausted = False
+        try:
+            async for output in response:
+                yield output
+            exhausted = True
+        finally:
+            if not exhausted:
+                response.cancel()
+
+    async def stats(self):
+        return await self._handle.stats.remote()
+
+    async def check_health(self) -> None:
+        response = self._handle.health.remote()
+        try:
+            await asyncio.wait_for(_awaited(response), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise EngineDeadError(f"the engine did not answer a health check within {HEALTH_TIMEOUT_S} s") from None
+
+
+def served_names(model: str, meta: ModelMeta, served_model_name: str | None) -> tuple[str, frozenset[str]]:
+    from pathlib import Path
+
+    from pagedray.workers.default_model import DEFAULT_MODEL_NAME
+
+    name = served_model_name or (DEFAULT_MODEL_NAME if model == "default" else Path(meta.model_path).name)
+    return name, frozenset({name, model, meta.model_path})
+
+
+@serve.deployment(name=INGRESS_DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class OpenAIIngress:
+    async def __init__(self, engine: DeploymentHandle, model: str = "default",
+                       served_model_name: str | None = None, api_key: str | None = None,
+                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        from transformers import AutoTokenizer
+
+        meta: ModelMeta = await engine.model_meta.remote()
+        name, aliases = served_names(model, meta, served_model_name)
+        limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len)
+        tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)
+        self._engine = engine
+        self._service = OpenAIService(HandleEngineClient(engine), tokenizer, limits, ServerMetrics())
+        self._api_key = api_key
+        self._max_body_bytes = max_body_bytes
+
+    def __serve_build_asgi_app__(self):
+        return create_api(self._service, self._api_key, self._max_body_bytes)
+
+    # ------------------------------------------------------------------ handle API
+    async def completions(self, body: dict) -> dict:
+        """POST /v1/completions with ``stream`` false, as a Python call."""
+        return await self._service.completion({**body, "stream": False})
+
+    async def completions_stream(self, body: dict) -> AsyncIterator[dict]:
+        """POST /v1/completions with ``stream`` true: yields the chunk objects (no ``[DONE]``)."""
+        async for chunk in self._stream(self._service.open_completion_stream, body):
+            yield chunk
+
+    async def chat(self, body: dict) -> dict:
+        return await self._service.chat({**body, "stream": False})
+
+    async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
+        async for chunk in self._stream(self._service.open_chat_stream, body):
+            yield chunk
+
+    async def generate(self, prompt: str | list[int], params: dict | None = None) -> dict:
+        """Complete ``prompt`` (text or token ids) with OpenAI completion ``params``; the whole result."""
+        return await self.completions({**(params or {}), "prompt": prompt})
+
+    async def generate_stream(self, prompt: str | list[int], params: dict | None = None) -> AsyncIterator[dict]:
+        async for chunk in self.completions_stream({**(params or {}), "prompt": prompt}):
+            yield chunk
+
+    async def drain(self, timeout_s: float = GRACEFUL_SHUTDOWN_S) -> DrainReport:
+        """Drain the engine replica this call reaches (see engine_deployment.py): new requests get 503,
+        the ones in flight get ``timeout_s`` to finish. With one engine replica: the whole app."""
+        return await self._engine.drain.remote(timeout_s)
+
+    async def _stream(self, open_stream, body: dict) -> AsyncIterator[dict]:
+        try:
+            chunks = await open_stream({**body, "stream": True})
+        except Exception as exc:
+            raise to_api_error(exc) from None
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()

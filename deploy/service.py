@@ -1,0 +1,250 @@
+"""OpenAIService: the transport-free core of the ingress (used by the HTTP routes and the handle API).
+
+A request goes: body dict -> pydantic model (400 on shape/type errors) -> ``PreparedRequest`` per
+prompt (validation.py; 400/404) -> engine streams (one per prompt, merged) -> the first engine
+output is awaited (so 429/503 surface before any response starts) -> OpenAI objects as dicts.
+
+Streams are returned as async iterators of dicts *after* that first output has arrived; closing one
+early (client disconnect, handle cancellation) closes the engine streams, which aborts the requests.
+
+Metrics: every request is counted once in ``pagedray_requests_total`` by outcome; token counts and
+latencies are recorded for every request that was admitted (also when it was aborted).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from pydantic import ValidationError
+
+from .errors import bad_request, to_api_error
+from .generation import EngineClient, PrefetchedStream, RequestTimer, merge_streams, stream_choices
+from .metrics import ServerMetrics
+from .openai_format import (
+    ChoiceAccumulator,
+    LogprobFormatter,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    usage,
+    usage_chunk_chat,
+    usage_chunk_completion,
+)
+from .protocol import ChatCompletionRequest, ChatDelta, CompletionRequest, ModelCard, ModelList
+from .validation import ModelLimits, PreparedRequest, prepare_chat, prepare_completion
+
+
+def parse_body(model_cls, body):
+    """Validate a decoded JSON body against a request model; APIError 400 naming the field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else None
+        where = ".".join(str(part) for part in first["loc"])
+        raise bad_request(f"{where}: {first['msg']}", param=param) from None
+
+
+def outcome_of(exc: BaseException) -> str:
+    api = to_api_error(exc)
+    if api.status in (429, 503):
+        return "rejected"
+    return "invalid" if 400 <= api.status < 500 else "error"
+
+
+class _Run:
+    """One admitted request: its id, timer, prepared prompts and merged engine stream."""
+
+    def __init__(self, rid: str, prepared: list[PreparedRequest], stream: PrefetchedStream,
+                 timer: RequestTimer) -> None:
+        self.rid, self.prepared, self.stream, self.timer = rid, prepared, stream, timer
+        self.created = int(time.time())
+        self.n = prepared[0].params.n
+        self.finish_reasons: list[str] = []
+        self._on_close = None
+
+    def on_close(self, callback) -> None:
+        self._on_close = callback
+
+    async def close(self, outcome: str) -> None:
+        """Close the engine streams (aborting unfinished requests) and record the outcome, once."""
+        callback, self._on_close = self._on_close, None
+        await self.stream.aclose()
+        if callback is not None:
+            callback(outcome)
+
+
+class ChunkStream:
+    """Async iterator of response chunks; ``aclose()`` aborts the run even if it was never iterated."""
+
+    def __init__(self, chunks: AsyncIterator[dict], run: _Run) -> None:
+        self._chunks, self._run = chunks, run
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> dict:
+        return await anext(self._chunks)
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        await self._run.close("abort")
+
+
+class OpenAIService:
+    def __init__(self, engine: EngineClient, tokenizer, limits: ModelLimits, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.metrics = metrics
+        self.logprob_format = LogprobFormatter(tokenizer)
+
+    # ------------------------------------------------------------------ plumbing
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("messages: this model has no chat template; use /v1/completions",
+                              param="messages")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _admit(self, prefix: str, prepared: list[PreparedRequest]) -> _Run:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        timer = RequestTimer()
+        streams = [stream_choices(self.engine, f"{rid}-{i}", p, self.tokenizer, timer)
+                   for i, p in enumerate(prepared)]
+        stream = PrefetchedStream(merge_streams(streams))
+        try:
+            await stream.prefetch()
+        except BaseException:
+            await stream.aclose()
+            raise
+        return _Run(rid, prepared, stream, timer)
+
+    def _finish(self, run: _Run, endpoint: str, outcome: str) -> None:
+        """Record a finished run's outcome, token counts and latencies."""
+        m, t = self.metrics, run.timer
+        m.record_outcome(endpoint, outcome)
+        m.prompt_tokens.inc(t.prompt_tokens)
+        m.generation_tokens.inc(t.completion_tokens)
+        if t.first_token is not None:
+            m.ttft.observe(t.first_token - t.arrival)
+            m.e2e.observe(t.last_token - t.arrival)
+        for gap in t.inter_token:
+            m.inter_token.observe(gap)
+
+    async def _deltas(self, run: _Run) -> AsyncIterator[tuple[int, object]]:
+        """The run's (global choice index, ChoiceDelta) pairs; records the outcome when it ends."""
+        outcome = "abort"
+        try:
+            async for prompt_index, deltas in run.stream:
+                for delta in deltas:
+                    if delta.finish_reason is not None:
+                        run.finish_reasons.append(delta.finish_reason)
+                    yield prompt_index * run.n + delta.index, delta
+            outcome = "length" if "length" in run.finish_reasons else "stop"
+        except Exception as exc:
+            outcome = outcome_of(exc)
+            raise
+        finally:
+            await run.close(outcome)
+
+    async def _open(self, endpoint: str, prefix: str, prepare: Callable) -> tuple[object, _Run]:
+        """Parse + validate (``prepare``), then admit; any failure is counted and raised as APIError."""
+        try:
+            req, prepared = prepare()
+            run = await self._admit(prefix, prepared)
+        except Exception as exc:
+            self.metrics.record_outcome(endpoint, outcome_of(exc))
+            raise to_api_error(exc) from exc
+        run.on_close(lambda outcome: self._finish(run, endpoint, outcome))
+        return req, run
+
+    # ------------------------------------------------------------------ completions
+    def _prepare_completion(self, body: dict) -> tuple[CompletionRequest, list[PreparedRequest]]:
+        req = parse_body(CompletionRequest, body)
+        return req, prepare_completion(req, self.limits, self._encode)
+
+    async def completion(self, body: dict) -> dict:
+        req, run = await self._open("completions", "cmpl", lambda: self._prepare_completion(body))
+        accs = [ChoiceAccumulator(prefix=p.echo_text or "") for p in run.prepared for _ in range(run.n)]
+        async for index, delta in self._deltas(run):
+            accs[index].add(delta)
+        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
+        response = completion_response(run.rid, run.created, self.limits.served_name, accs,
+                                       self.logprob_format, use, req.logprobs is not None)
+        return response.model_dump()
+
+    async def open_completion_stream(self, body: dict) -> ChunkStream:
+        req, run = await self._open("completions", "cmpl", lambda: self._prepare_completion(body))
+        return ChunkStream(self._completion_chunks(req, run), run)
+
+    async def _completion_chunks(self, req: CompletionRequest, run: _Run) -> AsyncIterator[dict]:
+        model = self.limits.served_name
+        offsets = [len(p.echo_text or "") for p in run.prepared for _ in range(run.n)]
+        pending_echo = [p.echo_text or "" for p in run.prepared for _ in range(run.n)]
+        async for index, delta in self._deltas(run):
+            text, pending_echo[index] = pending_echo[index] + delta.text, ""
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self.logprob_format.completion(delta.logprobs or [], offsets[index])
+                offsets[index] += sum(len(token) for token in logprobs.tokens)
+            if text or delta.finish_reason or (logprobs and logprobs.tokens):
+                yield completion_chunk(run.rid, run.created, model, index, text, logprobs,
+                                       delta.finish_reason).model_dump()
+        if req.stream_options is not None and req.stream_options.include_usage:
+            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
+            yield usage_chunk_completion(run.rid, run.created, model, use).model_dump()
+
+    # ------------------------------------------------------------------ chat
+    def _prepare_chat(self, body: dict) -> tuple[ChatCompletionRequest, list[PreparedRequest]]:
+        req = parse_body(ChatCompletionRequest, body)
+        return req, [prepare_chat(req, self.limits, self._render_chat)]
+
+    async def chat(self, body: dict) -> dict:
+        req, run = await self._open("chat", "chatcmpl", lambda: self._prepare_chat(body))
+        accs = [ChoiceAccumulator() for _ in range(run.n)]
+        async for index, delta in self._deltas(run):
+            accs[index].add(delta)
+        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
+        return chat_response(run.rid, run.created, self.limits.served_name, accs, self.logprob_format,
+                             use, req.logprobs).model_dump()
+
+    async def open_chat_stream(self, body: dict) -> ChunkStream:
+        req, run = await self._open("chat", "chatcmpl", lambda: self._prepare_chat(body))
+        return ChunkStream(self._chat_chunks(req, run), run)
+
+    async def _chat_chunks(self, req: ChatCompletionRequest, run: _Run) -> AsyncIterator[dict]:
+        model, rid, created = self.limits.served_name, run.rid, run.created
+        for index in range(run.n):
+            yield chat_chunk(rid, created, model, index, ChatDelta(role="assistant", content=""))
+        async for index, delta in self._deltas(run):
+            logprobs = self.logprob_format.chat(delta.logprobs or []) if req.logprobs else None
+            if delta.text or delta.finish_reason or (logprobs and logprobs.content):
+                content = ChatDelta(content=delta.text) if delta.text else ChatDelta()
+                yield chat_chunk(rid, created, model, index, content, logprobs, delta.finish_reason)
+        if req.stream_options is not None and req.stream_options.include_usage:
+            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
+            yield usage_chunk_chat(rid, created, model, use).model_dump()
+
+    # ------------------------------------------------------------------ models, health, metrics
+    def models(self) -> dict:
+        card = ModelCard(id=self.limits.served_name, created=0, max_model_len=self.limits.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def metrics_text(self) -> bytes:
+        try:
+            self.metrics.engine.update(await self.engine.stats())
+        except Exception:  # noqa: BLE001 - a dead engine must not break /metrics; gauges keep last values
+            pass
+        return self.metrics.render()

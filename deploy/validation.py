@@ -1,0 +1,182 @@
+"""Request validation: OpenAI request models -> ``PreparedRequest`` objects the engine can run.
+
+Everything here runs in the ingress before the engine is called, so a bad request never touches
+engine state. Every failure raises ``APIError`` (400, or 404 for an unknown model) whose ``param``
+names the offending field.
+
+Decisions:
+- Value ranges are checked by constructing ``SamplingParams`` (its ValueError names the field).
+- ``max_tokens`` defaults to 16 for completions (OpenAI) and to "the rest of the context"
+  (``max_model_len - prompt_len``) for chat; an explicit value with ``prompt + max_tokens >
+  max_model_len`` is a 400, never a silent clamp.
+- Token ids (prompt and ``stop_token_ids``) must lie in ``[0, vocab_size)``.
+- A batch of prompts (list of strings / list of token lists) is supported for completions; choice
+  ``index = prompt_index * n + sample_index`` (the OpenAI convention).
+- ``echo`` with ``logprobs`` is rejected: the engine does not compute prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagedray.cluster.sampling_params import MAX_LOGPROBS, SamplingParams
+
+from .errors import APIError, bad_request
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+MAX_STOP_STRINGS = 16
+MAX_BATCH_PROMPTS = 64
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    served_name: str
+    aliases: frozenset[str]
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    # the prompt's text, for echo (None when echo is off)
+    echo_text: str | None = None
+
+
+def check_model(name: str | None, limits: ModelLimits) -> None:
+    if name is not None and name not in limits.aliases:
+        raise APIError(404, f"model: {name!r} is not served here; available: {limits.served_name!r}",
+                       "not_found_error", param="model", code="model_not_found")
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                              param=param)
+
+
+def _check_unsupported(req: SamplingFields) -> None:
+    if req.logit_bias:
+        raise bad_request("logit_bias: not supported", param="logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of: only best_of == n is supported", param="best_of")
+    if getattr(req, "suffix", None):
+        raise bad_request("suffix: not supported", param="suffix")
+    if getattr(req, "tools", None):
+        raise bad_request("tools: tool calling is not supported", param="tools")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+    if any(s == "" for s in stops):
+        raise bad_request("stop: stop strings must be non-empty", param="stop")
+    return stops
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """Build SamplingParams from the request's fields (None -> the SamplingParams default)."""
+    fields = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
+              "stop_token_ids": tuple(req.stop_token_ids or ())}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            fields[name] = value
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        param = str(exc).split(":", 1)[0]
+        raise bad_request(str(exc), param=param if param in SamplingFields.model_fields
+                          or param == "logprobs" else None) from exc
+
+
+def _check_max_tokens(value: int | None, prompt_len: int, limits: ModelLimits, param: str, default: int) -> int:
+    if value is None:
+        value = default
+    elif value < 1:
+        raise bad_request(f"{param}: must be a positive integer, got {value}", param=param)
+    if prompt_len + value > limits.max_model_len:
+        raise bad_request(
+            f"{param}: prompt ({prompt_len} tokens) + {param} ({value}) exceeds the maximum context "
+            f"length of {limits.max_model_len} tokens; shorten the prompt or lower {param}", param=param)
+    return value
+
+
+def _split_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif len(prompt) > 0 and isinstance(prompt[0], (str, list)):
+        prompts = list(prompt)
+    else:
+        prompts = [prompt]
+    if not prompts:
+        raise bad_request("prompt: must not be empty", param="prompt")
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request", param="prompt")
+    for one in prompts:
+        if len(one) == 0:
+            raise bad_request("prompt: must not be empty", param="prompt")
+    return prompts
+
+
+def prepare_completion(req: CompletionRequest, limits: ModelLimits,
+                       encode: Callable[[str], list[int]]) -> list[PreparedRequest]:
+    """One PreparedRequest per prompt of a /v1/completions request."""
+    check_model(req.model, limits)
+    _check_unsupported(req)
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo: echo together with logprobs is not supported", param="echo")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+    stops = stop_strings(req.stop)
+    check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
+    prepared = []
+    for prompt in _split_prompts(req.prompt):
+        token_ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise bad_request("prompt: encodes to zero tokens", param="prompt")
+        check_token_ids(token_ids, limits.vocab_size, "prompt")
+        max_tokens = _check_max_tokens(req.max_tokens, len(token_ids), limits, "max_tokens", 16)
+        params = sampling_params(req, max_tokens, req.logprobs)
+        echo_text = (prompt if isinstance(prompt, str) else None) if req.echo else None
+        prepared.append(PreparedRequest(token_ids, params, stops, echo_text))
+    return prepared
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                              param="top_logprobs")
+        return req.top_logprobs
+    return 0 if req.logprobs else None
+
+
+def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
+                 render: Callable[[list[dict]], list[int]]) -> PreparedRequest:
+    """Validate a /v1/chat/completions request; ``render`` applies the chat template and tokenizes."""
+    check_model(req.model, limits)
+    _check_unsupported(req)
+    logprobs = chat_logprobs(req)
+    stops = stop_strings(req.stop)
+    check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    token_ids = render(messages)
+    if not token_ids:
+        raise bad_request("messages: the chat template produced an empty prompt", param="messages")
+    if len(token_ids) >= limits.max_model_len:
+        raise bad_request(f"messages: the prompt has {len(token_ids)} tokens, the maximum context length "
+                          f"is {limits.max_model_len}", param="messages")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _check_max_tokens(requested, len(token_ids), limits, param,
+                                   limits.max_model_len - len(token_ids))
+    return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs), stops)

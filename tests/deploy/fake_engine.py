@@ -1,0 +1,102 @@
+"""TEST DOUBLE of the engine for HTTP-layer unit tests (not a model): scripted token streams.
+
+``ScriptedEngine.generate`` yields RequestOutput deltas like the real AsyncEngine: sample i of a
+request emits ``script[(i + k) % len(script)]`` for k = 0, 1, ... one token per output, until
+``max_tokens`` ("length") or a token in ``stop_token_ids`` / ``eos`` ("stop"). Logprobs are fake
+but well-formed (``-0.5 * (k + 1)``). It records every call, and which requests were closed before
+they finished (``aborted``), so tests can check that bad input never reaches the engine and that
+stopping early aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from pagedray.cluster.outputs import (
+    CompletionOutput,
+    EngineDeadError,
+    QueueFullError,
+    RequestOutput,
+    TokenLogprob,
+)
+
+
+@dataclass
+class FakeStats:
+    num_running: int
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_hit_rate: float = 0.0
+    num_preemptions_total: int = 0
+    num_free_blocks: int = 100
+
+
+@dataclass
+class ScriptedEngine:
+    script: list[int]
+    eos_token_id: int = 2
+    reject_with: Exception | None = None
+    dead: bool = False
+    delay_s: float = 0.0
+    calls: list[tuple[str, list[int], object]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    active: set[str] = field(default_factory=set)
+
+    def _token(self, k: int, sample: int) -> int:
+        return self.script[(sample + k) % len(self.script)]
+
+    def _step(self, k: int, params, done: list[bool]) -> list[CompletionOutput]:
+        outs = []
+        for i in range(params.n):
+            if done[i]:
+                continue
+            token = self._token(k, i)
+            reason = None
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.eos_token_id})
+            if token in stop_ids:
+                reason = "stop"
+            elif k + 1 >= params.max_tokens:
+                reason = "length"
+            done[i] = reason is not None
+            logprobs = None
+            if params.logprobs is not None:
+                top = [(self._token(k, i + j), -0.5 * (k + 1) - j) for j in range(params.logprobs)]
+                logprobs = [TokenLogprob(token, -0.5 * (k + 1), top)]
+            outs.append(CompletionOutput(i, [token], logprobs, reason))
+        return outs
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        if self.reject_with is not None:
+            raise self.reject_with
+        if self.dead:
+            raise EngineDeadError("engine is dead")
+        self.calls.append((request_id, list(prompt_token_ids), params))
+        self.active.add(request_id)
+        done = [False] * params.n
+        try:
+            for k in range(params.max_tokens):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                outs = self._step(k, params, done)
+                yield RequestOutput(request_id, outs, all(done),
+                                    prompt_token_ids=list(prompt_token_ids) if k == 0 else None)
+                if all(done):
+                    break
+            self.finished.append(request_id)
+        finally:
+            self.active.discard(request_id)
+            if request_id not in self.finished:
+                self.aborted.append(request_id)
+
+    async def stats(self) -> FakeStats:
+        return FakeStats(num_running=len(self.active))
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise EngineDeadError("rank 1 is dead")
+
+
+def queue_full() -> QueueFullError:
+    return QueueFullError("the waiting queue is full (1 requests)")

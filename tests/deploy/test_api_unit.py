@@ -1,0 +1,210 @@
+"""HTTP layer against a TEST DOUBLE engine (tests/deploy/fake_engine.py): no Ray, no model forward.
+
+Covers request parsing and validation (every bad-input case -> OpenAI error body, engine never
+called), auth, body limit, overload mapping, health, metrics text, SSE framing and stop strings on
+incrementally detokenized text. The same behaviour against the real engine is in test_serve_app.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from bad_requests import assert_openai_error, malformed_cases, send
+from fake_engine import ScriptedEngine, queue_full
+from fastapi.testclient import TestClient
+from pagedray.cluster.outputs import EngineDrainingError
+from pagedray.deploy.api import create_api
+from pagedray.deploy.metrics import ServerMetrics
+from pagedray.deploy.service import OpenAIService
+from pagedray.deploy.sse import parse_sse
+from pagedray.deploy.validation import ModelLimits
+
+MODEL = "fake-model"
+MAX_MODEL_LEN = 64
+VOCAB = 49152
+SCRIPT_TEXT = " The quick brown fox jumps over the lazy dog. Then it rests."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+def make_client(tokenizer, engine=None, **api_kwargs):
+    engine = engine or ScriptedEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
+    limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN)
+    service = OpenAIService(engine, tokenizer, limits, ServerMetrics())
+    return TestClient(create_api(service, **api_kwargs)), engine
+
+
+@pytest.fixture(scope="module")
+def client_and_engine(tokenizer):
+    return make_client(tokenizer)
+
+
+@pytest.mark.parametrize("case", malformed_cases(MODEL, MAX_MODEL_LEN, VOCAB), ids=lambda c: c[0])
+def test_bad_input_is_rejected_before_the_engine(client_and_engine, case):
+    client, engine = client_and_engine
+    _, path, body, status, param = case
+    calls_before = len(engine.calls)
+    assert_openai_error(send(client, path, body), status, param)
+    assert len(engine.calls) == calls_before
+
+
+def test_completion_text_matches_script(client_and_engine, tokenizer):
+    client, _ = client_and_engine
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "Say:", "max_tokens": 5})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    expected = tokenizer.decode(tokenizer.encode(SCRIPT_TEXT)[:5])
+    assert body["choices"][0]["text"] == expected
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(tokenizer.encode("Say:")), "completion_tokens": 5,
+                             "total_tokens": len(tokenizer.encode("Say:")) + 5}
+
+
+def test_stop_string_aborts_engine_request_and_cuts_text(client_and_engine):
+    client, engine = client_and_engine
+    response = client.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 30, "stop": ["fox"]})
+    choice = response.json()["choices"][0]
+    assert choice == {"index": 0, "text": " The quick brown ", "logprobs": None, "finish_reason": "stop"}
+    assert engine.calls[-1][0] in engine.aborted
+
+
+def test_streaming_chunks_and_usage(client_and_engine, tokenizer):
+    client, _ = client_and_engine
+    body = {"prompt": "Say:", "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True},
+            "stop": [" over"]}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = parse_sse(response.read().decode())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == " The quick brown fox jumps"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_chat_stream_n2_logprobs(client_and_engine):
+    client, _ = client_and_engine
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2, "stream": True,
+            "logprobs": True, "top_logprobs": 2}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = parse_sse(response.read().decode())
+    chunks = events[:-1]
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[2:] if c["choices"][0]["index"] == index]
+        assert mine[-1]["finish_reason"] == "length"
+        tokens = [e for c in mine for e in c["logprobs"]["content"]]
+        assert len(tokens) == 3 and all(len(t["top_logprobs"]) == 2 for t in tokens)
+        assert [t["logprob"] for t in tokens] == [-0.5, -1.0, -1.5]
+
+
+def test_completion_logprobs_and_echo(client_and_engine, tokenizer):
+    client, _ = client_and_engine
+    body = client.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 2, "logprobs": 1}).json()
+    logprobs = body["choices"][0]["logprobs"]
+    script = tokenizer.encode(SCRIPT_TEXT)
+    assert logprobs["tokens"] == [tokenizer.decode([t]) for t in script[:2]]
+    assert logprobs["token_logprobs"] == [-0.5, -1.0]
+    assert logprobs["text_offset"] == [0, len(logprobs["tokens"][0])]
+    echoed = client.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 2, "echo": True}).json()
+    assert echoed["choices"][0]["text"] == "Say:" + tokenizer.decode(script[:2])
+
+
+def test_batch_prompts_index_choices(client_and_engine):
+    client, _ = client_and_engine
+    body = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "n": 2}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["finish_reason"] == "length" for c in body["choices"])
+
+
+def test_api_key_required_except_health(tokenizer):
+    client, engine = make_client(tokenizer, api_key="sekret")
+    ok = {"prompt": "x", "max_tokens": 1}
+    assert_openai_error(client.post("/v1/completions", json=ok), 401, None)
+    assert_openai_error(client.post("/v1/completions", json=ok, headers={"Authorization": "Bearer nope"}),
+                        401, None)
+    assert_openai_error(client.get("/v1/models"), 401, None)
+    assert_openai_error(client.get("/metrics"), 401, None)
+    assert engine.calls == []
+    assert client.get("/health").status_code == 200
+    good = client.post("/v1/completions", json=ok, headers={"Authorization": "Bearer sekret"})
+    assert good.status_code == 200
+
+
+def test_oversized_body_is_413(tokenizer):
+    client, engine = make_client(tokenizer, max_body_bytes=1000)
+    response = client.post("/v1/completions", json={"prompt": "x" * 2000, "max_tokens": 1})
+    assert_openai_error(response, 413, None)
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("exc, status", [(queue_full(), 429), (EngineDrainingError("draining"), 503)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_overload_maps_to_status(tokenizer, exc, status, stream):
+    engine = ScriptedEngine([5], reject_with=exc)
+    client, _ = make_client(tokenizer, engine=engine)
+    response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "stream": stream})
+    assert_openai_error(response, status, None)
+    if status == 429:
+        assert response.headers["retry-after"] == "1"
+
+
+def test_health_reports_dead_engine(tokenizer):
+    engine = ScriptedEngine([5])
+    client, _ = make_client(tokenizer, engine=engine)
+    assert client.get("/health").status_code == 200
+    engine.dead = True
+    response = client.get("/health")
+    assert response.status_code == 503 and "rank 1 is dead" in response.json()["reason"]
+
+
+def test_models_and_unknown_route(client_and_engine):
+    client, _ = client_and_engine
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert_openai_error(client.get("/v1/nothing"), 404, None)
+
+
+def test_metrics_text_counts_outcomes(tokenizer):
+    client, _ = make_client(tokenizer)
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    text = client.get("/metrics").text
+    assert 'pagedray_requests_total{endpoint="completions",outcome="length"} 1.0' in text
+    assert 'pagedray_requests_total{endpoint="completions",outcome="invalid"} 1.0' in text
+    assert "pagedray_generation_tokens_total 3.0" in text
+    assert "pagedray_time_to_first_token_seconds_count 1.0" in text
+    assert "pagedray_inter_token_latency_seconds_count 2.0" in text
+    assert "pagedray_num_requests_running 0.0" in text
+
+
+def test_sampling_fields_reach_the_engine_unchanged(client_and_engine, tokenizer):
+    client, engine = client_and_engine
+    body = {"prompt": [11, 22, 33], "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "seed": 7,
+            "stop_token_ids": [99], "ignore_eos": True, "n": 2, "logprobs": 2}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    _, prompt_ids, params = engine.calls[-1]
+    assert prompt_ids == [11, 22, 33]
+    assert response.json()["usage"]["prompt_tokens"] == 3
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.min_p) == (3, 0.7, 0.9, 5, 0.05)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert (params.seed, params.stop_token_ids, params.ignore_eos, params.n, params.logprobs) == (7, (99,), True, 2, 2)
+
+
+def test_chat_prompt_is_the_rendered_template(client_and_engine, tokenizer):
+    client, engine = client_and_engine
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).status_code == 200
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "hi"}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert engine.calls[-1][1] == tokenizer.encode(rendered, add_special_tokens=False)
+    assert engine.calls[-1][2].max_tokens == 1

@@ -1,0 +1,89 @@
+"""CLI parsing and dispatch, build_app argument checking, and the shipped serve.yaml (no Serve started)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import types
+
+import pytest
+import yaml
+from pagedray.deploy import cli
+from pagedray.deploy.app import build_app, engine_config, parse_args
+from pagedray.deploy.engine_deployment import placement_bundles
+
+YAML_PATH = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
+
+
+def test_serve_options_map_to_build_app_args():
+    ns = cli.build_parser().parse_args(
+        ["serve", "--model", "/models/x", "--tensor-parallel-size", "2", "--kv-cache-gib", "0.5",
+         "--no-enable-prefix-caching", "--port", "9001", "--api-key", "k", "--max-queued-requests", "7"])
+    assert cli.serve_args(ns) == {"model": "/models/x", "tensor_parallel_size": 2, "kv_cache_gib": 0.5,
+                                  "enable_prefix_caching": False, "api_key": "k", "max_queued_requests": 7}
+    assert (ns.host, ns.port, ns.name) == ("127.0.0.1", 9001, "pagedray")
+
+
+def test_engine_config_from_args():
+    config = engine_config(parse_args({"tensor_parallel_size": 2, "block_size": 32, "max_queued_requests": 9,
+                                       "max_model_len": 512, "enable_prefix_caching": False}))
+    assert config.parallel.tensor_parallel_size == 2 and config.parallel.executor == "ray"
+    assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
+    assert config.scheduler.max_waiting_requests == 9 and config.model.max_model_len == 512
+
+
+@pytest.mark.parametrize("args, field", [({"modle": "x"}, "modle"), ({"block_size": 7}, "block_size"),
+                                         ({"tensor_parallel_size": "2"}, "tensor_parallel_size"),
+                                         ({"num_replicas": 0}, "num_replicas"),
+                                         ({"max_queued_requests": 0}, "max_waiting_requests")])
+def test_build_app_rejects_bad_args_naming_the_field(args, field):
+    with pytest.raises(ValueError, match=field):
+        build_app(args)
+
+
+def test_placement_bundles_one_per_rank_plus_replica():
+    assert placement_bundles(1, use_gpu=False) == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert placement_bundles(2, use_gpu=True) == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+
+
+def test_loadtest_is_dispatched_lazily(monkeypatch):
+    seen = []
+    fake = types.ModuleType("pagedray.deploy.loadtest")
+    fake.main = lambda argv: seen.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "pagedray.deploy.loadtest", fake)
+    assert cli.main(["loadtest", "--url", "http://127.0.0.1:1", "--n", "2"]) == 3
+    assert seen == [["--url", "http://127.0.0.1:1", "--n", "2"]]
+
+
+def test_fetch_model_prints_the_model_folder(default_model_path, capsys):
+    assert cli.main(["fetch-model"]) == 0
+    assert capsys.readouterr().out.strip() == default_model_path
+
+
+def test_serve_yaml_is_a_valid_serve_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load(YAML_PATH.read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    assert schema.http_options.host == "127.0.0.1"
+    (app,) = schema.applications
+    assert app.import_path == "pagedray.deploy.app:build_app"
+    assert app.args["model"] == "default"
+    build_app(app.args)  # the embedded args pass build_app's checks
+
+
+def test_generate_prints_transformers_greedy_text(default_model_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt, max_tokens = "The capital of France is", 6
+    assert cli.main(["generate", prompt, "--model", default_model_path, "--max-tokens", str(max_tokens),
+                     "--num-blocks", "64", "--dtype", "float32"]) == 0
+    printed = capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert printed == expected + "\n"

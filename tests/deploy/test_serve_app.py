@@ -1,0 +1,256 @@
+"""The real Serve application (ingress + engine deployment + Ray TP worker, default model, fp32).
+
+One app for this module, on 127.0.0.1 and a free port, in the session's Ray instance. The official
+``openai`` client for the happy paths, httpx for errors, DeploymentHandles for the Python API.
+Oracle for greedy text: the offline ``LLM`` API on the same model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from bad_requests import assert_openai_error, bad_request_cases, send
+from pagedray.deploy.errors import APIError
+from pagedray.deploy.sse import parse_sse
+from serve_fixtures import API_KEY, start_app, stop_app
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+MAX_TOKENS = 12
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def app(ray_session, default_model_path):
+    running = start_app(default_model_path)
+    yield running
+    stop_app(running)
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=f"{app.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(app):
+    with httpx.Client(base_url=app.url, headers=AUTH, timeout=300, trust_env=False) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline_greedy(default_model_path):
+    from pagedray.cluster import LLM, SamplingParams
+
+    llm = LLM(default_model_path, dtype="float32", num_blocks=128, max_model_len=512)
+    results = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
+    llm.engine.shutdown()
+    return [r.outputs[0].text for r in results]
+
+
+def greedy_completion(client, app, prompt: str, **extra):
+    return client.completions.create(model=app.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                     **extra)
+
+
+def test_completions_greedy_equal_offline_llm(client, app, offline_greedy):
+    for prompt, expected in zip(PROMPTS, offline_greedy):
+        response = greedy_completion(client, app, prompt)
+        assert response.choices[0].text == expected
+        assert response.choices[0].finish_reason in ("length", "stop")
+        assert response.usage.prompt_tokens > 0 and 0 < response.usage.completion_tokens <= MAX_TOKENS
+
+
+def test_token_id_prompt_equals_text_prompt(client, app, offline_greedy, default_model_path):
+    from transformers import AutoTokenizer
+
+    token_ids = AutoTokenizer.from_pretrained(default_model_path).encode(PROMPTS[0])
+    response = client.completions.create(model=app.model, prompt=token_ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].text == offline_greedy[0]
+    assert response.usage.prompt_tokens == len(token_ids)
+
+
+def test_completion_stream_equals_whole(client, app, offline_greedy):
+    stream = greedy_completion(client, app, PROMPTS[0], stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == offline_greedy[0]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_whole_and_stream_agree(client, app):
+    whole = client.chat.completions.create(model=app.model, messages=CHAT, max_tokens=MAX_TOKENS,
+                                           temperature=0)
+    text = whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant" and text
+    stream = client.chat.completions.create(model=app.model, messages=CHAT, max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_n_samples(client, app):
+    response = client.completions.create(model=app.model, prompt=PROMPTS[2], max_tokens=6, n=3,
+                                         temperature=1.0)
+    assert sorted(c.index for c in response.choices) == [0, 1, 2]
+    assert all(c.finish_reason in ("length", "stop") and c.text for c in response.choices)
+    assert response.usage.completion_tokens <= 18
+    stream = client.chat.completions.create(model=app.model, messages=CHAT, max_tokens=4, n=2,
+                                            temperature=1.0, stream=True)
+    finished = {c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+
+
+def test_logprobs_shapes(client, app, offline_greedy):
+    response = greedy_completion(client, app, PROMPTS[0], logprobs=3)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == response.usage.completion_tokens == MAX_TOKENS
+    assert "".join(logprobs.tokens) == offline_greedy[0]
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 3 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy picks the best
+    chat = client.chat.completions.create(model=app.model, messages=CHAT, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_stop_string_cuts_text_and_aborts(client, app, offline_greedy):
+    baseline = offline_greedy[0]
+    stop = baseline[len(baseline) // 2:len(baseline) // 2 + 3]
+    expected = baseline[:baseline.find(stop)]
+    response = greedy_completion(client, app, PROMPTS[0], stop=[stop])
+    assert response.choices[0].text == expected and response.choices[0].finish_reason == "stop"
+    stream = greedy_completion(client, app, PROMPTS[0], stop=stop, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    stats = app.wait_idle()
+    assert stats.num_running == 0 and stats.kv_usage == 0
+
+
+def test_bad_input_never_touches_the_engine(app, http):
+    before = app.wait_idle()
+    for _name, path, body, status, param in bad_request_cases(app.model, app.max_model_len, app.vocab_size):
+        assert_openai_error(send(http, path, body), status, param)
+    huge = {"model": app.model, "prompt": "x" * (70 * 1024), "max_tokens": 1}
+    assert_openai_error(http.post("/v1/completions", json=huge), 413, None)
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}):
+        assert_openai_error(http.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401, None)
+    assert app.engine_stats() == before
+
+
+def test_models_health_and_auth(app, http):
+    assert http.get("/v1/models").json()["data"][0]["id"] == app.model
+    with httpx.Client(base_url=app.url, timeout=60, trust_env=False) as anonymous:
+        assert anonymous.get("/health").status_code == 200
+        assert_openai_error(anonymous.get("/v1/models"), 401, None)
+
+
+def test_handle_plain_and_streaming(app, http, offline_greedy):
+    from ray import serve
+
+    handle = serve.get_app_handle(app.name)
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    result = handle.generate.remote(PROMPTS[1], params).result()
+    assert result["choices"][0]["text"] == offline_greedy[1]
+    chunks = list(handle.options(stream=True).generate_stream.remote(PROMPTS[1], params))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == offline_greedy[1]
+    body = {"messages": CHAT, **params}
+    whole = handle.chat.remote(body).result()["choices"][0]["message"]["content"]
+    assert whole == http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    streamed = handle.options(stream=True).chat_stream.remote(body)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in streamed if c["choices"]) == whole
+    with pytest.raises(APIError) as info:
+        handle.generate.remote("", params).result()
+    assert info.value.status == 400 and info.value.param == "prompt"
+
+
+def test_disconnect_mid_stream_frees_blocks(app, http):
+    before = app.wait_idle()
+    body = {"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [line for line, _ in zip((x for x in lines if x.startswith("data: ")), range(3))]
+        assert len(received) == 3
+        assert app.engine_stats().kv_usage > 0  # the request holds blocks while streaming
+    after = app.wait_idle()
+    assert after.num_running == 0 and after.kv_usage == 0
+    assert after.num_generation_tokens_total - before.num_generation_tokens_total < 400
+    assert 'outcome="abort"' in http.get("/metrics").text
+
+
+async def _burst(url: str, count: int) -> list[httpx.Response]:
+    body = {"prompt": PROMPTS[0], "max_tokens": 16, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=300, trust_env=False) as c:
+        return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(count)))
+
+
+def test_overload_is_rejected_with_429(app):
+    responses = asyncio.run(_burst(app.url, 14))
+    rejected = [r for r in responses if r.status_code == 429]
+    assert rejected, "a burst of 14 > max_num_seqs 4 + max_queued_requests 4 must overflow the queue"
+    for r in rejected:
+        assert assert_openai_error(r, 429, None)["code"] == "queue_full"
+        assert r.headers["retry-after"] == "1"
+    assert all(r.status_code == 200 for r in responses if r.status_code != 429)
+    assert app.wait_idle().num_running == 0
+
+
+def test_metrics_text(app, http):
+    text = http.get("/metrics").text
+    for series in ("pagedray_requests_total", "pagedray_time_to_first_token_seconds_count",
+                   "pagedray_inter_token_latency_seconds_count", "pagedray_e2e_request_latency_seconds_count",
+                   "pagedray_prompt_tokens_total", "pagedray_generation_tokens_total",
+                   "pagedray_num_requests_running", "pagedray_num_requests_waiting",
+                   "pagedray_kv_cache_usage_ratio", "pagedray_prefix_cache_hit_rate", "pagedray_num_preemptions"):
+        assert series in text, series
+    assert 'pagedray_requests_total{endpoint="completions",outcome="rejected"}' in text
+    sse = parse_sse(http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True}).text)
+    assert sse[-1] == "[DONE]"
+
+
+def _tp_worker_processes():
+    """This session's TP worker processes: descendants of the test process (Ray was started by it)
+    whose title names the RayWorker actor class."""
+    import os
+
+    import psutil
+
+    found = []
+    for proc in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if "RayWorker" in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_dead_tp_rank_ends_in_flight_stream_then_app_recovers(app, http):
+    """Runs last: kills the app's only TP worker process mid-stream. The stream must end (with an
+    error event), not hang; Serve then replaces the engine replica and the app serves again."""
+    import time
+
+    workers = _tp_worker_processes()
+    assert len(workers) == 1, workers
+    body = {"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert first.startswith("data: {")
+        workers[0].kill()
+        rest = "\n\n".join(line for line in lines if line.startswith("data: "))
+    events = parse_sse(rest)
+    assert events[-1] == "[DONE]"
+    assert any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+    deadline = time.monotonic() + 120
+    while http.get("/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    again = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0})
+    assert again.status_code == 200, again.text
+    assert [p.pid for p in _tp_worker_processes()] != [workers[0].pid]
