@@ -28,8 +28,12 @@ def _check(cond: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+INT64_MAX = 2**63 - 1
+
+
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A plain integer that fits the int64 tensors and msgpack ints it will travel in."""
+    return isinstance(value, int) and not isinstance(value, bool) and -INT64_MAX - 1 <= value <= INT64_MAX
 
 
 def _is_number(value: object) -> bool:

@@ -32,7 +32,7 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     yield ray
     ray.shutdown()

@@ -17,7 +17,8 @@ from pagedray.cluster import (
     ("n", 0), ("n", 1000), ("n", 1.5), ("max_tokens", 0), ("max_tokens", True), ("temperature", -0.1),
     ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("min_p", 1.5),
     ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("seed", "x"),
-    ("stop_token_ids", [-1]), ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1),
+    ("stop_token_ids", [-1]), ("seed", 2**64), ("top_k", 2**63), ("stop_token_ids", [2**70]),
+    ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1),
 ])
 def test_bad_sampling_param_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
