@@ -6,11 +6,13 @@ head_dim contiguous; slot of position ``p`` = ``block_table[p // block_size] * b
 ``store_kv``, ``paged_decode``, ``paged_prefill`` and ``paged_attention`` validate their arguments
 (``ValueError`` naming the argument) and dispatch; the ``*_reference`` functions take the same arguments,
 skip validation and compute in float32 with torch (the CPU attention path and the test oracle).
+``check_step_metadata`` runs the metadata checks once for callers that reuse one step's metadata in
+every layer (they then pass ``validate_values=False`` per call).
 Benchmarks: ``python -m pagedray.kernels.bench`` (CUDA; ``--dry-run`` checks the plumbing on CPU) and
 ``python -m pagedray.kernels.bench_reference`` (CPU timing of the references against dense SDPA).
 """
 
-from .api import paged_attention, paged_decode, paged_prefill, store_kv
+from .api import check_step_metadata, paged_attention, paged_decode, paged_prefill, store_kv
 from .reference import (
     paged_attention_reference,
     paged_decode_reference,
@@ -19,6 +21,7 @@ from .reference import (
 )
 
 __all__ = [
+    "check_step_metadata",
     "store_kv",
     "paged_decode",
     "paged_prefill",

@@ -75,12 +75,38 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slope
     return run(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window, out)
 
 
-def _check_varlen(q, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate: bool) -> None:
-    v.check_tensor("seq_lens_k", seq_lens_k, 1, q.device)
-    v.check_block_tables(block_tables, seq_lens_k, seq_lens_k.shape[0], q.device, lens_name="seq_lens_k")
-    v.check_cu_seqlens(cu_seqlens_q, seq_lens_k, q.shape[0], validate)
+def _check_varlen(total_q: int, device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate: bool) -> None:
+    v.check_tensor("seq_lens_k", seq_lens_k, 1, device)
+    v.check_block_tables(block_tables, seq_lens_k, seq_lens_k.shape[0], device, lens_name="seq_lens_k")
+    v.check_cu_seqlens(cu_seqlens_q, seq_lens_k, total_q, validate)
     if validate:
         v.check_seq_len_values("seq_lens_k", seq_lens_k, block_tables, k_cache)
+
+
+def _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate: bool) -> None:
+    if max_query_len is not None and (isinstance(max_query_len, bool) or not isinstance(max_query_len, int)
+                                      or max_query_len < 0):
+        raise ValueError(f"max_query_len: expected None or a non-negative int, got {max_query_len!r}")
+    if validate and max_query_len is not None and seq_lens_k.shape[0] > 0:
+        longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if longest != max_query_len:
+            raise ValueError(f"max_query_len: {max_query_len} but the longest chunk in cu_seqlens_q "
+                             f"has {longest} tokens")
+
+
+def check_step_metadata(k_cache, v_cache, num_tokens: int, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables,
+                        max_query_len=None, *, validate_values=None) -> None:
+    """The checks of ``store_kv`` + ``paged_attention`` on the metadata one step shares by all its layers.
+
+    For callers that run many layers over the same metadata (the model runner): check once per step
+    here, then pass ``validate_values=False`` to each layer's ``store_kv`` / ``paged_attention`` (their
+    structural checks on q/k/v still run per call). ``validate_values`` has the usual default.
+    """
+    v.check_caches(k_cache, v_cache)
+    validate = v.values_checked(validate_values, k_cache.device)
+    v.check_slot_mapping(slot_mapping, num_tokens, k_cache, validate)
+    _check_varlen(num_tokens, k_cache.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
+    _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
 
 
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
@@ -93,7 +119,7 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, s
     [0, seq_len_k - q_len + i].
     """
     _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
-    _check_varlen(q, k_cache, cu_seqlens_q, seq_lens_k, block_tables,
+    _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables,
                   v.values_checked(validate_values, q.device))
     run = paged_prefill_triton if _triton_wanted(use_triton, q.device) else paged_prefill_reference
     return run(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes, out,
@@ -119,16 +145,9 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
     """Mixed batch (decode rows and prefill chunks, shapes as ``paged_prefill``): the decode kernel when
     every chunk is one token, else the prefill kernel. ``max_query_len`` (optional host int) is a hint."""
     _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
-    if max_query_len is not None and (isinstance(max_query_len, bool) or not isinstance(max_query_len, int)
-                                      or max_query_len < 0):
-        raise ValueError(f"max_query_len: expected None or a non-negative int, got {max_query_len!r}")
     validate = v.values_checked(validate_values, q.device)
-    _check_varlen(q, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
-    if validate and max_query_len is not None and seq_lens_k.shape[0] > 0:
-        longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        if longest != max_query_len:
-            raise ValueError(f"max_query_len: {max_query_len} but the longest chunk in cu_seqlens_q "
-                             f"has {longest} tokens")
+    _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
+    _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
     triton_path = _triton_wanted(use_triton, q.device)
     if _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate):
         run = paged_decode_triton if triton_path else paged_decode_reference

@@ -26,7 +26,11 @@ from ``log_softmax`` of the RAW logits, before penalties, temperature and filter
 ``raw_logprobs``): they describe the model's distribution and match transformers' log-softmax, whatever
 the sampling settings. ``n = 0`` gives the sampled token's logprob and an empty top list.
 
-Fast path: a batch of greedy rows without penalties or logprobs is a single argmax.
+Fast path: a batch of greedy rows without penalties or logprobs is a single argmax. When every row
+samples, the greedy argmax and the row gather are skipped and the probabilities are divided by the
+noise in place (64 rows x 49152 vocab at temperature 0.8, 1 thread: 34 -> 14 ms, same tokens); a seeded
+row fills its noise row in place (the same numbers ``torch.rand`` would draw). The rest of the cost
+is the noise itself (``torch.rand`` + ``log``: ~10 ms) and the softmax.
 """
 
 from __future__ import annotations
@@ -90,14 +94,17 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """``logits [rows, vocab]`` (penalised) -> token ids ``[rows]`` int64."""
-        tokens = logits.argmax(dim=1)
         sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
         if not sampled:
-            return tokens
-        sub_rows = [rows[i] for i in sampled]
+            return logits.argmax(dim=1)
+        if len(sampled) == len(rows):   # every row samples: no greedy argmax and no row gather needed
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+            sampled, sub_rows = slice(None), rows
+        else:
+            tokens, sub_rows = logits.argmax(dim=1), [rows[i] for i in sampled]
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in sub_rows], device=device)
-        scaled = logits[sampled] / temperature[:, None]  # [n_sampled, vocab]
+        scaled = logits[sampled] / temperature[:, None]  # [n_sampled, vocab] (a new tensor)
         if any(r.params.min_p > 0 for r in sub_rows):
             min_p = torch.tensor([r.params.min_p for r in sub_rows], device=device)
             scaled = apply_min_p(scaled, min_p)
@@ -107,7 +114,7 @@ class Sampler:
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=1)
         noise = self._exponential_noise(sub_rows, probs.shape[1], device)
-        tokens[sampled] = (probs / noise).argmax(dim=1)
+        tokens[sampled] = probs.div_(noise).argmax(dim=1)   # in place: probs is not used again
         return tokens
 
     def _exponential_noise(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
@@ -123,7 +130,7 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.params.seed is not None:
                 generator = seeded_generator(row.params.seed, len(row.output_token_ids), device)
-                uniform[i] = torch.rand(vocab, device=device, generator=generator)
+                uniform[i].uniform_(generator=generator)   # the numbers torch.rand(vocab) would draw
         return uniform.log_().neg_()
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:

@@ -13,8 +13,9 @@ the sampling params. The scheduler decides; the mirror only follows:
 4. After the forward, ``mark_computed`` advances ``num_computed_tokens`` by the scheduled tokens.
 
 A plan that contradicts the mirror (unknown running id, a new id that is already mirrored, more
-scheduled tokens than known tokens, a block table too short for them) raises ValueError naming the
-field, before the mirror changes.
+scheduled tokens than known tokens, a block table too short for them, a block id outside the KV
+cache) raises ValueError naming the field, before the mirror changes. The step's inputs are then
+valid by construction; the runner still checks their attention metadata once per step.
 """
 
 from __future__ import annotations
@@ -73,9 +74,15 @@ def _check_fits(seq_id: int, computed: int, scheduled: int, num_tokens: int, num
                          f"{computed + scheduled} tokens")
 
 
+def _check_block_ids(seq_id: int, block_ids: list[int], num_blocks: int | None) -> None:
+    if num_blocks is not None and block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
+        raise ValueError(f"block_ids: seq {seq_id} has a block id outside the KV cache [0, {num_blocks})")
+
+
 class SequenceMirror:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, num_blocks: int | None = None) -> None:
         self.block_size = block_size
+        self.num_blocks = num_blocks    # size of the KV cache, for the block-id range check (None: skip)
         self._seqs: dict[int, SequenceState] = {}
 
     def __len__(self) -> int:
@@ -94,6 +101,7 @@ class SequenceMirror:
             if delta.seq_id not in alive or state is None:
                 raise ValueError(f"running: seq {delta.seq_id} is not mirrored by this worker")
             num_tokens = state.num_tokens + (delta.new_token_id is not None)
+            _check_block_ids(delta.seq_id, delta.new_block_ids, self.num_blocks)
             _check_fits(delta.seq_id, state.num_computed_tokens, delta.num_scheduled_tokens, num_tokens,
                         len(state.block_ids) + len(delta.new_block_ids), self.block_size)
         seen = set()
@@ -101,6 +109,7 @@ class SequenceMirror:
             if new.seq_id in alive or new.seq_id in seen:
                 raise ValueError(f"new_seqs: seq {new.seq_id} is already mirrored by this worker")
             seen.add(new.seq_id)
+            _check_block_ids(new.seq_id, new.block_ids, self.num_blocks)
             _check_fits(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens,
                         len(new.prompt_token_ids) + len(new.output_token_ids), len(new.block_ids),
                         self.block_size)

@@ -96,9 +96,10 @@ class Worker:
         output = self.runner.execute(plan)
         if not self.tp.is_first:
             return None
-        return StepResult(step_id=plan.step_id, sampled=self._sample(output))
+        return StepResult(step_id=plan.step_id, sampled=self.sample(output))
 
-    def _sample(self, output: StepOutput) -> list:
+    def sample(self, output: StepOutput) -> list:
+        """Rank 0: one SampledToken per logits row of a step's output."""
         if output.logits is None:
             return []
         rows = [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids)

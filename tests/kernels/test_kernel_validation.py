@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedray.kernels import paged_attention, paged_decode, paged_prefill, store_kv
+from pagedray.kernels import check_step_metadata, paged_attention, paged_decode, paged_prefill, store_kv
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, Q_HEADS = 8, 16, 2, 64, 4
 
@@ -169,3 +169,45 @@ def test_valid_arguments_are_accepted():
     key = torch.randn((3, KV_HEADS, HEAD_DIM))
     store_kv(key, key, cache, cache.clone(), torch.tensor([0, 5, 17]))
     assert torch.equal(cache[1, 1], key[2])
+
+
+def _step_metadata_args() -> dict:
+    """A valid step: chunks of 3 and 2 tokens ending at lengths 20 and 9 (tables [3, 1] and [0, 5]):
+    positions 17-19 live in block 1 (slots 17-19), positions 7-8 in block 0 (slots 7-8)."""
+    args = _prefill_args()
+    return dict(k_cache=args["k_cache"], v_cache=args["v_cache"], num_tokens=5,
+                slot_mapping=torch.tensor([17, 18, 19, 7, 8]),
+                cu_seqlens_q=args["cu_seqlens_q"], seq_lens_k=args["seq_lens_k"],
+                block_tables=args["block_tables"], max_query_len=3)
+
+
+# case -> (argument named in the error, replacements for the valid step metadata)
+STEP_METADATA_CASES = {
+    "slot outside cache": ("slot_mapping", lambda a: {"slot_mapping": torch.tensor([0, 1, 2, 3, 8 * 16])}),
+    "slot count": ("slot_mapping", lambda a: {"num_tokens": 4}),
+    "cu end": ("cu_seqlens_q", lambda a: {"cu_seqlens_q": _i32(0, 3, 4)}),
+    "seq_lens_k beyond capacity": ("seq_lens_k", lambda a: {"seq_lens_k": _i32(20, 40)}),
+    "block id out of cache": ("block_tables", lambda a: {"block_tables": _i32(3, NUM_BLOCKS, 0, 5).view(2, 2)}),
+    "max_query_len wrong": ("max_query_len", lambda a: {"max_query_len": 2}),
+    "v_cache shape": ("v_cache", lambda a: {"v_cache": a["v_cache"][:4]}),
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_METADATA_CASES), ids=list(STEP_METADATA_CASES))
+def test_step_metadata_checked_once_rejects(case):
+    """check_step_metadata makes the metadata checks of store_kv + paged_attention in one call."""
+    name, replacements = STEP_METADATA_CASES[case]
+    args = _step_metadata_args()
+    check_step_metadata(**args)                                       # the base step is valid
+    args.update(replacements(args))
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        check_step_metadata(**args)
+
+
+def test_step_metadata_value_checks_can_be_skipped():
+    args = _step_metadata_args()
+    args["seq_lens_k"] = _i32(20, 40)                                 # content check only
+    check_step_metadata(**args, validate_values=False)
+    args["seq_lens_k"] = args["seq_lens_k"].long()                    # structural: always checked
+    with pytest.raises(ValueError, match="^seq_lens_k: "):
+        check_step_metadata(**args, validate_values=False)

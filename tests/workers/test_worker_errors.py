@@ -71,6 +71,8 @@ def test_plans_that_contradict_the_mirror(tiny_model_path):
         "num_scheduled_tokens: seq 0": StepPlan(1, running=[RunningDelta(0, 2, [], 4)]),
         "block_ids: seq 1": StepPlan(1, new_seqs=[NewSequence(1, list(range(9)), [], 0, 9, [1], GREEDY)]),
         "block_copies": StepPlan(1, released_seq_ids=[0], block_copies=[(0, 8)]),
+        "block_ids: seq 2 has a block id outside": StepPlan(1, new_seqs=[NewSequence(2, [5], [], 0, 1, [8], GREEDY)]),
+        "block_ids: seq 0 has a block id outside": StepPlan(1, running=[RunningDelta(0, 1, [-1], 4)]),
     }
     kv_before = worker.runner.kv_cache.clone()
     for message, plan in bad_plans.items():

@@ -13,7 +13,7 @@ from pagedray.cluster.wire import NewSequence, StepPlan
 from pagedray.workers.input_batch import build_batch
 from pagedray.workers.kv_cache import KVCacheSpec, copy_blocks
 from pagedray.workers.layers.partition import HeadPartition, VocabPartition
-from pagedray.workers.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedray.workers.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedray.workers.model_info import model_info
 from pagedray.workers.seq_mirror import ScheduledSequence, SequenceState
 from pagedray.workers.worker import Worker
@@ -80,6 +80,23 @@ def test_llama3_rope_frequencies_match_transformers():
     torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
     plain = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     assert (ours < plain).any() and (ours == plain).any()   # the test config exercises both bands
+
+
+def test_rotary_is_bit_identical_to_transformers():
+    """q and k rotated together in one call (as the decoder does) == HF's apply_rotary_pos_emb, bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=4096)
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, 4000, (37,), generator=gen)
+    q, k = torch.randn((37, 2, 64), generator=gen), torch.randn((37, 1, 64), generator=gen)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    ours = RotaryEmbedding(64, rope_parameters(config), torch.device("cpu")).cos_sin(positions, torch.float32)
+    qk = apply_rotary(torch.cat([q, k], dim=1), *ours)
+    assert torch.equal(qk[:, :2], q_hf[0].transpose(0, 1)) and torch.equal(qk[:, 2:], k_hf[0].transpose(0, 1))
 
 
 def test_model_info_merges_eos_ids(tmp_path, tiny_model_path):

@@ -7,6 +7,9 @@ cos/sin are computed per step from the positions of the scheduled tokens (``Rota
 once per forward, shared by all layers) instead of a ``max_position_embeddings``-long cache, which
 would be large for 128k-context models. The angle of position p and pair i is
 ``float32(p) * inv_freq[i]``: a single rounded product, the same value any implementation gets.
+``cos_sin`` returns the sine with the sign of rotate-half folded in, so ``apply_rotary`` is one roll,
+two products and a sum (bit-identical to ``x * cos + rotate_half(x) * sin``); the decoder rotates q
+and k of a layer in one call, as one tensor.
 """
 
 from __future__ import annotations
@@ -60,14 +63,14 @@ class RotaryEmbedding:
         self.head_dim = head_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [tokens] -> cos, sin [tokens, 1, head_dim] (halves repeated; broadcast over heads)
-        angles = positions.float().unsqueeze(-1) * self.inv_freq            # [tokens, head_dim / 2]
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        # positions [tokens] -> cos, signed_sin [tokens, 1, head_dim] (broadcast over heads);
+        # signed_sin = (-sin, sin) over the two halves, the sign rotate-half puts on x's second half
+        angles = (positions.float().unsqueeze(-1) * self.inv_freq).unsqueeze(1)    # [tokens, 1, head_dim / 2]
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [tokens, heads, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x [tokens, heads, head_dim] -> same shape. rotate_half(x) * sin == roll(x, half) * signed_sin
+    # exactly (only signs move), so this is bit-identical to the rotate-half formula with one copy less.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

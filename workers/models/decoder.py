@@ -83,16 +83,17 @@ class DecoderAttention(nn.Module):
             self.k_norm.load(reader, f"{prefix}.k_norm.weight")
 
     def forward(self, hidden, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
-        # hidden [tokens, hidden] -> [tokens, hidden]
+        # hidden [tokens, hidden] -> [tokens, hidden]; q, k, v are views of the fused projection
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q, k, v.contiguous(), kv_layer, meta)        # [tokens, heads_local, head_dim]
+        qkv = self.qkv_proj(hidden).view(tokens, -1, self.head_dim)      # [tokens, Hq + 2 Hkv, D]
+        q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
+        if self.q_norm is None:
+            qk = apply_rotary(qkv[:, :k_end], cos, sin)                   # q and k rotated together
+            q, k = qk[:, :q_end], qk[:, q_end:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, :q_end]), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, q_end:k_end]), cos, sin)
+        out = self.attn(q, k, qkv[:, k_end:], kv_layer, meta)          # [tokens, heads_local, head_dim]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
