@@ -17,9 +17,15 @@ Decisions:
   step plus the adds not yet applied reach ``max_waiting_requests``.
 - Health: EngineDeadError when the engine died (a failed step ended every request with "error"), the
   step loop crashed, a step has run longer than ``config.step_timeout_s``, or the executor reports a
-  dead rank.
+  dead rank (also while it rebuilds its TP group after one).
+- Stall watchdog: a step still running after ``STALL_GRACE_FACTOR * step_timeout_s`` (and not rebuilding
+  a TP group) ends every stream with a final output of finish_reason "error" and marks this engine dead
+  for good (health fails, new requests get EngineDeadError). The grace lets an executor that bounds its
+  own waits by step_timeout_s (Ray) fail the step itself and recover. The step thread cannot be
+  interrupted: once the stalled step returns, ``Engine.fail`` runs on it and frees every block.
 - ``drain(timeout_s)``: refuse new requests (EngineDrainingError), wait for in-flight ones; those
-  still running at the timeout are aborted.
+  still running at the timeout are aborted; then wait until the step loop is idle, so that pending
+  aborts and the release of the last sequences from the worker mirrors have been applied.
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 from .config import EngineConfig
 from .engine import Engine
 from .executor import Executor
-from .outputs import EngineDeadError, EngineDrainingError, QueueFullError, RequestOutput
+from .outputs import CompletionOutput, EngineDeadError, EngineDrainingError, QueueFullError, RequestOutput
 from .sampling_params import SamplingParams
 from .stats import EngineStats
+
+STALL_GRACE_FACTOR = 2.0     # the watchdog ends the streams after this many step_timeout_s
+WATCHDOG_POLL_S = 0.05
 
 
 class AsyncEngine:
@@ -49,11 +58,14 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedray-step")
         self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None     # set while the step loop waits for work
         self._loop_task: asyncio.Task | None = None
         self._step_started: float | None = None
         self._stats = self.engine.stats()
         self._draining = False
         self._closed = False
+        self._stalled: EngineDeadError | None = None
+        self._num_samples: dict[str, int] = {}   # request_id -> params.n (for the watchdog's error outputs)
 
     # -- intake -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -70,6 +82,7 @@ class AsyncEngine:
             self._commands.append(("add", request_id, list(prompt_token_ids), params, priority))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
+        self._num_samples[request_id] = params.n
         self._ensure_loop()
         finished = False
         try:
@@ -80,6 +93,7 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
+            self._num_samples.pop(request_id, None)
             if not finished:
                 self._streams.pop(request_id, None)
                 self._push(("abort", request_id))
@@ -101,12 +115,15 @@ class AsyncEngine:
             raise EngineDeadError("the engine has been shut down")
         if self._draining:
             raise EngineDrainingError("the engine is draining and accepts no new requests")
+        if self._stalled is not None:
+            raise self._stalled
         self._raise_if_loop_failed()
 
     # -- step loop ----------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
             self._wake = asyncio.Event()
+            self._idle = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
         self._wake.set()
 
@@ -114,11 +131,16 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         try:
             while True:
+                self._idle.set()
                 await self._wake.wait()
+                self._idle.clear()
                 self._wake.clear()
                 more = True
                 while more:
-                    outputs, errors, more = await loop.run_in_executor(self._pool, self._step_once)
+                    step = loop.run_in_executor(self._pool, self._step_once)
+                    if not await self._watch(step):
+                        return
+                    outputs, errors, more = step.result()
                     self._deliver(outputs, errors)
         except Exception as exc:  # a crashed loop must not leave any consumer waiting
             dead = EngineDeadError(f"the step loop crashed: {type(exc).__name__}: {exc}")
@@ -126,6 +148,30 @@ class AsyncEngine:
                 queue.put_nowait(dead)
             self._streams.clear()
             raise
+
+    async def _watch(self, step: asyncio.Future) -> bool:
+        """Waits for a step; False when the watchdog declared it stalled (streams ended with "error")."""
+        limit = STALL_GRACE_FACTOR * self.config.step_timeout_s
+        while not step.done():
+            await asyncio.wait({step}, timeout=WATCHDOG_POLL_S)
+            started = self._step_started
+            if (not step.done() and started is not None and not self.engine.recovering
+                    and time.monotonic() - started > limit):
+                self._declare_stalled(time.monotonic() - started)
+                return False
+        return True
+
+    def _declare_stalled(self, elapsed: float) -> None:
+        message = (f"a step has not returned after {elapsed:.1f} s (step_timeout_s="
+                   f"{self.config.step_timeout_s}); the engine is marked dead")
+        self._stalled = EngineDeadError(message)
+        self._pool.submit(self.engine.fail, self._stalled)   # runs once the stalled step returns
+        for request_id, queue in self._streams.items():
+            n = self._num_samples.get(request_id, 1)
+            queue.put_nowait(RequestOutput(
+                request_id=request_id, finished=True, error=message,
+                outputs=[CompletionOutput(index=i, finish_reason="error") for i in range(n)]))
+        self._streams.clear()
 
     def _step_once(self) -> tuple[list[RequestOutput], list[tuple[str, BaseException]], bool]:
         """Runs on the step thread: apply commands, run one step, snapshot stats."""
@@ -178,9 +224,13 @@ class AsyncEngine:
     async def check_health(self) -> None:
         if self._closed:
             raise EngineDeadError("the engine has been shut down")
+        if self._stalled is not None:
+            raise self._stalled
         self._raise_if_loop_failed()
         if self.engine.is_dead:
             self.engine.check_health()
+        if self.engine.recovering:
+            raise EngineDeadError("a TP rank failed; the TP group is being rebuilt (in-flight requests resume after)")
         started = self._step_started
         if started is not None and time.monotonic() - started > self.config.step_timeout_s:
             raise EngineDeadError(f"a step has been running for more than step_timeout_s="
@@ -203,6 +253,23 @@ class AsyncEngine:
             await self.abort(request_id)
         while self._streams and self._loop_task is not None and not self._loop_task.done():
             await asyncio.sleep(0.01)
+        await self._wait_idle(max(0.0, deadline - time.monotonic()) + 5.0)
+
+    async def _wait_idle(self, timeout_s: float) -> None:
+        """Waits until the step loop has nothing left to do: the aborts of consumers that went away and
+        the release of finished sequences from the worker mirrors are applied (bounded by timeout_s)."""
+        task = self._loop_task
+        if task is None or task.done():
+            return
+        with self._lock:
+            pending = bool(self._commands)
+        if pending:
+            self._wake.set()
+            self._idle.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     def shutdown(self) -> None:
         if self._closed:
@@ -210,5 +277,5 @@ class AsyncEngine:
         self._closed = True
         if self._loop_task is not None:
             self._loop_task.cancel()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=self._stalled is None)   # a stalled step thread cannot be joined
         self.engine.shutdown()

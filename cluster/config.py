@@ -80,6 +80,9 @@ class ParallelConfig:
     placement_strategy: str = "PACK"
     # torch intra-op threads per TP worker on CPU; None: cores / tensor_parallel_size
     threads_per_worker: int | None = None
+    # how many times over the engine's life a dead TP rank may be recovered from (tear the group down,
+    # rebuild it, re-admit the running sequences by recompute); 0 disables recovery (Ray executor only)
+    max_rank_restarts: int = 3
 
     def validate(self) -> None:
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
@@ -92,6 +95,9 @@ class ParallelConfig:
                  "for tensor_parallel_size > 1")
         _require(self.threads_per_worker is None or self.threads_per_worker >= 1,
                  f"threads_per_worker: must be None or >= 1, got {self.threads_per_worker!r}")
+        _require(isinstance(self.max_rank_restarts, int) and not isinstance(self.max_rank_restarts, bool)
+                 and self.max_rank_restarts >= 0,
+                 f"max_rank_restarts: must be an integer >= 0 (0 disables recovery), got {self.max_rank_restarts!r}")
 
     @property
     def use_ray(self) -> bool:

@@ -7,9 +7,17 @@ applies intake and aborts between steps on its step thread).
 Decisions:
 - ``max_model_len`` = min(config value or the model's max_position_embeddings, KV capacity minus
   the watermark), so that a lone sequence always fits and preemption always makes progress.
-- An executor failure ends every in-flight request with finish_reason "error" (their outputs are
-  returned by that ``step()``), frees their blocks and marks the engine dead: later calls raise
-  EngineDeadError. Nothing hangs.
+- Rank failure recovery: when a step fails and the executor says the failure is a rank failure
+  (``executor.is_rank_failure(exc)``: a dead TP actor, a broken channel, a timed-out wait) and fewer
+  than ``config.parallel.max_rank_restarts`` rebuilds happened, the engine re-queues every running
+  sequence as if preempted (``Scheduler.reset_after_kv_loss``: blocks freed, output tokens kept), has
+  the executor rebuild its TP group (``executor.rebuild()``: new actors, process group, empty KV
+  cache), and starts over with a fresh BlockManager of the same size (the old prefix cache described
+  lost KV contents). The sampled tokens of the failed step are dropped; recompute yields the same ones
+  (greedy, or seeded by (seed, position)), so every request finishes as an undisturbed run would.
+- Any other executor failure (or a failed rebuild, or restarts used up) ends every in-flight request
+  with finish_reason "error" (their outputs are returned by that ``step()``), frees their blocks and
+  marks the engine dead: later calls raise EngineDeadError. Nothing hangs.
 - ``abort`` frees the request's blocks at once; its final output (finish_reason "abort") is
   returned by the next ``step()``.
 - When sequences were released and nothing else is scheduled, a plan with only
@@ -19,6 +27,8 @@ Decisions:
 from __future__ import annotations
 
 import functools
+import logging
+import time
 
 from pagedray.block_manager import BlockManager
 
@@ -31,6 +41,8 @@ from .request import FinishReason
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -55,6 +67,10 @@ class Engine:
         self._dead: BaseException | None = None
         self._num_steps = 0
         self._num_finished = 0
+        self.num_rank_restarts = 0
+        self.recovering = False                 # True while the TP group is being rebuilt (step thread)
+        self.last_recovery_s: float | None = None   # duration of the last rebuild + reset
+        self._prefix_totals_before = (0, 0)     # prefix query/hit tokens of BlockManagers replaced by recovery
 
     def _effective_max_model_len(self) -> int:
         limit = self.config.model.max_model_len or self.model_info.max_position_embeddings
@@ -118,13 +134,55 @@ class Engine:
             if result.step_id != plan.step_id:
                 raise RuntimeError(f"executor answered step {result.step_id} for plan {plan.step_id}")
             touched = self.scheduler.update(out, result.sampled)
-        except Exception as exc:  # any executor failure ends the in-flight requests
-            return outputs + self._fail(exc)
+        except Exception as exc:  # a curable rank failure is recovered from; any other ends the requests
+            failure = self._recover(exc)
+            return outputs if failure is None else outputs + self._fail(failure)
         for request in touched:
             if request.is_finished:
                 self._num_finished += 1
             outputs.append(self.output_builder.make(request))
         return outputs
+
+    def _recover(self, exc: Exception) -> Exception | None:
+        """Rebuilds the TP group after a rank failure; returns None when recovered, else the failure."""
+        is_rank_failure = getattr(self.executor, "is_rank_failure", None)
+        if is_rank_failure is None or not is_rank_failure(exc):
+            return exc
+        limit = self.config.parallel.max_rank_restarts
+        if self.num_rank_restarts >= limit:
+            return RuntimeError(f"{exc} (max_rank_restarts={limit} rebuilds already used)")
+        self.num_rank_restarts += 1
+        started = time.monotonic()
+        requeued = self.scheduler.reset_after_kv_loss(self._fresh_block_manager())
+        self.block_manager = self.scheduler.block_manager
+        self.plan_builder = PlanBuilder(self.block_manager)
+        logger.warning("TP rank failure (%s); rebuilding the TP group, %d running sequences re-queued",
+                       exc, len(requeued))
+        self.recovering = True
+        try:
+            self.executor.rebuild()
+        except Exception as rebuild_exc:
+            return RuntimeError(f"{exc}; rebuilding the TP group failed: {type(rebuild_exc).__name__}: {rebuild_exc}")
+        finally:
+            self.recovering = False
+        self.last_recovery_s = time.monotonic() - started
+        logger.warning("TP group rebuilt in %.2f s", self.last_recovery_s)
+        return None
+
+    def _fresh_block_manager(self) -> BlockManager:
+        old = self.block_manager
+        stats = old.stats()
+        query, hit = self._prefix_totals_before
+        self._prefix_totals_before = (query + stats.prefix_query_tokens, hit + stats.prefix_hit_tokens)
+        return BlockManager(old.block_size, old.num_blocks, enable_prefix_caching=old.enable_prefix_caching,
+                            watermark=self.config.cache.watermark)
+
+    def fail(self, exc: BaseException) -> list[RequestOutput]:
+        """Marks the engine dead and ends every in-flight request with "error" (blocks freed); returns
+        their final outputs. Used by AsyncEngine's stall watchdog once the stalled step has returned."""
+        if self._dead is not None:
+            return []
+        return self._fail(exc)
 
     def _fail(self, exc: BaseException) -> list[RequestOutput]:
         self._dead = exc
@@ -150,21 +208,24 @@ class Engine:
     def stats(self) -> EngineStats:
         bm_stats = self.block_manager.stats()
         sched = self.scheduler
+        query_before, hit_before = self._prefix_totals_before
+        query, hit = query_before + bm_stats.prefix_query_tokens, hit_before + bm_stats.prefix_hit_tokens
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             num_blocks=bm_stats.num_blocks,
             num_free_blocks=bm_stats.num_free_blocks,
             kv_usage=bm_stats.usage,
-            prefix_hit_rate=bm_stats.prefix_hit_rate,
-            prefix_query_tokens_total=bm_stats.prefix_query_tokens,
-            prefix_hit_tokens_total=bm_stats.prefix_hit_tokens,
+            prefix_hit_rate=hit / query if query else 0.0,
+            prefix_query_tokens_total=query,
+            prefix_hit_tokens_total=hit,
             num_preemptions_total=sched.num_preemptions,
             num_prompt_tokens_total=sched.num_prompt_tokens,
             num_generation_tokens_total=sched.num_generated_tokens,
             num_computed_tokens_total=sched.num_computed_tokens,
             num_steps_total=self._num_steps,
             num_requests_finished_total=self._num_finished,
+            num_rank_restarts_total=self.num_rank_restarts,
         )
 
     def shutdown(self) -> None:

@@ -18,9 +18,15 @@ plan costs 0.13-0.33 ms with the compiled graph and 1.0-1.07 ms with actor calls
 0.37% of a 64-sequence decode step (0.3 s on this CPU). The compiled graph is the default
 (``transport="compiled"``); ``"actor"`` stays available (the two-node test uses it).
 
-Every wait is bounded by ``config.step_timeout_s`` so a stalled rank fails the step (the engine then
-ends the in-flight requests with "error") instead of hanging. ``shutdown`` tears the compiled graph
-down, kills the actors and removes the placement group if this executor created it.
+Every wait is bounded by ``config.step_timeout_s`` so a stalled rank fails the step instead of hanging.
+``shutdown`` tears the compiled graph down, kills the actors and removes the placement group if this
+executor created it.
+
+Rank failure: ``is_rank_failure(exc)`` tells the engine whether a failed step is curable by a new TP
+group (dead actor, broken channel, timed-out wait; not an exception raised by worker code, which would
+recur), and ``rebuild()`` replaces the whole group (stop as in shutdown, then start afresh: new
+placement group when this executor owns it, else the same Serve bundles; new actors, new process group,
+new empty KV cache). While rebuilding, ``check_health`` raises EngineDeadError (health says 503).
 """
 
 from __future__ import annotations
@@ -35,7 +41,13 @@ from .wire import StepPlan, StepResult, decode_result, encode_plan
 TRANSPORTS = ("compiled", "actor")
 DEFAULT_TRANSPORT = "compiled"
 HEALTH_PING_TIMEOUT_S = 10.0
+DEAD_PING_TIMEOUT_S = 2.0
+START_TIMEOUT_S = 300.0   # bound on each start-up wait (actor creation + weight loading + KV init)
 CHANNEL_BUFFER_BYTES = 8 * 1024 * 1024   # initial shared-memory channel size of the compiled graph
+
+
+class RankFailureError(RuntimeError):
+    """A step failed because a TP rank died, lost its channel or stopped answering (curable by rebuild)."""
 
 
 def _wants_gpu(config: EngineConfig) -> bool:
@@ -52,32 +64,109 @@ class RayExecutor:
             raise ValueError(f"transport: must be one of {TRANSPORTS}, got {transport!r}")
         if not ray.is_initialized():
             ray.init(log_to_driver=False)
-        from pagedray.workers.ray_worker import RayWorker
-
         self.config = config
         self.transport = transport
         self.tp_size = config.parallel.tensor_parallel_size
         self._timeout = config.step_timeout_s
         self._graph = None
         self._closed = False
-        self.placement: Placement = place_ranks(self.tp_size, _wants_gpu(config), config.parallel.placement_strategy)
+        self._rebuilding = False
+        self.num_rebuilds = 0
         self.actors = []
+        self.placement: Placement | None = None
+        self._start()
+
+    def _start(self) -> None:
+        """Places the ranks, creates and initialises the actors, compiles the graph (all or nothing)."""
+        from pagedray.workers.ray_worker import RayWorker
+
+        self.placement = place_ranks(self.tp_size, _wants_gpu(self.config), self.config.parallel.placement_strategy)
         try:
-            self.actors = [RayWorker.options(**self.placement.actor_options(rank)).remote(config, rank)
+            self.actors = [RayWorker.options(**self.placement.actor_options(rank)).remote(self.config, rank)
                            for rank in range(self.tp_size)]
             self._init_workers()
-            if transport == "compiled":
+            if self.transport == "compiled":
                 self._graph = self._compile()
         except BaseException:
-            self.shutdown()
+            self._stop()
             raise
+
+    def _stop(self, kill_first: bool = False) -> None:
+        """Tears the compiled graph down, kills the actors, removes the placement group if created here.
+
+        ``kill_first`` (after a rank failure): kill the actors before the teardown, since a surviving rank
+        may be blocked in a collective with the dead one and the teardown would wait for it."""
+        if kill_first:
+            self._kill_actors()
+        if self._graph is not None:
+            try:
+                self._graph.teardown()
+            except Exception:  # a dead rank makes teardown complain; the actors are killed anyway
+                pass
+            self._graph = None
+        self._kill_actors()
+        if self.placement is not None:
+            self.placement.remove()
+
+    def _kill_actors(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+
+    @staticmethod
+    def is_rank_failure(exc: BaseException) -> bool:
+        """True when a failed step is curable by a new TP group (``execute`` raised RankFailureError)."""
+        return isinstance(exc, RankFailureError)
+
+    def _classify_failure(self, exc: Exception) -> Exception:
+        """A dead actor, a lost channel or a timed-out wait is a rank failure; so is any error (e.g. a
+        collective that lost its peer) while some rank's actor is dead. Any other exception is raised by
+        worker code and would recur in a new group: it is returned unchanged."""
+        errors = ray.exceptions
+        direct = (isinstance(exc, (errors.RayActorError, errors.RayChannelError, TimeoutError))
+                  and not isinstance(exc, errors.RayTaskError))
+        dead = self._dead_ranks()
+        if direct or dead:
+            return RankFailureError(f"TP rank failure (dead ranks: {dead}): {type(exc).__name__}: {exc}")
+        return exc
+
+    def _dead_ranks(self) -> list[int]:
+        """Ranks whose actor is dead (a short ping; a busy rank that does not answer counts as alive)."""
+        refs = [a.num_sequences.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DEAD_PING_TIMEOUT_S)
+        dead = []
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.append(rank)
+                except Exception:  # an answer of any other kind means the process is alive
+                    pass
+        return dead
+
+    def rebuild(self) -> None:
+        """Replaces the TP group: old graph, actors and (own) placement group go; new ones come with a fresh
+        KV cache. Raises if the new group cannot start or holds fewer KV blocks than the old one."""
+        if self._closed:
+            raise EngineDeadError("the Ray executor has been shut down")
+        old_blocks = self.num_blocks
+        self._rebuilding = True
+        try:
+            self._stop(kill_first=True)
+            self._start()
+        finally:
+            self._rebuilding = False
+        self.num_rebuilds += 1
+        if self.num_blocks < old_blocks:
+            raise EngineDeadError(f"the rebuilt TP group holds {self.num_blocks} KV blocks, fewer than {old_blocks}")
 
     def _init_workers(self) -> None:
         if self.tp_size > 1:
-            ip, port = ray.get(self.actors[0].node_ip_and_free_port.remote())
-            ray.get([a.init_worker.remote(f"tcp://{ip}:{port}") for a in self.actors])
-        self.num_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors]))
-        ray.get([a.init_kv_cache.remote(self.num_blocks) for a in self.actors])
+            ip, port = ray.get(self.actors[0].node_ip_and_free_port.remote(), timeout=START_TIMEOUT_S)
+            ray.get([a.init_worker.remote(f"tcp://{ip}:{port}") for a in self.actors], timeout=START_TIMEOUT_S)
+        self.num_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors], timeout=START_TIMEOUT_S))
+        ray.get([a.init_kv_cache.remote(self.num_blocks) for a in self.actors], timeout=START_TIMEOUT_S)
 
     def _compile(self):
         from ray.dag import InputNode, MultiOutputNode
@@ -100,10 +189,16 @@ class RayExecutor:
         if self._closed:
             raise EngineDeadError("the Ray executor has been shut down")
         data = encode_plan(plan)
-        if self._graph is not None:
-            replies = [ref.get(timeout=self._timeout) for ref in self._graph.execute(data)]
-        else:
-            replies = ray.get([a.execute_bytes.remote(data) for a in self.actors], timeout=self._timeout)
+        try:
+            if self._graph is not None:
+                replies = [ref.get(timeout=self._timeout) for ref in self._graph.execute(data)]
+            else:
+                replies = ray.get([a.execute_bytes.remote(data) for a in self.actors], timeout=self._timeout)
+        except Exception as exc:
+            failure = self._classify_failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
         if replies[0] is None:
             raise RuntimeError("rank 0 returned no StepResult")
         return decode_result(replies[0])
@@ -117,7 +212,10 @@ class RayExecutor:
         stalls are the step watchdog's business."""
         if self._closed:
             raise EngineDeadError("the Ray executor has been shut down")
-        refs = [a.num_sequences.remote() for a in self.actors]
+        actors = list(self.actors)
+        if self._rebuilding or len(actors) != self.tp_size:
+            raise EngineDeadError("the TP group is being rebuilt after a rank failure")
+        refs = [a.num_sequences.remote() for a in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_PING_TIMEOUT_S)
         for rank, ref in enumerate(refs):
             if ref not in ready:
@@ -131,13 +229,4 @@ class RayExecutor:
         if self._closed:
             return
         self._closed = True
-        if self._graph is not None:
-            try:
-                self._graph.teardown()
-            except Exception:  # a dead rank makes teardown complain; the actors are killed anyway
-                pass
-            self._graph = None
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors = []
-        self.placement.remove()
+        self._stop()

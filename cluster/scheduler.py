@@ -315,5 +315,30 @@ class Scheduler:
         self.requests.pop(request_id, None)
         return request
 
+    def reset_after_kv_loss(self, block_manager) -> list[Sequence]:
+        """The workers lost every KV block (their TP group was rebuilt): each running sequence goes back
+        to the front of the waiting queue as if preempted (output tokens kept, blocks freed, recomputed
+        when re-admitted), pending releases are dropped (the new workers mirror nothing), and the
+        scheduler adopts ``block_manager``: a fresh one, since the old prefix cache describes KV contents
+        that no longer exist. Returns the re-queued sequences (queue order).
+
+        Raises RuntimeError when the old manager still holds a block afterwards (a leak)."""
+        requeued = sorted(self.running, key=self._key)
+        for seq in reversed(requeued):
+            self.block_manager.free(seq.seq_id)
+            seq.status = SequenceStatus.WAITING
+            seq.num_computed_tokens = 0
+            seq.num_preemptions += 1
+            self.waiting.appendleft(seq)
+        self.running = []
+        self._released = []
+        old = self.block_manager
+        old.check_invariants()
+        if old.num_free_blocks != old.num_blocks:
+            raise RuntimeError(f"{old.num_blocks - old.num_free_blocks} KV blocks still held after every "
+                               "running sequence was freed")
+        self.block_manager = block_manager
+        return requeued
+
     def abort_all(self, reason: FinishReason) -> list[Request]:
         return [r for r in (self.abort(rid, reason) for rid in list(self.requests)) if r is not None]

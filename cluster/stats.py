@@ -25,6 +25,7 @@ class EngineStats:
     num_computed_tokens_total: int     # tokens run through the model (prefill chunks + decodes)
     num_steps_total: int
     num_requests_finished_total: int
+    num_rank_restarts_total: int = 0   # TP groups rebuilt after a rank failure
 
     def to_dict(self) -> dict:
         return asdict(self)

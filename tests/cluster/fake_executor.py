@@ -64,3 +64,64 @@ class GatedFakeExecutor(FakeExecutor):
         self.entered.set()
         assert self.gate.wait(timeout=30), "test never opened the gate"
         return super().execute(plan)
+
+
+class RankFailure(RuntimeError):
+    """TEST DOUBLE's stand-in for a dead TP rank (the only failure RecoverableFakeExecutor calls curable)."""
+
+
+class RecoverableFakeExecutor(FakeExecutor):
+    """TEST DOUBLE: like FakeExecutor, but the steps listed in ``fail_at_steps`` (0-based plan count) raise
+    RankFailure, and ``rebuild()`` replaces the "TP group": the mirror (KV contents) is wiped.
+    ``rebuild_fails`` makes rebuild raise instead."""
+
+    def __init__(self, num_blocks, fail_at_steps=(), rebuild_fails=False, rebuild_s=0.0, **kwargs):
+        import threading
+
+        super().__init__(num_blocks, **kwargs)
+        self.fail_at_steps = set(fail_at_steps)
+        self.rebuild_fails = rebuild_fails
+        self.rebuild_s = rebuild_s           # how long rebuild() takes
+        self.rebuilding = threading.Event()  # set while rebuild() runs
+        self.num_rebuilds = 0
+
+    def execute(self, plan):
+        if len(self.plans) in self.fail_at_steps:
+            self.plans.append(plan)
+            raise RankFailure(f"simulated dead rank at step {len(self.plans) - 1}")
+        return super().execute(plan)
+
+    @staticmethod
+    def is_rank_failure(exc):
+        return isinstance(exc, RankFailure)
+
+    def rebuild(self):
+        import time
+
+        if self.rebuild_fails:
+            raise RuntimeError("simulated rebuild failure")
+        self.rebuilding.set()
+        time.sleep(self.rebuild_s)
+        self.rebuilding.clear()
+        self.num_rebuilds += 1
+        self.mirror = {}
+
+
+class SleepingFakeExecutor(FakeExecutor):
+    """TEST DOUBLE: like FakeExecutor, but the step listed as ``sleep_at_step`` sleeps (a stalled rank)
+    until ``wake`` (a threading.Event) is set or ``max_sleep_s`` passes; ``sleeping`` is set meanwhile."""
+
+    def __init__(self, num_blocks, sleep_at_step, max_sleep_s=30.0, **kwargs):
+        import threading
+
+        super().__init__(num_blocks, **kwargs)
+        self.sleep_at_step = sleep_at_step
+        self.max_sleep_s = max_sleep_s
+        self.wake = threading.Event()
+        self.sleeping = threading.Event()
+
+    def execute(self, plan):
+        if len(self.plans) == self.sleep_at_step:
+            self.sleeping.set()
+            self.wake.wait(timeout=self.max_sleep_s)
+        return super().execute(plan)

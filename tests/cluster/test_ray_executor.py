@@ -1,12 +1,14 @@
 """RayExecutor: TP=2 Ray worker actors give the same greedy tokens as the in-process LocalExecutor
 (and HF), on one node (session Ray, compiled-graph transport) and across two simulated nodes
-(own Ray cluster in a subprocess, SPREAD placement, actor-call transport). Also: a killed rank is
-reported dead and fails the in-flight requests with "error"; shutdown removes the placement group."""
+(own Ray cluster in a subprocess, SPREAD placement, actor-call transport). Also, with recovery off
+(max_rank_restarts=0): a killed rank is reported dead and fails the in-flight requests with "error"
+within 10 s; shutdown removes the placement group. (Recovery itself: test_rank_recovery.py.)"""
 
 import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import hf_greedy
@@ -30,7 +32,8 @@ def local_tokens(tiny_llama_path):
 def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, tiny_llama_path, tiny_hf_model,
                                                                    local_tokens):
     ray = ray_session
-    llm = LLM(tiny_llama_path, tensor_parallel_size=2, block_size=8, num_blocks=128, step_timeout_s=30.0)
+    llm = LLM(tiny_llama_path, tensor_parallel_size=2, block_size=8, num_blocks=128, step_timeout_s=30.0,
+              max_rank_restarts=0)
     executor = llm.engine.executor
     group = executor.placement.placement_group
     try:
@@ -42,10 +45,17 @@ def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, t
         llm.engine.add_request("doomed", PROMPTS[0], SamplingParams(temperature=0, max_tokens=50))
         llm.engine.step()
         ray.kill(executor.actors[1])
+        killed_at = time.monotonic()
         with pytest.raises(EngineDeadError, match="rank 1"):
             executor.check_health()
         outputs = llm.engine.step()
+        assert time.monotonic() - killed_at < 10.0
         assert [o.outputs[-1].finish_reason for o in outputs] == ["error"] and outputs[0].finished
+        assert "max_rank_restarts=0" in outputs[0].error
+        with pytest.raises(EngineDeadError):
+            llm.engine.check_health()
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
     finally:
         llm.shutdown()
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"

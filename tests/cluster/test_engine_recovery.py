@@ -1,0 +1,122 @@
+"""Engine rank-failure recovery over the RecoverableFakeExecutor test double (no Ray, no model): a
+curable failure re-queues the running sequences (recompute), rebuilds the executor and every request
+still finishes with the tokens of an undisturbed run; the limit (max_rank_restarts), a failed rebuild
+and an incurable error end the requests with "error" and leave no block held."""
+
+import pytest
+from fake_executor import FakeExecutor, RecoverableFakeExecutor
+from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedray.cluster.engine import Engine
+from pagedray.cluster.outputs import EngineDeadError
+from pagedray.cluster.sampling_params import SamplingParams
+
+PROMPTS = {"a": [10, 11, 12, 13, 14, 15, 16, 17, 18, 19], "b": [40, 41], "c": list(range(100, 130))}
+
+
+def _engine(path, executor, max_rank_restarts=3):
+    config = EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(block_size=8, num_blocks=32),
+                          parallel=ParallelConfig(max_rank_restarts=max_rank_restarts))
+    return Engine(config, executor=executor)
+
+
+def _run(engine, max_tokens=12):
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, n=2 if rid == "c" else 1))
+    tokens, reasons, errors = {}, {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            errors += [out.error] if out.error else []
+            for c in out.outputs:
+                tokens.setdefault((out.request_id, c.index), []).extend(c.token_ids)
+                if c.finish_reason:
+                    reasons[(out.request_id, c.index)] = c.finish_reason
+    return tokens, reasons, errors
+
+
+def _assert_idle_and_clean(engine):
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks and bm.sequence_ids() == []
+
+
+@pytest.mark.parametrize("fail_at_steps", [(3,), (1, 6), (0,)])
+def test_rank_failures_are_recovered_and_outputs_match_undisturbed_run(tiny_llama_path, fail_at_steps):
+    expected, _, _ = _run(_engine(tiny_llama_path, FakeExecutor(32)))
+    fake = RecoverableFakeExecutor(32, fail_at_steps=fail_at_steps)
+    engine = _engine(tiny_llama_path, fake)
+    tokens, reasons, errors = _run(engine)
+    assert tokens == expected and errors == []
+    assert set(reasons.values()) == {"length"} and len(reasons) == 4
+    assert fake.num_rebuilds == len(fail_at_steps) == engine.stats().num_rank_restarts_total
+    assert fake.mirror == {}
+    _assert_idle_and_clean(engine)
+
+
+def test_restarts_beyond_the_limit_end_requests_with_error(tiny_llama_path):
+    fake = RecoverableFakeExecutor(32, fail_at_steps=(2, 4))
+    engine = _engine(tiny_llama_path, fake, max_rank_restarts=1)
+    _, reasons, errors = _run(engine)
+    assert fake.num_rebuilds == 1
+    assert set(reasons.values()) == {"error"} and "max_rank_restarts=1" in errors[0]
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
+    _assert_idle_and_clean(engine)
+
+
+def test_recovery_disabled_or_failed_rebuild_or_incurable_error_fails_cleanly(tiny_llama_path):
+    cases = [(RecoverableFakeExecutor(32, fail_at_steps=(2,)), 0, "max_rank_restarts=0"),
+             (RecoverableFakeExecutor(32, fail_at_steps=(2,), rebuild_fails=True), 3, "rebuilding the TP group failed"),
+             (FakeExecutor(32, fail_at_step=2), 3, "simulated rank failure")]
+    for fake, limit, message in cases:
+        engine = _engine(tiny_llama_path, fake, max_rank_restarts=limit)
+        _, reasons, errors = _run(engine)
+        assert set(reasons.values()) == {"error"} and message in errors[0]
+        assert getattr(fake, "num_rebuilds", 0) == 0
+        _assert_idle_and_clean(engine)
+
+
+def test_max_rank_restarts_is_validated():
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="max_rank_restarts"):
+            ParallelConfig(max_rank_restarts=bad).validate()
+
+
+def test_async_engine_reports_unhealthy_while_rebuilding_and_streams_resume(tiny_llama_path):
+    # the rebuild takes longer than the stall watchdog's grace: it must not end the streams
+    import asyncio
+
+    from pagedray.cluster.async_engine import STALL_GRACE_FACTOR, AsyncEngine
+
+    step_timeout_s = 0.2
+    rebuild_s = STALL_GRACE_FACTOR * step_timeout_s + 0.5
+    expected, _, _ = _run(_engine(tiny_llama_path, FakeExecutor(32)))
+    fake = RecoverableFakeExecutor(32, fail_at_steps=(2,), rebuild_s=rebuild_s)
+    config = EngineConfig(model=ModelConfig(model=tiny_llama_path), cache=CacheConfig(block_size=8, num_blocks=32),
+                          step_timeout_s=step_timeout_s)
+    engine = AsyncEngine(config, executor=fake)
+
+    async def consume(rid):
+        tokens = {}
+        params = SamplingParams(temperature=0, max_tokens=12, n=2 if rid == "c" else 1)
+        async for out in engine.generate(rid, PROMPTS[rid], params):
+            assert out.error is None, out.error
+            for c in out.outputs:
+                tokens.setdefault((rid, c.index), []).extend(c.token_ids)
+        return tokens
+
+    async def main():
+        tasks = [asyncio.create_task(consume(rid)) for rid in PROMPTS]
+        await asyncio.to_thread(fake.rebuilding.wait, 10)
+        with pytest.raises(EngineDeadError, match="being rebuilt"):
+            await engine.check_health()
+        merged = {}
+        for part in await asyncio.gather(*tasks):
+            merged.update(part)
+        await engine.check_health()
+        return merged
+    try:
+        assert asyncio.run(main()) == expected
+        assert fake.num_rebuilds == 1
+        _assert_idle_and_clean(engine.engine)
+    finally:
+        engine.shutdown()

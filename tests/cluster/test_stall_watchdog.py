@@ -1,0 +1,67 @@
+"""Stall watchdog of AsyncEngine over the SleepingFakeExecutor test double: a step that does not
+return makes check_health fail after step_timeout_s, ends every in-flight stream (running and still
+queued, n > 1 included) with finish_reason "error" after STALL_GRACE_FACTOR * step_timeout_s instead
+of hanging, refuses new requests, and frees every block once the stalled step finally returns."""
+
+import asyncio
+import time
+
+import pytest
+from fake_executor import SleepingFakeExecutor
+from pagedray.cluster.async_engine import STALL_GRACE_FACTOR, AsyncEngine
+from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig
+from pagedray.cluster.outputs import EngineDeadError
+from pagedray.cluster.sampling_params import SamplingParams
+
+STEP_TIMEOUT_S = 0.5
+
+
+async def _collect(engine, rid, prompt, max_tokens, n=1):
+    outs = []
+    async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, n=n)):
+        outs.append(out)
+    return outs
+
+
+def test_stalled_step_fails_health_then_ends_streams_with_error_and_frees_blocks(tiny_llama_path):
+    fake = SleepingFakeExecutor(64, sleep_at_step=2)
+    config = EngineConfig(model=ModelConfig(model=tiny_llama_path), cache=CacheConfig(block_size=8, num_blocks=64),
+                          step_timeout_s=STEP_TIMEOUT_S)
+    engine = AsyncEngine(config, executor=fake)
+
+    async def main():
+        tasks = [asyncio.create_task(_collect(engine, "a", [3, 4, 5], 50)),
+                 asyncio.create_task(_collect(engine, "b", list(range(20)), 50, n=2))]
+        await asyncio.to_thread(fake.sleeping.wait, 10)
+        started = time.monotonic()
+        queued = asyncio.create_task(_collect(engine, "c", [9], 5))     # added while the step is stalled
+        await engine.check_health()                                    # just stalled: still healthy
+        await asyncio.sleep(STEP_TIMEOUT_S + 0.2)
+        with pytest.raises(EngineDeadError, match="step_timeout_s"):
+            await engine.check_health()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, queued), timeout=10)
+        waited = time.monotonic() - started
+        with pytest.raises(EngineDeadError, match="not returned"):
+            await _collect(engine, "d", [1], 1)
+        return results, waited
+    try:
+        results, waited = asyncio.run(main())
+        assert STEP_TIMEOUT_S * STALL_GRACE_FACTOR <= waited + 0.1 < 10
+        for outs, n in zip(results, (1, 2, 1)):
+            last = outs[-1]
+            assert last.finished and "step_timeout_s" in last.error
+            assert sorted(c.index for c in last.outputs) == list(range(n))
+            assert {c.finish_reason for c in last.outputs} == {"error"}
+            assert not any(o.finished for o in outs[:-1])
+        assert fake.mirror != {}                     # the stalled step still holds its sequences
+        fake.wake.set()                              # the stalled step returns: Engine.fail frees everything
+        bm = engine.engine.block_manager
+        deadline = time.monotonic() + 10
+        while bm.num_free_blocks != bm.num_blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        bm.check_invariants()
+        assert bm.num_free_blocks == bm.num_blocks and bm.sequence_ids() == []
+        assert engine.engine.is_dead
+    finally:
+        fake.wake.set()
+        engine.shutdown()
