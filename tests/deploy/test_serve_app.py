@@ -273,3 +273,61 @@ def test_dead_tp_rank_mid_stream_is_recovered_with_exact_tokens(app, http):
     assert streamed == undisturbed.json()["choices"][0]["text"]
     assert http.get("/health").status_code == 200
     assert [p.pid for p in _tp_worker_processes()] != [workers[0].pid]
+
+
+def _alive_engine_replica_names() -> list[str]:
+    """Named actors of the engine deployment's replicas (GCS-backed: works without the dashboard)."""
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and "PagedEngine" in a["name"])
+
+
+def _is_single_new_replica(old: list[str]) -> bool:
+    names = _alive_engine_replica_names()
+    return len(names) == 1 and names != old
+
+
+def _created_placement_group_ids() -> set[str]:
+    import ray
+
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+
+
+def test_dead_engine_replica_fails_requests_cleanly_and_serve_replaces_it(app, http):
+    """Runs after the rank-death test: kills the engine replica actor (the central actor) mid-stream.
+    The stream must end with an SSE error event and [DONE] within 10 s; Serve brings a new replica up;
+    afterwards exactly one TP worker and no extra placement group are left, and the app answers again."""
+    import time
+
+    import ray
+
+    replicas = _alive_engine_replica_names()
+    assert len(replicas) == 1, replicas
+    groups_before = _created_placement_group_ids()
+    body = {"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert first.startswith("data: {")
+        ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True)
+        killed_at = time.monotonic()
+        rest = "\n\n".join(line for line in lines if line.startswith("data: "))
+        ended_after = time.monotonic() - killed_at
+    events = parse_sse(rest)
+    assert events[-1] == "[DONE]"
+    assert any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+    assert ended_after < 10.0, ended_after
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if http.get("/health").status_code == 200 and _is_single_new_replica(replicas):
+            break
+        time.sleep(0.5)
+    again = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0})
+    assert again.status_code == 200, again.text
+    new_replicas = _alive_engine_replica_names()
+    assert len(new_replicas) == 1 and new_replicas != replicas, (replicas, new_replicas)
+    assert len(_tp_worker_processes()) == 1
+    # the dead replica's placement group is gone; the new replica has exactly one in its place
+    assert len(_created_placement_group_ids()) == len(groups_before)
