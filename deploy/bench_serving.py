@@ -17,6 +17,20 @@ Decisions:
   stops at EOS or ``max_tokens`` on both sides; output tokens are counted from each server's usage.
 - ``/v1/models`` tells the model name for pagedray; the peer is pinned to the model path it was started
   with. A system that fails to start is reported as such and left out of the ratios.
+- Each pagedray server starts its OWN local Ray: ``pagedray serve`` calls ``ray.init(address="auto")``,
+  which would join any Ray instance already running on the machine (another user's test cluster), so
+  the server runs with ``RAY_ADDRESS=local`` (Ray then starts a fresh local instance) and ``RAY_TMPDIR`` in
+  a private temporary folder (its session files and sockets stay apart); the instance ends with the
+  server process.
+- ``--ray-num-cpus N`` sets the private Ray's logical CPU count (``RAY_OVERRIDE_RESOURCES``): a replica
+  asks for one CPU per TP rank plus one for the engine, so TP=2 on a 2-core machine is never scheduled
+  with Ray's default (the cores). Logical CPUs only gate scheduling; torch threads are set by the workers.
+- A pagedray TP size that the model's heads cannot be split over (SmolLM2-135M: 9 query / 3 KV heads,
+  TP=2) is recorded as ``skipped`` with the workers' own error message instead of being started.
+- ``threads_per_worker`` is not a ``build_app`` option; the workers use ``cpu_count // tp`` torch threads.
+- ``--check``: pagedray's closed-loop run is checked against a sequential greedy reference run of the
+  same prompts (tokens lost, duplicated or corrupted under load count as failures); the peer is not
+  checked.
 - Model load is outside the timing; the machine is shared, so the numbers are only comparable within one
   run of this script (see the JSON's ``machine`` and ``date``).
 """
@@ -33,6 +47,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -56,6 +71,21 @@ class SystemSpec:
     name: str
     command: list[str]
     model_name: str | None   # None: ask the server's /v1/models
+    tensor_parallel_size: int | None = None   # pagedray systems only
+
+
+def skip_reason(spec: SystemSpec, model_path: str) -> str | None:
+    """Why a pagedray TP size cannot run this model (the workers' own check), or None."""
+    if spec.tensor_parallel_size is None:
+        return None
+    from pagedray.workers.model_info import model_info
+
+    info = model_info(model_path)  # an unsupported model is an error, not a skip
+    try:
+        info.check_tensor_parallel_size(spec.tensor_parallel_size)
+    except ValueError as err:
+        return f"{err} (heads cannot be split over the ranks; vLLM rejects this split too)"
+    return None
 
 
 def system_specs(names: list[str], model_path: str, port: int, args: argparse.Namespace) -> list[SystemSpec]:
@@ -68,10 +98,11 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                        "--cb-max-batch-tokens", str(args.peer_max_batch_tokens)]
             specs.append(SystemSpec(name, command, model_path))
         elif name.startswith("pagedray-tp") and name[len("pagedray-tp"):].isdigit():
+            tp = int(name[len("pagedray-tp"):])
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
-                       "--tensor-parallel-size", name[len("pagedray-tp"):], "--dtype", "float32",
+                       "--tensor-parallel-size", str(tp), "--dtype", "float32",
                        "--device", args.device, "--host", "127.0.0.1", "--port", str(port)]
-            specs.append(SystemSpec(name, command, None))
+            specs.append(SystemSpec(name, command, None, tp))
         else:
             raise ValueError(f"systems: unknown system {name!r} (peer or pagedray-tpN)")
     return specs
@@ -80,14 +111,21 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
 class RunningServer:
     """A server subprocess in its own session; stopped (SIGINT, then SIGKILL) on exit."""
 
-    def __init__(self, spec: SystemSpec, port: int, log_path: pathlib.Path) -> None:
+    def __init__(self, spec: SystemSpec, port: int, log_path: pathlib.Path, ray_num_cpus: int | None = None) -> None:
         self.spec, self.url, self.log_path = spec, f"http://127.0.0.1:{port}", log_path
+        self.ray_num_cpus = ray_num_cpus
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> RunningServer:
         log = open(self.log_path, "w")  # closed in __exit__
+        self._ray_tmp = tempfile.TemporaryDirectory(prefix="prbench-ray-")  # removed in __exit__
+        env = dict(os.environ)
+        if self.spec.tensor_parallel_size is not None:  # pagedray: a private local Ray, never "auto"
+            env.update(RAY_ADDRESS="local", RAY_TMPDIR=self._ray_tmp.name)
+            if self.ray_num_cpus is not None:
+                env["RAY_OVERRIDE_RESOURCES"] = json.dumps({"CPU": self.ray_num_cpus})
         self.proc = subprocess.Popen(self.spec.command, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         self._log = log
         return self
 
@@ -119,6 +157,7 @@ class RunningServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
         self._log.close()
+        self._ray_tmp.cleanup()
 
 
 def measure(server: RunningServer, args: argparse.Namespace) -> dict:
@@ -128,16 +167,21 @@ def measure(server: RunningServer, args: argparse.Namespace) -> dict:
     prompts = synthetic_prompts(args.num_requests, parse_length_range(args.input_len, "input_len"),
                                 parse_length_range(args.output_len, "output_len"), args.seed)
 
-    def run(loads: list[LoadSpec]) -> list[dict]:
+    check = args.check and server.spec.tensor_parallel_size is not None
+
+    def run(loads: list[LoadSpec], checked: bool = False):
         config = LoadtestConfig(options=options, prompts=prompts, loads=loads, url=server.url,
-                                metrics_url="", progress=not args.no_progress)
-        return asyncio.run(run_loadtest(config)).summaries
+                                metrics_url="", progress=not args.no_progress, check=checked)
+        return asyncio.run(run_loadtest(config))
 
     run([LoadSpec(num_requests=2, concurrency=2)])  # warm-up, not recorded
-    closed = run([LoadSpec(num_requests=args.num_requests, concurrency=args.concurrency, seed=args.seed)])
+    closed = run([LoadSpec(num_requests=args.num_requests, concurrency=args.concurrency, seed=args.seed)], check)
     rates = [float(r) for r in args.sweep.split(",") if r.strip()] if args.sweep else []
-    sweep = run([LoadSpec(num_requests=args.sweep_requests, rate=r, seed=args.seed) for r in rates]) if rates else []
-    return {"model": model, "load": closed[0], "sweep": sweep}
+    sweep = run([LoadSpec(num_requests=args.sweep_requests, rate=r, seed=args.seed) for r in rates]) if rates else None
+    out = {"model": model, "load": closed.summaries[0], "sweep": sweep.summaries if sweep else []}
+    if check:
+        out["check"] = closed.checks[0]
+    return out
 
 
 def _get(summary: dict, path: tuple[str, ...]):
@@ -206,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-max-batch-tokens", type=int, default=1024)
     p.add_argument("--out-dir", default="bench_results")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--ray-num-cpus", type=int, default=None,
+                   help="logical CPUs of pagedray's private Ray (TP=2 on 2 cores needs >= 3)")
+    p.add_argument("--check", action="store_true",
+                   help="check pagedray's closed-loop greedy outputs against a sequential reference run")
     return p
 
 
@@ -222,8 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         print(f"== {spec.name}: {' '.join(spec.command)}", flush=True)
         entry: dict = {"command": spec.command}
+        reason = skip_reason(spec, model_path)
+        if reason is not None:
+            entry["skipped"] = reason
+            print(f"   {spec.name} skipped: {reason}", flush=True)
+            report["systems"][spec.name] = entry
+            continue
         try:
-            with RunningServer(spec, args.port, out_dir / f"{spec.name}.log") as server:
+            with RunningServer(spec, args.port, out_dir / f"{spec.name}.log", args.ray_num_cpus) as server:
                 server.wait_healthy(args.startup_timeout)
                 entry.update(measure(server, args))
         except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as err:
@@ -236,11 +290,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"-- {name}: rate sweep\n{format_table(entry['sweep'])}")
     print(f"-- closed loop, concurrency {args.concurrency}, {args.num_requests} requests")
     print(comparison_table(report["systems"], report["ratios"]))
+    for name, entry in report["systems"].items():
+        if "skipped" in entry:
+            print(f"-- {name} skipped: {entry['skipped']}")
+        if entry.get("check"):
+            check = entry["check"]
+            print(f"-- {name} --check: {check['checked']} checked, {check['mismatched']} mismatched, "
+                  f"{check['unchecked']} unchecked")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out_dir / f"serving_{stamp}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"json: {path}")
-    return 0 if all("load" in e for e in report["systems"].values()) else 1
+    ok = all("load" in e or "skipped" in e for e in report["systems"].values())
+    mismatched = any(e.get("check") and e["check"]["mismatched"] for e in report["systems"].values())
+    return 0 if ok and not mismatched else 1
 
 
 if __name__ == "__main__":

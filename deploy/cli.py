@@ -17,6 +17,7 @@ Engine options are the same for ``serve`` and ``generate`` and map one to one on
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -89,7 +90,14 @@ def serve_args(ns: argparse.Namespace) -> dict:
     return args
 
 
-def _connect_or_start_ray() -> bool:
+def local_ray_num_cpus(tensor_parallel_size: int, cores: int | None = None) -> int:
+    """Logical CPUs declared for a Ray started here: at least the engine replica's bundle plus one per
+    TP rank, so that TP=2 schedules on a 2-core machine (Ray resources are logical; torch threads are
+    pinned per rank by the workers)."""
+    return max(cores or os.cpu_count() or 1, tensor_parallel_size + 1)
+
+
+def _connect_or_start_ray(tensor_parallel_size: int = 1) -> bool:
     """Connect to a running cluster; start a local one when there is none. True when started here."""
     import ray
 
@@ -97,7 +105,7 @@ def _connect_or_start_ray() -> bool:
         ray.init(address="auto", log_to_driver=False)
         return False
     except ConnectionError:
-        ray.init(log_to_driver=False)
+        ray.init(num_cpus=local_ray_num_cpus(tensor_parallel_size), log_to_driver=False)
         return True
 
 
@@ -119,7 +127,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from .app import build_app
 
     app = build_app(serve_args(ns))  # validates the options before anything starts
-    started_ray = _connect_or_start_ray()
+    started_ray = _connect_or_start_ray(ns.tensor_parallel_size or 1)
     serve.start(http_options={"host": ns.host, "port": ns.port})
     serve.run(app, name=ns.name, route_prefix="/")
     print(f"pagedray is serving at http://{ns.host}:{ns.port}/v1 (Serve app {ns.name!r}); Ctrl-C stops it",

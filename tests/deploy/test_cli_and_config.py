@@ -87,3 +87,12 @@ def test_generate_prints_transformers_greedy_text(default_model_path, capsys):
         out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
     expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert printed == expected + "\n"
+
+
+def test_local_ray_declares_enough_logical_cpus_for_the_tp_group():
+    from pagedray.deploy.cli import local_ray_num_cpus
+
+    # the engine replica's bundle + one per rank must fit, whatever the core count
+    assert local_ray_num_cpus(1, cores=2) == 2
+    assert local_ray_num_cpus(2, cores=2) == 3
+    assert local_ray_num_cpus(4, cores=16) == 16
