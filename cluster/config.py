@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 EXECUTORS = ("auto", "local", "ray")
+RAY_TRANSPORTS = ("actor", "compiled")
 POLICIES = ("fcfs", "priority")
 BLOCK_SIZES = (8, 16, 32, 64)
 
@@ -78,6 +79,10 @@ class ParallelConfig:
     # "auto": in-process for TP=1, Ray worker actors for TP>1
     executor: str = "auto"
     placement_strategy: str = "PACK"
+    # how RayExecutor sends each plan: "actor" (plain actor calls, ~1 ms per step, idle ranks sleep) or
+    # "compiled" (a Ray compiled graph, ~0.2 ms per step, but its ranks poll their channels and keep a
+    # core busy while idle)
+    ray_transport: str = "actor"
     # torch intra-op threads per TP worker on CPU; None: cores / tensor_parallel_size
     threads_per_worker: int | None = None
     # how many times over the engine's life a dead TP rank may be recovered from (tear the group down,
@@ -88,6 +93,8 @@ class ParallelConfig:
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}")
         _require(self.executor in EXECUTORS, f"executor: must be one of {EXECUTORS}, got {self.executor!r}")
+        _require(self.ray_transport in RAY_TRANSPORTS,
+                 f"ray_transport: must be one of {RAY_TRANSPORTS}, got {self.ray_transport!r}")
         _require(self.placement_strategy in PLACEMENT_STRATEGIES,
                  f"placement_strategy: must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}")
         _require(not (self.executor == "local" and self.tensor_parallel_size > 1),

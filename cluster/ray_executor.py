@@ -15,8 +15,10 @@ on any rank surfaces in that step). Two transports, same semantics:
 
 Measured by ``bench_overhead.py`` (2-core shared CPU, TP=2, median of 20): the round trip of an empty
 plan costs 0.13-0.33 ms with the compiled graph and 1.0-1.07 ms with actor calls, i.e. 0.04% vs
-0.37% of a 64-sequence decode step (0.3 s on this CPU). The compiled graph is the default
-(``transport="compiled"``); ``"actor"`` stays available (the two-node test uses it).
+0.37% of a 64-sequence decode step (0.3 s on this CPU). Plain actor calls are the default
+(``ParallelConfig.ray_transport="actor"``): the compiled graph's ranks poll their channels and keep a
+core busy even while the engine is idle (seen as a TP worker at ~100% CPU under an idle
+``pagedray serve`` on the 2-core machine), which costs far more than the 0.8 ms per step it saves.
 
 Every wait is bounded by ``config.step_timeout_s`` so a stalled rank fails the step instead of hanging.
 ``shutdown`` tears the compiled graph down, kills the actors and removes the placement group if this
@@ -39,7 +41,6 @@ from .placement import Placement, place_ranks
 from .wire import StepPlan, StepResult, decode_result, encode_plan
 
 TRANSPORTS = ("compiled", "actor")
-DEFAULT_TRANSPORT = "compiled"
 HEALTH_PING_TIMEOUT_S = 10.0
 DEAD_PING_TIMEOUT_S = 2.0
 START_TIMEOUT_S = 300.0   # bound on each start-up wait (actor creation + weight loading + KV init)
@@ -59,7 +60,8 @@ def _wants_gpu(config: EngineConfig) -> bool:
 
 
 class RayExecutor:
-    def __init__(self, config: EngineConfig, transport: str = DEFAULT_TRANSPORT) -> None:
+    def __init__(self, config: EngineConfig, transport: str | None = None) -> None:
+        transport = config.parallel.ray_transport if transport is None else transport
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: must be one of {TRANSPORTS}, got {transport!r}")
         if not ray.is_initialized():

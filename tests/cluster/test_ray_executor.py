@@ -33,7 +33,7 @@ def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, t
                                                                    local_tokens):
     ray = ray_session
     llm = LLM(tiny_llama_path, tensor_parallel_size=2, block_size=8, num_blocks=128, step_timeout_s=30.0,
-              max_rank_restarts=0)
+              max_rank_restarts=0, ray_transport="compiled")
     executor = llm.engine.executor
     group = executor.placement.placement_group
     try:

@@ -39,6 +39,7 @@ def test_sampling_params_normalise_and_round_trip():
     (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size"),
     (lambda: ParallelConfig(executor="local", tensor_parallel_size=2), "executor"),
     (lambda: ParallelConfig(placement_strategy="RANDOM"), "placement_strategy"),
+    (lambda: ParallelConfig(ray_transport="grpc"), "ray_transport"),
     (lambda: SchedulerConfig(policy="lifo"), "policy"),
     (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
 ])
