@@ -76,3 +76,31 @@ def write_json(name: str, payload: dict) -> pathlib.Path:
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def hf_continuous_batching(model, token_id_prompts: list[list[int]], max_tokens: list[int], pad_token_id: int,
+                           timeout_s: float) -> dict:
+    """Greedy generation through transformers' continuous-batching manager (the ``generate_batch``
+    engine): every request added at once, timed until the last one finishes."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=None,
+                              pad_token_id=pad_token_id)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    produced = 0
+    try:
+        with Timer() as t:
+            for i, (ids, m) in enumerate(zip(token_id_prompts, max_tokens)):
+                manager.add_request(ids, request_id=f"r{i}", max_new_tokens=m)
+            done = 0
+            while done < len(token_id_prompts):
+                result = manager.get_result(timeout=timeout_s)
+                if result is None:
+                    raise RuntimeError("HF continuous batching stopped returning results")
+                if result.is_finished():
+                    done += 1
+                    produced += len(result.generated_tokens)
+    finally:
+        manager.stop(block=True)
+    return {"seconds": t.seconds, "output_tokens": produced}

@@ -18,7 +18,7 @@ import argparse
 import random
 import tempfile
 
-from .bench_common import Timer, print_table, write_json
+from .bench_common import Timer, hf_continuous_batching, print_table, write_json
 
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
@@ -59,28 +59,11 @@ def run_pagedray(folder: str, prompts, outputs, dtype: str, device: str) -> dict
 
 
 def run_hf(folder: str, prompts, outputs, torch_dtype, device: str) -> dict:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(outputs), eos_token_id=None, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=config)
-    manager.start()
-    produced = 0
-    try:
-        with Timer() as t:
-            for i, (ids, m) in enumerate(zip(prompts, outputs)):
-                manager.add_request(ids, request_id=f"r{i}", max_new_tokens=m)
-            done = 0
-            while done < len(prompts):
-                result = manager.get_result(timeout=1200)
-                if result is None:
-                    raise RuntimeError("HF continuous batching stopped returning results")
-                if result.is_finished():
-                    done += 1
-                    produced += len(result.generated_tokens)
-    finally:
-        manager.stop(block=True)
-    return {"seconds": t.seconds, "output_tokens": produced, "output_tok_s": produced / t.seconds}
+    run = hf_continuous_batching(model, prompts, outputs, pad_token_id=0, timeout_s=1200)
+    return {**run, "output_tok_s": run["output_tokens"] / run["seconds"]}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bench_common import Timer, make_max_tokens, make_prompts, print_table, write_json
+from .bench_common import Timer, hf_continuous_batching, make_max_tokens, make_prompts, print_table, write_json
 
 
 def run_pagedray(prompts, max_tokens, model="default", **llm_kwargs) -> dict:
@@ -87,30 +87,9 @@ def run_hf_static(prompts, max_tokens, batch_size: int) -> dict:
 
 
 def run_hf_continuous(prompts, max_tokens) -> dict:
-    from transformers import GenerationConfig
-
     model, tokenizer = _hf_model_and_tokenizer()
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=None,
-                              pad_token_id=tokenizer.pad_token_id or 0)
     inputs = [tokenizer(p).input_ids for p in prompts]
-    manager = model.init_continuous_batching(generation_config=config)
-    manager.start()
-    produced = 0
-    try:
-        with Timer() as t:
-            for i, (ids, m) in enumerate(zip(inputs, max_tokens)):
-                manager.add_request(ids, request_id=f"r{i}", max_new_tokens=m)
-            done = 0
-            while done < len(inputs):
-                result = manager.get_result(timeout=600)
-                if result is None:
-                    raise RuntimeError("HF continuous batching stopped returning results")
-                if result.is_finished():
-                    done += 1
-                    produced += len(result.generated_tokens)
-    finally:
-        manager.stop(block=True)
-    return {"seconds": t.seconds, "output_tokens": produced}
+    return hf_continuous_batching(model, inputs, max_tokens, tokenizer.pad_token_id or 0, timeout_s=600)
 
 
 def _record(runs: dict, name: str, run: dict, base_name: str) -> None:
