@@ -7,6 +7,7 @@ Used by ``serve run`` / ``serve deploy`` (``import_path: pagedray.deploy.app:bui
 model                      ``"default"`` (embedded SmolLM2-135M-Instruct) or a HF model folder
 served_model_name          the name clients pass as ``model`` (default: the model's folder name)
 tensor_parallel_size       TP ranks per replica (one placement-group bundle each)
+threads_per_worker         torch threads per TP rank (default: the node's cores // TP size)
 dtype / device             ``auto|float32|float16|bfloat16`` / ``auto|cpu|cuda``
 block_size                 KV block size in tokens
 kv_cache_gib               KV cache memory per rank on CPU (GiB)
@@ -63,6 +64,7 @@ class AppArgs(BaseModel):
     model: str = "default"
     served_model_name: str | None = None
     tensor_parallel_size: int = 1
+    threads_per_worker: int | None = None
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -104,7 +106,8 @@ def engine_config(args: AppArgs) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, executor="ray"),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, executor="ray",
+                                threads_per_worker=args.threads_per_worker),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting_requests=args.max_queued_requests),

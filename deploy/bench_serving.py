@@ -27,7 +27,7 @@ Decisions:
   with Ray's default (the cores). Logical CPUs only gate scheduling; torch threads are set by the workers.
 - A pagedray TP size that the model's heads cannot be split over (SmolLM2-135M: 9 query / 3 KV heads,
   TP=2) is recorded as ``skipped`` with the workers' own error message instead of being started.
-- ``threads_per_worker`` is not a ``build_app`` option; the workers use ``cpu_count // tp`` torch threads.
+- The workers keep the default torch threads (``cpu_count // tp``; ``--threads-per-worker`` is not passed).
 - ``--check``: pagedray's closed-loop run is checked against a sequential greedy reference run of the
   same prompts (tokens lost, duplicated or corrupted under load count as failures); the peer is not
   checked.

@@ -28,6 +28,7 @@ APP_NAME = "pagedray"
 ENGINE_OPTIONS = (
     ("--model", str, "'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face model folder"),
     ("--tensor-parallel-size", int, "tensor-parallel ranks per replica"),
+    ("--threads-per-worker", int, "torch threads per TP rank (default: cores // TP size)"),
     ("--dtype", str, "auto | float32 | float16 | bfloat16"),
     ("--device", str, "auto | cpu | cuda"),
     ("--block-size", int, "KV block size in tokens"),

@@ -37,7 +37,7 @@ DRY = dict(batches=(1, 3), contexts=(40, 130), q_heads=4, kv_heads=2, head_dim=6
            prefill_tokens=(48,), dtypes=("float16",))
 
 
-def _time_ms(fn, on_cuda: bool) -> float:
+def time_ms(fn, on_cuda: bool) -> float:
     if on_cuda:
         import triton.testing
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -55,11 +55,11 @@ def copy_bandwidth_gbps(device: torch.device, on_cuda: bool) -> float:
     nbytes = (1 << 30) if on_cuda else (1 << 22)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), on_cuda)
+    ms = time_ms(lambda: dst.copy_(src), on_cuda)
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def _paged_kv(batch: int, context: int, cfg: dict, dtype, device, gen):
+def paged_kv_case(batch: int, context: int, cfg: dict, dtype, device, gen):
     """Shuffled paged cache holding ``batch`` sequences of ``context`` tokens."""
     bs = cfg["block_size"]
     per_seq = math.ceil(context / bs)
@@ -72,7 +72,7 @@ def _paged_kv(batch: int, context: int, cfg: dict, dtype, device, gen):
     return k_cache, v_cache, tables
 
 
-def _check(out, expected, what: str) -> None:
+def check_close(out, expected, what: str) -> None:
     err = (out.float() - expected.float()).abs().max().item()
     ref = max(expected.float().abs().max().item(), 1e-6)
     if not err / ref < 2e-2:
@@ -85,16 +85,16 @@ def bench_decode(batch: int, context: int, dtype_name: str, cfg: dict, device, o
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator(device=device).manual_seed(batch * 100003 + context)
-    k_cache, v_cache, tables = _paged_kv(batch, context, cfg, dtype, device, gen)
+    k_cache, v_cache, tables = paged_kv_case(batch, context, cfg, dtype, device, gen)
     q = torch.randn((batch, cfg["q_heads"], cfg["head_dim"]), dtype=dtype, device=device, generator=gen)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(cfg["head_dim"])
     few = min(batch, 2)
-    _check(paged_decode(q[:few], k_cache, v_cache, tables[:few], seq_lens[:few], scale, use_triton=True),
+    check_close(paged_decode(q[:few], k_cache, v_cache, tables[:few], seq_lens[:few], scale, use_triton=True),
            paged_decode_reference(q[:few], k_cache, v_cache, tables[:few], seq_lens[:few], scale),
            f"decode b={batch} ctx={context}")
-    ms = _time_ms(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, out=out,
+    ms = time_ms(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, out=out,
                                        use_triton=True), on_cuda)
     elem = q.element_size()
     nbytes = 2 * batch * context * cfg["kv_heads"] * cfg["head_dim"] * elem + 2 * q.numel() * elem
@@ -144,7 +144,7 @@ def bench_prefill(tokens: int, history: int, dtype_name: str, cfg: dict, device,
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator(device=device).manual_seed(tokens + history)
     total = history + tokens
-    k_cache, v_cache, tables = _paged_kv(1, total, cfg, dtype, device, gen)
+    k_cache, v_cache, tables = paged_kv_case(1, total, cfg, dtype, device, gen)
     hq, hkv, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
     q = torch.randn((tokens, hq, d), dtype=dtype, device=device, generator=gen)
     cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
@@ -152,7 +152,7 @@ def bench_prefill(tokens: int, history: int, dtype_name: str, cfg: dict, device,
     scale = 1.0 / math.sqrt(d)
     out = torch.empty_like(q)
     args = (q, k_cache, v_cache, cu, seq_lens, tables, scale)
-    ms = _time_ms(lambda: paged_prefill(*args, out=out, use_triton=True), on_cuda)
+    ms = time_ms(lambda: paged_prefill(*args, out=out, use_triton=True), on_cuda)
     # Dense copy of the same data for the peer: [1, H, L, D].
     idx = tables[0].long()
     keys = k_cache[idx].reshape(-1, hkv, d)[:total].transpose(0, 1)[None].contiguous()
@@ -161,9 +161,9 @@ def bench_prefill(tokens: int, history: int, dtype_name: str, cfg: dict, device,
     sdpa, backend = _sdpa_dense(q_dense, keys, values, history)
     expected = paged_prefill_reference(*args) if not on_cuda or tokens <= 4096 else None
     if expected is not None:
-        _check(out, expected, f"prefill T={tokens} hist={history}")
-        _check(sdpa()[0].transpose(0, 1), expected, f"sdpa T={tokens} hist={history}")
-    sdpa_ms = _time_ms(sdpa, on_cuda)
+        check_close(out, expected, f"prefill T={tokens} hist={history}")
+        check_close(sdpa()[0].transpose(0, 1), expected, f"sdpa T={tokens} hist={history}")
+    sdpa_ms = time_ms(sdpa, on_cuda)
     pairs = tokens * history + tokens * (tokens + 1) // 2
     flops = 4 * d * hq * pairs
     return dict(kind="prefill", dtype=dtype_name, tokens=tokens, history=history, ms=ms,

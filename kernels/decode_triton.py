@@ -129,10 +129,19 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return max(1, min(wanted, by_context, MAX_SPLITS))
 
 
+def decode_config(head_dim: int, group: int) -> dict:
+    """Launch constants of the decode kernel: ``BLOCK_G`` query-head rows (padded to 16 for ``tl.dot``),
+    ``BLOCK_N`` keys per tile, ``BLOCK_D`` >= head_dim, warps and software-pipelining stages.
+    (sm_90 bf16 at head_dim 128: 103 registers, 38 KB shared, 4 programs per SM; see ``sm90_report``.)"""
+    return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=2)
+
+
 def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-                        sliding_window=None, out=None, *, num_splits=None):
+                        sliding_window=None, out=None, *, num_splits=None, config=None):
     """Launch the decode kernel (and the split reduce). Shapes as in ``pagedray.kernels.paged_decode``;
-    ``num_splits`` overrides the automatic choice (tests use it to force the split path)."""
+    ``num_splits`` overrides the automatic choice (tests use it to force the split path) and ``config``
+    overrides entries of ``decode_config`` (the benchmark's ``--sweep`` uses it)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -149,7 +158,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(part_shape + ((head_dim,) if split else ()), dtype=torch.float32,
                            device=q.device)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    cfg = {**decode_config(head_dim, group), **(config or {})}
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         alibi_slopes if alibi_slopes is not None else q, out, part_m, part_l, part_acc,
@@ -158,14 +167,11 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         head_dim, group, sliding_window or 0, num_splits,
         BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window is not None,
-        SPLIT=split,
-        IEEE=q.dtype == torch.float32,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        SPLIT=split, IEEE=q.dtype == torch.float32, **cfg,
     )
     if split:
         _reduce_splits_kernel[(num_seqs, num_q_heads)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(1), head_dim, num_splits,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=cfg["BLOCK_D"], num_warps=4,
         )
     return out

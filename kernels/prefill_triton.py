@@ -114,8 +114,9 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool) 
 
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                         alibi_slopes=None, out=None, *, sliding_window=None):
-    """Launch the prefill kernel. Shapes as in ``pagedray.kernels.paged_prefill``."""
+                         alibi_slopes=None, out=None, *, sliding_window=None, config=None):
+    """Launch the prefill kernel. Shapes as in ``pagedray.kernels.paged_prefill``; ``config`` overrides
+    entries of ``prefill_config`` (the benchmark's ``--sweep`` uses it)."""
     total_q, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = seq_lens_k.shape[0]
@@ -124,7 +125,7 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_ta
         out = torch.empty_like(q)
     if total_q == 0 or num_seqs == 0:
         return out
-    cfg = prefill_config(head_dim, group, q.dtype, q.is_cuda)
+    cfg = {**prefill_config(head_dim, group, q.dtype, q.is_cuda), **(config or {})}
     grid = (total_q // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens_k, cu_seqlens_q,

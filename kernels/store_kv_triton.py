@@ -1,9 +1,11 @@
 """Triton kernel writing new keys/values into paged cache slots.
 
-One program per (token, KV head) copies one head_dim row of K and of V. A negative slot means "skip"
-(padding tokens). Slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``; the cache
-may have any strides as long as head_dim is contiguous. Duplicate non-negative slots in one call are
-undefined behaviour (last writer wins, in no guaranteed order).
+One program per token copies that token's ``[num_kv_heads, head_dim]`` rows of K and of V as one tile,
+so each thread moves 16-byte vectors (``sm90_report`` checks the 128-bit loads and stores); warps are
+sized to the tile. A negative slot means "skip" (padding tokens). Slot ``s`` lives at block
+``s // block_size``, offset ``s % block_size``; the cache may have any strides as long as head_dim is
+contiguous. Duplicate non-negative slots in one call are undefined behaviour (last writer wins, in no
+guaranteed order).
 """
 
 from __future__ import annotations
@@ -18,23 +20,27 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     stride_vcb, stride_vcs, stride_vch,
-    block_size, head_dim,
-    BLOCK_D: tl.constexpr,
+    block_size, num_heads, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
-    head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         block = slot // block_size
         offset = slot % block_size
-        d = tl.arange(0, BLOCK_D)
-        d_mask = d < head_dim
-        k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=d_mask)
-        v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=d_mask)
-        k_dst = k_cache_ptr + block * stride_cb + offset * stride_cs + head * stride_ch + d
-        v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + head * stride_vch + d
-        tl.store(k_dst, k, mask=d_mask)
-        tl.store(v_dst, v, mask=d_mask)
+        h = tl.arange(0, BLOCK_H)[:, None]                                     # [BLOCK_H, 1]
+        d = tl.arange(0, BLOCK_D)[None, :]                                     # [1, BLOCK_D]
+        mask = (h < num_heads) & (d < head_dim)
+        k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)        # [BLOCK_H, BLOCK_D]
+        v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(k_cache_ptr + block * stride_cb + offset * stride_cs + h * stride_ch + d, k, mask=mask)
+        tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d, v, mask=mask)
+
+
+def store_kv_config(num_kv_heads: int, head_dim: int) -> dict:
+    """Tile ``[BLOCK_H, BLOCK_D]`` and warps so that each thread holds about eight elements."""
+    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    return dict(BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)))
 
 
 def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -42,12 +48,10 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    grid = (num_tokens, num_kv_heads)
-    _store_kv_kernel[grid](
+    _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_cache.shape[1], head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        k_cache.shape[1], num_kv_heads, head_dim, **store_kv_config(num_kv_heads, head_dim),
     )

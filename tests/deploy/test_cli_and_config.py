@@ -18,16 +18,21 @@ YAML_PATH = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml
 def test_serve_options_map_to_build_app_args():
     ns = cli.build_parser().parse_args(
         ["serve", "--model", "/models/x", "--tensor-parallel-size", "2", "--kv-cache-gib", "0.5",
-         "--no-enable-prefix-caching", "--port", "9001", "--api-key", "k", "--max-queued-requests", "7"])
+         "--no-enable-prefix-caching", "--port", "9001", "--api-key", "k", "--max-queued-requests", "7",
+         "--threads-per-worker", "1"])
     assert cli.serve_args(ns) == {"model": "/models/x", "tensor_parallel_size": 2, "kv_cache_gib": 0.5,
+                                  "threads_per_worker": 1,
                                   "enable_prefix_caching": False, "api_key": "k", "max_queued_requests": 7}
     assert (ns.host, ns.port, ns.name) == ("127.0.0.1", 9001, "pagedray")
 
 
 def test_engine_config_from_args():
     config = engine_config(parse_args({"tensor_parallel_size": 2, "block_size": 32, "max_queued_requests": 9,
-                                       "max_model_len": 512, "enable_prefix_caching": False}))
+                                       "max_model_len": 512, "enable_prefix_caching": False,
+                                       "threads_per_worker": 3}))
     assert config.parallel.tensor_parallel_size == 2 and config.parallel.executor == "ray"
+    assert config.parallel.threads_per_worker == 3
+    assert engine_config(parse_args({})).parallel.threads_per_worker is None
     assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
     assert config.scheduler.max_waiting_requests == 9 and config.model.max_model_len == 512
 
@@ -35,6 +40,7 @@ def test_engine_config_from_args():
 @pytest.mark.parametrize("args, field", [({"modle": "x"}, "modle"), ({"block_size": 7}, "block_size"),
                                          ({"tensor_parallel_size": "2"}, "tensor_parallel_size"),
                                          ({"num_replicas": 0}, "num_replicas"),
+                                         ({"threads_per_worker": 0}, "threads_per_worker"),
                                          ({"max_queued_requests": 0}, "max_waiting_requests")])
 def test_build_app_rejects_bad_args_naming_the_field(args, field):
     with pytest.raises(ValueError, match=field):

@@ -24,6 +24,7 @@ CASES = [
     (13, 2, 64, 16, torch.float32, torch.int64),
     (7, 1, 96, 8, torch.float16, torch.int32),
     (20, 4, 128, 32, torch.float16, torch.int64),
+    (9, 3, 64, 16, torch.float32, torch.int32),      # head count not a power of two (masked tile rows)
 ]
 
 

@@ -1,0 +1,189 @@
+"""Launch-configuration sweep for the paged kernels: ``python -m pagedray.kernels.bench_sweep [--dry-run]``.
+
+For a first session on a GPU: times every configuration of a small grid at the benchmark's goal shapes
+and prints, per shape, each configuration against the default one (``decode_config``/``prefill_config``)
+so the defaults can be set from measurements. Writes JSON (device, date, every row, the best per shape).
+
+* Decode (bf16, 32 q / 8 KV heads, head_dim 128, block 16): batch x context in ``DECODE_SHAPES``;
+  ``BLOCK_N`` x ``num_warps`` x ``num_stages`` with the automatic split count, then the default
+  configuration at each forced split count in ``DECODE_SPLITS`` (to set ``choose_num_splits``).
+  Metric: % of the copy bandwidth measured in the same run (bytes counted as in ``bench``).
+* Prefill (bf16, same heads): 8k-token chunks with history 0 and 8k; ``BLOCK_Q`` (query tokens per tile,
+  so ``BLOCK_M = BLOCK_Q * group`` rows) x ``BLOCK_N`` x ``num_warps`` x ``num_stages``. Metric: TFLOP/s.
+* Each configuration is first checked against the torch reference on a small slice; one that fails to
+  compile (e.g. too much shared memory) or disagrees is recorded with its error and not timed.
+* ``--dry-run``: tiny shapes and a two-entry grid through the Triton interpreter on CPU (plumbing only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import pathlib
+import sys
+import tempfile
+
+import torch
+
+from .bench import FULL, check_close, copy_bandwidth_gbps, paged_kv_case, time_ms
+
+DECODE_SHAPES = ((64, 2048), (64, 8192), (256, 2048), (256, 8192), (8, 8192))
+DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
+DECODE_SPLITS = (1, 2, 4, 8, 16, 32)
+PREFILL_SHAPES = ((8192, 0), (8192, 8192))
+PREFILL_GRID = dict(BLOCK_Q=(16, 32, 64), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3))
+DRY = dict(decode_shapes=((3, 70),), decode_grid=dict(BLOCK_N=(16, 32), num_warps=(4,), num_stages=(2,)),
+           decode_splits=(1, 3),
+           prefill_shapes=((40, 0), (24, 30)), prefill_grid=dict(BLOCK_Q=(8, 16), BLOCK_N=(16,), num_warps=(4,),
+                                                                 num_stages=(2,)),
+           heads=(4, 2), head_dim=64, dtype="float16")
+GPU = dict(decode_shapes=DECODE_SHAPES, decode_grid=DECODE_GRID, decode_splits=DECODE_SPLITS,
+           prefill_shapes=PREFILL_SHAPES, prefill_grid=PREFILL_GRID, heads=(FULL["q_heads"], FULL["kv_heads"]),
+           head_dim=FULL["head_dim"], dtype="bfloat16")
+
+
+def grid_configs(grid: dict) -> list[dict]:
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def decode_variants(spec: dict) -> list[tuple[dict | None, int | None]]:
+    """(config, num_splits) pairs: the default, the grid at automatic splits, the default at forced splits."""
+    return ([(None, None)] + [(config, None) for config in grid_configs(spec["decode_grid"])]
+            + [(None, splits) for splits in spec["decode_splits"]])
+
+
+def _try_config(run_small, reference, run_full, on_cuda: bool, what: str) -> dict:
+    """Check one configuration on a small slice, then time it; errors are recorded, not raised."""
+    try:
+        check_close(run_small(), reference, what)
+        return dict(ms=time_ms(run_full, on_cuda))
+    except Exception as exc:   # compile failure (resources) or a wrong result: report, keep sweeping
+        return dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+
+
+def _decode_shape(spec: dict, batch: int, context: int, device, on_cuda: bool, copy_gbps: float) -> list[dict]:
+    from .decode_triton import paged_decode_triton
+    from .reference import paged_decode_reference
+
+    dtype = getattr(torch, spec["dtype"])
+    hq, hkv = spec["heads"]
+    gen = torch.Generator(device=device).manual_seed(batch * 7 + context)
+    k_cache, v_cache, tables = paged_kv_case(batch, context, dict(kv_heads=hkv, head_dim=spec["head_dim"],
+                                                                   block_size=16), dtype, device, gen)
+    q = torch.randn((batch, hq, spec["head_dim"]), dtype=dtype, device=device, generator=gen)   # [B, Hq, D]
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    scale, few, out = 1.0 / math.sqrt(spec["head_dim"]), min(batch, 2), torch.empty_like(q)
+    args, small = (k_cache, v_cache, tables, lens, scale), (k_cache, v_cache, tables[:few], lens[:few], scale)
+    reference = paged_decode_reference(q[:few], *small)
+    nbytes = 2 * batch * context * hkv * spec["head_dim"] * q.element_size() + 2 * q.numel() * q.element_size()
+    rows = []
+    for config, splits in decode_variants(spec):
+        result = _try_config(
+            lambda c=config, n=splits: paged_decode_triton(q[:few], *small, config=c, num_splits=n), reference,
+            lambda c=config, n=splits: paged_decode_triton(q, *args, out=out, config=c, num_splits=n), on_cuda,
+            f"decode {config} splits={splits}")
+        if "ms" in result:
+            result["pct_of_copy"] = 100.0 * nbytes / (result["ms"] * 1e-3) / 1e9 / copy_gbps
+        name = config or ("default" if splits is None else f"default, num_splits={splits}")
+        rows.append(dict(kind="decode", shape=f"b{batch} ctx{context}", config=name, **result))
+    return rows
+
+
+def _prefill_shape(spec: dict, tokens: int, history: int, device, on_cuda: bool) -> list[dict]:
+    from .prefill_triton import paged_prefill_triton
+    from .reference import paged_prefill_reference
+
+    dtype = getattr(torch, spec["dtype"])
+    hq, hkv = spec["heads"]
+    d = spec["head_dim"]
+    gen = torch.Generator(device=device).manual_seed(tokens + 3 * history)
+    k_cache, v_cache, tables = paged_kv_case(1, history + tokens, dict(kv_heads=hkv, head_dim=d, block_size=16),
+                                             dtype, device, gen)
+    q = torch.randn((tokens, hq, d), dtype=dtype, device=device, generator=gen)                 # [T, Hq, D]
+    scale, out = 1.0 / math.sqrt(d), torch.empty_like(q)
+    tail = min(tokens, 64)   # the check runs the last 64 queries (they see the whole history + chunk)
+    seq_lens = torch.tensor([history + tokens], dtype=torch.int32, device=device)
+    full_args = (k_cache, v_cache, torch.tensor([0, tokens], dtype=torch.int32, device=device), seq_lens, tables,
+                 scale)
+    small_args = (k_cache, v_cache, torch.tensor([0, tail], dtype=torch.int32, device=device), seq_lens, tables,
+                  scale)
+    reference = paged_prefill_reference(q[-tail:], *small_args)
+    flops = 4 * d * hq * (tokens * history + tokens * (tokens + 1) // 2)
+    rows = []
+    for config in [None] + grid_configs(spec["prefill_grid"]):
+        result = _try_config(lambda c=config: paged_prefill_triton(q[-tail:], *small_args, config=c), reference,
+                             lambda c=config: paged_prefill_triton(q, *full_args, out=out, config=c), on_cuda,
+                             f"prefill {config}")
+        if "ms" in result:
+            result["tflops"] = flops / (result["ms"] * 1e-3) / 1e12
+        rows.append(dict(kind="prefill", shape=f"T{tokens} hist{history}", config=config or "default", **result))
+    return rows
+
+
+def sweep(spec: dict, device, on_cuda: bool, copy_gbps: float) -> list[dict]:
+    rows = []
+    for batch, context in spec["decode_shapes"]:
+        rows += _decode_shape(spec, batch, context, device, on_cuda, copy_gbps)
+        if on_cuda:
+            torch.cuda.empty_cache()
+    for tokens, history in spec["prefill_shapes"]:
+        rows += _prefill_shape(spec, tokens, history, device, on_cuda)
+    return rows
+
+
+def best_per_shape(rows: list[dict]) -> dict[str, dict]:
+    best = {}
+    for row in rows:
+        if "ms" in row and (row["shape"] not in best or row["ms"] < best[row["shape"]]["ms"]):
+            best[row["shape"]] = row
+    return best
+
+
+def print_tables(rows: list[dict], copy_gbps: float) -> None:
+    print(f"device-to-device copy bandwidth: {copy_gbps:.1f} GB/s")
+    default_ms = {r["shape"]: r["ms"] for r in rows if r["config"] == "default" and "ms" in r}
+    print(f"{'kind':8} {'shape':16} {'config':58} {'ms':>9} {'metric':>9} {'vs default':>10}")
+    for r in rows:
+        metric = f"{r['pct_of_copy']:.1f}%" if "pct_of_copy" in r else f"{r.get('tflops', 0):.1f}TF"
+        speed = f"{default_ms[r['shape']] / r['ms']:.2f}x" if "ms" in r and r["shape"] in default_ms else "-"
+        text = f"{r['ms']:>9.4f} {metric:>9} {speed:>10}" if "ms" in r else r["error"][:60]
+        print(f"{r['kind']:8} {r['shape']:16} {str(r['config']):58} {text}")
+    print("\nbest per shape:")
+    for shape, r in best_per_shape(rows).items():
+        print(f"  {shape:16} {str(r['config']):58} {r['ms']:.4f} ms")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET=1")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON output path")
+    args = parser.parse_args(argv)
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":   # triton reads it at kernel definition
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        os.execve(sys.executable, [sys.executable, "-m", "pagedray.kernels.bench_sweep", *sys.argv[1:]], env)
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (use --dry-run to check the script on CPU)")
+    on_cuda = not args.dry_run
+    device = torch.device("cuda" if on_cuda else "cpu")
+    spec = GPU if on_cuda else DRY
+    copy_gbps = copy_bandwidth_gbps(device, on_cuda)
+    rows = sweep(spec, device, on_cuda, copy_gbps)
+    print_tables(rows, copy_gbps)
+    report = dict(device=torch.cuda.get_device_name(device) if on_cuda else "cpu (TRITON_INTERPRET dry run)",
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  dry_run=args.dry_run, torch=torch.__version__, copy_gbps=copy_gbps, rows=rows,
+                  best={shape: row["config"] for shape, row in best_per_shape(rows).items()})
+    default = pathlib.Path(tempfile.gettempdir()) / "pagedray_kernels_sweep_dry_run.json" if args.dry_run \
+        else pathlib.Path("bench_results/kernels_sweep.json")
+    out = args.out or default
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""What an H100/H200 would run: compile the Triton kernels for sm_90 on any machine and read the result.
+
+``python -m pagedray.kernels.sm90_report [--json PATH]`` (run without ``TRITON_INTERPRET``; under the
+interpreter the kernels are not compilable objects). No GPU is needed: Triton's ahead-of-time compiler
+and the ``ptxas``/``cuobjdump`` shipped in its wheel give, per kernel variant, the registers per thread,
+the bytes spilled to local memory, the shared memory, the programs per SM those allow, and a census of
+the SASS: which tensor-core instruction does the products (``HGMMA`` = Hopper wgmma, ``HMMA`` = mma.sync)
+and how many global loads are 128-bit wide (``LDGSTS...128`` = pipelined cp.async, ``LDG.E.128``).
+
+Arguments are specialised as the JIT specialises them at launch for the benchmark shapes: every pointer
+16-byte aligned, strides and ``head_dim`` divisible by 16 (not ``group_size``, the table stride or the
+lengths). The launch constants come from ``decode_config``/``prefill_config``, so this reports the code
+the wrappers launch. These are compiler facts, not timings: ``pagedray.kernels.bench`` measures.
+
+Occupancy model (sm_90): 64 warps, 65,536 registers (allocated per warp in units of 256) and 228 KiB of
+shared memory per SM, of which each program reserves 1 KiB beyond its own; at most 32 programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import pathlib
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton import compiler
+from triton.backends.compiler import GPUTarget
+
+from . import decode_triton, prefill_triton, store_kv_triton
+
+TARGET = GPUTarget("cuda", 90, 32)
+INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_q_ptr"}
+FP32_POINTERS = {"alibi_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"}
+INT64_POINTERS = {"slot_ptr"}
+NOT_DIVISIBLE = {"group_size", "stride_bt", "sliding_window", "num_splits", "num_seqs", "block_size", "num_heads"}
+DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SM90_SHARED_PER_SM = 228 * 1024
+SM90_SHARED_RESERVED = 1024
+
+
+def _bin_dir() -> pathlib.Path:
+    return pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def compile_sm90(kernel, data_type: str, constexprs: dict, **options):
+    """AOT-compile ``kernel`` for sm_90 with JIT-like specialisation -> triton ``CompiledKernel``."""
+    signature, attrs = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name in INT_POINTERS:
+            signature[name] = "*i32"
+        elif name in FP32_POINTERS:
+            signature[name] = "*fp32"
+        elif name in INT64_POINTERS:
+            signature[name] = "*i64"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + data_type
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+        if name.endswith("_ptr") or (signature[name] == "i32" and name not in NOT_DIVISIBLE):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = compiler.ASTSource(kernel, signature, constexprs, attrs)
+    return compiler.compile(source, target=TARGET, options=options)
+
+
+def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
+    """Resident programs per SM under the sm_90 limits (see the module docstring)."""
+    by_warps = 64 // num_warps
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_registers = 65536 // (regs_per_warp * num_warps) if registers else by_warps
+    by_shared = SM90_SHARED_PER_SM // (shared + SM90_SHARED_RESERVED)
+    return max(0, min(32, by_warps, by_registers, by_shared))
+
+
+def inspect_cubin(cubin: bytes) -> dict:
+    """Registers, local (spill) bytes and an opcode census of one cubin via ``cuobjdump``."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        tool = str(_bin_dir() / "cuobjdump")
+        usage = subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage: {usage[:500]}")
+    opcodes = collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+    return dict(registers=int(found.group(1)), local_bytes=int(found.group(2)), opcodes=opcodes)
+
+
+def variants() -> dict[str, tuple]:
+    """name -> (kernel, data type, constexprs, options): the launches of the benchmark (head_dim 128,
+    block size 16, 32 q / 8 KV heads) plus the other code paths (split, ALiBi, window, fp32, MQA)."""
+    out = {}
+    for data_type, split, alibi, window in (("bf16", False, False, False), ("fp16", False, False, False),
+                                            ("bf16", True, True, True), ("fp32", True, False, True)):
+        cfg = decode_triton.decode_config(128, 4)
+        options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        consts = dict(BLOCK_SIZE=16, HAS_ALIBI=alibi, HAS_WINDOW=window, SPLIT=split,
+                      IEEE=data_type == "fp32", **cfg)
+        name = f"decode {data_type}" + (" split+alibi+window" if split else "")
+        out[name] = (decode_triton._decode_kernel, data_type, consts, options)
+    out["split reduce bf16"] = (decode_triton._reduce_splits_kernel, "bf16", dict(BLOCK_S=32, BLOCK_D=128),
+                                dict(num_warps=4))
+    for data_type, group, alibi, window in (("bf16", 4, False, False), ("fp16", 4, False, False),
+                                            ("bf16", 1, True, True), ("fp32", 3, True, False)):
+        cfg = prefill_triton.prefill_config(128, group, DATA_TYPES[data_type], on_gpu=True)
+        options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        consts = dict(BLOCK_SIZE=16, HAS_ALIBI=alibi, HAS_WINDOW=window, IEEE=data_type == "fp32", **cfg)
+        name = f"prefill {data_type} group {group}" + (" alibi+window" if alibi else "")
+        out[name] = (prefill_triton._prefill_kernel, data_type, consts, options)
+    cfg = store_kv_triton.store_kv_config(8, 128)
+    options = dict(num_warps=cfg.pop("num_warps"))
+    out["store_kv bf16"] = (store_kv_triton._store_kv_kernel, "bf16", cfg, options)
+    return out
+
+
+def report_row(name: str, kernel, data_type: str, constexprs: dict, options: dict) -> dict:
+    compiled = compile_sm90(kernel, data_type, constexprs, **options)
+    facts = inspect_cubin(compiled.asm["cubin"])
+    ops = facts.pop("opcodes")
+    num_warps = options.get("num_warps", 4)
+    return dict(
+        name=name, num_warps=num_warps, num_stages=options.get("num_stages"), shared_bytes=compiled.metadata.shared,
+        **facts, programs_per_sm=programs_per_sm(facts["registers"], compiled.metadata.shared, num_warps),
+        hgmma=sum(n for op, n in ops.items() if op.startswith("HGMMA")),
+        hmma=sum(n for op, n in ops.items() if op.startswith("HMMA")),
+        wide_loads=sum(n for op, n in ops.items() if op.startswith(("LDG", "LDGSTS")) and op.endswith(".128")),
+        narrow_loads=sum(n for op, n in ops.items() if op.startswith(("LDG.", "LDGSTS.")) and not op.endswith(".128")),
+        wide_stores=sum(n for op, n in ops.items() if op.startswith("STG") and op.endswith(".128")),
+    )
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'kernel (sm_90)':38} {'warps':>5} {'stages':>6} {'regs':>4} {'spill B':>7} {'smem KiB':>8} "
+          f"{'prog/SM':>7} {'HGMMA':>5} {'HMMA':>4} {'ld128':>5} {'ld<128':>6} {'st128':>5}")
+    for r in rows:
+        print(f"{r['name']:38} {r['num_warps']:>5} {str(r['num_stages'] or '-'):>6} {r['registers']:>4} "
+              f"{r['local_bytes']:>7} {r['shared_bytes'] / 1024:>8.1f} {r['programs_per_sm']:>7} {r['hgmma']:>5} "
+              f"{r['hmma']:>4} {r['wide_loads']:>5} {r['narrow_loads']:>6} {r['wide_stores']:>5}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("run without TRITON_INTERPRET=1 (interpreted kernels cannot be compiled)")
+    rows = [report_row(name, *variant) for name, variant in variants().items()]
+    print_table(rows)
+    if args.json:
+        report = dict(triton=triton.__version__, target="sm_90", date=datetime.date.today().isoformat(), rows=rows)
+        args.json.write_text(json.dumps(report, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The kernel benchmark and the launch-configuration sweep run end to end (``--dry-run``: tiny shapes
+through the Triton interpreter) and write JSON in which every configuration was checked against the
+torch reference and timed. Their numbers mean nothing on CPU; these tests guard the plumbing that a
+GPU session depends on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _run_dry(module: str, out) -> dict:
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, "-m", module, "--dry-run", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True and report["device"].startswith("cpu")
+    return report
+
+
+def test_bench_dry_run_writes_every_row(tmp_path):
+    from pagedray.kernels.bench import DRY
+
+    report = _run_dry("pagedray.kernels.bench", tmp_path / "bench.json")
+    decode = [r for r in report["rows"] if r["kind"] == "decode"]
+    prefill = [r for r in report["rows"] if r["kind"] == "prefill"]
+    assert len(decode) == len(DRY["batches"]) * len(DRY["contexts"]) * len(DRY["dtypes"])
+    assert len(prefill) == 2 * len(DRY["prefill_tokens"]) * len(DRY["dtypes"])
+    assert all(r["ms"] > 0 and r["gbps"] > 0 for r in decode)
+    assert all(r["ms"] > 0 and r["sdpa_ms"] > 0 for r in prefill)
+
+
+def test_sweep_dry_run_checks_and_times_every_config(tmp_path):
+    from pagedray.kernels.bench_sweep import DRY, decode_variants, grid_configs
+
+    report = _run_dry("pagedray.kernels.bench_sweep", tmp_path / "sweep.json")
+    rows = report["rows"]
+    errors = [r for r in rows if "error" in r]
+    assert not errors, errors
+    expected = (len(DRY["decode_shapes"]) * len(decode_variants(DRY))
+                + len(DRY["prefill_shapes"]) * (1 + len(grid_configs(DRY["prefill_grid"]))))
+    assert len(rows) == expected
+    shapes = {r["shape"] for r in rows}
+    assert set(report["best"]) == shapes
+    assert all(sum(r["config"] == "default" for r in rows if r["shape"] == s) == 1 for s in shapes)
