@@ -12,6 +12,11 @@ Decisions:
 * The grid needs no host sync: with ``tile_start(i) = cu_seqlens_q[i] // BLOCK_Q + i`` (strictly
   increasing), ``total_q // BLOCK_Q + num_seqs`` programs cover every chunk; each program finds its
   chunk by binary search over ``tile_start`` and exits if its tile lies past the chunk's end.
+* Programs take tiles in reverse order, so the tiles that see the most keys (the end of each chunk)
+  start first and the last wave holds the light ones. Ascending order ends on the heaviest programs
+  while most SMs idle: a list-scheduling model (132 SMs, one program each, 8 KV heads, work = key
+  tiles visited) puts ascending order 14% / 6% / 3% above the ideal for 4k / 8k / 16k-token causal
+  chunks and reverse order within 0.2% (not yet measured on a GPU).
 * One pass, online softmax in base 2. Key tiles past the tile's last query position are never visited
   (causal skip); tiles entirely below the tile's first query position skip the mask arithmetic
   (unless a sliding window is set, then every tile is masked and tiles before the window are skipped).
@@ -51,7 +56,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)       # heavy tiles (late in a chunk) launch first
     kv_head = tl.program_id(1)
     seq = _find_chunk(cu_q_ptr, tile, num_seqs, BLOCK_Q)
     chunk_start = tl.load(cu_q_ptr + seq)
