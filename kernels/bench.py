@@ -72,6 +72,17 @@ def paged_kv_case(batch: int, context: int, cfg: dict, dtype, device, gen):
     return k_cache, v_cache, tables
 
 
+def decode_bytes(q: torch.Tensor, context: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes one decode step must move: K and V of ``context`` tokens per sequence, plus q and out."""
+    elem = q.element_size()
+    return 2 * q.shape[0] * context * kv_heads * head_dim * elem + 2 * q.numel() * elem
+
+
+def prefill_flops(tokens: int, history: int, q_heads: int, head_dim: int) -> int:
+    """Causal FLOPs of a chunk over its history: 4 * head_dim * Hq * visible (query, key) pairs."""
+    return 4 * head_dim * q_heads * (tokens * history + tokens * (tokens + 1) // 2)
+
+
 def check_close(out, expected, what: str) -> None:
     err = (out.float() - expected.float()).abs().max().item()
     ref = max(expected.float().abs().max().item(), 1e-6)
@@ -96,9 +107,7 @@ def bench_decode(batch: int, context: int, dtype_name: str, cfg: dict, device, o
            f"decode b={batch} ctx={context}")
     ms = time_ms(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, out=out,
                                        use_triton=True), on_cuda)
-    elem = q.element_size()
-    nbytes = 2 * batch * context * cfg["kv_heads"] * cfg["head_dim"] * elem + 2 * q.numel() * elem
-    gbps = nbytes / (ms * 1e-3) / 1e9
+    gbps = decode_bytes(q, context, cfg["kv_heads"], cfg["head_dim"]) / (ms * 1e-3) / 1e9
     return dict(kind="decode", dtype=dtype_name, batch=batch, context=context, ms=ms, gbps=gbps,
                 pct_of_copy=100.0 * gbps / copy_gbps)
 
@@ -164,8 +173,7 @@ def bench_prefill(tokens: int, history: int, dtype_name: str, cfg: dict, device,
         check_close(out, expected, f"prefill T={tokens} hist={history}")
         check_close(sdpa()[0].transpose(0, 1), expected, f"sdpa T={tokens} hist={history}")
     sdpa_ms = time_ms(sdpa, on_cuda)
-    pairs = tokens * history + tokens * (tokens + 1) // 2
-    flops = 4 * d * hq * pairs
+    flops = prefill_flops(tokens, history, hq, d)
     return dict(kind="prefill", dtype=dtype_name, tokens=tokens, history=history, ms=ms,
                 tflops=flops / (ms * 1e-3) / 1e12, sdpa_ms=sdpa_ms,
                 sdpa_tflops=flops / (sdpa_ms * 1e-3) / 1e12, sdpa_backend=backend, speedup_vs_sdpa=sdpa_ms / ms)

@@ -29,7 +29,7 @@ import tempfile
 
 import torch
 
-from .bench import FULL, check_close, copy_bandwidth_gbps, paged_kv_case, time_ms
+from .bench import FULL, check_close, copy_bandwidth_gbps, decode_bytes, paged_kv_case, prefill_flops, time_ms
 
 DECODE_SHAPES = ((64, 2048), (64, 8192), (256, 2048), (256, 8192), (8, 8192))
 DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
@@ -79,7 +79,7 @@ def _decode_shape(spec: dict, batch: int, context: int, device, on_cuda: bool, c
     scale, few, out = 1.0 / math.sqrt(spec["head_dim"]), min(batch, 2), torch.empty_like(q)
     args, small = (k_cache, v_cache, tables, lens, scale), (k_cache, v_cache, tables[:few], lens[:few], scale)
     reference = paged_decode_reference(q[:few], *small)
-    nbytes = 2 * batch * context * hkv * spec["head_dim"] * q.element_size() + 2 * q.numel() * q.element_size()
+    nbytes = decode_bytes(q, context, hkv, spec["head_dim"])
     rows = []
     for config, splits in decode_variants(spec):
         result = _try_config(
@@ -112,7 +112,7 @@ def _prefill_shape(spec: dict, tokens: int, history: int, device, on_cuda: bool)
     small_args = (k_cache, v_cache, torch.tensor([0, tail], dtype=torch.int32, device=device), seq_lens, tables,
                   scale)
     reference = paged_prefill_reference(q[-tail:], *small_args)
-    flops = 4 * d * hq * (tokens * history + tokens * (tokens + 1) // 2)
+    flops = prefill_flops(tokens, history, hq, d)
     rows = []
     for config in [None] + grid_configs(spec["prefill_grid"]):
         result = _try_config(lambda c=config: paged_prefill_triton(q[-tail:], *small_args, config=c), reference,

@@ -97,14 +97,19 @@ def inspect_cubin(cubin: bytes) -> dict:
     return dict(registers=int(found.group(1)), local_bytes=int(found.group(2)), opcodes=opcodes)
 
 
+def _launch_options(cfg: dict) -> tuple[dict, dict]:
+    """A launcher's config -> (constexprs, compile options ``num_warps``/``num_stages``)."""
+    options = {key: cfg[key] for key in ("num_warps", "num_stages") if key in cfg}
+    return {key: value for key, value in cfg.items() if key not in options}, options
+
+
 def variants() -> dict[str, tuple]:
     """name -> (kernel, data type, constexprs, options): the launches of the benchmark (head_dim 128,
     block size 16, 32 q / 8 KV heads) plus the other code paths (split, ALiBi, window, fp32, MQA)."""
     out = {}
     for data_type, split, alibi, window in (("bf16", False, False, False), ("fp16", False, False, False),
                                             ("bf16", True, True, True), ("fp32", True, False, True)):
-        cfg = decode_triton.decode_config(128, 4)
-        options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        cfg, options = _launch_options(decode_triton.decode_config(128, 4))
         consts = dict(BLOCK_SIZE=16, HAS_ALIBI=alibi, HAS_WINDOW=window, SPLIT=split,
                       IEEE=data_type == "fp32", **cfg)
         name = f"decode {data_type}" + (" split+alibi+window" if split else "")
@@ -113,14 +118,12 @@ def variants() -> dict[str, tuple]:
                                 dict(num_warps=4))
     for data_type, group, alibi, window in (("bf16", 4, False, False), ("fp16", 4, False, False),
                                             ("bf16", 1, True, True), ("fp32", 3, True, False)):
-        cfg = prefill_triton.prefill_config(128, group, DATA_TYPES[data_type], on_gpu=True)
-        options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        cfg, options = _launch_options(prefill_triton.prefill_config(128, group, DATA_TYPES[data_type], on_gpu=True))
         consts = dict(BLOCK_SIZE=16, HAS_ALIBI=alibi, HAS_WINDOW=window, IEEE=data_type == "fp32", **cfg)
         name = f"prefill {data_type} group {group}" + (" alibi+window" if alibi else "")
         out[name] = (prefill_triton._prefill_kernel, data_type, consts, options)
-    cfg = store_kv_triton.store_kv_config(8, 128)
-    options = dict(num_warps=cfg.pop("num_warps"))
-    out["store_kv bf16"] = (store_kv_triton._store_kv_kernel, "bf16", cfg, options)
+    store_cfg, store_options = _launch_options(store_kv_triton.store_kv_config(8, 128))
+    out["store_kv bf16"] = (store_kv_triton._store_kv_kernel, "bf16", store_cfg, store_options)
     return out
 
 
