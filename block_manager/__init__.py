@@ -6,7 +6,7 @@
 - ``BlockKey``: chained content key of a full block.
 - Errors: ``BlockManagerError`` and its subclasses (see ``errors``).
 
-Benchmark: ``python -m pagedray.block_manager.bench``.
+Benchmark (from a checkout): ``python -m benchmarks.block_manager``.
 """
 
 from .block_pool import BlockPool

@@ -34,7 +34,7 @@ import asyncio
 import collections
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .config import EngineConfig
@@ -49,9 +49,11 @@ WATCHDOG_POLL_S = 0.05
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = Engine(config, executor)
         self.config = config
+        self._clock = clock   # step ages, the watchdog and drain deadlines (tests pass a fake clock)
         self._lock = threading.Lock()             # guards _commands and _pending_adds only
         self._commands: collections.deque = collections.deque()
         self._pending_adds = 0
@@ -156,8 +158,8 @@ class AsyncEngine:
             await asyncio.wait({step}, timeout=WATCHDOG_POLL_S)
             started = self._step_started
             if (not step.done() and started is not None and not self.engine.recovering
-                    and time.monotonic() - started > limit):
-                self._declare_stalled(time.monotonic() - started)
+                    and self._clock() - started > limit):
+                self._declare_stalled(self._clock() - started)
                 return False
         return True
 
@@ -191,7 +193,7 @@ class AsyncEngine:
                 self.engine.abort(command[1])
         outputs = []
         if self.engine.has_unfinished_requests():
-            self._step_started = time.monotonic()
+            self._step_started = self._clock()
             try:
                 outputs = self.engine.step()
             finally:
@@ -232,7 +234,7 @@ class AsyncEngine:
         if self.engine.recovering:
             raise EngineDeadError("a TP rank failed; the TP group is being rebuilt (in-flight requests resume after)")
         started = self._step_started
-        if started is not None and time.monotonic() - started > self.config.step_timeout_s:
+        if started is not None and self._clock() - started > self.config.step_timeout_s:
             raise EngineDeadError(f"a step has been running for more than step_timeout_s="
                                   f"{self.config.step_timeout_s} s")
         await asyncio.to_thread(self.engine.executor.check_health)
@@ -244,16 +246,20 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, wait up to ``timeout_s`` for the in-flight ones, abort the rest; returns
+        how many were aborted."""
         self._draining = True
-        deadline = time.monotonic() + timeout_s
-        while self._streams and time.monotonic() < deadline:
+        deadline = self._clock() + timeout_s
+        while self._streams and self._clock() < deadline:
             await asyncio.sleep(0.05)
-        for request_id in list(self._streams):
+        unfinished = list(self._streams)
+        for request_id in unfinished:
             await self.abort(request_id)
         while self._streams and self._loop_task is not None and not self._loop_task.done():
             await asyncio.sleep(0.01)
-        await self._wait_idle(max(0.0, deadline - time.monotonic()) + 5.0)
+        await self._wait_idle(max(0.0, deadline - self._clock()) + 5.0)
+        return len(unfinished)
 
     async def _wait_idle(self, timeout_s: float) -> None:
         """Waits until the step loop has nothing left to do: the aborts of consumers that went away and

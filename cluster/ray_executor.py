@@ -13,7 +13,7 @@ on any rank surfaces in that step). Two transports, same semantics:
   compiled once; a step is ``graph.execute(data)`` over shared-memory channels.
 - ``"actor"``: plain ``actor.execute_bytes.remote(data)`` calls.
 
-Measured by ``bench_overhead.py`` (2-core shared CPU, TP=2, median of 20): the round trip of an empty
+Measured by ``benchmarks/overhead.py`` (2-core shared CPU, TP=2, median of 20): the round trip of an empty
 plan costs 0.13-0.33 ms with the compiled graph and 1.0-1.07 ms with actor calls, i.e. 0.04% vs
 0.37% of a 64-sequence decode step (0.3 s on this CPU). Plain actor calls are the default
 (``ParallelConfig.ray_transport="actor"``): the compiled graph's ranks poll their channels and keep a

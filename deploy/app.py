@@ -7,6 +7,8 @@ Used by ``serve run`` / ``serve deploy`` (``import_path: pagedray.deploy.app:bui
 model                      ``"default"`` (embedded SmolLM2-135M-Instruct) or a HF model folder
 served_model_name          the name clients pass as ``model`` (default: the model's folder name)
 tensor_parallel_size       TP ranks per replica (one placement-group bundle each)
+executor                   ``auto`` (TP=1: the model runs in the engine replica's process; TP>1: one
+                           Ray worker actor per rank) or ``ray`` (worker actors at TP=1 too)
 threads_per_worker         torch threads per TP rank (default: the node's cores // TP size)
 dtype / device             ``auto|float32|float16|bfloat16`` / ``auto|cpu|cuda``
 block_size                 KV block size in tokens
@@ -35,7 +37,7 @@ Decisions:
   for requests that are being rejected, plus ``CONTROL_CALL_HEADROOM``. Overload is thus decided by
   the engine's bounded queue (a fast 429 with an OpenAI body), not by requests queueing inside
   Serve's routers: with the cap at the bound itself, a 10x burst waited in Serve's router backoff and
-  its slowest 429 took 7 s instead of well under a second (bench_reliability.py).
+  its slowest 429 took 7 s instead of well under a second (benchmarks/reliability.py).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class AppArgs(BaseModel):
     model: str = "default"
     served_model_name: str | None = None
     tensor_parallel_size: int = 1
+    executor: str = "auto"
     threads_per_worker: int | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -99,14 +102,14 @@ def parse_args(args: dict | None) -> AppArgs:
 
 
 def engine_config(args: AppArgs) -> EngineConfig:
-    """The EngineConfig of one replica (always the Ray executor: TP workers sit in the replica's bundles)."""
+    """The EngineConfig of one replica (Ray executor: the TP workers sit in the replica's bundles)."""
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
                           max_model_len=args.max_model_len),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, executor="ray",
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, executor=args.executor,
                                 threads_per_worker=args.threads_per_worker),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -129,13 +132,14 @@ def wants_gpu(device: str) -> bool:
 def build_app(args: dict | None = None) -> Application:
     parsed = parse_args(args)
     config = engine_config(parsed)
+    use_gpu, in_process = wants_gpu(parsed.device), not config.parallel.use_ray
     admission = parsed.max_num_seqs + parsed.max_queued_requests
     in_flight = admission + max(admission, REJECTION_HEADROOM_MIN) + CONTROL_CALL_HEADROOM
     engine = EngineDeployment.options(
         num_replicas=parsed.num_replicas,
-        placement_group_bundles=placement_bundles(parsed.tensor_parallel_size, wants_gpu(parsed.device)),
+        placement_group_bundles=placement_bundles(parsed.tensor_parallel_size, use_gpu, in_process),
         placement_group_strategy="PACK",
-        ray_actor_options={"num_cpus": 1},
+        ray_actor_options={"num_cpus": 1, "num_gpus": 1 if use_gpu and in_process else 0},
         max_ongoing_requests=in_flight,
         graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
     ).bind(config)

@@ -1,8 +1,11 @@
 """The ``pagedray`` command line.
 
     pagedray serve [--model default] [--tensor-parallel-size 1] [--host 127.0.0.1] [--port 8000] ...
-        connects to a running Ray cluster (``ray start --head``) or starts a local one, deploys the
-        Serve application (build_app), prints the URL and blocks until Ctrl-C, then removes the app.
+        fetches the default model if needed, starts a private local Ray instance (or joins the
+        cluster given by ``--address``, e.g. ``auto`` after ``ray start --head``), deploys the Serve
+        application (build_app), prints the URL and blocks until Ctrl-C, then removes the app. A
+        replica that fails to start ends the command at once with the replica's exception, a hint
+        and exit status 1 (deploy/startup.py).
     pagedray generate "prompt" [--max-tokens 64] [--temperature 0] [--chat] ...
         one offline generation through the ``LLM`` API (no Ray Serve), printed to stdout.
     pagedray fetch-model [--cache-dir DIR]
@@ -12,6 +15,14 @@
 
 Engine options are the same for ``serve`` and ``generate`` and map one to one onto build_app's
 ``args`` keys (see app.py); options left unset keep the defaults there.
+
+Decisions:
+- A private Ray by default (``address="local"``): joining whatever ``address="auto"`` finds could
+  land in another user's cluster on the same host, replace an app of the same name there and delete
+  it on Ctrl-C. ``--address`` opts into an existing cluster.
+- A Ray started here gives Serve's proxy ``PROXY_CHECK_TIMEOUT_S`` for its readiness and health
+  checks (Serve's default is 5 s, which a loaded 2-core machine misses at start-up, and Serve then
+  kills the proxy). Values already set in the environment win.
 """
 
 from __future__ import annotations
@@ -23,11 +34,14 @@ import sys
 import time
 
 APP_NAME = "pagedray"
+PROXY_CHECK_TIMEOUT_S = "60"
+PROXY_TIMEOUT_ENV = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
 
 # (flag, type, help); dest = flag without dashes, with underscores
 ENGINE_OPTIONS = (
     ("--model", str, "'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face model folder"),
     ("--tensor-parallel-size", int, "tensor-parallel ranks per replica"),
+    ("--executor", str, "auto (TP=1: the model in the engine's process; TP>1: Ray workers) | ray | local"),
     ("--threads-per-worker", int, "torch threads per TP rank (default: cores // TP size)"),
     ("--dtype", str, "auto | float32 | float16 | bfloat16"),
     ("--device", str, "auto | cpu | cuda"),
@@ -60,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(serve_p)
     serve_p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     serve_p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    serve_p.add_argument("--address", default=None,
+                         help="join this Ray cluster ('auto': the one `ray start --head` started here); "
+                              "default: start a private local Ray for this command")
     serve_p.add_argument("--name", default=APP_NAME, help="Serve application name")
     serve_p.add_argument("--served-model-name", default=None, help="model name clients pass")
     serve_p.add_argument("--num-replicas", type=int, default=None, help="engine replicas")
@@ -98,16 +115,17 @@ def local_ray_num_cpus(tensor_parallel_size: int, cores: int | None = None) -> i
     return max(cores or os.cpu_count() or 1, tensor_parallel_size + 1)
 
 
-def _connect_or_start_ray(tensor_parallel_size: int = 1) -> bool:
-    """Connect to a running cluster; start a local one when there is none. True when started here."""
+def _start_or_join_ray(address: str | None, tensor_parallel_size: int = 1) -> bool:
+    """Join the cluster at ``address``, or start a private local one. True when started here."""
     import ray
 
-    try:
-        ray.init(address="auto", log_to_driver=False)
+    if address:
+        ray.init(address=address, log_to_driver=False)
         return False
-    except ConnectionError:
-        ray.init(num_cpus=local_ray_num_cpus(tensor_parallel_size), log_to_driver=False)
-        return True
+    for name in PROXY_TIMEOUT_ENV:
+        os.environ.setdefault(name, PROXY_CHECK_TIMEOUT_S)
+    ray.init(address="local", num_cpus=local_ray_num_cpus(tensor_parallel_size), log_to_driver=False)
+    return True
 
 
 def _stop_on_signals() -> None:
@@ -121,30 +139,55 @@ def _stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def _prepare_model(model: str | None) -> None:
+    """Fetch and convert the default model here, with its errors on this terminal, before any replica
+    needs it (replicas on this machine then find it in the cache)."""
+    if (model or "default") == "default":
+        from pagedray.workers.default_model import (
+            DEFAULT_MODEL_NAME,
+            default_cache_dir,
+            ensure_default_model,
+            is_complete,
+        )
+
+        if not is_complete(default_cache_dir() / DEFAULT_MODEL_NAME):
+            print("fetching and converting the default model (once; ~1-2 minutes) ...", flush=True)
+        ensure_default_model()
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
     from .app import build_app
+    from .startup import deploy_and_watch
 
     app = build_app(serve_args(ns))  # validates the options before anything starts
-    started_ray = _connect_or_start_ray(ns.tensor_parallel_size or 1)
+    _prepare_model(ns.model)
+    started_ray = _start_or_join_ray(ns.address, ns.tensor_parallel_size or 1)
     serve.start(http_options={"host": ns.host, "port": ns.port})
-    serve.run(app, name=ns.name, route_prefix="/")
-    print(f"pagedray is serving at http://{ns.host}:{ns.port}/v1 (Serve app {ns.name!r}); Ctrl-C stops it",
-          flush=True)
     _stop_on_signals()
+    status = 1  # until the app is up
     try:
+        failure = deploy_and_watch(lambda: serve.run(app, name=ns.name, route_prefix="/"),
+                                   lambda: serve.status().applications.get(ns.name))
+        if failure is not None:
+            print(failure.report(), file=sys.stderr, flush=True)
+            return 1
+        status = 0
+        print(f"pagedray is serving at http://{ns.host}:{ns.port}/v1 (Serve app {ns.name!r}); Ctrl-C stops it",
+              flush=True)
         while True:
             time.sleep(0.5)  # short naps: a signal caught by another thread is acted on promptly
     except KeyboardInterrupt:
         print("stopping ...", flush=True)
+        status = 0 if status == 0 else 130  # Ctrl-C before the app was up
     finally:
         serve.delete(ns.name)
         if started_ray:
             serve.shutdown()
             ray.shutdown()
-    return 0
+    return status
 
 
 def run_generate(ns: argparse.Namespace) -> int:

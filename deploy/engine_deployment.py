@@ -1,10 +1,16 @@
 """The engine deployment: one Serve replica = one central actor wrapping ``AsyncEngine``.
 
-Placement: ``placement_group_bundles = [{"CPU": 1}] + [{"GPU": 1} | {"CPU": 1}] * tensor_parallel_size``.
-Bundle 0 holds this replica (the scheduler and block manager); bundle ``r + 1`` holds TP rank r. The
-engine is always built with the Ray executor here, so that the TP worker actors land in the
-replica's own placement group (the executor picks the group up from the replica) and Serve
-reserves and releases the whole gang together.
+Executor (``executor`` in build_app's args): ``auto`` runs the model in this replica's own process at
+TP=1 (``LocalExecutor``, as vLLM's single-process executor does: no worker process and no Ray call
+per step) and one Ray worker actor per rank at TP>1 (``RayExecutor``); ``ray`` forces worker actors at
+TP=1 too (TP-rank recovery then applies: a dead worker is rebuilt). In-process, a crash of the model
+takes the replica down and Serve replaces it.
+
+Placement with the Ray executor: ``placement_group_bundles = [{"CPU": 1}] + [{"GPU": 1} | {"CPU": 1}] *
+tensor_parallel_size``. Bundle 0 holds this replica (the scheduler and block manager); bundle ``r + 1``
+holds TP rank r, so that the TP worker actors land in the replica's own placement group (the executor
+picks the group up from the replica) and Serve reserves and releases the whole gang together.
+In-process: one bundle ``{"CPU": 1}`` (plus ``"GPU": 1`` on a GPU node) for the replica and its model.
 
 Methods called by the ingress through a DeploymentHandle:
 - ``generate(request_id, prompt_token_ids, params)``: async generator of RequestOutput deltas;
@@ -33,7 +39,6 @@ Draining (decided here):
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -66,8 +71,11 @@ class ModelMeta:
     max_model_len: int
 
 
-def placement_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, float]]:
-    """Bundle 0: the replica; bundle r + 1: TP rank r."""
+def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool = False) -> list[dict[str, float]]:
+    """Ray executor: bundle 0 is the replica, bundle r + 1 TP rank r. In-process (TP=1, the model runs
+    in the replica): one bundle, with the GPU when there is one."""
+    if in_process:
+        return [{"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}]
     rank_bundle = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
     return [{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(tensor_parallel_size)]
 
@@ -105,11 +113,7 @@ class EngineDeployment:
             raise ValueError(f"timeout_s: must be >= 0, got {timeout_s!r}")
         self._draining = True
         start, in_flight = time.monotonic(), self._engine.num_in_flight
-        drain = asyncio.ensure_future(self._engine.drain(timeout_s))
-        done, _ = await asyncio.wait({drain}, timeout=timeout_s)
-        # at the timeout the engine aborts whatever is still in flight (a finish racing it may count)
-        aborted = 0 if done else self._engine.num_in_flight
-        await drain
+        aborted = await self._engine.drain(timeout_s)
         return DrainReport(in_flight, aborted, time.monotonic() - start)
 
     def process_id(self) -> int:
@@ -128,7 +132,10 @@ class EngineDeployment:
                          max_model_len=int(engine.max_model_len))
 
     async def __del__(self) -> None:
-        # Serve calls this once the ongoing calls are done (or its wait was cut short): abort the rest
+        # Serve calls this once the ongoing calls are done (or its wait was cut short): abort the rest.
+        # A replica whose constructor failed has no engine: nothing to stop (and no noise in the log).
+        if getattr(self, "_engine", None) is None:
+            return
         self._draining = True
         try:
             await self._engine.drain(0.0)

@@ -1,6 +1,6 @@
 """Hypothesis strategies for fuzzing the OpenAI HTTP API, and the verdict on one response.
 
-Used by tests/deploy/test_abuse_serve.py (against the real running app) and by bench_reliability.py.
+Used by tests/deploy/test_abuse_serve.py (against the real running app) and by benchmarks/reliability.py.
 Needs ``hypothesis`` (a test dependency); nothing in the server imports this module.
 
 Decisions:

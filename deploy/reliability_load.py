@@ -1,6 +1,6 @@
 """Overload measurement: a burst of concurrent requests against a running app, and what came back.
 
-Used by tests/deploy/test_abuse_serve.py and bench_reliability.py. The burst sends ``count`` copies of
+Used by tests/deploy/test_abuse_serve.py and benchmarks/reliability.py. The burst sends ``count`` copies of
 one completion body at once (asyncio + httpx, one connection each) and records, per request, the
 status, the latency to the response (for a 429/503: the time to the rejection) and the text. A
 ``StatsSampler`` thread polls the engine's stats during the burst, so the queue bound can be checked

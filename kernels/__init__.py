@@ -8,8 +8,8 @@ head_dim contiguous; slot of position ``p`` = ``block_table[p // block_size] * b
 skip validation and compute in float32 with torch (the CPU attention path and the test oracle).
 ``check_step_metadata`` runs the metadata checks once for callers that reuse one step's metadata in
 every layer (they then pass ``validate_values=False`` per call).
-Benchmarks: ``python -m pagedray.kernels.bench`` (CUDA; ``--dry-run`` checks the plumbing on CPU) and
-``python -m pagedray.kernels.bench_reference`` (CPU timing of the references against dense SDPA).
+Benchmarks (from a checkout): ``python -m benchmarks.kernels`` (CUDA; ``--dry-run`` checks the plumbing on CPU)
+and ``python -m benchmarks.kernel_reference`` (CPU timing of the references against dense SDPA).
 """
 
 from .api import check_step_metadata, paged_attention, paged_decode, paged_prefill, store_kv

@@ -132,7 +132,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
 def decode_config(head_dim: int, group: int) -> dict:
     """Launch constants of the decode kernel: ``BLOCK_G`` query-head rows (padded to 16 for ``tl.dot``),
     ``BLOCK_N`` keys per tile, ``BLOCK_D`` >= head_dim, warps and software-pipelining stages.
-    (sm_90 bf16 at head_dim 128: 103 registers, 38 KB shared, 4 programs per SM; see ``sm90_report``.)"""
+    (sm_90 bf16 at head_dim 128: 103 registers, 38 KB shared, 4 programs per SM; see ``benchmarks/sm90_report.py``.)"""
     return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=2)
 

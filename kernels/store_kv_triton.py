@@ -1,7 +1,7 @@
 """Triton kernel writing new keys/values into paged cache slots.
 
 One program per token copies that token's ``[num_kv_heads, head_dim]`` rows of K and of V as one tile,
-so each thread moves 16-byte vectors (``sm90_report`` checks the 128-bit loads and stores); warps are
+so each thread moves 16-byte vectors (``benchmarks/sm90_report.py`` checks the 128-bit loads and stores); warps are
 sized to the tile. A negative slot means "skip" (padding tokens). Slot ``s`` lives at block
 ``s // block_size``, offset ``s % block_size``; the cache may have any strides as long as head_dim is
 contiguous. Duplicate non-negative slots in one call are undefined behaviour (last writer wins, in no

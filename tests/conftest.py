@@ -32,6 +32,10 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
+        from pagedray.deploy.cli import PROXY_CHECK_TIMEOUT_S, PROXY_TIMEOUT_ENV
+
+        for name in PROXY_TIMEOUT_ENV:   # Serve's 5 s proxy checks fail on a loaded machine (see cli.py)
+            os.environ.setdefault(name, PROXY_CHECK_TIMEOUT_S)
         ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     yield ray

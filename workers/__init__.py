@@ -7,5 +7,6 @@ applies the plan, ``kv_cache.copy_blocks`` the copy-on-write pairs, ``input_batc
 
 Set-up: ``model_info`` (what the engine needs, no weights), ``default_model`` (SmolLM2 fetch),
 ``weight_loader`` (per-rank safetensors slices), ``tp_group`` (torch.distributed), ``memory_profile``
-(GPU KV capacity), ``ray_worker.RayWorker`` (the actor). ``bench_step`` measures host overhead per step.
+(GPU KV capacity), ``ray_worker.RayWorker`` (the actor). ``benchmarks.step`` (a checkout's
+benchmark script) measures host overhead per step.
 """

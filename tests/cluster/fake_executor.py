@@ -62,7 +62,7 @@ class GatedFakeExecutor(FakeExecutor):
 
     def execute(self, plan):
         self.entered.set()
-        assert self.gate.wait(timeout=30), "test never opened the gate"
+        assert self.gate.wait(timeout=120), "test never opened the gate"
         return super().execute(plan)
 
 
@@ -124,4 +124,48 @@ class SleepingFakeExecutor(FakeExecutor):
         if len(self.plans) == self.sleep_at_step:
             self.sleeping.set()
             self.wake.wait(timeout=self.max_sleep_s)
+        return super().execute(plan)
+
+
+class FakeClock:
+    """TEST DOUBLE of ``time.monotonic`` for AsyncEngine(clock=...): time moves only when told to, so
+    step ages, the stall watchdog and drain deadlines do not depend on how loaded the machine is."""
+
+    def __init__(self, start=1000.0):
+        import threading
+
+        self._now = start
+        self._lock = threading.Lock()
+
+    def __call__(self):
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds):
+        with self._lock:
+            self._now += seconds
+
+
+class PacedFakeExecutor(FakeExecutor):
+    """TEST DOUBLE: like FakeExecutor, but each step advances ``clock`` by ``step_s``; a step that would
+    start at or after ``hold_at`` (a clock value, None: never) waits for ``release`` (a threading.Event).
+    The first step waits for ``gate`` so that the test can read the clock before anything has run."""
+
+    def __init__(self, num_blocks, clock, step_s=1.0, **kwargs):
+        import threading
+
+        super().__init__(num_blocks, **kwargs)
+        self.clock, self.step_s = clock, step_s
+        self.hold_at = None
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.release, self.holding = threading.Event(), threading.Event()
+
+    def execute(self, plan):
+        if not self.plans:
+            self.entered.set()
+            assert self.gate.wait(timeout=60), "test never opened the gate"
+        if self.hold_at is not None and self.clock() >= self.hold_at:
+            self.holding.set()
+            assert self.release.wait(timeout=60), "test never released the held step"
+        self.clock.advance(self.step_s)
         return super().execute(plan)

@@ -4,17 +4,19 @@ failure, stall detection, drain."""
 import asyncio
 
 import pytest
-from fake_executor import FakeExecutor, GatedFakeExecutor
+from fake_executor import FakeClock, FakeExecutor, GatedFakeExecutor, PacedFakeExecutor
 from pagedray.cluster.async_engine import AsyncEngine
 from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig
 from pagedray.cluster.outputs import EngineDeadError, EngineDrainingError
 from pagedray.cluster.sampling_params import SamplingParams
 
 
-def _engine(path, executor, step_timeout_s=60.0):
+def _engine(path, executor, step_timeout_s=60.0, clock=None):
     config = EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(block_size=8, num_blocks=64),
                           step_timeout_s=step_timeout_s)
-    return AsyncEngine(config, executor=executor)
+    if clock is None:
+        return AsyncEngine(config, executor=executor)
+    return AsyncEngine(config, executor=executor, clock=clock)
 
 
 async def _consume(engine, rid, prompt, max_tokens):
@@ -49,11 +51,11 @@ def test_intake_abort_and_stats_do_not_wait_for_a_running_step(tiny_llama_path):
         second = engine.generate("b", [20], SamplingParams(max_tokens=2, temperature=0))
         pending = asyncio.create_task(second.__anext__())
         await asyncio.sleep(0)                                # the add is queued while the step blocks
-        assert await asyncio.wait_for(engine.abort("b"), timeout=5) is True
+        assert await asyncio.wait_for(engine.abort("b"), timeout=60) is True
         # the snapshot of the last finished step: step 0 is still blocked, so none has finished
-        assert (await asyncio.wait_for(engine.stats(), timeout=5)).num_steps_total == 0
+        assert (await asyncio.wait_for(engine.stats(), timeout=60)).num_steps_total == 0
         fake.gate.set()
-        out_b = await asyncio.wait_for(pending, timeout=10)
+        out_b = await asyncio.wait_for(pending, timeout=60)
         return await first, out_b
     try:
         (tokens_a, _), out_b = asyncio.run(main())
@@ -103,15 +105,16 @@ def test_failing_step_ends_streams_with_error_and_reports_dead(tiny_llama_path):
 
 
 def test_slow_step_fails_health_check_until_it_returns(tiny_llama_path):
-    # a step slower than step_timeout_s but back before the watchdog's grace (2 x) ends nothing
-    fake = GatedFakeExecutor(64)
-    engine = _engine(tiny_llama_path, fake, step_timeout_s=1.0)
+    # a step slower than step_timeout_s but back before the watchdog's grace (2 x) ends nothing;
+    # the engine's clock is fake, so a loaded machine cannot push the step past the grace
+    fake, clock = GatedFakeExecutor(64), FakeClock()
+    engine = _engine(tiny_llama_path, fake, step_timeout_s=1.0, clock=clock)
 
     async def main():
         task = asyncio.create_task(_consume(engine, "a", [3], 2))
-        await asyncio.to_thread(fake.entered.wait, 10)
+        await asyncio.to_thread(fake.entered.wait, 60)
         await engine.check_health()                      # just started: healthy
-        await asyncio.sleep(1.2)
+        clock.advance(1.5)
         with pytest.raises(EngineDeadError, match="step_timeout_s"):
             await engine.check_health()
         fake.gate.set()
@@ -142,3 +145,40 @@ def test_drain_refuses_new_requests_and_finishes_in_flight(tiny_llama_path):
     finally:
         engine.shutdown()
     assert tokens == [4, 5, 6, 7, 8] and outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_drain_aborts_what_is_still_running_at_the_timeout(tiny_llama_path):
+    # each step takes 1 s of the engine's fake clock; the drain's 5 s deadline passes while "long" runs
+    clock = FakeClock()
+    fake = PacedFakeExecutor(64, clock, step_s=1.0)
+    engine = _engine(tiny_llama_path, fake, clock=clock)
+
+    async def main():
+        short = asyncio.create_task(_consume(engine, "short", [3], 2))
+        long = asyncio.create_task(_consume(engine, "long", [7], 200))
+        await asyncio.to_thread(fake.entered.wait, 60)
+        drain = asyncio.create_task(engine.drain(timeout_s=5))
+        await asyncio.sleep(0)                           # the drain has read its deadline: clock + 5
+        fake.hold_at = clock() + 7                       # steps stop there until the drain has aborted
+        aborts = []
+        abort = engine.abort
+
+        async def abort_then_release(request_id):
+            aborts.append(request_id)
+            result = await abort(request_id)
+            fake.release.set()
+            return result
+        engine.abort = abort_then_release
+        fake.gate.set()
+        aborted = await drain
+        return aborted, aborts, await short, await long
+    try:
+        aborted, aborts, (short_tokens, short_outs), (long_tokens, long_outs) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert aborted == 1 and aborts == ["long"]
+    assert short_tokens == [4, 5] and short_outs[-1].outputs[0].finish_reason == "length"
+    assert 5 <= len(long_tokens) < 200 and long_outs[-1].outputs[0].finish_reason == "abort"
+    assert long_tokens == list(range(8, 8 + len(long_tokens)))
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

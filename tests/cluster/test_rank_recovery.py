@@ -3,7 +3,7 @@ rebuild its TP group and re-admit the running sequences by recompute; every requ
 exactly the tokens of an undisturbed in-process run (greedy and seeded sampling). The old actors and
 placement group are gone, and no KV block or worker mirror is left once idle. The recovery time
 (kill -> first token after the rebuild) is logged. (``ray.kill`` with recovery off:
-test_ray_executor.py; both kill modes with timings: ``python -m pagedray.cluster.bench_recovery``.)"""
+test_ray_executor.py; both kill modes with timings: ``python -m benchmarks.recovery``.)"""
 
 import logging
 import os
@@ -11,7 +11,8 @@ import signal
 
 import pytest
 from pagedray.cluster import LLM
-from pagedray.cluster.bench_recovery import ENGINE_KWARGS, actor_pid, run_with_kill, undisturbed_tokens
+
+from benchmarks.recovery import ENGINE_KWARGS, actor_pid, run_with_kill, undisturbed_tokens
 
 logger = logging.getLogger(__name__)
 

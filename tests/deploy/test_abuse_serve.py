@@ -1,4 +1,5 @@
-"""Abuse resistance of the real Serve app (ingress + engine deployment + Ray TP worker, SmolLM2, fp32).
+"""Abuse resistance of the real Serve app (ingress + engine deployment running the model in its own
+process, the default at TP=1; SmolLM2, fp32).
 
 One app for the module (capacity: max_num_seqs 4 running + max_queued_requests 4 waiting):
 - the malformed-input catalogue (tests/deploy/bad_requests.py, > 100 cases): each a 4xx with an
@@ -8,8 +9,10 @@ One app for the module (capacity: max_num_seqs 4 running + max_queued_requests 4
   no 5xx, no in-band internal error, and every KV block free afterwards;
 - overload at 10x capacity: only 200 / 429; every 200 is the greedy reference text; 429s carry
   Retry-After; the engine's waiting queue never exceeds its bound; replica memory stays bounded;
-- graceful drain (last: it leaves the replica draining): in-flight requests finish (a long one is
-  aborted at the timeout), new ones get 503, /health says 503; deleting the app leaves no TP worker.
+- graceful drain (last: it leaves the replica draining): the in-flight requests finish with their exact
+  text (the drain's timeout is only a hang guard, so the outcome does not depend on the machine's
+  speed; the abort at a timeout is tested on a fake clock in tests/cluster/test_async_engine.py), new
+  ones get 503, /health says 503; deleting the app ends the engine replica's process.
 Oracle for greedy text: the same prompt run alone on the idle app before the burst / the drain.
 """
 
@@ -21,6 +24,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 from bad_requests import assert_openai_error, malformed_cases, send
 from pagedray.deploy.reliability_fuzz import run_fuzz
@@ -34,7 +38,7 @@ CAPACITY = APP_ARGS["max_num_seqs"] + APP_ARGS["max_queued_requests"]
 OVERLOAD_REQUESTS = 10 * CAPACITY
 OVERLOAD_BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 RSS_GROWTH_LIMIT = 256 * 2**20   # generous: what matters is that it does not scale with the burst
-DRAIN_TIMEOUT_S = 5.0
+DRAIN_HANG_GUARD_S = 600.0   # far longer than the in-flight requests need, even on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +100,7 @@ def test_overload_10x_rejects_excess_and_admitted_requests_are_exact(app, http):
 
 def _await_draining(http) -> httpx.Response:
     """POST until the drain has reached the engine (a request racing the drain call may still run)."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120   # hang guard
     while True:
         response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
         if response.status_code != 200 or time.monotonic() > deadline:
@@ -108,15 +112,15 @@ def test_drain_finishes_in_flight_rejects_new_then_delete_leaves_nothing(app, ht
     from ray import serve
 
     short = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    reference = http.post("/v1/completions", json=short).json()["choices"][0]["text"]
-    long_tokens = app.max_model_len - 16   # far more decode steps than DRAIN_TIMEOUT_S allows on a CPU
-    long = {"prompt": "Count:", "max_tokens": long_tokens, "temperature": 0, "ignore_eos": True}
-    (short_started, long_started), (short_out, long_out) = (threading.Event(), threading.Event()), ({}, {})
-    threads = [stream_in_thread(app.url, long, long_started, long_out)]
-    assert long_started.wait(120)
-    threads.append(stream_in_thread(app.url, short, short_started, short_out))
-    assert short_started.wait(120)
-    report = serve.get_app_handle(app.name).drain.remote(DRAIN_TIMEOUT_S)
+    longer = {"prompt": "Count:", "max_tokens": 128, "temperature": 0, "ignore_eos": True}
+    bodies = {"longer": longer, "short": short}   # started in this order
+    references = {name: http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+                  for name, body in bodies.items()}
+    started = {name: threading.Event() for name in bodies}
+    outs: dict[str, dict] = {name: {} for name in bodies}
+    threads = [stream_in_thread(app.url, body, started[name], outs[name]) for name, body in bodies.items()]
+    assert all(event.wait(120) for event in started.values())
+    report = serve.get_app_handle(app.name).drain.remote(DRAIN_HANG_GUARD_S)
     refused = _await_draining(http)
     assert assert_openai_error(refused, 503, None)["code"] == "engine_draining"
     health = http.get("/health")
@@ -124,16 +128,17 @@ def test_drain_finishes_in_flight_rejects_new_then_delete_leaves_nothing(app, ht
     report = report.result()
     for thread in threads:
         thread.join(120)
-    assert short_out["status"] == long_out["status"] == 200
-    assert stream_text(short_out["events"])[:2] == (reference, "length")
-    long_text, long_reason, long_chunks = stream_text(long_out["events"])
-    assert long_reason == "abort" and 0 < long_chunks < long_tokens
-    assert report.in_flight_at_start >= 2 and report.aborted == 1 and report.seconds >= DRAIN_TIMEOUT_S * 0.99
+    for name, out in outs.items():
+        assert out["status"] == 200 and stream_text(out["events"])[:2] == (references[name], "length"), name
+    assert report.in_flight_at_start >= 1 and report.aborted == 0
+    # draining is one-way: still refused after the in-flight requests are done
+    assert http.post("/v1/completions", json=short).status_code == 503
     idle = app.wait_idle()
     assert (idle.num_running, idle.num_waiting, idle.num_free_blocks) == (0, 0, idle.num_blocks)
-    assert tp_worker_pids()
+    replica_pid = app.engine_handle().process_id.remote().result()
+    assert psutil.pid_exists(replica_pid) and tp_worker_pids() == []   # in-process: no worker actor
     serve.delete(app.name)
-    deadline = time.monotonic() + 60
-    while tp_worker_pids() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120   # hang guard
+    while psutil.pid_exists(replica_pid) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert tp_worker_pids() == []
+    assert not psutil.pid_exists(replica_pid)

@@ -19,9 +19,9 @@ def test_serve_options_map_to_build_app_args():
     ns = cli.build_parser().parse_args(
         ["serve", "--model", "/models/x", "--tensor-parallel-size", "2", "--kv-cache-gib", "0.5",
          "--no-enable-prefix-caching", "--port", "9001", "--api-key", "k", "--max-queued-requests", "7",
-         "--threads-per-worker", "1"])
+         "--threads-per-worker", "1", "--executor", "ray"])
     assert cli.serve_args(ns) == {"model": "/models/x", "tensor_parallel_size": 2, "kv_cache_gib": 0.5,
-                                  "threads_per_worker": 1,
+                                  "threads_per_worker": 1, "executor": "ray",
                                   "enable_prefix_caching": False, "api_key": "k", "max_queued_requests": 7}
     assert (ns.host, ns.port, ns.name) == ("127.0.0.1", 9001, "pagedray")
 
@@ -30,7 +30,9 @@ def test_engine_config_from_args():
     config = engine_config(parse_args({"tensor_parallel_size": 2, "block_size": 32, "max_queued_requests": 9,
                                        "max_model_len": 512, "enable_prefix_caching": False,
                                        "threads_per_worker": 3}))
-    assert config.parallel.tensor_parallel_size == 2 and config.parallel.executor == "ray"
+    assert config.parallel.tensor_parallel_size == 2 and config.parallel.use_ray
+    assert not engine_config(parse_args({})).parallel.use_ray               # TP=1: in the replica's process
+    assert engine_config(parse_args({"executor": "ray"})).parallel.use_ray
     assert config.parallel.threads_per_worker == 3
     assert engine_config(parse_args({})).parallel.threads_per_worker is None
     assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
@@ -41,6 +43,8 @@ def test_engine_config_from_args():
                                          ({"tensor_parallel_size": "2"}, "tensor_parallel_size"),
                                          ({"num_replicas": 0}, "num_replicas"),
                                          ({"threads_per_worker": 0}, "threads_per_worker"),
+                                         ({"executor": "mpi"}, "executor"),
+                                         ({"executor": "local", "tensor_parallel_size": 2}, "executor"),
                                          ({"max_queued_requests": 0}, "max_waiting_requests")])
 def test_build_app_rejects_bad_args_naming_the_field(args, field):
     with pytest.raises(ValueError, match=field):
@@ -50,6 +54,8 @@ def test_build_app_rejects_bad_args_naming_the_field(args, field):
 def test_placement_bundles_one_per_rank_plus_replica():
     assert placement_bundles(1, use_gpu=False) == [{"CPU": 1.0}, {"CPU": 1.0}]
     assert placement_bundles(2, use_gpu=True) == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    assert placement_bundles(1, use_gpu=False, in_process=True) == [{"CPU": 1.0}]
+    assert placement_bundles(1, use_gpu=True, in_process=True) == [{"CPU": 1.0, "GPU": 1.0}]
 
 
 def test_loadtest_is_dispatched_lazily(monkeypatch):

@@ -1,37 +1,96 @@
-"""bench_serving's bookkeeping (no servers started): system commands, ratios against the peer, the table."""
+"""benchmarks.serving's bookkeeping (no servers started): system commands (the peer at its defaults, the
+tuned peer only on request), the values taken from a load summary, the ratios per round against the
+peer's best variant, the offline and floor ratios, the table, the private Ray of pagedray servers."""
 
 import pytest
-from pagedray.deploy.bench_serving import build_parser, comparison_table, ratios, system_specs
+
+from benchmarks import rounds
+from benchmarks.serving import (
+    FLOOR,
+    OFFLINE,
+    PEER,
+    PEER_TUNED,
+    build_metrics,
+    build_parser,
+    build_ratios,
+    load_values,
+    system_specs,
+)
 
 
-def summary(tok_s, ttft_p99):
+def summary(tok_s, ttft_p99, e2e_mean=1000.0, duration=8.0):
     stats = {"mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": 1.0}
     return {"completed": 32, "failed": 0, "output_tok_per_s": tok_s, "req_per_s": tok_s / 64,
-            "ttft_ms": {**stats, "p99": ttft_p99}, "tpot_ms": stats, "itl_ms": stats, "e2e_ms": stats}
+            "duration_s": duration, "ttft_ms": {**stats, "p99": ttft_p99}, "tpot_ms": stats, "itl_ms": stats,
+            "e2e_ms": {**stats, "mean": e2e_mean}}
 
 
-def test_ratios_and_table_divide_by_the_peer():
-    results = {"peer": {"load": summary(10.0, 2000.0)}, "pagedray-tp1": {"load": summary(35.0, 500.0)},
-               "pagedray-tp2": {"error": "RuntimeError: did not start"}}
-    out = ratios(results)
-    assert out == {"pagedray-tp1": {"output_tok_per_s_x": pytest.approx(3.5), "ttft_p99_x": pytest.approx(0.25)}}
-    table = comparison_table(results, out)
-    lines = table.splitlines()
-    assert lines[0].split() == ["metric", "peer", "pagedray-tp1", "pagedray-tp1", "/", "peer"]
-    tok_row = next(line for line in lines if line.startswith("output tok/s"))
-    assert tok_row.split()[-3:] == ["10.0", "35.0", "3.50x"]
-    assert next(line for line in lines if line.startswith("TTFT p99")).split()[-1] == "0.25x"
-    assert "pagedray-tp2" not in table
-
-
-def test_system_specs_build_the_commands():
+def test_the_peer_runs_at_its_defaults_and_the_tuned_peer_only_on_request():
     args = build_parser().parse_args([])
-    peer, tp2 = system_specs(["peer", "pagedray-tp2"], "/models/m", 18000, args)
+    assert args.peer_tuned is False and args.rounds == 3 and args.out == "bench_results/serving.json"
+    peer, tuned, tp2 = system_specs([PEER, PEER_TUNED, "pagedray-tp2"], "/models/m", 18000, args)
     assert peer.command[:4] == ["transformers", "serve", "/models/m", "--continuous-batching"]
-    assert peer.model_name == "/models/m" and "--cb-num-blocks" in peer.command
+    assert not [flag for flag in peer.command if flag.startswith("--cb-")]
+    assert tuned.command[:len(peer.command)] == peer.command
+    assert tuned.command[len(peer.command):] == ["--cb-num-blocks", "32", "--cb-max-batch-tokens", "1024"]
+    assert peer.model_name == "/models/m" and tuned.model_name == "/models/m"
     assert tp2.command[tp2.command.index("--tensor-parallel-size") + 1] == "2" and tp2.model_name is None
+    assert "serve" in tp2.command and tp2.tensor_parallel_size == 2
     with pytest.raises(ValueError, match="systems"):
         system_specs(["vllm"], "/m", 1, args)
+
+
+def test_load_values_flatten_the_closed_loop_and_the_sweep():
+    closed = summary(35.0, 500.0, e2e_mean=2000.0, duration=16.0)
+    values = load_values(closed, [summary(5.0, 700.0), summary(6.0, 900.0)], [0.1, 0.2])
+    assert values["output_tok_per_s"] == 35.0 and values["ttft_ms_p99"] == 500.0 and values["completed"] == 32
+    assert values["mean_in_flight"] == pytest.approx(32 * 2.0 / 16.0)   # Little's law
+    assert values["sweep_0.1_ttft_ms_p99"] == 700.0 and values["sweep_0.2_ttft_ms_p99"] == 900.0
+    keys = {m.key for m in build_metrics([0.1, 0.2])}
+    assert set(values) <= keys and "sweep_0.2_e2e_ms_p99" in keys
+
+
+def _runs(values_by_system: dict[str, list[dict]]) -> list[rounds.Run]:
+    quiet = (0.1, 0.1, 0.1)
+    return [rounds.Run(name, i, values, quiet, quiet)
+            for name, per_round in values_by_system.items() for i, values in enumerate(per_round)]
+
+
+def test_pagedray_is_divided_by_the_best_peer_variant_of_each_round():
+    metrics = build_metrics([])
+    names = ["pagedray-tp1", PEER, PEER_TUNED, OFFLINE, FLOOR]
+    ratios = build_ratios(names, metrics)
+    runs = _runs({
+        "pagedray-tp1": [load_values(summary(60.0, 1500.0), [], []) for _ in range(3)],
+        PEER: [load_values(summary(t, ttft), [], []) for t, ttft in ((10.0, 7500.0), (12.0, 5000.0), (8.0, 6000.0))],
+        PEER_TUNED: [load_values(summary(t, ttft), [], []) for t, ttft in ((20.0, 3000.0), (6.0, 6000.0),
+                                                                            (8.0, 7500.0))],
+        OFFLINE: [{"output_tok_per_s": 75.0}] * 3,
+        FLOOR: [{"output_tok_per_s": 150.0}] * 3})
+    result = rounds.summarize(runs, metrics, ratios, cpus=2)["ratios"]
+    vs_peer = result["pagedray-tp1 / peer best"]
+    # tok/s: best peer per round 20, 12, 8 -> 3, 5, 7.5; TTFT p99: best (lowest) 3000, 5000, 6000
+    assert (vs_peer["output_tok_per_s"]["median"], vs_peer["output_tok_per_s"]["min"],
+            vs_peer["output_tok_per_s"]["max"]) == (5.0, 3.0, 7.5)
+    assert vs_peer["ttft_ms_p99"]["median"] == pytest.approx(0.3)
+    assert vs_peer["ttft_ms_p99"]["max"] == pytest.approx(0.5)
+    assert "completed" not in vs_peer and "failed" not in vs_peer   # counts are not divided
+    assert set(result["serving pagedray-tp1 / offline"]) == {"output_tok_per_s"}
+    assert result["serving pagedray-tp1 / offline"]["output_tok_per_s"]["median"] == pytest.approx(0.8)
+    assert result["pagedray-tp1 / floor"]["output_tok_per_s"]["median"] == pytest.approx(0.4)
+    assert result[f"{OFFLINE} / floor"]["output_tok_per_s"]["median"] == pytest.approx(0.5)
+    assert {q.name for q in ratios} == {"pagedray-tp1 / peer best", "serving pagedray-tp1 / offline",
+                                        "pagedray-tp1 / floor", "peer / floor", "peer-tuned / floor",
+                                        "offline / floor"}
+    table = rounds.format_table(runs, metrics, ratios, cpus=2)
+    tok_row = next(line for line in table.splitlines()
+                   if line.startswith("pagedray-tp1 / peer best") and "output tok/s" in line)
+    assert tok_row.split()[-2:] == ["5.00x", "[3.00-7.50]"]
+
+
+def test_without_the_tuned_peer_the_ratio_is_against_the_peer_alone():
+    ratios = build_ratios(["pagedray-tp1", PEER], build_metrics([]))
+    assert [(q.name, q.peers) for q in ratios] == [("pagedray-tp1 / peer", (PEER,))]
 
 
 def _llama_folder(path, heads, kv_heads):
@@ -44,7 +103,7 @@ def _llama_folder(path, heads, kv_heads):
 
 
 def test_skip_reason_uses_the_workers_head_split_check(tmp_path):
-    from pagedray.deploy.bench_serving import skip_reason
+    from benchmarks.serving import skip_reason
 
     args = build_parser().parse_args([])
     smollm_like = _llama_folder(tmp_path / "m9x3", heads=9, kv_heads=3)
@@ -60,7 +119,7 @@ def test_pagedray_servers_get_a_private_local_ray_and_the_peer_does_not(tmp_path
     import os
     import sys
 
-    from pagedray.deploy.bench_serving import RunningServer, SystemSpec
+    from benchmarks.serving import RunningServer, SystemSpec
 
     monkeypatch.setenv("RAY_ADDRESS", "auto")
     monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)

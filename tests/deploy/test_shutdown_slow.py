@@ -23,7 +23,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def test_serve_delete_lets_in_flight_stream_finish(ray_session, default_model_path):
     from ray import serve
 
-    app = start_app(default_model_path, graceful_shutdown_s=60.0)
+    app = start_app(default_model_path, graceful_shutdown_s=60.0, executor="ray")
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
         with httpx.Client(base_url=app.url, headers=AUTH, timeout=300, trust_env=False) as http:

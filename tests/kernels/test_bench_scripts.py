@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]  # `python -m benchmarks.<name>` runs from here
 
 
 def _run_dry(module: str, out) -> dict:
     env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, "-m", module, "--dry-run", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["device"].startswith("cpu")
@@ -22,9 +25,9 @@ def _run_dry(module: str, out) -> dict:
 
 
 def test_bench_dry_run_writes_every_row(tmp_path):
-    from pagedray.kernels.bench import DRY
+    from benchmarks.kernels import DRY
 
-    report = _run_dry("pagedray.kernels.bench", tmp_path / "bench.json")
+    report = _run_dry("benchmarks.kernels", tmp_path / "bench.json")
     decode = [r for r in report["rows"] if r["kind"] == "decode"]
     prefill = [r for r in report["rows"] if r["kind"] == "prefill"]
     assert len(decode) == len(DRY["batches"]) * len(DRY["contexts"]) * len(DRY["dtypes"])
@@ -34,9 +37,9 @@ def test_bench_dry_run_writes_every_row(tmp_path):
 
 
 def test_sweep_dry_run_checks_and_times_every_config(tmp_path):
-    from pagedray.kernels.bench_sweep import DRY, decode_variants, grid_configs
+    from benchmarks.kernel_sweep import DRY, decode_variants, grid_configs
 
-    report = _run_dry("pagedray.kernels.bench_sweep", tmp_path / "sweep.json")
+    report = _run_dry("benchmarks.kernel_sweep", tmp_path / "sweep.json")
     rows = report["rows"]
     errors = [r for r in rows if "error" in r]
     assert not errors, errors

@@ -1,6 +1,7 @@
 """Decode-heavy bookkeeping benchmark of the BlockManager (a script, not a test).
 
-    python -m pagedray.block_manager.bench [--out bench_results/block_manager.json]
+    python -m benchmarks.block_manager [--rounds 3] [--out bench_results/block_manager.json]
+    python benchmarks/block_manager.py --num-seqs 40 --decode-steps 16   # a quick smoke run
 
 Trace: ``--num-seqs`` sequences (1,000) with prompts of 1,792..2,303 tokens, half of them starting
 with a common 1,024-token prefix, each decoding ``--decode-steps`` (256) tokens. A minimal scheduler
@@ -14,24 +15,42 @@ freed. Capacity (``--num-blocks``) is chosen so that admission happens in waves.
 Reported: microseconds of bookkeeping per decode token and per decode step, and per prompt token at
 admission. Peers measured in the same process: the same trace with prefix caching off, and a "floor"
 loop that does the scheduler's own per-token work (append a token, one dict lookup, build a
-one-element list) without the manager; the ratio to it is the machine-independent figure.
+one-element list) without the manager; the ratio to it is the machine-independent figure. The floor
+runs at the mean decode batch of the caching-on trace, taken from one untimed warm-up trace (the trace
+is deterministic, so that batch is the one every timed run has).
+
+The three systems run ``--rounds`` times in alternating order (``benchmarks.rounds``); the table shows
+per system the median [min-max] over clean rounds and the per-round ratio to the floor.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from .errors import CannotAllocateError
-from .manager import BlockManager
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from pagedray.block_manager.errors import CannotAllocateError
+from pagedray.block_manager.manager import BlockManager
+
+from benchmarks.common import add_round_args, finish_rounds, print_run
+from benchmarks.rounds import Metric, Ratio, run_rounds
 
 VOCAB = 32000
+CACHING_ON, CACHING_OFF, FLOOR = "manager, caching on", "manager, caching off", "floor (no manager)"
+METRICS = [Metric("us_per_decode_token", "us/decode token", higher_is_better=False),
+           Metric("us_per_decode_step", "us/decode step", higher_is_better=False),
+           Metric("us_per_prompt_token", "us/prompt token", higher_is_better=False),
+           Metric("mean_batch", "mean batch"), Metric("max_running", "max running"),
+           Metric("prefix_hit_rate", "prefix hit rate"), Metric("preemptions", higher_is_better=False)]
+RATIOS = [Ratio(CACHING_ON, (FLOOR,), ("us_per_decode_token",), f"{CACHING_ON} / floor"),
+          Ratio(CACHING_OFF, (FLOOR,), ("us_per_decode_token",), f"{CACHING_OFF} / floor")]
 
 
 @dataclass
@@ -139,7 +158,7 @@ def run_trace(name: str, prompts: list[list[int]], decode_steps: int, num_blocks
 
 def run_floor(prompts: list[list[int]], decode_steps: int, batch: int) -> TraceResult:
     """The scheduler's own per-token work without the manager: the peer the manager is compared to."""
-    result = TraceResult("floor (no manager)")
+    result = TraceResult(FLOOR)
     tokens = {i: list(p) for i, p in enumerate(prompts[:batch])}
     lengths = {i: len(p) for i, p in tokens.items()}
     running = list(tokens)
@@ -158,7 +177,7 @@ def run_floor(prompts: list[list[int]], decode_steps: int, batch: int) -> TraceR
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_results/block_manager.json")
+    add_round_args(parser, "block_manager")
     parser.add_argument("--num-seqs", type=int, default=1000)
     parser.add_argument("--decode-steps", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
@@ -168,35 +187,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     prompts = make_prompts(args.num_seqs, args.seed)
     common = (args.decode_steps, args.num_blocks, args.block_size, args.max_num_seqs)
-    runs = [run_trace("manager, prefix caching on", prompts, *common, prefix_caching=True),
-            run_trace("manager, prefix caching off", prompts, *common, prefix_caching=False)]
-    mean_batch = max(1, round(runs[0].decode_tokens / max(1, runs[0].decode_steps)))
-    runs.append(run_floor(prompts, args.decode_steps, mean_batch))
-    rows = [r.row() for r in runs]
-    floor = rows[-1]["us_per_decode_token"]
-    for row in rows:
-        row["ratio_to_floor"] = row["us_per_decode_token"] / floor
-    _print_table(rows)
-    report = {"benchmark": "block_manager decode-heavy trace", "args": vars(args), "rows": rows,
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "processor": platform.processor() or platform.machine()},
-              "date": time.strftime("%Y-%m-%d")}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
-    return report
+    warm = run_trace(CACHING_ON, prompts, *common, prefix_caching=True)  # untimed: warm-up, floor batch
+    mean_batch = max(1, round(warm.decode_tokens / max(1, warm.decode_steps)))
 
+    def measure(system: str, _round: int) -> dict:
+        if system == FLOOR:  # no admission, no cache: only the decode figures apply
+            row = run_floor(prompts, args.decode_steps, mean_batch).row()
+            return {k: row[k] for k in ("name", "us_per_decode_token", "us_per_decode_step", "decode_tokens",
+                                        "decode_steps", "mean_batch")}
+        return run_trace(system, prompts, *common, prefix_caching=system == CACHING_ON).row()
 
-def _print_table(rows: list[dict]) -> None:
-    header = (f"{'run':<30} {'us/decode tok':>13} {'x floor':>8} {'us/step':>9} {'batch':>6} "
-              f"{'us/prompt tok':>13} {'hit rate':>8} {'preempt':>7}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['name']:<30} {r['us_per_decode_token']:>13.3f} {r['ratio_to_floor']:>8.2f} "
-              f"{r['us_per_decode_step']:>9.1f} {r['mean_batch']:>6.1f} {r['us_per_prompt_token']:>13.3f} "
-              f"{r['prefix_hit_rate']:>8.3f} {r['preemptions']:>7}")
+    runs = run_rounds([CACHING_ON, CACHING_OFF, FLOOR], args.rounds, measure, on_run=print_run)
+    return finish_rounds("block_manager", args.out, runs, METRICS, RATIOS, vars(args),
+                         {"floor_batch": mean_batch})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Launch-configuration sweep for the paged kernels: ``python -m pagedray.kernels.bench_sweep [--dry-run]``.
+"""Launch-configuration sweep for the paged kernels: ``python -m benchmarks.kernel_sweep [--dry-run]``.
 
 For a first session on a GPU: times every configuration of a small grid at the benchmark's goal shapes
 and prints, per shape, each configuration against the default one (``decode_config``/``prefill_config``)
@@ -7,7 +7,7 @@ so the defaults can be set from measurements. Writes JSON (device, date, every r
 * Decode (bf16, 32 q / 8 KV heads, head_dim 128, block 16): batch x context in ``DECODE_SHAPES``;
   ``BLOCK_N`` x ``num_warps`` x ``num_stages`` with the automatic split count, then the default
   configuration at each forced split count in ``DECODE_SPLITS`` (to set ``choose_num_splits``).
-  Metric: % of the copy bandwidth measured in the same run (bytes counted as in ``bench``).
+  Metric: % of the copy bandwidth measured in the same run (bytes counted as in ``benchmarks.kernels``).
 * Prefill (bf16, same heads): 8k-token chunks with history 0 and 8k; ``BLOCK_Q`` (query tokens per tile,
   so ``BLOCK_M = BLOCK_Q * group`` rows) x ``BLOCK_N`` x ``num_warps`` x ``num_stages``. Metric: TFLOP/s.
 * Each configuration is first checked against the torch reference on a small slice; one that fails to
@@ -27,9 +27,20 @@ import pathlib
 import sys
 import tempfile
 
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
 import torch
 
-from .bench import FULL, check_close, copy_bandwidth_gbps, decode_bytes, paged_kv_case, prefill_flops, time_ms
+from benchmarks.kernels import (
+    FULL,
+    check_close,
+    copy_bandwidth_gbps,
+    decode_bytes,
+    paged_kv_case,
+    prefill_flops,
+    time_ms,
+)
 
 DECODE_SHAPES = ((64, 2048), (64, 8192), (256, 2048), (256, 8192), (8, 8192))
 DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
@@ -66,8 +77,8 @@ def _try_config(run_small, reference, run_full, on_cuda: bool, what: str) -> dic
 
 
 def _decode_shape(spec: dict, batch: int, context: int, device, on_cuda: bool, copy_gbps: float) -> list[dict]:
-    from .decode_triton import paged_decode_triton
-    from .reference import paged_decode_reference
+    from pagedray.kernels.decode_triton import paged_decode_triton
+    from pagedray.kernels.reference import paged_decode_reference
 
     dtype = getattr(torch, spec["dtype"])
     hq, hkv = spec["heads"]
@@ -94,8 +105,8 @@ def _decode_shape(spec: dict, batch: int, context: int, device, on_cuda: bool, c
 
 
 def _prefill_shape(spec: dict, tokens: int, history: int, device, on_cuda: bool) -> list[dict]:
-    from .prefill_triton import paged_prefill_triton
-    from .reference import paged_prefill_reference
+    from pagedray.kernels.prefill_triton import paged_prefill_triton
+    from pagedray.kernels.reference import paged_prefill_reference
 
     dtype = getattr(torch, spec["dtype"])
     hq, hkv = spec["heads"]
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":   # triton reads it at kernel definition
         env = dict(os.environ, TRITON_INTERPRET="1")
-        os.execve(sys.executable, [sys.executable, "-m", "pagedray.kernels.bench_sweep", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.kernel_sweep", *sys.argv[1:]], env)
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (use --dry-run to check the script on CPU)")
     on_cuda = not args.dry_run

@@ -1,4 +1,4 @@
-"""Paged-attention kernel benchmark: ``python -m pagedray.kernels.bench [--dry-run] [--out PATH]``.
+"""Paged-attention kernel benchmark: ``python -m benchmarks.kernels [--dry-run] [--out PATH]``.
 
 Prints a table and writes JSON (device name, date, every row).
 
@@ -28,6 +28,9 @@ import statistics
 import sys
 import tempfile
 import time
+
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import torch
 
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":   # triton reads it when the kernels are defined
             env = dict(os.environ, TRITON_INTERPRET="1")
-            os.execve(sys.executable, [sys.executable, "-m", "pagedray.kernels.bench", *sys.argv[1:]], env)
+            os.execve(sys.executable, [sys.executable, "-m", "benchmarks.kernels", *sys.argv[1:]], env)
         out = args.out or pathlib.Path(tempfile.gettempdir()) / "pagedray_kernels_bench_dry_run.json"
         run(DRY, torch.device("cpu"), out, dry_run=True)
         return

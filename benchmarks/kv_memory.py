@@ -10,7 +10,12 @@ and records the number of running sequences at each step.
 Workload (fixed seed): 512 requests, prompt lengths uniform in [32, 2*mean_prompt-32], max_tokens uniform
 in [16, 2*mean_output-16]; mean total length <= max_model_len / 4 by default.
 
-Usage: ``python -m pagedray.cluster.bench_kv_memory [--max-model-len 2048] [--num-blocks 2048]``
+Both allocators run ``--rounds`` times in alternating order (``benchmarks.rounds``), like every
+comparison script; the counts depend on lengths only, so their spread is 0 -- a non-zero spread would mean
+the simulation is not deterministic. The table shows the per-round ratio paged / contiguous.
+
+Usage: ``python -m benchmarks.kv_memory [--rounds 3] [--max-model-len 2048] [--num-blocks 2048]``
+(or ``python benchmarks/kv_memory.py ...``)
 """
 
 from __future__ import annotations
@@ -18,14 +23,27 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
+from pathlib import Path
+
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from pagedray.block_manager import BlockManager
+from pagedray.cluster.config import SchedulerConfig
+from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.cluster.scheduler import Scheduler
+from pagedray.cluster.wire import SampledToken
 
-from .bench_common import print_table, write_json
-from .config import SchedulerConfig
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .wire import SampledToken
+from benchmarks.common import add_round_args, finish_rounds, print_run
+from benchmarks.rounds import Metric, Ratio, run_rounds
+
+CONTIGUOUS, PAGED = "contiguous max_model_len", "paged"
+METRICS = [Metric("peak_concurrent", "peak concurrent"),
+           Metric("mean_concurrent_first_half", "mean concurrent (first half)"),
+           Metric("mean_kv_usage_first_half", "mean KV usage (first half)"),
+           Metric("preemptions", higher_is_better=False), Metric("steps", higher_is_better=False)]
+RATIOS = [Ratio(PAGED, (CONTIGUOUS,), ("peak_concurrent", "mean_concurrent_first_half"))]
 
 
 def run_paged(lengths, block_size: int, num_blocks: int, max_model_len: int) -> dict:
@@ -48,32 +66,33 @@ def run_paged(lengths, block_size: int, num_blocks: int, max_model_len: int) -> 
             "preemptions": sched.num_preemptions}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_round_args(parser, "kv_memory")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-blocks", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--mean-prompt", type=int, default=384)
     parser.add_argument("--mean-output", type=int, default=96)
     parser.add_argument("--num-requests", type=int, default=512)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = random.Random(0)
     lengths = [(rng.randint(32, 2 * args.mean_prompt - 32), rng.randint(16, 2 * args.mean_output - 16))
                for _ in range(args.num_requests)]
     mean_len = statistics.mean(p + o for p, o in lengths)
     budget = args.num_blocks * args.block_size
     contiguous = budget // args.max_model_len
-    paged = run_paged(lengths, args.block_size, args.num_blocks, args.max_model_len)
-    rows = [{"allocator": "contiguous max_model_len", "concurrent": contiguous, "ratio": 1.0},
-            {"allocator": "paged (peak)", "concurrent": paged["peak_concurrent"],
-             "ratio": paged["peak_concurrent"] / contiguous},
-            {"allocator": "paged (mean, first half)", "concurrent": round(paged["mean_concurrent_first_half"], 1),
-             "ratio": paged["mean_concurrent_first_half"] / contiguous}]
+
+    def measure(system: str, _round: int) -> dict:
+        if system == CONTIGUOUS:  # max_model_len slots reserved per sequence: a fixed number at once
+            return {"peak_concurrent": contiguous, "mean_concurrent_first_half": contiguous}
+        return run_paged(lengths, args.block_size, args.num_blocks, args.max_model_len)
+
     print(f"KV budget {budget} slots, max_model_len {args.max_model_len}, mean sequence length {mean_len:.0f} "
           f"({mean_len / args.max_model_len:.2f} x max_model_len)")
-    print_table(rows, ["allocator", "concurrent", "ratio"])
-    write_json("kv_memory", {"args": vars(args), "mean_length": mean_len, "kv_budget_slots": budget,
-                             "contiguous_concurrent": contiguous, "paged": paged, "rows": rows})
+    runs = run_rounds([CONTIGUOUS, PAGED], args.rounds, measure, on_run=print_run)
+    return finish_rounds("kv_memory", args.out, runs, METRICS, RATIOS, vars(args),
+                         {"mean_length": mean_len, "kv_budget_slots": budget})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Reliability figures of the Serve app: 5xx under fuzz, overload rejection latency, drain, leaked blocks.
 
-    python -m pagedray.deploy.bench_reliability [--model default] [--examples 1000] [--overload-factor 10]
+    python -m benchmarks.reliability [--model default] [--examples 1000] [--overload-factor 10]
 
 Starts a local Ray instance and the real app (small KV cache, fp32, capacity = max_num_seqs running +
 max_queued_requests waiting), then measures:
@@ -29,9 +29,11 @@ import sys
 import threading
 import time
 
-import httpx
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
-from .reliability_load import StatsSampler, burst, percentile, rss_bytes
+import httpx
+from pagedray.deploy.reliability_load import StatsSampler, burst, percentile, rss_bytes
 
 APP_NAME = "pagedray-reliability"
 APP_ARGS = {"num_blocks": 128, "max_model_len": 512, "max_num_seqs": 4, "max_queued_requests": 4,
@@ -41,10 +43,9 @@ BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
 
 def start(model: str, ray_address: str) -> tuple[str, object]:
     import ray
+    from pagedray.deploy.app import build_app
+    from pagedray.deploy.engine_deployment import ENGINE_DEPLOYMENT_NAME
     from ray import serve
-
-    from .app import build_app
-    from .engine_deployment import ENGINE_DEPLOYMENT_NAME
 
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     with socket.socket() as sock:
@@ -66,7 +67,7 @@ def wait_idle(engine, timeout_s: float = 60.0):
 
 
 def fuzz(url: str, engine, examples: int, concurrency: int) -> dict:
-    from .reliability_fuzz import run_fuzz
+    from pagedray.deploy.reliability_fuzz import run_fuzz
 
     meta = engine.model_meta.remote().result()
     with httpx.Client(base_url=url, timeout=300, trust_env=False) as client:
@@ -112,7 +113,7 @@ def run_overload(url: str, engine, factor: int) -> dict:
 
 
 def _stream(url: str, body: dict, out: dict, started: threading.Event) -> threading.Thread:
-    from .sse import parse_sse
+    from pagedray.deploy.sse import parse_sse
 
     def go() -> None:
         with httpx.Client(base_url=url, timeout=300, trust_env=False) as client:

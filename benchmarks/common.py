@@ -1,18 +1,21 @@
-"""Shared helpers of the benchmark scripts: seeded workloads, timing, table printing, JSON output.
+"""Shared helpers of the benchmark scripts: seeded workloads, timing, table printing, JSON output, and the
+command-line and output plumbing of the interleaved comparisons (``benchmarks.rounds``).
 
-Benchmarks are scripts (``python -m pagedray.cluster.bench_*``), never timed tests. Each compares
-against a peer run in the same script and writes ``bench_results/<name>.json`` (path relative to the
-current directory) with the machine description.
+Benchmarks are scripts (``python -m benchmarks.<name>`` or ``python benchmarks/<name>.py`` from the repo
+root), never timed tests. Each compares against a peer run in the same script and writes
+``bench_results/<name>.json`` (path relative to the current directory) with the machine description.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
-import platform
 import random
 import time
+
+from benchmarks import rounds
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
          "point government company number group problem fact be have do say get make go know take see "
@@ -42,8 +45,8 @@ class Timer:
 
 
 def machine() -> dict:
-    info = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    """``rounds.environment()`` (CPUs, platform, Python, date, commit) plus torch and the GPU if any."""
+    info = rounds.environment()
     try:
         import torch
 
@@ -69,13 +72,50 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
-def write_json(name: str, payload: dict) -> pathlib.Path:
-    out_dir = pathlib.Path("bench_results")
-    out_dir.mkdir(exist_ok=True)
-    path = out_dir / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+def write_json(name: str, payload: dict, path: str | os.PathLike | None = None) -> pathlib.Path:
+    """``payload`` with ``machine()`` to ``path`` (default ``bench_results/<name>.json``)."""
+    return _write(path or pathlib.Path("bench_results") / f"{name}.json", {"machine": machine(), **payload})
+
+
+def _write(path: str | os.PathLike, data: dict) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def _rounds_arg(text: str) -> int:
+    try:
+        return rounds.check_rounds(int(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_round_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--rounds`` (>= 3, default 3) and ``--out`` (default ``bench_results/<name>.json``)."""
+    parser.add_argument("--rounds", type=_rounds_arg, default=rounds.MIN_ROUNDS,
+                        help="interleaved rounds (>= 3); the order of the systems alternates between rounds")
+    parser.add_argument("--out", default=f"bench_results/{name}.json", help="JSON report path")
+
+
+def print_run(run: rounds.Run) -> None:
+    """Progress line for ``rounds.run_rounds(on_run=...)``."""
+    values = ", ".join(f"{k}={rounds.fmt(v)}" for k, v in run.values.items())
+    status = f"error: {run.error}" if run.error else values
+    print(f"[round {run.round}] {run.system}: {status} (load {run.load_before[0]:.2f} -> {run.load_after[0]:.2f})",
+          flush=True)
+
+
+def finish_rounds(name: str, out: str, runs: list[rounds.Run], metrics: list[rounds.Metric],
+                  ratios: list[rounds.Ratio], config: dict, extra: dict | None = None) -> dict:
+    """Print ``rounds.format_table`` and write ``rounds.report`` (plus ``machine()`` and ``extra``) to ``out``."""
+    cpus = os.cpu_count() or 1
+    print(rounds.format_table(runs, metrics, ratios, cpus))
+    report = {**rounds.report(name, runs, metrics, ratios, cpus, config), **(extra or {})}
+    report["environment"] = machine()  # rounds' environment plus torch and the GPU
+    _write(out, report)
+    return report
 
 
 def hf_continuous_batching(model, token_id_prompts: list[list[int]], max_tokens: list[int], pad_token_id: int,

@@ -12,7 +12,7 @@ sequences by recompute. Reported per mode:
 - ``outputs_match``: every request's tokens equal an undisturbed in-process (LocalExecutor) run.
 
 The model is a tiny random Llama written to a temporary folder (``--model`` picks another).
-Usage: ``python -m pagedray.cluster.bench_recovery [--model PATH] [--kill-after 5]``
+Usage: ``python -m benchmarks.recovery [--model PATH] [--kill-after 5]``
 Writes bench_results/recovery.json.
 """
 
@@ -21,11 +21,17 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from .bench_common import print_table, write_json
-from .sampling_params import SamplingParams
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from pagedray.cluster.sampling_params import SamplingParams
+
+from benchmarks.common import print_table, write_json
 
 PROMPTS = [[5, 17, 300, 42, 8, 99, 100, 3], [250, 251, 252], list(range(40, 75)), [7, 7, 7, 9]]
 PARAMS = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
@@ -50,7 +56,7 @@ def write_tiny_llama(path: str) -> str:
 
 
 def undisturbed_tokens(model: str) -> list[list[int]]:
-    from .llm import LLM
+    from pagedray.cluster.llm import LLM
 
     llm = LLM(model, **ENGINE_KWARGS)
     try:
@@ -91,8 +97,7 @@ def actor_pid(actor) -> int:
 
 def _measure(model: str, mode: str, kill_after: int, expected: list[list[int]]) -> dict:
     import ray
-
-    from .llm import LLM
+    from pagedray.cluster.llm import LLM
 
     started = time.monotonic()
     llm = LLM(model, tensor_parallel_size=2, step_timeout_s=60.0, **ENGINE_KWARGS)

@@ -6,16 +6,34 @@ same system prompt (the "earlier user" whose blocks the cache keeps). max_tokens
 TTFT only. Both runs (caching on / off) use the same engine settings; TTFT is measured from the
 moment all requests were added to the step that returned each request's first token.
 
-Usage: ``python -m pagedray.cluster.bench_prefix [--num-requests 32] [--system-tokens 1024]``
+The two runs alternate over ``--rounds`` rounds (``benchmarks.rounds``: on off, off on, ...), each
+with a fresh engine; the speedup is the per-round ratio TTFT off / TTFT on, median [min-max].
+
+Usage: ``python -m benchmarks.prefix [--rounds 3] [--num-requests 32] [--system-tokens 1024]``
+(or ``python benchmarks/prefix.py ...``)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from .bench_common import make_prompts, print_table, write_json
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common import add_round_args, finish_rounds, make_prompts, print_run
+from benchmarks.rounds import Metric, Ratio, run_rounds
+
+ON, OFF = "caching on", "caching off"
+METRICS = [Metric("mean_ttft_s", "mean TTFT s", higher_is_better=False),
+           Metric("p50_ttft_s", "p50 TTFT s", higher_is_better=False),
+           Metric("max_ttft_s", "max TTFT s", higher_is_better=False),
+           Metric("prefix_hit_rate", "prefix hit rate"),
+           Metric("computed_tokens", "computed tokens", higher_is_better=False)]
+RATIOS = [Ratio(OFF, (ON,), ("mean_ttft_s", "p50_ttft_s", "max_ttft_s"), "speedup (off / on)")]
 
 
 def _workload(tokenizer, num_requests: int, system_tokens: int, seed: int):
@@ -26,7 +44,7 @@ def _workload(tokenizer, num_requests: int, system_tokens: int, seed: int):
 
 
 def run(prompts, caching: bool) -> dict:
-    from . import LLM, SamplingParams
+    from pagedray.cluster import LLM, SamplingParams
 
     llm = LLM("default", dtype="float32", enable_prefix_caching=caching, num_blocks=4096, max_num_seqs=64,
               max_num_batched_tokens=2048)
@@ -46,29 +64,32 @@ def run(prompts, caching: bool) -> dict:
     finally:
         llm.shutdown()
     values = sorted(ttft.values())
-    return {"caching": caching, "requests": len(values), "mean_ttft_s": statistics.mean(values),
+    return {"requests": len(values), "mean_ttft_s": statistics.mean(values),
             "p50_ttft_s": statistics.median(values), "max_ttft_s": values[-1],
             "prefix_hit_rate": stats.prefix_hit_rate, "computed_tokens": stats.num_computed_tokens_total}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_round_args(parser, "prefix")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from pagedray.workers.default_model import ensure_default_model
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))
     prompts = _workload(tokenizer, args.num_requests, args.system_tokens, args.seed)
-    rows = [run(prompts, caching=True), run(prompts, caching=False)]
-    speedup = rows[1]["mean_ttft_s"] / rows[0]["mean_ttft_s"]
-    print_table(rows, ["caching", "requests", "mean_ttft_s", "p50_ttft_s", "max_ttft_s", "prefix_hit_rate",
-                       "computed_tokens"])
-    print(f"mean TTFT speedup with prefix caching: {speedup:.1f}x (goal >= 5x)")
-    write_json("prefix", {"num_requests": args.num_requests, "system_tokens": args.system_tokens,
-                          "prompt_tokens": [len(p) for p in prompts], "rows": rows, "ttft_speedup": speedup})
+    runs = run_rounds([ON, OFF], args.rounds, lambda system, _round: run(prompts, caching=system == ON),
+                      on_run=print_run)
+    report = finish_rounds("prefix", args.out, runs, METRICS, RATIOS, vars(args),
+                           {"prompt_tokens": [len(p) for p in prompts]})
+    speedup = report["summary"]["ratios"][RATIOS[0].name]["mean_ttft_s"]
+    if speedup is not None:
+        print(f"mean TTFT speedup with prefix caching: {speedup['median']:.1f}x "
+              f"[{speedup['min']:.1f}-{speedup['max']:.1f}] (goal >= 5x)")
+    return report
 
 
 if __name__ == "__main__":

@@ -9,16 +9,21 @@ Goal on an H100: >= 12,000 output tokens/s for pagedray.
 ``--dry-run``: a tiny Qwen3-shaped model, 8 sequences of lengths in [8, 32], on CPU in float32, to check
 that the script works where there is no GPU (the numbers then mean nothing).
 
-Usage: ``python -m pagedray.cluster.bench_gpu [--dry-run] [--num-seqs 256] [--skip-hf]``
+Usage: ``python -m benchmarks.gpu_engine [--dry-run] [--num-seqs 256] [--skip-hf]``
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
+from pathlib import Path
 
-from .bench_common import Timer, hf_continuous_batching, print_table, write_json
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common import Timer, hf_continuous_batching, print_table, write_json
 
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
@@ -44,7 +49,7 @@ def workload(num: int, low: int, high: int, vocab: int, seed: int = 0):
 
 
 def run_pagedray(folder: str, prompts, outputs, dtype: str, device: str) -> dict:
-    from . import LLM, SamplingParams
+    from pagedray.cluster import LLM, SamplingParams
 
     llm = LLM(folder, dtype=dtype, device=device, max_num_seqs=256, max_num_batched_tokens=16384)
     try:
@@ -78,7 +83,7 @@ def main() -> None:
         shape, num, low, high, dtype, device = TINY, args.num_seqs or 8, 8, 32, "float32", "cpu"
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("bench_gpu needs a CUDA GPU (use --dry-run to check the script on CPU)")
+            raise SystemExit("benchmarks.gpu_engine needs a CUDA GPU (use --dry-run to check the script on CPU)")
         shape, num, low, high, dtype, device = QWEN3_0_6B, args.num_seqs or 256, 100, 1024, "bfloat16", "cuda"
     torch_dtype = getattr(torch, dtype)
     prompts, outputs = workload(num, low, high, shape["vocab_size"])

@@ -1,5 +1,5 @@
 """CPU timing of the torch references (the engine's CPU attention path):
-``python -m pagedray.kernels.bench_reference [--threads N] [--out PATH]``.
+``python -m benchmarks.kernel_reference [--threads N] [--out PATH]``.
 
 Peer: ``scaled_dot_product_attention`` on the same K/V already dense and contiguous (no block-table
 gather, no masking of padding), i.e. a lower bound for the same math; the table shows the reference's
@@ -15,12 +15,15 @@ import math
 import pathlib
 import platform
 import statistics
+import sys
 import time
+
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import torch
 import torch.nn.functional as F
-
-from .reference import paged_decode_reference, paged_prefill_reference
+from pagedray.kernels.reference import paged_decode_reference, paged_prefill_reference
 
 HEADS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 DECODE = [(1, 512), (8, 512), (32, 512), (8, 2048), (64, 256), (128, 1024)]

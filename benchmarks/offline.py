@@ -19,18 +19,45 @@ Section B (``--tp2``), a random-weight model of SmolLM2's shape but with 8 query
 it splits over 2 ranks): LocalExecutor TP=1 vs Ray TP=2 with threads pinned (1 per rank) and
 unpinned (2 per rank: oversubscribes the 2 cores).
 
-Usage: ``python -m pagedray.cluster.bench_offline [--num-requests 64] [--tp2] [--compare-threads]``
+Every run above is one system of an interleaved comparison (``benchmarks.rounds``): all systems run once
+per round, ``--rounds`` rounds (default 3), in an order that alternates between rounds; models are loaded
+outside the timing. Reported per system: output tok/s median [min-max] over clean rounds; ratios per
+round: each section-A pagedray run / the best HF variant of that round (static ``generate``, and
+``generate_batch`` when it runs), each section-B TP=2 run / its in-process TP=1. A run that fails is
+recorded with its error (table and JSON) and the script then exits with status 1.
+
+Usage: ``python -m benchmarks.offline [--rounds 3] [--num-requests 64] [--tp2] [--compare-threads]``
+(or ``python benchmarks/offline.py ...``)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from .bench_common import Timer, hf_continuous_batching, make_max_tokens, make_prompts, print_table, write_json
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common import (
+    Timer,
+    add_round_args,
+    finish_rounds,
+    hf_continuous_batching,
+    make_max_tokens,
+    make_prompts,
+    print_run,
+)
+from benchmarks.rounds import Metric, Ratio, run_rounds
+
+HF_STATIC, HF_CB, EVEN_LOCAL = "hf_generate_static", "hf_generate_batch", "even_heads_local_tp1"
+METRICS = [Metric("output_tok_s", "output tok/s"), Metric("seconds", higher_is_better=False),
+           Metric("output_tokens", "output tokens"), Metric("steps", higher_is_better=False),
+           Metric("preemptions", higher_is_better=False)]
 
 
 def run_pagedray(prompts, max_tokens, model="default", **llm_kwargs) -> dict:
-    from . import LLM, SamplingParams
+    from pagedray.cluster import LLM, SamplingParams
 
     llm = LLM(model, dtype="float32", **llm_kwargs)
     try:
@@ -92,22 +119,49 @@ def run_hf_continuous(prompts, max_tokens) -> dict:
     return hf_continuous_batching(model, inputs, max_tokens, tokenizer.pad_token_id or 0, timeout_s=600)
 
 
-def _record(runs: dict, name: str, run: dict, base_name: str) -> None:
-    runs[name] = run
-    if "error" not in run:
-        run["output_tok_s"] = run["output_tokens"] / run["seconds"]
-        base = runs.get(base_name)
-        if base is not None and "output_tok_s" in base:
-            run["ratio_vs_" + base_name] = run["output_tok_s"] / base["output_tok_s"]
-    print(name, run, flush=True)
+def _with_rate(run: dict) -> dict:
+    return {**run, "output_tok_s": run["output_tokens"] / run["seconds"]}
 
 
-def main() -> None:
+def _systems(args, folder: str | None) -> dict:
+    """Name -> zero-argument runner, in the order of round 0."""
+    prompts = make_prompts(args.num_requests, 8, 120, args.seed)
+    max_tokens = make_max_tokens(args.num_requests, 16, 128, args.seed)
+    common = {"max_num_seqs": 64, "num_blocks": 2048}
+    k = args.hf_cb_requests
+    systems = {HF_STATIC: lambda: run_hf_static(prompts, max_tokens, args.hf_batch),
+               "pagedray_local_tp1": lambda: run_pagedray(prompts, max_tokens, threads_per_worker=args.threads,
+                                                          **common)}
+    if args.compare_threads:
+        systems["pagedray_local_tp1_2threads"] = lambda: run_pagedray(prompts, max_tokens, threads_per_worker=2,
+                                                                      **common)
+    if not args.skip_ray:
+        systems["pagedray_ray_tp1"] = lambda: run_pagedray(prompts, max_tokens, executor="ray",
+                                                           threads_per_worker=args.threads, **common)
+    if not args.skip_hf_continuous:
+        systems[HF_CB] = lambda: {**run_hf_continuous(prompts[:k], max_tokens[:k]), "num_requests": k}
+    if folder is not None:
+        systems[EVEN_LOCAL] = lambda: run_pagedray(prompts, max_tokens, folder, threads_per_worker=1, **common)
+        for name, threads in (("even_heads_ray_tp2_pinned", 1), ("even_heads_ray_tp2_unpinned", 2)):
+            systems[name] = lambda t=threads: run_pagedray(prompts, max_tokens, folder, tensor_parallel_size=2,
+                                                           threads_per_worker=t, **common)
+    return systems
+
+
+def _ratios(systems: dict) -> list[Ratio]:
+    hf = tuple(n for n in (HF_STATIC, HF_CB) if n in systems)
+    label = "hf best" if len(hf) > 1 else HF_STATIC
+    ratios = [Ratio(n, hf, ("output_tok_s",), f"{n} / {label}") for n in systems if n.startswith("pagedray")]
+    return ratios + [Ratio(n, (EVEN_LOCAL,), ("output_tok_s",)) for n in systems if n.startswith("even_heads_ray")]
+
+
+def main(argv: list[str] | None = None) -> dict:
     import tempfile
 
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_round_args(parser, "offline")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch", type=int, default=16)
@@ -118,46 +172,18 @@ def main() -> None:
                         help="HF continuous batching runs on the first K requests only (it is very slow on CPU)")
     parser.add_argument("--compare-threads", action="store_true")
     parser.add_argument("--tp2", action="store_true")
-    parser.add_argument("--json-name", default="offline", help="bench_results/<name>.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    prompts = make_prompts(args.num_requests, 8, 120, args.seed)
-    max_tokens = make_max_tokens(args.num_requests, 16, 128, args.seed)
-    common = {"max_num_seqs": 64, "num_blocks": 2048}
-    runs: dict[str, dict] = {}
-    base = "hf_generate_static"
-    _record(runs, base, run_hf_static(prompts, max_tokens, args.hf_batch), base)
-    _record(runs, "pagedray_local_tp1", run_pagedray(prompts, max_tokens, threads_per_worker=args.threads,
-                                                     **common), base)
-    if args.compare_threads:
-        _record(runs, "pagedray_local_tp1_2threads", run_pagedray(prompts, max_tokens, threads_per_worker=2,
-                                                                  **common), base)
-    if not args.skip_ray:
-        _record(runs, "pagedray_ray_tp1", run_pagedray(prompts, max_tokens, executor="ray",
-                                                       threads_per_worker=args.threads, **common), base)
-    if not args.skip_hf_continuous:
-        try:
-            k = args.hf_cb_requests
-            run = run_hf_continuous(prompts[:k], max_tokens[:k])
-            run["num_requests"] = k
-        except Exception as exc:  # recorded, not hidden: the table shows the failure
-            run = {"error": f"{type(exc).__name__}: {exc}"}
-        _record(runs, "hf_generate_batch", run, base)
-    tp2_runs: dict[str, dict] = {}
-    if args.tp2:
-        with tempfile.TemporaryDirectory(prefix="pagedray-8heads-") as folder:
+    with tempfile.TemporaryDirectory(prefix="pagedray-8heads-") as folder:
+        if args.tp2:
             save_even_head_model(folder)
-            local = "even_heads_local_tp1"
-            _record(tp2_runs, local, run_pagedray(prompts, max_tokens, folder, threads_per_worker=1, **common), local)
-            _record(tp2_runs, "even_heads_ray_tp2_pinned", run_pagedray(
-                prompts, max_tokens, folder, tensor_parallel_size=2, threads_per_worker=1, **common), local)
-            _record(tp2_runs, "even_heads_ray_tp2_unpinned", run_pagedray(
-                prompts, max_tokens, folder, tensor_parallel_size=2, threads_per_worker=2, **common), local)
-    rows = [{"run": k, **v} for k, v in {**runs, **tp2_runs}.items()]
-    print_table(rows, ["run", "seconds", "output_tokens", "output_tok_s", "ratio_vs_hf_generate_static",
-                       "ratio_vs_even_heads_local_tp1", "steps", "preemptions", "error"])
-    write_json(args.json_name, {"num_requests": args.num_requests, "seed": args.seed, "hf_batch": args.hf_batch,
-                           "threads": args.threads, "runs": runs, "tp2_runs": tp2_runs})
+        systems = _systems(args, folder if args.tp2 else None)
+        runs = run_rounds(list(systems), args.rounds, lambda name, _round: _with_rate(systems[name]()),
+                          catch=(Exception,), on_run=print_run)   # a failure is recorded, not hidden
+    report = finish_rounds("offline", args.out, runs, METRICS, _ratios(systems), vars(args))
+    if any(r.error for r in runs):
+        raise SystemExit(1)
+    return report
 
 
 if __name__ == "__main__":

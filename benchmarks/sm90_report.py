@@ -1,6 +1,6 @@
 """What an H100/H200 would run: compile the Triton kernels for sm_90 on any machine and read the result.
 
-``python -m pagedray.kernels.sm90_report [--json PATH]`` (run without ``TRITON_INTERPRET``; under the
+``python -m benchmarks.sm90_report [--json PATH]`` (run without ``TRITON_INTERPRET``; under the
 interpreter the kernels are not compilable objects). No GPU is needed: Triton's ahead-of-time compiler
 and the ``ptxas``/``cuobjdump`` shipped in its wheel give, per kernel variant, the registers per thread,
 the bytes spilled to local memory, the shared memory, the programs per SM those allow, and a census of
@@ -10,7 +10,7 @@ and how many global loads are 128-bit wide (``LDGSTS...128`` = pipelined cp.asyn
 Arguments are specialised as the JIT specialises them at launch for the benchmark shapes: every pointer
 16-byte aligned, strides and ``head_dim`` divisible by 16 (not ``group_size``, the table stride or the
 lengths). The launch constants come from ``decode_config``/``prefill_config``, so this reports the code
-the wrappers launch. These are compiler facts, not timings: ``pagedray.kernels.bench`` measures.
+the wrappers launch. These are compiler facts, not timings: ``benchmarks.kernels`` measures.
 
 Occupancy model (sm_90): 64 warps, 65,536 registers (allocated per warp in units of 256) and 228 KiB of
 shared memory per SM, of which each program reserves 1 KiB beyond its own; at most 32 programs.
@@ -26,14 +26,17 @@ import os
 import pathlib
 import re
 import subprocess
+import sys
 import tempfile
+
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import torch
 import triton
+from pagedray.kernels import decode_triton, prefill_triton, store_kv_triton
 from triton import compiler
 from triton.backends.compiler import GPUTarget
-
-from . import decode_triton, prefill_triton, store_kv_triton
 
 TARGET = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_q_ptr"}

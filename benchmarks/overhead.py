@@ -11,22 +11,36 @@ heads (SmolLM2's 9 heads do not split over 2 ranks), fp32 CPU:
 - ``engine_ms``: step_ms - execute_ms (scheduler, plan building, output building on the engine);
 - ``overhead_pct`` = noop_ms / step_ms. Goal: <= 5% at batch 64.
 
-Usage: ``python -m pagedray.cluster.bench_overhead [--steps 20]``
+Each value is the median of ``--steps`` steps. The two transports alternate over ``--rounds`` rounds
+(``benchmarks.rounds``), each run on a fresh engine in one Ray instance; the table shows the median
+[min-max] over clean rounds and the per-round ratio actor / compiled.
+
+Usage: ``python -m benchmarks.overhead [--rounds 3] [--steps 20]`` (or ``python benchmarks/overhead.py ...``)
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from .bench_common import print_table, write_json
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common import add_round_args, finish_rounds, print_run
+from benchmarks.rounds import Metric, Ratio, run_rounds
 
 BATCHES = (1, 16, 64)
+TRANSPORTS = ("compiled", "actor")
+FIELDS = ("step_ms", "execute_ms", "noop_ms", "engine_ms", "overhead_pct")
+METRICS = [Metric(f"{f} b{b}", higher_is_better=False) for b in BATCHES for f in FIELDS]
+RATIOS = [Ratio("actor", ("compiled",), tuple(f"{f} b{b}" for b in BATCHES for f in ("step_ms", "noop_ms")))]
 
 
 def _decode_ready_engine(engine, batch: int) -> None:
-    from .sampling_params import SamplingParams
+    from pagedray.cluster.sampling_params import SamplingParams
 
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", [1] + [100 + (i + j) % 500 for j in range(15)],
@@ -37,7 +51,7 @@ def _decode_ready_engine(engine, batch: int) -> None:
 
 
 def _measure(engine, executor, steps: int) -> dict:
-    from .wire import StepPlan
+    from pagedray.cluster.wire import StepPlan
 
     execute_times = []
     original = executor.execute
@@ -71,9 +85,9 @@ def _measure(engine, executor, steps: int) -> dict:
 
 
 def run_transport(model: str, transport: str, steps: int) -> list[dict]:
-    from .engine import Engine
-    from .llm import build_engine_config
-    from .ray_executor import RayExecutor
+    from pagedray.cluster.engine import Engine
+    from pagedray.cluster.llm import build_engine_config
+    from pagedray.cluster.ray_executor import RayExecutor
 
     config = build_engine_config(model, tensor_parallel_size=2, dtype="float32", num_blocks=1024,
                                  max_num_seqs=64, max_num_batched_tokens=2048, threads_per_worker=1)
@@ -83,7 +97,7 @@ def run_transport(model: str, transport: str, steps: int) -> list[dict]:
     try:
         for batch in BATCHES:
             _decode_ready_engine(engine, batch)
-            rows.append({"transport": transport, "batch": batch, **_measure(engine, executor, steps)})
+            rows.append({"batch": batch, **_measure(engine, executor, steps)})
             for request_id in list(engine.scheduler.requests):
                 engine.abort(request_id)
             engine.step()
@@ -92,28 +106,29 @@ def run_transport(model: str, transport: str, steps: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_round_args(parser, "overhead")
     parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import tempfile
 
     import ray
 
-    from .bench_offline import save_even_head_model
+    from benchmarks.offline import save_even_head_model
+
+    def measure(transport: str, _round: int) -> dict:
+        rows = run_transport(folder, transport, args.steps)
+        return {f"{f} b{row['batch']}": row[f] for row in rows for f in FIELDS}
 
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    rows = []
     try:
         with tempfile.TemporaryDirectory(prefix="pagedray-8heads-") as folder:
             save_even_head_model(folder)
-            for transport in ("compiled", "actor"):
-                rows += run_transport(folder, transport, args.steps)
-                print(rows[-3:], flush=True)
+            runs = run_rounds(TRANSPORTS, args.rounds, measure, on_run=print_run)
     finally:
         ray.shutdown()
-    print_table(rows, ["transport", "batch", "step_ms", "execute_ms", "noop_ms", "engine_ms", "overhead_pct"])
-    write_json("overhead", {"steps": args.steps, "rows": rows})
+    return finish_rounds("overhead", args.out, runs, METRICS, RATIOS, vars(args))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ threads: one decode forward over the batch left-padded to its longest context wi
 Steps of the two alternate one by one and every figure is a median over ``--steps`` steps, so load
 from other processes on the shared machine hits both alike.
 
-    python -m pagedray.workers.bench_step [--model default|tiny|PATH] [--batch-sizes 1,16,64]
+    python -m benchmarks.step [--model default|tiny|PATH] [--batch-sizes 1,16,64]
         [--threads 1] [--steps 15] [--json bench_step.json]
 
 Results of the CPU performance pass (2-core shared CPU, load average 4-10 from other jobs, so absolute
@@ -48,18 +48,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
-
-from ..cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from ..cluster.sampling_params import SamplingParams
-from ..cluster.wire import NewSequence, RunningDelta, StepPlan
-from .default_model import resolve_model_path
-from .layers.attention import PagedAttention
-from .worker import Worker
+from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.cluster.wire import NewSequence, RunningDelta, StepPlan
+from pagedray.workers.default_model import resolve_model_path
+from pagedray.workers.layers.attention import PagedAttention
+from pagedray.workers.worker import Worker
 
 BLOCK_SIZE = 16
 PREFILL_CHUNK = 256
