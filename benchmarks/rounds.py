@@ -9,9 +9,13 @@ Decisions:
 - At least ``MIN_ROUNDS`` (3) rounds: with two, a median is just a mean and one bad round decides it.
 - For more than two systems the order rotates (A B C, B C A, C A B): each system takes each place once
   per ``len(systems)`` rounds; for two systems rotation is the alternation A B / B A.
-- A run is noisy when the 1-minute load average before or after it exceeds ``NOISY_LOAD_PER_CPU`` (1.0)
-  per CPU: other work was competing for the cores. Noisy runs stay in the JSON and are marked in the
-  table; medians use the clean runs only. When every run of a statistic is noisy, its median is over all
+- Before each run the machine settles (``settle``): up to ``SETTLE_MAX_S`` for the 1-minute load average to
+  fall to ``NOISY_LOAD_PER_CPU`` (1.0) per CPU, since the previous run's own work is still in it. A run is
+  noisy when the load average read then (``load_before``) still exceeds 1.0 per CPU: other work was
+  competing for the cores. ``load_after`` is recorded and shown but does not decide: it includes the
+  run's own work, which alone keeps a 2-core machine near 2 (a server with two torch threads), so it
+  would mark every run. Noisy runs stay in the JSON and are marked in the table; medians use the clean
+  runs only. When every run of a statistic is noisy, its median is over all
   of them and it is flagged ``noisy`` -- results are never dropped silently.
 - A ratio ``system / peer`` pairs the two runs of the same round, so a slow round slows both sides. With
   several peer variants (the peer at its defaults and tuned), each round uses the peer's best value of
@@ -28,11 +32,14 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 MIN_ROUNDS = 3
 NOISY_LOAD_PER_CPU = 1.0
+SETTLE_MAX_S = 120.0
+SETTLE_POLL_S = 5.0
 
 
 def check_rounds(rounds: int) -> int:
@@ -72,7 +79,7 @@ class Run:
     error: str | None = None
 
     def noisy(self, cpus: int) -> bool:
-        return is_noisy(self.load_before[0], cpus) or is_noisy(self.load_after[0], cpus)
+        return is_noisy(self.load_before[0], cpus)
 
     def to_json(self) -> dict:
         return {"system": self.system, "round": self.round, "values": dict(self.values),
@@ -104,14 +111,28 @@ def capture(system: str, round_index: int, measure: Callable[[], dict], *,
     return Run(system, round_index, values, before, tuple(loadavg()), details, error)
 
 
+def settle(cpus: int, *, loadavg: Callable[[], tuple] = os.getloadavg, sleep: Callable[[float], None] = time.sleep,
+           max_s: float = SETTLE_MAX_S, poll_s: float = SETTLE_POLL_S) -> float:
+    """Waits until the 1-minute load average is at most NOISY_LOAD_PER_CPU per CPU, or ``max_s`` seconds;
+    returns the seconds waited."""
+    waited = 0.0
+    while is_noisy(loadavg()[0], cpus) and waited < max_s:
+        sleep(poll_s)
+        waited += poll_s
+    return waited
+
+
 def run_rounds(systems: Sequence[str], rounds: int, measure: Callable[[str, int], dict], *,
                catch: tuple[type[BaseException], ...] = (), loadavg: Callable[[], tuple] = os.getloadavg,
-               on_run: Callable[[Run], None] | None = None) -> list[Run]:
-    """Every system once per round in ``round_orders`` order; ``measure(system, round)`` returns the
-    dict ``capture`` splits. ``on_run`` sees each run as it finishes (progress printing)."""
+               on_run: Callable[[Run], None] | None = None, cpus: int | None = None,
+               sleep: Callable[[float], None] = time.sleep) -> list[Run]:
+    """Every system once per round in ``round_orders`` order, each after ``settle``; ``measure(system,
+    round)`` returns the dict ``capture`` splits. ``on_run`` sees each run as it finishes (progress)."""
     runs = []
+    cpus = cpus or os.cpu_count() or 1
     for index, order in enumerate(round_orders(systems, rounds)):
         for system in order:
+            settle(cpus, loadavg=loadavg, sleep=sleep)
             run = capture(system, index, lambda s=system, i=index: measure(s, i), catch=catch, loadavg=loadavg)
             runs.append(run)
             if on_run is not None:
@@ -264,8 +285,9 @@ def format_table(runs: Sequence[Run], metrics: Sequence[Metric], ratios: Sequenc
             mark = f"{mark} error: {r.error}".strip()
         run_rows.append([str(r.round), r.system, f"{r.load_before[0]:.2f} -> {r.load_after[0]:.2f}", mark])
     lines += ["", f"runs (1-minute load average before -> after; {cpus} CPUs):", _grid(run_rows, left=4),
-              f"median [min-max] over clean runs; NOISY: load above {NOISY_LOAD_PER_CPU:g} per CPU before or "
-              "after the run, left out of the medians; '!': every run was noisy, median over all of them"]
+              f"median [min-max] over clean runs; NOISY: load above {NOISY_LOAD_PER_CPU:g} per CPU before the "
+              "run (after settling; 'after' includes the run's own work), left out of the medians; '!': every "
+              "run was noisy, median over all of them"]
     return "\n".join(lines)
 
 

@@ -7,8 +7,8 @@ Used by ``serve run`` / ``serve deploy`` (``import_path: pagedray.deploy.app:bui
 model                      ``"default"`` (embedded SmolLM2-135M-Instruct) or a HF model folder
 served_model_name          the name clients pass as ``model`` (default: the model's folder name)
 tensor_parallel_size       TP ranks per replica (one placement-group bundle each)
-executor                   ``auto`` (TP=1: the model runs in the engine replica's process; TP>1: one
-                           Ray worker actor per rank) or ``ray`` (worker actors at TP=1 too)
+executor                   ``ray`` (default: one Ray worker actor per TP rank) or ``auto`` / ``local``
+                           (TP=1: the model runs in the engine replica's own process)
 threads_per_worker         torch threads per TP rank (default: the node's cores // TP size)
 dtype / device             ``auto|float32|float16|bfloat16`` / ``auto|cpu|cuda``
 block_size                 KV block size in tokens
@@ -38,6 +38,11 @@ Decisions:
   the engine's bounded queue (a fast 429 with an OpenAI body), not by requests queueing inside
   Serve's routers: with the cap at the bound itself, a 10x burst waited in Serve's router backoff and
   its slowest 429 took 7 s instead of well under a second (benchmarks/reliability.py).
+- The default executor is ``ray`` also at TP=1. Running the model in the replica's own process (vLLM's
+  single-process layout) removes a process and a Ray call per step, but there the step thread shares
+  the GIL with Serve's event loop (one streamed output per request per step), and on the 2-core CPU
+  machine it served fewer tokens per second than a worker actor (the README's benchmark table, the
+  ``pagedray-tp1-local`` row of benchmarks.serving). ``executor: local`` keeps that layout available.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ class AppArgs(BaseModel):
     model: str = "default"
     served_model_name: str | None = None
     tensor_parallel_size: int = 1
-    executor: str = "auto"
+    executor: str = "ray"
     threads_per_worker: int | None = None
     dtype: str = "auto"
     device: str = "auto"

@@ -41,7 +41,8 @@ PROXY_TIMEOUT_ENV = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_H
 ENGINE_OPTIONS = (
     ("--model", str, "'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face model folder"),
     ("--tensor-parallel-size", int, "tensor-parallel ranks per replica"),
-    ("--executor", str, "auto (TP=1: the model in the engine's process; TP>1: Ray workers) | ray | local"),
+    ("--executor", str, "ray (default: a Ray worker actor per TP rank) | local (TP=1: the model in the "
+                        "engine replica's process)"),
     ("--threads-per-worker", int, "torch threads per TP rank (default: cores // TP size)"),
     ("--dtype", str, "auto | float32 | float16 | bfloat16"),
     ("--device", str, "auto | cpu | cuda"),

@@ -1,10 +1,10 @@
 """The engine deployment: one Serve replica = one central actor wrapping ``AsyncEngine``.
 
-Executor (``executor`` in build_app's args): ``auto`` runs the model in this replica's own process at
-TP=1 (``LocalExecutor``, as vLLM's single-process executor does: no worker process and no Ray call
-per step) and one Ray worker actor per rank at TP>1 (``RayExecutor``); ``ray`` forces worker actors at
-TP=1 too (TP-rank recovery then applies: a dead worker is rebuilt). In-process, a crash of the model
-takes the replica down and Serve replaces it.
+Executor (``executor`` in build_app's args): ``ray`` (the default) runs one Ray worker actor per TP
+rank (``RayExecutor``; a dead worker is rebuilt by TP-rank recovery); ``local`` (or ``auto`` at TP=1)
+runs the model in this replica's own process (``LocalExecutor``, like vLLM's single-process executor:
+no worker process and no Ray call per step; a crash of the model takes the replica down and Serve
+replaces it). app.py says why ``ray`` is the default.
 
 Placement with the Ray executor: ``placement_group_bundles = [{"CPU": 1}] + [{"GPU": 1} | {"CPU": 1}] *
 tensor_parallel_size``. Bundle 0 holds this replica (the scheduler and block manager); bundle ``r + 1``

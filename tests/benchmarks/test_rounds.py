@@ -54,13 +54,22 @@ def test_rounds_flag_rejects_two_and_defaults_to_three():
         parser.parse_args(["--rounds", "2"])
 
 
-def test_noisy_means_more_than_one_per_cpu_before_or_after():
+def test_noisy_means_more_than_one_per_cpu_before_the_run():
     assert not rounds.is_noisy(2.0, 2) and rounds.is_noisy(2.01, 2) and rounds.is_noisy(1.5, 1)
     with pytest.raises(ValueError, match="cpus"):
         rounds.is_noisy(1.0, 0)
     assert not run("A", 0, 1.0).noisy(CPUS)
     assert run("A", 0, 1.0, load=BUSY).noisy(CPUS)
-    assert run("A", 0, 1.0, load=QUIET, after=BUSY).noisy(CPUS)
+    assert not run("A", 0, 1.0, load=QUIET, after=BUSY).noisy(CPUS)   # after: the run's own work
+
+
+def test_settle_waits_for_the_load_to_fall_but_not_forever():
+    loads, naps = iter([5.0, 4.0, 3.0, 1.5, 9.0]), []
+    waited = rounds.settle(2, loadavg=lambda: (next(loads), 0.0, 0.0), sleep=naps.append, poll_s=5.0)
+    assert waited == 15.0 and naps == [5.0, 5.0, 5.0]
+    naps.clear()
+    assert rounds.settle(2, loadavg=lambda: (8.0, 0.0, 0.0), sleep=naps.append, max_s=20.0, poll_s=5.0) == 20.0
+    assert len(naps) == 4
 
 
 def test_capture_reads_the_load_around_the_run_and_splits_values_from_details():
@@ -92,11 +101,13 @@ def test_run_rounds_measures_in_the_interleaved_order():
     seen = []
     loads = iter(float(i) for i in range(100))
     runs = rounds.run_rounds(["A", "B"], 3, lambda s, i: seen.append((s, i)) or {"v": i},
-                             loadavg=lambda: (next(loads), 0.0, 0.0), on_run=lambda r: seen.append(r.system))
+                             loadavg=lambda: (next(loads), 0.0, 0.0), on_run=lambda r: seen.append(r.system),
+                             cpus=1000, sleep=lambda s: pytest.fail("a quiet machine needs no settling"))
     assert seen == [("A", 0), "A", ("B", 0), "B", ("B", 1), "B", ("A", 1), "A", ("A", 2), "A", ("B", 2), "B"]
     assert [(r.system, r.round, r.values["v"]) for r in runs] == [
         ("A", 0, 0), ("B", 0, 0), ("B", 1, 1), ("A", 1, 1), ("A", 2, 2), ("B", 2, 2)]
-    assert [r.load_before[0] for r in runs] == [0, 2, 4, 6, 8, 10] and runs[-1].load_after[0] == 11
+    # three readings per run: the settle check, then before and after
+    assert [r.load_before[0] for r in runs] == [1, 4, 7, 10, 13, 16] and runs[-1].load_after[0] == 17
 
 
 def test_median_and_spread_leave_noisy_and_failed_rounds_out():
@@ -109,7 +120,7 @@ def test_median_and_spread_leave_noisy_and_failed_rounds_out():
 
 
 def test_all_noisy_rounds_give_medians_over_all_flagged_noisy():
-    runs = [run("A", 0, 10.0, load=BUSY), run("A", 1, 30.0, after=BUSY), run("A", 2, 20.0, load=BUSY)]
+    runs = [run("A", 0, 10.0, load=BUSY), run("A", 1, 30.0, load=BUSY), run("A", 2, 20.0, load=BUSY)]
     stat = rounds.system_stat(runs, "A", "tok_s", CPUS)
     assert (stat.median, stat.low, stat.high, stat.rounds, stat.noisy) == (20.0, 10.0, 30.0, (0, 1, 2), True)
     summary = rounds.summarize(runs, [Metric("tok_s")], [], CPUS)

@@ -1,5 +1,5 @@
 """Abuse resistance of the real Serve app (ingress + engine deployment running the model in its own
-process, the default at TP=1; SmolLM2, fp32).
+process, ``executor: local``; SmolLM2, fp32).
 
 One app for the module (capacity: max_num_seqs 4 running + max_queued_requests 4 waiting):
 - the malformed-input catalogue (tests/deploy/bad_requests.py, > 100 cases): each a 4xx with an
@@ -43,7 +43,7 @@ DRAIN_HANG_GUARD_S = 600.0   # far longer than the in-flight requests need, even
 
 @pytest.fixture(scope="module")
 def app(ray_session, default_model_path):
-    running = start_app(default_model_path)
+    running = start_app(default_model_path, executor="local")   # the in-process layout (test_serve_app: Ray)
     yield running
     stop_app(running)
 

@@ -31,8 +31,8 @@ def test_engine_config_from_args():
                                        "max_model_len": 512, "enable_prefix_caching": False,
                                        "threads_per_worker": 3}))
     assert config.parallel.tensor_parallel_size == 2 and config.parallel.use_ray
-    assert not engine_config(parse_args({})).parallel.use_ray               # TP=1: in the replica's process
-    assert engine_config(parse_args({"executor": "ray"})).parallel.use_ray
+    assert engine_config(parse_args({})).parallel.use_ray                   # worker actors, also at TP=1
+    assert not engine_config(parse_args({"executor": "local"})).parallel.use_ray   # in the replica's process
     assert config.parallel.threads_per_worker == 3
     assert engine_config(parse_args({})).parallel.threads_per_worker is None
     assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
