@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from .config import EngineConfig
 from .engine import Engine
@@ -43,6 +44,24 @@ from .executor import Executor
 from .outputs import CompletionOutput, EngineDeadError, EngineDrainingError, QueueFullError, RequestOutput
 from .sampling_params import SamplingParams
 from .stats import EngineStats
+
+
+@dataclass(frozen=True)
+class AddCommand:
+    """Event loop -> step thread: admit a request (applied before the next step)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    """Event loop -> step thread: abort a request (its blocks are freed before the next step)."""
+
+    request_id: str
+
 
 STALL_GRACE_FACTOR = 2.0     # the watchdog ends the streams after this many step_timeout_s
 WATCHDOG_POLL_S = 0.05
@@ -81,7 +100,7 @@ class AsyncEngine:
             if self._stats.num_waiting + self._pending_adds >= limit:
                 raise QueueFullError(f"{limit} requests are waiting (max_waiting_requests); retry later")
             self._pending_adds += 1
-            self._commands.append(("add", request_id, list(prompt_token_ids), params, priority))
+            self._commands.append(AddCommand(request_id, list(prompt_token_ids), params, priority))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._num_samples[request_id] = params.n
@@ -98,15 +117,15 @@ class AsyncEngine:
             self._num_samples.pop(request_id, None)
             if not finished:
                 self._streams.pop(request_id, None)
-                self._push(("abort", request_id))
+                self._push(AbortCommand(request_id))
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._streams:
             return False
-        self._push(("abort", request_id))
+        self._push(AbortCommand(request_id))
         return True
 
-    def _push(self, command: tuple) -> None:
+    def _push(self, command: AbortCommand) -> None:
         with self._lock:
             self._commands.append(command)
         if self._wake is not None and not self._closed:
@@ -182,15 +201,16 @@ class AsyncEngine:
             self._commands.clear()
         errors = []
         for command in commands:
-            if command[0] == "add":
+            if isinstance(command, AddCommand):
                 with self._lock:
                     self._pending_adds -= 1
                 try:
-                    self.engine.add_request(*command[1:])
+                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                            command.priority)
                 except (ValueError, QueueFullError, EngineDeadError) as exc:
-                    errors.append((command[1], exc))
+                    errors.append((command.request_id, exc))
             else:
-                self.engine.abort(command[1])
+                self.engine.abort(command.request_id)
         outputs = []
         if self.engine.has_unfinished_requests():
             self._step_started = self._clock()
@@ -241,6 +261,19 @@ class AsyncEngine:
 
     async def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def model_path(self) -> str:
+        return str(self.engine.model_path)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.model_info.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        """The effective context length (the config's, clamped to the model's)."""
+        return int(self.engine.max_model_len)
 
     @property
     def num_in_flight(self) -> int:

@@ -145,8 +145,7 @@ class Engine:
 
     def _recover(self, exc: Exception) -> Exception | None:
         """Rebuilds the TP group after a rank failure; returns None when recovered, else the failure."""
-        is_rank_failure = getattr(self.executor, "is_rank_failure", None)
-        if is_rank_failure is None or not is_rank_failure(exc):
+        if not self.executor.is_rank_failure(exc):
             return exc
         limit = self.config.parallel.max_rank_restarts
         if self.num_rank_restarts >= limit:

@@ -19,11 +19,21 @@ from .wire import StepPlan, StepResult
 
 
 class Executor(Protocol):
+    """Everything the engine calls on an executor."""
+
     num_blocks: int
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def check_health(self) -> None: ...
+
+    def is_rank_failure(self, exc: BaseException) -> bool:
+        """True when ``exc`` (raised by ``execute``) means a TP rank died and ``rebuild`` can cure it."""
+        ...
+
+    def rebuild(self) -> None:
+        """Replaces the TP group after a rank failure (fresh ranks, empty KV caches)."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -53,6 +63,12 @@ class LocalExecutor:
     def check_health(self) -> None:
         if self._closed:
             raise EngineDeadError("the executor has been shut down")
+
+    def is_rank_failure(self, exc: BaseException) -> bool:
+        return False   # the rank is this process: nothing to rebuild
+
+    def rebuild(self) -> None:
+        raise RuntimeError("LocalExecutor runs its rank in this process; there is no TP group to rebuild")
 
     def shutdown(self) -> None:
         if not self._closed:

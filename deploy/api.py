@@ -35,10 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import APIError, bad_request, engine_error_message, to_api_error
 from .metrics import METRICS_CONTENT_TYPE
+from .options import DEFAULT_MAX_BODY_BYTES
 from .service import OpenAIService
 from .sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
-
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 def error_response(err: APIError) -> JSONResponse:

@@ -1,30 +1,8 @@
 """``build_app(args) -> Application``: the Serve application (ingress -> engine deployment).
 
 Used by ``serve run`` / ``serve deploy`` (``import_path: pagedray.deploy.app:build_app`` with
-``args``), by the CLI and by tests. ``args`` keys (all optional):
-
-=========================  =====================================================================
-model                      ``"default"`` (embedded SmolLM2-135M-Instruct) or a HF model folder
-served_model_name          the name clients pass as ``model`` (default: the model's folder name)
-tensor_parallel_size       TP ranks per replica (one placement-group bundle each)
-executor                   ``ray`` (default: one Ray worker actor per TP rank) or ``auto`` / ``local``
-                           (TP=1: the model runs in the engine replica's own process)
-threads_per_worker         torch threads per TP rank (default: the node's cores // TP size)
-dtype / device             ``auto|float32|float16|bfloat16`` / ``auto|cpu|cuda``
-block_size                 KV block size in tokens
-kv_cache_gib               KV cache memory per rank on CPU (GiB)
-gpu_memory_utilization     fraction of GPU memory the workers may use
-num_blocks                 force an exact number of KV blocks (tests)
-max_num_seqs               sequences per step
-max_num_batched_tokens     tokens per step
-max_model_len              context length (default: the model's)
-enable_prefix_caching      reuse KV blocks of shared prompt prefixes
-max_queued_requests        waiting requests per replica before 429
-num_replicas               engine replicas (each a full TP group)
-api_key                    require ``Authorization: Bearer <key>`` (all routes but /health)
-max_body_bytes             request body limit (413 above it)
-graceful_shutdown_s        on shutdown, how long Serve lets the engine's requests in flight finish
-=========================  =====================================================================
+``args``), by the CLI and by tests. ``args`` keys (all optional) are the options of ``options.py``
+(one list: names, types, defaults, help; the README's configuration table shows them).
 
 Decisions:
 - Unknown keys are errors (a typo in a YAML file must not be silently ignored); values are checked by
@@ -47,50 +25,20 @@ Decisions:
 
 from __future__ import annotations
 
-from pagedray.cluster.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pagedray.cluster.config import EngineConfig
+from pydantic import BaseModel, ValidationError
 from ray.serve import Application
 
-from .api import DEFAULT_MAX_BODY_BYTES
-from .engine_deployment import GRACEFUL_SHUTDOWN_S, SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
+from .engine_deployment import SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
 from .ingress import OpenAIIngress
+from .options import AppArgs
+from .options import engine_config as _options_engine_config
 
 CONTROL_CALL_HEADROOM = 16  # health / stats / meta calls that must get through a saturated engine
 REJECTION_HEADROOM_MIN = 256  # concurrent calls that are only being turned away (429), at least
 
 
-class AppArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
-
-    model: str = "default"
-    served_model_name: str | None = None
-    tensor_parallel_size: int = 1
-    executor: str = "ray"
-    threads_per_worker: int | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    max_queued_requests: int = 1024
-    num_replicas: int = 1
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S
-
-
-def parse_args(args: dict | None) -> AppArgs:
+def parse_args(args: dict | None) -> BaseModel:
     try:
         parsed = AppArgs.model_validate(dict(args or {}))
     except ValidationError as exc:
@@ -106,20 +54,9 @@ def parse_args(args: dict | None) -> AppArgs:
     return parsed
 
 
-def engine_config(args: AppArgs) -> EngineConfig:
-    """The EngineConfig of one replica (Ray executor: the TP workers sit in the replica's bundles)."""
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device,
-                          max_model_len=args.max_model_len),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
-                          gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
-                          enable_prefix_caching=args.enable_prefix_caching),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, executor=args.executor,
-                                threads_per_worker=args.threads_per_worker),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_waiting_requests=args.max_queued_requests),
-    )
+def engine_config(args: BaseModel) -> EngineConfig:
+    """The EngineConfig of one replica (with the Ray executor, the TP workers sit in the replica's bundles)."""
+    return _options_engine_config(args)
 
 
 def wants_gpu(device: str) -> bool:

@@ -13,16 +13,19 @@
     pagedray loadtest ...
         the cluster load tester (pagedray.deploy.loadtest), arguments passed through.
 
-Engine options are the same for ``serve`` and ``generate`` and map one to one onto build_app's
-``args`` keys (see app.py); options left unset keep the defaults there.
+The flags come from the one list of options (options.py): ``serve`` has all of them (build_app's
+``args``), ``generate`` the engine's; options left unset keep the defaults there.
 
 Decisions:
 - A private Ray by default (``address="local"``): joining whatever ``address="auto"`` finds could
   land in another user's cluster on the same host, replace an app of the same name there and delete
   it on Ctrl-C. ``--address`` opts into an existing cluster.
-- A Ray started here gives Serve's proxy ``PROXY_CHECK_TIMEOUT_S`` for its readiness and health
+- A Ray started here gets ``LOCAL_RAY_ENV``: Serve's proxy has 60 s for its readiness and health
   checks (Serve's default is 5 s, which a loaded 2-core machine misses at start-up, and Serve then
-  kills the proxy). Values already set in the environment win.
+  kills the proxy), and Ray's worker processes run at niceness 0 instead of Ray's default 15: at 15
+  the model's ranks get a few percent of a core next to any ordinary busy process (a build, another
+  server), which made a TP=2 start-up take minutes on a loaded machine. Values already set in the
+  environment win.
 """
 
 from __future__ import annotations
@@ -33,38 +36,26 @@ import signal
 import sys
 import time
 
+from .options import OPTIONS, cli_type, engine_options, llm_kwargs
+
 APP_NAME = "pagedray"
-PROXY_CHECK_TIMEOUT_S = "60"
-PROXY_TIMEOUT_ENV = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
+# environment of a Ray started here (values already set win): Serve's proxy gets 60 s for its checks,
+# and Ray's worker processes (the model ranks, the replicas) run at normal priority
+LOCAL_RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+                 "RAY_worker_niceness": "0"}
 
-# (flag, type, help); dest = flag without dashes, with underscores
-ENGINE_OPTIONS = (
-    ("--model", str, "'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face model folder"),
-    ("--tensor-parallel-size", int, "tensor-parallel ranks per replica"),
-    ("--executor", str, "ray (default: a Ray worker actor per TP rank) | local (TP=1: the model in the "
-                        "engine replica's process)"),
-    ("--threads-per-worker", int, "torch threads per TP rank (default: cores // TP size)"),
-    ("--dtype", str, "auto | float32 | float16 | bfloat16"),
-    ("--device", str, "auto | cpu | cuda"),
-    ("--block-size", int, "KV block size in tokens"),
-    ("--kv-cache-gib", float, "KV cache memory per rank on CPU, GiB"),
-    ("--num-blocks", int, "force an exact number of KV blocks"),
-    ("--max-num-seqs", int, "sequences per step"),
-    ("--max-num-batched-tokens", int, "tokens per step"),
-    ("--max-model-len", int, "context length (default: the model's)"),
-)
+def _add_options(parser: argparse.ArgumentParser, options) -> None:
+    """One flag per option (options.py), default None: an option left unset keeps build_app's default."""
+    for option in options:
+        kind = cli_type(option)
+        if kind is bool:
+            parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None, help=option.help)
+        else:
+            parser.add_argument(option.flag, type=kind, default=None, help=option.help)
 
 
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    for flag, kind, help_text in ENGINE_OPTIONS:
-        parser.add_argument(flag, type=kind, default=None, help=help_text)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="reuse KV blocks of shared prompt prefixes")
-
-
-def _engine_kwargs(ns: argparse.Namespace) -> dict:
-    names = [flag[2:].replace("-", "_") for flag, _, _ in ENGINE_OPTIONS] + ["enable_prefix_caching"]
-    return {name: getattr(ns, name) for name in names if getattr(ns, name) is not None}
+def _given(ns: argparse.Namespace, options) -> dict:
+    return {o.name: getattr(ns, o.name) for o in options if getattr(ns, o.name) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,21 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve_p = sub.add_parser("serve", help="deploy the OpenAI-compatible server on Ray Serve")
-    _add_engine_options(serve_p)
+    _add_options(serve_p, OPTIONS)
     serve_p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     serve_p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     serve_p.add_argument("--address", default=None,
                          help="join this Ray cluster ('auto': the one `ray start --head` started here); "
                               "default: start a private local Ray for this command")
     serve_p.add_argument("--name", default=APP_NAME, help="Serve application name")
-    serve_p.add_argument("--served-model-name", default=None, help="model name clients pass")
-    serve_p.add_argument("--num-replicas", type=int, default=None, help="engine replicas")
-    serve_p.add_argument("--max-queued-requests", type=int, default=None, help="queue bound per replica (429)")
-    serve_p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
 
     gen_p = sub.add_parser("generate", help="generate once with the offline LLM API")
     gen_p.add_argument("prompt", help="the prompt text")
-    _add_engine_options(gen_p)
+    # the engine's seed is not offered here: --seed below is this request's sampling seed
+    _add_options(gen_p, [o for o in engine_options() if o.name != "seed"])
     gen_p.add_argument("--max-tokens", type=int, default=64)
     gen_p.add_argument("--temperature", type=float, default=0.0)
     gen_p.add_argument("--seed", type=int, default=None)
@@ -101,12 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve_args(ns: argparse.Namespace) -> dict:
-    """build_app args from parsed ``serve`` options."""
-    args = _engine_kwargs(ns)
-    for name in ("served_model_name", "num_replicas", "max_queued_requests", "api_key"):
-        if getattr(ns, name) is not None:
-            args[name] = getattr(ns, name)
-    return args
+    """build_app args from parsed ``serve`` options (only those given)."""
+    return _given(ns, OPTIONS)
 
 
 def local_ray_num_cpus(tensor_parallel_size: int, cores: int | None = None) -> int:
@@ -123,8 +107,8 @@ def _start_or_join_ray(address: str | None, tensor_parallel_size: int = 1) -> bo
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
-    for name in PROXY_TIMEOUT_ENV:
-        os.environ.setdefault(name, PROXY_CHECK_TIMEOUT_S)
+    for name, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(name, value)
     ray.init(address="local", num_cpus=local_ray_num_cpus(tensor_parallel_size), log_to_driver=False)
     return True
 
@@ -194,7 +178,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 def run_generate(ns: argparse.Namespace) -> int:
     from pagedray.cluster import LLM, SamplingParams
 
-    llm = LLM(**_engine_kwargs(ns))
+    llm = LLM(**llm_kwargs(_given(ns, [o for o in engine_options() if o.name != "seed"])))
     prompt: str | list[int] = ns.prompt
     if ns.chat:
         tokenizer = llm.engine.tokenizer

@@ -49,8 +49,9 @@ from pagedray.cluster.outputs import EngineDrainingError, RequestOutput
 from pagedray.cluster.sampling_params import SamplingParams
 from ray import serve
 
+from .options import GRACEFUL_SHUTDOWN_S
+
 ENGINE_DEPLOYMENT_NAME = "PagedEngine"
-GRACEFUL_SHUTDOWN_S = 20.0
 SHUTDOWN_MARGIN_S = 10.0  # the ingress outlives the engine by this much on shutdown
 
 
@@ -124,12 +125,10 @@ class EngineDeployment:
         await self._engine.check_health()
 
     def model_meta(self) -> ModelMeta:
-        engine = self._engine.engine  # the synchronous core: model path, model info, effective limits
-        model_path = str(engine.model_path)
-        return ModelMeta(model_path=model_path,
-                         tokenizer_path=self._config.model.tokenizer or model_path,
-                         vocab_size=int(engine.model_info.vocab_size),
-                         max_model_len=int(engine.max_model_len))
+        engine = self._engine
+        return ModelMeta(model_path=engine.model_path,
+                         tokenizer_path=self._config.model.tokenizer or engine.model_path,
+                         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
 
     async def __del__(self) -> None:
         # Serve calls this once the ongoing calls are done (or its wait was cut short): abort the rest.

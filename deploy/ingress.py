@@ -47,9 +47,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from .api import DEFAULT_MAX_BODY_BYTES, create_api
-from .engine_deployment import GRACEFUL_SHUTDOWN_S, DrainReport, ModelMeta
+from .engine_deployment import DrainReport, ModelMeta
 from .errors import to_api_error
 from .metrics import ServerMetrics
+from .options import GRACEFUL_SHUTDOWN_S
 from .service import OpenAIService
 from .validation import ModelLimits
 

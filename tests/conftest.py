@@ -14,6 +14,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from pagedray.deploy.cli import LOCAL_RAY_ENV  # noqa: E402
+
+# every Ray this session starts (the shared one, the e2e clusters, subprocesses) gets the CLI's
+# environment: Serve's proxy checks that survive a loaded machine, workers at normal priority
+for _name, _value in LOCAL_RAY_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 RAY_NUM_CPUS = 8
 
@@ -32,10 +38,6 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        from pagedray.deploy.cli import PROXY_CHECK_TIMEOUT_S, PROXY_TIMEOUT_ENV
-
-        for name in PROXY_TIMEOUT_ENV:   # Serve's 5 s proxy checks fail on a loaded machine (see cli.py)
-            os.environ.setdefault(name, PROXY_CHECK_TIMEOUT_S)
         ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     yield ray

@@ -45,6 +45,12 @@ class FakeExecutor:
     def check_health(self):
         pass
 
+    def is_rank_failure(self, exc):
+        return False
+
+    def rebuild(self):
+        raise RuntimeError("FakeExecutor has no TP group to rebuild")
+
     def shutdown(self):
         self.closed = True
 

@@ -85,6 +85,7 @@ def test_watch_returns_none_when_deploy_finishes_and_reraises_other_errors():
         deploy_and_watch(broken, lambda: None, poll_s=0.001)
 
 
+@pytest.mark.filterwarnings("ignore:coroutine 'EngineDeployment.__del__' was never awaited")
 def test_a_replica_whose_constructor_failed_deletes_quietly():
     import asyncio
 

@@ -31,7 +31,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from pagedray.deploy.cli import PROXY_CHECK_TIMEOUT_S, PROXY_TIMEOUT_ENV
+from pagedray.deploy.cli import LOCAL_RAY_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 YAML_PATH = REPO / "deploy" / "serve.yaml"
@@ -63,8 +63,8 @@ def clean_env() -> dict:
     token auth on when it finds one, while the ``serve`` CLI only sends it in ``token`` mode)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_DASHBOARD_ADDRESS")}
     env["RAY_AUTH_MODE"] = "disabled"
-    for name in PROXY_TIMEOUT_ENV:   # Serve's 5 s proxy checks fail on a loaded machine (see cli.py)
-        env.setdefault(name, PROXY_CHECK_TIMEOUT_S)
+    for name, value in LOCAL_RAY_ENV.items():   # see cli.py: proxy checks, worker niceness
+        env.setdefault(name, value)
     return env
 
 

@@ -1,0 +1,84 @@
+"""One list of served options (deploy/options.py): every engine setting is an option or a documented
+exception, and build_app's args, the CLI flags and the README's table all follow the list."""
+
+import dataclasses
+import pathlib
+
+import pytest
+from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.deploy import cli
+from pagedray.deploy.app import parse_args
+from pagedray.deploy.options import (
+    NOT_OPTIONS,
+    OPTIONS,
+    AppArgs,
+    engine_config,
+    engine_options,
+    llm_kwargs,
+    option_default,
+)
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}
+# a value other than the default for each engine option, valid together
+NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "device": "cpu", "max_model_len": 256,
+                "block_size": 32, "kv_cache_gib": 0.5, "gpu_memory_utilization": 0.5, "num_blocks": 64,
+                "enable_prefix_caching": False, "watermark": 0.02, "tensor_parallel_size": 2, "executor": "auto",
+                "ray_transport": "compiled", "threads_per_worker": 1, "max_rank_restarts": 0, "max_num_seqs": 8,
+                "max_num_batched_tokens": 512, "policy": "priority", "max_queued_requests": 7,
+                "step_timeout_s": 30.0, "seed": 5}
+
+
+def engine_settings() -> set[str]:
+    paths = {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    return paths | {f.name for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS}
+
+
+def test_every_engine_setting_is_an_option_or_a_documented_exception():
+    served = {o.config for o in engine_options()}
+    assert served | set(NOT_OPTIONS) == engine_settings()
+    assert not served & set(NOT_OPTIONS)
+    assert len({o.name for o in OPTIONS}) == len(OPTIONS)
+
+
+def test_app_args_are_the_options_with_the_engines_defaults():
+    assert list(AppArgs.model_fields) == [o.name for o in OPTIONS]
+    defaults = parse_args({})
+    config = EngineConfig()
+    for option in engine_options():
+        section, _, name = option.config.rpartition(".")
+        engine_default = getattr(getattr(config, section) if section else config, name)
+        if option.name == "executor":
+            assert getattr(defaults, option.name) == "ray" != engine_default   # the one served difference
+        else:
+            assert getattr(defaults, option.name) == engine_default == option_default(option), option.name
+
+
+def test_every_engine_option_reaches_its_config_field():
+    assert set(NON_DEFAULTS) == {o.name for o in engine_options()}
+    config = engine_config(parse_args(NON_DEFAULTS))
+    for option in engine_options():
+        section, _, name = option.config.rpartition(".")
+        assert getattr(getattr(config, section) if section else config, name) == NON_DEFAULTS[option.name], option.name
+    assert llm_kwargs({"max_queued_requests": 7, "policy": "priority", "api_key": "k"}) == {
+        "max_waiting_requests": 7, "policy": "priority"}
+
+
+def test_cli_flags_follow_the_options():
+    parser = cli.build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    generate = parser._subparsers._group_actions[0].choices["generate"]
+    serve_flags = {s for a in serve._actions for s in a.option_strings}
+    generate_flags = {s for a in generate._actions for s in a.option_strings}
+    assert {o.flag for o in OPTIONS} <= serve_flags
+    assert {o.flag for o in engine_options()} - {"--seed"} <= generate_flags
+    assert "--api-key" not in generate_flags
+    ns = parser.parse_args(["serve", "--policy", "priority", "--gpu-memory-utilization", "0.5",
+                            "--no-enable-prefix-caching", "--max-rank-restarts", "0", "--ray-transport", "compiled"])
+    assert cli.serve_args(ns) == {"policy": "priority", "gpu_memory_utilization": 0.5, "enable_prefix_caching": False,
+                                  "max_rank_restarts": 0, "ray_transport": "compiled"}
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o.name)
+def test_the_readme_lists_every_option(option):
+    assert f"`{option.name}`" in README.read_text()
