@@ -30,10 +30,10 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from pagedray.block_manager import BlockManager
-from pagedray.cluster.config import SchedulerConfig
-from pagedray.cluster.sampling_params import SamplingParams
 from pagedray.cluster.scheduler import Scheduler
-from pagedray.cluster.wire import SampledToken
+from pagedray.workers.contract.config import SchedulerConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import SampledToken
 
 from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds

@@ -40,7 +40,7 @@ RATIOS = [Ratio("actor", ("compiled",), tuple(f"{f} b{b}" for b in BATCHES for f
 
 
 def _decode_ready_engine(engine, batch: int) -> None:
-    from pagedray.cluster.sampling_params import SamplingParams
+    from pagedray.workers.contract.sampling_params import SamplingParams
 
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", [1] + [100 + (i + j) % 500 for j in range(15)],
@@ -51,7 +51,7 @@ def _decode_ready_engine(engine, batch: int) -> None:
 
 
 def _measure(engine, executor, steps: int) -> dict:
-    from pagedray.cluster.wire import StepPlan
+    from pagedray.workers.contract.wire import StepPlan
 
     execute_times = []
     original = executor.execute

@@ -29,7 +29,7 @@ from pathlib import Path
 if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 from benchmarks.common import print_table, write_json
 

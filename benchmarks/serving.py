@@ -66,9 +66,9 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 import httpx
 from pagedray.deploy.loadtest import LoadtestConfig, run_loadtest
-from pagedray.deploy.loadtest_client import RequestOptions
-from pagedray.deploy.loadtest_prompts import parse_length_range, synthetic_prompts
-from pagedray.deploy.loadtest_runner import LoadSpec
+from pagedray.deploy.loadtest.client import RequestOptions
+from pagedray.deploy.loadtest.prompts import parse_length_range, synthetic_prompts
+from pagedray.deploy.loadtest.runner import LoadSpec
 
 from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds

@@ -39,7 +39,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from pagedray.deploy.loadtest_prompts import PromptSpec
+from pagedray.deploy.loadtest.prompts import PromptSpec
 
 from benchmarks.common import Timer
 
@@ -147,7 +147,7 @@ def arithmetic_floor(model_path: str, prompts: list[PromptSpec], *, batch: int, 
                      chunk_tokens: int | None = None) -> dict:
     """The floor described in the module docstring for a model folder and the load's prompts."""
     import torch
-    from pagedray.cluster.config import SchedulerConfig
+    from pagedray.workers.contract.config import SchedulerConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -58,9 +58,9 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
-from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from pagedray.cluster.sampling_params import SamplingParams
-from pagedray.cluster.wire import NewSequence, RunningDelta, StepPlan
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
 from pagedray.workers.default_model import resolve_model_path
 from pagedray.workers.layers.attention import PagedAttention
 from pagedray.workers.worker import Worker

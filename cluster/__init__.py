@@ -1,12 +1,12 @@
 """pagedray.cluster: configs, requests, wire types, the scheduler, the engine (central actor body),
 executors and the offline ``LLM`` API.
 
-Heavy members are imported lazily so that ``pagedray.workers`` can import the wire types without
-pulling in the engine (which itself imports the workers).
+Heavy members (the engine imports the workers, and with them torch) are imported on first use, so
+that importing the configs and ``SamplingParams`` from here stays light.
 """
 
-from .config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from .sampling_params import SamplingParams
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 __all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
            "SamplingParams", "LLM", "Engine", "AsyncEngine"]

@@ -38,11 +38,12 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .config import EngineConfig
+from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
+
 from .engine import Engine
 from .executor import Executor
 from .outputs import CompletionOutput, EngineDeadError, EngineDrainingError, QueueFullError, RequestOutput
-from .sampling_params import SamplingParams
 from .stats import EngineStats
 
 

@@ -31,14 +31,16 @@ import logging
 import time
 
 from pagedray.block_manager import BlockManager
+from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.default_model import resolve_model_path
+from pagedray.workers.model_info import model_info
 
-from .config import EngineConfig
 from .executor import Executor, create_executor
 from .output_builder import OutputBuilder
 from .outputs import EngineDeadError, RequestOutput
 from .plan_builder import PlanBuilder
 from .request import FinishReason
-from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stats import EngineStats
 
@@ -47,9 +49,6 @@ logger = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
-        from pagedray.workers.default_model import resolve_model_path
-        from pagedray.workers.model_info import model_info
-
         self.config = config
         self.model_path = resolve_model_path(config.model.model)
         self.model_info = model_info(self.model_path)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .config import EngineConfig
+from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers.contract.wire import StepPlan, StepResult
+from pagedray.workers.worker import Worker
+
 from .outputs import EngineDeadError
-from .wire import StepPlan, StepResult
 
 
 class Executor(Protocol):
@@ -45,8 +47,6 @@ class LocalExecutor:
         if config.parallel.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size: LocalExecutor runs one rank, got "
                              f"{config.parallel.tensor_parallel_size}; use the Ray executor")
-        from pagedray.workers.worker import Worker
-
         self.worker = Worker(config, rank=0)
         self.num_blocks = self.worker.available_kv_blocks()
         self.worker.init_kv_cache(self.num_blocks)

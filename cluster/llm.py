@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
+
 from .engine import Engine
 from .outputs import EngineDeadError
-from .sampling_params import SamplingParams
 
 _SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("parallel", ParallelConfig),
              ("scheduler", SchedulerConfig))
@@ -60,7 +61,7 @@ def build_engine_config(model: str = "default", tensor_parallel_size: int = 1, d
         elif key in top:
             top_kwargs[key] = value
         else:
-            raise ValueError(f"{key}: not a known engine setting (see pagedray.cluster.config)")
+            raise ValueError(f"{key}: not a known engine setting (see pagedray.workers.contract.config)")
     parts = {name: cls(**sections.get(name, {})) for name, cls in _SECTIONS}
     return EngineConfig(**parts, **top_kwargs)
 

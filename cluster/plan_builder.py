@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
+
 from .scheduler_output import SchedulerOutput
-from .wire import NewSequence, RunningDelta, StepPlan
 
 
 @dataclass

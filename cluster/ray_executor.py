@@ -13,12 +13,11 @@ on any rank surfaces in that step). Two transports, same semantics:
   compiled once; a step is ``graph.execute(data)`` over shared-memory channels.
 - ``"actor"``: plain ``actor.execute_bytes.remote(data)`` calls.
 
-Measured by ``benchmarks/overhead.py`` (2-core shared CPU, TP=2, median of 20): the round trip of an empty
-plan costs 0.13-0.33 ms with the compiled graph and 1.0-1.07 ms with actor calls, i.e. 0.04% vs
-0.37% of a 64-sequence decode step (0.3 s on this CPU). Plain actor calls are the default
-(``ParallelConfig.ray_transport="actor"``): the compiled graph's ranks poll their channels and keep a
-core busy even while the engine is idle (seen as a TP worker at ~100% CPU under an idle
-``pagedray serve`` on the 2-core machine), which costs far more than the 0.8 ms per step it saves.
+``benchmarks/overhead.py`` measures both (the README's table): the compiled graph's round trip is
+several times shorter, but both are under 1% of a decode step on CPU. Plain actor calls are the
+default (``ParallelConfig.ray_transport="actor"``): the compiled graph's ranks poll their channels and
+keep a core busy even while the engine is idle (a TP worker at full CPU under an idle
+``pagedray serve``), which costs far more than the round trip it saves.
 
 Every wait is bounded by ``config.step_timeout_s`` so a stalled rank fails the step instead of hanging.
 ``shutdown`` tears the compiled graph down, kills the actors and removes the placement group if this
@@ -34,11 +33,11 @@ new empty KV cache). While rebuilding, ``check_health`` raises EngineDeadError (
 from __future__ import annotations
 
 import ray
+from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers.contract.wire import StepPlan, StepResult, decode_result, encode_plan
 
-from .config import EngineConfig
 from .outputs import EngineDeadError
 from .placement import Placement, place_ranks
-from .wire import StepPlan, StepResult, decode_result, encode_plan
 
 TRANSPORTS = ("compiled", "actor")
 HEALTH_PING_TIMEOUT_S = 10.0

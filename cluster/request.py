@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .sampling_params import SamplingParams
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

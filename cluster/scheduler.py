@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import collections
 
-from .config import SchedulerConfig
+from pagedray.workers.contract.config import SchedulerConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import SampledToken
+
 from .outputs import QueueFullError
 from .request import FinishReason, Request, Sequence, SequenceStatus
-from .sampling_params import SamplingParams
 from .scheduler_output import ScheduledSequence, SchedulerOutput
-from .wire import SampledToken
 
 
 class Scheduler:

@@ -9,7 +9,8 @@ How a request flows through this package::
         openai_format.py  deltas -> OpenAI objects               metrics.py  Prometheus text
     ─▶ engine_deployment.py (EngineDeployment: AsyncEngine, TP workers in the replica's bundles)
 
-Entry points: ``app.build_app(args)`` (Serve application; ``serve.yaml`` points at it) and
-``cli.main`` (the ``pagedray`` command). Nothing is imported here, so that importing a submodule
-(e.g. the load tester) does not pull in Ray Serve.
+Entry points: ``app.build_app(args)`` (Serve application; ``serve.yaml`` points at it; its args are
+``options.py``'s list) and ``cli.main`` (the ``pagedray`` command; ``startup.py`` watches the deploy).
+``loadtest/`` is the cluster load tester (``pagedray loadtest``). Nothing is imported here, so that
+importing a submodule (e.g. the load tester) does not pull in Ray Serve.
 """

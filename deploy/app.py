@@ -15,7 +15,7 @@ Decisions:
   for requests that are being rejected, plus ``CONTROL_CALL_HEADROOM``. Overload is thus decided by
   the engine's bounded queue (a fast 429 with an OpenAI body), not by requests queueing inside
   Serve's routers: with the cap at the bound itself, a 10x burst waited in Serve's router backoff and
-  its slowest 429 took 7 s instead of well under a second (benchmarks/reliability.py).
+  its slowest 429s took seconds (benchmarks/reliability.py).
 - The default executor is ``ray`` also at TP=1. Running the model in the replica's own process (vLLM's
   single-process layout) removes a process and a Ray call per step, but there the step thread shares
   the GIL with Serve's event loop (one streamed output per request per step), and on the 2-core CPU
@@ -25,7 +25,7 @@ Decisions:
 
 from __future__ import annotations
 
-from pagedray.cluster.config import EngineConfig
+from pagedray.workers.contract.config import EngineConfig
 from pydantic import BaseModel, ValidationError
 from ray.serve import Application
 

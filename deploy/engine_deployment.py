@@ -44,9 +44,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.outputs import EngineDrainingError, RequestOutput
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
 from ray import serve
 
 from .options import GRACEFUL_SHUTDOWN_S

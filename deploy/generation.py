@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedray.cluster.outputs import CompletionOutput, EngineError, RequestOutput, TokenLogprob
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .validation import PreparedRequest

@@ -1,11 +1,13 @@
-"""The options of a served model, listed once (``OPTIONS``).
+"""The options of a served model: build_app's ``args`` (``AppArgs``, also the keys of ``serve.yaml``),
+the flags of ``pagedray serve`` and ``pagedray generate`` and the ``EngineConfig`` of a replica
+(``engine_config``) all come from ``OPTIONS``.
 
-From this list come build_app's ``args`` (``AppArgs``, also the keys of ``serve.yaml``), the flags of
-``pagedray serve`` and ``pagedray generate`` and the ``EngineConfig`` of a replica (``engine_config``).
-An engine option names its field in ``pagedray.cluster.config`` (``config``, ``section.field``) and
-takes its default and its validation from there; a Serve option (``config`` None) exists only in
-deploy/. ``NOT_OPTIONS`` lists the engine settings that are deliberately not served options, with why;
-a test checks that every engine setting is one or the other, and that the README lists every option.
+``OPTIONS`` is generated: one engine option per field of the config dataclasses
+(``pagedray.workers.contract.config``: name, type, default and help, from the field's
+``metadata["help"]``), so a new config field is an arg and a flag at once, followed by the Serve-only
+options listed here. ``NOT_OPTIONS`` lists the engine settings that are deliberately not served, with
+why. Tests check that every config field is reachable from ``LLM(...)``, the CLI and the YAML args, and
+that the README's configuration table lists each option.
 
 Decisions:
 - The option name is the config field's name, except ``max_queued_requests`` (the engine's
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pydantic import BaseModel, ConfigDict, create_model
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -42,37 +44,13 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-OPTIONS = (
-    Option("model", "'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face model folder", "model.model"),
-    Option("tokenizer", "a separate tokenizer folder (default: the model folder)", "model.tokenizer"),
-    Option("dtype", "auto | float32 | float16 | bfloat16 (auto: fp32 on CPU, bf16 on CUDA)", "model.dtype"),
-    Option("device", "auto | cpu | cuda", "model.device"),
-    Option("max_model_len", "longest prompt + output (default: the model's)", "model.max_model_len"),
-    Option("block_size", "KV block size in tokens (8, 16, 32, 64)", "cache.block_size"),
-    Option("kv_cache_gib", "KV cache memory per rank on CPU, GiB", "cache.kv_cache_gib"),
-    Option("gpu_memory_utilization", "fraction of GPU memory for weights + activations + KV",
-           "cache.gpu_memory_utilization"),
-    Option("num_blocks", "force an exact number of KV blocks", "cache.num_blocks"),
-    Option("enable_prefix_caching", "reuse KV blocks of shared prompt prefixes", "cache.enable_prefix_caching"),
-    Option("watermark", "fraction of KV blocks kept free when admitting (avoids instant preemption)",
-           "cache.watermark"),
-    Option("tensor_parallel_size", "tensor-parallel ranks per replica", "parallel.tensor_parallel_size"),
-    Option("executor", "ray (a Ray worker actor per TP rank) | local (TP=1: the model in the engine "
-           "replica's process)", "parallel.executor", default="ray"),
-    Option("ray_transport", "actor (plain actor calls) | compiled (Ray compiled graph: faster per step, "
-           "busy-polls while idle)", "parallel.ray_transport"),
-    Option("threads_per_worker", "torch threads per TP rank on CPU (default: cores // TP size)",
-           "parallel.threads_per_worker"),
-    Option("max_rank_restarts", "TP-group rebuilds after a rank dies (0: fail in-flight requests instead)",
-           "parallel.max_rank_restarts"),
-    Option("max_num_seqs", "sequences per step", "scheduler.max_num_seqs"),
-    Option("max_num_batched_tokens", "tokens per step (chunked prefill)", "scheduler.max_num_batched_tokens"),
-    Option("policy", "fcfs | priority", "scheduler.policy"),
-    Option("max_queued_requests", "requests waiting for admission per replica; beyond it HTTP 429",
-           "scheduler.max_waiting_requests"),
-    Option("step_timeout_s", "a step running longer marks the engine unhealthy (2x: streams end)",
-           "step_timeout_s"),
-    Option("seed", "engine seed of unseeded sampling", "seed"),
+SERVED_NAMES = {"scheduler.max_waiting_requests": "max_queued_requests"}
+SERVED_DEFAULTS = {"parallel.executor": "ray"}
+NOT_OPTIONS = {
+    "parallel.placement_strategy": "in Serve the replica's placement group is always PACK (build_app); "
+                                   "the setting only applies to an engine that creates its own group",
+}
+SERVE_OPTIONS = (
     Option("served_model_name", "the model name clients pass (default: the model folder's name)",
            kind=str, optional=True),
     Option("num_replicas", "engine replicas (each a full TP group)", kind=int, default=1),
@@ -82,10 +60,21 @@ OPTIONS = (
            default=GRACEFUL_SHUTDOWN_S),
 )
 
-NOT_OPTIONS = {
-    "parallel.placement_strategy": "in Serve the replica's placement group is always PACK (build_app); "
-                                   "the setting only applies to an engine that creates its own group",
-}
+
+def config_paths() -> list[str]:
+    """Every engine setting as ``section.field`` (or ``field`` of EngineConfig), in declaration order."""
+    paths = []
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _SECTIONS:
+            paths += [f"{f.name}.{g.name}" for g in dataclasses.fields(_SECTIONS[f.name])]
+        else:
+            paths.append(f.name)
+    return paths
+
+
+def _engine_option(path: str) -> Option:
+    return Option(SERVED_NAMES.get(path, path.rpartition(".")[2]), _config_field(path).metadata["help"], path,
+                  default=SERVED_DEFAULTS.get(path))
 
 
 def _config_field(path: str) -> dataclasses.Field:
@@ -100,6 +89,9 @@ def _annotation(field: dataclasses.Field) -> object:
     text = str(field.type).replace(" ", "")
     base = kinds[text.split("|")[0]]
     return base | None if text.endswith("|None") else base
+
+
+OPTIONS = tuple(_engine_option(path) for path in config_paths() if path not in NOT_OPTIONS) + SERVE_OPTIONS
 
 
 def option_type(option: Option) -> object:

@@ -1,7 +1,7 @@
 """Deploying the Serve app from the CLI and reporting a replica that fails to start, with its cause.
 
-``serve.run`` alone waits through Serve's constructor retries (three per replica, ~30 s on this
-machine) and then raises only ``Deploying application ... failed: Failed to update the deployments``;
+``serve.run`` alone waits through Serve's constructor retries (three per replica) and then raises
+only ``Deploying application ... failed: Failed to update the deployments``;
 the real exception stays in Serve's log files. ``deploy_and_watch`` runs ``serve.run`` in a thread and
 polls ``serve.status()``; at the first replica failure (the deployment's message says "failed to start",
 or its status is DEPLOY_FAILED) it returns a ``StartupFailure`` naming the exception and one line that

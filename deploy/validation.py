@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedray.cluster.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingParams
 
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields

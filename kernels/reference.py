@@ -9,9 +9,9 @@ Decisions:
 * Decode (and every length-1 chunk of a prefill batch) is vectorised over the batch: sequences are
   sorted by length and cut into groups holding at most ``GATHER_BUDGET_BYTES`` (2 MiB, about one core's
   L2) of gathered K+V; each group is one ``index_select`` per cache (padded to the group's longest,
-  masked) and one SDPA call that reads the gathered blocks while they are still in cache. Measured on
-  the 2-core CPU (SmolLM2 shapes, 64 sequences of 200-300 tokens): one batch-wide gather is 2-4x slower
-  (fresh pages, cache misses), and sorting cuts the padding of mixed-length batches.
+  masked) and one SDPA call that reads the gathered blocks while they are still in cache; one
+  batch-wide gather was slower on the 2-core CPU (fresh pages, cache misses), and sorting cuts the
+  padding of mixed-length batches.
 * Decode queries are laid out ``[n, Hkv, G, D]`` (a view of q) against keys viewed ``[n, Hkv, L, D]``
   straight from the gather (no transposing copy), with one ``[n, 1, 1, L]`` mask for the G rows.
 * Prefill chunks longer than one token are done per sequence: one gather of the keys the chunk can

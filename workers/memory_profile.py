@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cluster.config import EngineConfig
-from ..cluster.sampling_params import SamplingParams
+from .contract.config import EngineConfig
+from .contract.sampling_params import SamplingParams
 from .input_batch import build_batch
 from .kv_cache import KVCacheSpec
 from .models.decoder import DecoderForCausalLM

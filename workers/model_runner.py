@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..cluster.wire import StepPlan
+from .contract.wire import StepPlan
 from .input_batch import BatchInputs, build_batch
 from .kv_cache import check_block_copies, copy_blocks
 from .models.decoder import DecoderForCausalLM

@@ -19,8 +19,8 @@ import socket
 
 import ray
 
-from ..cluster.config import EngineConfig
-from ..cluster.wire import StepPlan, StepResult
+from .contract.config import EngineConfig
+from .contract.wire import StepPlan, StepResult
 from .worker import Worker
 
 

@@ -1,6 +1,6 @@
 """The worker-side mirror of every running sequence, updated only from StepPlans.
 
-See ``cluster/wire.py`` for the protocol. Per sequence id the mirror keeps the prompt and output
+See ``workers/contract/wire.py`` for the protocol. Per sequence id the mirror keeps the prompt and output
 token ids, ``num_computed_tokens`` (tokens whose K/V are in this rank's cache), the block table and
 the sampling params. The scheduler decides; the mirror only follows:
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cluster.sampling_params import SamplingParams
-from ..cluster.wire import StepPlan
+from .contract.sampling_params import SamplingParams
+from .contract.wire import StepPlan
 
 
 @dataclass

@@ -21,8 +21,8 @@ from types import MappingProxyType
 
 import torch
 
-from ..cluster.config import EngineConfig
-from ..cluster.wire import StepPlan, StepResult, decode_plan, encode_result
+from .contract.config import EngineConfig
+from .contract.wire import StepPlan, StepResult, decode_plan, encode_result
 from .default_model import resolve_model_path
 from .kv_cache import KVCacheSpec
 from .memory_profile import profile_gpu_num_blocks

@@ -19,9 +19,9 @@ import random
 from dataclasses import dataclass, field
 
 from pagedray.cluster.async_engine import AsyncEngine
-from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedray.cluster.request import SequenceStatus
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 METHODS = ("abort", "cancel", "aclose")
 # an aborted request is ended once it is seen in this state (polled from the event loop; the state

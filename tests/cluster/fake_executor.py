@@ -5,7 +5,7 @@ released ids) and "samples" a deterministic token: (last known token + 1) % voca
 fail at a given step, to check that failures end requests with finish_reason "error".
 """
 
-from pagedray.cluster.wire import SampledToken, StepResult
+from pagedray.workers.contract.wire import SampledToken, StepResult
 
 
 class FakeExecutor:

@@ -5,10 +5,10 @@
 """
 
 from pagedray.block_manager import BlockManager
-from pagedray.cluster.config import SchedulerConfig
-from pagedray.cluster.sampling_params import SamplingParams
 from pagedray.cluster.scheduler import Scheduler
-from pagedray.cluster.wire import SampledToken
+from pagedray.workers.contract.config import SchedulerConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import SampledToken
 
 EOS = 2
 FILLER = 7

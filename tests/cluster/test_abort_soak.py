@@ -13,7 +13,7 @@ import pytest
 from abort_soak import make_workload, run_soak, soak_config
 from pagedray.cluster import LLM
 from pagedray.cluster.async_engine import AsyncEngine
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ import asyncio
 import pytest
 from fake_executor import FakeClock, FakeExecutor, GatedFakeExecutor, PacedFakeExecutor
 from pagedray.cluster.async_engine import AsyncEngine
-from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig
 from pagedray.cluster.outputs import EngineDeadError, EngineDrainingError
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 
 def _engine(path, executor, step_timeout_s=60.0, clock=None):

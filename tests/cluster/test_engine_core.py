@@ -6,10 +6,10 @@ The double samples (last token + 1) % 512, so every expected token sequence is k
 import pytest
 from conftest import TINY_EOS
 from fake_executor import FakeExecutor
-from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedray.cluster.engine import Engine
 from pagedray.cluster.outputs import EngineDeadError
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 
 def _engine(path, num_blocks=64, budget=32, fail_at_step=None, **model_kwargs):

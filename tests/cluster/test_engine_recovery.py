@@ -5,10 +5,10 @@ and an incurable error end the requests with "error" and leave no block held."""
 
 import pytest
 from fake_executor import FakeExecutor, RecoverableFakeExecutor
-from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedray.cluster.engine import Engine
 from pagedray.cluster.outputs import EngineDeadError
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 PROMPTS = {"a": [10, 11, 12, 13, 14, 15, 16, 17, 18, 19], "b": [40, 41], "c": list(range(100, 130))}
 

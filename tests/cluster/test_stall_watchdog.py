@@ -10,9 +10,9 @@ import time
 import pytest
 from fake_executor import FakeClock, SleepingFakeExecutor
 from pagedray.cluster.async_engine import STALL_GRACE_FACTOR, AsyncEngine
-from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig
 from pagedray.cluster.outputs import EngineDeadError
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
 
 STEP_TIMEOUT_S = 0.5
 

@@ -2,9 +2,9 @@
 
 import msgpack
 import pytest
-from pagedray.cluster import wire
-from pagedray.cluster.sampling_params import SamplingParams
-from pagedray.cluster.wire import (
+from pagedray.workers.contract import wire
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import (
     NewSequence,
     RunningDelta,
     SampledToken,

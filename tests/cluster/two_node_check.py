@@ -13,7 +13,7 @@ def main(model_path: str, prompts_json: str, max_tokens: int) -> None:
     from pagedray.cluster.engine import Engine
     from pagedray.cluster.llm import build_engine_config
     from pagedray.cluster.ray_executor import RayExecutor
-    from pagedray.cluster.sampling_params import SamplingParams
+    from pagedray.workers.contract.sampling_params import SamplingParams
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)

@@ -5,7 +5,7 @@ One app for the module (capacity: max_num_seqs 4 running + max_queued_requests 4
 - the malformed-input catalogue (tests/deploy/bad_requests.py, > 100 cases): each a 4xx with an
   OpenAI error body, and the engine's stats (blocks, queues, every counter) identical afterwards;
 - a hypothesis fuzz of both POST routes (1,000 derandomized examples sent 4 at a time,
-  deploy/reliability_fuzz.py):
+  tests/deploy/fuzz_requests.py):
   no 5xx, no in-band internal error, and every KV block free afterwards;
 - overload at 10x capacity: only 200 / 429; every 200 is the greedy reference text; 429s carry
   Retry-After; the engine's waiting queue never exceeds its bound; replica memory stays bounded;
@@ -27,8 +27,8 @@ import httpx
 import psutil
 import pytest
 from bad_requests import assert_openai_error, malformed_cases, send
-from pagedray.deploy.reliability_fuzz import run_fuzz
-from pagedray.deploy.reliability_load import StatsSampler, burst, percentile, rss_bytes
+from burst_load import StatsSampler, burst, percentile, rss_bytes
+from fuzz_requests import run_fuzz
 from serve_fixtures import API_KEY, APP_ARGS, start_app, stop_app, stream_in_thread, stream_text, tp_worker_pids
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

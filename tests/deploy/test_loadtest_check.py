@@ -10,7 +10,7 @@ import json
 import pytest
 from fake_openai_server import FakeBehavior, FakeOpenAIServer, expected_pieces
 from pagedray.deploy.loadtest import main
-from pagedray.deploy.loadtest_check import (
+from pagedray.deploy.loadtest.check import (
     CAUSE_CORRUPTED,
     CAUSE_DUPLICATED,
     CAUSE_LOST,

@@ -11,10 +11,10 @@ import math
 
 import pytest
 from fake_openai_server import FakeBehavior, FakeOpenAIServer
-from pagedray.deploy.loadtest_client import HttpTarget, RequestOptions
-from pagedray.deploy.loadtest_prompts import LengthRange, synthetic_prompts
-from pagedray.deploy.loadtest_runner import LoadSpec, poisson_arrivals, run_load
-from pagedray.deploy.loadtest_stats import latency_samples, percentile, summarize
+from pagedray.deploy.loadtest.client import HttpTarget, RequestOptions
+from pagedray.deploy.loadtest.prompts import LengthRange, synthetic_prompts
+from pagedray.deploy.loadtest.runner import LoadSpec, poisson_arrivals, run_load
+from pagedray.deploy.loadtest.stats import latency_samples, percentile, summarize
 
 SLACK = 0.08
 EPS = 0.002  # timer granularity

@@ -6,24 +6,24 @@ import json
 
 import pytest
 from pagedray.deploy.loadtest import build_parser, config_from_args
-from pagedray.deploy.loadtest_client import (
+from pagedray.deploy.loadtest.client import (
     HANDLE_CHAT_STREAM_METHOD,
     HANDLE_STREAM_METHOD,
     HandleTarget,
     RequestOptions,
     server_root,
 )
-from pagedray.deploy.loadtest_metrics import parse_prometheus
-from pagedray.deploy.loadtest_prompts import (
+from pagedray.deploy.loadtest.metrics import parse_prometheus
+from pagedray.deploy.loadtest.prompts import (
     LengthRange,
     PromptSpec,
     load_prompts_file,
     parse_length_range,
     synthetic_prompts,
 )
-from pagedray.deploy.loadtest_record import RequestRecord, StreamError, StreamParser
-from pagedray.deploy.loadtest_runner import LoadSpec
-from pagedray.deploy.loadtest_stats import describe_ms, percentile, throughput_series
+from pagedray.deploy.loadtest.record import RequestRecord, StreamError, StreamParser
+from pagedray.deploy.loadtest.runner import LoadSpec
+from pagedray.deploy.loadtest.stats import describe_ms, percentile, throughput_series
 
 
 def test_percentile_interpolates_linearly():

@@ -5,7 +5,7 @@ import dataclasses
 import pathlib
 
 import pytest
-from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.cluster.llm import build_engine_config
 from pagedray.deploy import cli
 from pagedray.deploy.app import parse_args
 from pagedray.deploy.options import (
@@ -17,6 +17,7 @@ from pagedray.deploy.options import (
     llm_kwargs,
     option_default,
 )
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}
@@ -34,7 +35,11 @@ def engine_settings() -> set[str]:
     return paths | {f.name for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS}
 
 
-def test_every_engine_setting_is_an_option_or_a_documented_exception():
+def test_every_config_field_has_help_and_is_an_option_or_a_documented_exception():
+    for path in engine_settings():
+        section, _, name = path.rpartition(".")
+        owner = SECTIONS[section] if section else EngineConfig
+        assert next(f for f in dataclasses.fields(owner) if f.name == name).metadata.get("help"), path
     served = {o.config for o in engine_options()}
     assert served | set(NOT_OPTIONS) == engine_settings()
     assert not served & set(NOT_OPTIONS)
@@ -54,12 +59,15 @@ def test_app_args_are_the_options_with_the_engines_defaults():
             assert getattr(defaults, option.name) == engine_default == option_default(option), option.name
 
 
-def test_every_engine_option_reaches_its_config_field():
+def test_every_engine_option_reaches_its_config_field_from_yaml_args_and_from_llm():
     assert set(NON_DEFAULTS) == {o.name for o in engine_options()}
-    config = engine_config(parse_args(NON_DEFAULTS))
-    for option in engine_options():
-        section, _, name = option.config.rpartition(".")
-        assert getattr(getattr(config, section) if section else config, name) == NON_DEFAULTS[option.name], option.name
+    from_args = engine_config(parse_args(NON_DEFAULTS))
+    from_llm = build_engine_config(**llm_kwargs(NON_DEFAULTS))     # what LLM(...) builds from the same values
+    for config in (from_args, from_llm):
+        for option in engine_options():
+            section, _, name = option.config.rpartition(".")
+            got = getattr(getattr(config, section) if section else config, name)
+            assert got == NON_DEFAULTS[option.name], option.name
     assert llm_kwargs({"max_queued_requests": 7, "policy": "priority", "api_key": "k"}) == {
         "max_waiting_requests": 7, "policy": "priority"}
 

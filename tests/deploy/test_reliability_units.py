@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from burst_load import percentile
+from fuzz_requests import CHAT, COMPLETIONS, FuzzRequest, fuzz_requests, verdict
 from hypothesis import HealthCheck, given, settings
 from pagedray.deploy.app import parse_args
-from pagedray.deploy.reliability_fuzz import CHAT, COMPLETIONS, FuzzRequest, fuzz_requests, verdict
-from pagedray.deploy.reliability_load import percentile
 
 ERROR = {"error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}}
 INTERNAL = {"error": {"message": "boom", "type": "internal_error", "param": None, "code": None}}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedray.workers.worker import Worker
 from worker_plans import PlanDriver
 
@@ -122,7 +122,7 @@ def start_ray_workers(ray, model_path: str, tp: int, num_blocks: int = 64, block
 
 def ray_execute(ray, actors):
     """plan -> StepResult through execute_bytes on every rank (msgpack wire form); only rank 0 answers."""
-    from pagedray.cluster.wire import decode_result, encode_plan
+    from pagedray.workers.contract.wire import decode_result, encode_plan
 
     def execute(plan):
         data = encode_plan(plan)

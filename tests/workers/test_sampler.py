@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from pagedray.cluster.sampling_params import SamplingParams
 from pagedray.workers import sampling_ops
+from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.sampler import Sampler, SamplingRow
 from pagedray.workers.sampling_ops import (
     apply_min_p,

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 from conftest import engine_config, save_tiny_model
-from pagedray.cluster.sampling_params import SamplingParams
-from pagedray.cluster.wire import NewSequence, RunningDelta, StepPlan
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
 from pagedray.workers.model_info import model_info
 from pagedray.workers.weight_loader import WeightLoadError
 from pagedray.workers.worker import Worker

@@ -5,8 +5,8 @@ copy-on-write block copies applied before the forward."""
 from __future__ import annotations
 
 from conftest import engine_config, hf_greedy, local_driver
-from pagedray.cluster.sampling_params import SamplingParams
-from pagedray.cluster.wire import NewSequence, RunningDelta, StepPlan
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
 from pagedray.workers.worker import Worker
 
 GREEDY = SamplingParams(temperature=0.0)

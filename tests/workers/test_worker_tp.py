@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import hf_greedy, hf_logprobs_along, local_driver, ray_execute, start_ray_workers, stop_ray_workers
-from pagedray.cluster.sampling_params import SamplingParams
+from pagedray.workers.contract.sampling_params import SamplingParams
 from worker_plans import PlanDriver
 
 NEW_TOKENS = 64

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 from conftest import engine_config, tiny_config
-from pagedray.cluster.sampling_params import SamplingParams
-from pagedray.cluster.wire import NewSequence, StepPlan
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import NewSequence, StepPlan
 from pagedray.workers.input_batch import build_batch
 from pagedray.workers.kv_cache import KVCacheSpec, copy_blocks
 from pagedray.workers.layers.partition import HeadPartition, VocabPartition
@@ -129,7 +129,7 @@ def test_reduced_precision_weights_and_cache(tiny_model_path):
 
 
 def test_cpu_capacity_from_kv_cache_gib(tiny_model_path):
-    from pagedray.cluster.config import CacheConfig, EngineConfig, ModelConfig
+    from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig
 
     config = EngineConfig(model=ModelConfig(model=tiny_model_path("llama")),
                           cache=CacheConfig(block_size=8, kv_cache_gib=0.001))

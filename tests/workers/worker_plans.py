@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedray.block_manager import BlockManager
-from pagedray.cluster.sampling_params import SamplingParams
-from pagedray.cluster.wire import NewSequence, RunningDelta, SampledToken, StepPlan, StepResult
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import NewSequence, RunningDelta, SampledToken, StepPlan, StepResult
 
 
 @dataclass

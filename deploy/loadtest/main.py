@@ -10,9 +10,9 @@ whose text differs: tokens lost, duplicated or corrupted under load.
 Exit status: 0 when the run finished, 1 when ``--check`` found a mismatch or no request completed,
 2 for bad arguments (argparse's convention; the message names the argument).
 
-Module map: loadtest_prompts (inputs), loadtest_record (per-request measurements and stream parsing),
-loadtest_client (targets), loadtest_runner (open / closed loop), loadtest_metrics (/metrics polling),
-loadtest_stats (summary and table), loadtest_check (--check), loadtest_plots (PNGs).
+Package map (pagedray.deploy.loadtest): prompts (inputs), record (per-request measurements and stream
+parsing), client (targets), runner (open / closed loop), metrics (/metrics polling), stats (summary and
+table), check (--check), plots (PNGs); main (this module: configuration, run, command line).
 """
 
 from __future__ import annotations
@@ -21,24 +21,23 @@ import argparse
 import asyncio
 import json
 import pathlib
-import sys
 from dataclasses import dataclass, field
 
-from pagedray.deploy.loadtest_check import (
+from pagedray.deploy.loadtest.check import (
     check_records,
     load_reference,
     reference_from_records,
     save_reference,
 )
-from pagedray.deploy.loadtest_client import HandleTarget, HttpTarget, RequestOptions, parse_extra_body
-from pagedray.deploy.loadtest_prompts import (
+from pagedray.deploy.loadtest.client import HandleTarget, HttpTarget, RequestOptions, parse_extra_body
+from pagedray.deploy.loadtest.prompts import (
     PromptSpec,
     load_prompts_file,
     parse_length_range,
     synthetic_prompts,
 )
-from pagedray.deploy.loadtest_runner import LoadSpec, RunResult, run_load
-from pagedray.deploy.loadtest_stats import format_table, summarize
+from pagedray.deploy.loadtest.runner import LoadSpec, RunResult, run_load
+from pagedray.deploy.loadtest.stats import format_table, summarize
 
 
 @dataclass
@@ -130,7 +129,7 @@ def report_json(report: LoadtestReport, config: LoadtestConfig, plots: list[str]
 
 
 def write_plots(report: LoadtestReport, folder: pathlib.Path, stem: str) -> list[str]:
-    from pagedray.deploy.loadtest_plots import plot_latency_cdfs, plot_sweep, plot_timeline
+    from pagedray.deploy.loadtest.plots import plot_latency_cdfs, plot_sweep, plot_timeline
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -256,7 +255,4 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
 

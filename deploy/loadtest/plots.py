@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pathlib
 
-from pagedray.deploy.loadtest_metrics import KV_USAGE, RUNNING, WAITING
-from pagedray.deploy.loadtest_runner import RunResult
-from pagedray.deploy.loadtest_stats import LATENCY_METRICS, latency_samples, throughput_series
+from pagedray.deploy.loadtest.metrics import KV_USAGE, RUNNING, WAITING
+from pagedray.deploy.loadtest.runner import RunResult
+from pagedray.deploy.loadtest.stats import LATENCY_METRICS, latency_samples, throughput_series
 
 
 def _pyplot():

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from pagedray.deploy.loadtest_record import RequestRecord
-from pagedray.deploy.loadtest_runner import RunResult
+from pagedray.deploy.loadtest.record import RequestRecord
+from pagedray.deploy.loadtest.runner import RunResult
 
 PERCENTILES = (50, 90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")

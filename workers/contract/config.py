@@ -23,6 +23,12 @@ POLICIES = ("fcfs", "priority")
 BLOCK_SIZES = (8, 16, 32, 64)
 
 
+def option(default, help: str):
+    """A config field with its help text (``metadata["help"]``): deploy/options.py turns every field
+    into a build_app arg and a CLI flag with this text."""
+    return field(default=default, metadata={"help": help})
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
@@ -30,15 +36,11 @@ def _require(cond: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # a Hugging Face model folder, or "default" for the embedded SmolLM2-135M-Instruct
-    model: str = "default"
-    # "auto": float32 on CPU, bfloat16 on CUDA
-    dtype: str = "auto"
-    device: str = "auto"
-    # None: the model's max_position_embeddings
-    max_model_len: int | None = None
-    # optional separate tokenizer folder (defaults to the model folder)
-    tokenizer: str | None = None
+    model: str = option("default", "'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face model folder")
+    dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    device: str = option("auto", "auto | cpu | cuda")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's max_position_embeddings)")
+    tokenizer: str | None = option(None, "a separate tokenizer folder (default: the model folder)")
 
     def validate(self) -> None:
         _require(isinstance(self.model, str) and self.model != "",
@@ -51,16 +53,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # CPU: memory for the paged KV cache of each rank, in GiB
-    kv_cache_gib: float = 1.0
-    # CUDA: fraction of the device memory the worker may use (weights + activations + KV)
-    gpu_memory_utilization: float = 0.90
-    # force an exact number of KV blocks (tests, benchmarks); None: decided from memory
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    # fraction of blocks kept free when admitting new sequences, to avoid instant preemption
-    watermark: float = 0.01
+    block_size: int = option(16, "KV block size in tokens (8, 16, 32, 64)")
+    kv_cache_gib: float = option(1.0, "CPU: KV cache memory per rank, GiB")
+    gpu_memory_utilization: float = option(0.90, "CUDA: fraction of the device memory for weights + activations + KV")
+    num_blocks: int | None = option(None, "force an exact number of KV blocks (default: decided from memory)")
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    watermark: float = option(0.01, "fraction of KV blocks kept free when admitting (avoids instant preemption)")
 
     def validate(self) -> None:
         _require(self.block_size in BLOCK_SIZES,
@@ -75,19 +73,17 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    # "auto": in-process for TP=1, Ray worker actors for TP>1
-    executor: str = "auto"
-    placement_strategy: str = "PACK"
-    # how RayExecutor sends each plan: "actor" (plain actor calls, ~1 ms per step, idle ranks sleep) or
-    # "compiled" (a Ray compiled graph, ~0.2 ms per step, but its ranks poll their channels and keep a
-    # core busy while idle)
-    ray_transport: str = "actor"
-    # torch intra-op threads per TP worker on CPU; None: cores / tensor_parallel_size
-    threads_per_worker: int | None = None
-    # how many times over the engine's life a dead TP rank may be recovered from (tear the group down,
-    # rebuild it, re-admit the running sequences by recompute); 0 disables recovery (Ray executor only)
-    max_rank_restarts: int = 3
+    tensor_parallel_size: int = option(1, "tensor-parallel ranks per replica")
+    executor: str = option("auto", "auto (TP=1: in-process, TP>1: Ray) | local (the model in this process) | "
+                                   "ray (a Ray worker actor per TP rank)")
+    placement_strategy: str = option("PACK", "placement of the TP ranks' bundles when the engine creates its "
+                                             "own placement group (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)")
+    ray_transport: str = option("actor", "how plans reach the Ray ranks: actor (plain actor calls, idle ranks "
+                                         "sleep) | compiled (Ray compiled graph: a shorter round trip, but its "
+                                         "ranks busy-poll while idle)")
+    threads_per_worker: int | None = option(None, "torch threads per TP rank on CPU (default: cores // TP size)")
+    max_rank_restarts: int = option(3, "times a dead TP rank may be recovered from (rebuild the group, re-admit "
+                                       "the running sequences); 0: fail in-flight requests instead")
 
     def validate(self) -> None:
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
@@ -113,11 +109,11 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
-    # bound on requests waiting for admission; beyond it add_request is rejected (HTTP 429)
-    max_waiting_requests: int = 1024
+    max_num_seqs: int = option(128, "sequences per step")
+    max_num_batched_tokens: int = option(2048, "tokens per step (chunked prefill)")
+    policy: str = option("fcfs", "fcfs | priority")
+    max_waiting_requests: int = option(1024, "requests waiting for admission; beyond it they are refused "
+                                             "(HTTP 429)")
 
     def validate(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs!r}")
@@ -134,9 +130,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # a step that has not returned after this many seconds marks the engine unhealthy
-    step_timeout_s: float = 60.0
-    seed: int = 0
+    step_timeout_s: float = option(60.0, "a step running longer marks the engine unhealthy (2x: every stream "
+                                         "ends with an error)")
+    seed: int = option(0, "seed of the sampling noise of requests without their own seed")
 
     def __post_init__(self) -> None:
         self.model.validate()

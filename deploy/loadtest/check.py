@@ -22,8 +22,8 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from pagedray.deploy.loadtest_prompts import PromptSpec
-from pagedray.deploy.loadtest_record import RequestRecord
+from pagedray.deploy.loadtest.prompts import PromptSpec
+from pagedray.deploy.loadtest.record import RequestRecord
 
 CAUSE_LOST = "check_lost"
 CAUSE_DUPLICATED = "check_duplicated"

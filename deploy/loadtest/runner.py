@@ -21,9 +21,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pagedray.deploy.loadtest_metrics import MetricsSeries, poll_metrics
-from pagedray.deploy.loadtest_prompts import PromptSpec
-from pagedray.deploy.loadtest_record import RequestRecord
+from pagedray.deploy.loadtest.metrics import MetricsSeries, poll_metrics
+from pagedray.deploy.loadtest.prompts import PromptSpec
+from pagedray.deploy.loadtest.record import RequestRecord
 from tqdm import tqdm
 
 

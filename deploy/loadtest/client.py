@@ -1,7 +1,7 @@
 """Load-test targets: an OpenAI-compatible HTTP endpoint, or a Serve app through a DeploymentHandle.
 
 A target is an async context manager with ``send(spec, record)``: it sends one streaming request, fills
-the RequestRecord (see loadtest_record.py) and never raises for a failed request -- the failure cause is
+the RequestRecord (see record.py) and never raises for a failed request -- the failure cause is
 written into the record instead, so one bad request never stops the run.
 
 HTTP target decisions:
@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from pagedray.deploy.loadtest_prompts import PromptSpec
-from pagedray.deploy.loadtest_record import (
+from pagedray.deploy.loadtest.prompts import PromptSpec
+from pagedray.deploy.loadtest.record import (
     CAUSE_CONNECTION,
     CAUSE_STREAM,
     CAUSE_TIMEOUT,
