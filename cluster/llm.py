@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.workers.contract.config import SECTIONS, EngineConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 from .engine import Engine
 from .outputs import EngineDeadError
 
-_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("parallel", ParallelConfig),
-             ("scheduler", SchedulerConfig))
+_SECTIONS = tuple(SECTIONS.items())
 
 
 @dataclass

@@ -25,14 +25,12 @@ Decisions:
 
 from __future__ import annotations
 
-from pagedray.workers.contract.config import EngineConfig
 from pydantic import BaseModel, ValidationError
 from ray.serve import Application
 
 from .engine_deployment import SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
 from .ingress import OpenAIIngress
-from .options import AppArgs
-from .options import engine_config as _options_engine_config
+from .options import AppArgs, engine_config
 
 CONTROL_CALL_HEADROOM = 16  # health / stats / meta calls that must get through a saturated engine
 REJECTION_HEADROOM_MIN = 256  # concurrent calls that are only being turned away (429), at least
@@ -52,11 +50,6 @@ def parse_args(args: dict | None) -> BaseModel:
     if not 0 < parsed.graceful_shutdown_s <= 3600:
         raise ValueError(f"graceful_shutdown_s: must be in (0, 3600] seconds, got {parsed.graceful_shutdown_s}")
     return parsed
-
-
-def engine_config(args: BaseModel) -> EngineConfig:
-    """The EngineConfig of one replica (with the Ray executor, the TP workers sit in the replica's bundles)."""
-    return _options_engine_config(args)
 
 
 def wants_gpu(device: str) -> bool:

@@ -54,6 +54,11 @@ def _add_options(parser: argparse.ArgumentParser, options) -> None:
             parser.add_argument(option.flag, type=kind, default=None, help=option.help)
 
 
+def generate_options() -> list:
+    """``generate``'s engine flags: all but the engine's seed (its own --seed is the request's)."""
+    return [o for o in engine_options() if o.name != "seed"]
+
+
 def _given(ns: argparse.Namespace, options) -> dict:
     return {o.name: getattr(ns, o.name) for o in options if getattr(ns, o.name) is not None}
 
@@ -73,8 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen_p = sub.add_parser("generate", help="generate once with the offline LLM API")
     gen_p.add_argument("prompt", help="the prompt text")
-    # the engine's seed is not offered here: --seed below is this request's sampling seed
-    _add_options(gen_p, [o for o in engine_options() if o.name != "seed"])
+    _add_options(gen_p, generate_options())
     gen_p.add_argument("--max-tokens", type=int, default=64)
     gen_p.add_argument("--temperature", type=float, default=0.0)
     gen_p.add_argument("--seed", type=int, default=None)
@@ -178,7 +182,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 def run_generate(ns: argparse.Namespace) -> int:
     from pagedray.cluster import LLM, SamplingParams
 
-    llm = LLM(**llm_kwargs(_given(ns, [o for o in engine_options() if o.name != "seed"])))
+    llm = LLM(**llm_kwargs(_given(ns, generate_options())))
     prompt: str | list[int] = ns.prompt
     if ns.chat:
         tokenizer = llm.engine.tokenizer

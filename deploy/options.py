@@ -21,13 +21,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.workers.contract.config import SECTIONS as _SECTIONS
+from pagedray.workers.contract.config import EngineConfig
 from pydantic import BaseModel, ConfigDict, create_model
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 GRACEFUL_SHUTDOWN_S = 20.0
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "parallel": ParallelConfig,
-             "scheduler": SchedulerConfig}
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ import httpx
 import psutil
 import pytest
 import yaml
-from pagedray.deploy.cli import LOCAL_RAY_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 YAML_PATH = REPO / "deploy" / "serve.yaml"
@@ -63,9 +62,7 @@ def clean_env() -> dict:
     token auth on when it finds one, while the ``serve`` CLI only sends it in ``token`` mode)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_DASHBOARD_ADDRESS")}
     env["RAY_AUTH_MODE"] = "disabled"
-    for name, value in LOCAL_RAY_ENV.items():   # see cli.py: proxy checks, worker niceness
-        env.setdefault(name, value)
-    return env
+    return env   # it carries LOCAL_RAY_ENV (proxy checks, worker niceness): tests/conftest.py sets it
 
 
 def run(args: list[str], timeout: float) -> subprocess.CompletedProcess:

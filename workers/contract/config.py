@@ -146,3 +146,7 @@ class EngineConfig:
                      f"max_model_len: {self.model.max_model_len} tokens do not fit in num_blocks="
                      f"{self.cache.num_blocks} x block_size={self.cache.block_size}; lower max_model_len "
                      "or raise num_blocks")
+
+
+# EngineConfig's sections by field name (the engine's keyword routing and deploy/options.py read it)
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}
