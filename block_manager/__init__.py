@@ -1,6 +1,6 @@
 """pagedray.block_manager: the global paged-KV block allocator (pure Python, no torch).
 
-- ``BlockManager``: the only owner of sequence -> block table (allocate / fork / truncate / free,
+- ``BlockManager``: the only owner of sequence -> block table (allocate / fork / free,
   slot mapping, prefix cache, stats, invariant checks).
 - ``BlockPool``: ref-counted blocks, the free queue in eviction order, the prefix-cache map.
 - ``BlockKey``: chained content key of a full block.

@@ -122,13 +122,6 @@ class BlockPool:
         self._keys[block_id] = key
         return key
 
-    def uncache(self, block_id: int) -> None:
-        """Forget the key of ``block_id`` (its contents are about to change)."""
-        key = self._keys[block_id]
-        if key is not None:
-            del self._cached[key]
-            self._keys[block_id] = None
-
     def cached_keys(self) -> set[BlockKey]:
         return set(self._cached)
 

@@ -27,13 +27,9 @@ Decisions:
   pure ``num_cached_prefix_tokens`` lookups.
 - ``fork`` shares every full block by ref count and copies a partially filled last block eagerly
   (returns the (src, dst) copy the workers must do before the next forward).
-- ``truncate`` frees the blocks no longer needed (a block freed there loses its cache key: the
-  rewound slots may hold K/V that were never written). If the new last block is partial and shared
-  (ref count > 1), it is copied into a private block (returned as (src, dst); the shared original
-  keeps its key for its other holders). If it is private but cached, its key is dropped and it is
-  written in place. The table then differs before its end: callers must resend the table.
 - ``free`` releases blocks last-to-first, so a sequence's tail blocks are evicted before its prefix.
-- The extra key (adapter, cache salt) is fixed when a sequence is registered; later calls ignore it.
+- No ``truncate`` (speculative rewind) and no extra cache key (adapter, cache salt): nothing in the
+  engine would call them. A feature that needs one adds it with its caller and its test.
 """
 
 from __future__ import annotations
@@ -52,15 +48,14 @@ _NEVER = float("inf")  # next_hash_at when prefix caching is off
 class _SeqBlocks:
     """One sequence's blocks. ``next_hash_at``: num_slots at which block ``num_hashed`` becomes full."""
 
-    __slots__ = ("table", "num_slots", "num_hashed", "last_key", "extra_key", "next_hash_at")
+    __slots__ = ("table", "num_slots", "num_hashed", "last_key", "next_hash_at")
 
     def __init__(self, table: list[int], num_slots: int, num_hashed: int, last_key: BlockKey | None,
-                 extra_key: Hashable | None, next_hash_at: float) -> None:
+                 next_hash_at: float) -> None:
         self.table = table
         self.num_slots = num_slots
         self.num_hashed = num_hashed
         self.last_key = last_key
-        self.extra_key = extra_key
         self.next_hash_at = next_hash_at
 
 
@@ -71,7 +66,7 @@ def _require_count(name: str, value: object) -> int:
 
 
 class BlockManager:
-    """Global KV block allocator: block tables, prefix cache, fork/CoW, truncate, slot mapping."""
+    """Global KV block allocator: block tables, prefix cache, fork/CoW, slot mapping."""
 
     def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True,
                  watermark: float = 0.0) -> None:
@@ -96,7 +91,7 @@ class BlockManager:
         self._prefix_hit_tokens = 0
 
     # -- prefix lookup ----------------------------------------------------------------------------
-    def _cached_prefix(self, token_ids: Sequence[int], extra_key: Hashable | None) -> tuple[list[int], BlockKey | None]:
+    def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], BlockKey | None]:
         """Blocks of the longest cached run of full blocks of ``token_ids`` (leaving >= 1 token)."""
         blocks: list[int] = []
         key = None
@@ -105,21 +100,20 @@ class BlockManager:
         bs = self.block_size
         pool = self.pool
         for i in range(max(0, (len(token_ids) - 1) // bs)):
-            block_id = pool.lookup(BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs]), extra_key))
+            block_id = pool.lookup(BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs])))
             if block_id is None:
                 break
             key = pool.key_of(block_id)  # the canonical object: later equality checks stop at it
             blocks.append(block_id)
         return blocks, key
 
-    def num_cached_prefix_tokens(self, token_ids: Sequence[int], extra_key: Hashable | None = None) -> int:
+    def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens covered by the longest run of cached full blocks, always < len(token_ids)."""
-        _check_extra_key(extra_key)
-        return len(self._cached_prefix(token_ids, extra_key)[0]) * self.block_size
+        return len(self._cached_prefix(token_ids)[0]) * self.block_size
 
     # -- admission / growth -----------------------------------------------------------------------
-    def _blocks_to_take(self, seq: _SeqBlocks | None, token_ids: Sequence[int], num_new_tokens: int,
-                        extra_key: Hashable | None) -> tuple[int, list[int], BlockKey | None]:
+    def _blocks_to_take(self, seq: _SeqBlocks | None, token_ids: Sequence[int],
+                        num_new_tokens: int) -> tuple[int, list[int], BlockKey | None]:
         """(free blocks the call would consume, cached prefix blocks, their last key); validates."""
         _require_count("num_new_tokens", num_new_tokens)
         bs = self.block_size
@@ -127,8 +121,7 @@ class BlockManager:
             total = seq.num_slots + num_new_tokens
             needed, hit_blocks, last_key = -(-total // bs) - len(seq.table), [], None
         else:
-            _check_extra_key(extra_key)
-            hit_blocks, last_key = self._cached_prefix(token_ids, extra_key)
+            hit_blocks, last_key = self._cached_prefix(token_ids)
             total = len(hit_blocks) * bs + num_new_tokens
             revived = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
             needed = -(-total // bs) - len(hit_blocks) + revived
@@ -137,19 +130,17 @@ class BlockManager:
                              f"reserved (num_new_tokens={num_new_tokens})")
         return max(needed, 0), hit_blocks, last_key
 
-    def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                     extra_key: Hashable | None = None) -> bool:
+    def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int) -> bool:
         """Whether ``allocate_slots`` with the same arguments would succeed.
 
         For an unknown ``seq_id`` the prefix-cache hit is included and ``watermark_blocks`` must stay free.
         """
         seq = self._seqs.get(seq_id)
-        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens, extra_key)
+        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens)
         reserve = 0 if seq is not None else self.watermark_blocks
         return self.pool.num_free_blocks - needed >= reserve
 
-    def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                       extra_key: Hashable | None = None) -> Allocation:
+    def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int) -> Allocation:
         """Reserve ``num_new_tokens`` more slots (a prefill chunk, or 1 per decode step).
 
         An unknown ``seq_id`` is registered first with its cached prefix attached. ``token_ids`` are the
@@ -158,7 +149,7 @@ class BlockManager:
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            return self._register(seq_id, token_ids, num_new_tokens, extra_key)
+            return self._register(seq_id, token_ids, num_new_tokens)
         # decode fast path: validate, bump the slot count, touch the pool only at block boundaries
         if type(num_new_tokens) is not int or num_new_tokens < 0:  # noqa: E721
             _require_count("num_new_tokens", num_new_tokens)
@@ -175,9 +166,8 @@ class BlockManager:
             self._hash_full_blocks(seq, token_ids)
         return Allocation(0, new_ids)
 
-    def _register(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                  extra_key: Hashable | None) -> Allocation:
-        needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens, extra_key)
+    def _register(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int) -> Allocation:
+        needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens)
         pool = self.pool
         if needed > pool.num_free_blocks:
             raise CannotAllocateError(needed, pool.num_free_blocks, f"registering sequence {seq_id!r}")
@@ -188,7 +178,7 @@ class BlockManager:
         total = num_hit * bs + num_new_tokens
         table = hit_blocks + pool.allocate(-(-total // bs) - num_hit)
         next_hash_at = (num_hit + 1) * bs if self.enable_prefix_caching else _NEVER
-        seq = _SeqBlocks(table, total, num_hit, last_key, extra_key, next_hash_at)
+        seq = _SeqBlocks(table, total, num_hit, last_key, next_hash_at)
         self._seqs[seq_id] = seq
         self._recently_freed.pop(seq_id, None)
         if self.enable_prefix_caching:
@@ -205,12 +195,12 @@ class BlockManager:
         key = seq.last_key
         num_full = seq.num_slots // bs
         for i in range(seq.num_hashed, num_full):
-            key = pool.cache(seq.table[i], BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs]), seq.extra_key))
+            key = pool.cache(seq.table[i], BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs])))
         seq.last_key = key
         seq.num_hashed = num_full
         seq.next_hash_at = (num_full + 1) * bs
 
-    # -- fork / truncate / free -------------------------------------------------------------------
+    # -- fork / free -------------------------------------------------------------------------
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
         """Register ``child_id`` sharing the parent's blocks; return the (src, dst) block copies.
 
@@ -233,56 +223,9 @@ class BlockManager:
         for block_id in table[:-1] if partial else table:
             self.pool.touch(block_id)
         self._seqs[child_id] = _SeqBlocks(table, parent.num_slots, parent.num_hashed, parent.last_key,
-                                          parent.extra_key, parent.next_hash_at)
+                                          parent.next_hash_at)
         self._recently_freed.pop(child_id, None)
         return copies
-
-    def truncate(self, seq_id: Hashable, n: int) -> list[tuple[int, int]]:
-        """Drop the newest ``n`` slots (speculative rewind); return (src, dst) copies for the workers.
-
-        Blocks no longer needed are released (and lose their cache keys). If the new last block is
-        partial, it is made writable: copied into a private block when shared, un-cached when private.
-        """
-        seq = self._get(seq_id)
-        _require_count("n", n)
-        if n > seq.num_slots:
-            raise ValueError(f"n: cannot drop {n} slots from sequence {seq_id!r}, which has {seq.num_slots}")
-        bs = self.block_size
-        pool = self.pool
-        total = seq.num_slots - n
-        keep = -(-total // bs)
-        dropped = seq.table[keep:]
-        last = seq.table[keep - 1] if keep and total % bs else None
-        needs_copy = last is not None and pool.ref_count(last) > 1
-        if needs_copy:
-            freed_by_drop = sum(1 for b in dropped if pool.ref_count(b) == 1)
-            if pool.num_free_blocks + freed_by_drop < 1:
-                self._no_room(1, seq_id)
-        for block_id in reversed(dropped):
-            if pool.ref_count(block_id) == 1:
-                pool.uncache(block_id)
-            pool.release(block_id)
-        del seq.table[keep:]
-        copies: list[tuple[int, int]] = []
-        if needs_copy:
-            (dst,) = pool.allocate(1)
-            copies.append((last, dst))
-            seq.table[keep - 1] = dst
-            pool.release(last)
-        elif last is not None:
-            pool.uncache(last)
-        seq.num_slots = total
-        self._rewind_hashes(seq)
-        return copies
-
-    def _rewind_hashes(self, seq: _SeqBlocks) -> None:
-        if not self.enable_prefix_caching:
-            return
-        num_full = seq.num_slots // self.block_size
-        for _ in range(seq.num_hashed - num_full):
-            seq.last_key = seq.last_key.parent  # type: ignore[union-attr]
-        seq.num_hashed = min(seq.num_hashed, num_full)
-        seq.next_hash_at = (seq.num_hashed + 1) * self.block_size
 
     def free(self, seq_id: Hashable) -> None:
         """Release every block of ``seq_id`` (last block first, so the prefix is evicted last)."""
@@ -386,9 +329,3 @@ class BlockManager:
             ref = self.pool.ref_count(block_id)
             assert ref == count, f"block {block_id}: ref count {ref} but held by {count} block tables"
 
-
-def _check_extra_key(extra_key: object) -> None:
-    try:
-        hash(extra_key)
-    except TypeError:
-        raise ValueError(f"extra_key: must be hashable (a str, int or tuple), got {extra_key!r}") from None

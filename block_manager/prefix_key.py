@@ -1,41 +1,33 @@
 """Content keys of full KV blocks for the prefix cache.
 
-A full block's key chains its parent block's key with the block's own token ids (and, for the
-first block of a sequence, an optional extra key such as an adapter name or a cache salt). Two
-blocks have equal keys exactly when every token of their whole prefix and the extra key are equal.
+A full block's key chains its parent block's key with the block's own token ids. Two blocks have
+equal keys exactly when every token of their whole prefix is equal.
 
 Decisions:
 - The key holds a reference to its parent key object, not just the parent's hash, and equality
-  compares real content (token tuples, extra key, then the parent chain). A hash collision can
-  therefore never make one prefix alias another: the dict lookup falls back to ``__eq__``.
-- The hash is computed once at construction from (parent hash, tokens, extra key) and stored.
+  compares real content (token tuples, then the parent chain). A hash collision can therefore never
+  make one prefix alias another: the dict lookup falls back to ``__eq__``.
+- The hash is computed once at construction from (parent hash, tokens) and stored.
 - Equality walks the chain iteratively (no recursion limit for long contexts) and stops at the first
   pair of identical parent objects. The block manager always chains new keys onto the canonical key
   object held by the cache, so this walk is O(block_size) in practice.
-- The extra key is stored only on the root key; children inherit it through the chain.
 """
 
 from __future__ import annotations
-
-from collections.abc import Hashable
 
 
 class BlockKey:
     """Identity of the contents of one full block together with its whole prefix.
 
-    Invariant: ``parent is None`` exactly for the first block of a sequence; only that key carries
-    ``extra_key`` (children have ``extra_key is None``).
+    Invariant: ``parent is None`` exactly for the first block of a sequence.
     """
 
-    __slots__ = ("parent", "token_ids", "extra_key", "_hash")
+    __slots__ = ("parent", "token_ids", "_hash")
 
-    def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...],
-                 extra_key: Hashable | None = None) -> None:
+    def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...]) -> None:
         self.parent = parent
         self.token_ids = token_ids
-        self.extra_key = extra_key if parent is None else None
-        parent_hash = None if parent is None else parent._hash
-        self._hash = hash((parent_hash, token_ids, self.extra_key))
+        self._hash = hash((None if parent is None else parent._hash, token_ids))
 
     def __hash__(self) -> int:
         return self._hash
@@ -48,8 +40,7 @@ class BlockKey:
         while left is not right:
             if left is None or right is None:
                 return False
-            if (left._hash != right._hash or left.token_ids != right.token_ids
-                    or left.extra_key != right.extra_key):
+            if left._hash != right._hash or left.token_ids != right.token_ids:
                 return False
             left, right = left.parent, right.parent
         return True
@@ -64,4 +55,4 @@ class BlockKey:
         return count
 
     def __repr__(self) -> str:
-        return f"BlockKey(depth={self.depth()}, tokens={self.token_ids!r}, extra={self.extra_key!r})"
+        return f"BlockKey(depth={self.depth()}, tokens={self.token_ids!r})"

@@ -9,7 +9,7 @@ Decisions:
   sees only its own GPU, i.e. cuda:0), else CPU. dtype "auto": float32 on CPU, bfloat16 on CUDA.
 - torch intra-op threads: ``parallel.threads_per_worker`` or ``cpu_count // tensor_parallel_size``.
 - Everything that can be rejected from the config and the model folder (architecture, head split,
-  sliding window, missing weight files) is checked *before* joining the process group, so a bad
+  Qwen's per-layer sliding window, missing weight files) is checked *before* joining the process group, so a bad
   model fails on every rank instead of leaving the others waiting for the group.
 - Only rank 0 samples and returns a StepResult; other ranks return None.
 """

@@ -95,16 +95,6 @@ def test_lookup_always_leaves_one_token_to_compute():
     assert bm.ref_count(2) == 1 and bm.pool.key_of(2) is None  # duplicate content: not re-cached
 
 
-def test_extra_key_separates_caches():
-    bm = BlockManager(4, 8)
-    bm.allocate_slots("a", P, 10, extra_key="lora-a")
-    assert bm.num_cached_prefix_tokens(P) == 0
-    assert bm.num_cached_prefix_tokens(P, extra_key="lora-b") == 0
-    assert bm.num_cached_prefix_tokens(P, extra_key="lora-a") == 8
-    with pytest.raises(ValueError, match="extra_key"):
-        bm.num_cached_prefix_tokens(P, extra_key=["unhashable"])
-
-
 def test_hash_collisions_never_alias_different_tokens():
     bm = BlockManager(4, 8)
     first = [-1] * 4 + [7] * 4 + [0]
@@ -165,66 +155,6 @@ def test_fork_errors_change_nothing():
     assert snapshot(bm) == before and not bm.has_sequence("b")
 
 
-def test_truncate_frees_whole_blocks_and_drops_their_keys():
-    bm = BlockManager(4, 8)
-    bm.allocate_slots("a", P, 10)  # [0, 1, 2]
-    assert bm.truncate("a", 6) == []
-    assert bm.block_table("a") == [0] and bm.num_slots("a") == 4
-    assert bm.pool.free_block_ids() == [3, 4, 5, 6, 7, 2, 1]
-    assert bm.num_cached_prefix_tokens(P) == 4  # block 1's key went with it
-    assert bm.truncate("a", 0) == [] and bm.num_slots("a") == 4
-    bm.check_invariants()
-
-
-def test_truncate_into_a_private_cached_block_uncaches_it_in_place():
-    bm = BlockManager(4, 8)
-    bm.allocate_slots("a", P, 10)
-    assert bm.truncate("a", 4) == []
-    assert bm.block_table("a") == [0, 1] and bm.num_slots("a") == 6
-    assert bm.pool.key_of(1) is None and bm.num_cached_prefix_tokens(P) == 4
-    rewritten = P[:6] + [42, 43]
-    assert bm.allocate_slots("a", rewritten, 2).new_block_ids == []
-    assert bm.num_cached_prefix_tokens(rewritten + [0]) == 8
-    assert bm.num_cached_prefix_tokens(P) == 4
-    bm.check_invariants()
-
-
-def test_truncate_into_a_shared_block_copies_it():
-    bm = BlockManager(4, 8)
-    bm.allocate_slots("a", P[:8], 8)
-    bm.fork("a", "b")
-    assert bm.truncate("b", 2) == [(1, 2)]
-    assert bm.block_table("b") == [0, 2] and bm.block_table("a") == [0, 1]
-    assert [bm.ref_count(b) for b in range(3)] == [2, 1, 1]
-    assert bm.num_cached_prefix_tokens(P[:8] + [0]) == 8  # a's block 1 keeps its key
-    bm.check_invariants()
-
-
-def test_truncate_copy_may_use_a_block_it_frees():
-    bm = BlockManager(4, 3)
-    bm.allocate_slots("a", P[:8], 8)
-    bm.fork("a", "b")
-    bm.allocate_slots("b", P[:9], 1)  # b: [0, 1, 2]; pool full
-    assert bm.num_free_blocks == 0
-    assert bm.truncate("b", 6) == [(0, 2)]
-    assert bm.block_table("b") == [2] and bm.block_table("a") == [0, 1]
-    bm.check_invariants()
-
-
-def test_truncate_errors_change_nothing():
-    bm = BlockManager(4, 2)
-    bm.allocate_slots("a", P[:8], 8)
-    bm.fork("a", "b")
-    before = snapshot(bm)
-    with pytest.raises(CannotAllocateError, match="copy-on-write"):
-        bm.truncate("b", 2)
-    with pytest.raises(ValueError, match="n: cannot drop 9"):
-        bm.truncate("b", 9)
-    with pytest.raises(ValueError, match="n: must be"):
-        bm.truncate("b", -1)
-    assert snapshot(bm) == before
-
-
 def test_allocation_past_capacity_raises_and_changes_nothing():
     bm = BlockManager(4, 3)
     bm.allocate_slots("a", P, 10)
@@ -250,8 +180,6 @@ def test_bad_arguments_raise_value_error_naming_them_before_any_change():
         bm.allocate_slots("a", P, 5)
     with pytest.raises(ValueError, match="token_ids"):
         bm.allocate_slots("new", P, 11)
-    with pytest.raises(ValueError, match="extra_key"):
-        bm.allocate_slots("new", P, 1, extra_key={})
     with pytest.raises(ValueError, match="start/end"):
         bm.slot_mapping("a", 4, 7)
     with pytest.raises(ValueError, match="start/end"):
@@ -274,7 +202,7 @@ def test_constructor_validates(kwargs, name):
 def test_unknown_sequence_and_double_free():
     bm = BlockManager(4, 8)
     for call in (lambda: bm.free("x"), lambda: bm.num_slots("x"), lambda: bm.block_table("x"),
-                 lambda: bm.slot_mapping("x", 0, 0), lambda: bm.truncate("x", 0)):
+                 lambda: bm.slot_mapping("x", 0, 0)):
         with pytest.raises(UnknownSequenceError, match="'x' is not registered"):
             call()
     bm.allocate_slots("a", P, 10)

@@ -1,12 +1,12 @@
-"""Property test: random interleavings of admit / append / fork / truncate / free.
+"""Property test: random interleavings of admit / append / fork / free.
 
 The model keeps each live sequence's tokens and slot count, plus a simulated KV store: slot ->
-(extra_key, token) written when slots are reserved (and block copies applied as the workers would).
+token written when slots are reserved (and block copies applied as the workers would).
 After every step it checks, independently of ``check_invariants``:
 - ref counts equal the number of block tables holding each block, free blocks are exactly those
   with ref count 0, no block appears twice in a table;
-- every slot of every live sequence holds that sequence's token (so prefix hits, fork copies and
-  truncate copies never point at foreign or stale content);
+- every slot of every live sequence holds that sequence's token (so prefix hits and fork copies
+  never point at foreign or stale content);
 - every block findable in the prefix cache holds the tokens of its key.
 Teardown frees every sequence and checks the pool is all-free with ref counts 0 and every cached key
 still findable. Prefix caching is on; tokens come from a tiny alphabet so that hits, duplicates,
@@ -22,7 +22,6 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 20
 BASES = ([0, 1, 2, 0, 1, 2, 0, 1], [0, 1, 2, 0, 2, 2, 1, 1, 0, 0, 1, 2], [2, 2, 2, 2])
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=10)
-EXTRA_KEYS = st.sampled_from([None, None, "lora-a"])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -31,7 +30,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(BLOCK_SIZE, NUM_BLOCKS, enable_prefix_caching=True)
         self.tokens: dict[int, list[int]] = {}
         self.slots: dict[int, int] = {}
-        self.extra: dict[int, object] = {}
         self.kv: dict[int, tuple] = {}
         self.next_id = 0
 
@@ -45,7 +43,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """The workers store K/V of positions [start, end) into the sequence's slots."""
         slots = self.bm.slot_mapping(seq_id, start, end)
         for pos, slot in zip(range(start, end), slots):
-            self.kv[slot] = (self.extra[seq_id], self.tokens[seq_id][pos])
+            self.kv[slot] = self.tokens[seq_id][pos]
 
     def apply_copies(self, copies):
         for src, dst in copies:
@@ -56,11 +54,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 else:
                     self.kv.pop(dst * BLOCK_SIZE + offset, None)
 
-    def allocate_or_expect_failure(self, seq_id, tokens, num_new, extra_key):
-        expected_ok = self.bm.can_allocate(seq_id, tokens, num_new, extra_key)
+    def allocate_or_expect_failure(self, seq_id, tokens, num_new):
+        expected_ok = self.bm.can_allocate(seq_id, tokens, num_new)
         before = self.snapshot()
         try:
-            alloc = self.bm.allocate_slots(seq_id, tokens, num_new, extra_key)
+            alloc = self.bm.allocate_slots(seq_id, tokens, num_new)
         except CannotAllocateError:
             assert not expected_ok, "can_allocate said yes but allocate_slots failed"
             assert self.snapshot() == before, "a failed allocate_slots changed state"
@@ -72,20 +70,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return sorted(self.tokens)
 
     # -- rules ------------------------------------------------------------------------------------
-    @rule(base=st.sampled_from(BASES), tail=TOKENS, chunk=st.integers(1, 16), extra_key=EXTRA_KEYS)
-    def admit(self, base, tail, chunk, extra_key):
+    @rule(base=st.sampled_from(BASES), tail=TOKENS, chunk=st.integers(1, 16))
+    def admit(self, base, tail, chunk):
         prompt = base + tail
         seq_id = self.next_id
-        hit = self.bm.num_cached_prefix_tokens(prompt, extra_key)
+        hit = self.bm.num_cached_prefix_tokens(prompt)
         assert hit % BLOCK_SIZE == 0 and hit < len(prompt)
         num_new = min(chunk, len(prompt) - hit)
-        alloc = self.allocate_or_expect_failure(seq_id, prompt, num_new, extra_key)
+        alloc = self.allocate_or_expect_failure(seq_id, prompt, num_new)
         if alloc is None:
             return
         assert alloc.num_cached_tokens == hit
         assert alloc.new_block_ids == self.bm.block_table(seq_id)
         self.next_id += 1
-        self.tokens[seq_id], self.slots[seq_id], self.extra[seq_id] = list(prompt), hit + num_new, extra_key
+        self.tokens[seq_id], self.slots[seq_id] = list(prompt), hit + num_new
         self.write(seq_id, hit, hit + num_new)  # the hit part must already hold our tokens (invariant)
 
     @precondition(lambda self: self.tokens)
@@ -95,7 +93,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tokens = self.tokens[seq_id] + more
         num_new = min(chunk, len(tokens) - self.slots[seq_id])
         table_before = self.bm.block_table(seq_id)
-        alloc = self.allocate_or_expect_failure(seq_id, tokens, num_new, None)
+        alloc = self.allocate_or_expect_failure(seq_id, tokens, num_new)
         if alloc is None:
             return
         assert alloc.num_cached_tokens == 0
@@ -120,29 +118,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.apply_copies(copies)
         # the child keeps only the parent's reserved tokens (later tokens were never scheduled)
         self.tokens[child] = self.tokens[parent][:self.slots[parent]]
-        self.slots[child], self.extra[child] = self.slots[parent], self.extra[parent]
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def truncate(self, data):
-        seq_id = data.draw(st.sampled_from(self.live()))
-        n = data.draw(st.integers(0, self.slots[seq_id]))
-        before = self.snapshot()
-        try:
-            copies = self.bm.truncate(seq_id, n)
-        except CannotAllocateError:
-            assert self.snapshot() == before
-            return
-        self.apply_copies(copies)
-        self.slots[seq_id] -= n
-        self.tokens[seq_id] = self.tokens[seq_id][:self.slots[seq_id]]
+        self.slots[child] = self.slots[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
         seq_id = data.draw(st.sampled_from(self.live()))
         self.bm.free(seq_id)
-        for table in (self.tokens, self.slots, self.extra):
+        for table in (self.tokens, self.slots):
             del table[seq_id]
 
     # -- checks -----------------------------------------------------------------------------------
@@ -158,7 +141,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(table) == -(-self.slots[seq_id] // BLOCK_SIZE)
             for block_id in table:
                 holders[block_id] += 1
-            want = [(self.extra[seq_id], t) for t in self.tokens[seq_id][:self.slots[seq_id]]]
+            want = self.tokens[seq_id][:self.slots[seq_id]]
             have = [self.kv.get(s) for s in bm.slot_mapping(seq_id, 0, self.slots[seq_id])]
             assert have == want, f"sequence {seq_id} reads foreign or stale K/V"
         refs = [bm.ref_count(b) for b in range(NUM_BLOCKS)]
@@ -167,18 +150,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.num_free_blocks == refs.count(0)
         for key in bm.pool.cached_keys():
             block_id = bm.pool.lookup(key)
-            root = key
-            while root.parent is not None:
-                root = root.parent
             held = [self.kv.get(block_id * BLOCK_SIZE + i) for i in range(BLOCK_SIZE)]
-            assert held == [(root.extra_key, t) for t in key.token_ids], f"cached block {block_id} is stale"
+            assert held == list(key.token_ids), f"cached block {block_id} is stale"
 
     def teardown(self):
         if not hasattr(self, "bm"):
             return
         bm = self.bm
         keys = bm.pool.cached_keys()
-        hits = {s: bm.num_cached_prefix_tokens(self.tokens[s], self.extra[s]) for s in self.live()}
+        hits = {s: bm.num_cached_prefix_tokens(self.tokens[s]) for s in self.live()}
         for seq_id in self.live():
             bm.free(seq_id)
         bm.check_invariants()
@@ -187,7 +167,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.pool.cached_keys() == keys
         assert all(bm.pool.lookup(key) is not None for key in keys)
         for seq_id, hit in hits.items():
-            assert bm.num_cached_prefix_tokens(self.tokens[seq_id], self.extra[seq_id]) == hit
+            assert bm.num_cached_prefix_tokens(self.tokens[seq_id]) == hit
 
 
 BlockManagerMachine.TestCase.settings = settings(

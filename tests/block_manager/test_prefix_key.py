@@ -4,17 +4,15 @@ from pagedray.block_manager import BlockKey
 
 
 def test_equal_content_gives_equal_keys_across_separate_chains():
-    a = BlockKey(BlockKey(None, (1, 2), "salt"), (3, 4))
-    b = BlockKey(BlockKey(None, (1, 2), "salt"), (3, 4))
+    a = BlockKey(BlockKey(None, (1, 2)), (3, 4))
+    b = BlockKey(BlockKey(None, (1, 2)), (3, 4))
     assert a == b and hash(a) == hash(b)
-    assert a.depth() == 2 and a.extra_key is None and a.parent.extra_key == "salt"
+    assert a.depth() == 2 and a.parent.parent is None
 
 
-def test_parent_extra_key_and_tokens_all_distinguish_keys():
+def test_parent_and_tokens_both_distinguish_keys():
     root = BlockKey(None, (1, 2))
     assert BlockKey(root, (3, 4)) != BlockKey(BlockKey(None, (1, 9)), (3, 4))
-    assert BlockKey(None, (1, 2), "lora-a") != BlockKey(None, (1, 2), "lora-b")
-    assert BlockKey(None, (1, 2), "lora-a") != root
     assert BlockKey(root, (3, 4)) != BlockKey(root, (3, 5))
     assert BlockKey(None, (3, 4)) != BlockKey(root, (3, 4))  # root vs child with the same tokens
 

@@ -29,6 +29,9 @@ def tiny_config(kind: str):
     if kind == "mistral":  # sliding_window (4096) longer than the context (512): plain causal attention
         return MistralConfig(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                              architectures=["MistralForCausalLM"])
+    if kind == "mistral-window":  # an 8-token sliding window: every prompt and generation runs past it
+        return MistralConfig(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                             architectures=["MistralForCausalLM"])
     if kind == "qwen2":   # qkv bias, tied embeddings
         return Qwen2Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                            architectures=["Qwen2ForCausalLM"])

@@ -84,8 +84,11 @@ def test_plans_that_contradict_the_mirror(tiny_model_path):
     assert [s.seq_id for s in result.sampled] == [0]
 
 
-def test_sliding_window_shorter_than_the_context(tiny_model_path):
-    path = tiny_model_path("mistral")       # sliding_window=4096, max_position_embeddings=512
-    Worker(engine_config(path, num_blocks=600, max_model_len=4096))     # window == context: accepted
-    with pytest.raises(ValueError, match="max_model_len: 4097 exceeds the model's sliding_window=4096"):
-        Worker(engine_config(path, num_blocks=600, max_model_len=4097))
+def test_qwen_per_layer_sliding_window_is_rejected_before_loading(tmp_path):
+    from conftest import tiny_config
+
+    config = tiny_config("qwen2")
+    config.use_sliding_window, config.sliding_window = True, 8
+    config.save_pretrained(str(tmp_path))   # no weights: the check comes first
+    with pytest.raises(ValueError, match="use_sliding_window=true are not supported"):
+        Worker(engine_config(str(tmp_path), num_blocks=64, max_model_len=64))

@@ -2,7 +2,8 @@
 
 Per layer and step: write the new K/V of the scheduled tokens into their cache slots
 (``kernels.store_kv``), then attend every query over its sequence's cached history plus itself
-(``kernels.paged_attention``, which picks the decode or prefill kernel). The kernels are looked up
+(``kernels.paged_attention``, which picks the decode or prefill kernel), within the model's
+sliding window when it has one (Mistral). The kernels are looked up
 on the module at call time (``kernels.paged_attention``), never copied into this package.
 
 ``AttentionMetadata`` is built once per step by the input builder and passed down the forward
@@ -36,12 +37,14 @@ class AttentionMetadata:
 class PagedAttention(nn.Module):
     """q [tokens, heads_local, head_dim], k/v [tokens, kv_heads_local, head_dim] -> [tokens, heads_local, head_dim]."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window   # None: full causal attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -50,4 +53,4 @@ class PagedAttention(nn.Module):
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate_values=False)
         return kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k,
                                        meta.block_tables, self.scale, max_query_len=meta.max_query_len,
-                                       validate_values=False)
+                                       sliding_window=self.sliding_window, validate_values=False)

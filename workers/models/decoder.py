@@ -35,6 +35,7 @@ class ArchSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None   # keys within this many positions of the query (itself included)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class DecoderAttention(nn.Module):
                                         dtype, device, name="num_attention_heads * head_dim")
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device) if spec.qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5,
+                                   spec.sliding_window)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         self.qkv_proj.load(reader, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])

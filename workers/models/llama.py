@@ -1,8 +1,10 @@
-"""Llama family: Llama 2 / 3.x (incl. llama3 rope scaling), SmolLM2, and Mistral without a sliding window.
+"""Llama family: Llama 2 / 3.x (incl. llama3 rope scaling), SmolLM2, and Mistral.
 
-Mistral checkpoints share the Llama layout; a Mistral config whose ``sliding_window`` is shorter than
-the context the engine will use is rejected (the prefill kernel has no sliding window), naming
-max_model_len so the user can lower it to the window.
+Mistral checkpoints share the Llama layout plus ``sliding_window``: each query attends to the last
+``sliding_window`` positions (itself included), the mask transformers applies; the kernels take the
+window. A window at least as long as ``max_model_len`` never cuts anything and is dropped. The KV
+blocks behind the window are kept (and still count towards the sequence's blocks): the window changes
+what attention reads, not what the cache holds.
 """
 
 from __future__ import annotations
@@ -10,17 +12,19 @@ from __future__ import annotations
 from .decoder import ArchSpec, DecoderForCausalLM
 
 
-def check_no_sliding_window(hf_config, max_model_len: int) -> None:
+def sliding_window_of(hf_config, max_model_len: int) -> int | None:
     window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < max_model_len:
-        raise ValueError(f"max_model_len: {max_model_len} exceeds the model's sliding_window={window}, "
-                         "which is not supported; set max_model_len <= the window")
+    if window is None or window >= max_model_len:
+        return None
+    if type(window) is not int or window < 1:   # noqa: E721
+        raise ValueError(f"model: sliding_window must be a positive integer, got {window!r}")
+    return window
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
     @staticmethod
     def arch_spec(hf_config, max_model_len: int) -> ArchSpec:
-        check_no_sliding_window(hf_config, max_model_len)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return ArchSpec(qkv_bias=attention_bias, o_bias=attention_bias,
-                        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)))
+                        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+                        sliding_window=sliding_window_of(hf_config, max_model_len))
