@@ -48,7 +48,7 @@ class PlanBuilder:
                     num_computed_tokens=seq.num_computed_tokens,
                     num_scheduled_tokens=sched.num_tokens,
                     block_ids=table,
-                    sampling_params=seq.request.params,
+                    sampling_params=seq.params,
                 ))
             else:
                 unsent = seq.num_tokens - mirror.num_tokens

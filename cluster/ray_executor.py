@@ -133,7 +133,7 @@ class RayExecutor:
 
     def _dead_ranks(self) -> list[int]:
         """Ranks whose actor is dead (a short ping; a busy rank that does not answer counts as alive)."""
-        refs = [a.num_sequences.remote() for a in self.actors]
+        refs = [a.ping.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DEAD_PING_TIMEOUT_S)
         dead = []
         for rank, ref in enumerate(refs):
@@ -209,14 +209,15 @@ class RayExecutor:
         return ray.get([a.num_sequences.remote() for a in self.actors], timeout=HEALTH_PING_TIMEOUT_S)
 
     def check_health(self) -> None:
-        """EngineDeadError when a rank's actor is dead. A busy rank (ping timeout) is not dead:
-        stalls are the step watchdog's business."""
+        """EngineDeadError when a rank's actor is dead. The ping runs in the ranks' health concurrency
+        group, so it does not wait for a running step; a rank that does not answer within
+        HEALTH_PING_TIMEOUT_S is not declared dead here either: stalls are the step watchdog's business."""
         if self._closed:
             raise EngineDeadError("the Ray executor has been shut down")
         actors = list(self.actors)
         if self._rebuilding or len(actors) != self.tp_size:
             raise EngineDeadError("the TP group is being rebuilt after a rank failure")
-        refs = [a.num_sequences.remote() for a in actors]
+        refs = [a.ping.remote() for a in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_PING_TIMEOUT_S)
         for rank, ref in enumerate(refs):
             if ref not in ready:

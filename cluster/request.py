@@ -24,7 +24,7 @@ Decisions settled here:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedray.workers.contract.sampling_params import SamplingParams
 
@@ -64,6 +64,11 @@ class Sequence:
     def __post_init__(self) -> None:
         # prompt + output tokens, maintained by append_token (read on every step: no re-concatenation)
         self._token_ids = self.request.prompt_token_ids + self.output_token_ids
+        params = self.request.params
+        # sample i of a seeded request samples with seed + i (vLLM's rule): the n choices differ and
+        # each one is reproducible on its own
+        seeded_sibling = params.seed is not None and self.index > 0
+        self.params = replace(params, seed=params.seed + self.index) if seeded_sibling else params
 
     @property
     def token_ids(self) -> list[int]:

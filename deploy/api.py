@@ -8,14 +8,16 @@ Decisions:
   413 before they are read in full (Content-Length is checked first; chunked bodies are counted
   while reading), malformed JSON gets an OpenAI-style 400, and type errors name the field.
 - Only JSON is accepted: a Content-Type other than ``application/json`` (or ``*/*+json``) is a 415;
-  bodies that are not one UTF-8 JSON document are a 400 ``invalid_json``: bad UTF-8, syntax errors,
+  bodies that are not one UTF-8 JSON document are a 400 ``invalid_json``: bad UTF-8 (UTF-8-encoded
+  surrogates such as ``ED A0 80`` included; the body is decoded strictly before parsing), syntax errors,
   nesting deeper than the JSON parser's recursion limit, and strings with unpaired surrogate escapes
   (``"\\ud800"``, which no tokenizer or UTF-8 response can carry). ``NaN`` / ``Infinity`` literals
   are decoded (Python's JSON extension) and then refused by the field checks (finite numbers only).
 - With ``api_key`` set, every route but /health needs ``Authorization: Bearer <key>`` (compared in
   constant time); otherwise 401 with code ``invalid_api_key``.
 - Every error leaves as ``{"error": {message, type, param, code}}`` (errors.py), including 404/405
-  for unknown routes. A 429 carries ``Retry-After``.
+  for unknown routes; a path with a trailing slash is unknown (no redirect, whose Location Starlette
+  would build from the client's Host header). A 429 carries ``Retry-After``.
 - A stream's first engine output is awaited before the 200 and the SSE headers are sent, so queue
   rejections and engine-side validation errors are real HTTP statuses. Errors after that are sent as
   one SSE error event followed by ``data: [DONE]``.
@@ -90,12 +92,18 @@ def _lone_surrogate_path(value) -> str | None:
 def decode_json(raw: bytes):
     """Bytes -> JSON value; APIError 400 for anything that is not one well-formed UTF-8 JSON document."""
     try:
-        value = json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers over 4300 digits
+        # strict UTF-8 first: json.loads(bytes) would let UTF-8-encoded surrogates (ED A0 80) through
+        text = raw.decode("utf-8").removeprefix("\ufeff")   # a leading byte-order mark is ignored
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"malformed JSON body: invalid UTF-8 at byte {exc.start} ({exc.reason})",
+                          code="invalid_json") from None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, integers over 4300 digits
         raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
     except RecursionError:
         raise bad_request("malformed JSON body: nested too deeply", code="invalid_json") from None
-    if b"\\u" in raw:
+    if "\\u" in text:
         where = _lone_surrogate_path(value)
         if where is not None:
             param = where.split(".", 1)[0]
@@ -133,7 +141,8 @@ async def sse_body(chunks) -> AsyncIterator[str]:
 
 def create_api(service: OpenAIService, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="pagedray", docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: Starlette's trailing-slash redirect builds its Location from the Host header
+    app = FastAPI(title="pagedray", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -51,6 +51,7 @@ from .engine_deployment import DrainReport, ModelMeta
 from .errors import to_api_error
 from .metrics import ServerMetrics
 from .options import GRACEFUL_SHUTDOWN_S
+from .prompt_bound import max_prompt_chars
 from .service import OpenAIService
 from .validation import ModelLimits
 
@@ -111,8 +112,9 @@ class OpenAIIngress:
 
         meta: ModelMeta = await engine.model_meta.remote()
         name, aliases = served_names(model, meta, served_model_name)
-        limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len)
         tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)
+        limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len,
+                             max_prompt_chars(tokenizer, meta.max_model_len))
         self._engine = engine
         self._service = OpenAIService(HandleEngineClient(engine), tokenizer, limits, ServerMetrics())
         self._api_key = api_key

@@ -1,17 +1,21 @@
 """ChoiceDelta streams -> OpenAI response objects (completions and chat; whole and chunked).
 
 Decisions:
-- Logprob token strings are ``tokenizer.decode([token_id])`` with special tokens kept, so the EOS
-  token shows as ``<|im_end|>``; ``bytes`` are that string's UTF-8 bytes.
+- Logprob token strings and ``bytes`` come from ``TokenBytes`` (token_bytes.py): a token's own bytes,
+  shown as text when they are valid UTF-8 (special tokens kept, so EOS shows as ``<|im_end|>``), else
+  in OpenAI's ``bytes:`` form; a token that is half of a character is never ``"\ufffd"``.
 - Completions ``top_logprobs`` is the OpenAI legacy dict ``{token: logprob}`` of the k best
-  alternatives (``logprobs=k``); ``text_offset`` counts characters from the start of the returned
-  text (echoed prompt included).
+  alternatives (``logprobs=k``); two alternatives with the same string keep the first (more likely).
+- ``text_offset`` of a token is the number of characters of the returned text (echoed prompt
+  included) before it: the tokens' bytes go through an incremental UTF-8 decoder
+  (``TextOffsets``), so a character split over several tokens is counted once, where it completes.
 - Chat streams open each choice with ``{"role": "assistant", "content": ""}`` and send the finish
   reason in a chunk of its own when it arrives with no text.
 """
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 
 from pagedray.cluster.outputs import TokenLogprob
@@ -32,29 +36,45 @@ from .protocol import (
     TopLogprob,
     UsageInfo,
 )
+from .token_bytes import TokenBytes
+
+
+class TextOffsets:
+    """One choice's running character count: ``start`` characters (the echoed prompt), then the
+    characters that the tokens' bytes complete (a split character counts once, when it completes)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset before ``raw``; then count the characters it completes."""
+        before = self.chars
+        self.chars += len(self._decoder.decode(raw))
+        return before
 
 
 class LogprobFormatter:
     def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
+        self._bytes = TokenBytes(tokenizer)
 
     def token(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._bytes.text(token_id)
 
-    def completion(self, logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+    def completion(self, logprobs: list[TokenLogprob], offsets: TextOffsets) -> CompletionLogprobs:
         out = CompletionLogprobs()
         for entry in logprobs:
-            token = self.token(entry.token_id)
-            out.tokens.append(token)
+            out.tokens.append(self.token(entry.token_id))
             out.token_logprobs.append(entry.logprob)
-            out.top_logprobs.append({self.token(t): lp for t, lp in entry.top_logprobs})
-            out.text_offset.append(text_offset)
-            text_offset += len(token)
+            top: dict[str, float] = {}
+            for token_id, logprob in entry.top_logprobs:
+                top.setdefault(self.token(token_id), logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offsets.advance(self._bytes.bytes(entry.token_id)))
         return out
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        token = self.token(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+        return TopLogprob(token=self.token(token_id), logprob=logprob, bytes=list(self._bytes.bytes(token_id)))
 
     def chat(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
         content = []
@@ -95,7 +115,7 @@ def completion_response(rid: str, created: int, model: str, choices: list[Choice
                         fmt: LogprobFormatter, use: UsageInfo, want_logprobs: bool) -> CompletionResponse:
     out = []
     for index, acc in enumerate(choices):
-        logprobs = fmt.completion(acc.logprobs or [], len(acc.prefix)) if want_logprobs else None
+        logprobs = fmt.completion(acc.logprobs or [], TextOffsets(len(acc.prefix))) if want_logprobs else None
         out.append(CompletionChoice(index=index, text=acc.full_text, logprobs=logprobs,
                                     finish_reason=acc.finish_reason))
     return CompletionResponse(id=rid, created=created, model=model, choices=out, usage=use)

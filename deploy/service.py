@@ -7,15 +7,23 @@ output is awaited (so 429/503 surface before any response starts) -> OpenAI obje
 Streams are returned as async iterators of dicts *after* that first output has arrived; closing one
 early (client disconnect, handle cancellation) closes the engine streams, which aborts the requests.
 
+Parsing, validation, chat-template rendering and tokenizing (``prepare``) run on one worker thread
+(``PREPARE_THREADS``), not on the event loop: a long prompt then delays only the requests queued behind
+it for that thread, never ``/health`` or the streams already running. One thread, because a Hugging
+Face fast tokenizer is not safe to call from several threads at once; prompts too long for the
+context are refused before tokenizing (``ModelLimits.max_prompt_chars``), which bounds the wait.
+
 Metrics: every request is counted once in ``pagedray_requests_total`` by outcome; token counts and
 latencies are recorded for every request that was admitted (also when it was aborted).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from pydantic import ValidationError
 
@@ -25,6 +33,7 @@ from .metrics import ServerMetrics
 from .openai_format import (
     ChoiceAccumulator,
     LogprobFormatter,
+    TextOffsets,
     chat_chunk,
     chat_response,
     completion_chunk,
@@ -96,8 +105,12 @@ class ChunkStream:
         await self._run.close("abort")
 
 
+PREPARE_THREADS = 1
+
+
 class OpenAIService:
     def __init__(self, engine: EngineClient, tokenizer, limits: ModelLimits, metrics: ServerMetrics) -> None:
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedray-prepare")
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
@@ -107,6 +120,9 @@ class OpenAIService:
     # ------------------------------------------------------------------ plumbing
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
+
+    def _decode_prompt(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -159,7 +175,7 @@ class OpenAIService:
     async def _open(self, endpoint: str, prefix: str, prepare: Callable) -> tuple[object, _Run]:
         """Parse + validate (``prepare``), then admit; any failure is counted and raised as APIError."""
         try:
-            req, prepared = prepare()
+            req, prepared = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
             run = await self._admit(prefix, prepared)
         except Exception as exc:
             self.metrics.record_outcome(endpoint, outcome_of(exc))
@@ -170,7 +186,7 @@ class OpenAIService:
     # ------------------------------------------------------------------ completions
     def _prepare_completion(self, body: dict) -> tuple[CompletionRequest, list[PreparedRequest]]:
         req = parse_body(CompletionRequest, body)
-        return req, prepare_completion(req, self.limits, self._encode)
+        return req, prepare_completion(req, self.limits, self._encode, self._decode_prompt)
 
     async def completion(self, body: dict) -> dict:
         req, run = await self._open("completions", "cmpl", lambda: self._prepare_completion(body))
@@ -188,14 +204,13 @@ class OpenAIService:
 
     async def _completion_chunks(self, req: CompletionRequest, run: _Run) -> AsyncIterator[dict]:
         model = self.limits.served_name
-        offsets = [len(p.echo_text or "") for p in run.prepared for _ in range(run.n)]
+        offsets = [TextOffsets(len(p.echo_text or "")) for p in run.prepared for _ in range(run.n)]
         pending_echo = [p.echo_text or "" for p in run.prepared for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             text, pending_echo[index] = pending_echo[index] + delta.text, ""
             logprobs = None
             if req.logprobs is not None:
                 logprobs = self.logprob_format.completion(delta.logprobs or [], offsets[index])
-                offsets[index] += sum(len(token) for token in logprobs.tokens)
             if text or delta.finish_reason or (logprobs and logprobs.tokens):
                 yield completion_chunk(run.rid, run.created, model, index, text, logprobs,
                                        delta.finish_reason).model_dump()

@@ -27,6 +27,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 MAX_STOP_STRINGS = 16
 MAX_BATCH_PROMPTS = 64
+# one request may ask for at most this many full contexts of tokens: prompts x n x (prompt + max_tokens)
+MAX_REQUEST_CONTEXTS = 16
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class ModelLimits:
     aliases: frozenset[str]
     vocab_size: int
     max_model_len: int
+    # a prompt with more characters cannot fit in max_model_len tokens (prompt_bound.py); None: unknown
+    max_prompt_chars: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,9 +129,18 @@ def _split_prompts(prompt) -> list[str | list[int]]:
     return prompts
 
 
-def prepare_completion(req: CompletionRequest, limits: ModelLimits,
-                       encode: Callable[[str], list[int]]) -> list[PreparedRequest]:
-    """One PreparedRequest per prompt of a /v1/completions request."""
+def _check_prompt_chars(num_chars: int, limits: ModelLimits, param: str) -> None:
+    """400 before tokenizing a text that cannot fit in the context (``limits.max_prompt_chars``)."""
+    if limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
+        raise bad_request(f"{param}: {num_chars} characters cannot fit in the maximum context length of "
+                          f"{limits.max_model_len} tokens (at most {limits.max_prompt_chars} characters)",
+                          param=param)
+
+
+def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Callable[[str], list[int]],
+                       decode: Callable[[list[int]], str]) -> list[PreparedRequest]:
+    """One PreparedRequest per prompt of a /v1/completions request (``decode``: token ids -> the text
+    that ``echo`` shows for a token-id prompt)."""
     check_model(req.model, limits)
     _check_unsupported(req)
     if req.echo and req.logprobs is not None:
@@ -136,17 +149,33 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits,
         raise bad_request(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
     stops = stop_strings(req.stop)
     check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
+    prompts = _split_prompts(req.prompt)
+    for prompt in prompts:   # every prompt is checked before any is tokenized
+        if isinstance(prompt, str):
+            _check_prompt_chars(len(prompt), limits, "prompt")
     prepared = []
-    for prompt in _split_prompts(req.prompt):
+    for prompt in prompts:
         token_ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise bad_request("prompt: encodes to zero tokens", param="prompt")
         check_token_ids(token_ids, limits.vocab_size, "prompt")
         max_tokens = _check_max_tokens(req.max_tokens, len(token_ids), limits, "max_tokens", 16)
         params = sampling_params(req, max_tokens, req.logprobs)
-        echo_text = (prompt if isinstance(prompt, str) else None) if req.echo else None
+        echo_text = None if not req.echo else prompt if isinstance(prompt, str) else decode(token_ids)
         prepared.append(PreparedRequest(token_ids, params, stops, echo_text))
+    _check_request_cost(prepared, limits)
     return prepared
+
+
+def _check_request_cost(prepared: list[PreparedRequest], limits: ModelLimits) -> None:
+    """400 for a request whose token demand (prompts x n x (prompt + max_tokens)) is more than
+    MAX_REQUEST_CONTEXTS full contexts: one request must not be able to fill the engine's queue alone."""
+    cost = sum(p.params.n * (len(p.prompt_token_ids) + p.params.max_tokens) for p in prepared)
+    limit = MAX_REQUEST_CONTEXTS * limits.max_model_len
+    if cost > limit:
+        raise bad_request(f"prompt: this request asks for {cost} tokens (prompts x n x (prompt + max_tokens)); "
+                          f"at most {limit} ({MAX_REQUEST_CONTEXTS} x the maximum context length) are allowed "
+                          "per request: send fewer prompts, a smaller n or max_tokens", param="prompt")
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -169,6 +198,7 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     stops = stop_strings(req.stop)
     check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    _check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
     token_ids = render(messages)
     if not token_ids:
         raise bad_request("messages: the chat template produced an empty prompt", param="messages")

@@ -11,6 +11,10 @@ first and initialised later:
 Passing ``dist_init_method`` to the constructor instead builds the Worker immediately (and TP=1
 always does). After that the actor offers the Worker's methods unchanged; the executor should
 prefer ``execute_bytes`` (msgpack wire form) over ``execute`` (pickled dataclasses).
+
+``ping()`` runs in its own concurrency group (``HEALTH_GROUP``, one thread), so a health check is
+answered while a step is running instead of queueing behind it: a rank that does not answer a ping
+is really unresponsive, not busy. Every other method stays in the default group, one call at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+HEALTH_GROUP = "health"
+CONCURRENCY_GROUPS = {HEALTH_GROUP: 1}
 
 
 class RayWorkerBody:
@@ -69,10 +77,15 @@ class RayWorkerBody:
     def num_sequences(self) -> int:
         return self._get().num_sequences()
 
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def ping(self) -> int:
+        """Liveness only (reads no Worker state, so it is safe next to a running step): the rank."""
+        return self._rank
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
 
 
-RayWorker = ray.remote(RayWorkerBody)
+RayWorker = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RayWorkerBody)

@@ -99,6 +99,25 @@ def test_n_samples_fork_and_each_matches_hf(tiny_llama_path, references):
         assert [o.index for o in result.outputs] == [0, 1, 2]
 
 
+def test_seeded_n_samples_differ_and_reproduce(tiny_llama_path):
+    """n > 1 with a seed: each choice samples with seed + index, so the choices differ and a rerun
+    (alone, or next to other requests) gives the same choices."""
+    prompt = _prompts(seed=5, count=1)[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=MAX_TOKENS)
+    llm = LLM(tiny_llama_path, block_size=BLOCK, threads_per_worker=1)
+    try:
+        first = llm.generate([prompt], params, use_tqdm=False)[0]
+        again = llm.generate([_prompts(seed=6, count=1)[0], prompt], params, use_tqdm=False)[1]
+        choice_2 = llm.generate([prompt], SamplingParams(temperature=1.0, seed=13, max_tokens=MAX_TOKENS),
+                                use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    samples = [tuple(o.token_ids) for o in sorted(first.outputs, key=lambda o: o.index)]
+    assert len(set(samples)) == 4, samples
+    assert [tuple(o.token_ids) for o in sorted(again.outputs, key=lambda o: o.index)] == samples
+    assert tuple(choice_2.outputs[0].token_ids) == samples[2]   # choice i is the request with seed + i
+
+
 def test_unknown_engine_argument_is_rejected(tiny_llama_path):
     with pytest.raises(ValueError, match="max_num_seq: not a known engine setting"):
         LLM(tiny_llama_path, max_num_seq=4)

@@ -79,3 +79,46 @@ def test_tp2_across_two_simulated_nodes_with_spread_matches_local(tiny_llama_pat
     assert result["tokens"] == local_tokens
     assert len(set(result["nodes"])) == 2                 # SPREAD put the two ranks on different nodes
     assert result["leaks"] == [0, 0]
+
+
+def test_rank_ping_answers_while_a_step_is_running(ray_session, tiny_llama_path):
+    """Health pings run in the ranks' own concurrency group, so they never queue behind a step (a busy
+    rank used to look unresponsive and /health said 503 under normal load). The "step" here is a
+    default-group call held open by a signal actor, so the test controls the pace."""
+    import asyncio
+
+    from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig
+    from pagedray.workers.ray_worker import CONCURRENCY_GROUPS, RayWorkerBody
+
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class Signal:
+        def __init__(self):
+            self.event = asyncio.Event()
+
+        async def send(self):
+            self.event.set()
+
+        async def wait(self):
+            await self.event.wait()
+
+    class BlockingWorkerBody(RayWorkerBody):
+        def block_until(self, signal) -> str:   # the default group, like execute_bytes
+            ray.get(signal.wait.remote())
+            return "released"
+
+    config = EngineConfig(model=ModelConfig(model=tiny_llama_path), cache=CacheConfig(block_size=8, num_blocks=16))
+    actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(BlockingWorkerBody).options(num_cpus=0).remote(config)
+    signal = Signal.remote()
+    try:
+        assert ray.get(actor.ping.remote()) == 0          # started (the worker is built)
+        blocked = actor.block_until.remote(signal)
+        assert ray.get(actor.ping.remote()) == 0          # answered while the default group is busy
+        ready, _ = ray.wait([blocked], timeout=0)
+        assert not ready                                  # ... which it still was
+        signal.send.remote()
+        assert ray.get(blocked) == "released"
+    finally:
+        ray.kill(actor)
+        ray.kill(signal)

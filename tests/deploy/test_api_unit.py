@@ -7,6 +7,10 @@ incrementally detokenized text. The same behaviour against the real engine is in
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
+import httpx
 import pytest
 from bad_requests import assert_openai_error, malformed_cases, send
 from fake_engine import ScriptedEngine, queue_full
@@ -116,6 +120,21 @@ def test_completion_logprobs_and_echo(client_and_engine, tokenizer):
     assert echoed["choices"][0]["text"] == "Say:" + tokenizer.decode(script[:2])
 
 
+def test_echo_of_a_token_id_prompt_shows_its_text(client_and_engine, tokenizer):
+    client, _ = client_and_engine
+    script = tokenizer.encode(SCRIPT_TEXT)
+    prompt_ids = tokenizer.encode("Say it:")
+    for stream in (False, True):
+        body = {"prompt": prompt_ids, "max_tokens": 2, "echo": True, "stream": stream}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        if stream:
+            text = "".join(e["choices"][0]["text"] for e in parse_sse(response.text) if e != "[DONE]")
+        else:
+            text = response.json()["choices"][0]["text"]
+        assert text == "Say it:" + tokenizer.decode(script[:2])
+
+
 def test_batch_prompts_index_choices(client_and_engine):
     client, _ = client_and_engine
     body = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "n": 2}).json()
@@ -208,3 +227,104 @@ def test_chat_prompt_is_the_rendered_template(client_and_engine, tokenizer):
                                              add_generation_prompt=True, tokenize=False)
     assert engine.calls[-1][1] == tokenizer.encode(rendered, add_special_tokens=False)
     assert engine.calls[-1][2].max_tokens == 1
+
+
+class _GatedTokenizer:
+    """The real tokenizer, except that encoding a prompt starting with "SLOW" records whether it runs
+    on the event loop's thread and then waits for ``release``."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.on_event_loop = inner, []
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text, **kwargs):
+        if text.startswith("SLOW"):
+            try:
+                asyncio.get_running_loop()
+                self.on_event_loop.append(True)
+            except RuntimeError:
+                self.on_event_loop.append(False)
+            self.entered.set()
+            if self.on_event_loop[-1]:
+                raise AssertionError("tokenizing on the event loop")   # waiting here would block the test
+            self.release.wait(600)   # safety net only: the test releases it
+        return self.inner.encode(text, **kwargs)
+
+
+def test_health_answers_while_a_prompt_is_being_tokenized(tokenizer):
+    gated = _GatedTokenizer(tokenizer)
+    engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
+    limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN)
+    app = create_api(OpenAIService(engine, gated, limits, ServerMetrics()))
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            slow = asyncio.create_task(client.post("/v1/completions", json={"prompt": "SLOW one", "max_tokens": 2}))
+            await asyncio.to_thread(gated.entered.wait, 600)
+            health = await client.get("/health")   # answered while the tokenizer still holds the prompt
+            gated.release.set()
+            return health, await slow
+
+    health, slow = asyncio.run(scenario())
+    assert gated.on_event_loop == [False]
+    assert health.status_code == 200 and slow.status_code == 200, slow.text
+
+
+def test_prompt_that_cannot_fit_is_refused_before_tokenizing(tokenizer):
+    from pagedray.deploy.prompt_bound import max_prompt_chars
+
+    bound = max_prompt_chars(tokenizer, MAX_MODEL_LEN)
+    assert bound is not None and bound >= MAX_MODEL_LEN
+    gated = _GatedTokenizer(tokenizer)
+    limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN, bound)
+    client = TestClient(create_api(OpenAIService(ScriptedEngine([5]), gated, limits, ServerMetrics())))
+    huge = "SLOW" + "x" * bound
+    assert_openai_error(client.post("/v1/completions", json={"prompt": huge}), 400, "prompt")
+    assert_openai_error(client.post("/v1/completions", json={"prompt": ["ok", huge]}), 400, "prompt")
+    chat = {"messages": [{"role": "user", "content": huge}]}
+    assert_openai_error(client.post("/v1/chat/completions", json=chat), 400, "messages")
+    assert gated.on_event_loop == []   # the tokenizer never saw it
+    # the bound is sound: text right at it still tokenizes to more than the context
+    assert len(tokenizer.encode("x" * bound)) > MAX_MODEL_LEN
+
+
+def test_logprobs_of_partial_character_tokens(tokenizer):
+    """An emoji split over several tokens: each token is reported by its own bytes (no "\\ufffd"),
+    top_logprobs keep one entry per distinct token, text_offset points into the returned text."""
+    script = tokenizer.encode("Go 🚀 now 🌊!")
+    assert any("\ufffd" in tokenizer.decode([t]) for t in script)   # the case exists in this vocab
+    client, _ = make_client(tokenizer, ScriptedEngine(script, eos_token_id=tokenizer.eos_token_id))
+    body = {"prompt": "x", "max_tokens": len(script), "logprobs": 2, "echo": True}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    logprobs, text = choice["logprobs"], choice["text"]
+    assert text == "x" + "Go 🚀 now 🌊!"
+    assert all("\ufffd" not in token for token in logprobs["tokens"])
+    assert any(token.startswith("bytes:") for token in logprobs["tokens"])
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"])
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 1 and offsets == sorted(offsets) and offsets[-1] < len(text)
+    for token, offset in zip(logprobs["tokens"], offsets):
+        if not token.startswith("bytes:"):
+            assert text[offset:offset + len(token)] == token
+    stream = client.post("/v1/completions", json={**body, "stream": True})
+    events = [e for e in parse_sse(stream.text) if e != "[DONE]" and e["choices"]]
+    assert [o for e in events if e["choices"][0]["logprobs"] for o in e["choices"][0]["logprobs"]["text_offset"]] \
+        == offsets
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                     "max_tokens": len(script), "logprobs": True,
+                                                     "top_logprobs": 2}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert bytes(b for entry in content for b in entry["bytes"]).decode("utf-8") == chat["message"]["content"]
+    assert all(len({t["token"] for t in entry["top_logprobs"]}) == 2 for entry in content)
+
+
+def test_no_redirect_built_from_the_host_header(tokenizer):
+    client, _ = make_client(tokenizer, api_key="sekret")
+    for path in ("/v1/models/", "/v1/completions/", "/health/"):
+        response = client.get(path, headers={"Host": "evil.example.com", "Authorization": "Bearer sekret"},
+                              follow_redirects=False)
+        assert "location" not in response.headers
+        assert_openai_error(response, 404, None)
