@@ -297,15 +297,15 @@ def test_logprobs_of_partial_character_tokens(tokenizer):
     script = tokenizer.encode("Go 🚀 now 🌊!")
     assert any("\ufffd" in tokenizer.decode([t]) for t in script)   # the case exists in this vocab
     client, _ = make_client(tokenizer, ScriptedEngine(script, eos_token_id=tokenizer.eos_token_id))
-    body = {"prompt": "x", "max_tokens": len(script), "logprobs": 2, "echo": True}
+    body = {"prompt": "x", "max_tokens": len(script), "logprobs": 2}
     choice = client.post("/v1/completions", json=body).json()["choices"][0]
     logprobs, text = choice["logprobs"], choice["text"]
-    assert text == "x" + "Go 🚀 now 🌊!"
+    assert text == "Go 🚀 now 🌊!"
     assert all("\ufffd" not in token for token in logprobs["tokens"])
     assert any(token.startswith("bytes:") for token in logprobs["tokens"])
     assert all(len(top) == 2 for top in logprobs["top_logprobs"])
     offsets = logprobs["text_offset"]
-    assert offsets[0] == 1 and offsets == sorted(offsets) and offsets[-1] < len(text)
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text)
     for token, offset in zip(logprobs["tokens"], offsets):
         if not token.startswith("bytes:"):
             assert text[offset:offset + len(token)] == token
