@@ -13,6 +13,9 @@ Decisions:
 - A consumer that stops iterating (``aclose``, cancellation, break) aborts its request; the abort is
   applied before the next step, so its blocks are freed within one step.
 - ``abort(request_id)`` from another caller ends the stream with finish_reason "abort".
+- ``config.stream_interval`` = k > 1: a stream yields a request's first output at once, then one merged
+  delta (``merge_deltas``) per k step outputs, and its final output at once: fewer messages through
+  Serve per token, the same tokens.
 - Queue bound: a request is refused (QueueFullError) when the waiting requests seen after the last
   step plus the adds not yet applied reach ``max_waiting_requests``.
 - Health: EngineDeadError when the engine died (a failed step ended every request with "error"), the
@@ -43,7 +46,14 @@ from pagedray.workers.contract.sampling_params import SamplingParams
 
 from .engine import Engine
 from .executor import Executor
-from .outputs import CompletionOutput, EngineDeadError, EngineDrainingError, QueueFullError, RequestOutput
+from .outputs import (
+    CompletionOutput,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+    RequestOutput,
+    merge_deltas,
+)
 from .stats import EngineStats
 
 
@@ -106,14 +116,20 @@ class AsyncEngine:
         self._streams[request_id] = queue
         self._num_samples[request_id] = params.n
         self._ensure_loop()
-        finished = False
+        finished, sent_first = False, False
+        held: RequestOutput | None = None   # step outputs not sent yet (stream_interval > 1)
+        num_held = 0
         try:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                yield item
+                held = item if held is None else merge_deltas(held, item)
+                num_held += 1
+                if finished or not sent_first or num_held >= self.config.stream_interval:
+                    out, held, num_held, sent_first = held, None, 0, True
+                    yield out
         finally:
             self._num_samples.pop(request_id, None)
             if not finished:

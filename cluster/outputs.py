@@ -44,6 +44,23 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0
 
 
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta carrying both: per sample, ``first``'s tokens (and logprobs) then ``later``'s; the
+    later finish state, error and finish reasons; the first output's prompt fields."""
+    merged = {out.index: CompletionOutput(out.index, list(out.token_ids),
+                                          None if out.logprobs is None else list(out.logprobs), out.finish_reason)
+              for out in first.outputs}
+    for out in later.outputs:
+        into = merged.setdefault(out.index, CompletionOutput(out.index))
+        into.token_ids += out.token_ids
+        if out.logprobs is not None:
+            into.logprobs = (into.logprobs or []) + list(out.logprobs)
+        into.finish_reason = out.finish_reason or into.finish_reason
+    return RequestOutput(first.request_id, [merged[i] for i in sorted(merged)], later.finished,
+                         first.prompt_token_ids or later.prompt_token_ids, later.error or first.error,
+                         max(first.num_cached_prompt_tokens, later.num_cached_prompt_tokens))
+
+
 class EngineError(RuntimeError):
     """Base class for errors the engine raises to callers."""
 

@@ -11,9 +11,9 @@ from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelCon
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 
-def _engine(path, executor, step_timeout_s=60.0, clock=None):
+def _engine(path, executor, step_timeout_s=60.0, clock=None, stream_interval=1):
     config = EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(block_size=8, num_blocks=64),
-                          step_timeout_s=step_timeout_s)
+                          step_timeout_s=step_timeout_s, stream_interval=stream_interval)
     if clock is None:
         return AsyncEngine(config, executor=executor)
     return AsyncEngine(config, executor=executor, clock=clock)
@@ -39,6 +39,24 @@ def test_concurrent_streams_get_their_own_tokens(tiny_llama_path):
     assert ta == [12, 13, 14, 15] and tb == [41, 42, 43, 44, 45, 46]
     assert oa[-1].finished and not any(o.finished for o in oa[:-1])
     assert ob[-1].outputs[0].finish_reason == "length"
+
+
+def test_stream_interval_merges_step_outputs_but_not_the_first_or_last(tiny_llama_path):
+    """stream_interval=3: the first output alone, then one delta per 3 steps, the final output at once;
+    the same tokens as stream_interval=1, which yields one output per step."""
+    results = {}
+    for interval in (1, 3):
+        engine = _engine(tiny_llama_path, FakeExecutor(64), stream_interval=interval)
+        try:
+            results[interval] = asyncio.run(_consume(engine, "a", [10, 11], 8))
+        finally:
+            engine.shutdown()
+    (tokens_1, outs_1), (tokens_3, outs_3) = results[1], results[3]
+    assert tokens_1 == tokens_3 == list(range(12, 20))
+    assert [len(o.outputs[0].token_ids) for o in outs_1] == [1] * 8
+    assert [len(o.outputs[0].token_ids) for o in outs_3] == [1, 3, 3, 1]
+    assert outs_3[0].prompt_token_ids == [10, 11] and outs_3[-1].finished
+    assert outs_3[-1].outputs[0].finish_reason == "length" and not any(o.finished for o in outs_3[:-1])
 
 
 def test_intake_abort_and_stats_do_not_wait_for_a_running_step(tiny_llama_path):

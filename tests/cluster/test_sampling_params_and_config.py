@@ -60,3 +60,25 @@ def test_max_model_len_must_fit_the_forced_pool():
     config = EngineConfig(model=ModelConfig(max_model_len=160), cache=CacheConfig(num_blocks=10, block_size=16))
     assert config.parallel.use_ray is False
     assert ParallelConfig(tensor_parallel_size=2).use_ray
+
+
+def test_merge_deltas_keeps_every_token_logprob_and_the_later_finish():
+    from pagedray.cluster.outputs import CompletionOutput, RequestOutput, TokenLogprob, merge_deltas
+
+    lp = [TokenLogprob(5, -0.1), TokenLogprob(6, -0.2), TokenLogprob(7, -0.3)]
+    first = RequestOutput("r", [CompletionOutput(0, [5], lp[:1]), CompletionOutput(1, [9], lp[:1])], False,
+                          prompt_token_ids=[1, 2], num_cached_prompt_tokens=8)
+    later = RequestOutput("r", [CompletionOutput(0, [6, 7], lp[1:], "stop")], True)
+    merged = merge_deltas(first, later)
+    assert [(o.index, o.token_ids, o.finish_reason) for o in merged.outputs] == [(0, [5, 6, 7], "stop"),
+                                                                               (1, [9], None)]
+    assert merged.outputs[0].logprobs == lp and merged.finished and merged.prompt_token_ids == [1, 2]
+    assert merged.num_cached_prompt_tokens == 8 and first.outputs[0].token_ids == [5]   # inputs untouched
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_stream_interval_must_be_a_positive_integer(value):
+    from pagedray.workers.contract.config import EngineConfig
+
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=value)
