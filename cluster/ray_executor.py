@@ -40,7 +40,7 @@ from .outputs import EngineDeadError
 from .placement import Placement, place_ranks
 
 TRANSPORTS = ("compiled", "actor")
-HEALTH_PING_TIMEOUT_S = 10.0
+HEALTH_PING_TIMEOUT_S = 2.0   # an unanswered health ping means busy, not dead (a dead actor fails fast)
 DEAD_PING_TIMEOUT_S = 2.0
 START_TIMEOUT_S = 300.0   # bound on each start-up wait (actor creation + weight loading + KV init)
 CHANNEL_BUFFER_BYTES = 8 * 1024 * 1024   # initial shared-memory channel size of the compiled graph
@@ -72,6 +72,7 @@ class RayExecutor:
         self._graph = None
         self._closed = False
         self._rebuilding = False
+        self._steps_in_flight = 0   # execute() calls running now (read by check_health on another thread)
         self.num_rebuilds = 0
         self.actors = []
         self.placement: Placement | None = None
@@ -190,6 +191,7 @@ class RayExecutor:
         if self._closed:
             raise EngineDeadError("the Ray executor has been shut down")
         data = encode_plan(plan)
+        self._steps_in_flight += 1
         try:
             if self._graph is not None:
                 replies = [ref.get(timeout=self._timeout) for ref in self._graph.execute(data)]
@@ -200,23 +202,30 @@ class RayExecutor:
             if failure is exc:
                 raise
             raise failure from exc
+        finally:
+            self._steps_in_flight -= 1
         if replies[0] is None:
             raise RuntimeError("rank 0 returned no StepResult")
         return decode_result(replies[0])
 
     def num_sequences(self) -> list[int]:
         """Mirrored sequences per rank (leak checks)."""
-        return ray.get([a.num_sequences.remote() for a in self.actors], timeout=HEALTH_PING_TIMEOUT_S)
+        return ray.get([a.num_sequences.remote() for a in self.actors], timeout=START_TIMEOUT_S)
 
     def check_health(self) -> None:
-        """EngineDeadError when a rank's actor is dead. The ping runs in the ranks' health concurrency
-        group, so it does not wait for a running step; a rank that does not answer within
-        HEALTH_PING_TIMEOUT_S is not declared dead here either: stalls are the step watchdog's business."""
+        """EngineDeadError when a rank's actor is dead.
+
+        While a step is in flight the ranks are not pinged: the ping would queue behind the step (an
+        actor runs one call at a time), and a rank that dies mid-step fails that step, which the engine
+        handles. Otherwise each rank is pinged; one that does not answer within HEALTH_PING_TIMEOUT_S
+        (a step started meanwhile) counts as busy, not dead: stalls are the step watchdog's business."""
         if self._closed:
             raise EngineDeadError("the Ray executor has been shut down")
         actors = list(self.actors)
         if self._rebuilding or len(actors) != self.tp_size:
             raise EngineDeadError("the TP group is being rebuilt after a rank failure")
+        if self._steps_in_flight:
+            return
         refs = [a.ping.remote() for a in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_PING_TIMEOUT_S)
         for rank, ref in enumerate(refs):

@@ -12,9 +12,10 @@ Passing ``dist_init_method`` to the constructor instead builds the Worker immedi
 always does). After that the actor offers the Worker's methods unchanged; the executor should
 prefer ``execute_bytes`` (msgpack wire form) over ``execute`` (pickled dataclasses).
 
-``ping()`` runs in its own concurrency group (``HEALTH_GROUP``, one thread), so a health check is
-answered while a step is running instead of queueing behind it: a rank that does not answer a ping
-is really unresponsive, not busy. Every other method stays in the default group, one call at a time.
+The actor stays a plain (single-threaded) actor: calls run one at a time on its main thread. A health
+ping in a concurrency group of its own would not queue behind a step, but it turns the actor into a
+threaded one whose steps ran about 25% slower on the 2-core CPU (torch on a non-main thread); the
+executor instead skips the ping while a step is in flight (ray_executor.py).
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
-
-
-HEALTH_GROUP = "health"
-CONCURRENCY_GROUPS = {HEALTH_GROUP: 1}
 
 
 class RayWorkerBody:
@@ -77,9 +74,8 @@ class RayWorkerBody:
     def num_sequences(self) -> int:
         return self._get().num_sequences()
 
-    @ray.method(concurrency_group=HEALTH_GROUP)
     def ping(self) -> int:
-        """Liveness only (reads no Worker state, so it is safe next to a running step): the rank."""
+        """Liveness only (reads no Worker state): the rank."""
         return self._rank
 
     def shutdown(self) -> None:
@@ -88,4 +84,4 @@ class RayWorkerBody:
             self._worker = None
 
 
-RayWorker = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RayWorkerBody)
+RayWorker = ray.remote(RayWorkerBody)

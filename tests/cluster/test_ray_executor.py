@@ -81,44 +81,22 @@ def test_tp2_across_two_simulated_nodes_with_spread_matches_local(tiny_llama_pat
     assert result["leaks"] == [0, 0]
 
 
-def test_rank_ping_answers_while_a_step_is_running(ray_session, tiny_llama_path):
-    """Health pings run in the ranks' own concurrency group, so they never queue behind a step (a busy
-    rank used to look unresponsive and /health said 503 under normal load). The "step" here is a
-    default-group call held open by a signal actor, so the test controls the pace."""
-    import asyncio
+def test_health_does_not_ping_ranks_during_a_step():
+    """An actor runs one call at a time, so a ping sent during a step would wait for it (and /health
+    said 503 under normal load): while execute() is in flight, check_health leaves the ranks alone.
+    White-box: the executor's state is set directly, its ranks are stand-ins that fail when pinged."""
+    from pagedray.cluster.ray_executor import RayExecutor
 
-    from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig
-    from pagedray.workers.ray_worker import CONCURRENCY_GROUPS, RayWorkerBody
+    class NotToBePinged:
+        class ping:
+            @staticmethod
+            def remote():
+                raise AssertionError("a rank was pinged during a step")
 
-    ray = ray_session
-
-    @ray.remote(num_cpus=0)
-    class Signal:
-        def __init__(self):
-            self.event = asyncio.Event()
-
-        async def send(self):
-            self.event.set()
-
-        async def wait(self):
-            await self.event.wait()
-
-    class BlockingWorkerBody(RayWorkerBody):
-        def block_until(self, signal) -> str:   # the default group, like execute_bytes
-            ray.get(signal.wait.remote())
-            return "released"
-
-    config = EngineConfig(model=ModelConfig(model=tiny_llama_path), cache=CacheConfig(block_size=8, num_blocks=16))
-    actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(BlockingWorkerBody).options(num_cpus=0).remote(config)
-    signal = Signal.remote()
-    try:
-        assert ray.get(actor.ping.remote()) == 0          # started (the worker is built)
-        blocked = actor.block_until.remote(signal)
-        assert ray.get(actor.ping.remote()) == 0          # answered while the default group is busy
-        ready, _ = ray.wait([blocked], timeout=0)
-        assert not ready                                  # ... which it still was
-        signal.send.remote()
-        assert ray.get(blocked) == "released"
-    finally:
-        ray.kill(actor)
-        ray.kill(signal)
+    executor = RayExecutor.__new__(RayExecutor)
+    executor._closed, executor._rebuilding, executor.tp_size = False, False, 2
+    executor.actors, executor._steps_in_flight = [NotToBePinged(), NotToBePinged()], 1
+    executor.check_health()                      # returns at once: no ping
+    executor._steps_in_flight = 0
+    with pytest.raises(AssertionError, match="pinged"):
+        executor.check_health()                  # between steps the ranks are pinged
