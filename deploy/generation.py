@@ -19,6 +19,7 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -126,8 +127,11 @@ async def stream_choices(engine: EngineClient, request_id: str, prepared: Prepar
 _END = object()
 
 
-async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """Interleave several async iterators as (stream index, item); closes them all on exit."""
+async def merge_streams(streams: list[AsyncIterator], window: int | None = None) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators as (stream index, item); closes them all on exit.
+
+    With ``window``, at most that many streams are iterated at once (an async generator only starts its
+    work when first iterated); the next one starts, in order, when one ends."""
     if len(streams) == 1:
         async with aclosing(streams[0]) as only:
             async for item in only:
@@ -145,13 +149,23 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
         finally:
             await queue.put((i, _END))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    waiting = collections.deque(enumerate(streams))
+    tasks: list[asyncio.Task] = []
+
+    def start_next() -> None:
+        i, stream = waiting.popleft()
+        tasks.append(asyncio.create_task(pump(i, stream)))
+
+    for _ in range(len(streams) if window is None else min(window, len(streams))):
+        start_next()
     try:
-        remaining = len(tasks)
+        remaining = len(streams)
         while remaining:
             i, item = await queue.get()
             if item is _END:
                 remaining -= 1
+                if waiting:
+                    start_next()
             elif isinstance(item, Exception):
                 raise item
             else:
@@ -160,6 +174,8 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for _, stream in waiting:   # never started: nothing was sent to the engine
+            await stream.aclose()
 
 
 class PrefetchedStream:

@@ -13,6 +13,11 @@ it for that thread, never ``/health`` or the streams already running. One thread
 Face fast tokenizer is not safe to call from several threads at once; prompts too long for the
 context are refused before tokenizing (``ModelLimits.max_prompt_chars``), which bounds the wait.
 
+A request with several prompts sends them to the engine at most ``SEQUENCES_IN_FLIGHT_PER_REQUEST // n``
+at a time (at least one; the next prompt goes when one finishes), so one batch request cannot take
+every engine seat and leave other clients' requests waiting behind its whole batch. Admission errors
+of the later prompts (429) then arrive mid-response, like any engine error after the first output.
+
 Metrics: every request is counted once in ``pagedray_requests_total`` by outcome; token counts and
 latencies are recorded for every request that was admitted (also when it was aborted).
 """
@@ -106,6 +111,7 @@ class ChunkStream:
 
 
 PREPARE_THREADS = 1
+SEQUENCES_IN_FLIGHT_PER_REQUEST = 64   # half the engine's default max_num_seqs (128)
 
 
 class OpenAIService:
@@ -136,7 +142,8 @@ class OpenAIService:
         timer = RequestTimer()
         streams = [stream_choices(self.engine, f"{rid}-{i}", p, self.tokenizer, timer)
                    for i, p in enumerate(prepared)]
-        stream = PrefetchedStream(merge_streams(streams))
+        window = max(1, SEQUENCES_IN_FLIGHT_PER_REQUEST // prepared[0].params.n)
+        stream = PrefetchedStream(merge_streams(streams, window))
         try:
             await stream.prefetch()
         except BaseException:

@@ -328,3 +328,53 @@ def test_no_redirect_built_from_the_host_header(tokenizer):
                               follow_redirects=False)
         assert "location" not in response.headers
         assert_openai_error(response, 404, None)
+
+
+def test_a_batch_request_keeps_a_bounded_number_of_prompts_in_the_engine(tokenizer):
+    """48 prompts x n=4: at most SEQUENCES_IN_FLIGHT_PER_REQUEST // 4 = 16 prompts are in the engine at
+    once, and a short request from another client is served while the batch is still held there."""
+    from dataclasses import dataclass, field
+
+    from pagedray.deploy.service import SEQUENCES_IN_FLIGHT_PER_REQUEST
+
+    @dataclass
+    class GatedBatchEngine(ScriptedEngine):
+        gate: asyncio.Event = field(default_factory=asyncio.Event)
+        batch_in_flight: int = 0
+        most_in_flight: int = 0
+
+        async def generate(self, request_id, prompt_token_ids, params):
+            batch = params.max_tokens == 3          # the batch request's prompts wait for the gate
+            if batch:
+                self.batch_in_flight += 1
+                self.most_in_flight = max(self.most_in_flight, self.batch_in_flight)
+                await self.gate.wait()
+            try:
+                async for out in super().generate(request_id, prompt_token_ids, params):
+                    yield out
+            finally:
+                if batch:
+                    self.batch_in_flight -= 1
+
+    engine = GatedBatchEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
+    limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN)
+    app = create_api(OpenAIService(engine, tokenizer, limits, ServerMetrics()))
+    window = SEQUENCES_IN_FLIGHT_PER_REQUEST // 4
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            batch = asyncio.create_task(client.post("/v1/completions", json={
+                "prompt": [[7]] * 48, "n": 4, "max_tokens": 3}))
+            while engine.batch_in_flight < window:
+                await asyncio.sleep(0)
+            for _ in range(20):                      # let the ingress send more, if it were going to
+                await asyncio.sleep(0)
+            held = engine.batch_in_flight
+            short = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 1})
+            engine.gate.set()
+            return held, short, await batch
+
+    held, short, batch = asyncio.run(scenario())
+    assert held == window and engine.most_in_flight == window
+    assert short.status_code == 200 and batch.status_code == 200, batch.text
+    assert len(batch.json()["choices"]) == 48 * 4
