@@ -30,6 +30,10 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 import httpx
 
+# the polling sampler is test-support code, kept beside the tests that use it
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "deploy"))
+from burst_load import StatsSampler
+
 from benchmarks.common import machine
 from benchmarks.serving import PAGEDRAY_CLI, RunningServer, SystemSpec
 
@@ -37,41 +41,25 @@ API_KEY = "red-team-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-class HealthWatch:
-    """Polls /health in a thread; ``worst`` = the non-200 statuses seen, ``slowest_s`` = the slowest answer."""
+def health_watch(url: str) -> StatsSampler:
+    """A sampler (tests/deploy/burst_load.py) of (status, seconds) answers of GET /health every 0.25 s."""
+    client = httpx.Client(timeout=30, trust_env=False)
 
-    def __init__(self, url: str) -> None:
-        self.url, self.statuses, self.slowest_s = url, [], 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    def probe() -> tuple[object, float]:
+        start = time.monotonic()
+        try:
+            status = client.get(url + "/health").status_code
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+        return status, time.monotonic() - start
 
-    def _run(self) -> None:
-        with httpx.Client(timeout=30, trust_env=False) as client:
-            while not self._stop.is_set():
-                start = time.monotonic()
-                try:
-                    status = client.get(self.url + "/health").status_code
-                except httpx.HTTPError as exc:
-                    status = type(exc).__name__
-                self.slowest_s = max(self.slowest_s, time.monotonic() - start)
-                self.statuses.append(status)
-                self._stop.wait(0.25)
+    return StatsSampler(probe, period_s=0.25)
 
-    def __enter__(self) -> HealthWatch:
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> str:
-        bad = [s for s in self.statuses if s != 200]
-        return f"{len(self.statuses) - len(bad)}/{len(self.statuses)} ok, slowest {self.slowest_s:.1f} s"
-
-    @property
-    def healthy(self) -> bool:
-        return all(s == 200 for s in self.statuses)
+def health_summary(watch: StatsSampler) -> tuple[bool, str]:
+    ok = sum(status == 200 for status, _ in watch.samples)
+    slowest = max((seconds for _, seconds in watch.samples), default=0.0)
+    return ok == len(watch.samples), f"{ok}/{len(watch.samples)} ok, slowest {slowest:.1f} s"
 
 
 def post(url: str, body, timeout: float = 600.0, raw: bytes | None = None, path: str = "/v1/completions"):
@@ -223,7 +211,7 @@ def case_echo_token_ids(url):
     return "the decoded prompt, then the completion", repr(choice["text"][:40]), len(choice["text"]) > 0
 
 
-def case_open_surfaces(url, pid: int):
+def case_open_surfaces(url):
     redirect = httpx.get(url + "/v1/models/", headers={**AUTH, "Host": "evil.example.com"}, trust_env=False,
                          follow_redirects=False)
     routes = httpx.get(url + "/-/routes", trust_env=False).status_code
@@ -240,7 +228,7 @@ CASES = [("big prompts", case_big_prompts), ("long prefill", case_long_prefill),
          ("surrogate bytes", case_surrogate_bytes), ("header limits", case_header_limits),
          ("seeded n > 1", case_seeded_n), ("partial-character logprobs", case_partial_logprobs),
          ("batch next to a short request", case_batch_next_to_short), ("echo of token ids", case_echo_token_ids),
-         ("open surfaces", None)]
+         ("open surfaces", case_open_surfaces)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,16 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_healthy(args.startup_timeout)
         for name, fn in CASES:
             start = time.monotonic()
-            with HealthWatch(server.url) as watch:
+            with health_watch(server.url) as watch:
                 try:
-                    expected, observed, ok = fn(server.url) if fn else case_open_surfaces(server.url, server.proc.pid)
+                    expected, observed, ok = fn(server.url)
                 except Exception as exc:  # noqa: BLE001 - a crashed case is a defect of its own
                     expected, observed, ok = "the case runs", f"{type(exc).__name__}: {exc}", False
-            ok = ok and watch.healthy
+            healthy, health = health_summary(watch)
             rows.append({"case": name, "expected": expected, "observed": observed,
-                         "seconds": round(time.monotonic() - start, 1), "health_during": watch.summary(),
-                         "verdict": "ok" if ok else "DEFECT"})
-            print(f"{name:32} {rows[-1]['verdict']:7} {rows[-1]['seconds']:6.1f} s  health {watch.summary()}; "
+                         "seconds": round(time.monotonic() - start, 1), "health_during": health,
+                         "verdict": "ok" if ok and healthy else "DEFECT"})
+            print(f"{name:32} {rows[-1]['verdict']:7} {rows[-1]['seconds']:6.1f} s  health {health}; "
                   f"{observed}", flush=True)
     defects = sum(r["verdict"] != "ok" for r in rows)
     print(f"\n{len(rows)} cases, {defects} defects")

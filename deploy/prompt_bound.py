@@ -15,7 +15,7 @@ bound: None, and prompts are only checked after tokenizing.
 
 from __future__ import annotations
 
-import json
+from .token_bytes import backend_spec
 
 NFKC_SHRINK = 4
 _SHRINK_BY_TYPE = {"NFC": NFKC_SHRINK, "NFKC": NFKC_SHRINK, "NFD": 1, "NFKD": NFKC_SHRINK, "Prepend": 1}
@@ -46,10 +46,10 @@ def normalizer_shrink(spec: dict | None) -> int | None:
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
     """Characters above which a prompt cannot fit in ``max_model_len`` tokens; None when unknown."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    spec = backend_spec(tokenizer)
+    if spec is None:
         return None
-    shrink = normalizer_shrink(json.loads(backend.to_str()).get("normalizer"))
+    shrink = normalizer_shrink(spec.get("normalizer"))
     if shrink is None:
         return None
     vocab = tokenizer.get_vocab()

@@ -14,6 +14,7 @@ tokens never share a string.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -36,11 +37,17 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
 _UNICODE_TO_BYTE = _gpt2_unicode_to_byte()
 
 
-def _is_byte_level(tokenizer) -> bool:
+@functools.lru_cache(maxsize=4)   # parsed once per tokenizer: this module and prompt_bound.py read it
+def backend_spec(tokenizer) -> dict | None:
+    """The fast tokenizer's tokenizer.json as a dict (None for a slow tokenizer). Do not mutate it."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    return None if backend is None else json.loads(backend.to_str())
+
+
+def _is_byte_level(spec: dict | None) -> bool:
+    if spec is None:
         return False
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    decoder = spec.get("decoder") or {}
     kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
     return "ByteLevel" in kinds
 
@@ -48,7 +55,7 @@ def _is_byte_level(tokenizer) -> bool:
 class TokenBytes:
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._byte_level = _is_byte_level(tokenizer)
+        self._byte_level = _is_byte_level(backend_spec(tokenizer))
         self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self._cache: dict[int, bytes] = {}
 
