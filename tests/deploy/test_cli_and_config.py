@@ -108,3 +108,15 @@ def test_local_ray_declares_enough_logical_cpus_for_the_tp_group():
     assert local_ray_num_cpus(1, cores=2) == 2
     assert local_ray_num_cpus(2, cores=2) == 3
     assert local_ray_num_cpus(4, cores=16) == 16
+
+
+def test_direct_ingress_follows_serves_rule_and_pins_the_port():
+    from pagedray.deploy.cli import LOCAL_RAY_ENV, direct_ingress_env, uses_direct_ingress
+
+    assert uses_direct_ingress(LOCAL_RAY_ENV)   # a Ray started by the CLI: clients reach the replica itself
+    assert not uses_direct_ingress({})          # Serve's default: the proxy
+    assert not uses_direct_ingress({**LOCAL_RAY_ENV, "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"})
+    assert uses_direct_ingress({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"})
+    # Serve's port range is [min, max): exactly the one port asked for
+    assert direct_ingress_env(8000) == {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8000",
+                                        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8001"}
