@@ -18,13 +18,15 @@ Decisions:
   Serve per token, the same tokens.
 - Queue bound: a request is refused (QueueFullError) when the waiting requests seen after the last
   step plus the adds not yet applied reach ``max_waiting_requests``.
-- Health: EngineDeadError when the engine died (a failed step ended every request with "error"), the
-  step loop crashed, a step has run longer than ``config.step_timeout_s``, or the executor reports a
-  dead rank (also while it rebuilds its TP group after one).
-- Stall watchdog: a step still running after ``STALL_GRACE_FACTOR * step_timeout_s`` (and not rebuilding
+- Health: answered from state the step thread keeps (never queued behind a step): EngineDeadError when
+  the engine died (a failed step ended every request with "error"), the step loop crashed, a step has
+  run longer than its limit (``Engine.step_limit_s``: ``step_timeout_s`` plus ``step_timeout_per_token_s``
+  per token in the step), or the executor reports a dead rank (also while it rebuilds its TP group).
+  A step that is merely running is busy, not dead.
+- Stall watchdog: a step still running after ``STALL_GRACE_FACTOR`` x its limit (and not rebuilding
   a TP group) ends every stream with a final output of finish_reason "error" and marks this engine dead
   for good (health fails, new requests get EngineDeadError). The grace lets an executor that bounds its
-  own waits by step_timeout_s (Ray) fail the step itself and recover. The step thread cannot be
+  own waits by the step's limit (Ray) fail the step itself and recover. The step thread cannot be
   interrupted: once the stalled step returns, ``Engine.fail`` runs on it and frees every block.
 - ``drain(timeout_s)``: refuse new requests (EngineDrainingError), wait for in-flight ones; those
   still running at the timeout are aborted; then wait until the step loop is idle, so that pending
@@ -74,7 +76,7 @@ class AbortCommand:
     request_id: str
 
 
-STALL_GRACE_FACTOR = 2.0     # the watchdog ends the streams after this many step_timeout_s
+STALL_GRACE_FACTOR = 2.0     # the watchdog ends the streams after this many step limits
 WATCHDOG_POLL_S = 0.05
 
 
@@ -189,19 +191,19 @@ class AsyncEngine:
 
     async def _watch(self, step: asyncio.Future) -> bool:
         """Waits for a step; False when the watchdog declared it stalled (streams ended with "error")."""
-        limit = STALL_GRACE_FACTOR * self.config.step_timeout_s
         while not step.done():
             await asyncio.wait({step}, timeout=WATCHDOG_POLL_S)
             started = self._step_started
             if (not step.done() and started is not None and not self.engine.recovering
-                    and self._clock() - started > limit):
+                    and self._clock() - started > STALL_GRACE_FACTOR * self.engine.step_limit_s):
                 self._declare_stalled(self._clock() - started)
                 return False
         return True
 
     def _declare_stalled(self, elapsed: float) -> None:
-        message = (f"a step has not returned after {elapsed:.1f} s (step_timeout_s="
-                   f"{self.config.step_timeout_s}); the engine is marked dead")
+        message = (f"a step has not returned after {elapsed:.1f} s (its limit: {self.engine.step_limit_s:.1f} s "
+                   f"from step_timeout_s={self.config.step_timeout_s} + step_timeout_per_token_s="
+                   f"{self.config.step_timeout_per_token_s} per token); the engine is marked dead")
         self._stalled = EngineDeadError(message)
         self._pool.submit(self.engine.fail, self._stalled)   # runs once the stalled step returns
         for request_id, queue in self._streams.items():
@@ -270,10 +272,11 @@ class AsyncEngine:
             self.engine.check_health()
         if self.engine.recovering:
             raise EngineDeadError("a TP rank failed; the TP group is being rebuilt (in-flight requests resume after)")
-        started = self._step_started
-        if started is not None and self._clock() - started > self.config.step_timeout_s:
-            raise EngineDeadError(f"a step has been running for more than step_timeout_s="
-                                  f"{self.config.step_timeout_s} s")
+        started, limit = self._step_started, self.engine.step_limit_s
+        if started is not None and self._clock() - started > limit:
+            raise EngineDeadError(f"a step has been running for more than its limit of {limit:.1f} s "
+                                  f"(step_timeout_s={self.config.step_timeout_s} + step_timeout_per_token_s="
+                                  f"{self.config.step_timeout_per_token_s} per token)")
         await asyncio.to_thread(self.engine.executor.check_health)
 
     async def stats(self) -> EngineStats:

@@ -20,6 +20,10 @@ Decisions:
   marks the engine dead: later calls raise EngineDeadError. Nothing hangs.
 - ``abort`` frees the request's blocks at once; its final output (finish_reason "abort") is
   returned by the next ``step()``.
+- Step time limit: ``step_limit_s`` is the current step's ``config.step_limit_s(tokens scheduled)``
+  (``step_timeout_s`` plus ``step_timeout_per_token_s`` per token), set before the executor runs the
+  plan: a 2,048-token prefill chunk may take longer than a decode step without counting as stalled.
+  AsyncEngine's health and watchdog read it from the event loop (one float, replaced whole).
 - When sequences were released and nothing else is scheduled, a plan with only
   ``released_seq_ids`` is still sent so that worker mirrors never outlive their sequences.
 """
@@ -50,6 +54,7 @@ logger = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
+        self.step_limit_s = config.step_limit_s(0)   # the running (or last) step's time limit
         self.model_path = resolve_model_path(config.model.model)
         self.model_info = model_info(self.model_path)
         self.executor = executor if executor is not None else create_executor(config)
@@ -128,6 +133,7 @@ class Engine:
         if not plan.new_seqs and not plan.running and not plan.released_seq_ids:
             return outputs
         self._num_steps += 1
+        self.step_limit_s = self.config.step_limit_s(plan.num_scheduled_tokens)
         try:
             result = self.executor.execute(plan)
             if result.step_id != plan.step_id:

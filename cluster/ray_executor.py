@@ -19,7 +19,8 @@ default (``ParallelConfig.ray_transport="actor"``): the compiled graph's ranks p
 keep a core busy even while the engine is idle (a TP worker at full CPU under an idle
 ``pagedray serve``), which costs far more than the round trip it saves.
 
-Every wait is bounded by ``config.step_timeout_s`` so a stalled rank fails the step instead of hanging.
+Every wait is bounded (a step's by ``config.step_limit_s(tokens in the step)``) so a stalled rank fails the
+step instead of hanging.
 ``shutdown`` tears the compiled graph down, kills the actors and removes the placement group if this
 executor created it.
 
@@ -191,12 +192,13 @@ class RayExecutor:
         if self._closed:
             raise EngineDeadError("the Ray executor has been shut down")
         data = encode_plan(plan)
+        timeout = self.config.step_limit_s(plan.num_scheduled_tokens)
         self._steps_in_flight += 1
         try:
             if self._graph is not None:
-                replies = [ref.get(timeout=self._timeout) for ref in self._graph.execute(data)]
+                replies = [ref.get(timeout=timeout) for ref in self._graph.execute(data)]
             else:
-                replies = ray.get([a.execute_bytes.remote(data) for a in self.actors], timeout=self._timeout)
+                replies = ray.get([a.execute_bytes.remote(data) for a in self.actors], timeout=timeout)
         except Exception as exc:
             failure = self._classify_failure(exc)
             if failure is exc:

@@ -11,9 +11,10 @@ from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelCon
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 
-def _engine(path, executor, step_timeout_s=60.0, clock=None, stream_interval=1):
+def _engine(path, executor, step_timeout_s=60.0, clock=None, stream_interval=1, step_timeout_per_token_s=0.0):
     config = EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(block_size=8, num_blocks=64),
-                          step_timeout_s=step_timeout_s, stream_interval=stream_interval)
+                          step_timeout_s=step_timeout_s, step_timeout_per_token_s=step_timeout_per_token_s,
+                          stream_interval=stream_interval)
     if clock is None:
         return AsyncEngine(config, executor=executor)
     return AsyncEngine(config, executor=executor, clock=clock)
@@ -143,6 +144,37 @@ def test_slow_step_fails_health_check_until_it_returns(tiny_llama_path):
         assert asyncio.run(main()) == [4, 5]
     finally:
         engine.shutdown()
+
+
+def test_step_limit_grows_with_the_tokens_in_the_step(tiny_llama_path):
+    # a 40-token prefill step gets 1 s + 40 x 0.1 s: busy, not dead, where a decode step's limit has passed
+    fake, clock = GatedFakeExecutor(64), FakeClock()
+    engine = _engine(tiny_llama_path, fake, step_timeout_s=1.0, clock=clock, step_timeout_per_token_s=0.1)
+
+    async def main():
+        task = asyncio.create_task(_consume(engine, "a", list(range(3, 43)), 2))
+        await asyncio.to_thread(fake.entered.wait, 60)
+        assert engine.engine.step_limit_s == pytest.approx(5.0)
+        clock.advance(4.5)
+        await engine.check_health()                      # past 1 s, within the prefill's 5 s
+        clock.advance(1.0)
+        with pytest.raises(EngineDeadError, match="its limit of 5.0 s"):
+            await engine.check_health()
+        fake.gate.set()
+        tokens, _ = await task
+        assert engine.engine.step_limit_s == pytest.approx(1.1)   # the last step decoded one token
+        await engine.check_health()
+        return tokens
+    try:
+        assert asyncio.run(main()) == [43, 44]
+    finally:
+        engine.shutdown()
+
+
+def test_step_limit_config_is_validated():
+    with pytest.raises(ValueError, match="step_timeout_per_token_s"):
+        EngineConfig(step_timeout_per_token_s=-0.1)
+    assert EngineConfig(step_timeout_s=10.0, step_timeout_per_token_s=0.5).step_limit_s(4) == 12.0
 
 
 def test_drain_refuses_new_requests_and_finishes_in_flight(tiny_llama_path):

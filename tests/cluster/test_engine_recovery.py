@@ -92,7 +92,7 @@ def test_async_engine_reports_unhealthy_while_rebuilding_and_streams_resume(tiny
     expected, _, _ = _run(_engine(tiny_llama_path, FakeExecutor(32)))
     fake = RecoverableFakeExecutor(32, fail_at_steps=(2,), rebuild_s=rebuild_s)
     config = EngineConfig(model=ModelConfig(model=tiny_llama_path), cache=CacheConfig(block_size=8, num_blocks=32),
-                          step_timeout_s=step_timeout_s)
+                          step_timeout_s=step_timeout_s, step_timeout_per_token_s=0.0)
     engine = AsyncEngine(config, executor=fake)
 
     async def consume(rid):

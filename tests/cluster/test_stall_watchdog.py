@@ -27,7 +27,7 @@ async def _collect(engine, rid, prompt, max_tokens, n=1):
 def test_stalled_step_fails_health_then_ends_streams_with_error_and_frees_blocks(tiny_llama_path):
     fake, clock = SleepingFakeExecutor(64, sleep_at_step=2, max_sleep_s=120), FakeClock()
     config = EngineConfig(model=ModelConfig(model=tiny_llama_path), cache=CacheConfig(block_size=8, num_blocks=64),
-                          step_timeout_s=STEP_TIMEOUT_S)
+                          step_timeout_s=STEP_TIMEOUT_S, step_timeout_per_token_s=0.0)
     engine = AsyncEngine(config, executor=fake, clock=clock)
 
     async def main():

@@ -130,8 +130,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    step_timeout_s: float = option(60.0, "a step running longer marks the engine unhealthy (2x: every stream "
-                                         "ends with an error)")
+    step_timeout_s: float = option(60.0, "a step running longer than this plus step_timeout_per_token_s x its "
+                                         "tokens marks the engine unhealthy (2x: every stream ends with an error)")
+    step_timeout_per_token_s: float = option(0.02, "the step time limit's allowance per token scheduled in the step "
+                                                   "(a long prefill may take longer than a decode step)")
     seed: int = option(0, "seed of the sampling noise of requests without their own seed")
     stream_interval: int = option(1, "serving streams send a request's new tokens every this many steps "
                                      "(its first and last output at once); more steps per message cost the "
@@ -143,6 +145,8 @@ class EngineConfig:
         self.parallel.validate()
         self.scheduler.validate()
         _require(self.step_timeout_s > 0, f"step_timeout_s: must be > 0, got {self.step_timeout_s!r}")
+        _require(self.step_timeout_per_token_s >= 0,
+                 f"step_timeout_per_token_s: must be >= 0, got {self.step_timeout_per_token_s!r}")
         _require(type(self.stream_interval) is int and self.stream_interval >= 1,   # noqa: E721
                  f"stream_interval: must be an integer >= 1, got {self.stream_interval!r}")
         if self.model.max_model_len is not None and self.cache.num_blocks is not None:
@@ -151,6 +155,10 @@ class EngineConfig:
                      f"max_model_len: {self.model.max_model_len} tokens do not fit in num_blocks="
                      f"{self.cache.num_blocks} x block_size={self.cache.block_size}; lower max_model_len "
                      "or raise num_blocks")
+
+    def step_limit_s(self, num_tokens: int) -> float:
+        """How long a step that schedules ``num_tokens`` tokens may run before it counts as stalled."""
+        return self.step_timeout_s + self.step_timeout_per_token_s * num_tokens
 
 
 # EngineConfig's sections by field name (the engine's keyword routing and deploy/options.py read it)
