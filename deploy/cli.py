@@ -35,8 +35,9 @@ Decisions:
   started here pins the replica's HTTP port range to ``--port`` (``direct_ingress_env``), so the
   replica's own uvicorn server answers there, and Serve's proxy, which Serve still starts on the head
   node, listens on a free port next to it that nothing needs. This takes the proxy's Ray hop off every
-  streamed chunk: on the 2-core CPU machine the proxy had cost ~5% of the machine's CPU during a load
-  and the ingress ~25% more CPU per token (benchmarks/serving_profile.py). Ports of a released
+  streamed chunk: on the 2-core CPU machine the proxy had cost ~3% of the machine's CPU during a load
+  and the ingress ~35% more CPU per token (benchmarks/serving_profile.py); the serving benchmark's
+  default row went from 0.86x to 0.97x the peer (README). Ports of a released
   replica are not quarantined here (``RAY_SERVE_PORT_QUARANTINE_S=0``: no HAProxy routes to them), so
   a replaced ingress replica gets ``--port`` back at once. One ingress replica per node can hold the
   port; ``RAY_SERVE_ENABLE_DIRECT_INGRESS=0`` in the environment (or ``--address``, joining a cluster
