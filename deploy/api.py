@@ -1,7 +1,8 @@
 """The FastAPI application of the ingress: routes, API-key auth, body-size limit, error bodies.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with ``stream: true`` -> SSE),
-GET /v1/models, GET /health, GET /metrics.
+GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /health,
+GET /metrics.
 
 Decisions:
 - Bodies are read and decoded here (not by FastAPI's model binding) so that oversized bodies get
@@ -178,6 +179,23 @@ def create_api(service: OpenAIService, api_key: str | None = None,
     async def models(request: Request):
         check_api_key(request, api_key)
         return JSONResponse(service.models())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        if not model_id:   # "/v1/models/": an unknown route, like any other trailing slash
+            raise StarletteHTTPException(404, "Not Found")
+        check_api_key(request, api_key)
+        return JSONResponse(service.model(model_id))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        check_api_key(request, api_key)
+        return JSONResponse(await service.tokenize(await read_json_body(request, max_body_bytes)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        check_api_key(request, api_key)
+        return JSONResponse(await service.detokenize(await read_json_body(request, max_body_bytes)))
 
     @app.get("/health")
     async def health() -> Response:

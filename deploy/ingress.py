@@ -148,6 +148,14 @@ class OpenAIIngress:
         async for chunk in self.completions_stream({**(params or {}), "prompt": prompt}):
             yield chunk
 
+    async def tokenize(self, body: dict) -> dict:
+        """POST /tokenize as a Python call: ``{"prompt": ...}`` or ``{"messages": [...]}``."""
+        return await self._service.tokenize(body)
+
+    async def detokenize(self, body: dict) -> dict:
+        """POST /detokenize as a Python call: ``{"tokens": [...]}`` -> ``{"prompt": text}``."""
+        return await self._service.detokenize(body)
+
     async def drain(self, timeout_s: float = GRACEFUL_SHUTDOWN_S) -> DrainReport:
         """Drain the engine replica this call reaches (see engine_deployment.py): new requests get 503,
         the ones in flight get ``timeout_s`` to finish. With one engine replica: the whole app."""

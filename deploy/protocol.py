@@ -4,9 +4,15 @@ Decisions:
 - Requests are validated in *strict* mode: ``"5"`` is not an integer and ``true`` is not a number,
   so a client with a type bug gets a 400 naming the field instead of a silent coercion. Integers are
   accepted where a float is expected (JSON has one number type).
-- Unknown fields are ignored (OpenAI clients send fields this server does not use, e.g. ``user``);
-  known-but-unsupported ones (``suffix``, ``logit_bias``, ``best_of`` != n, ``tools``) are rejected
-  with a 400 by ``validation.py`` rather than silently ignored.
+- Fields (one rule, ``validation.check_fields``): an OpenAI or vLLM request field that asks for a
+  behaviour this server does not implement (``response_format`` other than text, ``tools``,
+  ``tool_choice``, ``structured_outputs``, ``guided_*``, ``logit_bias``, ``min_tokens``,
+  ``prompt_logprobs``, ``suffix``, ...) is a 400 naming the field, so a client never gets a 200 that
+  ignored what it asked for; the same field with its "nothing asked" value (``{"type": "text"}``,
+  ``"none"``, ``null``, an empty list) is accepted. Fields that change nothing in the output
+  (``user``, ``metadata``, ``service_tier``, ``parallel_tool_calls``) and fields unknown to both APIs
+  are accepted and ignored (the top-level request models keep them in ``model_extra``, where the
+  check looks).
 - Integer fields must fit in int64 (``Int64``); messages other than the assistant's need ``content``.
 - Value ranges (temperature >= 0, top_p in (0, 1], ...) are checked once, by ``SamplingParams``;
   these models only check shapes and types.
@@ -36,7 +42,9 @@ class StreamOptions(_Request):
 
 
 class SamplingFields(_Request):
-    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (other fields: model_extra)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
     max_tokens: Int64 | None = None
@@ -101,7 +109,41 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """POST /tokenize with chat messages (vLLM's shape): the prompt the chat template renders."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Int64]
+
+
 # ---------------------------------------------------------------- responses
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class UsageInfo(BaseModel):

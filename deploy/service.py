@@ -47,8 +47,26 @@ from .openai_format import (
     usage_chunk_chat,
     usage_chunk_completion,
 )
-from .protocol import ChatCompletionRequest, ChatDelta, CompletionRequest, ModelCard, ModelList
-from .validation import ModelLimits, PreparedRequest, prepare_chat, prepare_completion
+from .protocol import (
+    ChatCompletionRequest,
+    ChatDelta,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from .validation import (
+    ModelLimits,
+    PreparedRequest,
+    check_model,
+    check_token_ids,
+    prepare_chat,
+    prepare_completion,
+)
 
 
 def parse_body(model_cls, body):
@@ -130,11 +148,12 @@ class OpenAIService:
     def _decode_prompt(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template; use /v1/completions",
                               param="messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _admit(self, prefix: str, prepared: list[PreparedRequest]) -> _Run:
@@ -256,10 +275,54 @@ class OpenAIService:
             use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
             yield usage_chunk_chat(rid, created, model, use).model_dump()
 
+    # ------------------------------------------------------------------ tokenizer endpoints
+    def _tokenize(self, body) -> dict:
+        if isinstance(body, dict) and "messages" in body:
+            chat = parse_body(TokenizeChatRequest, body)
+            check_model(chat.model, self.limits)
+            token_ids = self._render_chat([{"role": m.role, "content": m.text()} for m in chat.messages],
+                                          chat.add_generation_prompt)
+            with_strs = chat.return_token_strs
+        else:
+            req = parse_body(TokenizeCompletionRequest, body)
+            check_model(req.model, self.limits)
+            token_ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            with_strs = req.return_token_strs
+        strs = self.tokenizer.convert_ids_to_tokens(token_ids) if with_strs else None
+        return TokenizeResponse(count=len(token_ids), max_model_len=self.limits.max_model_len, tokens=token_ids,
+                                token_strs=strs).model_dump()
+
+    def _detokenize(self, body) -> dict:
+        req = parse_body(DetokenizeRequest, body)
+        check_model(req.model, self.limits)
+        check_token_ids(req.tokens, self.limits.vocab_size, "tokens")
+        return DetokenizeResponse(prompt=self._decode_prompt(req.tokens)).model_dump()
+
+    async def _on_prepare_thread(self, work: Callable, body) -> dict:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, work, body)
+        except Exception as exc:
+            raise to_api_error(exc) from exc
+
+    async def tokenize(self, body) -> dict:
+        """POST /tokenize (vLLM's shapes): a prompt, or chat messages rendered by the chat template."""
+        return await self._on_prepare_thread(self._tokenize, body)
+
+    async def detokenize(self, body) -> dict:
+        """POST /detokenize: token ids -> text (special tokens kept, as the prompt echo shows them)."""
+        return await self._on_prepare_thread(self._detokenize, body)
+
     # ------------------------------------------------------------------ models, health, metrics
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.limits.served_name, created=0, max_model_len=self.limits.max_model_len)
+
     def models(self) -> dict:
-        card = ModelCard(id=self.limits.served_name, created=0, max_model_len=self.limits.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[self._model_card()]).model_dump()
+
+    def model(self, model_id: str) -> dict:
+        """GET /v1/models/{id}: the model card for any name this model is served under; 404 otherwise."""
+        check_model(model_id, self.limits)
+        return self._model_card().model_dump()
 
     async def check_health(self) -> None:
         await self.engine.check_health()

@@ -63,15 +63,61 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
                               param=param)
 
 
-def _check_unsupported(req: SamplingFields) -> None:
-    if req.logit_bias:
-        raise bad_request("logit_bias: not supported", param="logit_bias")
+def _asks_nothing(value) -> bool:
+    return value is None or value is False or value == [] or value == {} or value == ""
+
+
+_GRAMMAR = "structured output (a grammar-constrained sampler) is not supported"
+# OpenAI / vLLM request fields whose behaviour this server does not implement: field -> (the check that
+# a value asks for nothing, why a value that asks for something is refused)
+UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "response_format": (lambda v: v is None or v == {"type": "text"}, _GRAMMAR + "; only {'type': 'text'}"),
+    "structured_outputs": (_asks_nothing, _GRAMMAR),
+    "guided_json": (_asks_nothing, _GRAMMAR), "guided_regex": (_asks_nothing, _GRAMMAR),
+    "guided_choice": (_asks_nothing, _GRAMMAR), "guided_grammar": (_asks_nothing, _GRAMMAR),
+    "tools": (_asks_nothing, "tool calling is not supported"),
+    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported; only 'none'"),
+    "functions": (_asks_nothing, "function calling is not supported"),
+    "function_call": (lambda v: v is None or v == "none", "function calling is not supported; only 'none'"),
+    "logit_bias": (_asks_nothing, "not supported"),
+    "min_tokens": (lambda v: v is None or v == 0, "not supported"),
+    "prompt_logprobs": (_asks_nothing, "prompt logprobs are not computed"),
+    "suffix": (_asks_nothing, "not supported"),
+    "audio": (_asks_nothing, "text output only"),
+    "modalities": (lambda v: v is None or v == ["text"], "text output only; only ['text']"),
+    "prediction": (_asks_nothing, "predicted outputs are not supported"),
+    "web_search_options": (_asks_nothing, "web search is not supported"),
+    "reasoning_effort": (_asks_nothing, "not supported"),
+    "store": (_asks_nothing, "stored completions are not supported"),
+}
+
+
+# vLLM's chat-only extensions that would change the prompt or the output
+CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "echo": (_asks_nothing, "not supported on chat"),
+    "continue_final_message": (_asks_nothing, "not supported"),
+    "add_special_tokens": (_asks_nothing, "not supported on chat (the chat template adds them)"),
+    "chat_template": (_asks_nothing, "the model's own chat template is used"),
+    "chat_template_kwargs": (_asks_nothing, "not supported"),
+    "documents": (_asks_nothing, "not supported"),
+}
+# vLLM's completion-only extension: the tokenizer's special tokens are always added
+COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "add_special_tokens": (lambda v: v is None or v is True, "only true (the default) is supported"),
+}
+
+
+def check_fields(req: SamplingFields) -> None:
+    """400 naming the first field (typed or extra) that asks for a behaviour this server does not
+    implement (UNSUPPORTED_FIELDS and the endpoint's own table)."""
+    extra = req.model_extra or {}
+    own = CHAT_UNSUPPORTED_FIELDS if isinstance(req, ChatCompletionRequest) else COMPLETION_UNSUPPORTED_FIELDS
+    for name, (asks_nothing, why) in {**UNSUPPORTED_FIELDS, **own}.items():
+        value = extra.get(name) if name in extra else getattr(req, name, None)
+        if not asks_nothing(value):
+            raise bad_request(f"{name}: {why}", param=name)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of: only best_of == n is supported", param="best_of")
-    if getattr(req, "suffix", None):
-        raise bad_request("suffix: not supported", param="suffix")
-    if getattr(req, "tools", None):
-        raise bad_request("tools: tool calling is not supported", param="tools")
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -142,7 +188,7 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
     """One PreparedRequest per prompt of a /v1/completions request (``decode``: token ids -> the text
     that ``echo`` shows for a token-id prompt)."""
     check_model(req.model, limits)
-    _check_unsupported(req)
+    check_fields(req)
     if req.echo and req.logprobs is not None:
         raise bad_request("echo: echo together with logprobs is not supported", param="echo")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
@@ -190,16 +236,16 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
-                 render: Callable[[list[dict]], list[int]]) -> PreparedRequest:
+                 render: Callable[[list[dict], bool], list[int]]) -> PreparedRequest:
     """Validate a /v1/chat/completions request; ``render`` applies the chat template and tokenizes."""
     check_model(req.model, limits)
-    _check_unsupported(req)
+    check_fields(req)
     logprobs = chat_logprobs(req)
     stops = stop_strings(req.stop)
     check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     _check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
-    token_ids = render(messages)
+    token_ids = render(messages, req.add_generation_prompt)
     if not token_ids:
         raise bad_request("messages: the chat template produced an empty prompt", param="messages")
     if len(token_ids) >= limits.max_model_len:

@@ -189,6 +189,58 @@ def test_models_and_unknown_route(client_and_engine):
     assert_openai_error(client.get("/v1/nothing"), 404, None)
 
 
+def test_fields_that_ask_for_nothing_and_unknown_fields_are_accepted(client_and_engine):
+    client, engine = client_and_engine
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none", "tools": []},
+                  {"parallel_tool_calls": False}, {"store": False, "metadata": {"k": "v"}, "user": "u"},
+                  {"service_tier": "auto", "modalities": ["text"]}, {"some_future_field": {"x": 1}}):
+        response = client.post("/v1/chat/completions", json={**chat, **extra})
+        assert response.status_code == 200, (extra, response.text)
+    completion = {"prompt": "x", "max_tokens": 2, "min_tokens": 0, "logit_bias": {}, "add_special_tokens": True}
+    assert client.post("/v1/completions", json=completion).status_code == 200
+
+
+def test_add_generation_prompt_false_renders_without_the_assistant_header(client_and_engine, tokenizer):
+    client, engine = client_and_engine
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "max_tokens": 1, "add_generation_prompt": False}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert engine.calls[-1][1] == tokenizer.encode(rendered, add_special_tokens=False)
+    with_header = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered != with_header
+
+
+def test_model_by_id(client_and_engine):
+    client, _ = client_and_engine
+    card = client.get(f"/v1/models/{MODEL}").json()
+    assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", MAX_MODEL_LEN)
+    assert client.get("/v1/models/default").json()["id"] == MODEL   # an alias names the same model
+    response = client.get("/v1/models/other-model")
+    assert_openai_error(response, 404, "model")
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_and_detokenize(client_and_engine, tokenizer):
+    client, engine = client_and_engine
+    calls = len(engine.calls)
+    body = client.post("/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True}).json()
+    assert body["tokens"] == tokenizer.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False) and chat["token_strs"] is None
+    back = client.post("/detokenize", json={"tokens": chat["tokens"]}).json()
+    assert back == {"prompt": rendered}
+    assert_openai_error(client.post("/detokenize", json={"tokens": [VOCAB]}), 400, "tokens")
+    assert_openai_error(client.post("/tokenize", json={"prompt": 5}), 400, "prompt")
+    assert_openai_error(client.post("/tokenize", json={"prompt": "x", "model": "nope"}), 404, "model")
+    assert len(engine.calls) == calls   # the engine is never involved
+
+
 def test_metrics_text_counts_outcomes(tokenizer):
     client, _ = make_client(tokenizer)
     client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})

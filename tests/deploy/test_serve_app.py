@@ -150,6 +150,26 @@ def test_models_health_and_auth(app, http):
         assert_openai_error(anonymous.get("/v1/models"), 401, None)
 
 
+def test_model_retrieve_tokenize_and_unsupported_fields(client, app, http, default_model_path):
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    assert client.models.retrieve(app.model).id == app.model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    tokens = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    assert tokens == AutoTokenizer.from_pretrained(default_model_path).encode(PROMPTS[0])
+    assert http.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == PROMPTS[0]
+    handle = serve.get_app_handle(app.name)
+    assert handle.tokenize.remote({"prompt": PROMPTS[0]}).result()["tokens"] == tokens
+    assert handle.detokenize.remote({"tokens": tokens}).result() == {"prompt": PROMPTS[0]}
+    # JSON mode is not implemented: a 400 naming the field, never free text with a 200
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=app.model, messages=CHAT, max_tokens=4,
+                                       response_format={"type": "json_object"})
+    assert info.value.body["param"] == "response_format"
+
+
 def test_handle_plain_and_streaming(app, http, offline_greedy):
     from ray import serve
 
