@@ -99,6 +99,9 @@ class Engine:
                     or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token {bad!r} is not an id in [0, {vocab})")
+        biased = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if biased is not None:
+            raise ValueError(f"logit_bias: token {biased} is not an id in [0, {vocab})")
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       priority: int = 0) -> None:

@@ -22,7 +22,8 @@ step — possibly the sequence itself. The victim's blocks are freed at once, it
 tokens, is put back at the FRONT of the waiting queue and ``num_preemptions`` is incremented.
 
 Stop rules (checked after each sampled token, in this order): EOS (unless ``ignore_eos``) or a stop
-token id -> "stop"; ``max_tokens`` outputs or ``max_model_len`` total tokens -> "length".
+token id -> "stop", once more than ``min_tokens`` tokens are out (the Sampler bans them before);
+``max_tokens`` outputs or ``max_model_len`` total tokens -> "length".
 Admission: prompts must be non-empty and shorter than ``max_model_len`` (ValueError otherwise).
 
 Invariant: every sequence in ``running`` is registered with the BlockManager and holds exactly
@@ -285,8 +286,9 @@ class Scheduler:
         if seq.request.params.logprobs is not None:
             seq.output_logprobs.append(token)
         params = seq.request.params
-        if (not params.ignore_eos and token.token_id in self.eos_token_ids) \
-                or token.token_id in params.stop_token_ids:
+        stoppable = len(seq.output_token_ids) > params.min_tokens   # min_tokens outputs, then this one
+        if stoppable and ((not params.ignore_eos and token.token_id in self.eos_token_ids)
+                          or token.token_id in params.stop_token_ids):
             self._finish(seq, FinishReason.STOP)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH)

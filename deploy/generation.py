@@ -7,7 +7,9 @@ engine, or a stop string seen here) it stops consuming, which cancels the engine
 aborts the request in the engine: its KV blocks are freed within one step.
 
 Decisions:
-- A stop string finishes its choice with ``finish_reason="stop"``; the text is cut before it. With
+- A stop string finishes its choice with ``finish_reason="stop"``; the text is cut before it. The text
+  of a choice's first ``min_tokens`` tokens is not searched (vLLM's rule: no stop rule applies before
+  ``min_tokens``), so a stop string ends a choice only in the text that follows them. With
   n > 1 the engine request is aborted only once every choice has finished; tokens that a choice
   stopped by a stop string still receives are dropped (and not counted in usage).
 - A stop token id that ended a choice is not shown in the text (EOS is hidden anyway: special
@@ -79,16 +81,21 @@ class RequestTimer:
 
 
 class _ChoiceState:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...], min_tokens: int = 0) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self.matcher = StopStringMatcher(stop)
         self.finished = False
+        self.unprotected_after = min_tokens   # the first min_tokens tokens' text is never matched
+        self.num_tokens = 0
 
     def advance(self, out: CompletionOutput, hidden_ids: frozenset[int]) -> ChoiceDelta:
         visible = out.token_ids
         if out.finish_reason == "stop" and visible and visible[-1] in hidden_ids:
             visible = visible[:-1]
-        text = self.matcher.feed(self.detokenizer.add(visible))
+        protected = max(0, min(len(visible), self.unprotected_after - self.num_tokens))
+        self.num_tokens += len(out.token_ids)
+        text = self.detokenizer.add(visible[:protected]) if protected else ""
+        text += self.matcher.feed(self.detokenizer.add(visible[protected:]))
         finish_reason = None
         if self.matcher.stopped:
             finish_reason = "stop"
@@ -104,7 +111,8 @@ async def stream_choices(engine: EngineClient, request_id: str, prepared: Prepar
                          timer: RequestTimer) -> AsyncIterator[list[ChoiceDelta]]:
     """Yield, per engine step, the deltas of the choices that advanced (see the module docstring)."""
     params = prepared.params
-    states = [_ChoiceState(tokenizer, prepared.prompt_token_ids, prepared.stop) for _ in range(params.n)]
+    states = [_ChoiceState(tokenizer, prepared.prompt_token_ids, prepared.stop, params.min_tokens)
+              for _ in range(params.n)]
     hidden_ids = frozenset(params.stop_token_ids)
     timer.prompt_tokens += len(prepared.prompt_token_ids)
     async with aclosing(engine.generate(request_id, prepared.prompt_token_ids, params)) as outputs:

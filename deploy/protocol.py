@@ -6,13 +6,12 @@ Decisions:
   accepted where a float is expected (JSON has one number type).
 - Fields (one rule, ``validation.check_fields``): an OpenAI or vLLM request field that asks for a
   behaviour this server does not implement (``response_format`` other than text, ``tools``,
-  ``tool_choice``, ``structured_outputs``, ``guided_*``, ``logit_bias``, ``min_tokens``,
-  ``prompt_logprobs``, ``suffix``, ...) is a 400 naming the field, so a client never gets a 200 that
-  ignored what it asked for; the same field with its "nothing asked" value (``{"type": "text"}``,
-  ``"none"``, ``null``, an empty list) is accepted. Fields that change nothing in the output
-  (``user``, ``metadata``, ``service_tier``, ``parallel_tool_calls``) and fields unknown to both APIs
-  are accepted and ignored (the top-level request models keep them in ``model_extra``, where the
-  check looks).
+  ``tool_choice``, ``structured_outputs``, ``guided_*``, ``prompt_logprobs``, ``suffix``, ...) is a
+  400 naming the field, so a client never gets a 200 that ignored what it asked for; the same field
+  with its "nothing asked" value (``{"type": "text"}``, ``"none"``, ``null``, an empty list) is
+  accepted. Fields that change nothing in the output (``user``, ``metadata``, ``service_tier``,
+  ``parallel_tool_calls``) and fields unknown to both APIs are accepted and ignored (the top-level
+  request models keep them in ``model_extra``, where the check looks).
 - Integer fields must fit in int64 (``Int64``); messages other than the assistant's need ``content``.
 - Value ranges (temperature >= 0, top_p in (0, 1], ...) are checked once, by ``SamplingParams``;
   these models only check shapes and types.
@@ -61,6 +60,7 @@ class SamplingFields(_Request):
     n: Int64 = 1
     best_of: Int64 | None = None
     ignore_eos: bool = False
+    min_tokens: Int64 = 0
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

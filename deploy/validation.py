@@ -79,8 +79,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported; only 'none'"),
     "functions": (_asks_nothing, "function calling is not supported"),
     "function_call": (lambda v: v is None or v == "none", "function calling is not supported; only 'none'"),
-    "logit_bias": (_asks_nothing, "not supported"),
-    "min_tokens": (lambda v: v is None or v == 0, "not supported"),
     "prompt_logprobs": (_asks_nothing, "prompt logprobs are not computed"),
     "suffix": (_asks_nothing, "not supported"),
     "audio": (_asks_nothing, "text output only"),
@@ -129,10 +127,26 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` -> ``((token_id, bias), ...)``; 400 naming logit_bias otherwise."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias: keys must be token ids (decimal strings), got {key!r}", param="logit_bias")
+        token_id = int(key)
+        if token_id >= vocab_size:
+            raise bad_request(f"logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                              param="logit_bias")
+        pairs.append((token_id, value))
+    return tuple(pairs)
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
+                    vocab_size: int) -> SamplingParams:
     """Build SamplingParams from the request's fields (None -> the SamplingParams default)."""
     fields = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
-              "stop_token_ids": tuple(req.stop_token_ids or ())}
+              "stop_token_ids": tuple(req.stop_token_ids or ()), "min_tokens": req.min_tokens,
+              "logit_bias": logit_bias_pairs(req.logit_bias, vocab_size)}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):
         value = getattr(req, name)
@@ -206,7 +220,7 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
             raise bad_request("prompt: encodes to zero tokens", param="prompt")
         check_token_ids(token_ids, limits.vocab_size, "prompt")
         max_tokens = _check_max_tokens(req.max_tokens, len(token_ids), limits, "max_tokens", 16)
-        params = sampling_params(req, max_tokens, req.logprobs)
+        params = sampling_params(req, max_tokens, req.logprobs, limits.vocab_size)
         echo_text = None if not req.echo else prompt if isinstance(prompt, str) else decode(token_ids)
         prepared.append(PreparedRequest(token_ids, params, stops, echo_text))
     _check_request_cost(prepared, limits)
@@ -255,4 +269,4 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _check_max_tokens(requested, len(token_ids), limits, param,
                                    limits.max_model_len - len(token_ids))
-    return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs), stops)
+    return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size), stops)

@@ -2,6 +2,8 @@
 
 Per row, in this order (the conventions of ``SamplingParams`` and ``sampling_ops``):
 
+0. logit processors: ``logit_bias`` is added; while the row has fewer than ``min_tokens`` output tokens,
+   the EOS ids (``Sampler(eos_token_ids=...)``) and its ``stop_token_ids`` get -inf;
 1. penalties on the logits: repetition (prompt + output tokens), then frequency and presence
    (output tokens only);
 2. greedy rows (``temperature < GREEDY_TEMPERATURE``, i.e. 0 up to float noise, as in vLLM) take the
@@ -60,6 +62,11 @@ def _has_penalty(params: SamplingParams) -> bool:
             or params.presence_penalty != 0.0)
 
 
+def _has_processor(row: SamplingRow) -> bool:
+    """logit_bias, or min_tokens not reached yet."""
+    return bool(row.params.logit_bias) or len(row.output_token_ids) < row.params.min_tokens
+
+
 def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE
 
@@ -75,22 +82,50 @@ def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Ge
 class Sampler:
     """Picks one token per row. Stateless apart from the shared generator of unseeded rows."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed: must be an integer or None, got {seed!r}")
         self._seed = seed
+        self._eos_token_ids = tuple(eos_token_ids)
         self._shared_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         """``logits [num_rows, vocab]`` -> one SampledToken per row, in row order."""
         logits = _validated_logits(logits, rows)
         if all(_is_greedy(r.params) and not _has_penalty(r.params) and r.params.logprobs is None
-               for r in rows):
+               and not _has_processor(r) for r in rows):
             token_ids = logits.argmax(dim=1).tolist()  # fast path: one argmax
             return [SampledToken(seq_id=r.seq_id, token_id=t) for r, t in zip(rows, token_ids)]
-        adjusted = _penalised(logits, rows)
+        adjusted = _penalised(self._processed(logits, rows), rows)
         tokens = self._choose(adjusted, rows)
         return _with_logprobs(logits, rows, tokens)
+
+    def _processed(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """``logits [rows, vocab]`` with logit_bias added and min_tokens' banned ids at -inf (a copy when any
+        row has either; the raw logits stay untouched for logprobs)."""
+        if not any(_has_processor(r) for r in rows):
+            return logits
+        vocab = logits.shape[1]
+        row_ids, token_ids, values = [], [], []
+        banned_rows, banned_ids = [], []
+        for i, r in enumerate(rows):
+            for token_id, bias in r.params.logit_bias:
+                if token_id < vocab:
+                    row_ids.append(i)
+                    token_ids.append(token_id)
+                    values.append(bias)
+            if len(r.output_token_ids) < r.params.min_tokens:
+                for token_id in {*self._eos_token_ids, *r.params.stop_token_ids}:
+                    if token_id < vocab:
+                        banned_rows.append(i)
+                        banned_ids.append(token_id)
+        out, device = logits.clone(), logits.device
+        if row_ids:
+            out.index_put_((torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)),
+                           torch.tensor(values, device=device, dtype=out.dtype), accumulate=True)
+        if banned_rows:
+            out[torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)] = float("-inf")
+        return out
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """``logits [rows, vocab]`` (penalised) -> token ids ``[rows]`` int64."""

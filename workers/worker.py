@@ -26,7 +26,7 @@ from .contract.wire import StepPlan, StepResult, decode_plan, encode_result
 from .default_model import resolve_model_path
 from .kv_cache import KVCacheSpec
 from .memory_profile import profile_gpu_num_blocks
-from .model_info import load_hf_config
+from .model_info import load_hf_config, model_info
 from .model_runner import ModelRunner, StepOutput
 from .models.registry import model_class
 from .sampler import Sampler, SamplingRow
@@ -75,7 +75,8 @@ class Worker:
         dims = self.model.dims
         self.kv_spec = KVCacheSpec(dims.num_layers, config.cache.block_size, self.model.num_local_kv_heads,
                                    dims.head_dim, self.dtype)
-        self.sampler = Sampler(seed=config.seed) if self.tp.is_first else None
+        self.sampler = (Sampler(seed=config.seed, eos_token_ids=model_info(model_path).eos_token_ids)
+                        if self.tp.is_first else None)
         self.runner: ModelRunner | None = None
 
     def available_kv_blocks(self) -> int:

@@ -64,6 +64,25 @@ def test_eos_stops_and_n_samples_get_their_own_index(tiny_llama_path):
     assert sorted(c.index for c in final) == [0, 1, 2]
 
 
+def test_no_stop_rule_ends_a_sequence_before_min_tokens(tiny_llama_path):
+    # the double samples prompt[-1] + 1, + 2, ...: EOS first, then the stop id, each at once or after min_tokens
+    engine, _ = _engine(tiny_llama_path)
+    engine.add_request("eos0", [5, TINY_EOS - 1], SamplingParams(max_tokens=4, temperature=0))
+    engine.add_request("eos2", [5, TINY_EOS - 1], SamplingParams(max_tokens=4, temperature=0, min_tokens=2))
+    engine.add_request("stop1", [10, 11], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(13,),
+                                                         min_tokens=1))
+    engine.add_request("stop2", [10, 11], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(13,),
+                                                         min_tokens=2))
+    streams = _collect(engine)
+    assert _tokens(streams["eos0"]) == [TINY_EOS]
+    assert _tokens(streams["eos2"]) == [TINY_EOS + i for i in range(4)]   # EOS at position 0 < 2: no stop
+    assert streams["eos2"][-1].outputs[0].finish_reason == "length"
+    assert _tokens(streams["stop1"]) == [12, 13]                          # 13 is the 2nd token: > 1 out
+    assert streams["stop1"][-1].outputs[0].finish_reason == "stop"
+    assert _tokens(streams["stop2"]) == [12, 13, 14, 15, 16]              # 13 is within the first 2
+    assert engine.block_manager.num_free_blocks == 64
+
+
 def test_abort_returns_a_final_abort_output_and_frees_blocks(tiny_llama_path):
     engine, fake = _engine(tiny_llama_path)
     engine.add_request("a", list(range(30)), SamplingParams(max_tokens=50, temperature=0))
@@ -100,6 +119,8 @@ def test_admission_checks_vocab_and_clamped_max_model_len(tiny_llama_path):
         engine.add_request("a", list(range(32)), SamplingParams())
     with pytest.raises(ValueError, match=r"prompt_token_ids: token 512 is not an id in \[0, 512\)"):
         engine.add_request("a", [1, 512], SamplingParams())
+    with pytest.raises(ValueError, match=r"logit_bias: token 600 is not an id in \[0, 512\)"):
+        engine.add_request("a", [1, 2], SamplingParams(logit_bias=((3, 1.0), (600, 2.0))))
     assert not engine.has_unfinished_requests()
 
 

@@ -18,7 +18,9 @@ from pagedray.cluster import (
     ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("min_p", 1.5),
     ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("seed", "x"),
     ("stop_token_ids", [-1]), ("seed", 2**64), ("top_k", 2**63), ("stop_token_ids", [2**70]),
-    ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1),
+    ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1), ("min_tokens", -1), ("min_tokens", 17),
+    ("logit_bias", [(3, 101.0)]), ("logit_bias", [(-1, 1.0)]), ("logit_bias", [(3, 1.0), (3, 2.0)]),
+    ("logit_bias", [(3,)]), ("logit_bias", [(3, math.inf)]), ("logit_bias", [(i, 1.0) for i in range(1025)]),
 ])
 def test_bad_sampling_param_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -26,8 +28,9 @@ def test_bad_sampling_param_names_the_field(field, value):
 
 
 def test_sampling_params_normalise_and_round_trip():
-    params = SamplingParams(temperature=0, stop_token_ids=[3, 4], top_k=-1, logprobs=0)
-    assert params.greedy and params.stop_token_ids == (3, 4)
+    params = SamplingParams(temperature=0, stop_token_ids=[3, 4], top_k=-1, logprobs=0, min_tokens=2,
+                            logit_bias=[[7, 5], (9, -2.5)])
+    assert params.greedy and params.stop_token_ids == (3, 4) and params.logit_bias == ((7, 5.0), (9, -2.5))
     assert SamplingParams.from_dict(params.to_dict()) == params
 
 

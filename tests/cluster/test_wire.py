@@ -19,7 +19,8 @@ from pagedray.workers.contract.wire import (
 
 
 def _plan() -> StepPlan:
-    params = SamplingParams(temperature=0.7, top_k=5, seed=3, stop_token_ids=(2, 9), logprobs=2)
+    params = SamplingParams(temperature=0.7, top_k=5, seed=3, stop_token_ids=(2, 9), logprobs=2, min_tokens=3,
+                            logit_bias=((4, 1.5), (8, -100.0)))
     return StepPlan(
         step_id=41,
         new_seqs=[NewSequence(seq_id=7, prompt_token_ids=[1, 2, 3], output_token_ids=[4],

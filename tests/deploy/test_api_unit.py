@@ -68,6 +68,18 @@ def test_completion_text_matches_script(client_and_engine, tokenizer):
                              "total_tokens": len(tokenizer.encode("Say:")) + 5}
 
 
+def test_stop_strings_are_not_matched_in_the_first_min_tokens(client_and_engine, tokenizer):
+    client, _ = client_and_engine
+    script = tokenizer.encode(SCRIPT_TEXT)
+    head = tokenizer.decode(script[:3])
+    assert "quick" in head            # " The quick brown": the stop string lies in the first 3 tokens
+    body = {"prompt": "x", "max_tokens": 8, "stop": ["quick"], "temperature": 0}
+    cut = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert (cut["text"], cut["finish_reason"]) == (" The ", "stop")
+    whole = client.post("/v1/completions", json={**body, "min_tokens": 3}).json()["choices"][0]
+    assert (whole["text"], whole["finish_reason"]) == (tokenizer.decode(script[:8]), "length")
+
+
 def test_stop_string_aborts_engine_request_and_cuts_text(client_and_engine):
     client, engine = client_and_engine
     response = client.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 30, "stop": ["fox"]})
@@ -258,7 +270,8 @@ def test_sampling_fields_reach_the_engine_unchanged(client_and_engine, tokenizer
     client, engine = client_and_engine
     body = {"prompt": [11, 22, 33], "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
             "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "seed": 7,
-            "stop_token_ids": [99], "ignore_eos": True, "n": 2, "logprobs": 2}
+            "stop_token_ids": [99], "ignore_eos": True, "n": 2, "logprobs": 2, "min_tokens": 2,
+            "logit_bias": {"50": -100, "7": 2.5}}
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     _, prompt_ids, params = engine.calls[-1]
@@ -267,6 +280,7 @@ def test_sampling_fields_reach_the_engine_unchanged(client_and_engine, tokenizer
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.min_p) == (3, 0.7, 0.9, 5, 0.05)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
     assert (params.seed, params.stop_token_ids, params.ignore_eos, params.n, params.logprobs) == (7, (99,), True, 2, 2)
+    assert (params.min_tokens, params.logit_bias) == (2, ((50, -100.0), (7, 2.5)))
 
 
 def test_chat_prompt_is_the_rendered_template(client_and_engine, tokenizer):

@@ -214,3 +214,36 @@ def test_bad_input_raises_before_touching_the_generator():
         Sampler(seed="1")
     logits = torch.zeros(2, VOCAB)
     assert [t.token_id for t in sampler(logits, good)] == [t.token_id for t in Sampler(seed=3)(logits, good)]
+
+
+def test_logit_bias_moves_the_greedy_choice_and_leaves_logprobs_raw():
+    logits = _logits(3, vocab=1000, seed=5)
+    order = logits.argsort(dim=1, descending=True)
+    worst, best = order[0, -1].item(), order[1, 0].item()
+    rows = [_row(0, temperature=0.0, logit_bias=((worst, 100.0),), logprobs=1),
+            _row(1, temperature=0.0, logit_bias=((best, -100.0),)),
+            _row(2, temperature=0.0)]                                   # no bias: untouched in the same batch
+    tokens = Sampler()(logits, rows)
+    # +100 beats a gap of at most ~2 x 3 x 4 sigma of these logits; -100 drops the argmax below the second
+    assert tokens[0].token_id == worst
+    assert tokens[1].token_id == order[1, 1].item()
+    assert tokens[2].token_id == order[2, 0].item()
+    raw = logits[0].log_softmax(dim=0)
+    assert tokens[0].logprob == pytest.approx(raw[worst].item(), abs=1e-5)
+    assert tokens[0].top_logprobs[0][0] == order[0, 0].item()         # the raw distribution's best
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = _logits(4, vocab=1000, seed=6)
+    order = logits.argsort(dim=1, descending=True)
+    eos, stop = order[0, 0].item(), order[1, 0].item()
+    sampler = Sampler(eos_token_ids=(eos,))
+    rows = [_row(0, temperature=0.0, min_tokens=2, output=(7,)),        # 1 < 2: EOS banned
+            _row(1, temperature=0.0, min_tokens=2, output=(7,), stop_token_ids=(stop,)),   # stop id banned
+            _row(2, temperature=0.0, min_tokens=2, output=(7, 8)),     # reached: EOS allowed again
+            _row(3, temperature=0.7, seed=3, min_tokens=5, stop_token_ids=(order[3, 0].item(),))]
+    tokens = sampler(logits, rows)
+    assert tokens[0].token_id == order[0, 1].item()
+    assert tokens[1].token_id == order[1, 1].item()
+    assert tokens[2].token_id == order[2, 0].item()
+    assert tokens[3].token_id not in (order[3, 0].item(), eos)

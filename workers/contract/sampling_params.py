@@ -12,6 +12,10 @@ Conventions (settled here, shared by the Sampler and the scheduler):
 - ``seed``: sampling for this sequence depends only on (seed, position), never on the batch.
 - ``repetition_penalty`` applies to prompt and output tokens; presence/frequency penalties apply to
   output tokens only (the OpenAI definition).
+- ``min_tokens``: until a sequence has that many output tokens, EOS and ``stop_token_ids`` cannot be
+  sampled (their logits are -inf) and no stop rule ends it (vLLM's rule); ``max_tokens`` still does.
+- ``logit_bias``: ``(token_id, bias)`` pairs added to the logits before penalties, temperature and
+  filters (the OpenAI definition; bias in [-100, 100]). Logprobs stay those of the raw logits.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024   # entries per request: bounds the sampler's per-step work for one row
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -55,6 +60,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -81,6 +88,26 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        self._normalise_logit_bias()
+
+    def _normalise_logit_bias(self) -> None:
+        bias = self.logit_bias
+        _check(isinstance(bias, (list, tuple)) and len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"must be at most {MAX_LOGIT_BIAS} (token_id, bias) pairs")
+        pairs = []
+        for pair in bias:
+            _check(isinstance(pair, (list, tuple)) and len(pair) == 2, "logit_bias",
+                   f"must be (token_id, bias) pairs, got {pair!r}")
+            token_id, value = pair
+            _check(_is_int(token_id) and token_id >= 0, "logit_bias",
+                   f"token ids must be integers >= 0, got {token_id!r}")
+            _check(_is_number(value) and -100 <= value <= 100, "logit_bias",
+                   f"biases must be numbers in [-100, 100], got {value!r}")
+            pairs.append((token_id, float(value)))
+        _check(len({t for t, _ in pairs}) == len(pairs), "logit_bias", "a token id appears twice")
+        object.__setattr__(self, "logit_bias", tuple(pairs))
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +116,7 @@ class SamplingParams:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return out
 
     @classmethod
