@@ -5,13 +5,13 @@ Decisions:
   so a client with a type bug gets a 400 naming the field instead of a silent coercion. Integers are
   accepted where a float is expected (JSON has one number type).
 - Fields (one rule, ``validation.check_fields``): an OpenAI or vLLM request field that asks for a
-  behaviour this server does not implement (``response_format`` other than text, ``tools``,
-  ``tool_choice``, ``structured_outputs``, ``guided_*``, ``prompt_logprobs``, ``suffix``, ...) is a
-  400 naming the field, so a client never gets a 200 that ignored what it asked for; the same field
-  with its "nothing asked" value (``{"type": "text"}``, ``"none"``, ``null``, an empty list) is
-  accepted. Fields that change nothing in the output (``user``, ``metadata``, ``service_tier``,
-  ``parallel_tool_calls``) and fields unknown to both APIs are accepted and ignored (the top-level
-  request models keep them in ``model_extra``, where the check looks).
+  behaviour this server does not implement (``tools``, ``tool_choice``, vLLM's ``guided_*``,
+  ``prompt_logprobs``, ``suffix``, ...) is a 400 naming the field, so a client never gets a 200 that
+  ignored what it asked for; the same field with its "nothing asked" value (``"none"``, ``null``, an
+  empty list) is accepted. Fields that change nothing in the output (``user``, ``metadata``,
+  ``service_tier``, ``parallel_tool_calls``) and fields unknown to both APIs are accepted and ignored
+  (the top-level request models keep them in ``model_extra``, where the check looks).
+  ``response_format`` and ``structured_outputs`` are read from there too (structured_output.py).
 - Integer fields must fit in int64 (``Int64``); messages other than the assistant's need ``content``.
 - Value ranges (temperature >= 0, top_p in (0, 1], ...) are checked once, by ``SamplingParams``;
   these models only check shapes and types.

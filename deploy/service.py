@@ -59,6 +59,7 @@ from .protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from .structured_output import GrammarChecker
 from .validation import (
     ModelLimits,
     PreparedRequest,
@@ -140,6 +141,7 @@ class OpenAIService:
         self.limits = limits
         self.metrics = metrics
         self.logprob_format = LogprobFormatter(tokenizer)
+        self.grammars = GrammarChecker(tokenizer)
 
     # ------------------------------------------------------------------ plumbing
     def _encode(self, text: str) -> list[int]:
@@ -212,7 +214,7 @@ class OpenAIService:
     # ------------------------------------------------------------------ completions
     def _prepare_completion(self, body: dict) -> tuple[CompletionRequest, list[PreparedRequest]]:
         req = parse_body(CompletionRequest, body)
-        return req, prepare_completion(req, self.limits, self._encode, self._decode_prompt)
+        return req, prepare_completion(req, self.limits, self._encode, self._decode_prompt, self.grammars.check)
 
     async def completion(self, body: dict) -> dict:
         req, run = await self._open("completions", "cmpl", lambda: self._prepare_completion(body))
@@ -247,7 +249,7 @@ class OpenAIService:
     # ------------------------------------------------------------------ chat
     def _prepare_chat(self, body: dict) -> tuple[ChatCompletionRequest, list[PreparedRequest]]:
         req = parse_body(ChatCompletionRequest, body)
-        return req, [prepare_chat(req, self.limits, self._render_chat)]
+        return req, [prepare_chat(req, self.limits, self._render_chat, self.grammars.check)]
 
     async def chat(self, body: dict) -> dict:
         req, run = await self._open("chat", "chatcmpl", lambda: self._prepare_chat(body))

@@ -24,6 +24,7 @@ from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingPara
 
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .structured_output import requested_grammar
 
 MAX_STOP_STRINGS = 16
 MAX_BATCH_PROMPTS = 64
@@ -67,14 +68,12 @@ def _asks_nothing(value) -> bool:
     return value is None or value is False or value == [] or value == {} or value == ""
 
 
-_GRAMMAR = "structured output (a grammar-constrained sampler) is not supported"
+_GUIDED = "vLLM's older guided_* fields are not supported; use structured_outputs or response_format"
 # OpenAI / vLLM request fields whose behaviour this server does not implement: field -> (the check that
 # a value asks for nothing, why a value that asks for something is refused)
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "response_format": (lambda v: v is None or v == {"type": "text"}, _GRAMMAR + "; only {'type': 'text'}"),
-    "structured_outputs": (_asks_nothing, _GRAMMAR),
-    "guided_json": (_asks_nothing, _GRAMMAR), "guided_regex": (_asks_nothing, _GRAMMAR),
-    "guided_choice": (_asks_nothing, _GRAMMAR), "guided_grammar": (_asks_nothing, _GRAMMAR),
+    "guided_json": (_asks_nothing, _GUIDED), "guided_regex": (_asks_nothing, _GUIDED),
+    "guided_choice": (_asks_nothing, _GUIDED), "guided_grammar": (_asks_nothing, _GUIDED),
     "tools": (_asks_nothing, "tool calling is not supported"),
     "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported; only 'none'"),
     "functions": (_asks_nothing, "function calling is not supported"),
@@ -141,12 +140,28 @@ def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tu
     return tuple(pairs)
 
 
+def grammar_of(req: SamplingFields, check_grammar: Callable[[str, str], None] | None) -> str | None:
+    """The request's llguidance grammar (response_format / structured_outputs), checked; None without."""
+    requested = requested_grammar(req.model_extra or {})
+    if requested is None:
+        return None
+    field, grammar = requested
+    if req.ignore_eos:
+        raise bad_request(f"ignore_eos: cannot be combined with {field} (a finished grammar allows only EOS)",
+                          param="ignore_eos")
+    if req.min_tokens:
+        raise bad_request(f"min_tokens: cannot be combined with {field} (min_tokens bans EOS)", param="min_tokens")
+    if check_grammar is not None:
+        check_grammar(field, grammar)
+    return grammar
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                    vocab_size: int) -> SamplingParams:
+                    vocab_size: int, grammar: str | None = None) -> SamplingParams:
     """Build SamplingParams from the request's fields (None -> the SamplingParams default)."""
     fields = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
               "stop_token_ids": tuple(req.stop_token_ids or ()), "min_tokens": req.min_tokens,
-              "logit_bias": logit_bias_pairs(req.logit_bias, vocab_size)}
+              "logit_bias": logit_bias_pairs(req.logit_bias, vocab_size), "grammar": grammar}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):
         value = getattr(req, name)
@@ -198,7 +213,8 @@ def _check_prompt_chars(num_chars: int, limits: ModelLimits, param: str) -> None
 
 
 def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Callable[[str], list[int]],
-                       decode: Callable[[list[int]], str]) -> list[PreparedRequest]:
+                       decode: Callable[[list[int]], str],
+                       check_grammar: Callable[[str, str], None] | None = None) -> list[PreparedRequest]:
     """One PreparedRequest per prompt of a /v1/completions request (``decode``: token ids -> the text
     that ``echo`` shows for a token-id prompt)."""
     check_model(req.model, limits)
@@ -209,6 +225,7 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
         raise bad_request(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
     stops = stop_strings(req.stop)
     check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
+    grammar = grammar_of(req, check_grammar)
     prompts = _split_prompts(req.prompt)
     for prompt in prompts:   # every prompt is checked before any is tokenized
         if isinstance(prompt, str):
@@ -220,7 +237,7 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
             raise bad_request("prompt: encodes to zero tokens", param="prompt")
         check_token_ids(token_ids, limits.vocab_size, "prompt")
         max_tokens = _check_max_tokens(req.max_tokens, len(token_ids), limits, "max_tokens", 16)
-        params = sampling_params(req, max_tokens, req.logprobs, limits.vocab_size)
+        params = sampling_params(req, max_tokens, req.logprobs, limits.vocab_size, grammar)
         echo_text = None if not req.echo else prompt if isinstance(prompt, str) else decode(token_ids)
         prepared.append(PreparedRequest(token_ids, params, stops, echo_text))
     _check_request_cost(prepared, limits)
@@ -249,14 +266,15 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return 0 if req.logprobs else None
 
 
-def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
-                 render: Callable[[list[dict], bool], list[int]]) -> PreparedRequest:
+def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits, render: Callable[[list[dict], bool], list[int]],
+                 check_grammar: Callable[[str, str], None] | None = None) -> PreparedRequest:
     """Validate a /v1/chat/completions request; ``render`` applies the chat template and tokenizes."""
     check_model(req.model, limits)
     check_fields(req)
     logprobs = chat_logprobs(req)
     stops = stop_strings(req.stop)
     check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
+    grammar = grammar_of(req, check_grammar)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     _check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
     token_ids = render(messages, req.add_generation_prompt)
@@ -269,4 +287,4 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _check_max_tokens(requested, len(token_ids), limits, param,
                                    limits.max_model_len - len(token_ids))
-    return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size), stops)
+    return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size, grammar), stops)

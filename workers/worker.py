@@ -24,6 +24,7 @@ import torch
 from .contract.config import EngineConfig
 from .contract.wire import StepPlan, StepResult, decode_plan, encode_result
 from .default_model import resolve_model_path
+from .grammar import GrammarBook
 from .kv_cache import KVCacheSpec
 from .memory_profile import profile_gpu_num_blocks
 from .model_info import load_hf_config, model_info
@@ -77,6 +78,7 @@ class Worker:
                                    dims.head_dim, self.dtype)
         self.sampler = (Sampler(seed=config.seed, eos_token_ids=model_info(model_path).eos_token_ids)
                         if self.tp.is_first else None)
+        self.grammars = GrammarBook(str(config.model.tokenizer or model_path)) if self.tp.is_first else None
         self.runner: ModelRunner | None = None
 
     def available_kv_blocks(self) -> int:
@@ -97,15 +99,18 @@ class Worker:
         output = self.runner.execute(plan)
         if not self.tp.is_first:
             return None
+        self.grammars.release(plan.released_seq_ids)
         return StepResult(step_id=plan.step_id, sampled=self.sample(output))
 
     def sample(self, output: StepOutput) -> list:
-        """Rank 0: one SampledToken per logits row of a step's output."""
+        """Rank 0: one SampledToken per logits row of a step's output (grammar rows masked first)."""
         if output.logits is None:
             return []
         rows = [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids)
                 for s in output.sampling_seqs]
-        return self.sampler(output.logits, rows)
+        sampled = self.sampler(self.grammars.mask(output.logits, rows), rows)
+        self.grammars.advance(rows, [token.token_id for token in sampled])
+        return sampled
 
     def execute_bytes(self, data: bytes) -> bytes | None:
         result = self.execute(decode_plan(data))

@@ -8,6 +8,7 @@ incrementally detokenized text. The same behaviour against the real engine is in
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import httpx
@@ -222,6 +223,50 @@ def test_add_generation_prompt_false_renders_without_the_assistant_header(client
     assert engine.calls[-1][1] == tokenizer.encode(rendered, add_special_tokens=False)
     with_header = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert rendered != with_header
+
+
+def test_structured_output_fields_become_a_checked_grammar(client_and_engine):
+    client, engine = client_and_engine
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema",
+                                                                    "json_schema": {"name": "s", "schema": schema}}}),
+             ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}),
+             ("/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"choice": ["yes", "no"]}}),
+             ("/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "[0-9]+"}}),
+             ("/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"json": json.dumps(schema)}})]
+    grammars = []
+    for path, body in cases:
+        response = client.post(path, json=body)
+        assert response.status_code == 200, (body, response.text)
+        grammars.append(engine.calls[-1][2].grammar)
+    assert all(isinstance(g, str) and g for g in grammars) and len(set(grammars[:4])) == 4
+    assert grammars[4] == grammars[0]   # the same schema through structured_outputs.json (a JSON string)
+    assert '"a"' in grammars[0] and "yes" in grammars[2]
+    assert client.post(path, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert engine.calls[-1][2].grammar is None   # no field, no grammar
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: 'a'"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 1}, "min_tokens"),
+])
+def test_bad_structured_output_requests_are_400(client_and_engine, extra, param):
+    client, engine = client_and_engine
+    calls = len(engine.calls)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    assert_openai_error(client.post("/v1/chat/completions", json=body), 400, param)
+    assert len(engine.calls) == calls
 
 
 def test_model_by_id(client_and_engine):

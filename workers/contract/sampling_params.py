@@ -16,6 +16,8 @@ Conventions (settled here, shared by the Sampler and the scheduler):
   sampled (their logits are -inf) and no stop rule ends it (vLLM's rule); ``max_tokens`` still does.
 - ``logit_bias``: ``(token_id, bias)`` pairs added to the logits before penalties, temperature and
   filters (the OpenAI definition; bias in [-100, 100]). Logprobs stay those of the raw logits.
+- ``grammar``: an llguidance grammar; rank 0 masks every token it does not allow next
+  (workers/grammar.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024   # entries per request: bounds the sampler's per-step work for one row
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -62,6 +65,7 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    grammar: str | None = None   # an llguidance grammar (JSON text): workers/grammar.py
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -91,6 +95,8 @@ class SamplingParams:
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         self._normalise_logit_bias()
+        _check(self.grammar is None or (isinstance(self.grammar, str) and 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS),
+               "grammar", f"must be None or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
 
     def _normalise_logit_bias(self) -> None:
         bias = self.logit_bias

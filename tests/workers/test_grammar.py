@@ -1,0 +1,90 @@
+"""GrammarBook (llguidance masks on rank 0) on random logits with the default model's tokenizer: every
+sampled text follows its grammar, matchers replay output tokens after a loss, released ones go."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from pagedray.deploy.structured_output import _regex_grammar, _schema_grammar
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.grammar import GrammarBook, _unpack
+from pagedray.workers.sampler import Sampler, SamplingRow
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}, "tags": {"type": "array", "maxItems": 3,
+                                                                                "items": {"enum": ["a", "b"]}}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+def _generate(book, sampler, grammars, eos, vocab, seed, steps=200):
+    """Sample every row until EOS (random logits, temperature 1): the grammar alone keeps the text valid."""
+    generator = torch.Generator().manual_seed(seed)
+    outputs = [[] for _ in grammars]
+    done = [False] * len(grammars)
+    for _ in range(steps):
+        live = [i for i in range(len(grammars)) if not done[i]]
+        if not live:
+            return outputs
+        rows = [SamplingRow(i, SamplingParams(temperature=1.0, seed=seed + i, max_tokens=steps, grammar=grammars[i]),
+                            [1], list(outputs[i])) for i in live]
+        logits = torch.randn(len(rows), vocab, generator=generator) * 4
+        sampled = sampler(book.mask(logits, rows), rows)
+        book.advance(rows, [t.token_id for t in sampled])
+        for i, token in zip(live, sampled):
+            outputs[i].append(token.token_id)
+            done[i] = token.token_id == eos
+    raise AssertionError("a grammar never finished")
+
+
+def test_random_logits_always_give_text_the_grammar_accepts(default_model_path, tokenizer):
+    book, sampler = GrammarBook(default_model_path), Sampler(seed=0)
+    grammars = [_schema_grammar(SCHEMA, "x"), _regex_grammar("(yes|no|maybe)!"), None]
+    vocab = len(tokenizer)
+    for seed in range(3):
+        outs = _generate(book, sampler, grammars[:2], tokenizer.eos_token_id, vocab, seed)
+        value = json.loads(tokenizer.decode(outs[0], skip_special_tokens=True))
+        jsonschema.validate(value, SCHEMA)
+        assert tokenizer.decode(outs[1], skip_special_tokens=True) in ("yes!", "no!", "maybe!")
+        book.release(range(2))
+    assert len(book) == 0
+
+
+def test_rows_without_grammar_are_untouched_and_masks_forbid(default_model_path, tokenizer):
+    book = GrammarBook(default_model_path)
+    logits = torch.randn(2, len(tokenizer), generator=torch.Generator().manual_seed(1))
+    rows = [SamplingRow(0, SamplingParams(grammar=_regex_grammar("[0-9]+")), [1], []),
+            SamplingRow(1, SamplingParams(), [1], [])]
+    masked = book.mask(logits, rows)
+    assert torch.equal(masked[1], logits[1])
+    allowed = torch.isfinite(masked[0]).nonzero()[:, 0].tolist()
+    assert allowed and all(tokenizer.decode([t]).strip().isdigit() for t in allowed)
+    assert torch.equal(masked[0][allowed], logits[0][allowed])
+
+
+def test_a_lost_matcher_is_rebuilt_by_replaying_the_output(default_model_path, tokenizer):
+    grammar = _schema_grammar(SCHEMA, "x")
+    prefix = tokenizer.encode('{"name":"Al","age":4', add_special_tokens=False)   # compact JSON
+    logits = torch.randn(1, len(tokenizer), generator=torch.Generator().manual_seed(2))
+    incremental = GrammarBook(default_model_path)
+    for n in range(len(prefix) + 1):
+        row = SamplingRow(7, SamplingParams(grammar=grammar), [1], prefix[:n])
+        mask_incremental = incremental.mask(logits, [row])
+        if n < len(prefix):
+            incremental.advance([row], [prefix[n]])
+    replayed = GrammarBook(default_model_path).mask(logits, [row])   # first sight, output already there
+    assert torch.equal(torch.isfinite(mask_incremental), torch.isfinite(replayed))
+
+
+def test_unpack_pads_logits_wider_than_the_bitmask():
+    bitmask = torch.tensor([[0b101, -2**31]], dtype=torch.int32)   # tokens 0, 2 and 63 allowed
+    allowed = _unpack(bitmask, 70)
+    assert allowed.shape == (1, 70)
+    assert allowed[0].nonzero()[:, 0].tolist() == [0, 2, 63]
