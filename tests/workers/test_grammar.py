@@ -6,6 +6,8 @@ import json
 import jsonschema
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pagedray.deploy.structured_output import _regex_grammar, _schema_grammar
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.grammar import GrammarBook, _unpack
@@ -88,3 +90,44 @@ def test_unpack_pads_logits_wider_than_the_bitmask():
     allowed = _unpack(bitmask, 70)
     assert allowed.shape == (1, 70)
     assert allowed[0].nonzero()[:, 0].tolist() == [0, 2, 63]
+
+
+def _object(props, children_required):
+    return {"type": "object", "properties": props, "required": children_required, "additionalProperties": False}
+
+
+_LEAVES = st.one_of(
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 8)),
+    st.builds(lambda low, span: {"type": "integer", "minimum": low, "maximum": low + span},
+              st.integers(-50, 50), st.integers(0, 100)),
+    st.just({"type": "boolean"}), st.just({"type": "null"}),
+    st.builds(lambda values: {"enum": values},
+              st.lists(st.sampled_from(["a", "bc", 1, 20, None]), min_size=1, max_size=3, unique=True)),
+)
+
+
+def _containers(children):
+    objects = st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True), children, max_size=3).flatmap(
+        lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(
+            lambda required: _object(props, required)) if props else st.just(_object({}, [])))
+    arrays = st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, children, st.integers(0, 3))
+    return st.one_of(objects, arrays)
+
+
+# bounded schemas (string lengths, array sizes, integer ranges, closed objects): random logits finish them
+SCHEMAS = st.recursive(_LEAVES, _containers, max_leaves=6)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(schema=SCHEMAS, seed=st.integers(0, 2**16))
+def test_200_random_schemas_every_output_validates(grammar_book, tokenizer, schema, seed):
+    book, sampler = grammar_book
+    out = _generate(book, sampler, [_schema_grammar(schema, "x")], tokenizer.eos_token_id, len(tokenizer), seed)[0]
+    book.release([0])
+    text = tokenizer.decode(out, skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.fixture(scope="module")
+def grammar_book(default_model_path):
+    return GrammarBook(default_model_path), Sampler(seed=0)
