@@ -60,11 +60,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     from pagedray.cluster import LLM, SamplingParams
-    from pagedray.deploy.structured_output import _schema_grammar
+    from pagedray.deploy.structured_output import schema_grammar
 
     batches = [int(b) for b in args.batches.split(",")]
     prompts = make_prompts(max(batches), 8, 120, args.seed)
-    grammar = _schema_grammar(SCHEMA, "schema")
+    grammar = schema_grammar(SCHEMA, "schema")
     llm = LLM("default", dtype="float32", num_blocks=2048, max_num_seqs=max(batches), threads_per_worker=args.threads)
     timer = MaskTimer(llm.engine.executor.worker.grammars)
     params = {"plain": SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True),

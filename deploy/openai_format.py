@@ -9,6 +9,8 @@ Decisions:
 - ``text_offset`` of a token is the number of characters of the returned text (echoed prompt
   included) before it: the tokens' bytes go through an incremental UTF-8 decoder
   (``TextOffsets``), so a character split over several tokens is counted once, where it completes.
+- Chat with tools: each choice's text becomes content and ``tool_calls`` (tools.py); streams hold a
+  choice's text until it finishes (``tool_chunks``).
 - Chat streams open each choice with ``{"role": "assistant", "content": ""}`` and send the finish
   reason in a chunk of its own when it arrives with no text.
 """
@@ -37,6 +39,7 @@ from .protocol import (
     UsageInfo,
 )
 from .token_bytes import TokenBytes
+from .tools import ToolPlan, parse_tool_calls
 
 
 class TextOffsets:
@@ -127,13 +130,39 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
     return CompletionResponse(id=rid, created=created, model=model, choices=[choice])
 
 
-def chat_response(rid: str, created: int, model: str, choices: list[ChoiceAccumulator],
-                  fmt: LogprobFormatter, use: UsageInfo, want_logprobs: bool) -> ChatCompletionResponse:
-    out = [ChatChoice(index=index, message=ChatResponseMessage(content=acc.full_text),
-                      logprobs=fmt.chat(acc.logprobs or []) if want_logprobs else None,
-                      finish_reason=acc.finish_reason)
-           for index, acc in enumerate(choices)]
+def _tool_message(text: str, tools: ToolPlan | None,
+                  finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+    if tools is None:
+        return ChatResponseMessage(content=text), finish_reason
+    content, calls = parse_tool_calls(text, tools)
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return ChatResponseMessage(content=content, tool_calls=calls or None), finish_reason
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[ChoiceAccumulator], fmt: LogprobFormatter,
+                  use: UsageInfo, want_logprobs: bool, tools: ToolPlan | None = None) -> ChatCompletionResponse:
+    out = []
+    for index, acc in enumerate(choices):
+        message, finish_reason = _tool_message(acc.full_text, tools, acc.finish_reason)
+        out.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
+                              logprobs=fmt.chat(acc.logprobs or []) if want_logprobs else None))
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=use)
+
+
+def tool_chunks(rid: str, created: int, model: str, index: int, text: str, tools: ToolPlan,
+                finish_reason: str) -> list[dict]:
+    """A finished choice of a tools request as chunks: its content, its calls (one delta entry each, with
+    ``index``), then the finish reason."""
+    message, finish_reason = _tool_message(text, tools, finish_reason)
+    chunks = []
+    if message.content:
+        chunks.append(chat_chunk(rid, created, model, index, ChatDelta(content=message.content)))
+    if message.tool_calls:
+        calls = [{"index": i, **call} for i, call in enumerate(message.tool_calls)]
+        chunks.append(chat_chunk(rid, created, model, index, ChatDelta(tool_calls=calls)))
+    chunks.append(chat_chunk(rid, created, model, index, ChatDelta(), finish_reason=finish_reason))
+    return chunks
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: ChatDelta,

@@ -5,8 +5,8 @@ Decisions:
   so a client with a type bug gets a 400 naming the field instead of a silent coercion. Integers are
   accepted where a float is expected (JSON has one number type).
 - Fields (one rule, ``validation.check_fields``): an OpenAI or vLLM request field that asks for a
-  behaviour this server does not implement (``tools``, ``tool_choice``, vLLM's ``guided_*``,
-  ``prompt_logprobs``, ``suffix``, ...) is a 400 naming the field, so a client never gets a 200 that
+  behaviour this server does not implement (``functions``, vLLM's ``guided_*``, ``prompt_logprobs``,
+  ``suffix``, ...) is a 400 naming the field, so a client never gets a 200 that
   ignored what it asked for; the same field with its "nothing asked" value (``"none"``, ``null``, an
   empty list) is accepted. Fields that change nothing in the output (``user``, ``metadata``,
   ``service_tier``, ``parallel_tool_calls``) and fields unknown to both APIs are accepted and ignored
@@ -83,6 +83,8 @@ class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None     # an assistant turn's calls (tools.py renders them)
+    tool_call_id: str | None = None          # a tool turn's answer to that call
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -193,7 +195,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -215,6 +218,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChunkChoice(BaseModel):

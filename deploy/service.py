@@ -43,6 +43,7 @@ from .openai_format import (
     chat_response,
     completion_chunk,
     completion_response,
+    tool_chunks,
     usage,
     usage_chunk_chat,
     usage_chunk_completion,
@@ -60,6 +61,7 @@ from .protocol import (
     TokenizeResponse,
 )
 from .structured_output import GrammarChecker
+from .tools import ToolPlan, template_knows_tools, with_tools_prompt
 from .validation import (
     ModelLimits,
     PreparedRequest,
@@ -150,12 +152,18 @@ class OpenAIService:
     def _decode_prompt(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                     tools: ToolPlan | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template; use /v1/completions",
                               param="messages")
+        kwargs = {}
+        if tools is not None and template_knows_tools(self.tokenizer):
+            kwargs["tools"] = [{"type": "function", "function": f} for f in tools.tools]
+        elif tools is not None:
+            messages = with_tools_prompt(messages, tools)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+                                                  tokenize=False, **kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _admit(self, prefix: str, prepared: list[PreparedRequest]) -> _Run:
@@ -258,7 +266,7 @@ class OpenAIService:
             accs[index].add(delta)
         use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
         return chat_response(run.rid, run.created, self.limits.served_name, accs, self.logprob_format,
-                             use, req.logprobs).model_dump()
+                             use, req.logprobs, run.prepared[0].tools).model_dump()
 
     async def open_chat_stream(self, body: dict) -> ChunkStream:
         req, run = await self._open("chat", "chatcmpl", lambda: self._prepare_chat(body))
@@ -268,8 +276,17 @@ class OpenAIService:
         model, rid, created = self.limits.served_name, run.rid, run.created
         for index in range(run.n):
             yield chat_chunk(rid, created, model, index, ChatDelta(role="assistant", content=""))
+        tools = run.prepared[0].tools
+        held = [[] for _ in range(run.n)]   # with tools: each choice's text, sent when it finishes
         async for index, delta in self._deltas(run):
             logprobs = self.logprob_format.chat(delta.logprobs or []) if req.logprobs else None
+            if tools is not None:
+                held[index].append(delta.text)
+                if delta.finish_reason is not None:
+                    for chunk in tool_chunks(rid, created, model, index, "".join(held[index]), tools,
+                                             delta.finish_reason):
+                        yield chunk
+                continue
             if delta.text or delta.finish_reason or (logprobs and logprobs.content):
                 content = ChatDelta(content=delta.text) if delta.text else ChatDelta()
                 yield chat_chunk(rid, created, model, index, content, logprobs, delta.finish_reason)

@@ -26,7 +26,7 @@ from .errors import bad_request
 MAX_GRAMMAR_CHARS = 256 * 1024
 
 
-def _schema_grammar(schema, param: str) -> str:
+def schema_grammar(schema, param: str) -> str:
     from pagedray.workers.grammar import load_llguidance
 
     if isinstance(schema, str):
@@ -54,13 +54,13 @@ def _from_response_format(value) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _schema_grammar({"type": "object"}, "response_format")
+        return schema_grammar({"type": "object"}, "response_format")
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise bad_request("response_format.json_schema: must be an object with a 'schema'",
                               param="response_format")
-        return _schema_grammar(spec["schema"], "response_format.json_schema.schema")
+        return schema_grammar(spec["schema"], "response_format.json_schema.schema")
     raise bad_request(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                       param="response_format")
 
@@ -79,9 +79,9 @@ def _from_structured_outputs(value) -> str | None:
     kind = kinds.pop()
     item = given[kind]
     if kind == "json":
-        return _schema_grammar(item, f"{param}.json")
+        return schema_grammar(item, f"{param}.json")
     if kind == "json_object":
-        return _schema_grammar({"type": "object"}, param)
+        return schema_grammar({"type": "object"}, param)
     if kind == "regex":
         if not isinstance(item, str):
             raise bad_request(f"{param}.regex: must be a string", param=param)

@@ -24,7 +24,8 @@ from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingPara
 
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .structured_output import requested_grammar
+from .structured_output import requested_grammar, schema_grammar
+from .tools import ToolPlan, calls_as_text, plan_tools, tool_schema
 
 MAX_STOP_STRINGS = 16
 MAX_BATCH_PROMPTS = 64
@@ -49,6 +50,8 @@ class PreparedRequest:
     stop: tuple[str, ...] = ()
     # the prompt's text, for echo (None when echo is off)
     echo_text: str | None = None
+    # chat with tools: how the output becomes tool_calls (tools.py); None without tools
+    tools: ToolPlan | None = None
 
 
 def check_model(name: str | None, limits: ModelLimits) -> None:
@@ -74,8 +77,6 @@ _GUIDED = "vLLM's older guided_* fields are not supported; use structured_output
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "guided_json": (_asks_nothing, _GUIDED), "guided_regex": (_asks_nothing, _GUIDED),
     "guided_choice": (_asks_nothing, _GUIDED), "guided_grammar": (_asks_nothing, _GUIDED),
-    "tools": (_asks_nothing, "tool calling is not supported"),
-    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported; only 'none'"),
     "functions": (_asks_nothing, "function calling is not supported"),
     "function_call": (lambda v: v is None or v == "none", "function calling is not supported; only 'none'"),
     "prompt_logprobs": (_asks_nothing, "prompt logprobs are not computed"),
@@ -140,9 +141,17 @@ def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tu
     return tuple(pairs)
 
 
-def grammar_of(req: SamplingFields, check_grammar: Callable[[str, str], None] | None) -> str | None:
-    """The request's llguidance grammar (response_format / structured_outputs), checked; None without."""
+def grammar_of(req: SamplingFields, check_grammar: Callable[[str, str], None] | None,
+               tools: ToolPlan | None = None) -> str | None:
+    """The request's llguidance grammar (response_format / structured_outputs, or a required / named
+    tool choice), checked; None without."""
     requested = requested_grammar(req.model_extra or {})
+    schema = tool_schema(tools) if tools is not None else None
+    if schema is not None:
+        if requested is not None:
+            raise bad_request(f"tool_choice: a required or named tool choice cannot be combined with {requested[0]}",
+                              param="tool_choice")
+        requested = ("tool_choice", schema_grammar(schema, "tool_choice"))
     if requested is None:
         return None
     field, grammar = requested
@@ -266,7 +275,20 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return 0 if req.logprobs else None
 
 
-def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits, render: Callable[[list[dict], bool], list[int]],
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as template input: text content; an assistant turn's tool calls appended
+    in the Hermes form (tools.py)."""
+    messages = []
+    for m in req.messages:
+        content = m.text()
+        if m.tool_calls:
+            content = (content + "\n" if content else "") + calls_as_text(m.tool_calls)
+        messages.append({"role": m.role, "content": content})
+    return messages
+
+
+def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
+                 render: Callable[[list[dict], bool, ToolPlan | None], list[int]],
                  check_grammar: Callable[[str, str], None] | None = None) -> PreparedRequest:
     """Validate a /v1/chat/completions request; ``render`` applies the chat template and tokenizes."""
     check_model(req.model, limits)
@@ -274,10 +296,12 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits, render: Callab
     logprobs = chat_logprobs(req)
     stops = stop_strings(req.stop)
     check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
-    grammar = grammar_of(req, check_grammar)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    extra = req.model_extra or {}
+    tools = plan_tools(req.tools, extra.get("tool_choice"), extra.get("parallel_tool_calls"))
+    grammar = grammar_of(req, check_grammar, tools)
+    messages = chat_messages(req)
     _check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
-    token_ids = render(messages, req.add_generation_prompt)
+    token_ids = render(messages, req.add_generation_prompt, tools)
     if not token_ids:
         raise bad_request("messages: the chat template produced an empty prompt", param="messages")
     if len(token_ids) >= limits.max_model_len:
@@ -287,4 +311,5 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits, render: Callab
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _check_max_tokens(requested, len(token_ids), limits, param,
                                    limits.max_model_len - len(token_ids))
-    return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size, grammar), stops)
+    return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size, grammar), stops,
+                           tools=tools)

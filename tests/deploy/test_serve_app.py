@@ -209,6 +209,33 @@ def test_structured_output_with_the_openai_client(client, app):
     assert choice.choices[0].text in (" yes", " no")
 
 
+def test_tool_calls_with_the_openai_client(client, app):
+    import json
+
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                       "properties": {"city": {"type": "string", "maxLength": 24}}}}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=app.model, messages=messages, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=60, temperature=0).choices[0]
+    assert first.finish_reason == "tool_calls"
+    (call,) = first.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with client.beta.chat.completions.stream(model=app.model, messages=messages, tools=tools, tool_choice=named,
+                                             max_tokens=60, temperature=0) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert set(json.loads(final.message.tool_calls[0].function.arguments)) == {"city"}
+    # the next turn carries the call and the tool's answer
+    follow_up = messages + [first.message.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]
+    answer = client.chat.completions.create(model=app.model, messages=follow_up, tools=tools, max_tokens=24,
+                                            temperature=0).choices[0].message
+    assert answer.content or answer.tool_calls
+
+
 def test_handle_plain_and_streaming(app, http, offline_greedy):
     from ray import serve
 

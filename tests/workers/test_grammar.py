@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pagedray.deploy.structured_output import _regex_grammar, _schema_grammar
+from pagedray.deploy.structured_output import _regex_grammar, schema_grammar
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.grammar import GrammarBook, _unpack
 from pagedray.workers.sampler import Sampler, SamplingRow
@@ -48,7 +48,7 @@ def _generate(book, sampler, grammars, eos, vocab, seed, steps=200):
 
 def test_random_logits_always_give_text_the_grammar_accepts(default_model_path, tokenizer):
     book, sampler = GrammarBook(default_model_path), Sampler(seed=0)
-    grammars = [_schema_grammar(SCHEMA, "x"), _regex_grammar("(yes|no|maybe)!"), None]
+    grammars = [schema_grammar(SCHEMA, "x"), _regex_grammar("(yes|no|maybe)!"), None]
     vocab = len(tokenizer)
     for seed in range(3):
         outs = _generate(book, sampler, grammars[:2], tokenizer.eos_token_id, vocab, seed)
@@ -72,7 +72,7 @@ def test_rows_without_grammar_are_untouched_and_masks_forbid(default_model_path,
 
 
 def test_a_lost_matcher_is_rebuilt_by_replaying_the_output(default_model_path, tokenizer):
-    grammar = _schema_grammar(SCHEMA, "x")
+    grammar = schema_grammar(SCHEMA, "x")
     prefix = tokenizer.encode('{"name":"Al","age":4', add_special_tokens=False)   # compact JSON
     logits = torch.randn(1, len(tokenizer), generator=torch.Generator().manual_seed(2))
     incremental = GrammarBook(default_model_path)
@@ -122,7 +122,7 @@ SCHEMAS = st.recursive(_LEAVES, _containers, max_leaves=6)
 @given(schema=SCHEMAS, seed=st.integers(0, 2**16))
 def test_200_random_schemas_every_output_validates(grammar_book, tokenizer, schema, seed):
     book, sampler = grammar_book
-    out = _generate(book, sampler, [_schema_grammar(schema, "x")], tokenizer.eos_token_id, len(tokenizer), seed)[0]
+    out = _generate(book, sampler, [schema_grammar(schema, "x")], tokenizer.eos_token_id, len(tokenizer), seed)[0]
     book.release([0])
     text = tokenizer.decode(out, skip_special_tokens=True)
     jsonschema.validate(json.loads(text), schema)
