@@ -9,7 +9,7 @@ Decisions:
   ``suffix``, ...) is a 400 naming the field, so a client never gets a 200 that
   ignored what it asked for; the same field with its "nothing asked" value (``"none"``, ``null``, an
   empty list) is accepted. Fields that change nothing in the output (``user``, ``metadata``,
-  ``service_tier``, ``parallel_tool_calls``) and fields unknown to both APIs are accepted and ignored
+  ``service_tier``, ``parallel_tool_calls`` without tools) and fields unknown to both APIs are accepted and ignored
   (the top-level request models keep them in ``model_extra``, where the check looks).
   ``response_format`` and ``structured_outputs`` are read from there too (structured_output.py).
 - Integer fields must fit in int64 (``Int64``); messages other than the assistant's need ``content``.
