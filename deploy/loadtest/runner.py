@@ -19,6 +19,7 @@ import asyncio
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pagedray.deploy.loadtest.metrics import MetricsSeries, poll_metrics
@@ -77,12 +78,14 @@ def poisson_arrivals(rate: float, num_requests: int, seed: int) -> list[float]:
 class _Issuer:
     """Sends request i through the target and keeps its record."""
 
-    def __init__(self, target, prompts: list[PromptSpec], start: float, progress: tqdm) -> None:
+    def __init__(self, target, prompts: list[PromptSpec], start: float, progress: tqdm,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.target, self.prompts, self.start, self.progress = target, prompts, start, progress
+        self.clock = clock
         self.records: dict[int, RequestRecord] = {}
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+        return self.clock() - self.start
 
     async def issue(self, index: int) -> None:
         prompt_index = index % len(self.prompts)
@@ -92,14 +95,14 @@ class _Issuer:
         self.progress.update(1)
 
 
-async def _open_loop(issuer: _Issuer, load: LoadSpec) -> None:
+async def _open_loop(issuer: _Issuer, load: LoadSpec, sleep: Callable[[float], Awaitable[None]]) -> None:
     tasks = []
     for index, arrival in enumerate(poisson_arrivals(load.rate, load.num_requests, load.seed)):
         if load.duration_s is not None and arrival >= load.duration_s:
             break
         delay = arrival - issuer.elapsed()
         if delay > 0:
-            await asyncio.sleep(delay)
+            await sleep(delay)
         tasks.append(asyncio.create_task(issuer.issue(index)))
     await asyncio.gather(*tasks)
 
@@ -117,21 +120,25 @@ async def _closed_loop(issuer: _Issuer, load: LoadSpec) -> None:
 
 
 async def run_load(target, prompts: list[PromptSpec], load: LoadSpec, metrics_url: str | None = None,
-                   metrics_interval_s: float = 1.0, progress: bool = True) -> RunResult:
-    """Run one load against an entered target; returns every record, failed ones included."""
+                   metrics_interval_s: float = 1.0, progress: bool = True,
+                   clock: Callable[[], float] = time.perf_counter,
+                   sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> RunResult:
+    """Run one load against an entered target; returns every record, failed ones included. ``clock`` and
+    ``sleep`` pace the open loop's sends and time them (tests pass a virtual clock)."""
     if not prompts:
         raise ValueError("prompts: need at least one prompt")
     series = MetricsSeries()
     stop = asyncio.Event()
-    start = time.perf_counter()
+    start = clock()
     poller = None
     if metrics_url:
-        poller = asyncio.create_task(poll_metrics(metrics_url, metrics_interval_s, start, series, stop))
+        poller = asyncio.create_task(poll_metrics(metrics_url, metrics_interval_s, time.perf_counter(), series,
+                                                  stop))
     bar = tqdm(total=load.num_requests, desc=load.label, unit="req", disable=not progress, leave=False)
-    issuer = _Issuer(target, prompts, start, bar)
+    issuer = _Issuer(target, prompts, start, bar, clock)
     try:
         if load.rate is not None:
-            await _open_loop(issuer, load)
+            await _open_loop(issuer, load, sleep)
         else:
             await _closed_loop(issuer, load)
     finally:

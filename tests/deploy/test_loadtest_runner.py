@@ -1,9 +1,9 @@
 """Load tester against the fake OpenAI server: load shapes, stopping, measured latencies, failure causes.
 
-Latency oracles come from the fake's fixed delays. Lower bounds are hard (the server sleeps at least
-that long before writing, and the client sends before the server receives). Upper bounds add SLACK, the
-scheduling noise allowed on a shared 2-core machine; gaps measured at the client may also come out
-shorter than the server's by that noise when an earlier event was read late.
+Latency oracles come from the fake's fixed delays, as lower bounds only (the server sleeps at least that
+long before writing, and the client sends before the server receives): how late a loaded machine reads
+an event is not bounded, so no test asserts an upper bound on a wall-clock time. Open-loop schedules run
+on a virtual clock (``VirtualTime``: the runner's sleeps advance it), so send times are exact.
 """
 
 import asyncio
@@ -16,19 +16,33 @@ from pagedray.deploy.loadtest.prompts import LengthRange, synthetic_prompts
 from pagedray.deploy.loadtest.runner import LoadSpec, poisson_arrivals, run_load
 from pagedray.deploy.loadtest.stats import latency_samples, percentile, summarize
 
-SLACK = 0.08
 EPS = 0.002  # timer granularity
 
 
+class VirtualTime:
+    """A clock that moves only when the runner sleeps (by exactly the time asked)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(0)   # the sends already due start first (they read the clock at once)
+        self.now += seconds
+
+
 def run(url: str, load: LoadSpec, num_prompts: int, tokens: int, timeout_s: float = 10.0,
-        metrics: bool = False):
+        metrics: bool = False, virtual: VirtualTime | None = None):
     prompts = synthetic_prompts(num_prompts, LengthRange(3, 9), LengthRange(tokens, tokens), seed=1)
     options = RequestOptions(model="fake", timeout_s=timeout_s)
+    pacing = {} if virtual is None else {"clock": virtual.clock, "sleep": virtual.sleep}
 
     async def go():
         async with HttpTarget(url, options) as target:
             metrics_url = target.metrics_url if metrics else None
-            return await run_load(target, prompts, load, metrics_url, 0.05, progress=False)
+            return await run_load(target, prompts, load, metrics_url, 0.05, progress=False, **pacing)
 
     return asyncio.run(go())
 
@@ -48,16 +62,13 @@ def test_closed_loop_completes_all_and_measures_the_fake_delays():
     one_request = first + (tokens - 1) * gap
     assert result.duration_s >= 2 * one_request - EPS  # two rounds of four
     for record in result.records:
-        assert first - EPS <= record.ttft <= first + SLACK
-        assert one_request - EPS <= record.e2e <= one_request + SLACK
+        assert record.ttft >= first - EPS and record.e2e >= one_request - EPS
         assert len(record.itls) == tokens - 1
         assert record.tpot == pytest.approx((record.e2e - record.ttft) / (tokens - 1))
-        assert gap - SLACK / 2 <= record.tpot <= gap + SLACK / 2
+        # the first chunk is the TTFT, the later ones give the ITLs, the end comes after the last chunk
+        assert record.ttft == record.chunk_times[0] <= record.chunk_times[-1] <= record.e2e
     samples = latency_samples(result.records)
     assert len(samples["itl"]) == 8 * (tokens - 1)
-    assert gap - SLACK / 2 <= percentile(samples["itl"], 50) <= gap + SLACK / 2
-    # TTFT and ITL are not confused: the first gap is five times the others
-    assert summary["ttft_ms"]["p50"] > 3 * summary["itl_ms"]["p50"]
     assert summary["ttft_ms"]["p90"] == pytest.approx(percentile([t * 1000 for t in samples["ttft"]], 90))
     assert summary["e2e_ms"]["p50"] <= summary["e2e_ms"]["p90"] <= summary["e2e_ms"]["p99"]
     assert result.metrics.times, result.metrics.note
@@ -67,13 +78,12 @@ def test_closed_loop_completes_all_and_measures_the_fake_delays():
 def test_open_loop_sends_on_the_seeded_poisson_schedule():
     load = LoadSpec(num_requests=10, rate=20.0, seed=3)
     with FakeOpenAIServer(FakeBehavior(first_token_delay_s=0.01, inter_token_delay_s=0.01)) as server:
-        result = run(server.url, load, num_prompts=10, tokens=3)
+        result = run(server.url, load, num_prompts=10, tokens=3, virtual=VirtualTime())
         assert server.arrivals == 10
     arrivals = poisson_arrivals(20.0, 10, 3)
     assert [r.index for r in result.records] == list(range(10))
     assert all(r.ok for r in result.records)
-    for record, arrival in zip(result.records, arrivals):
-        assert arrival - EPS <= record.send_s <= arrival + SLACK
+    assert [r.send_s for r in result.records] == pytest.approx(arrivals)
 
 
 def test_poisson_arrivals_are_seeded_and_have_the_right_mean_gap():
@@ -97,11 +107,11 @@ def test_open_loop_duration_bound_sends_exactly_the_arrivals_before_it():
     load = LoadSpec(num_requests=1000, rate=10.0, duration_s=0.6, seed=1)
     expected = sum(1 for t in poisson_arrivals(10.0, 1000, 1) if t < 0.6)
     with FakeOpenAIServer(FakeBehavior(first_token_delay_s=0.01)) as server:
-        result = run(server.url, load, num_prompts=5, tokens=2)
+        result = run(server.url, load, num_prompts=5, tokens=2, virtual=VirtualTime())
         assert server.arrivals == expected
     assert len(result.records) == expected
     assert [r.prompt_index for r in result.records] == [i % 5 for i in range(expected)]
-    assert result.duration_s < 0.6 + SLACK + 0.1
+    assert result.records[-1].send_s < 0.6 <= poisson_arrivals(10.0, 1000, 1)[expected]
 
 
 def test_closed_loop_duration_bound_stops_taking_requests():
