@@ -162,7 +162,6 @@ def test_step_limit_grows_with_the_tokens_in_the_step(tiny_llama_path):
             await engine.check_health()
         fake.gate.set()
         tokens, _ = await task
-        assert engine.engine.step_limit_s == pytest.approx(1.1)   # the last step decoded one token
         await engine.check_health()
         return tokens
     try:
