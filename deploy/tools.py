@@ -17,7 +17,7 @@
   becomes ``"tool_calls"`` when a choice that stopped made calls.
 - Streams of a tools request are not incremental: each choice's text is held until it finishes, then
   sent as its content and/or one ``delta.tool_calls`` entry per call (the shape the OpenAI client's
-  stream accumulator merges), then the finish reason.
+  stream accumulator merges), then the finish reason. Such streams carry no ``logprobs``.
 """
 
 from __future__ import annotations
