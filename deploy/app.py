@@ -16,6 +16,11 @@ Decisions:
   the engine's bounded queue (a fast 429 with an OpenAI body), not by requests queueing inside
   Serve's routers: with the cap at the bound itself, a 10x burst waited in Serve's router backoff and
   its slowest 429s took seconds (benchmarks/reliability.py).
+- ``autoscaling_config`` (Serve's AutoscalingConfig, checked here: unknown keys and bad values are a
+  ValueError naming them) replaces ``num_replicas`` for the engine deployment; giving both is an error.
+  The ingress' concurrency cap then counts ``max_replicas`` engine replicas. Serve scales on ongoing
+  requests per replica (``target_ongoing_requests``); the engine's own pressure signals (waiting
+  requests, KV usage) are on /metrics but are not fed to Serve's autoscaler.
 - The default executor is ``ray`` also at TP=1. Running the model in the replica's own process (vLLM's
   single-process layout) removes a process and a Ray call per step, but there the step thread shares
   the GIL with Serve's event loop (one streamed output per request per step), and on the 2-core CPU
@@ -49,7 +54,26 @@ def parse_args(args: dict | None) -> BaseModel:
         raise ValueError(f"max_body_bytes: must be >= 1024, got {parsed.max_body_bytes}")
     if not 0 < parsed.graceful_shutdown_s <= 3600:
         raise ValueError(f"graceful_shutdown_s: must be in (0, 3600] seconds, got {parsed.graceful_shutdown_s}")
+    if parsed.autoscaling_config is not None:
+        if "num_replicas" in parsed.model_fields_set:
+            raise ValueError("num_replicas: give either num_replicas or autoscaling_config, not both")
+        check_autoscaling(parsed.autoscaling_config)
     return parsed
+
+
+def check_autoscaling(config: dict) -> int:
+    """ValueError naming the field unless Serve accepts ``config`` as an AutoscalingConfig; its max_replicas."""
+    from ray.serve.config import AutoscalingConfig
+
+    unknown = sorted(set(config) - set(AutoscalingConfig.model_fields))
+    if unknown:   # Serve's model would ignore them: a typo must not pass silently
+        raise ValueError(f"autoscaling_config: unknown keys {unknown}")
+    try:
+        return AutoscalingConfig(**config).max_replicas
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = "".join(f".{part}" for part in first["loc"])
+        raise ValueError(f"autoscaling_config{field}: {first['msg']}") from None
 
 
 def wants_gpu(device: str) -> bool:
@@ -70,15 +94,18 @@ def build_app(args: dict | None = None) -> Application:
     use_gpu, in_process = wants_gpu(parsed.device), not config.parallel.use_ray
     admission = parsed.max_num_seqs + parsed.max_queued_requests
     in_flight = admission + max(admission, REJECTION_HEADROOM_MIN) + CONTROL_CALL_HEADROOM
+    scaling = parsed.autoscaling_config
+    replicas = {"num_replicas": parsed.num_replicas} if scaling is None else {"autoscaling_config": scaling}
+    most_replicas = parsed.num_replicas if scaling is None else check_autoscaling(scaling)
     engine = EngineDeployment.options(
-        num_replicas=parsed.num_replicas,
+        **replicas,
         placement_group_bundles=placement_bundles(parsed.tensor_parallel_size, use_gpu, in_process),
         placement_group_strategy="PACK",
         ray_actor_options={"num_cpus": 1, "num_gpus": 1 if use_gpu and in_process else 0},
         max_ongoing_requests=in_flight,
         graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
     ).bind(config)
-    ingress = OpenAIIngress.options(max_ongoing_requests=in_flight * parsed.num_replicas,
+    ingress = OpenAIIngress.options(max_ongoing_requests=in_flight * most_replicas,
                                     graceful_shutdown_timeout_s=parsed.graceful_shutdown_s + SHUTDOWN_MARGIN_S).bind(
         engine, model=parsed.model, served_model_name=parsed.served_model_name, api_key=parsed.api_key,
         max_body_bytes=parsed.max_body_bytes)

@@ -47,6 +47,7 @@ Decisions:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -62,11 +63,24 @@ LOCAL_RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY
                  "RAY_worker_niceness": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
+def json_object(text: str) -> dict:
+    """argparse type of dict options: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _add_options(parser: argparse.ArgumentParser, options) -> None:
     """One flag per option (options.py), default None: an option left unset keeps build_app's default."""
     for option in options:
         kind = cli_type(option)
-        if kind is bool:
+        if kind is dict:
+            parser.add_argument(option.flag, type=json_object, default=None, help=option.help + " (JSON)")
+        elif kind is bool:
             parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None, help=option.help)
         else:
             parser.add_argument(option.flag, type=kind, default=None, help=option.help)

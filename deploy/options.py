@@ -34,7 +34,7 @@ class Option:
     name: str                  # build_app arg; CLI flag --name-with-dashes
     help: str
     config: str | None = None  # "section.field" (or "field" of EngineConfig) for engine options
-    kind: type | None = None   # Serve options only: int, float, str, bool
+    kind: type | None = None   # Serve options only: int, float, str, bool, dict (a JSON object on the CLI)
     default: object = None     # Serve options, or a served default that differs from the engine's
     optional: bool = False     # Serve options only: None allowed
 
@@ -57,6 +57,8 @@ SERVE_OPTIONS = (
     Option("max_body_bytes", "request body limit (413 above it)", kind=int, default=DEFAULT_MAX_BODY_BYTES),
     Option("graceful_shutdown_s", "on shutdown, how long in-flight requests may finish", kind=float,
            default=GRACEFUL_SHUTDOWN_S),
+    Option("autoscaling_config", "Serve's autoscaling of the engine replicas (min_replicas, max_replicas, "
+           "target_ongoing_requests, upscale_delay_s, ...; replaces num_replicas)", kind=dict, optional=True),
 )
 
 
@@ -108,7 +110,7 @@ def option_default(option: Option) -> object:
 def cli_type(option: Option) -> type:
     """The plain type an argparse flag converts to (bool: a --flag/--no-flag pair)."""
     annotation = option_type(option)
-    return next(t for t in (bool, int, float, str) if annotation in (t, t | None))
+    return next(t for t in (bool, int, float, str, dict) if annotation in (t, t | None))
 
 
 def engine_options() -> tuple[Option, ...]:

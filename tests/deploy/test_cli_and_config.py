@@ -120,3 +120,26 @@ def test_direct_ingress_follows_serves_rule_and_pins_the_port():
     # Serve's port range is [min, max): exactly the one port asked for
     assert direct_ingress_env(8000) == {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8000",
                                         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8001"}
+
+
+def test_autoscaling_config_reaches_the_engine_deployment_and_bad_ones_name_the_field():
+    from pagedray.deploy import cli
+    from pagedray.deploy.app import build_app
+
+    scaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8}
+    ingress = build_app({"autoscaling_config": scaling})._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    config = engine._deployment_config.autoscaling_config
+    assert (config.min_replicas, config.max_replicas, config.target_ongoing_requests) == (1, 3, 8.0)
+    assert ingress.max_ongoing_requests == 3 * build_app({})._bound_deployment.max_ongoing_requests
+    for bad, message in [({"min_replicas": 3, "max_replicas": 2}, "autoscaling_config"),
+                         ({"max_replica": 2}, r"autoscaling_config: unknown keys \['max_replica'\]"),
+                         ({"max_replicas": "many"}, r"autoscaling_config\.max_replicas")]:
+        with pytest.raises(ValueError, match=message):
+            build_app({"autoscaling_config": bad})
+    with pytest.raises(ValueError, match="num_replicas: give either"):
+        build_app({"autoscaling_config": scaling, "num_replicas": 2})
+    ns = cli.build_parser().parse_args(["serve", "--autoscaling-config", '{"max_replicas": 2}'])
+    assert cli.serve_args(ns) == {"autoscaling_config": {"max_replicas": 2}}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--autoscaling-config", "[2]"])
