@@ -118,6 +118,14 @@ def finish_rounds(name: str, out: str, runs: list[rounds.Run], metrics: list[rou
     return report
 
 
+def print_ratio(report: dict, ratio: str, metric: str, label: str, goal: str, digits: int = 2) -> None:
+    """One line with a ratio's median [min-max] from a ``finish_rounds`` report (nothing when it has no value)."""
+    value = report["summary"]["ratios"][ratio][metric]
+    if value is not None:
+        print(f"{label}: {value['median']:.{digits}f}x [{value['min']:.{digits}f}-{value['max']:.{digits}f}] "
+              f"(goal {goal})")
+
+
 def hf_continuous_batching(model, token_id_prompts: list[list[int]], max_tokens: list[int], pad_token_id: int,
                            timeout_s: float) -> dict:
     """Greedy generation through transformers' continuous-batching manager (the ``generate_batch``

@@ -23,7 +23,7 @@ from pathlib import Path
 if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import add_round_args, finish_rounds, make_prompts, print_run
+from benchmarks.common import add_round_args, finish_rounds, make_prompts, print_ratio, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "integer", "minimum": 0, "maximum": 9}}
@@ -91,10 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         llm.shutdown()
     report = finish_rounds("grammar", args.out, runs, METRICS, ratios, vars(args), {"schema": SCHEMA})
     for ratio in ratios:
-        value = report["summary"]["ratios"][ratio.name]["output_tok_per_s"]
-        if value is not None:
-            print(f"{ratio.name}: {value['median']:.3f}x [{value['min']:.3f}-{value['max']:.3f}] "
-                  f"(goal >= 0.90 at batch 16)")
+        print_ratio(report, ratio.name, "output_tok_per_s", ratio.name, ">= 0.90 at batch 16", digits=3)
     return report
 
 

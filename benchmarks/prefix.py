@@ -24,7 +24,7 @@ from pathlib import Path
 if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common import add_round_args, finish_rounds, make_prompts, print_run
+from benchmarks.common import add_round_args, finish_rounds, make_prompts, print_ratio, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 ON, OFF = "caching on", "caching off"
@@ -85,10 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
                       on_run=print_run)
     report = finish_rounds("prefix", args.out, runs, METRICS, RATIOS, vars(args),
                            {"prompt_tokens": [len(p) for p in prompts]})
-    speedup = report["summary"]["ratios"][RATIOS[0].name]["mean_ttft_s"]
-    if speedup is not None:
-        print(f"mean TTFT speedup with prefix caching: {speedup['median']:.1f}x "
-              f"[{speedup['min']:.1f}-{speedup['max']:.1f}] (goal >= 5x)")
+    print_ratio(report, RATIOS[0].name, "mean_ttft_s", "mean TTFT speedup with prefix caching", ">= 5x", digits=1)
     return report
 
 
