@@ -127,9 +127,10 @@ def print_ratio(report: dict, ratio: str, metric: str, label: str, goal: str, di
 
 
 def hf_continuous_batching(model, token_id_prompts: list[list[int]], max_tokens: list[int], pad_token_id: int,
-                           timeout_s: float) -> dict:
+                           timeout_s: float, deadline_s: float | None = None) -> dict:
     """Greedy generation through transformers' continuous-batching manager (the ``generate_batch``
-    engine): every request added at once, timed until the last one finishes."""
+    engine): every request added at once, timed until the last one finishes. ``deadline_s``: a time
+    limit for the whole run (TimeoutError past it, so a slow peer cannot hold a benchmark forever)."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=None,
@@ -143,7 +144,16 @@ def hf_continuous_batching(model, token_id_prompts: list[list[int]], max_tokens:
                 manager.add_request(ids, request_id=f"r{i}", max_new_tokens=m)
             done = 0
             while done < len(token_id_prompts):
-                result = manager.get_result(timeout=timeout_s)
+                wait = timeout_s
+                if deadline_s is not None:
+                    wait = deadline_s - (time.perf_counter() - t.start)
+                    if wait <= 0:
+                        raise TimeoutError(f"HF continuous batching: {done} of {len(token_id_prompts)} requests "
+                                           f"finished within the {deadline_s:g} s limit")
+                    wait = min(wait, timeout_s)
+                result = manager.get_result(timeout=wait)
+                if result is None and deadline_s is not None and time.perf_counter() - t.start >= deadline_s:
+                    continue                                   # the check above raises TimeoutError
                 if result is None:
                     raise RuntimeError("HF continuous batching stopped returning results")
                 if result.is_finished():

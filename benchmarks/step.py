@@ -158,7 +158,7 @@ class PagedrayScenario:
         start = time.perf_counter()
         prepared = runner.prepare(plan)
         middle = time.perf_counter()
-        output = runner.forward(prepared.inputs)
+        output = runner.forward(prepared.host.to_device(runner.device))
         runner.mirror.mark_computed(prepared.batch)
         after_forward = time.perf_counter()
         self.worker.sample(output)

@@ -7,12 +7,24 @@ head_dim contiguous; slot of position ``p`` = ``block_table[p // block_size] * b
 (``ValueError`` naming the argument) and dispatch; the ``*_reference`` functions take the same arguments,
 skip validation and compute in float32 with torch (the CPU attention path and the test oracle).
 ``check_step_metadata`` runs the metadata checks once for callers that reuse one step's metadata in
-every layer (they then pass ``validate_values=False`` per call).
+every layer (they then pass ``validate_values=False`` per call); ``check_host_step_metadata`` does
+the same on CPU metadata for a cache on any device (the check before the host-to-device copy).
+The model's small ops (``fused_ops``): ``rms_norm`` (optional fused residual add, also per head on a
+strided q/k view), ``rotary_embedding_`` (in place on q and k) and ``silu_and_mul``, dispatched the same
+way; their ``*_reference`` twins (``fused_reference``) are the model layers' exact torch code.
 Benchmarks (from a checkout): ``python -m benchmarks.kernels`` (CUDA; ``--dry-run`` checks the plumbing on CPU)
 and ``python -m benchmarks.kernel_reference`` (CPU timing of the references against dense SDPA).
 """
 
-from .api import check_step_metadata, paged_attention, paged_decode, paged_prefill, store_kv
+from .api import check_host_step_metadata, check_step_metadata, paged_attention, paged_decode, paged_prefill, store_kv
+from .fused_ops import fused_triton_path, rms_norm, rotary_embedding_, silu_and_mul
+from .fused_reference import (
+    apply_rotary_reference,
+    rms_norm_reference,
+    rotary_cos_sin,
+    rotary_embedding_reference_,
+    silu_and_mul_reference,
+)
 from .reference import (
     paged_attention_reference,
     paged_decode_reference,
@@ -22,6 +34,7 @@ from .reference import (
 
 __all__ = [
     "check_step_metadata",
+    "check_host_step_metadata",
     "store_kv",
     "paged_decode",
     "paged_prefill",
@@ -30,4 +43,13 @@ __all__ = [
     "paged_decode_reference",
     "paged_prefill_reference",
     "paged_attention_reference",
+    "fused_triton_path",
+    "rms_norm",
+    "rotary_embedding_",
+    "silu_and_mul",
+    "rms_norm_reference",
+    "rotary_cos_sin",
+    "apply_rotary_reference",
+    "rotary_embedding_reference_",
+    "silu_and_mul_reference",
 ]

@@ -109,6 +109,21 @@ def check_step_metadata(k_cache, v_cache, num_tokens: int, slot_mapping, cu_seql
     _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
 
 
+def check_host_step_metadata(cache_shape, cache_dtype: torch.dtype, num_tokens: int, slot_mapping, cu_seqlens_q,
+                             seq_lens_k, block_tables, max_query_len=None) -> None:
+    """``check_step_metadata`` with every value check, on CPU metadata, for a cache on any device.
+
+    ``cache_shape`` is one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``. The model
+    runner checks a step's metadata here before copying it to the GPU, so the checks read host memory
+    and the device never syncs. The checks only need the cache's shape and dtype: they run against a
+    zero-stride CPU stand-in of that shape (``head_dim`` elements of storage).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache_shape
+    stand_in = torch.empty(head_dim, dtype=cache_dtype).as_strided(tuple(cache_shape), (0, 0, 0, 1))
+    check_step_metadata(stand_in, stand_in, num_tokens, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables,
+                        max_query_len, validate_values=True)
+
+
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
                   out=None, *, sliding_window=None, validate_values=None, use_triton=None):
     """Causal varlen chunks over cached history.

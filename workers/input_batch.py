@@ -1,17 +1,27 @@
-"""One step's model inputs, built from the scheduled sequences of a plan.
+"""One step's model inputs, built from the scheduled sequences of a plan: on the host, then one copy.
 
 A batch freely mixes prefill chunks (many tokens, possibly starting after a prefix-cache hit) and
 decode tokens (one token each). Sequence i contributes the tokens at positions
 ``[computed_i, computed_i + scheduled_i)``; they are laid out back to back, in batch order.
 
 Python touches each sequence once (token slice, block table row); everything per token (positions,
-slot ids) is computed with a handful of vectorised torch ops on CPU, then moved to the device:
+slot ids) is computed with a handful of vectorised torch ops on CPU:
 
     seq_of_token = repeat_interleave(arange(seqs), q_lens)                     # [tokens]
     position     = arange(tokens) - cu_q[seq_of_token] + computed[seq_of_token]
     slot         = block_tables[seq_of_token, position // B] * B + position % B
 
 Logits are needed only at the last scheduled token of each sequence that samples.
+
+Host first, one copy (``HostBatch``): every input is int32 and lives in ONE host tensor (pinned when
+the target is CUDA), in the order of ``FIELDS``; the runner checks the attention metadata on these host
+tensors (no device sync), and ``HostBatch.to_device`` moves the whole step with a single copy and hands
+out views. On CPU the "copy" is the host tensor itself.
+
+Padding (``rows=``, decode-only steps, for the CUDA-graph buckets of ``decode_graphs``): rows past the
+real sequences are dummies that write no KV (slot -1), attend one key of block 0 (seq_len 1, a zero
+block-table row) and are never sampled; ``width=`` fixes the block-table width so every step of a
+bucket has the same shapes.
 """
 
 from __future__ import annotations
@@ -23,19 +33,81 @@ import torch
 from .layers.attention import AttentionMetadata
 from .seq_mirror import ScheduledSequence, SequenceState
 
+FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens_k", "cu_seqlens_q", "logits_indices",
+          "block_tables")
+
 
 @dataclass(frozen=True)
 class BatchInputs:
-    input_ids: torch.Tensor        # [tokens] int64
-    positions: torch.Tensor        # [tokens] int64
+    input_ids: torch.Tensor        # [tokens] int32
+    positions: torch.Tensor        # [tokens] int32
     meta: AttentionMetadata
-    logits_indices: torch.Tensor   # [sampling rows] int64: index of each sampler's last token
+    logits_indices: torch.Tensor   # [sampling rows] int32: index of each sampler's last token
     sampling_seqs: list[SequenceState]
 
 
-def build_batch(batch: list[ScheduledSequence], block_size: int, device: torch.device) -> BatchInputs:
-    if not batch:
+@dataclass(frozen=True)
+class PackedShape:
+    """Lengths of the packed fields: tokens, sequences (rows), sampling rows, block-table width."""
+
+    tokens: int
+    seqs: int
+    logits: int
+    width: int
+
+    def lengths(self) -> tuple[int, ...]:
+        t, s = self.tokens, self.seqs
+        return (t, t, t, s, s + 1, self.logits, s * self.width)
+
+    @property
+    def size(self) -> int:
+        return sum(self.lengths())
+
+
+def unpack(packed: torch.Tensor, shape: PackedShape, max_query_len: int,
+           sampling_seqs: list[SequenceState]) -> BatchInputs:
+    """Views of one packed int32 tensor (host or device) as the step's inputs."""
+    parts = dict(zip(FIELDS, packed[:shape.size].split(shape.lengths())))
+    meta = AttentionMetadata(
+        slot_mapping=parts["slot_mapping"],
+        cu_seqlens_q=parts["cu_seqlens_q"],
+        seq_lens_k=parts["seq_lens_k"],
+        block_tables=parts["block_tables"].view(shape.seqs, shape.width),
+        max_query_len=max_query_len,
+    )
+    return BatchInputs(parts["input_ids"], parts["positions"], meta, parts["logits_indices"], sampling_seqs)
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    packed: torch.Tensor                # [shape.size] int32 on CPU (pinned for a CUDA target)
+    shape: PackedShape
+    max_query_len: int
+    sampling_seqs: list[SequenceState]
+    num_real_rows: int                  # sequences of the plan (rows past them are padding)
+
+    @property
+    def inputs(self) -> BatchInputs:
+        """The host tensors (what the runner checks before the copy)."""
+        return unpack(self.packed, self.shape, self.max_query_len, self.sampling_seqs)
+
+    def to_device(self, device: torch.device) -> BatchInputs:
+        packed = self.packed if device.type == "cpu" else self.packed.to(device, non_blocking=True)
+        return unpack(packed, self.shape, self.max_query_len, self.sampling_seqs)
+
+
+def is_decode_only(batch: list[ScheduledSequence]) -> bool:
+    """Every sequence runs exactly one token and samples it (what a decode graph can replay)."""
+    return all(item.num_scheduled_tokens == 1 and item.samples for item in batch)
+
+
+def build_host_batch(batch: list[ScheduledSequence], block_size: int, pin_memory: bool = False,
+                     rows: int | None = None, width: int | None = None) -> HostBatch:
+    """The step's inputs in one host tensor. ``rows``/``width``: pad a decode-only batch (module doc)."""
+    if not batch and rows is None:
         raise ValueError("batch: at least one scheduled sequence is required")
+    if rows is not None and (rows < len(batch) or not is_decode_only(batch)):
+        raise ValueError(f"rows: padding to {rows} rows needs a decode-only batch of at most {rows} sequences")
     input_ids: list[int] = []
     computed, q_lens, tables, sampling = [], [], [], []
     for item in batch:
@@ -45,29 +117,43 @@ def build_batch(batch: list[ScheduledSequence], block_size: int, device: torch.d
         q_lens.append(item.num_scheduled_tokens)
         tables.append(state.block_ids)
         sampling.append(item.samples)
-    width = max(len(t) for t in tables)
+    num_pad = 0 if rows is None else rows - len(batch)
+    # padding rows: token 0 at position 0 (computed = 0, q_len = 1), table row of zeros, sampled rows
+    input_ids += [0] * num_pad
+    computed += [0] * num_pad
+    q_lens += [1] * num_pad
+    tables += [[]] * num_pad
+    needed = max((len(t) for t in tables), default=0)
+    if width is not None and needed > width:
+        raise ValueError(f"width: {width} block-table columns, but a sequence uses {needed} blocks")
+    if width is None:
+        width = max(needed, 1 if num_pad else 0)   # a padding row reads column 0
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    block_tables = block_tables.view(len(tables), width)                       # [seqs, width]
     q_lens_t = torch.tensor(q_lens, dtype=torch.int32)                        # [seqs]
     computed_t = torch.tensor(computed, dtype=torch.int32)                    # [seqs]
-    cu_seqlens_q = torch.zeros(len(batch) + 1, dtype=torch.int32)
+    cu_seqlens_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     torch.cumsum(q_lens_t, 0, out=cu_seqlens_q[1:])
     num_tokens = len(input_ids)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), q_lens_t)  # [tokens]
-    positions = (torch.arange(num_tokens) - cu_seqlens_q[seq_of_token] + computed_t[seq_of_token]).long()
-    slots = block_tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
-    last_token = cu_seqlens_q[1:].long() - 1                                  # [seqs]
-    logits_indices = last_token[torch.tensor(sampling, dtype=torch.bool)]
-    meta = AttentionMetadata(
-        slot_mapping=slots.to(device, non_blocking=True),
-        cu_seqlens_q=cu_seqlens_q.to(device, non_blocking=True),
-        seq_lens_k=(computed_t + q_lens_t).to(device, non_blocking=True),
-        block_tables=block_tables.to(device, non_blocking=True),
-        max_query_len=max(q_lens),
-    )
-    return BatchInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
-        positions=positions.to(device, non_blocking=True),
-        meta=meta,
-        logits_indices=logits_indices.to(device, non_blocking=True),
-        sampling_seqs=[item.state for item, s in zip(batch, sampling) if s],
-    )
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)  # [tokens]
+    positions = torch.arange(num_tokens, dtype=torch.int32) - cu_seqlens_q[seq_of_token] + computed_t[seq_of_token]
+    slots = (block_tables[seq_of_token, positions // block_size] * block_size
+             + positions % block_size)                                         # [tokens] int32
+    if num_pad:
+        slots[len(batch):] = -1
+    last_token = cu_seqlens_q[1:] - 1                                         # [seqs]
+    if rows is None:
+        logits_indices = last_token[torch.tensor(sampling, dtype=torch.bool)]
+    else:
+        logits_indices = last_token                                           # decode buckets sample every row
+    shape = PackedShape(num_tokens, len(q_lens), logits_indices.shape[0], width)
+    packed = torch.empty(shape.size, dtype=torch.int32, pin_memory=pin_memory)
+    torch.cat([torch.tensor(input_ids, dtype=torch.int32), positions, slots, computed_t + q_lens_t, cu_seqlens_q,
+               logits_indices, block_tables.flatten()], out=packed)
+    return HostBatch(packed, shape, max(q_lens), [item.state for item, s in zip(batch, sampling) if s], len(batch))
+
+
+def build_batch(batch: list[ScheduledSequence], block_size: int, device: torch.device) -> BatchInputs:
+    """``build_host_batch`` then ``to_device`` (callers without a metadata check of their own)."""
+    host = build_host_batch(batch, block_size, pin_memory=device.type == "cuda")
+    return host.to_device(device)

@@ -3,11 +3,12 @@
 Order of a step (every rank runs the same steps on the same plan, so collectives line up):
 1. the mirror validates the plan, drops released ids and applies deltas / new sequences;
 2. copy-on-write block copies are applied to every layer's K and V;
-3. the inputs are built (``input_batch.build_batch``), their attention metadata is checked once
-   (``kernels.check_step_metadata``; the layers then skip the per-call value checks), and one
-   forward runs over the mixed batch;
-4. the final hidden states of each sampling sequence's last scheduled token go through the LM head
-   (vocab-parallel, gathered to rank 0);
+3. the inputs are built on the host in one int32 tensor (``input_batch.build_host_batch``), their
+   attention metadata is checked there once (``kernels.check_step_metadata`` on CPU tensors: no device
+   sync; the layers then skip the per-call value checks), and one copy moves them to the device;
+4. one forward runs over the mixed batch; the final hidden states of each sampling sequence's last
+   scheduled token go through the LM head (vocab-parallel, gathered to rank 0). A decode-only step
+   goes to ``decode_graphs`` instead when the runner has one (CUDA graphs; padded to a bucket);
 5. the mirror marks the scheduled tokens as computed.
 
 Sampling is not done here: ``Worker`` hands ``StepOutput`` to the Sampler on rank 0.
@@ -21,7 +22,8 @@ import torch
 
 from .. import kernels
 from .contract.wire import StepPlan
-from .input_batch import BatchInputs, build_batch
+from .decode_graphs import DecodeGraphs
+from .input_batch import BatchInputs, HostBatch, build_host_batch
 from .kv_cache import check_block_copies, copy_blocks
 from .models.decoder import DecoderForCausalLM
 from .seq_mirror import ScheduledSequence, SequenceMirror, SequenceState
@@ -36,7 +38,8 @@ class StepOutput:
 @dataclass(frozen=True)
 class PreparedStep:
     batch: list[ScheduledSequence]   # the forward's sequences, in batch order
-    inputs: BatchInputs
+    host: HostBatch                  # checked host inputs (padded to the bucket when ``bucket`` is set)
+    bucket: int | None               # decode-graph bucket, or None for the eager forward
 
 
 class ModelRunner:
@@ -47,33 +50,50 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.mirror = SequenceMirror(block_size, num_blocks=kv_cache.shape[2])
+        self.decode_graphs: DecodeGraphs | None = None   # set by the worker (CUDA graphs) or a test
+
+    def use_decode_graphs(self, graphs: DecodeGraphs) -> None:
+        """Route decode-only steps through ``graphs`` (captured or, on CPU, run eagerly)."""
+        if graphs.kv_cache is not self.kv_cache:
+            raise ValueError("graphs: built over a different KV cache than this runner's")
+        self.decode_graphs = graphs
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         step = self.prepare(plan)
         if step is None:
             return StepOutput(None, [])
-        output = self.forward(step.inputs)
+        if step.bucket is not None:
+            output = StepOutput(self.decode_graphs.run(step.host), step.host.sampling_seqs)
+        else:
+            output = self.forward(step.host.to_device(self.device))
         self.mirror.mark_computed(step.batch)
         return output
 
     def prepare(self, plan: StepPlan) -> PreparedStep | None:
-        """Steps 1-3 up to the forward: mirror update, block copies, input tensors (None: nothing to run)."""
+        """Steps 1-3 up to the copy: mirror update, block copies, checked host inputs (None: nothing to run)."""
         check_block_copies(plan.block_copies, self.kv_cache.shape[2])
         batch = self.mirror.apply(plan)
         copy_blocks(self.kv_cache, plan.block_copies)
         if not batch:
             return None
-        inputs = build_batch(batch, self.block_size, self.device)
-        meta = inputs.meta   # checked here once; the attention layers skip the value checks
-        kernels.check_step_metadata(self.kv_cache[0, 0], self.kv_cache[0, 1], inputs.input_ids.shape[0],
-                                    meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
-                                    meta.max_query_len)
-        return PreparedStep(batch, inputs)
+        bucket = None if self.decode_graphs is None else self.decode_graphs.bucket_for(batch)
+        pinned = self.device.type == "cuda"
+        host = (build_host_batch(batch, self.block_size, pin_memory=pinned) if bucket is None
+                else self.decode_graphs.host_batch(batch, bucket))
+        self.check_host_metadata(host)
+        return PreparedStep(batch, host, bucket)
+
+    def check_host_metadata(self, host: HostBatch) -> None:
+        """Every metadata check (values included) on the host tensors, against this cache's shape."""
+        meta = host.inputs.meta
+        kernels.check_host_step_metadata(self.kv_cache.shape[2:], self.kv_cache.dtype, host.shape.tokens,
+                                         meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens_k,
+                                         meta.block_tables, meta.max_query_len)
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs) -> StepOutput:
-        """The model forward over the batch, then the LM head at the sampling rows only."""
+        """The eager model forward over the batch, then the LM head at the sampling rows only."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)   # [tokens, hidden]
         logits = None
         if inputs.sampling_seqs:

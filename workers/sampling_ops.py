@@ -17,7 +17,8 @@ Semantics (settled here, following vLLM / Hugging Face / OpenAI):
 - top-k and top-p together become one logit threshold per row, found among the
   ``TOP_P_CANDIDATES`` largest logits (a ``topk``, several times cheaper than sorting 50k entries on
   CPU); only rows whose top-p prefix is longer than that are fully sorted. Tokens tied with the last
-  kept token are kept.
+  kept token are kept. On CUDA the full sort runs for every row instead: it is cheap there, and the
+  candidate path reads two values back to the host (the widest top-k, whether any row overflowed).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     candidate set (very flat distributions) fall back to ``top_k_top_p_by_sort``.
     Tokens tied with the last kept token are kept.
     """
+    if logits.is_cuda:
+        return top_k_top_p_by_sort(logits, top_k, top_p)   # no device-to-host reads
     num_rows, vocab = logits.shape
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     width = min(vocab, max(candidates, int(top_k.max().clamp(min=1))))

@@ -12,6 +12,9 @@ Decisions:
   Qwen's per-layer sliding window, missing weight files) is checked *before* joining the process group, so a bad
   model fails on every rank instead of leaving the others waiting for the group.
 - Only rank 0 samples and returns a StepResult; other ranks return None.
+- CUDA graphs (``decode_graphs``): captured in ``init_kv_cache`` on CUDA at TP=1 unless
+  ``model.enforce_eager``; the memory profile sets aside what they will hold. TP > 1 runs eagerly
+  (capturing the NCCL collectives is not verified yet).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from .contract.config import EngineConfig
 from .contract.wire import StepPlan, StepResult, decode_plan, encode_result
+from .decode_graphs import CaptureReport, DecodeGraphs
 from .default_model import resolve_model_path
 from .grammar import GrammarBook
 from .kv_cache import KVCacheSpec
@@ -80,6 +84,12 @@ class Worker:
                         if self.tp.is_first else None)
         self.grammars = GrammarBook(str(config.model.tokenizer or model_path)) if self.tp.is_first else None
         self.runner: ModelRunner | None = None
+        self.graph_report: CaptureReport | None = None
+
+    @property
+    def uses_decode_graphs(self) -> bool:
+        return (self.device.type == "cuda" and not self.config.model.enforce_eager
+                and self.config.parallel.tensor_parallel_size == 1)
 
     def available_kv_blocks(self) -> int:
         """KV blocks this rank can hold (collective on GPU with TP > 1: call on every rank)."""
@@ -87,11 +97,18 @@ class Worker:
             return self.config.cache.num_blocks
         if self.device.type == "cpu":
             return self.kv_spec.blocks_for_bytes(self.config.cache.kv_cache_gib * 2**30)
-        return profile_gpu_num_blocks(self.model, self.kv_spec, self.config, self.max_model_len, self.device)
+        graph_rows = self.config.scheduler.max_num_seqs if self.uses_decode_graphs else None
+        return profile_gpu_num_blocks(self.model, self.kv_spec, self.config, self.max_model_len, self.device,
+                                      graph_rows)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         kv_cache = self.kv_spec.allocate(num_blocks, self.device)
         self.runner = ModelRunner(self.model, kv_cache, self.config.cache.block_size, self.device)
+        if self.uses_decode_graphs:
+            graphs = DecodeGraphs(self.model, kv_cache, self.config.cache.block_size,
+                                  self.config.scheduler.max_num_seqs, self.max_model_len, self.device)
+            self.graph_report = graphs.capture()
+            self.runner.use_decode_graphs(graphs)
 
     def execute(self, plan: StepPlan) -> StepResult | None:
         if self.runner is None:

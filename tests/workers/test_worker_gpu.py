@@ -7,6 +7,9 @@ the sampler on the device, against transformers on CPU.
 * bf16 on CUDA (the GPU default): the first greedy token of every prompt equals fp32 transformers',
   and the KV-cache size comes from the memory profile (``num_blocks`` unset), which must leave room for
   the whole batch.
+* CUDA-graph decode (the default on CUDA): the graphs are captured at start-up, decode steps replay
+  them (padded to their bucket), and the tokens equal the eager engine's (``enforce_eager``) in fp32
+  and bf16, across bucket boundaries, with preemptions and prefix-cache hits in the run.
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ import dataclasses
 
 import pytest
 from conftest import engine_config, hf_greedy
+from pagedray.cluster import LLM, SamplingParams
 from pagedray.workers.worker import Worker
-from worker_plans import PlanDriver
+from worker_plans import PlanDriver, log_bucket_runs
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 32
 TINY_PROMPTS = [[5, 17, 33, 8, 99, 120, 7], list(range(3, 40)), [200, 201, 4], list(range(60, 80))]
 
 
-def _cuda_driver(path: str, dtype: str, profile_memory: bool = False) -> tuple[Worker, PlanDriver]:
-    config = engine_config(path, device="cuda", dtype=dtype)
+def _cuda_driver(path: str, dtype: str, profile_memory: bool = False,
+                 enforce_eager: bool = False) -> tuple[Worker, PlanDriver]:
+    config = engine_config(path, device="cuda", dtype=dtype, enforce_eager=enforce_eager)
     if profile_memory:
         config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=None,
                                                                         gpu_memory_utilization=0.3))
@@ -47,8 +52,51 @@ def test_fp32_on_cuda_matches_transformers(kind, tiny_model_path):
 def test_bf16_on_cuda_with_profiled_kv_cache(tiny_model_path):
     path = tiny_model_path("llama")
     worker, driver = _cuda_driver(path, "bfloat16", profile_memory=True)
-    assert driver.block_manager.num_free_blocks() >= len(TINY_PROMPTS) * 16
+    assert driver.block_manager.num_free_blocks >= len(TINY_PROMPTS) * 16
     outputs = driver.generate(TINY_PROMPTS, 4)
     expected = hf_greedy(path, TINY_PROMPTS, 4)
     assert [out[0] for out in outputs] == [ref[0] for ref in expected]
     assert worker.num_sequences() == 0
+
+
+GRAPH_PROMPTS = TINY_PROMPTS + [[9, 8, 7, 6, 5, 4, 3, 2], [150, 3, 77, 21, 18]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_graph_replay_matches_eager(kind, dtype, tiny_model_path):
+    path = tiny_model_path(kind)
+    worker, driver = _cuda_driver(path, dtype)
+    assert worker.uses_decode_graphs and worker.graph_report is not None
+    graphs = worker.runner.decode_graphs
+    assert set(graphs.graphs) == set(graphs.buckets)
+    buckets_run = log_bucket_runs(graphs)
+    replayed = driver.generate(GRAPH_PROMPTS, NEW_TOKENS)
+    _, eager_driver = _cuda_driver(path, dtype, enforce_eager=True)
+    assert replayed == eager_driver.generate(GRAPH_PROMPTS, NEW_TOKENS)
+    assert (5, 8) in buckets_run and (3, 4) in buckets_run      # padded rows across bucket boundaries
+    if dtype == "float32":
+        assert replayed == hf_greedy(path, GRAPH_PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_with_preemption_and_prefix_hits_match_eager(dtype, tiny_model_path):
+    path = tiny_model_path("qwen3")
+    prompts = [[7, 8, 9, 10] * 4 + [i + 20, i + 40] for i in range(5)]     # a shared 16-token prefix
+    params = SamplingParams(temperature=0, max_tokens=16)
+
+    def generate(enforce_eager: bool):
+        llm = LLM(path, device="cuda", dtype=dtype, block_size=8, num_blocks=16, watermark=0.0, max_num_seqs=8,
+                  enforce_eager=enforce_eager)
+        try:
+            worker = llm.engine.executor.worker
+            assert (worker.graph_report is None) == enforce_eager
+            results = llm.generate(prompts, params, use_tqdm=False)
+            return [r.outputs[0].token_ids for r in results], llm.engine.stats()
+        finally:
+            llm.shutdown()
+
+    replayed, stats = generate(enforce_eager=False)
+    eager, _ = generate(enforce_eager=True)
+    assert replayed == eager
+    assert stats.num_preemptions_total > 0 and stats.prefix_hit_rate > 0

@@ -132,3 +132,16 @@ class PlanDriver:
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  params: SamplingParams | None = None) -> list[list[int]]:
         return [s.output for s in self.run([self.add(p, max_new_tokens, params) for p in prompts])]
+
+
+def log_bucket_runs(graphs) -> list[tuple[int, int]]:
+    """Wrap ``DecodeGraphs.run`` to record (real rows, bucket) of every decode step it runs."""
+    log: list[tuple[int, int]] = []
+    run = graphs.run
+
+    def logged(host):
+        log.append((host.num_real_rows, host.shape.seqs))
+        return run(host)
+
+    graphs.run = logged
+    return log

@@ -41,12 +41,16 @@ class ModelConfig:
     device: str = option("auto", "auto | cpu | cuda")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's max_position_embeddings)")
     tokenizer: str | None = option(None, "a separate tokenizer folder (default: the model folder)")
+    enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs "
+                                        "captured at start-up (one per batch-size bucket; TP=1 only)")
 
     def validate(self) -> None:
         _require(isinstance(self.model, str) and self.model != "",
                  "model: give a Hugging Face model folder or 'default'")
         _require(self.dtype in DTYPES, f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.device in DEVICES, f"device: must be one of {DEVICES}, got {self.device!r}")
+        _require(isinstance(self.enforce_eager, bool),
+                 f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len > 0),
                  f"max_model_len: must be a positive integer or None, got {self.max_model_len!r}")
 

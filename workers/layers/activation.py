@@ -1,12 +1,16 @@
-"""SiLU-and-multiply for the merged gate/up projection (elementwise: no communication)."""
+"""SiLU-and-multiply for the merged gate/up projection (elementwise: no communication).
+
+``kernels.silu_and_mul``: the fused Triton kernel on CUDA tensors, ``F.silu(gate) * up`` (the original
+code, bit-identical) on CPU tensors.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from ... import kernels
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up [tokens, 2 * inter_local] (gate first, then up) -> [tokens, inter_local]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return kernels.silu_and_mul(gate_up)

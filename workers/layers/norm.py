@@ -2,7 +2,9 @@
 
 Numerics follow the reference implementation: normalise in float32, cast back to the input dtype,
 then scale by the weight. ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``
-so a decoder layer carries the residual stream without extra copies.
+so a decoder layer carries the residual stream without extra copies. The math runs in
+``kernels.rms_norm``: the fused Triton kernel on CUDA tensors, the original torch code on CPU tensors
+(bit-identical to before). x is ``[tokens, size]`` or, for per-head q/k norm, ``[tokens, heads, size]``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ... import kernels
 from ..weight_loader import CheckpointReader, copy_into
 from .linear import empty_param
 
@@ -24,14 +27,6 @@ class RMSNorm(nn.Module):
     def load(self, reader: CheckpointReader, name: str) -> None:
         copy_into(self.weight, reader.read(name, expect_shape=[self.size]), name)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # x [..., size]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None):
+        # x [tokens, size] or [tokens, heads, size]; ``out`` (x's shape, may be x) receives the normed rows
+        return kernels.rms_norm(x, self.weight, self.eps, residual, out=out)

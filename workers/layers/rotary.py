@@ -1,22 +1,30 @@
 """Rotary position embedding (rotate-half / NeoX layout, as used by Llama, Qwen2 and Qwen3).
 
 Supported ``rope_type``: ``default``, ``linear`` (positions divided by ``factor``) and ``llama3``
-(Llama 3.1+ frequency-dependent scaling). Others raise ValueError naming the rope type.
+(Llama 3.1+ frequency-dependent scaling). Others raise ValueError naming the rope type. Every type is
+just an ``inv_freq`` vector: the angle of position p and pair i is ``float32(p) * inv_freq[i]``, a
+single rounded product, the same value any implementation gets.
 
-cos/sin are computed per step from the positions of the scheduled tokens (``RotaryEmbedding.cos_sin``,
-once per forward, shared by all layers) instead of a ``max_position_embeddings``-long cache, which
-would be large for 128k-context models. The angle of position p and pair i is
-``float32(p) * inv_freq[i]``: a single rounded product, the same value any implementation gets.
-``cos_sin`` returns the sine with the sign of rotate-half folded in, so ``apply_rotary`` is one roll,
-two products and a sum (bit-identical to ``x * cos + rotate_half(x) * sin``); the decoder rotates q
-and k of a layer in one call, as one tensor.
+``RotaryEmbedding.for_step`` prepares one forward's rotary inputs (``RotaryStep``, shared by all layers),
+for one of two paths (``kernels.fused_triton_path``: CUDA tensors take the first):
+
+* fused: ``RotaryStep.rotate_`` rotates q and k in place with ``kernels.rotary_embedding_`` (Triton),
+  which computes the angles itself from the positions; no per-step cos/sin tensors.
+* torch (CPU): cos/sin computed once per step from the positions of the scheduled tokens
+  (``kernels.rotary_cos_sin``) instead of a ``max_position_embeddings``-long cache, which would be
+  large for 128k-context models. The sine carries the sign of rotate-half, so ``apply_rotary`` is one
+  roll, two products and a sum (bit-identical to ``x * cos + rotate_half(x) * sin``); the decoder
+  rotates q and k of a layer in one call, as one tensor.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from ... import kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -65,12 +73,38 @@ class RotaryEmbedding:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [tokens] -> cos, signed_sin [tokens, 1, head_dim] (broadcast over heads);
         # signed_sin = (-sin, sin) over the two halves, the sign rotate-half puts on x's second half
-        angles = (positions.float().unsqueeze(-1) * self.inv_freq).unsqueeze(1)    # [tokens, 1, head_dim / 2]
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return kernels.rotary_cos_sin(positions, self.inv_freq, dtype)
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
+        """positions [tokens] -> the rotary inputs of one forward (no host sync: the path follows the device)."""
+        if kernels.fused_triton_path(positions.device):
+            return RotaryStep(positions, self.inv_freq, None, None)
+        return RotaryStep(positions, self.inv_freq, *self.cos_sin(positions, dtype))
+
+
+@dataclass(frozen=True)
+class RotaryStep:
+    """One forward's rotary inputs. Fused path: ``cos``/``sin`` are None and ``rotate_`` works in place;
+    torch path: ``cos``/``sin`` [tokens, 1, head_dim] for ``apply``."""
+
+    positions: torch.Tensor           # [tokens] int32/int64
+    inv_freq: torch.Tensor            # [head_dim / 2] float32
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None          # signed: (-sin, sin) over the two halves
+
+    @property
+    def fused(self) -> bool:
+        return self.cos is None
+
+    def rotate_(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        # q [tokens, Hq, D], k [tokens, Hk, D] (disjoint, e.g. head slices of qkv) rotated in place
+        kernels.rotary_embedding_(q, k, self.positions, self.inv_freq)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        # torch path: x [tokens, heads, D] -> rotated copy
+        return apply_rotary(x, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # x [tokens, heads, head_dim] -> same shape. rotate_half(x) * sin == roll(x, half) * signed_sin
-    # exactly (only signs move), so this is bit-identical to the rotate-half formula with one copy less.
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    # x [tokens, heads, head_dim] -> same shape: x * cos + rotate_half(x) * sin, bit for bit
+    return kernels.apply_rotary_reference(x, cos, signed_sin)

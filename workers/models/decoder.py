@@ -9,6 +9,11 @@ Per layer and rank: merged QKV (column-parallel) -> [q/k RMSNorm] -> rotary -> p
 this rank's KV heads -> o_proj (row-parallel, one all-reduce) -> merged gate/up (column-parallel)
 -> SiLU*up -> down_proj (row-parallel, one all-reduce). Two all-reduces per layer, plus one for the
 embedding and one gather for the logits per step.
+
+The small ops (RMSNorm, q/k norm, rotary, SiLU*up) run through ``pagedray.kernels``: fused Triton
+kernels on CUDA, the original torch code on CPU (bit-identical, the fp32 oracle path). On the fused
+path the q/k norm and the rotary rewrite q and k inside the fresh qkv projection output, in place.
+Nothing in the forward reads tensor values on the host, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.partition import HeadPartition, check_even_split, check_head_split
-from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader
 
@@ -84,17 +89,23 @@ class DecoderAttention(nn.Module):
             self.q_norm.load(reader, f"{prefix}.q_norm.weight")
             self.k_norm.load(reader, f"{prefix}.k_norm.weight")
 
-    def forward(self, hidden, cos, sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden, rope: RotaryStep, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         # hidden [tokens, hidden] -> [tokens, hidden]; q, k, v are views of the fused projection
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(tokens, -1, self.head_dim)      # [tokens, Hq + 2 Hkv, D]
         q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
-        if self.q_norm is None:
-            qk = apply_rotary(qkv[:, :k_end], cos, sin)                   # q and k rotated together
+        if rope.fused:                       # Triton: normalise and rotate q and k inside qkv, in place
+            q, k = qkv[:, :q_end], qkv[:, q_end:k_end]
+            if self.q_norm is not None:
+                self.q_norm(q, out=q)
+                self.k_norm(k, out=k)
+            rope.rotate_(q, k)
+        elif self.q_norm is None:
+            qk = rope.apply(qkv[:, :k_end])                               # q and k rotated together
             q, k = qk[:, :q_end], qk[:, q_end:]
         else:
-            q = apply_rotary(self.q_norm(qkv[:, :q_end]), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, q_end:k_end]), cos, sin)
+            q = rope.apply(self.q_norm(qkv[:, :q_end]))
+            k = rope.apply(self.k_norm(qkv[:, q_end:k_end]))
         out = self.attn(q, k, qkv[:, k_end:], kv_layer, meta)          # [tokens, heads_local, head_dim]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -130,13 +141,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight")
         self.mlp.load(reader, f"{prefix}.mlp")
 
-    def forward(self, hidden, residual, cos, sin, kv_layer, meta):
+    def forward(self, hidden, residual, rope: RotaryStep, kv_layer, meta):
         # returns (mlp output, residual stream before it), both [tokens, hidden]
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_layer, meta)
+        hidden = self.self_attn(hidden, rope, kv_layer, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -184,10 +195,10 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions [tokens]; kv_cache [layers, 2, blocks, block_size, kv_heads_local, head_dim]
         hidden = self.embed_tokens(input_ids)                                   # [tokens, hidden]
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        rope = self.rotary.for_step(positions, hidden.dtype)                   # shared by every layer
         residual = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i], meta)
+            hidden, residual = layer(hidden, residual, rope, kv_cache[i], meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

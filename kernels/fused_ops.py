@@ -1,0 +1,135 @@
+"""Public entry points of the model's small fused ops: validate, then dispatch to Triton (CUDA) or the
+torch reference (CPU, bit-identical to the layers' original code; see ``fused_reference``).
+
+* ``rms_norm(x, weight, eps, residual=None, *, out=None)``: RMSNorm over the last dim of
+  ``[tokens, size]`` or ``[tokens, heads, size]`` (any token/head strides: a head slice of qkv works),
+  with the optional residual add: returns ``normed`` or ``(normed, x + residual)``.
+* ``rotary_embedding_(q, k, positions, inv_freq)``: rotate-half rope, in place on q and k.
+* ``silu_and_mul(gate_up)``: ``silu(gate) * up`` of ``[tokens, 2 * inter]`` -> ``[tokens, inter]``.
+
+``use_triton`` works as in ``api``: ``None`` = Triton for CUDA tensors, the reference for CPU tensors;
+``True`` on CPU tensors needs ``TRITON_INTERPRET=1``. The checks read metadata only (ranks, shapes,
+dtypes, devices, strides, eps), never tensor contents, so the CUDA path never syncs with the host and
+can be captured in a CUDA graph. Every check raises ``ValueError`` starting with the argument's name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import validation as v
+from .activation_triton import silu_and_mul_triton
+from .api import _triton_wanted
+from .fused_reference import rms_norm_reference, rotary_embedding_reference_, silu_and_mul_reference
+from .norm_triton import MAX_SIZE, rms_norm_triton
+from .rotary_triton import rotary_embedding_triton
+
+
+def fused_triton_path(device: torch.device) -> bool:
+    """Whether the entry points here run their Triton kernels by default for tensors on ``device``
+    (for callers that lay out their data differently for the two paths, like the decoder)."""
+    return _triton_wanted(None, device)
+
+
+def _check_rows(name: str, t, ranks: tuple[int, ...], device=None) -> None:
+    """A float tensor of one of ``ranks`` with its last dim contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() not in ranks:
+        raise ValueError(f"{name}: expected rank {' or '.join(map(str, ranks))}, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if t.dtype not in v.SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: unsupported dtype {t.dtype}; expected one of {v.SUPPORTED_DTYPES}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (stride(-1) == 1)")
+
+
+def _check_like(name: str, t, ref: torch.Tensor, ref_name: str) -> None:
+    """Same rank, shape, dtype and device as ``ref``, last dim contiguous."""
+    _check_rows(name, t, (ref.dim(),), ref.device)
+    if t.shape != ref.shape or t.dtype != ref.dtype:
+        raise ValueError(f"{name}: expected shape {tuple(ref.shape)} and dtype {ref.dtype} like {ref_name}, "
+                         f"got {tuple(t.shape)} {t.dtype}")
+
+
+def _check_vector(name: str, t, length: int, dtype: torch.dtype, device) -> None:
+    v.check_tensor(name, t, 1, device)
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.shape[0] != length:
+        raise ValueError(f"{name}: expected shape [{length}], got {tuple(t.shape)}")
+    if length > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: must be contiguous (stride(0) == 1)")
+
+
+def _check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
+
+
+def rms_norm(x, weight, eps, residual=None, *, out=None, use_triton=None):
+    """x [tokens, size] or [tokens, heads, size] -> norm(x), or with ``residual`` (x's shape)
+    -> (norm(x + residual), x + residual).
+
+    ``weight`` [size] in x's dtype. ``out`` (optional, x's shape and dtype) receives the normed rows and
+    is returned; it may be ``x`` itself (in place) but must not partly overlap x or residual. Other
+    outputs are new contiguous tensors; x and residual are never modified (unless ``out is x``).
+    """
+    _check_rows("x", x, (2, 3))
+    if x.shape[-1] == 0:
+        raise ValueError(f"x: empty last dim in shape {tuple(x.shape)}")
+    _check_vector("weight", weight, x.shape[-1], x.dtype, x.device)
+    _check_eps(eps)
+    if residual is not None:
+        _check_like("residual", residual, x, "x")
+    if out is not None:
+        _check_like("out", out, x, "x")
+    if not _triton_wanted(use_triton, x.device):
+        return rms_norm_reference(x, weight, eps, residual, out)
+    if x.shape[-1] > MAX_SIZE:
+        raise ValueError(f"x: last dim {x.shape[-1]} exceeds the Triton kernel's {MAX_SIZE}")
+    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rms_norm_triton(x, weight, float(eps), residual, normed, new_residual)
+    return normed if residual is None else (normed, new_residual)
+
+
+def rotary_embedding_(q, k, positions, inv_freq, *, use_triton=None) -> None:
+    """Rotate q [tokens, Hq, D] and k [tokens, Hk, D] in place (rotate-half layout, D even).
+
+    q and k share dtype, D and tokens; they may be head slices of one tensor but must not overlap.
+    positions [tokens] int32/int64; inv_freq [D / 2] float32 (angle = float32(position) * inv_freq).
+    """
+    _check_rows("q", q, (3,))
+    _check_rows("k", k, (3,), q.device)
+    if k.dtype != q.dtype:
+        raise ValueError(f"k: dtype {k.dtype} differs from q {q.dtype}")
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k: shape {tuple(k.shape)}, expected [{q.shape[0]}, heads, {q.shape[2]}] "
+                         f"(q's tokens and head_dim)")
+    head_dim = q.shape[2]
+    if head_dim == 0 or head_dim % 2 != 0:
+        raise ValueError(f"q: head_dim {head_dim} must be even and positive")
+    v.check_tensor("positions", positions, 1, q.device)
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions: expected dtype torch.int32 or torch.int64, got {positions.dtype}")
+    if positions.shape[0] != q.shape[0]:
+        raise ValueError(f"positions: shape {tuple(positions.shape)}, expected [{q.shape[0]}] (q's tokens)")
+    _check_vector("inv_freq", inv_freq, head_dim // 2, torch.float32, q.device)
+    run = rotary_embedding_triton if _triton_wanted(use_triton, q.device) else rotary_embedding_reference_
+    run(q, k, positions, inv_freq)
+
+
+def silu_and_mul(gate_up, *, use_triton=None):
+    """gate_up [tokens, 2 * inter] (gate first, then up) -> silu(gate) * up [tokens, inter] (new tensor)."""
+    _check_rows("gate_up", gate_up, (2,))
+    if gate_up.shape[1] % 2 != 0:
+        raise ValueError(f"gate_up: last dim {gate_up.shape[1]} must be even (gate and up halves)")
+    if not _triton_wanted(use_triton, gate_up.device):
+        return silu_and_mul_reference(gate_up)
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
+    silu_and_mul_triton(gate_up, out)
+    return out
