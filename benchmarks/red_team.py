@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -211,13 +212,39 @@ def case_echo_token_ids(url):
     return "the decoded prompt, then the completion", repr(choice["text"][:40]), len(choice["text"]) > 0
 
 
-def case_open_surfaces(url):
+def process_tree(root_pid: int) -> set[int]:
+    """``root_pid`` and all its descendants (the server and the Ray processes it started)."""
+    children: dict[int, list[int]] = {}
+    for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
+        pid, ppid = map(int, line.split())
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = set(), [root_pid]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def public_sockets(root_pid: int) -> list[str]:
+    """Non-loopback listening TCP sockets owned by the server's process tree ("address (process)")."""
+    tree = process_tree(root_pid)
+    public = set()
+    for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines():
+        fields = line.split()
+        owners = {int(pid) for pid in re.findall(r"pid=(\d+)", line)}
+        if fields and owners & tree and not fields[3].startswith(("127.0.0.1:", "[::1]:", "[::ffff:127.")):
+            name = re.search(r'\(\("([^"]+)"', line)
+            public.add(f"{fields[3]} ({name.group(1) if name else '?'})")
+    return sorted(public)
+
+
+def case_open_surfaces(url, server_pid: int):
     redirect = httpx.get(url + "/v1/models/", headers={**AUTH, "Host": "evil.example.com"}, trust_env=False,
                          follow_redirects=False)
     routes = httpx.get(url + "/-/routes", trust_env=False).status_code
-    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout.split("\n")
-    public = sorted({line.split()[3] for line in listening if line.split()
-                     and not line.split()[3].startswith(("127.0.0.1:", "[::1]:"))})
+    public = public_sockets(server_pid)
+    print("non-loopback sockets of the server's processes: " + ", ".join(public), flush=True)
     no_location = "location" not in redirect.headers
     return ("no Host-built redirect; no route without the key; only loopback sockets",
             f"/v1/models/: {redirect.status_code}, Location: {not no_location}; /-/routes without key: {routes}; "
@@ -248,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.monotonic()
             with health_watch(server.url) as watch:
                 try:
-                    expected, observed, ok = fn(server.url)
+                    extra = (server.proc.pid,) if fn is case_open_surfaces else ()
+                    expected, observed, ok = fn(server.url, *extra)
                 except Exception as exc:  # noqa: BLE001 - a crashed case is a defect of its own
                     expected, observed, ok = "the case runs", f"{type(exc).__name__}: {exc}", False
             healthy, health = health_summary(watch)

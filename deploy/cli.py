@@ -42,6 +42,9 @@ Decisions:
   a replaced ingress replica gets ``--port`` back at once. One ingress replica per node can hold the
   port; ``RAY_SERVE_ENABLE_DIRECT_INGRESS=0`` in the environment (or ``--address``, joining a cluster
   whose settings are its own) puts Serve's proxy on ``--port`` instead.
+- With ``--api-key``, a Ray started here also gets ``http_guard.guard_env``: Serve's middleware hook
+  and the key's SHA-256, so Serve's own ``/-/routes`` asks for the key too. The ingress replica's HTTP
+  server bounds request heads in size and time (``http_guard.BoundedH11Protocol``).
 """
 
 from __future__ import annotations
@@ -156,10 +159,14 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _start_or_join_ray(address: str | None, tensor_parallel_size: int = 1, port: int = 8000) -> bool:
+def _start_or_join_ray(address: str | None, tensor_parallel_size: int = 1, port: int = 8000,
+                       api_key: str | None = None) -> bool:
     """Join the cluster at ``address``, or start a private local one whose ingress replica serves
-    ``port`` itself when direct ingress is on. True when started here."""
+    ``port`` itself when direct ingress is on, and whose HTTP servers ask for ``api_key`` on Serve's
+    ``/-/routes`` (``http_guard.guard_env``). True when started here."""
     import ray
+
+    from .http_guard import guard_env
 
     if address:
         ray.init(address=address, log_to_driver=False)
@@ -168,6 +175,7 @@ def _start_or_join_ray(address: str | None, tensor_parallel_size: int = 1, port:
         os.environ.setdefault(name, value)
     if uses_direct_ingress(os.environ):
         os.environ.update(direct_ingress_env(port))
+    os.environ.update(guard_env(api_key))
     ray.init(address="local", num_cpus=local_ray_num_cpus(tensor_parallel_size), log_to_driver=False)
     return True
 
@@ -208,7 +216,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     app = build_app(serve_args(ns))  # validates the options before anything starts
     _prepare_model(ns.model)
-    started_ray = _start_or_join_ray(ns.address, ns.tensor_parallel_size or 1, ns.port)
+    started_ray = _start_or_join_ray(ns.address, ns.tensor_parallel_size or 1, ns.port, ns.api_key)
     direct = started_ray and uses_direct_ingress(os.environ)
     serve.start(http_options={"host": ns.host, "port": free_port(ns.host) if direct else ns.port})
     _stop_on_signals()

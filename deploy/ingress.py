@@ -49,6 +49,7 @@ from ray.serve.handle import DeploymentHandle
 from .api import DEFAULT_MAX_BODY_BYTES, create_api
 from .engine_deployment import DrainReport, ModelMeta
 from .errors import to_api_error
+from .http_guard import use_bounded_protocol
 from .metrics import ServerMetrics
 from .options import GRACEFUL_SHUTDOWN_S
 from .prompt_bound import max_prompt_chars
@@ -110,6 +111,7 @@ class OpenAIIngress:
                        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         from transformers import AutoTokenizer
 
+        use_bounded_protocol()   # before Serve starts this replica's own HTTP server (direct ingress)
         meta: ModelMeta = await engine.model_meta.remote()
         name, aliases = served_names(model, meta, served_model_name)
         tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)

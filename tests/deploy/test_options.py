@@ -27,7 +27,8 @@ NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "
                 "enable_prefix_caching": False, "watermark": 0.02, "tensor_parallel_size": 2, "executor": "auto",
                 "ray_transport": "compiled", "threads_per_worker": 1, "max_rank_restarts": 0, "max_num_seqs": 8,
                 "max_num_batched_tokens": 512, "policy": "priority", "max_queued_requests": 7,
-                "step_timeout_s": 30.0, "step_timeout_per_token_s": 0.5, "seed": 5, "stream_interval": 4}
+                "step_timeout_s": 30.0, "step_timeout_per_token_s": 0.5, "seed": 5, "stream_interval": 4,
+                "enforce_eager": True}
 
 
 def engine_settings() -> set[str]:
