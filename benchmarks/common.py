@@ -143,17 +143,13 @@ def hf_continuous_batching(model, token_id_prompts: list[list[int]], max_tokens:
             for i, (ids, m) in enumerate(zip(token_id_prompts, max_tokens)):
                 manager.add_request(ids, request_id=f"r{i}", max_new_tokens=m)
             done = 0
+            limit = float("inf") if deadline_s is None else deadline_s
             while done < len(token_id_prompts):
-                wait = timeout_s
-                if deadline_s is not None:
-                    wait = deadline_s - (time.perf_counter() - t.start)
-                    if wait <= 0:
-                        raise TimeoutError(f"HF continuous batching: {done} of {len(token_id_prompts)} requests "
-                                           f"finished within the {deadline_s:g} s limit")
-                    wait = min(wait, timeout_s)
-                result = manager.get_result(timeout=wait)
-                if result is None and deadline_s is not None and time.perf_counter() - t.start >= deadline_s:
-                    continue                                   # the check above raises TimeoutError
+                left = limit - (time.perf_counter() - t.start)
+                result = manager.get_result(timeout=min(timeout_s, left)) if left > 0 else None
+                if result is None and time.perf_counter() - t.start >= limit:
+                    raise TimeoutError(f"HF continuous batching: {done} of {len(token_id_prompts)} requests "
+                                       f"finished within the {deadline_s:g} s limit")
                 if result is None:
                     raise RuntimeError("HF continuous batching stopped returning results")
                 if result.is_finished():
