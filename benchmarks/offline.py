@@ -6,7 +6,8 @@ Workload (fixed seed): N requests (default 64), prompts of 8-120 random words, m
 than two, whose OpenMP barriers stall when a core is taken by another process).
 
 Section A, the default SmolLM2-135M-Instruct:
-- pagedray LLM, in-process LocalExecutor (TP=1); with ``--compare-threads`` also with 2 threads;
+- pagedray LLM, in-process LocalExecutor (TP=1); with ``--compare-threads`` also with 2 threads; with
+  ``--compare-packing`` also without the MKL-packed weights (``cpu_packed_weights=False``);
 - pagedray LLM through the Ray executor with one rank (TP=2 is impossible for SmolLM2: 9 query
   heads cannot be split over 2 ranks);
 - HF ``generate`` in static padded batches (``--hf-batch`` prompts per batch, left padding, each batch
@@ -51,6 +52,7 @@ from benchmarks.common import (
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 HF_STATIC, HF_CB, EVEN_LOCAL = "hf_generate_static", "hf_generate_batch", "even_heads_local_tp1"
+UNPACKED = "pagedray_local_tp1_unpacked"
 METRICS = [Metric("output_tok_s", "output tok/s"), Metric("seconds", higher_is_better=False),
            Metric("output_tokens", "output tokens"), Metric("steps", higher_is_better=False),
            Metric("preemptions", higher_is_better=False)]
@@ -132,6 +134,9 @@ def _systems(args, folder: str | None) -> dict:
     systems = {HF_STATIC: lambda: run_hf_static(prompts, max_tokens, args.hf_batch),
                "pagedray_local_tp1": lambda: run_pagedray(prompts, max_tokens, threads_per_worker=args.threads,
                                                           **common)}
+    if args.compare_packing:
+        systems[UNPACKED] = lambda: run_pagedray(prompts, max_tokens, threads_per_worker=args.threads,
+                                                 cpu_packed_weights=False, **common)
     if args.compare_threads:
         systems["pagedray_local_tp1_2threads"] = lambda: run_pagedray(prompts, max_tokens, threads_per_worker=2,
                                                                       **common)
@@ -152,6 +157,8 @@ def _ratios(systems: dict) -> list[Ratio]:
     hf = tuple(n for n in (HF_STATIC, HF_CB) if n in systems)
     label = "hf best" if len(hf) > 1 else HF_STATIC
     ratios = [Ratio(n, hf, ("output_tok_s",), f"{n} / {label}") for n in systems if n.startswith("pagedray")]
+    if UNPACKED in systems:
+        ratios.append(Ratio("pagedray_local_tp1", (UNPACKED,), ("output_tok_s",)))
     return ratios + [Ratio(n, (EVEN_LOCAL,), ("output_tok_s",)) for n in systems if n.startswith("even_heads_ray")]
 
 
@@ -171,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hf-cb-requests", type=int, default=16,
                         help="HF continuous batching runs on the first K requests only (it is very slow on CPU)")
     parser.add_argument("--compare-threads", action="store_true")
+    parser.add_argument("--compare-packing", action="store_true",
+                        help=f"also run {UNPACKED!r} (cpu_packed_weights=False) and report packed / unpacked")
     parser.add_argument("--tp2", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

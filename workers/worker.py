@@ -15,10 +15,14 @@ Decisions:
 - CUDA graphs (``decode_graphs``): captured in ``init_kv_cache`` on CUDA at TP=1 unless
   ``model.enforce_eager``; the memory profile sets aside what they will hold. TP > 1 runs eagerly
   (capturing the NCCL collectives is not verified yet).
+- CPU fp32: every linear layer and the LM head also hold an MKL-packed weight
+  (``layers/packed_gemm.py``) unless ``model.cpu_packed_weights`` is off; ``pack_report`` says how
+  many matrices and bytes (logged at start-up).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from types import MappingProxyType
 
@@ -30,6 +34,7 @@ from .decode_graphs import CaptureReport, DecodeGraphs
 from .default_model import resolve_model_path
 from .grammar import GrammarBook
 from .kv_cache import KVCacheSpec
+from .layers.packed_gemm import PackReport, pack_linear_weights, packed_gemm_available
 from .memory_profile import profile_gpu_num_blocks
 from .model_info import load_hf_config, model_info
 from .model_runner import ModelRunner, StepOutput
@@ -37,6 +42,8 @@ from .models.registry import model_class
 from .sampler import Sampler, SamplingRow
 from .tp_group import TPGroup
 from .weight_loader import CheckpointReader
+
+log = logging.getLogger(__name__)
 
 DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16})
 
@@ -77,6 +84,13 @@ class Worker:
             self.model = cls(hf_config, self.tp, self.dtype, self.device, self.max_model_len)
             self.model.load_weights(reader)
         self.model.eval()
+        self.pack_report: PackReport | None = None
+        if (config.model.cpu_packed_weights and self.device.type == "cpu" and self.dtype == torch.float32
+                and packed_gemm_available()):
+            self.pack_report = pack_linear_weights(self.model)
+            log.info("rank %d: %d weight matrices packed for MKL (%.0f MB of packed copies next to %.0f MB "
+                     "of weights)", rank, self.pack_report.matrices, self.pack_report.packed_bytes / 1e6,
+                     self.pack_report.weight_bytes / 1e6)
         dims = self.model.dims
         self.kv_spec = KVCacheSpec(dims.num_layers, config.cache.block_size, self.model.num_local_kv_heads,
                                    dims.head_dim, self.dtype)

@@ -20,6 +20,7 @@ from torch import nn
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader, copy_into
 from .linear import empty_param
+from .packed_gemm import linear
 from .partition import VocabPartition
 
 
@@ -66,6 +67,7 @@ class ParallelLMHead(nn.Module):
         else:
             self.weight = empty_param(tuple(embedding.weight.shape), embedding.weight.dtype,
                                       embedding.weight.device)
+        self.packed_weight: torch.Tensor | None = None   # MKL-packed copy (CPU fp32, packed_gemm.py)
 
     def load(self, reader: CheckpointReader, name: str) -> None:
         if self.tied:
@@ -77,7 +79,7 @@ class ParallelLMHead(nn.Module):
         copy_into(self.weight[:n], value, name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = F.linear(hidden, self.weight).float()          # [rows, rows_per_rank]
+        local = linear(hidden, self.weight, None, self.packed_weight).float()   # [rows, rows_per_rank]
         logits = self.tp.gather_to_first(local)                 # [rows, tp * rows_per_rank] on rank 0
         if logits is None:
             return None

@@ -7,7 +7,9 @@
 - ``RowParallelLinear``: the input features are split across ranks; each rank computes a partial
   product and one all-reduce sums them (the bias is added once, after the reduction).
 
-Weights follow torch's ``[out_features, in_features]`` convention, as in HF checkpoints.
+Weights follow torch's ``[out_features, in_features]`` convention, as in HF checkpoints. On CPU in
+fp32 each layer may also hold an MKL-packed copy of its weight (``packed_weight``, set by
+``packed_gemm.pack_linear_weights``) that products of many rows use.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader, copy_into
+from .packed_gemm import linear
 from .partition import HeadPartition, check_even_split
 
 
@@ -45,6 +47,7 @@ class ColumnParallelLinear(nn.Module):
         out_local = sum(s.rows for s in self.segments)
         self.weight = empty_param((out_local, input_size), dtype, device)            # [out_local, in]
         self.bias = empty_param((out_local,), dtype, device) if bias else None       # [out_local]
+        self.packed_weight: torch.Tensor | None = None
 
     @classmethod
     def split(cls, input_size: int, output_size: int, bias: bool, tp: TPGroup, dtype, device,
@@ -92,7 +95,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [tokens, in] -> [tokens, out_local]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -105,6 +108,7 @@ class RowParallelLinear(nn.Module):
         self.cols = check_even_split(input_size, tp.world_size, name)
         self.weight = empty_param((output_size, self.cols), dtype, device)          # [out, in_local]
         self.bias = empty_param((output_size,), dtype, device) if bias else None    # [out]
+        self.packed_weight: torch.Tensor | None = None
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         start = self.tp.rank * self.cols
@@ -117,7 +121,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [tokens, in_local] -> partial [tokens, out] -> all-reduce over ranks -> [tokens, out]
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.packed_weight)
         self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
