@@ -112,8 +112,8 @@ class BlockManager:
         return len(self._cached_prefix(token_ids)[0]) * self.block_size
 
     # -- admission / growth -----------------------------------------------------------------------
-    def _blocks_to_take(self, seq: _SeqBlocks | None, token_ids: Sequence[int],
-                        num_new_tokens: int) -> tuple[int, list[int], BlockKey | None]:
+    def _blocks_to_take(self, seq: _SeqBlocks | None, token_ids: Sequence[int], num_new_tokens: int,
+                        reuse_cached: bool = True) -> tuple[int, list[int], BlockKey | None]:
         """(free blocks the call would consume, cached prefix blocks, their last key); validates."""
         _require_count("num_new_tokens", num_new_tokens)
         bs = self.block_size
@@ -121,7 +121,7 @@ class BlockManager:
             total = seq.num_slots + num_new_tokens
             needed, hit_blocks, last_key = -(-total // bs) - len(seq.table), [], None
         else:
-            hit_blocks, last_key = self._cached_prefix(token_ids)
+            hit_blocks, last_key = self._cached_prefix(token_ids) if reuse_cached else ([], None)
             total = len(hit_blocks) * bs + num_new_tokens
             revived = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
             needed = -(-total // bs) - len(hit_blocks) + revived
@@ -130,26 +130,30 @@ class BlockManager:
                              f"reserved (num_new_tokens={num_new_tokens})")
         return max(needed, 0), hit_blocks, last_key
 
-    def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int) -> bool:
+    def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                     reuse_cached: bool = True) -> bool:
         """Whether ``allocate_slots`` with the same arguments would succeed.
 
         For an unknown ``seq_id`` the prefix-cache hit is included and ``watermark_blocks`` must stay free.
         """
         seq = self._seqs.get(seq_id)
-        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens)
+        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens, reuse_cached)
         reserve = 0 if seq is not None else self.watermark_blocks
         return self.pool.num_free_blocks - needed >= reserve
 
-    def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int) -> Allocation:
+    def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                       reuse_cached: bool = True) -> Allocation:
         """Reserve ``num_new_tokens`` more slots (a prefill chunk, or 1 per decode step).
 
-        An unknown ``seq_id`` is registered first with its cached prefix attached. ``token_ids`` are the
+        An unknown ``seq_id`` is registered first with its cached prefix attached (none with
+        ``reuse_cached=False``: a sequence that must compute every position; its own full blocks are
+        still cached for others). ``token_ids`` are the
         sequence's tokens (at least ``num_slots`` after the call); blocks that become full are hashed
         from them. Raises CannotAllocateError (nothing changed) when the pool is short of blocks.
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            return self._register(seq_id, token_ids, num_new_tokens)
+            return self._register(seq_id, token_ids, num_new_tokens, reuse_cached)
         # decode fast path: validate, bump the slot count, touch the pool only at block boundaries
         if type(num_new_tokens) is not int or num_new_tokens < 0:  # noqa: E721
             _require_count("num_new_tokens", num_new_tokens)
@@ -166,8 +170,9 @@ class BlockManager:
             self._hash_full_blocks(seq, token_ids)
         return Allocation(0, new_ids)
 
-    def _register(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int) -> Allocation:
-        needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens)
+    def _register(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                  reuse_cached: bool) -> Allocation:
+        needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens, reuse_cached)
         pool = self.pool
         if needed > pool.num_free_blocks:
             raise CannotAllocateError(needed, pool.num_free_blocks, f"registering sequence {seq_id!r}")

@@ -141,7 +141,7 @@ class Engine:
             result = self.executor.execute(plan)
             if result.step_id != plan.step_id:
                 raise RuntimeError(f"executor answered step {result.step_id} for plan {plan.step_id}")
-            touched = self.scheduler.update(out, result.sampled)
+            touched = self.scheduler.update(out, result.sampled, result.prompt_logprobs)
         except Exception as exc:  # a curable rank failure is recovered from; any other ends the requests
             failure = self._recover(exc)
             return outputs if failure is None else outputs + self._fail(failure)

@@ -43,6 +43,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[SampleOutput] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
+    # params.prompt_logprobs set: one TokenLogprob per prompt token (None for the first)
+    prompt_logprobs: list | None = None
 
 
 def build_engine_config(model: str = "default", tensor_parallel_size: int = 1, dtype: str = "auto",
@@ -134,6 +136,8 @@ class LLM:
                     result = results[out.request_id]
                     if out.num_cached_prompt_tokens:
                         result.num_cached_prompt_tokens = out.num_cached_prompt_tokens
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = out.prompt_logprobs
                     for completion in out.outputs:
                         sample = result.outputs[completion.index]
                         sample.token_ids.extend(completion.token_ids)

@@ -2,8 +2,8 @@
 
 Each call to ``make(request)`` returns the tokens of every sample produced since the previous call
 for that request (a sample with nothing new and not newly finished is left out). The first output of
-a request carries the prompt token ids; the output in which every sample has finished carries
-``finished=True`` and is the last one (the builder then forgets the request).
+a request carries the prompt token ids (and their logprobs, when asked for); the output in which
+every sample has finished carries ``finished=True`` and is the last one (the builder then forgets the request).
 """
 
 from __future__ import annotations
@@ -34,12 +34,19 @@ class OutputBuilder:
             prompt_token_ids=list(request.prompt_token_ids) if first else None,
             error=error,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            prompt_logprobs=self._prompt_logprobs(request) if first else None,
         )
         if finished:
             del self._streamed[request.request_id]
             for seq in request.sequences:
                 self._finish_reported.discard(seq.seq_id)
         return out
+
+    @staticmethod
+    def _prompt_logprobs(request: Request) -> list[TokenLogprob | None] | None:
+        if request.params.prompt_logprobs is None:
+            return None
+        return list(request.prompt_logprobs or [None] * len(request.prompt_token_ids))
 
     def _completion(self, seq: Sequence, streamed: dict[int, int]) -> CompletionOutput | None:
         start = streamed.get(seq.index, 0)

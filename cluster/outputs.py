@@ -2,7 +2,8 @@
 
 Outputs are streamed as deltas: each RequestOutput carries, per sample, only the tokens generated
 since the previous output of the same request. The first output of a request also carries the
-prompt token ids. Exactly one output per request has ``finished=True``, and it is the last.
+prompt token ids (and their logprobs when ``prompt_logprobs`` was asked for). Exactly one output per
+request has ``finished=True``, and it is the last.
 
 Finish reasons: "stop" (EOS or a stop token id; the ingress also uses it for stop strings),
 "length" (max_tokens or max_model_len reached), "abort" (cancelled by the caller),
@@ -22,6 +23,8 @@ class TokenLogprob:
     logprob: float
     # (token_id, logprob) pairs, best first
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # 1 + the number of tokens more likely than this one (prompt logprobs only)
+    rank: int | None = None
 
 
 @dataclass
@@ -42,6 +45,9 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None
     error: str | None = None
     num_cached_prompt_tokens: int = 0
+    # with the prompt token ids when the request asked for prompt logprobs: one entry per prompt
+    # token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -58,7 +64,8 @@ def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         into.finish_reason = out.finish_reason or into.finish_reason
     return RequestOutput(first.request_id, [merged[i] for i in sorted(merged)], later.finished,
                          first.prompt_token_ids or later.prompt_token_ids, later.error or first.error,
-                         max(first.num_cached_prompt_tokens, later.num_cached_prompt_tokens))
+                         max(first.num_cached_prompt_tokens, later.num_cached_prompt_tokens),
+                         first.prompt_logprobs or later.prompt_logprobs)
 
 
 class EngineError(RuntimeError):

@@ -19,6 +19,10 @@ Decisions settled here:
   ``fork_at = len(prompt) - 1`` tokens; then the scheduler forks the other n-1 samples from it
   (they share the prompt blocks, copy-on-write) and every sample computes the last prompt token and
   samples on its own. So the shared prompt is computed once and no sample is special afterwards.
+- Prompt logprobs (``params.prompt_logprobs``): ``Request.prompt_logprobs`` holds one entry per prompt
+  token (None for token 0 and until computed); the first report of a position wins, so a prefill
+  recomputed after a preemption (or the last prompt positions computed by every forked sample)
+  changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import PromptLogprobs
+
+from .outputs import TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -117,6 +124,21 @@ class Request:
     num_unforked: int = 0
     # prompt tokens reported as prefix-cache hits (first admission of sample 0)
     num_cached_prompt_tokens: int = 0
+    # one entry per prompt token when params.prompt_logprobs is set (see the module docstring)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def record_prompt_logprobs(self, entry: PromptLogprobs) -> None:
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        end = entry.first_index + len(entry.logprobs)
+        if entry.first_index < 1 or end > len(self.prompt_token_ids):
+            raise RuntimeError(f"prompt logprobs for positions [{entry.first_index}, {end}) of a "
+                               f"{len(self.prompt_token_ids)}-token prompt")
+        for j, logprob in enumerate(entry.logprobs):
+            i = entry.first_index + j
+            if self.prompt_logprobs[i] is None:
+                top = entry.top_logprobs[j] if entry.top_logprobs is not None else []
+                self.prompt_logprobs[i] = TokenLogprob(self.prompt_token_ids[i], logprob, list(top), entry.ranks[j])
 
     @property
     def fork_at(self) -> int:

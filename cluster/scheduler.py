@@ -36,7 +36,7 @@ import collections
 
 from pagedray.workers.contract.config import SchedulerConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.contract.wire import SampledToken
+from pagedray.workers.contract.wire import PromptLogprobs, SampledToken
 
 from .outputs import QueueFullError
 from .request import FinishReason, Request, Sequence, SequenceStatus
@@ -204,14 +204,15 @@ class Scheduler:
         """Registers ``seq`` with the BlockManager and schedules its first chunk; None if it does not fit."""
         bm = self.block_manager
         tokens = seq.token_ids
-        hit = bm.num_cached_prefix_tokens(tokens)
+        reuse = seq.request.params.prompt_logprobs is None   # prompt logprobs need every position's logits
+        hit = bm.num_cached_prefix_tokens(tokens) if reuse else 0
         target = seq.request.fork_at if seq.must_fork_first else len(tokens)
         num = min(target - hit, budget)
-        if num > 0 and not bm.can_allocate(seq.seq_id, tokens, num):
+        if num > 0 and not bm.can_allocate(seq.seq_id, tokens, num, reuse):
             return None
-        if num == 0 and not bm.can_allocate(seq.seq_id, tokens, 1):  # fork right away, then 1 token
+        if num == 0 and not bm.can_allocate(seq.seq_id, tokens, 1, reuse):  # fork right away, then 1 token
             return None
-        allocation = bm.allocate_slots(seq.seq_id, tokens, num)
+        allocation = bm.allocate_slots(seq.seq_id, tokens, num, reuse)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = allocation.num_cached_tokens
@@ -260,8 +261,15 @@ class Scheduler:
         request.num_unforked = 0
 
     # -- results ------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: list[SampledToken],
+               prompt_logprobs: list[PromptLogprobs] = ()) -> list[Request]:
         """Applies a step's result; returns the requests that got tokens or finished (each once)."""
+        if prompt_logprobs:
+            scheduled = {sched.seq.seq_id: sched.seq for sched in out.scheduled}
+            for entry in prompt_logprobs:
+                if entry.seq_id not in scheduled:
+                    raise RuntimeError(f"step {out.step_id}: prompt logprobs for unscheduled sequence {entry.seq_id}")
+                scheduled[entry.seq_id].request.record_prompt_logprobs(entry)
         by_seq = {s.seq_id: s for s in sampled}
         touched: dict[str, Request] = {}
         for sched in out.scheduled:

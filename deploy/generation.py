@@ -57,6 +57,8 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
+    # on a choice's first delta when the request asked for prompt logprobs (None for prompt token 0)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -85,6 +87,7 @@ class _ChoiceState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self.matcher = StopStringMatcher(stop)
         self.finished = False
+        self.sent_prompt_logprobs = False
         self.unprotected_after = min_tokens   # the first min_tokens tokens' text is never matched
         self.num_tokens = 0
 
@@ -115,12 +118,18 @@ async def stream_choices(engine: EngineClient, request_id: str, prepared: Prepar
               for _ in range(params.n)]
     hidden_ids = frozenset(params.stop_token_ids)
     timer.prompt_tokens += len(prepared.prompt_token_ids)
+    prompt_logprobs = None
     async with aclosing(engine.generate(request_id, prepared.prompt_token_ids, params)) as outputs:
         async for output in outputs:
             if output.error is not None or any(o.finish_reason == "error" for o in output.outputs):
                 raise EngineRequestError(output.error or "the engine failed while generating")
+            prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             deltas = [states[o.index].advance(o, hidden_ids) for o in output.outputs
                       if not states[o.index].finished]
+            for delta in deltas:
+                if prompt_logprobs is not None and not states[delta.index].sent_prompt_logprobs:
+                    delta.prompt_logprobs = prompt_logprobs
+                    states[delta.index].sent_prompt_logprobs = True
             new_tokens = sum(len(d.token_ids) for d in deltas)
             if new_tokens:
                 timer.on_tokens(new_tokens)

@@ -9,6 +9,11 @@ Decisions:
 - ``text_offset`` of a token is the number of characters of the returned text (echoed prompt
   included) before it: the tokens' bytes go through an incremental UTF-8 decoder
   (``TextOffsets``), so a character split over several tokens is counted once, where it completes.
+- Prompt logprobs: with ``echo`` and ``logprobs`` the echoed prompt's tokens lead the legacy lists
+  (the first one with null ``token_logprobs`` / ``top_logprobs``: nothing predicts it; offsets from 0);
+  ``prompt_logprobs`` gives vLLM's shape: per prompt token ``{token id: {logprob, rank,
+  decoded_token}}`` of the prompt token and its top k, null for the first. Streams send both with a
+  choice's first chunk.
 - Chat with tools: each choice's text becomes content and ``tool_calls`` (tools.py); streams hold a
   choice's text until it finishes (``tool_chunks``).
 - Chat streams open each choice with ``{"role": "assistant", "content": ""}`` and send the finish
@@ -35,6 +40,7 @@ from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptLogprob,
     TopLogprob,
     UsageInfo,
 )
@@ -76,6 +82,40 @@ class LogprobFormatter:
             out.text_offset.append(offsets.advance(self._bytes.bytes(entry.token_id)))
         return out
 
+    def echoed_prompt(self, prompt_token_ids: list[int], entries: list[TokenLogprob | None],
+                      then: CompletionLogprobs) -> CompletionLogprobs:
+        """The legacy lists of the echoed prompt (offsets from 0) followed by ``then``'s."""
+        out, offsets = CompletionLogprobs(), TextOffsets()
+        for token_id, entry in zip(prompt_token_ids, entries):
+            out.tokens.append(self.token(token_id))
+            out.token_logprobs.append(None if entry is None else entry.logprob)
+            top: dict[str, float] | None = None
+            if entry is not None:
+                top = {}
+                for alt_id, logprob in entry.top_logprobs:
+                    top.setdefault(self.token(alt_id), logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offsets.advance(self._bytes.bytes(token_id)))
+        return CompletionLogprobs(tokens=out.tokens + then.tokens,
+                                  token_logprobs=out.token_logprobs + then.token_logprobs,
+                                  top_logprobs=out.top_logprobs + then.top_logprobs,
+                                  text_offset=out.text_offset + then.text_offset)
+
+    def prompt_logprobs(self, entries: list[TokenLogprob | None]) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's prompt_logprobs: per prompt token its own entry, then its top k (ranks 1..k)."""
+        out: list[dict[str, PromptLogprob] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            position = {str(entry.token_id): PromptLogprob(logprob=entry.logprob, rank=entry.rank,
+                                                           decoded_token=self.token(entry.token_id))}
+            for rank, (token_id, logprob) in enumerate(entry.top_logprobs, start=1):
+                position.setdefault(str(token_id), PromptLogprob(logprob=logprob, rank=rank,
+                                                                 decoded_token=self.token(token_id)))
+            out.append(position)
+        return out
+
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         return TopLogprob(token=self.token(token_id), logprob=logprob, bytes=list(self._bytes.bytes(token_id)))
 
@@ -93,12 +133,16 @@ class ChoiceAccumulator:
     """Collects one choice's deltas for a non-streaming response."""
 
     prefix: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(delta.logprobs)
         if delta.finish_reason is not None:
@@ -115,18 +159,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[ChoiceAccumulator],
-                        fmt: LogprobFormatter, use: UsageInfo, want_logprobs: bool) -> CompletionResponse:
+                        fmt: LogprobFormatter, use: UsageInfo, want_logprobs: bool, echo: bool = False,
+                        want_prompt_logprobs: bool = False) -> CompletionResponse:
+    """``echo`` with ``want_logprobs``: the prompt's logprobs lead the choice's (module docstring)."""
     out = []
     for index, acc in enumerate(choices):
         logprobs = fmt.completion(acc.logprobs or [], TextOffsets(len(acc.prefix))) if want_logprobs else None
+        entries = acc.prompt_logprobs or [None] * len(acc.prompt_token_ids)
+        if want_logprobs and echo:
+            logprobs = fmt.echoed_prompt(acc.prompt_token_ids, entries, logprobs)
         out.append(CompletionChoice(index=index, text=acc.full_text, logprobs=logprobs,
-                                    finish_reason=acc.finish_reason))
+                                    finish_reason=acc.finish_reason,
+                                    prompt_logprobs=fmt.prompt_logprobs(entries) if want_prompt_logprobs else None))
     return CompletionResponse(id=rid, created=created, model=model, choices=out, usage=use)
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
-                     logprobs: CompletionLogprobs | None, finish_reason: str | None) -> CompletionResponse:
-    choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+                     logprobs: CompletionLogprobs | None, finish_reason: str | None,
+                     prompt_logprobs: list | None = None) -> CompletionResponse:
+    choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                              prompt_logprobs=prompt_logprobs)
     return CompletionResponse(id=rid, created=created, model=model, choices=[choice])
 
 

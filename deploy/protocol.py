@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # str | token ids | batch of str | batch of token ids
 PromptInput = Union[str, list[int], list[str], list[list[int]]]
@@ -72,6 +72,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: Int64 | None = None   # vLLM: logprobs of the prompt tokens, k alternatives each
 
 
 class TextPart(_Request):
@@ -158,9 +159,17 @@ class CompletionLogprobs(BaseModel):
     """OpenAI legacy completions shape: parallel lists, one entry per generated token."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)   # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -168,6 +177,16 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM: per prompt token (None for the first) {token id: entry} of the prompt token and its top k;
+    # left out of the JSON unless asked for (OpenAI's shape has no such key)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unasked_prompt_logprobs(self, handler):
+        data = handler(self)
+        if self.prompt_logprobs is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class CompletionResponse(BaseModel):

@@ -226,12 +226,14 @@ class OpenAIService:
 
     async def completion(self, body: dict) -> dict:
         req, run = await self._open("completions", "cmpl", lambda: self._prepare_completion(body))
-        accs = [ChoiceAccumulator(prefix=p.echo_text or "") for p in run.prepared for _ in range(run.n)]
+        accs = [ChoiceAccumulator(prefix=p.echo_text or "", prompt_token_ids=p.prompt_token_ids)
+                for p in run.prepared for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             accs[index].add(delta)
         use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
         response = completion_response(run.rid, run.created, self.limits.served_name, accs,
-                                       self.logprob_format, use, req.logprobs is not None)
+                                       self.logprob_format, use, req.logprobs is not None, req.echo,
+                                       req.prompt_logprobs is not None)
         return response.model_dump()
 
     async def open_completion_stream(self, body: dict) -> ChunkStream:
@@ -242,14 +244,21 @@ class OpenAIService:
         model = self.limits.served_name
         offsets = [TextOffsets(len(p.echo_text or "")) for p in run.prepared for _ in range(run.n)]
         pending_echo = [p.echo_text or "" for p in run.prepared for _ in range(run.n)]
+        prompts = [p.prompt_token_ids for p in run.prepared for _ in range(run.n)]
+        fmt = self.logprob_format
         async for index, delta in self._deltas(run):
             text, pending_echo[index] = pending_echo[index] + delta.text, ""
-            logprobs = None
+            logprobs = prompt_logprobs = None
             if req.logprobs is not None:
-                logprobs = self.logprob_format.completion(delta.logprobs or [], offsets[index])
-            if text or delta.finish_reason or (logprobs and logprobs.tokens):
+                logprobs = fmt.completion(delta.logprobs or [], offsets[index])
+            if delta.prompt_logprobs is not None:   # the choice's first delta
+                if req.echo and logprobs is not None:
+                    logprobs = fmt.echoed_prompt(prompts[index], delta.prompt_logprobs, logprobs)
+                if req.prompt_logprobs is not None:
+                    prompt_logprobs = fmt.prompt_logprobs(delta.prompt_logprobs)
+            if text or delta.finish_reason or (logprobs and logprobs.tokens) or prompt_logprobs:
                 yield completion_chunk(run.rid, run.created, model, index, text, logprobs,
-                                       delta.finish_reason).model_dump()
+                                       delta.finish_reason, prompt_logprobs).model_dump()
         if req.stream_options is not None and req.stream_options.include_usage:
             use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
             yield usage_chunk_completion(run.rid, run.created, model, use).model_dump()

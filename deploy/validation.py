@@ -12,7 +12,9 @@ Decisions:
 - Token ids (prompt and ``stop_token_ids``) must lie in ``[0, vocab_size)``.
 - A batch of prompts (list of strings / list of token lists) is supported for completions; choice
   ``index = prompt_index * n + sample_index`` (the OpenAI convention).
-- ``echo`` with ``logprobs`` is rejected: the engine does not compute prompt logprobs.
+- ``echo`` with ``logprobs = k`` returns the prompt tokens' logprobs too (OpenAI's legacy shape: the
+  first prompt token has a null logprob); the engine computes them as ``prompt_logprobs = k``.
+  ``prompt_logprobs`` (vLLM's field, completions only) returns them in vLLM's shape.
 """
 
 from __future__ import annotations
@@ -79,7 +81,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "guided_choice": (_asks_nothing, _GUIDED), "guided_grammar": (_asks_nothing, _GUIDED),
     "functions": (_asks_nothing, "function calling is not supported"),
     "function_call": (lambda v: v is None or v == "none", "function calling is not supported; only 'none'"),
-    "prompt_logprobs": (_asks_nothing, "prompt logprobs are not computed"),
     "suffix": (_asks_nothing, "not supported"),
     "audio": (_asks_nothing, "text output only"),
     "modalities": (lambda v: v is None or v == ["text"], "text output only; only ['text']"),
@@ -93,6 +94,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
 # vLLM's chat-only extensions that would change the prompt or the output
 CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "echo": (_asks_nothing, "not supported on chat"),
+    "prompt_logprobs": (lambda v: v is None, "only on /v1/completions"),
     "continue_final_message": (_asks_nothing, "not supported"),
     "add_special_tokens": (_asks_nothing, "not supported on chat (the chat template adds them)"),
     "chat_template": (_asks_nothing, "the model's own chat template is used"),
@@ -166,9 +168,10 @@ def grammar_of(req: SamplingFields, check_grammar: Callable[[str, str], None] | 
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                    vocab_size: int, grammar: str | None = None) -> SamplingParams:
+                    vocab_size: int, grammar: str | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Build SamplingParams from the request's fields (None -> the SamplingParams default)."""
     fields = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
+              "prompt_logprobs": prompt_logprobs,
               "stop_token_ids": tuple(req.stop_token_ids or ()), "min_tokens": req.min_tokens,
               "logit_bias": logit_bias_pairs(req.logit_bias, vocab_size), "grammar": grammar}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -228,10 +231,13 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
     that ``echo`` shows for a token-id prompt)."""
     check_model(req.model, limits)
     check_fields(req)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(req, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise bad_request(f"{name}: must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+    prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
-        raise bad_request("echo: echo together with logprobs is not supported", param="echo")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
     stops = stop_strings(req.stop)
     check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
     grammar = grammar_of(req, check_grammar)
@@ -246,7 +252,7 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
             raise bad_request("prompt: encodes to zero tokens", param="prompt")
         check_token_ids(token_ids, limits.vocab_size, "prompt")
         max_tokens = _check_max_tokens(req.max_tokens, len(token_ids), limits, "max_tokens", 16)
-        params = sampling_params(req, max_tokens, req.logprobs, limits.vocab_size, grammar)
+        params = sampling_params(req, max_tokens, req.logprobs, limits.vocab_size, grammar, prompt_logprobs)
         echo_text = None if not req.echo else prompt if isinstance(prompt, str) else decode(token_ids)
         prepared.append(PreparedRequest(token_ids, params, stops, echo_text))
     _check_request_cost(prepared, limits)

@@ -9,23 +9,26 @@ Order of a step (every rank runs the same steps on the same plan, so collectives
 4. one forward runs over the mixed batch; the final hidden states of each sampling sequence's last
    scheduled token go through the LM head (vocab-parallel, gathered to rank 0). A decode-only step
    goes to ``decode_graphs`` instead when the runner has one (CUDA graphs; padded to a bucket);
-5. the mirror marks the scheduled tokens as computed.
+5. sequences that asked for prompt logprobs get them for the prompt positions computed this step
+   (``prompt_logprobs.py``; eager steps only: a decode-only step has no prompt positions);
+6. the mirror marks the scheduled tokens as computed.
 
 Sampling is not done here: ``Worker`` hands ``StepOutput`` to the Sampler on rank 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import kernels
-from .contract.wire import StepPlan
+from .contract.wire import PromptLogprobs, StepPlan
 from .decode_graphs import DecodeGraphs
 from .input_batch import BatchInputs, HostBatch, build_host_batch
 from .kv_cache import check_block_copies, copy_blocks
 from .models.decoder import DecoderForCausalLM
+from .prompt_logprobs import PromptRows, compute_prompt_logprobs, plan_prompt_rows
 from .seq_mirror import ScheduledSequence, SequenceMirror, SequenceState
 
 
@@ -33,6 +36,7 @@ from .seq_mirror import ScheduledSequence, SequenceMirror, SequenceState
 class StepOutput:
     logits: torch.Tensor | None            # [rows, vocab] float32 on rank 0; None elsewhere or without rows
     sampling_seqs: list[SequenceState]     # one per logits row, in batch order
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)   # rank 0 only
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class ModelRunner:
         if step.bucket is not None:
             output = StepOutput(self.decode_graphs.run(step.host), step.host.sampling_seqs)
         else:
-            output = self.forward(step.host.to_device(self.device))
+            output = self.forward(step.host.to_device(self.device), plan_prompt_rows(step.batch))
         self.mirror.mark_computed(step.batch)
         return output
 
@@ -92,10 +96,12 @@ class ModelRunner:
                                          meta.block_tables, meta.max_query_len)
 
     @torch.inference_mode()
-    def forward(self, inputs: BatchInputs) -> StepOutput:
-        """The eager model forward over the batch, then the LM head at the sampling rows only."""
+    def forward(self, inputs: BatchInputs, prompt_rows: list[PromptRows] | None = None) -> StepOutput:
+        """The eager model forward over the batch, then the LM head at the sampling rows (and at the
+        prompt rows of sequences that asked for prompt logprobs)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)   # [tokens, hidden]
         logits = None
         if inputs.sampling_seqs:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])                 # [rows, vocab]
-        return StepOutput(logits, inputs.sampling_seqs)
+        prompt = compute_prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else []
+        return StepOutput(logits, inputs.sampling_seqs, prompt)

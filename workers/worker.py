@@ -131,7 +131,7 @@ class Worker:
         if not self.tp.is_first:
             return None
         self.grammars.release(plan.released_seq_ids)
-        return StepResult(step_id=plan.step_id, sampled=self.sample(output))
+        return StepResult(step_id=plan.step_id, sampled=self.sample(output), prompt_logprobs=output.prompt_logprobs)
 
     def sample(self, output: StepOutput) -> list:
         """Rank 0: one SampledToken per logits row of a step's output (grammar rows masked first)."""

@@ -20,6 +20,9 @@ MAX_TOKENS = 12
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
+PROMPT_LOGPROBS = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+
+
 @pytest.fixture(scope="module")
 def local_tokens(tiny_llama_path):
     llm = LLM(tiny_llama_path, block_size=8, num_blocks=128)
@@ -27,6 +30,21 @@ def local_tokens(tiny_llama_path):
         return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_prompt_logprobs(tiny_llama_path):
+    with LLM(tiny_llama_path, block_size=8, num_blocks=128) as llm:
+        return llm.generate([PROMPTS[2]], PROMPT_LOGPROBS, use_tqdm=False)[0].prompt_logprobs
+
+
+def assert_same_prompt_logprobs(got, expected) -> None:
+    """TP=2 sums partial products in another order: equal up to rounding."""
+    assert len(got) == len(expected) and got[0] is None and expected[0] is None
+    for a, b in zip(got[1:], expected[1:]):
+        assert a.token_id == b.token_id and a.rank == b.rank
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
 
 
 def _first_health_failure(executor, hang_guard_s=120.0) -> str:
@@ -41,7 +59,7 @@ def _first_health_failure(executor, hang_guard_s=120.0) -> str:
 
 
 def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, tiny_llama_path, tiny_hf_model,
-                                                                   local_tokens):
+                                                                   local_tokens, local_prompt_logprobs):
     ray = ray_session
     llm = LLM(tiny_llama_path, tensor_parallel_size=2, block_size=8, num_blocks=128, step_timeout_s=30.0,
               max_rank_restarts=0, ray_transport="compiled")
@@ -52,6 +70,9 @@ def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, t
         tokens = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         assert tokens == local_tokens
         assert tokens == [hf_greedy(tiny_hf_model, p, MAX_TOKENS, {1}) for p in PROMPTS]
+        # prompt logprobs: the vocab-parallel LM head over prompt slices, gathered to rank 0, over the wire
+        result, = llm.generate([PROMPTS[2]], PROMPT_LOGPROBS, use_tqdm=False)
+        assert_same_prompt_logprobs(result.prompt_logprobs, local_prompt_logprobs)
         assert executor.num_sequences() == [0, 0]          # every mirror released once idle
         llm.engine.add_request("doomed", PROMPTS[0], SamplingParams(temperature=0, max_tokens=50))
         llm.engine.step()

@@ -112,7 +112,8 @@ def _range_cases(ok: dict, vocab_size: int) -> list[tuple]:
         ("prompt_batch_token_out_of_vocab", COMPLETIONS, {**ok, "prompt": [[1, 2], [vocab_size + 1]]}, 400,
          "prompt"),
         ("best_of_not_n", COMPLETIONS, {**ok, "n": 1, "best_of": 3}, 400, "best_of"),
-        ("echo_with_logprobs", COMPLETIONS, {**ok, "echo": True, "logprobs": 1}, 400, "echo"),
+        ("prompt_logprobs_out_of_range", COMPLETIONS, {**ok, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ("prompt_logprobs_negative", COMPLETIONS, {**ok, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
         ("logit_bias_key_not_an_id", COMPLETIONS, {**ok, "logit_bias": {"hello": 5}}, 400, "logit_bias"),
         ("logit_bias_id_out_of_vocab", COMPLETIONS, {**ok, "logit_bias": {str(vocab_size): 5}}, 400, "logit_bias"),
         ("logit_bias_value_too_big", COMPLETIONS, {**ok, "logit_bias": {"50": 101}}, 400, "logit_bias"),
@@ -120,7 +121,6 @@ def _range_cases(ok: dict, vocab_size: int) -> list[tuple]:
         ("guided_choice", COMPLETIONS, {**ok, "guided_choice": ["a", "b"]}, 400, "guided_choice"),
         ("min_tokens_above_max_tokens", COMPLETIONS, {**ok, "min_tokens": 5}, 400, "min_tokens"),
         ("min_tokens_negative", COMPLETIONS, {**ok, "min_tokens": -1}, 400, "min_tokens"),
-        ("prompt_logprobs_unsupported", COMPLETIONS, {**ok, "prompt_logprobs": 0}, 400, "prompt_logprobs"),
         ("add_special_tokens_false", COMPLETIONS, {**ok, "add_special_tokens": False}, 400, "add_special_tokens"),
     ]
 
@@ -206,6 +206,7 @@ def _chat_cases(chat: dict, max_model_len: int) -> list[tuple]:
         ("chat_store_true", CHAT, {**chat, "store": True}, 400, "store"),
         ("chat_audio_output", CHAT, {**chat, "modalities": ["text", "audio"]}, 400, "modalities"),
         ("chat_echo", CHAT, {**chat, "echo": True}, 400, "echo"),
+        ("chat_prompt_logprobs", CHAT, {**chat, "prompt_logprobs": 0}, 400, "prompt_logprobs"),
         ("chat_continue_final_message", CHAT, {**chat, "continue_final_message": True}, 400,
          "continue_final_message"),
         ("chat_guided_json", CHAT, {**chat, "guided_json": {"type": "object"}}, 400, "guided_json"),

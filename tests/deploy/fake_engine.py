@@ -3,7 +3,8 @@
 ``ScriptedEngine.generate`` yields RequestOutput deltas like the real AsyncEngine: sample i of a
 request emits ``script[(i + k) % len(script)]`` for k = 0, 1, ... one token per output, until
 ``max_tokens`` ("length") or a token in ``stop_token_ids`` / ``eos`` ("stop"). Logprobs are fake
-but well-formed (``-0.5 * (k + 1)``). It records every call, and which requests were closed before
+but well-formed (``-0.5 * (k + 1)``); prompt logprobs too (``-0.25 * i`` for prompt token i, rank i,
+top k: the token itself, then ``k - 1`` others). It records every call, and which requests were closed before
 they finished (``aborted``), so tests can check that bad input never reaches the engine and that
 stopping early aborts.
 """
@@ -67,6 +68,16 @@ class ScriptedEngine:
             outs.append(CompletionOutput(i, [token], logprobs, reason))
         return outs
 
+    def _prompt_logprobs(self, prompt_token_ids, params) -> list | None:
+        k = params.prompt_logprobs
+        if k is None:
+            return None
+        entries = [None]
+        for i, token in enumerate(prompt_token_ids[1:], start=1):
+            top = [(token, -0.25 * i)] + [(self.script[j % len(self.script)], -0.25 * i - j) for j in range(1, k)]
+            entries.append(TokenLogprob(token, -0.25 * i, top[:k], rank=i))
+        return entries
+
     async def generate(self, request_id, prompt_token_ids, params):
         if self.reject_with is not None:
             raise self.reject_with
@@ -81,7 +92,8 @@ class ScriptedEngine:
                     await asyncio.sleep(self.delay_s)
                 outs = self._step(k, params, done)
                 yield RequestOutput(request_id, outs, all(done),
-                                    prompt_token_ids=list(prompt_token_ids) if k == 0 else None)
+                                    prompt_token_ids=list(prompt_token_ids) if k == 0 else None,
+                                    prompt_logprobs=self._prompt_logprobs(prompt_token_ids, params) if k == 0 else None)
                 if all(done):
                     break
             self.finished.append(request_id)

@@ -84,7 +84,8 @@ def _sampling_fields(model: str) -> dict[str, st.SearchStrategy]:
 def _valid_fields(endpoint: str, model: str, vocab_size: int) -> dict[str, st.SearchStrategy]:
     fields = _sampling_fields(model)
     if endpoint == COMPLETIONS:
-        fields.update(prompt=_prompt(vocab_size), logprobs=st.integers(0, 2), echo=st.booleans())
+        fields.update(prompt=_prompt(vocab_size), logprobs=st.integers(0, 2), echo=st.booleans(),
+                      prompt_logprobs=st.integers(0, 2))
     else:
         fields.update(messages=_messages(), logprobs=st.booleans(), top_logprobs=st.integers(0, 2),
                       max_completion_tokens=st.integers(1, 2))

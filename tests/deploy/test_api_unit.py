@@ -133,6 +133,70 @@ def test_completion_logprobs_and_echo(client_and_engine, tokenizer):
     assert echoed["choices"][0]["text"] == "Say:" + tokenizer.decode(script[:2])
 
 
+def _echo_logprobs_of(body: dict, stream: bool) -> dict:
+    """The choice-0 legacy logprobs of a completion (a stream's chunks joined)."""
+    if not stream:
+        return body["choices"][0]["logprobs"]
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in body:
+        for key in joined:
+            joined[key] += chunk["choices"][0]["logprobs"][key]
+    return joined
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_leads_with_the_prompt_tokens(client_and_engine, tokenizer, stream):
+    client, engine = client_and_engine
+    prompt = "Say it:"
+    prompt_ids = tokenizer.encode(prompt)
+    script = tokenizer.encode(SCRIPT_TEXT)
+    response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "echo": True,
+                                                    "logprobs": 2, "stream": stream})
+    assert response.status_code == 200, response.text
+    assert engine.calls[-1][2].prompt_logprobs == 2 and engine.calls[-1][2].logprobs == 2
+    body = [e for e in parse_sse(response.text) if e != "[DONE]"] if stream else response.json()
+    logprobs = _echo_logprobs_of(body, stream)
+    n = len(prompt_ids)
+    assert logprobs["tokens"] == [tokenizer.decode([t]) for t in prompt_ids + script[:2]]
+    assert logprobs["token_logprobs"] == [None] + [-0.25 * i for i in range(1, n)] + [-0.5, -1.0]
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["top_logprobs"][1] == {tokenizer.decode([prompt_ids[1]]): -0.25,
+                                           tokenizer.decode([engine.script[1]]): -1.25}
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets[n] == len(prompt)   # the output's first token follows the prompt
+    assert offsets == sorted(offsets)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_in_vllm_shape(client_and_engine, tokenizer, stream):
+    client, _ = client_and_engine
+    prompt_ids = tokenizer.encode("Say it:")
+    body = {"prompt": [prompt_ids, prompt_ids[:2]], "max_tokens": 1, "n": 2, "prompt_logprobs": 1, "stream": stream}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        choices = [e["choices"][0] for e in parse_sse(response.text) if e != "[DONE]" and e["choices"]]
+        firsts = {}
+        for choice in choices:   # sent once per choice, with its first chunk
+            if choice.get("prompt_logprobs") is not None:
+                assert choice["index"] not in firsts
+                firsts[choice["index"]] = choice["prompt_logprobs"]
+    else:
+        firsts = {c["index"]: c["prompt_logprobs"] for c in response.json()["choices"]}
+    assert sorted(firsts) == [0, 1, 2, 3]   # 2 prompts x n=2
+    for index, ids in ((0, prompt_ids), (1, prompt_ids), (2, prompt_ids[:2]), (3, prompt_ids[:2])):
+        entries = firsts[index]
+        assert len(entries) == len(ids) and entries[0] is None
+        for i, (entry, token) in enumerate(zip(entries[1:], ids[1:]), start=1):
+            assert entry == {str(token): {"logprob": -0.25 * i, "rank": i, "decoded_token": tokenizer.decode([token])}}
+
+
+def test_completion_without_prompt_logprobs_asks_for_none(client_and_engine):
+    client, engine = client_and_engine
+    body = client.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 1, "logprobs": 1}).json()
+    assert engine.calls[-1][2].prompt_logprobs is None and "prompt_logprobs" not in body["choices"][0]
+
+
 def test_echo_of_a_token_id_prompt_shows_its_text(client_and_engine, tokenizer):
     client, _ = client_and_engine
     script = tokenizer.encode(SCRIPT_TEXT)

@@ -118,6 +118,31 @@ def test_logprobs_shapes(client, app, offline_greedy):
     assert all(len(entry.top_logprobs) == 2 for entry in content)
 
 
+def test_echo_logprobs_and_prompt_logprobs_equal_the_offline_engine(client, app, default_model_path):
+    """Through the Ray TP worker and the wire: the echoed prompt's logprobs (OpenAI legacy shape) and
+    vLLM's prompt_logprobs equal what the in-process engine computes for the same prompt."""
+    from pagedray.cluster import LLM, SamplingParams
+
+    with LLM(default_model_path, dtype="float32", num_blocks=64, max_model_len=512) as llm:
+        offline, = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2),
+                                use_tqdm=False)
+    response = client.completions.create(model=app.model, prompt=PROMPTS[2], max_tokens=2, temperature=0,
+                                         echo=True, logprobs=2, extra_body={"prompt_logprobs": 2})
+    choice = response.model_dump()["choices"][0]
+    n = len(offline.prompt_token_ids)
+    assert choice["text"].startswith(PROMPTS[2]) and response.usage.prompt_tokens == n
+    legacy = choice["logprobs"]
+    assert len(legacy["tokens"]) == n + 2 and legacy["token_logprobs"][0] is None
+    assert legacy["token_logprobs"][1:n] == pytest.approx([e.logprob for e in offline.prompt_logprobs[1:]], abs=1e-4)
+    assert legacy["text_offset"][0] == 0 and legacy["text_offset"][n] == len(PROMPTS[2])
+    vllm = choice["prompt_logprobs"]
+    assert len(vllm) == n and vllm[0] is None
+    for entries, expected in zip(vllm[1:], offline.prompt_logprobs[1:]):
+        own = entries[str(expected.token_id)]
+        assert own["logprob"] == pytest.approx(expected.logprob, abs=1e-4) and own["rank"] == expected.rank
+        assert {int(t) for t in entries} == {expected.token_id} | {t for t, _ in expected.top_logprobs}
+
+
 def test_stop_string_cuts_text_and_aborts(client, app, offline_greedy):
     baseline = offline_greedy[0]
     stop = baseline[len(baseline) // 2:len(baseline) // 2 + 3]

@@ -9,6 +9,9 @@ Conventions (settled here, shared by the Sampler and the scheduler):
 - ``top_k <= 0`` disables top-k (``-1`` is accepted as the OpenAI/vLLM spelling of "off").
 - ``logprobs=None``: no logprobs; ``logprobs=k`` (k >= 0): the sampled token's logprob plus the
   top-k alternatives.
+- ``prompt_logprobs=k`` (k >= 0): every prompt token after the first also gets its logprob, rank and
+  the top-k alternatives at its position (workers/prompt_logprobs.py). Such a request does not read
+  the prefix cache: cached positions would have no logits.
 - ``seed``: sampling for this sequence depends only on (seed, position), never on the batch.
 - ``repetition_penalty`` applies to prompt and output tokens; presence/frequency penalties apply to
   output tokens only (the OpenAI definition).
@@ -63,6 +66,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     grammar: str | None = None   # an llguidance grammar (JSON text): workers/grammar.py
@@ -92,6 +96,9 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS), "prompt_logprobs",
+               f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         self._normalise_logit_bias()

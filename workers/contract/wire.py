@@ -26,7 +26,8 @@ in the cache), ``block_ids`` and the sampling params.
 - ``block_copies``: (src, dst) block pairs to copy in every layer's K and V before the forward
   (copy-on-write at fork/truncate).
 
-A result carries one ``SampledToken`` per sampling sequence, in batch order.
+A result carries one ``SampledToken`` per sampling sequence, in batch order, and one
+``PromptLogprobs`` per sequence that asked for prompt logprobs and computed prompt positions this step.
 """
 
 from __future__ import annotations
@@ -92,9 +93,22 @@ class SampledToken:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens ``first_index ..`` of one sequence (params.prompt_logprobs), computed
+    this step: per token its logprob, its rank, and the k best (token_id, logprob) pairs (None for k=0)."""
+
+    seq_id: int
+    first_index: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
 class StepResult:
     step_id: int
     sampled: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -163,6 +177,12 @@ def decode_result(data: bytes) -> StepResult:
             if s.get("top_logprobs") is not None:
                 s["top_logprobs"] = [(int(t), float(lp)) for t, lp in s["top_logprobs"]]
             sampled.append(SampledToken(**s))
-        return StepResult(step_id=obj["step_id"], sampled=sampled)
+        prompt = []
+        for p in obj.get("prompt_logprobs", []):
+            p = dict(p)
+            if p.get("top_logprobs") is not None:
+                p["top_logprobs"] = [[(int(t), float(lp)) for t, lp in row] for row in p["top_logprobs"]]
+            prompt.append(PromptLogprobs(**p))
+        return StepResult(step_id=obj["step_id"], sampled=sampled, prompt_logprobs=prompt)
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed StepResult: {exc}") from exc
