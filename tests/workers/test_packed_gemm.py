@@ -1,6 +1,6 @@
 """MKL-packed CPU weights (``layers/packed_gemm.py``): the packed product agrees with ``F.linear`` on
-random inputs, products of fewer than 16 rows run ``F.linear`` itself, every linear layer and the LM
-head get a packed copy, and greedy tokens of a batch wide enough to take the packed path still equal
+random inputs, products outside ``PACKED_ROWS`` run ``F.linear`` itself, every linear layer and the LM
+head get a packed copy, and greedy tokens of a batch that takes the packed path still equal
 transformers'."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pagedray.workers.contract.config import ModelConfig
 from pagedray.workers.layers import packed_gemm
 from pagedray.workers.layers.embedding import ParallelLMHead
 from pagedray.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedray.workers.layers.packed_gemm import PACKED_MIN_ROWS, linear, pack_weight, packed_gemm_available
+from pagedray.workers.layers.packed_gemm import PACKED_ROWS, linear, pack_weight, packed_gemm_available
 from pagedray.workers.worker import Worker
 
 needs_mkl = pytest.mark.skipif(not packed_gemm_available(), reason="this torch has no MKL packed GEMM")
@@ -36,13 +36,13 @@ def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bia
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05      # [out, in]
     bias = torch.randn(out_features, generator=gen) if with_bias else None    # [out]
     packed = pack_weight(weight)
-    for rows in (PACKED_MIN_ROWS, 17, 64, 300):
+    for rows in (PACKED_ROWS[0], 9, PACKED_ROWS[-1]):
         x = torch.randn(rows, in_features, generator=gen)                       # [rows, in]
         torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias))
-    for rows in (1, 3, PACKED_MIN_ROWS - 1):   # below the threshold: F.linear itself, bit for bit
+    for rows in (1, PACKED_ROWS[0] - 1, PACKED_ROWS[-1] + 1, 64, 300):   # outside: F.linear itself, bit for bit
         x = torch.randn(rows, in_features, generator=gen)
         assert torch.equal(linear(x, weight, bias, packed), F.linear(x, weight, bias))
-    x = torch.randn(PACKED_MIN_ROWS, 2 * in_features, generator=gen)[:, ::2]   # non-contiguous
+    x = torch.randn(PACKED_ROWS[-1], 2 * in_features, generator=gen)[:, ::2]   # non-contiguous
     torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias))
 
 
@@ -88,13 +88,13 @@ def test_packed_gemm_available_needs_the_mkl_ops(monkeypatch):
 
 @needs_mkl
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_batch_of_twenty_matches_transformers(kind, tiny_model_path):
-    """20 sequences decode together, so every decode step's products (and the 16-token prefill
-    chunks) take the packed path; tokens equal transformers' one-prompt-at-a-time generate."""
+def test_greedy_batch_of_twelve_matches_transformers(kind, tiny_model_path):
+    """12 sequences decode together and prefill in chunks of at most 16 tokens, so the products of
+    most steps take the packed path; tokens equal transformers' one-prompt-at-a-time generate."""
     path = tiny_model_path(kind)
-    prompts = [[(7 * i + j) % 240 + 3 for j in range(5 + i)] for i in range(20)]
+    prompts = [[(7 * i + j) % 240 + 3 for j in range(5 + i)] for i in range(12)]
     llm = LLM(path, block_size=8, num_blocks=128, threads_per_worker=1, max_num_seqs=32,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=16)
     try:
         assert llm.engine.executor.worker.pack_report is not None
         results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),

@@ -44,7 +44,7 @@ class ModelConfig:
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs "
                                         "captured at start-up (one per batch-size bucket; TP=1 only)")
     cpu_packed_weights: bool = option(True, "CPU, float32: keep a copy of each weight packed for MKL's GEMM and "
-                                            "use it for products of >= 16 rows (same results, faster; more memory)")
+                                            "use it for products of 4-16 rows, where it is faster (more memory)")
 
     def validate(self) -> None:
         _require(isinstance(self.model, str) and self.model != "",
