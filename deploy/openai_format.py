@@ -70,16 +70,23 @@ class LogprobFormatter:
     def token(self, token_id: int) -> str:
         return self._bytes.text(token_id)
 
+    def _append(self, out: CompletionLogprobs, token_id: int, entry: TokenLogprob | None,
+                offsets: TextOffsets) -> None:
+        """One token of the legacy lists; ``entry`` None (an echoed prompt's first token): null logprobs."""
+        out.tokens.append(self.token(token_id))
+        out.token_logprobs.append(None if entry is None else entry.logprob)
+        top: dict[str, float] | None = None
+        if entry is not None:
+            top = {}
+            for alt_id, logprob in entry.top_logprobs:
+                top.setdefault(self.token(alt_id), logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offsets.advance(self._bytes.bytes(token_id)))
+
     def completion(self, logprobs: list[TokenLogprob], offsets: TextOffsets) -> CompletionLogprobs:
         out = CompletionLogprobs()
         for entry in logprobs:
-            out.tokens.append(self.token(entry.token_id))
-            out.token_logprobs.append(entry.logprob)
-            top: dict[str, float] = {}
-            for token_id, logprob in entry.top_logprobs:
-                top.setdefault(self.token(token_id), logprob)
-            out.top_logprobs.append(top)
-            out.text_offset.append(offsets.advance(self._bytes.bytes(entry.token_id)))
+            self._append(out, entry.token_id, entry, offsets)
         return out
 
     def echoed_prompt(self, prompt_token_ids: list[int], entries: list[TokenLogprob | None],
@@ -87,19 +94,12 @@ class LogprobFormatter:
         """The legacy lists of the echoed prompt (offsets from 0) followed by ``then``'s."""
         out, offsets = CompletionLogprobs(), TextOffsets()
         for token_id, entry in zip(prompt_token_ids, entries):
-            out.tokens.append(self.token(token_id))
-            out.token_logprobs.append(None if entry is None else entry.logprob)
-            top: dict[str, float] | None = None
-            if entry is not None:
-                top = {}
-                for alt_id, logprob in entry.top_logprobs:
-                    top.setdefault(self.token(alt_id), logprob)
-            out.top_logprobs.append(top)
-            out.text_offset.append(offsets.advance(self._bytes.bytes(token_id)))
-        return CompletionLogprobs(tokens=out.tokens + then.tokens,
-                                  token_logprobs=out.token_logprobs + then.token_logprobs,
-                                  top_logprobs=out.top_logprobs + then.top_logprobs,
-                                  text_offset=out.text_offset + then.text_offset)
+            self._append(out, token_id, entry, offsets)
+        out.tokens += then.tokens
+        out.token_logprobs += then.token_logprobs
+        out.top_logprobs += then.top_logprobs
+        out.text_offset += then.text_offset
+        return out
 
     def prompt_logprobs(self, entries: list[TokenLogprob | None]) -> list[dict[str, PromptLogprob] | None]:
         """vLLM's prompt_logprobs: per prompt token its own entry, then its top k (ranks 1..k)."""
