@@ -65,7 +65,7 @@ def by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, fl
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks.serving_profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--system", default="pagedray-tp1", help="pagedray-tpN[-local][-siK]")
+    p.add_argument("--system", default="pagedray-tp1", help="pagedray-tpN[-local][-ei][-siK]")
     p.add_argument("--model", default="default")
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-requests", type=int, default=32)

@@ -19,7 +19,7 @@ from .errors import (
 )
 from .free_queue import FreeBlockQueue
 from .manager import BlockManager
-from .prefix_key import BlockKey
+from .prefix_key import BlockKey, prefix_block_hashes
 from .records import Allocation, BlockManagerStats
 
 __all__ = [
@@ -34,4 +34,5 @@ __all__ = [
     "FreeBlockQueue",
     "SequenceExistsError",
     "UnknownSequenceError",
+    "prefix_block_hashes",
 ]

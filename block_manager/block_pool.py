@@ -125,6 +125,15 @@ class BlockPool:
     def cached_keys(self) -> set[BlockKey]:
         return set(self._cached)
 
+    def cached_key_hashes(self, limit: int) -> list[int]:
+        """Hashes of at most ``limit`` cached keys: those of referenced blocks first, then the free
+        ones from the most recently freed (the last to be evicted)."""
+        referenced = [hash(k) for k, b in self._cached.items() if self._ref_counts[b] > 0]
+        if len(referenced) >= limit:
+            return referenced[:limit]
+        free_cached = [b for b in reversed(self.free_block_ids()) if self._keys[b] is not None]
+        return referenced + [hash(self._keys[b]) for b in free_cached[:limit - len(referenced)]]
+
     # -- checks -----------------------------------------------------------------------------------
     def _check_block_id(self, block_id: int) -> None:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:

@@ -107,6 +107,13 @@ class BlockManager:
             blocks.append(block_id)
         return blocks, key
 
+    def cached_prefix_hashes(self, limit: int) -> list[int]:
+        """Hashes of at most ``limit`` cached full-block keys (referenced blocks first, then the last to
+        be evicted): a bounded summary of this cache for request routing. ``prefix_block_hashes`` gives
+        the same hashes for a prompt's blocks."""
+        _require_count("limit", limit)
+        return self.pool.cached_key_hashes(limit) if self.enable_prefix_caching else []
+
     def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens covered by the longest run of cached full blocks, always < len(token_ids)."""
         return len(self._cached_prefix(token_ids)[0]) * self.block_size

@@ -282,6 +282,11 @@ class AsyncEngine:
     async def stats(self) -> EngineStats:
         return self._stats
 
+    async def cached_prefix_hashes(self, limit: int) -> list[int]:
+        """``BlockManager.cached_prefix_hashes`` read on the step thread (between steps, never during one)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.engine.block_manager.cached_prefix_hashes, limit)
+
     @property
     def model_path(self) -> str:
         return str(self.engine.model_path)

@@ -7,7 +7,8 @@ How a request flows through this package::
         protocol.py  request/response models      validation.py  -> PreparedRequest (400/404 here)
         generation.py engine outputs -> text deltas (detokenizer.py: incremental text + stop strings)
         openai_format.py  deltas -> OpenAI objects               metrics.py  Prometheus text
-    ─▶ engine_deployment.py (EngineDeployment: AsyncEngine, TP workers in the replica's bundles)
+    ─▶ engine_deployment.py (EngineDeployment: AsyncEngine, TP workers in the replica's bundles;
+       routing.py picks the replica) -- or, with engine_in_ingress, served_engine.py in the ingress itself
 
 Entry points: ``app.build_app(args)`` (Serve application; ``serve.yaml`` points at it; its args are
 ``options.py``'s list) and ``cli.main`` (the ``pagedray`` command; ``startup.py`` watches the deploy).

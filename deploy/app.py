@@ -37,6 +37,7 @@ from .engine_deployment import SHUTDOWN_MARGIN_S, EngineDeployment, placement_bu
 from .ingress import OpenAIIngress
 from .options import AppArgs, engine_config
 
+ROUTERS = ("auto", "cache_aware", "serve")
 CONTROL_CALL_HEADROOM = 16  # health / stats / meta calls that must get through a saturated engine
 REJECTION_HEADROOM_MIN = 256  # concurrent calls that are only being turned away (429), at least
 
@@ -54,6 +55,13 @@ def parse_args(args: dict | None) -> BaseModel:
         raise ValueError(f"max_body_bytes: must be >= 1024, got {parsed.max_body_bytes}")
     if not 0 < parsed.graceful_shutdown_s <= 3600:
         raise ValueError(f"graceful_shutdown_s: must be in (0, 3600] seconds, got {parsed.graceful_shutdown_s}")
+    if parsed.request_router not in ROUTERS:
+        raise ValueError(f"request_router: must be one of {sorted(ROUTERS)}, got {parsed.request_router!r}")
+    if parsed.router_max_imbalance < 0:
+        raise ValueError(f"router_max_imbalance: must be >= 0, got {parsed.router_max_imbalance}")
+    if parsed.engine_in_ingress and parsed.request_router == "cache_aware":
+        raise ValueError("request_router: cache_aware routes between engine replicas; with engine_in_ingress "
+                         "there is no engine deployment to route to")
     if parsed.autoscaling_config is not None:
         if "num_replicas" in parsed.model_fields_set:
             raise ValueError("num_replicas: give either num_replicas or autoscaling_config, not both")
@@ -74,6 +82,20 @@ def check_autoscaling(config: dict) -> int:
         first = exc.errors()[0]
         field = "".join(f".{part}" for part in first["loc"])
         raise ValueError(f"autoscaling_config{field}: {first['msg']}") from None
+
+
+def router_config(parsed: BaseModel, most_replicas: int, block_size: int) -> dict:
+    """The engine deployment's ``request_router_config`` option, or none for Serve's default router."""
+    from ray.serve.config import RequestRouterConfig
+
+    from .routing import ROUTING_STATS_PERIOD_S, CacheAwareRouter
+
+    cache_aware = parsed.request_router == "cache_aware" or (parsed.request_router == "auto" and most_replicas > 1)
+    if not cache_aware:
+        return {}
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class=CacheAwareRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        request_router_kwargs={"block_size": block_size, "max_imbalance": parsed.router_max_imbalance})}
 
 
 def wants_gpu(device: str) -> bool:
@@ -97,16 +119,20 @@ def build_app(args: dict | None = None) -> Application:
     scaling = parsed.autoscaling_config
     replicas = {"num_replicas": parsed.num_replicas} if scaling is None else {"autoscaling_config": scaling}
     most_replicas = parsed.num_replicas if scaling is None else check_autoscaling(scaling)
-    engine = EngineDeployment.options(
+    engine_replica = dict(
         **replicas,
         placement_group_bundles=placement_bundles(parsed.tensor_parallel_size, use_gpu, in_process),
         placement_group_strategy="PACK",
         ray_actor_options={"num_cpus": 1, "num_gpus": 1 if use_gpu and in_process else 0},
         max_ongoing_requests=in_flight,
-        graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
-    ).bind(config)
-    ingress = OpenAIIngress.options(max_ongoing_requests=in_flight * most_replicas,
-                                    graceful_shutdown_timeout_s=parsed.graceful_shutdown_s + SHUTDOWN_MARGIN_S).bind(
-        engine, model=parsed.model, served_model_name=parsed.served_model_name, api_key=parsed.api_key,
-        max_body_bytes=parsed.max_body_bytes)
-    return ingress
+    )
+    ingress_args = dict(model=parsed.model, served_model_name=parsed.served_model_name, api_key=parsed.api_key,
+                        max_body_bytes=parsed.max_body_bytes)
+    if parsed.engine_in_ingress:
+        return OpenAIIngress.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
+            config, **ingress_args)
+    engine = EngineDeployment.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
+                                      **router_config(parsed, most_replicas, config.cache.block_size)).bind(config)
+    return OpenAIIngress.options(max_ongoing_requests=in_flight * most_replicas,
+                                 graceful_shutdown_timeout_s=parsed.graceful_shutdown_s + SHUTDOWN_MARGIN_S).bind(
+        engine, **ingress_args)

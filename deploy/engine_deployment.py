@@ -18,10 +18,12 @@ Methods called by the ingress through a DeploymentHandle:
   cancelled) cancels the iteration here, and AsyncEngine then aborts the request (blocks freed
   within a step).
 - ``abort(request_id)``, ``stats()``, ``health()``, ``model_meta()``.
+``record_routing_stats`` is polled by Serve (``request_routing_stats_period_s``) for the request router:
+the replica's prefix-cache summary and load (``routing.py``).
 ``check_health`` is also Serve's replica health hook: a dead rank, a failed step loop or a stalled
 step makes Serve replace the replica.
 
-Draining (decided here):
+Draining (``served_engine.py`` holds the state; the same with ``engine_in_ingress``):
 - ``drain(timeout_s)``: the replica stops admitting (new requests get ``EngineDrainingError`` -> HTTP
   503 ``engine_draining``; ``health()`` -> /health 503, so load balancers stop sending), waits up to
   ``timeout_s`` for the requests in flight, then aborts the rest (their streams end with
@@ -40,36 +42,15 @@ Draining (decided here):
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-from pagedray.cluster.outputs import EngineDrainingError, RequestOutput
-from pagedray.workers.contract.config import EngineConfig
-from pagedray.workers.contract.sampling_params import SamplingParams
 from ray import serve
 
 from .options import GRACEFUL_SHUTDOWN_S
+from .routing import PREFIX_SUMMARY_BLOCKS
+from .served_engine import ServedEngine
 
 ENGINE_DEPLOYMENT_NAME = "PagedEngine"
 SHUTDOWN_MARGIN_S = 10.0  # the ingress outlives the engine by this much on shutdown
-
-
-@dataclass(frozen=True)
-class DrainReport:
-    in_flight_at_start: int   # requests being generated or waiting when the drain began
-    aborted: int              # of those, still unfinished at the timeout (aborted)
-    seconds: float            # how long the drain took
-
-
-@dataclass(frozen=True)
-class ModelMeta:
-    """What the ingress needs to validate and detokenize without asking the engine again."""
-
-    model_path: str
-    tokenizer_path: str
-    vocab_size: int
-    max_model_len: int
 
 
 def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool = False) -> list[dict[str, float]]:
@@ -83,60 +64,27 @@ def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool
 
 @serve.deployment(name=ENGINE_DEPLOYMENT_NAME, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
                   health_check_period_s=10.0, health_check_timeout_s=30.0)
-class EngineDeployment:
-    def __init__(self, config: EngineConfig) -> None:
-        from pagedray.cluster.async_engine import AsyncEngine
-
-        self._config = config
-        self._draining = False
-        self._engine = AsyncEngine(config)
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        async for output in self._engine.generate(request_id, prompt_token_ids, params):
-            yield output
-
-    async def abort(self, request_id: str) -> bool:
-        return await self._engine.abort(request_id)
-
-    async def stats(self):
-        return await self._engine.stats()
-
-    async def health(self) -> None:
-        """For the ingress' /health: also unhealthy while draining (stop sending traffic here)."""
-        if self._draining:
-            raise EngineDrainingError("the engine is draining and accepts no new requests")
-        await self._engine.check_health()
-
-    async def drain(self, timeout_s: float) -> DrainReport:
-        """Refuse new requests, let the in-flight ones finish for ``timeout_s``, abort the rest."""
-        if not timeout_s >= 0:
-            raise ValueError(f"timeout_s: must be >= 0, got {timeout_s!r}")
-        self._draining = True
-        start, in_flight = time.monotonic(), self._engine.num_in_flight
-        aborted = await self._engine.drain(timeout_s)
-        return DrainReport(in_flight, aborted, time.monotonic() - start)
+class EngineDeployment(ServedEngine):
+    """ServedEngine's methods are what the ingress calls (``generate``, ``abort``, ``stats``, ``health``,
+    ``drain``, ``model_meta``); this class adds Serve's hooks and the per-replica calls."""
 
     def process_id(self) -> int:
         """The replica's pid (memory checks from tests and benchmarks on the same machine)."""
         return os.getpid()
 
     async def check_health(self) -> None:
-        await self._engine.check_health()
+        await self.replica_health()
 
-    def model_meta(self) -> ModelMeta:
-        engine = self._engine
-        return ModelMeta(model_path=engine.model_path,
-                         tokenizer_path=self._config.model.tokenizer or engine.model_path,
-                         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+    async def replica_stats(self):
+        """(this replica's Serve id, its EngineStats): per-replica figures for benchmarks and tools (a call
+        reaches whichever replica the router picks)."""
+        return serve.get_replica_context().replica_id.unique_id, await self.stats()
+
+    async def record_routing_stats(self) -> dict:
+        return await self.routing_stats(PREFIX_SUMMARY_BLOCKS)
 
     async def __del__(self) -> None:
         # Serve calls this once the ongoing calls are done (or its wait was cut short): abort the rest.
         # A replica whose constructor failed has no engine: nothing to stop (and no noise in the log).
-        if getattr(self, "_engine", None) is None:
-            return
-        self._draining = True
-        try:
-            await self._engine.drain(0.0)
-        finally:
-            self._engine.shutdown()
+        if getattr(self, "_engine", None) is not None:
+            await self.close()

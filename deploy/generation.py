@@ -71,6 +71,7 @@ class RequestTimer:
     inter_token: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0   # prompt tokens whose KV came from the prefix cache
 
     def on_tokens(self, count: int) -> None:
         now = time.monotonic()
@@ -118,11 +119,14 @@ async def stream_choices(engine: EngineClient, request_id: str, prepared: Prepar
               for _ in range(params.n)]
     hidden_ids = frozenset(params.stop_token_ids)
     timer.prompt_tokens += len(prepared.prompt_token_ids)
-    prompt_logprobs = None
+    prompt_logprobs, cached = None, 0
     async with aclosing(engine.generate(request_id, prepared.prompt_token_ids, params)) as outputs:
         async for output in outputs:
             if output.error is not None or any(o.finish_reason == "error" for o in output.outputs):
                 raise EngineRequestError(output.error or "the engine failed while generating")
+            if output.num_cached_prompt_tokens > cached:   # first admission's count (a preemption may change it)
+                timer.cached_prompt_tokens += output.num_cached_prompt_tokens - cached
+                cached = output.num_cached_prompt_tokens
             prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             deltas = [states[o.index].advance(o, hidden_ids) for o in output.outputs
                       if not states[o.index].finished]

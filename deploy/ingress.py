@@ -30,6 +30,13 @@ HTTP API takes; results are the same JSON objects, as dicts::
         print(chunk["choices"][0]["delta"].get("content") or "", end="")
     print()
 
+Layouts (``engine_in_ingress``, app.py): by default the engine runs in its own deployment and this
+replica reaches it through a DeploymentHandle (``HandleEngineClient``: one Ray stream per request,
+one item per output). With ``engine_in_ingress`` this replica holds the engine itself
+(``ServedEngine``; the TP workers stay Ray actors in this replica's placement group): outputs reach
+the HTTP responses through asyncio, and ``check_health`` / ``__del__`` act for the engine as the engine
+deployment's do.
+
 Before a shutdown, ``handle.drain.remote(timeout_s).result()`` stops admission (503 from then on) and
 lets the requests in flight finish (``DrainReport``).
 
@@ -43,16 +50,17 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from pagedray.cluster.outputs import EngineDeadError
+from pagedray.workers.contract.config import EngineConfig
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from .api import DEFAULT_MAX_BODY_BYTES, create_api
-from .engine_deployment import DrainReport, ModelMeta
 from .errors import to_api_error
 from .http_guard import use_bounded_protocol
 from .metrics import ServerMetrics
 from .options import GRACEFUL_SHUTDOWN_S
 from .prompt_bound import max_prompt_chars
+from .served_engine import DrainReport, ModelMeta, ServedEngine
 from .service import OpenAIService
 from .validation import ModelLimits
 
@@ -94,6 +102,22 @@ class HandleEngineClient:
             raise EngineDeadError(f"the engine did not answer a health check within {HEALTH_TIMEOUT_S} s") from None
 
 
+class LocalEngineClient:
+    """EngineClient over the ServedEngine in this process (``engine_in_ingress``)."""
+
+    def __init__(self, served: ServedEngine) -> None:
+        self._served = served
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator:
+        return self._served.generate(request_id, prompt_token_ids, params)
+
+    async def stats(self):
+        return await self._served.stats()
+
+    async def check_health(self) -> None:
+        await self._served.health()
+
+
 def served_names(model: str, meta: ModelMeta, served_model_name: str | None) -> tuple[str, frozenset[str]]:
     from pathlib import Path
 
@@ -106,19 +130,27 @@ def served_names(model: str, meta: ModelMeta, served_model_name: str | None) -> 
 @serve.deployment(name=INGRESS_DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class OpenAIIngress:
-    async def __init__(self, engine: DeploymentHandle, model: str = "default",
+    async def __init__(self, engine: DeploymentHandle | EngineConfig, model: str = "default",
                        served_model_name: str | None = None, api_key: str | None = None,
                        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        """``engine``: a handle to the engine deployment, or (``engine_in_ingress``) the EngineConfig of
+        the engine this replica runs itself."""
         from transformers import AutoTokenizer
 
         use_bounded_protocol()   # before Serve starts this replica's own HTTP server (direct ingress)
-        meta: ModelMeta = await engine.model_meta.remote()
+        self._served: ServedEngine | None = None
+        if isinstance(engine, EngineConfig):
+            self._served = ServedEngine(engine)
+            meta, client = self._served.model_meta(), LocalEngineClient(self._served)
+        else:
+            meta, client = await engine.model_meta.remote(), HandleEngineClient(engine)
         name, aliases = served_names(model, meta, served_model_name)
         tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)
         limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len,
                              max_prompt_chars(tokenizer, meta.max_model_len))
-        self._engine = engine
-        self._service = OpenAIService(HandleEngineClient(engine), tokenizer, limits, ServerMetrics())
+        self._engine, self._limits_meta = engine, meta
+        self._client = client
+        self._service = OpenAIService(client, tokenizer, limits, ServerMetrics())
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
 
@@ -159,9 +191,30 @@ class OpenAIIngress:
         return await self._service.detokenize(body)
 
     async def drain(self, timeout_s: float = GRACEFUL_SHUTDOWN_S) -> DrainReport:
-        """Drain the engine replica this call reaches (see engine_deployment.py): new requests get 503,
-        the ones in flight get ``timeout_s`` to finish. With one engine replica: the whole app."""
+        """Drain the engine replica this call reaches (see served_engine.py): new requests get 503,
+        the ones in flight get ``timeout_s`` to finish. With one replica: the whole app."""
+        if self._served is not None:
+            return await self._served.drain(timeout_s)
         return await self._engine.drain.remote(timeout_s)
+
+    async def stats(self):
+        """EngineStats of the engine replica this call reaches."""
+        return await self._client.stats()
+
+    def model_meta(self) -> ModelMeta:
+        """The served model's paths, vocabulary size and context length."""
+        return self._limits_meta
+
+    # ------------------------------------------------------------------ Serve hooks
+    async def check_health(self) -> None:
+        """With ``engine_in_ingress``: the engine's replica health (a dead rank, a failed or stalled step
+        loop makes Serve replace this replica). Otherwise the engine deployment has its own hook."""
+        if self._served is not None:
+            await self._served.replica_health()
+
+    async def __del__(self) -> None:
+        if getattr(self, "_served", None) is not None:
+            await self._served.close()
 
     async def _stream(self, open_stream, body: dict) -> AsyncIterator[dict]:
         try:

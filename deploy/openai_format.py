@@ -41,6 +41,7 @@ from .protocol import (
     CompletionLogprobs,
     CompletionResponse,
     PromptLogprob,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -153,9 +154,10 @@ class ChoiceAccumulator:
         return self.prefix + "".join(self.text)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[ChoiceAccumulator],

@@ -57,6 +57,15 @@ SERVE_OPTIONS = (
     Option("max_body_bytes", "request body limit (413 above it)", kind=int, default=DEFAULT_MAX_BODY_BYTES),
     Option("graceful_shutdown_s", "on shutdown, how long in-flight requests may finish", kind=float,
            default=GRACEFUL_SHUTDOWN_S),
+    Option("engine_in_ingress", "run the engine (scheduler, KV block allocator) in the ingress replica: one "
+           "process and one Ray stream per request fewer; TP workers stay Ray actors (app.py)", kind=bool,
+           default=False),
+    Option("request_router", "how the ingress picks an engine replica: 'cache_aware' (the replica holding the "
+           "longest cached prefix of the prompt, within router_max_imbalance of the least load), 'serve' "
+           "(Serve's default, power of two choices) or 'auto' (cache_aware with more than one replica)",
+           kind=str, default="auto"),
+    Option("router_max_imbalance", "cache_aware routing: requests in flight above the least-loaded replica "
+           "that a replica holding the prompt's prefix may have and still be chosen", kind=int, default=8),
     Option("autoscaling_config", "Serve's autoscaling of the engine replicas (min_replicas, max_replicas, "
            "target_ongoing_requests, upscale_delay_s, ...; replaces num_replicas)", kind=dict, optional=True),
 )

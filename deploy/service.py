@@ -230,7 +230,7 @@ class OpenAIService:
                 for p in run.prepared for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             accs[index].add(delta)
-        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
+        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
         response = completion_response(run.rid, run.created, self.limits.served_name, accs,
                                        self.logprob_format, use, req.logprobs is not None, req.echo,
                                        req.prompt_logprobs is not None)
@@ -260,7 +260,7 @@ class OpenAIService:
                 yield completion_chunk(run.rid, run.created, model, index, text, logprobs,
                                        delta.finish_reason, prompt_logprobs).model_dump()
         if req.stream_options is not None and req.stream_options.include_usage:
-            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
+            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
             yield usage_chunk_completion(run.rid, run.created, model, use).model_dump()
 
     # ------------------------------------------------------------------ chat
@@ -273,7 +273,7 @@ class OpenAIService:
         accs = [ChoiceAccumulator() for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             accs[index].add(delta)
-        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
+        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
         return chat_response(run.rid, run.created, self.limits.served_name, accs, self.logprob_format,
                              use, req.logprobs, run.prepared[0].tools).model_dump()
 
@@ -300,7 +300,7 @@ class OpenAIService:
                 content = ChatDelta(content=delta.text) if delta.text else ChatDelta()
                 yield chat_chunk(rid, created, model, index, content, logprobs, delta.finish_reason)
         if req.stream_options is not None and req.stream_options.include_usage:
-            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens)
+            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
             yield usage_chunk_chat(rid, created, model, use).model_dump()
 
     # ------------------------------------------------------------------ tokenizer endpoints

@@ -40,6 +40,7 @@ class ScriptedEngine:
     reject_with: Exception | None = None
     dead: bool = False
     delay_s: float = 0.0
+    cached_prompt_tokens: int = 0   # reported as the prefix-cache hit of every request
     calls: list[tuple[str, list[int], object]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
@@ -92,6 +93,7 @@ class ScriptedEngine:
                     await asyncio.sleep(self.delay_s)
                 outs = self._step(k, params, done)
                 yield RequestOutput(request_id, outs, all(done),
+                                    num_cached_prompt_tokens=self.cached_prompt_tokens,
                                     prompt_token_ids=list(prompt_token_ids) if k == 0 else None,
                                     prompt_logprobs=self._prompt_logprobs(prompt_token_ids, params) if k == 0 else None)
                 if all(done):

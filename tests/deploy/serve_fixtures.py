@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 from pagedray.deploy.engine_deployment import ENGINE_DEPLOYMENT_NAME
+from pagedray.deploy.ingress import INGRESS_DEPLOYMENT_NAME
 from pagedray.deploy.sse import parse_sse
 
 API_KEY = "test-key"
@@ -32,11 +33,13 @@ class RunningApp:
     model: str
     max_model_len: int
     vocab_size: int
+    engine_deployment: str = ENGINE_DEPLOYMENT_NAME   # the ingress' name with engine_in_ingress
 
     def engine_handle(self):
+        """A handle with the engine's ``stats`` and ``model_meta``."""
         from ray import serve
 
-        return serve.get_deployment_handle(ENGINE_DEPLOYMENT_NAME, self.name)
+        return serve.get_deployment_handle(self.engine_deployment, self.name)
 
     def engine_stats(self):
         return self.engine_handle().stats.remote().result()
@@ -63,9 +66,10 @@ def start_app(model_path: str, **overrides) -> RunningApp:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": model_path, **APP_ARGS, **overrides}), name=APP_NAME, route_prefix="/")
-    meta = serve.get_deployment_handle(ENGINE_DEPLOYMENT_NAME, APP_NAME).model_meta.remote().result()
+    engine = INGRESS_DEPLOYMENT_NAME if overrides.get("engine_in_ingress") else ENGINE_DEPLOYMENT_NAME
+    meta = serve.get_deployment_handle(engine, APP_NAME).model_meta.remote().result()
     return RunningApp(f"http://127.0.0.1:{port}", APP_NAME, pathlib.Path(model_path).name,
-                      meta.max_model_len, meta.vocab_size)
+                      meta.max_model_len, meta.vocab_size, engine)
 
 
 def stop_app(app: RunningApp) -> None:

@@ -66,7 +66,23 @@ def test_completion_text_matches_script(client_and_engine, tokenizer):
     assert body["choices"][0]["text"] == expected
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": len(tokenizer.encode("Say:")), "completion_tokens": 5,
-                             "total_tokens": len(tokenizer.encode("Say:")) + 5}
+                             "total_tokens": len(tokenizer.encode("Say:")) + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_usage_counts_cached_prompt_tokens_once_per_prompt(client_and_engine):
+    client, engine = client_and_engine
+    engine.cached_prompt_tokens = 16
+    try:
+        body = {"model": MODEL, "prompt": ["Say:", "Say it:"], "max_tokens": 3, "n": 2}
+        whole = client.post("/v1/completions", json=body).json()["usage"]
+        assert whole["prompt_tokens_details"] == {"cached_tokens": 32}   # 2 prompts, n=2 shares each prompt
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}
+        events = parse_sse(client.post("/v1/chat/completions", json=chat).text)
+        assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    finally:
+        engine.cached_prompt_tokens = 0
 
 
 def test_stop_strings_are_not_matched_in_the_first_min_tokens(client_and_engine, tokenizer):

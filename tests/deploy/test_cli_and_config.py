@@ -45,7 +45,11 @@ def test_engine_config_from_args():
                                          ({"threads_per_worker": 0}, "threads_per_worker"),
                                          ({"executor": "mpi"}, "executor"),
                                          ({"executor": "local", "tensor_parallel_size": 2}, "executor"),
-                                         ({"max_queued_requests": 0}, "max_waiting_requests")])
+                                         ({"max_queued_requests": 0}, "max_waiting_requests"),
+                                         ({"request_router": "random"}, "request_router"),
+                                         ({"router_max_imbalance": -1}, "router_max_imbalance"),
+                                         ({"engine_in_ingress": True, "request_router": "cache_aware"},
+                                          "request_router")])
 def test_build_app_rejects_bad_args_naming_the_field(args, field):
     with pytest.raises(ValueError, match=field):
         build_app(args)
@@ -143,3 +147,35 @@ def test_autoscaling_config_reaches_the_engine_deployment_and_bad_ones_name_the_
     assert cli.serve_args(ns) == {"autoscaling_config": {"max_replicas": 2}}
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--autoscaling-config", "[2]"])
+
+
+def test_the_cache_aware_router_is_used_where_there_is_a_choice_of_replicas():
+    from pagedray.deploy.app import build_app
+    from pagedray.deploy.routing import CacheAwareRouter
+
+    def engine_router(args):
+        engine = build_app(args)._bound_deployment.init_args[0]._bound_deployment
+        return engine._deployment_config.request_router_config
+
+    default_router = engine_router({}).request_router_class   # one replica: Serve's default
+    assert "CacheAwareRouter" not in str(default_router)
+    for args in ({"num_replicas": 2}, {"autoscaling_config": {"max_replicas": 2}}, {"request_router": "cache_aware"}):
+        config = engine_router({**args, "block_size": 32, "router_max_imbalance": 3})
+        assert config.get_request_router_class() is CacheAwareRouter, args
+        assert config.request_router_kwargs == {"block_size": 32, "max_imbalance": 3}
+    assert engine_router({"num_replicas": 2, "request_router": "serve"}).request_router_class == default_router
+
+
+def test_engine_in_ingress_gives_the_ingress_the_engines_replicas_and_placement():
+    from pagedray.deploy.app import build_app
+    from pagedray.workers.contract.config import EngineConfig
+
+    split = build_app({"num_replicas": 2})._bound_deployment
+    engine = split.init_args[0]._bound_deployment
+    merged = build_app({"num_replicas": 2, "engine_in_ingress": True})._bound_deployment
+    assert isinstance(merged.init_args[0], EngineConfig)
+    assert merged._deployment_config.num_replicas == 2
+    assert merged._replica_config.placement_group_bundles == engine._replica_config.placement_group_bundles
+    assert merged._replica_config.ray_actor_options["num_cpus"] == 1
+    assert merged.max_ongoing_requests == engine.max_ongoing_requests
+

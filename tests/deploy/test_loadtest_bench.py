@@ -36,6 +36,9 @@ def test_the_peer_runs_at_its_defaults_and_the_tuned_peer_only_on_request():
     assert peer.model_name == "/models/m" and tuned.model_name == "/models/m"
     assert tp2.command[tp2.command.index("--tensor-parallel-size") + 1] == "2" and tp2.model_name is None
     assert "serve" in tp2.command and tp2.tensor_parallel_size == 2
+    (in_ingress,) = system_specs(["pagedray-tp1-ei-si4"], "/models/m", 18000, args)
+    assert "--engine-in-ingress" in in_ingress.command and "--executor" not in in_ingress.command
+    assert in_ingress.command[in_ingress.command.index("--stream-interval") + 1] == "4"
     with pytest.raises(ValueError, match="systems"):
         system_specs(["vllm"], "/m", 1, args)
 

@@ -1,0 +1,154 @@
+"""Cache-aware request routing between engine replicas (Ray Serve's request-router API).
+
+Each engine replica reports, through Serve's ``record_routing_stats`` poll (every
+``ROUTING_STATS_PERIOD_S``, no call per request), a bounded summary of its prefix cache: the hashes of
+at most ``PREFIX_SUMMARY_BLOCKS`` cached full-block keys (``BlockManager.cached_prefix_hashes``) and
+its load. ``CacheAwareRouter`` runs in every process that holds a handle to the engine deployment
+(the ingress replicas). For a ``generate`` call it hashes the prompt's full blocks the same way
+(``prefix_block_hashes``: chained keys, so a matching hash means the whole prefix up to that block
+matches) and picks:
+
+- the replica holding the longest run of the prompt's leading blocks, among the replicas whose load
+  (requests in flight there) is at most ``max_imbalance`` above the least-loaded replica's;
+  ties go to the less loaded;
+- when no such replica holds any block: the least-loaded replicas (Serve probes their queues and
+  takes the shortest).
+
+Other calls (stats, health, drain, model_meta) go to any replica as with Serve's default router.
+
+Decisions:
+- Between two polls the router also counts the blocks of the prompts it has itself sent to each
+  replica (up to ``PREFIX_SUMMARY_BLOCKS`` per replica, oldest dropped first): the second request of a
+  new system prompt follows the first one without waiting for the next poll. Such an entry may name
+  a block the replica has since evicted; that costs one less-than-ideal choice, never a wrong result
+  (the replica's own cache decides what is reused).
+- Load is Serve's count of requests this router has in flight at the replica (its queue-length
+  cache), else the replica's last reported running + waiting sequences.
+- The summary is capped, so a replica with more cached blocks than the cap reports those of its
+  running sequences first, then the most recently freed.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Container
+from dataclasses import dataclass
+
+from pagedray.block_manager import prefix_block_hashes
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+PREFIX_SUMMARY_BLOCKS = 8192     # block hashes one replica reports (8 bytes each on the wire)
+ROUTING_STATS_PERIOD_S = 1.0     # how often Serve polls each replica's record_routing_stats
+DEFAULT_MAX_IMBALANCE = 8        # requests in flight above the least-loaded replica that a cache hit may add
+GENERATE_METHOD = "generate"     # the engine deployment's streaming method whose args[1] is the prompt
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the routing choice knows of one replica."""
+
+    replica: object            # returned as given
+    cached: Container[int]     # hashes of the blocks it holds
+    load: int                  # requests in flight there
+
+
+class HeldBlocks:
+    """The blocks a replica reported plus those of the prompts sent to it since (no copy of either)."""
+
+    def __init__(self, reported: frozenset[int], sent: Container[int]) -> None:
+        self._reported, self._sent = reported, sent
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._reported or block_hash in self._sent
+
+
+def leading_blocks_held(prompt_hashes: list[int], cached) -> int:
+    """How many of the prompt's leading full blocks ``cached`` holds (stops at the first miss)."""
+    count = 0
+    for block_hash in prompt_hashes:
+        if block_hash not in cached:
+            break
+        count += 1
+    return count
+
+
+def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_imbalance: int) -> tuple[list, int]:
+    """(the replicas to send to, in one rank; the prompt blocks the chosen one holds).
+
+    The replica with the most leading prompt blocks among those within ``max_imbalance`` of the least
+    load (ties: less load, then the order given); with no block held anywhere eligible: every replica
+    with the least load."""
+    if not replicas:
+        raise ValueError("replicas: at least one replica is needed")
+    if max_imbalance < 0:
+        raise ValueError(f"max_imbalance: must be >= 0, got {max_imbalance}")
+    least = min(view.load for view in replicas)
+    best, best_held = None, 0
+    for view in replicas:
+        if view.load - least > max_imbalance:
+            continue
+        held = leading_blocks_held(prompt_hashes, view.cached)
+        if held > best_held or (held == best_held and held > 0 and view.load < best.load):
+            best, best_held = view, held
+    if best is not None:
+        return [best.replica], best_held
+    return [view.replica for view in replicas if view.load == least], 0
+
+
+def generate_prompt(pending_request: PendingRequest | None) -> list[int] | None:
+    """The prompt token ids of an engine ``generate`` call, else None."""
+    if pending_request is None or pending_request.metadata.call_method != GENERATE_METHOD:
+        return None
+    args = pending_request.args
+    return args[1] if len(args) > 1 and isinstance(args[1], list) else None
+
+
+class CacheAwareRouter(RequestRouter):
+    """Serve request router for the engine deployment (see the module docstring)."""
+
+    def initialize_state(self, block_size: int = 16, max_imbalance: int = DEFAULT_MAX_IMBALANCE) -> None:
+        self._block_size = block_size
+        self._max_imbalance = max_imbalance
+        self._sent: dict[ReplicaID, collections.OrderedDict[int, None]] = {}
+        self._reported: dict[ReplicaID, tuple[int, frozenset[int]]] = {}   # id(list) -> its set
+
+    def _cached(self, replica: RunningReplica) -> HeldBlocks:
+        hashes = (replica.routing_stats or {}).get("prefix_hashes") or []
+        memo = self._reported.get(replica.replica_id)
+        if memo is None or memo[0] != id(hashes):
+            memo = (id(hashes), frozenset(hashes))
+            self._reported[replica.replica_id] = memo
+        return HeldBlocks(memo[1], self._sent.get(replica.replica_id, {}))
+
+    def _load(self, replica: RunningReplica) -> int:
+        queued = self.replica_queue_len_cache.get(replica.replica_id)
+        if queued is not None:
+            return queued
+        stats = replica.routing_stats or {}
+        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        prompt = generate_prompt(pending_request)
+        if prompt is None or len(candidate_replicas) < 2:
+            return [candidate_replicas]
+        hashes = prefix_block_hashes(prompt, self._block_size)
+        views = [ReplicaView(r, self._cached(r), self._load(r)) for r in candidate_replicas]
+        chosen, _ = choose_by_prefix(hashes, views, self._max_imbalance)
+        return [chosen]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        prompt = generate_prompt(pending_request)
+        if prompt is None:
+            return
+        sent = self._sent.setdefault(replica_id, collections.OrderedDict())
+        for block_hash in prefix_block_hashes(prompt, self._block_size):
+            sent[block_hash] = None
+            sent.move_to_end(block_hash)
+        while len(sent) > PREFIX_SUMMARY_BLOCKS:
+            sent.popitem(last=False)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._sent.pop(replica_id, None)
+        self._reported.pop(replica_id, None)

@@ -1,0 +1,102 @@
+"""``ServedEngine``: an ``AsyncEngine`` as one Serve replica serves it (draining, health, meta, shutdown).
+
+Two replicas hold one: the engine deployment (``engine_deployment.py``, the default layout) and, with
+``engine_in_ingress``, the ingress itself (``ingress.py``), so that both layouts drain, answer health
+and shut down the same way.
+
+Invariants:
+- Draining is one-way: once ``drain`` has begun, ``generate`` refuses (``EngineDrainingError`` -> 503)
+  and ``health`` fails, so load balancers stop sending; ``replica_health`` (Serve's hook) stays
+  healthy, so Serve does not kill the replica together with the requests that are finishing.
+- ``close`` aborts whatever is still running and stops the TP workers; it is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedray.cluster.outputs import EngineDrainingError, RequestOutput
+from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers.contract.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    in_flight_at_start: int   # requests being generated or waiting when the drain began
+    aborted: int              # of those, still unfinished at the timeout (aborted)
+    seconds: float            # how long the drain took
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    """What the ingress needs to validate and detokenize without asking the engine again."""
+
+    model_path: str
+    tokenizer_path: str
+    vocab_size: int
+    max_model_len: int
+
+
+class ServedEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedray.cluster.async_engine import AsyncEngine
+
+        self._config = config
+        self._draining = False
+        self._closed = False
+        self._engine = AsyncEngine(config)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        async for output in self._engine.generate(request_id, prompt_token_ids, params):
+            yield output
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._engine.abort(request_id)
+
+    async def stats(self):
+        return await self._engine.stats()
+
+    async def health(self) -> None:
+        """For /health: also unhealthy while draining (stop sending traffic here)."""
+        if self._draining:
+            raise EngineDrainingError("the engine is draining and accepts no new requests")
+        await self._engine.check_health()
+
+    async def replica_health(self) -> None:
+        """For Serve's ``check_health`` hook: a dead rank, a failed step loop or a stalled step."""
+        await self._engine.check_health()
+
+    async def drain(self, timeout_s: float) -> DrainReport:
+        """Refuse new requests, let the in-flight ones finish for ``timeout_s``, abort the rest."""
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s: must be >= 0, got {timeout_s!r}")
+        self._draining = True
+        start, in_flight = time.monotonic(), self._engine.num_in_flight
+        aborted = await self._engine.drain(timeout_s)
+        return DrainReport(in_flight, aborted, time.monotonic() - start)
+
+    async def routing_stats(self, max_blocks: int) -> dict:
+        """The replica's summary for cache-aware routing (``routing.py``): hashes of at most
+        ``max_blocks`` cached prefix blocks, and its load."""
+        stats = await self._engine.stats()
+        return {"prefix_hashes": await self._engine.cached_prefix_hashes(max_blocks),
+                "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks}
+
+    def model_meta(self) -> ModelMeta:
+        engine = self._engine
+        return ModelMeta(model_path=engine.model_path,
+                         tokenizer_path=self._config.model.tokenizer or engine.model_path,
+                         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed, self._draining = True, True
+        try:
+            await self._engine.drain(0.0)
+        finally:
+            self._engine.shutdown()

@@ -1,0 +1,143 @@
+"""Cache-aware routing (deploy/routing.py): the block-hash contract between router and engine, the choice
+rule, and the router class driven with stand-in replicas (no Ray cluster: the class runs in-process)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from pagedray.block_manager import BlockManager, prefix_block_hashes
+from pagedray.deploy.routing import (
+    PREFIX_SUMMARY_BLOCKS,
+    CacheAwareRouter,
+    ReplicaView,
+    choose_by_prefix,
+    generate_prompt,
+    leading_blocks_held,
+)
+
+BS = 4
+
+
+def test_a_prompt_hashes_like_the_blocks_the_engine_caches():
+    manager = BlockManager(BS, 16)
+    prompt = list(range(100, 111))                       # 11 tokens: 2 full blocks + 3 tokens
+    manager.allocate_slots("a", prompt, len(prompt))
+    hashes = prefix_block_hashes(prompt, BS)
+    assert len(hashes) == 2 and set(manager.cached_prefix_hashes(10)) == set(hashes)
+    other = prompt[:4] + [7, 7, 7, 7, 1]                 # first block shared, second not
+    assert prefix_block_hashes(other, BS)[0] == hashes[0] and prefix_block_hashes(other, BS)[1] != hashes[1]
+    assert prefix_block_hashes(prompt[4:], BS)[0] != hashes[1]   # a block's hash depends on its whole prefix
+    assert prefix_block_hashes(prompt[:3], BS) == []
+
+
+def test_the_cache_summary_is_bounded_running_blocks_first_then_the_last_freed():
+    manager = BlockManager(BS, 16)
+    old, recent, running = [list(range(s, s + 8)) for s in (0, 50, 90)]
+    for seq_id, prompt in (("old", old), ("recent", recent), ("running", running)):
+        manager.allocate_slots(seq_id, prompt, len(prompt))
+    manager.free("old")
+    manager.free("recent")
+    assert manager.cached_prefix_hashes(2) == prefix_block_hashes(running, BS)
+    # one more: the most recently freed block (free releases last-to-first, so recent's first block)
+    assert manager.cached_prefix_hashes(3)[2] == prefix_block_hashes(recent, BS)[0]
+    assert len(manager.cached_prefix_hashes(100)) == 6 and manager.cached_prefix_hashes(0) == []
+    with pytest.raises(ValueError, match="limit"):
+        manager.cached_prefix_hashes(-1)
+    assert BlockManager(BS, 16, enable_prefix_caching=False).cached_prefix_hashes(5) == []
+
+
+def test_leading_blocks_stop_at_the_first_miss():
+    assert leading_blocks_held([1, 2, 3], {1, 2, 3}) == 3
+    assert leading_blocks_held([1, 2, 3], {1, 3}) == 1
+    assert leading_blocks_held([1, 2, 3], {2, 3}) == 0
+    assert leading_blocks_held([], {1}) == 0
+
+
+def test_choose_the_longest_cached_prefix_within_the_imbalance_else_the_least_loaded():
+    prompt = [11, 12, 13]
+    a, b, c = ReplicaView("a", {11}, 3), ReplicaView("b", {11, 12}, 5), ReplicaView("c", set(), 1)
+    assert choose_by_prefix(prompt, [a, b, c], max_imbalance=8) == (["b"], 2)
+    assert choose_by_prefix(prompt, [a, b, c], max_imbalance=3) == (["a"], 1)    # b is 4 above c
+    assert choose_by_prefix(prompt, [a, b, c], max_imbalance=1) == (["c"], 0)    # no holder eligible
+    even = [ReplicaView("x", {11}, 2), ReplicaView("y", {11}, 1)]
+    assert choose_by_prefix(prompt, even, 8) == (["y"], 1)                       # tie: less load
+    cold = [ReplicaView("x", set(), 2), ReplicaView("y", set(), 0), ReplicaView("z", set(), 0)]
+    assert choose_by_prefix(prompt, cold, 8) == (["y", "z"], 0)                 # all the least loaded
+    with pytest.raises(ValueError, match="replicas"):
+        choose_by_prefix(prompt, [], 8)
+    with pytest.raises(ValueError, match="max_imbalance"):
+        choose_by_prefix(prompt, [a], -1)
+
+
+@dataclass
+class FakeMetadata:
+    call_method: str
+
+
+@dataclass
+class FakeRequest:
+    args: list
+    metadata: FakeMetadata
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class FakeReplica:
+    replica_id: str
+    routing_stats: dict
+
+
+def generate_call(prompt: list[int]) -> FakeRequest:
+    return FakeRequest(["req", prompt, None], FakeMetadata("generate"))
+
+
+def test_only_generate_calls_carry_a_prompt():
+    assert generate_prompt(generate_call([1, 2])) == [1, 2]
+    assert generate_prompt(FakeRequest([], FakeMetadata("stats"))) is None
+    assert generate_prompt(None) is None
+
+
+def make_router() -> CacheAwareRouter:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    router = CacheAwareRouter(DeploymentID(name="PagedEngine", app_name="test"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(block_size=BS, max_imbalance=2)
+    return router
+
+
+def test_the_router_follows_reported_caches_and_its_own_sends_and_respects_load():
+    async def scenario():
+        router = make_router()
+        shared = list(range(200, 212))                  # 3 full blocks
+        stats = {"num_running": 0, "num_waiting": 0}
+        a = FakeReplica("a", {**stats, "prefix_hashes": []})
+        b = FakeReplica("b", {**stats, "prefix_hashes": prefix_block_hashes(shared[:8], BS)})
+        assert await router.choose_replicas([a, b], generate_call(shared + [1])) == [[b]]
+        # a prompt nobody holds: every least-loaded replica, for Serve to probe
+        fresh = list(range(500, 512))
+        assert await router.choose_replicas([a, b], generate_call(fresh)) == [[a, b]]
+        # once sent to a, a holds it for this router before a's next report
+        router.on_request_routed(generate_call(fresh), "a", None)
+        assert await router.choose_replicas([a, b], generate_call(fresh + [9])) == [[a]]
+        # a holder loaded beyond the imbalance is passed over
+        busy_b = FakeReplica("b", {"num_running": 3, "num_waiting": 1,
+                                   "prefix_hashes": b.routing_stats["prefix_hashes"]})
+        assert await router.choose_replicas([a, busy_b], generate_call(shared)) == [[a]]
+        # control calls (no prompt) go to any replica
+        assert await router.choose_replicas([a, b], FakeRequest([], FakeMetadata("stats"))) == [[a, b]]
+        router.on_replica_actor_died("a")
+        assert await router.choose_replicas([a, b], generate_call(fresh)) == [[a, b]]
+
+    asyncio.run(scenario())
+
+
+def test_the_router_remembers_a_bounded_number_of_sent_blocks():
+    async def scenario():
+        router = make_router()
+        for start in range(0, (PREFIX_SUMMARY_BLOCKS + 10) * BS, 64 * BS):
+            router.on_request_routed(generate_call(list(range(start, start + 64 * BS))), "a", None)
+        assert len(router._sent["a"]) == PREFIX_SUMMARY_BLOCKS
+
+    asyncio.run(scenario())

@@ -1,0 +1,41 @@
+"""Two engine replicas behind the cache-aware router (the real app, default model, fp32, 1 thread per rank).
+
+Requests sharing a prompt prefix, sent one after another, must all land on the replica that computed
+the prefix first (the router remembers what it sent where), so every one after the first reads the
+shared blocks from the prefix cache (``usage.prompt_tokens_details.cached_tokens``). With Serve's default
+router each of them would pick one of the two replicas at random.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serve_fixtures import API_KEY, start_app, stop_app
+
+SHARED = ("You are a careful assistant for a small bakery. Answer in one short sentence, name the product, "
+          "give its price in euros and never invent products that are not on the menu of the day. ")
+
+
+@pytest.fixture(scope="module")
+def app(ray_session, default_model_path):
+    running = start_app(default_model_path, num_replicas=2, request_router="cache_aware", threads_per_worker=1)
+    yield running
+    stop_app(running)
+
+
+def test_requests_sharing_a_prefix_follow_the_replica_that_cached_it(app, default_model_path):
+    from transformers import AutoTokenizer
+
+    shared = AutoTokenizer.from_pretrained(default_model_path).encode(SHARED)
+    full_blocks = len(shared) // 16 * 16
+    assert full_blocks >= 32
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=app.url, headers=auth, timeout=300, trust_env=False) as http:
+        cached = []
+        for question in ("Bread?", "Croissants?", "Cake?", "Tea?", "Coffee?", "Pies?"):
+            body = {"prompt": SHARED + question, "max_tokens": 2, "temperature": 0}
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0
+    assert all(tokens >= full_blocks - 16 for tokens in cached[1:]), cached   # the question may split a block
