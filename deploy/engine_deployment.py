@@ -53,6 +53,11 @@ ENGINE_DEPLOYMENT_NAME = "PagedEngine"
 SHUTDOWN_MARGIN_S = 10.0  # the ingress outlives the engine by this much on shutdown
 
 
+def replica_id() -> str:
+    """This Serve replica's id."""
+    return serve.get_replica_context().replica_id.unique_id
+
+
 def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool = False) -> list[dict[str, float]]:
     """Ray executor: bundle 0 is the replica, bundle r + 1 TP rank r. In-process (TP=1, the model runs
     in the replica): one bundle, with the GPU when there is one."""
@@ -76,12 +81,12 @@ class EngineDeployment(ServedEngine):
         await self.replica_health()
 
     async def replica_stats(self):
-        """(this replica's Serve id, its EngineStats): per-replica figures for benchmarks and tools (a call
-        reaches whichever replica the router picks)."""
-        return serve.get_replica_context().replica_id.unique_id, await self.stats()
+        """(this replica's Serve id, its EngineStats): per-replica figures for the ingress' /metrics with one
+        replica, benchmarks and tools (a call reaches whichever replica the router picks)."""
+        return replica_id(), await self.stats()
 
     async def record_routing_stats(self) -> dict:
-        return await self.routing_stats(PREFIX_SUMMARY_BLOCKS)
+        return await self.routing_stats(replica_id(), PREFIX_SUMMARY_BLOCKS)
 
     async def __del__(self) -> None:
         # Serve calls this once the ongoing calls are done (or its wait was cut short): abort the rest.

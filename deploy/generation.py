@@ -47,6 +47,8 @@ class EngineClient(Protocol):
 
     async def stats(self): ...
 
+    async def replica_states(self) -> list: ...   # list[metrics.ReplicaState]: every engine replica known
+
     async def check_health(self) -> None: ...
 
 

@@ -50,6 +50,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from pagedray.cluster.outputs import EngineDeadError
+from pagedray.cluster.stats import EngineStats
 from pagedray.workers.contract.config import EngineConfig
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -57,9 +58,10 @@ from ray.serve.handle import DeploymentHandle
 from .api import DEFAULT_MAX_BODY_BYTES, create_api
 from .errors import to_api_error
 from .http_guard import use_bounded_protocol
-from .metrics import ServerMetrics
+from .metrics import ReplicaState, ServerMetrics
 from .options import GRACEFUL_SHUTDOWN_S
 from .prompt_bound import max_prompt_chars
+from .routing import replica_summaries
 from .served_engine import DrainReport, ModelMeta, ServedEngine
 from .service import OpenAIService
 from .validation import ModelLimits
@@ -73,11 +75,29 @@ async def _awaited(response):
     return await response
 
 
+def replica_state(summary: dict) -> ReplicaState:
+    """A ReplicaState from an engine replica's routing summary (``ServedEngine.routing_stats``)."""
+    return ReplicaState(summary["replica"], EngineStats(**summary["stats"]), summary["healthy"], summary["reason"])
+
+
 class HandleEngineClient:
-    """EngineClient over a DeploymentHandle to the engine deployment."""
+    """EngineClient over a DeploymentHandle to the engine deployment.
+
+    ``replica_states`` and ``check_health`` see every engine replica when a CacheAwareRouter routes this
+    handle (``routing.replica_summaries``); otherwise (one replica, Serve's router) the one that answers."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
+
+    def _summaries(self) -> list[dict] | None:
+        return replica_summaries(self._handle.deployment_id.app_name, self._handle.deployment_id.name)
+
+    async def replica_states(self) -> list[ReplicaState]:
+        summaries = self._summaries()
+        if summaries is not None:
+            return [replica_state(s) for s in summaries]
+        replica, stats = await self._handle.replica_stats.remote()
+        return [ReplicaState(replica, stats)]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator:
         response = self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params)
@@ -94,6 +114,9 @@ class HandleEngineClient:
         return await self._handle.stats.remote()
 
     async def check_health(self) -> None:
+        for summary in self._summaries() or []:
+            if not summary["healthy"]:
+                raise EngineDeadError(f"engine replica {summary['replica']}: {summary['reason']}")
         response = self._handle.health.remote()
         try:
             await asyncio.wait_for(_awaited(response), HEALTH_TIMEOUT_S)
@@ -113,6 +136,10 @@ class LocalEngineClient:
 
     async def stats(self):
         return await self._served.stats()
+
+    async def replica_states(self) -> list[ReplicaState]:
+        healthy, reason = await self._served.health_state()
+        return [ReplicaState(serve.get_replica_context().replica_id.unique_id, await self.stats(), healthy, reason)]
 
     async def check_health(self) -> None:
         await self._served.health()
@@ -150,7 +177,7 @@ class OpenAIIngress:
                              max_prompt_chars(tokenizer, meta.max_model_len))
         self._engine, self._limits_meta = engine, meta
         self._client = client
-        self._service = OpenAIService(client, tokenizer, limits, ServerMetrics())
+        self._service = OpenAIService(client, tokenizer, limits, ServerMetrics(name))
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
 

@@ -26,6 +26,11 @@ Decisions:
   cache), else the replica's last reported running + waiting sequences.
 - The summary is capped, so a replica with more cached blocks than the cap reports those of its
   running sequences first, then the most recently freed.
+- The same poll carries each replica's EngineStats and health, so the ingress' /metrics and /health
+  read every replica from the router of its own process (``replica_summaries``) instead of asking one
+  replica per scrape. The routers register in a process-wide weak map (``router_registry``):
+  the only place the ingress can find the view Serve gives the router; a router that goes away
+  leaves it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from dataclasses import dataclass
 
 from pagedray.block_manager import prefix_block_hashes
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from . import router_registry
 
 PREFIX_SUMMARY_BLOCKS = 8192     # block hashes one replica reports (8 bytes each on the wire)
 ROUTING_STATS_PERIOD_S = 1.0     # how often Serve polls each replica's record_routing_stats
@@ -103,10 +110,22 @@ def generate_prompt(pending_request: PendingRequest | None) -> list[int] | None:
     return args[1] if len(args) > 1 and isinstance(args[1], list) else None
 
 
+def replica_summaries(app_name: str, deployment_name: str) -> list[dict] | None:
+    """The last summary (``ServedEngine.routing_stats``) of every replica that a CacheAwareRouter in this
+    process routes to; None when there is no such router or no replica has reported yet."""
+    router = router_registry.lookup(app_name, deployment_name)
+    if router is None:
+        return None
+    replicas = list(router.curr_replicas.values())   # the router swaps in a new dict on updates
+    summaries = [r.routing_stats for r in replicas if (r.routing_stats or {}).get("replica")]
+    return summaries or None
+
+
 class CacheAwareRouter(RequestRouter):
     """Serve request router for the engine deployment (see the module docstring)."""
 
     def initialize_state(self, block_size: int = 16, max_imbalance: int = DEFAULT_MAX_IMBALANCE) -> None:
+        router_registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
         self._block_size = block_size
         self._max_imbalance = max_imbalance
         self._sent: dict[ReplicaID, collections.OrderedDict[int, None]] = {}

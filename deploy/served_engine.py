@@ -69,6 +69,14 @@ class ServedEngine:
         """For Serve's ``check_health`` hook: a dead rank, a failed step loop or a stalled step."""
         await self._engine.check_health()
 
+    async def health_state(self) -> tuple[bool, str]:
+        """``replica_health`` as (healthy, the reason when not), for reports that must not raise."""
+        try:
+            await self.replica_health()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return False, str(exc)
+        return True, ""
+
     async def drain(self, timeout_s: float) -> DrainReport:
         """Refuse new requests, let the in-flight ones finish for ``timeout_s``, abort the rest."""
         if not timeout_s >= 0:
@@ -78,13 +86,16 @@ class ServedEngine:
         aborted = await self._engine.drain(timeout_s)
         return DrainReport(in_flight, aborted, time.monotonic() - start)
 
-    async def routing_stats(self, max_blocks: int) -> dict:
-        """The replica's summary for cache-aware routing (``routing.py``): hashes of at most
-        ``max_blocks`` cached prefix blocks, and its load."""
+    async def routing_stats(self, replica: str, max_blocks: int) -> dict:
+        """The replica's summary for cache-aware routing (``routing.py``) and for the ingress' /metrics and
+        /health: hashes of at most ``max_blocks`` cached prefix blocks, its load, its EngineStats (as a
+        dict) and whether its engine is healthy (dead / stalled; draining is not unhealthy here)."""
         stats = await self._engine.stats()
-        return {"prefix_hashes": await self._engine.cached_prefix_hashes(max_blocks),
+        healthy, reason = await self.health_state()
+        return {"replica": replica, "prefix_hashes": await self._engine.cached_prefix_hashes(max_blocks),
                 "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks}
+                "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
+                "stats": stats.to_dict(), "healthy": healthy, "reason": reason}
 
     def model_meta(self) -> ModelMeta:
         engine = self._engine

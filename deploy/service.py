@@ -18,7 +18,7 @@ at a time (at least one; the next prompt goes when one finishes), so one batch r
 every engine seat and leave other clients' requests waiting behind its whole batch. Admission errors
 of the later prompts (429) then arrive mid-response, like any engine error after the first output.
 
-Metrics: every request is counted once in ``pagedray_requests_total`` by outcome; token counts and
+Metrics: every request is counted once in ``pagedray:requests_total`` by outcome; token counts and
 latencies are recorded for every request that was admitted (also when it was aborted).
 """
 
@@ -357,7 +357,7 @@ class OpenAIService:
 
     async def metrics_text(self) -> bytes:
         try:
-            self.metrics.engine.update(await self.engine.stats())
+            self.metrics.engine.update(await self.engine.replica_states())
         except Exception:  # noqa: BLE001 - a dead engine must not break /metrics; gauges keep last values
             pass
         return self.metrics.render()

@@ -1,9 +1,9 @@
 """Polling the target's Prometheus ``/metrics`` endpoint while a load runs.
 
-Expected metric names (gauges; the deploy/ metrics owner exports them, see /work/notes/requests.md):
-- ``pagedray_num_requests_running``: requests being decoded / prefilled now (queue: running)
-- ``pagedray_num_requests_waiting``: requests admitted but waiting for KV blocks or a batch slot
-- ``pagedray_kv_cache_usage_ratio``: used KV blocks / all KV blocks, 0..1
+Expected metric names (gauges, one sample per engine replica; ``deploy/metrics.py`` exports them):
+- ``pagedray:num_requests_running``: requests being decoded / prefilled now (queue: running)
+- ``pagedray:num_requests_waiting``: requests admitted but waiting for KV blocks or a batch slot
+- ``pagedray:kv_cache_usage_perc``: used KV blocks / all KV blocks, 0..1
 A sample with labels (one per replica or per model) is summed over its label sets for the two counts and
 averaged for the usage ratio. Names are matched exactly; Prometheus client suffixes are not guessed.
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-RUNNING = "pagedray_num_requests_running"
-WAITING = "pagedray_num_requests_waiting"
-KV_USAGE = "pagedray_kv_cache_usage_ratio"
+RUNNING = "pagedray:num_requests_running"
+WAITING = "pagedray:num_requests_waiting"
+KV_USAGE = "pagedray:kv_cache_usage_perc"
 WATCHED = (RUNNING, WAITING, KV_USAGE)
 
 

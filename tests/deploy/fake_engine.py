@@ -21,6 +21,7 @@ from pagedray.cluster.outputs import (
     RequestOutput,
     TokenLogprob,
 )
+from pagedray.deploy.metrics import ReplicaState
 
 
 @dataclass
@@ -106,6 +107,10 @@ class ScriptedEngine:
 
     async def stats(self) -> FakeStats:
         return FakeStats(num_running=len(self.active))
+
+    async def replica_states(self) -> list[ReplicaState]:
+        reason = "rank 1 is dead" if self.dead else ""
+        return [ReplicaState("fake-replica", await self.stats(), not self.dead, reason)]
 
     async def check_health(self) -> None:
         if self.dead:

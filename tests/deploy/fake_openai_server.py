@@ -94,11 +94,11 @@ class FakeOpenAIServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         self.metrics_polls += 1
         usage = self.in_flight / self.behavior.kv_capacity
-        text = ("# HELP pagedray_num_requests_running requests running\n"
-                "# TYPE pagedray_num_requests_running gauge\n"
-                f'pagedray_num_requests_running{{model="fake"}} {self.in_flight}\n'
-                f"pagedray_num_requests_waiting 0\n"
-                f'pagedray_kv_cache_usage_ratio{{model="fake"}} {usage}\n')
+        text = ("# HELP pagedray:num_requests_running requests running\n"
+                "# TYPE pagedray:num_requests_running gauge\n"
+                f'pagedray:num_requests_running{{model="fake"}} {self.in_flight}\n'
+                f"pagedray:num_requests_waiting 0\n"
+                f'pagedray:kv_cache_usage_perc{{model="fake"}} {usage}\n')
         return web.Response(text=text)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:

@@ -39,7 +39,7 @@ def tokenizer(default_model_path):
 def make_client(tokenizer, engine=None, **api_kwargs):
     engine = engine or ScriptedEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
     limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN)
-    service = OpenAIService(engine, tokenizer, limits, ServerMetrics())
+    service = OpenAIService(engine, tokenizer, limits, ServerMetrics(MODEL))
     return TestClient(create_api(service, **api_kwargs)), engine
 
 
@@ -383,12 +383,14 @@ def test_metrics_text_counts_outcomes(tokenizer):
     client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
     client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
     text = client.get("/metrics").text
-    assert 'pagedray_requests_total{endpoint="completions",outcome="length"} 1.0' in text
-    assert 'pagedray_requests_total{endpoint="completions",outcome="invalid"} 1.0' in text
-    assert "pagedray_generation_tokens_total 3.0" in text
-    assert "pagedray_time_to_first_token_seconds_count 1.0" in text
-    assert "pagedray_inter_token_latency_seconds_count 2.0" in text
-    assert "pagedray_num_requests_running 0.0" in text
+    m = f'model_name="{MODEL}"'
+    assert f'pagedray:requests_total{{endpoint="completions",{m},outcome="length"}} 1.0' in text
+    assert f'pagedray:requests_total{{endpoint="completions",{m},outcome="invalid"}} 1.0' in text
+    assert f"pagedray:generation_tokens_total{{{m}}} 3.0" in text
+    assert f"pagedray:time_to_first_token_seconds_count{{{m}}} 1.0" in text
+    assert f"pagedray:inter_token_latency_seconds_count{{{m}}} 2.0" in text
+    assert f'pagedray:num_requests_running{{{m},replica="fake-replica"}} 0.0' in text
+    assert f'pagedray:engine_healthy{{{m},replica="fake-replica"}} 1.0' in text
 
 
 def test_sampling_fields_reach_the_engine_unchanged(client_and_engine, tokenizer):
@@ -449,7 +451,7 @@ def test_health_answers_while_a_prompt_is_being_tokenized(tokenizer):
     gated = _GatedTokenizer(tokenizer)
     engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
     limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN)
-    app = create_api(OpenAIService(engine, gated, limits, ServerMetrics()))
+    app = create_api(OpenAIService(engine, gated, limits, ServerMetrics(MODEL)))
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
@@ -471,7 +473,7 @@ def test_prompt_that_cannot_fit_is_refused_before_tokenizing(tokenizer):
     assert bound is not None and bound >= MAX_MODEL_LEN
     gated = _GatedTokenizer(tokenizer)
     limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN, bound)
-    client = TestClient(create_api(OpenAIService(ScriptedEngine([5]), gated, limits, ServerMetrics())))
+    client = TestClient(create_api(OpenAIService(ScriptedEngine([5]), gated, limits, ServerMetrics(MODEL))))
     huge = "SLOW" + "x" * bound
     assert_openai_error(client.post("/v1/completions", json={"prompt": huge}), 400, "prompt")
     assert_openai_error(client.post("/v1/completions", json={"prompt": ["ok", huge]}), 400, "prompt")
@@ -549,7 +551,7 @@ def test_a_batch_request_keeps_a_bounded_number_of_prompts_in_the_engine(tokeniz
 
     engine = GatedBatchEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
     limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN)
-    app = create_api(OpenAIService(engine, tokenizer, limits, ServerMetrics()))
+    app = create_api(OpenAIService(engine, tokenizer, limits, ServerMetrics(MODEL)))
     window = SEQUENCES_IN_FLIGHT_PER_REQUEST // 4
 
     async def scenario():

@@ -32,7 +32,7 @@ def test_single_run_writes_json_and_plots(tmp_path, capsys, matplotlib):
     run = report["runs"][0]
     assert run["summary"]["completed"] == 6 and run["summary"]["output_tokens"] == 24
     assert len(run["requests"]) == 6 and all(r["output_tokens"] == 4 for r in run["requests"])
-    assert run["metrics"]["times_s"] and run["metrics"]["values"]["pagedray_kv_cache_usage_ratio"]
+    assert run["metrics"]["times_s"] and run["metrics"]["values"]["pagedray:kv_cache_usage_perc"]
     assert sorted(report["plots"]) == sorted([str(out.parent / "run_latency_cdf.png"),
                                               str(out.parent / "run_timeline.png")])
     for path in (out.parent / "run_latency_cdf.png", out.parent / "run_timeline.png"):

@@ -72,7 +72,7 @@ def test_closed_loop_completes_all_and_measures_the_fake_delays():
     assert summary["ttft_ms"]["p90"] == pytest.approx(percentile([t * 1000 for t in samples["ttft"]], 90))
     assert summary["e2e_ms"]["p50"] <= summary["e2e_ms"]["p90"] <= summary["e2e_ms"]["p99"]
     assert result.metrics.times, result.metrics.note
-    assert max(result.metrics.values["pagedray_num_requests_running"]) >= 1
+    assert max(result.metrics.values["pagedray:num_requests_running"]) >= 1
 
 
 def test_open_loop_sends_on_the_seeded_poisson_schedule():

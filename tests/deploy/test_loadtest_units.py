@@ -87,19 +87,19 @@ def test_stream_parser_handles_completion_chat_usage_done_and_errors():
 
 def test_prometheus_parser_sums_counts_and_averages_usage():
     text = "\n".join([
-        "# HELP pagedray_num_requests_running running",
-        "# TYPE pagedray_num_requests_running gauge",
-        'pagedray_num_requests_running{replica="a"} 3',
-        'pagedray_num_requests_running{replica="b"} 2.0',
-        "pagedray_num_requests_waiting 7 1700000000000",
-        'pagedray_kv_cache_usage_ratio{replica="a", model="x y"} 0.25',
-        'pagedray_kv_cache_usage_ratio{replica="b"} 0.75',
+        "# HELP pagedray:num_requests_running running",
+        "# TYPE pagedray:num_requests_running gauge",
+        'pagedray:num_requests_running{replica="a"} 3',
+        'pagedray:num_requests_running{replica="b"} 2.0',
+        "pagedray:num_requests_waiting 7 1700000000000",
+        'pagedray:kv_cache_usage_perc{replica="a", model="x y"} 0.25',
+        'pagedray:kv_cache_usage_perc{replica="b"} 0.75',
         "other_metric 99",
-        "pagedray_num_requests_waiting_total 5",
+        "pagedray:num_requests_waiting_total 5",
     ])
-    assert parse_prometheus(text) == {"pagedray_num_requests_running": 5.0,
-                                      "pagedray_num_requests_waiting": 7.0,
-                                      "pagedray_kv_cache_usage_ratio": 0.5}
+    assert parse_prometheus(text) == {"pagedray:num_requests_running": 5.0,
+                                      "pagedray:num_requests_waiting": 7.0,
+                                      "pagedray:kv_cache_usage_perc": 0.5}
     assert parse_prometheus("garbage\n<html>") == {}
 
 

@@ -314,13 +314,15 @@ def test_overload_is_rejected_with_429(app):
 
 def test_metrics_text(app, http):
     text = http.get("/metrics").text
-    for series in ("pagedray_requests_total", "pagedray_time_to_first_token_seconds_count",
-                   "pagedray_inter_token_latency_seconds_count", "pagedray_e2e_request_latency_seconds_count",
-                   "pagedray_prompt_tokens_total", "pagedray_generation_tokens_total",
-                   "pagedray_num_requests_running", "pagedray_num_requests_waiting",
-                   "pagedray_kv_cache_usage_ratio", "pagedray_prefix_cache_hit_rate", "pagedray_num_preemptions"):
+    for series in ("pagedray:requests_total", "pagedray:time_to_first_token_seconds_count",
+                   "pagedray:inter_token_latency_seconds_count", "pagedray:e2e_request_latency_seconds_count",
+                   "pagedray:prompt_tokens_total", "pagedray:generation_tokens_total",
+                   "pagedray:num_requests_running", "pagedray:num_requests_waiting",
+                   "pagedray:kv_cache_usage_perc", "pagedray:prefix_cache_queries_total",
+                   "pagedray:prefix_cache_hits_total", "pagedray:num_preemptions_total", "pagedray:engine_healthy"):
         assert series in text, series
-    assert 'pagedray_requests_total{endpoint="completions",outcome="rejected"}' in text
+    assert f'pagedray:requests_total{{endpoint="completions",model_name="{app.model}",outcome="rejected"}}' in text
+    assert f'pagedray:engine_healthy{{model_name="{app.model}",replica="' in text
     sse = parse_sse(http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True}).text)
     assert sse[-1] == "[DONE]"
 

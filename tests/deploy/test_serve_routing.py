@@ -1,5 +1,7 @@
 """Two engine replicas behind the cache-aware router (the real app, default model, fp32, 1 thread per rank).
 
+/metrics and /health cover both replicas (from the summaries Serve's poll brings the router).
+
 Requests sharing a prompt prefix, sent one after another, must all land on the replica that computed
 the prefix first (the router remembers what it sent where), so every one after the first reads the
 shared blocks from the prefix cache (``usage.prompt_tokens_details.cached_tokens``). With Serve's default
@@ -7,6 +9,9 @@ router each of them would pick one of the two replicas at random.
 """
 
 from __future__ import annotations
+
+import re
+import time
 
 import httpx
 import pytest
@@ -39,3 +44,19 @@ def test_requests_sharing_a_prefix_follow_the_replica_that_cached_it(app, defaul
             cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
     assert cached[0] == 0
     assert all(tokens >= full_blocks - 16 for tokens in cached[1:]), cached   # the question may split a block
+
+
+def test_metrics_and_health_cover_both_replicas(app):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    healthy_line = re.compile(r'pagedray:engine_healthy\{model_name="[^"]+",replica="([^"]+)"\} 1.0')
+    with httpx.Client(base_url=app.url, headers=auth, timeout=300, trust_env=False) as http:
+        deadline = time.monotonic() + 120   # hang guard: the replicas report once a second
+        while len(replicas := set(healthy_line.findall(http.get("/metrics").text))) < 2:
+            assert time.monotonic() < deadline, replicas
+            time.sleep(0.5)
+        text = http.get("/metrics").text
+        for replica in replicas:
+            assert f'pagedray:num_requests_running{{model_name="{app.model}",replica="{replica}"}}' in text
+            assert f'pagedray:prefix_cache_queries_total{{model_name="{app.model}",replica="{replica}"}}' in text
+        assert http.get("/health").status_code == 200
+

@@ -87,7 +87,7 @@ def _client(tokenizer, text):
     """The API over a scripted engine that answers ``text``, with room for the tool listing in the prompt."""
     engine = ScriptedEngine(tokenizer.encode(text), eos_token_id=tokenizer.eos_token_id)
     limits = ModelLimits("fake-model", frozenset({"fake-model"}), len(tokenizer), 1024)
-    return TestClient(create_api(OpenAIService(engine, tokenizer, limits, ServerMetrics()))), engine
+    return TestClient(create_api(OpenAIService(engine, tokenizer, limits, ServerMetrics("fake-model")))), engine
 
 
 def test_chat_response_carries_tool_calls_and_the_prompt_lists_the_tools(tokenizer):
