@@ -18,6 +18,7 @@ Methods called by the ingress through a DeploymentHandle:
   cancelled) cancels the iteration here, and AsyncEngine then aborts the request (blocks freed
   within a step).
 - ``abort(request_id)``, ``stats()``, ``health()``, ``model_meta()``.
+``record_autoscaling_stats`` reports KV usage, running and waiting for ``autoscaling.kv_pressure_policy``.
 ``record_routing_stats`` is polled by Serve (``request_routing_stats_period_s``) for the request router:
 the replica's prefix-cache summary and load (``routing.py``).
 ``check_health`` is also Serve's replica health hook: a dead rank, a failed step loop or a stalled
@@ -45,6 +46,7 @@ import os
 
 from ray import serve
 
+from .autoscaling import autoscaling_stats
 from .options import GRACEFUL_SHUTDOWN_S
 from .routing import PREFIX_SUMMARY_BLOCKS
 from .served_engine import ServedEngine
@@ -84,6 +86,10 @@ class EngineDeployment(ServedEngine):
         """(this replica's Serve id, its EngineStats): per-replica figures for the ingress' /metrics with one
         replica, benchmarks and tools (a call reaches whichever replica the router picks)."""
         return replica_id(), await self.stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """For Serve's custom autoscaling policies (``autoscaling.kv_pressure_policy``)."""
+        return autoscaling_stats(await self.stats())
 
     async def record_routing_stats(self) -> dict:
         return await self.routing_stats(replica_id(), PREFIX_SUMMARY_BLOCKS)
