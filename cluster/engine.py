@@ -233,6 +233,9 @@ class Engine:
             num_steps_total=self._num_steps,
             num_requests_finished_total=self._num_finished,
             num_rank_restarts_total=self.num_rank_restarts,
+            queue_time_buckets=sched.queue_time.cumulative(),
+            queue_time_sum_s=sched.queue_time.sum_s,
+            queue_time_count=sched.queue_time.count,
         )
 
     def shutdown(self) -> None:

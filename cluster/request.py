@@ -28,6 +28,7 @@ Decisions settled here:
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field, replace
 
 from pagedray.workers.contract.sampling_params import SamplingParams
@@ -126,6 +127,8 @@ class Request:
     num_cached_prompt_tokens: int = 0
     # one entry per prompt token when params.prompt_logprobs is set (see the module docstring)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    added_at: float = field(default_factory=time.monotonic)   # when the scheduler took it in
+    queue_time_s: float | None = None   # added_at -> first admission of sample 0
 
     def record_prompt_logprobs(self, entry: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:

@@ -33,6 +33,7 @@ Invariant: every sequence in ``running`` is registered with the BlockManager and
 from __future__ import annotations
 
 import collections
+import time
 
 from pagedray.workers.contract.config import SchedulerConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ from pagedray.workers.contract.wire import PromptLogprobs, SampledToken
 from .outputs import QueueFullError
 from .request import FinishReason, Request, Sequence, SequenceStatus
 from .scheduler_output import ScheduledSequence, SchedulerOutput
+from .stats import QueueTimeHistogram
 
 
 class Scheduler:
@@ -54,6 +56,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.queue_time = QueueTimeHistogram()   # first admissions of requests (sample 0, not after preemption)
         self.num_prompt_tokens = 0       # prompt tokens of admitted requests (cached ones included)
         self.num_computed_tokens = 0     # tokens computed by the workers (prefill chunks + decodes)
         self.num_generated_tokens = 0
@@ -218,6 +221,8 @@ class Scheduler:
         seq.num_computed_tokens = allocation.num_cached_tokens
         if seq.index == 0 and seq.num_preemptions == 0:
             seq.request.num_cached_prompt_tokens = allocation.num_cached_tokens
+            seq.request.queue_time_s = time.monotonic() - seq.request.added_at
+            self.queue_time.observe(seq.request.queue_time_s)
         self.running.append(seq)
         if num > 0:
             out.scheduled.append(ScheduledSequence(seq, num))

@@ -11,7 +11,8 @@ Decisions:
   requests run; they count the requests of this ingress replica.
 - Engine-level series are per engine replica (label ``replica``): running / waiting sequences, KV
   usage, free blocks, preemptions, prefix-cache queries and hits (counters, in prompt tokens, as
-  vLLM's), and ``pagedray:engine_healthy``. They are read from ``ReplicaState`` snapshots when /metrics is
+  vLLM's), the queue-time histogram (arrival at the scheduler to first admission) and
+  ``pagedray:engine_healthy``. They are read from ``ReplicaState`` snapshots when /metrics is
   scraped (ingress.py: every replica's, from the cache-aware router's view when it runs in this
   process, else the one replica that answers), and exposed by a small custom collector.
 - Latencies are measured at the ingress: TTFT from request arrival to the first generated text
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 OUTCOMES = ("stop", "length", "abort", "error", "invalid", "rejected")
@@ -50,6 +51,7 @@ ENGINE_SERIES = (
     ("pagedray:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hit_tokens_total", "counter"),
 )
 HEALTHY_SERIES = "pagedray:engine_healthy"
+QUEUE_TIME_SERIES = "pagedray:request_queue_time_seconds"
 REQUEST_SERIES = ("pagedray:requests", "pagedray:prompt_tokens", "pagedray:generation_tokens",
                   "pagedray:time_to_first_token_seconds", "pagedray:inter_token_latency_seconds",
                   "pagedray:e2e_request_latency_seconds")
@@ -86,6 +88,14 @@ class EngineStatsCollector:
                 if value is not None:
                     family.add_metric([self._model_name, state.replica], float(value))
             yield family
+        queue_time = HistogramMetricFamily(QUEUE_TIME_SERIES, "Arrival at the engine's scheduler to first admission.",
+                                           labels=ENGINE_LABELS)
+        for state in self._states:
+            count = getattr(state.stats, "queue_time_count", None)
+            if count is not None:
+                buckets = [(repr(float(le)), n) for le, n in state.stats.queue_time_buckets] + [("+Inf", count)]
+                queue_time.add_metric([self._model_name, state.replica], buckets, state.stats.queue_time_sum_s)
+        yield queue_time
         healthy = GaugeMetricFamily(HEALTHY_SERIES, "1 when the engine replica is healthy, else 0.",
                                     labels=ENGINE_LABELS)
         for state in self._states:

@@ -142,3 +142,15 @@ def test_abort_preempted_and_forked_requests():
     step(sched)
     assert len(sched.running) == 3
     _abort_and_drain(sched, "r")
+
+
+def test_queue_time_counts_each_request_once_despite_preemption_and_forks():
+    sched, _ = _fill_two(builder=True)
+    sched.add_request("forked", prompt(5, start=80), params(max_tokens=2, n=3))
+    run_until_idle(sched)
+    assert sched.num_preemptions >= 1                       # b was preempted and admitted again
+    histogram = sched.queue_time
+    assert histogram.count == 4                             # a, b, c, forked: first admissions only
+    cumulative = [count for _, count in histogram.cumulative()]
+    assert cumulative == sorted(cumulative) and cumulative[-1] <= histogram.count
+    assert histogram.sum_s >= 0.0

@@ -12,7 +12,7 @@ import re
 import jsonschema
 import pytest
 from pagedray.cluster.outputs import EngineDeadError
-from pagedray.cluster.stats import EngineStats
+from pagedray.cluster.stats import EngineStats, QueueTimeHistogram
 from pagedray.deploy import ingress, router_registry, routing
 from pagedray.deploy.metrics import ReplicaState, ServerMetrics
 
@@ -59,10 +59,18 @@ def exported_names() -> set[str]:
 
 
 def test_every_replica_gets_its_own_labelled_series():
+    queue = QueueTimeHistogram()
+    for seconds in (0.004, 0.3, 0.3, 500.0):
+        queue.observe(seconds)
+    waited = stats(queue_time_buckets=queue.cumulative(), queue_time_sum_s=queue.sum_s, queue_time_count=queue.count)
     metrics = ServerMetrics("smol")
-    metrics.engine.update([ReplicaState("a", stats()), ReplicaState("b", stats(num_running=5, kv_usage=0.9),
-                                                                     healthy=False, reason="rank 1 died")])
+    metrics.engine.update([ReplicaState("a", waited), ReplicaState("b", stats(num_running=5, kv_usage=0.9),
+                                                                    healthy=False, reason="rank 1 died")])
     text = metrics.render().decode()
+    queue_series = 'pagedray:request_queue_time_seconds_bucket{le="%s",model_name="smol",replica="a"} %s'
+    assert queue_series % ("0.01", "1.0") in text and queue_series % ("0.5", "3.0") in text
+    assert queue_series % ("120.0", "3.0") in text and queue_series % ("+Inf", "4.0") in text
+    assert 'pagedray:request_queue_time_seconds_sum{model_name="smol",replica="a"} 500.604' in text
     assert 'pagedray:num_requests_running{model_name="smol",replica="a"} 2.0' in text
     assert 'pagedray:num_requests_running{model_name="smol",replica="b"} 5.0' in text
     assert 'pagedray:kv_cache_usage_perc{model_name="smol",replica="b"} 0.9' in text
@@ -132,5 +140,6 @@ def test_the_grafana_dashboard_is_valid_and_reads_only_exported_metrics():
     panel_ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(panel_ids) == len(set(panel_ids))
     titles = " ".join(panel["title"] for panel in dashboard["panels"]).lower()
-    for topic in ("tokens", "first token", "inter-token", "kv cache", "waiting", "preemptions", "prefix", "replica"):
+    for topic in ("tokens", "first token", "inter-token", "kv cache", "waiting", "preemptions", "prefix", "replica",
+                  "queue time"):
         assert topic in titles, topic
