@@ -1,13 +1,11 @@
-"""Autoscaling of the engine deployment: the KV-pressure policy (deploy/autoscaling.py) as a function, its
-wiring through build_app, and (slow) a real app going from 1 to 2 engine replicas under load and back."""
+"""Autoscaling of the engine deployment: the KV-pressure policy (deploy/autoscaling.py) as a function and its
+wiring through build_app. The real app scaling 1 -> 2 -> 1 under load: tests/e2e/test_serve_yaml_autoscaling.py
+(slow)."""
 
 from __future__ import annotations
 
-import threading
-import time
 from types import SimpleNamespace
 
-import httpx
 import pytest
 from pagedray.cluster.stats import EngineStats
 from pagedray.deploy.autoscaling import KV_PRESSURE_POLICY, TARGET_KV_USAGE, autoscaling_stats, kv_pressure_policy
@@ -49,51 +47,3 @@ def test_build_app_passes_the_policy_to_serve():
     scaling = {"max_replicas": 2, "policy": {"policy_function": KV_PRESSURE_POLICY}}
     engine = build_app({"autoscaling_config": scaling})._bound_deployment.init_args[0]._bound_deployment
     assert engine._deployment_config.autoscaling_config.policy.policy_function == KV_PRESSURE_POLICY
-
-
-def _running_engine_replicas(app_name: str) -> int:
-    from ray import serve
-
-    deployment = serve.status().applications[app_name].deployments["PagedEngine"]
-    return deployment.replica_states.get("RUNNING", 0)
-
-
-def _wait_for_replicas(app_name: str, count: int, hang_guard_s: float = 600) -> None:
-    deadline = time.monotonic() + hang_guard_s
-    while _running_engine_replicas(app_name) != count:
-        assert time.monotonic() < deadline, f"{app_name}: still not {count} running engine replicas"
-        time.sleep(1.0)
-
-
-@pytest.mark.slow
-def test_the_engine_scales_from_one_to_two_replicas_under_load_and_back(ray_session, default_model_path):
-    """Serve's own signal (ongoing requests): 6 long streams against target_ongoing_requests 2 want 3
-    replicas, capped at 2; once they end, the idle replicas want 1 again. The delays are short so that the
-    test is quick; the waits are hang guards (the test never depends on how fast the machine is)."""
-    from serve_fixtures import API_KEY, start_app, stop_app
-
-    scaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 2,
-               "upscale_delay_s": 1, "downscale_delay_s": 5, "metrics_interval_s": 0.5, "look_back_period_s": 2,
-               "policy": {"policy_function": KV_PRESSURE_POLICY}}
-    app = start_app(default_model_path, autoscaling_config=scaling, threads_per_worker=1)
-    try:
-        assert _running_engine_replicas(app.name) == 1
-        stop = threading.Event()
-
-        def stream_until_stopped() -> None:
-            body = {"prompt": "Count to a thousand:", "max_tokens": 64, "ignore_eos": True}
-            with httpx.Client(base_url=app.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600,
-                              trust_env=False) as client:
-                while not stop.is_set():
-                    client.post("/v1/completions", json=body)
-
-        clients = [threading.Thread(target=stream_until_stopped, daemon=True) for _ in range(6)]
-        for thread in clients:
-            thread.start()
-        _wait_for_replicas(app.name, 2)
-        stop.set()
-        for thread in clients:
-            thread.join(600)
-        _wait_for_replicas(app.name, 1)
-    finally:
-        stop_app(app)
