@@ -56,6 +56,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from .api import DEFAULT_MAX_BODY_BYTES, create_api
+from .engine_deployment import replica_id
 from .errors import to_api_error
 from .http_guard import use_bounded_protocol
 from .metrics import ReplicaState, ServerMetrics
@@ -139,7 +140,7 @@ class LocalEngineClient:
 
     async def replica_states(self) -> list[ReplicaState]:
         healthy, reason = await self._served.health_state()
-        return [ReplicaState(serve.get_replica_context().replica_id.unique_id, await self.stats(), healthy, reason)]
+        return [ReplicaState(replica_id(), await self.stats(), healthy, reason)]
 
     async def check_health(self) -> None:
         await self._served.health()

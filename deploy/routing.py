@@ -129,13 +129,13 @@ class CacheAwareRouter(RequestRouter):
         self._block_size = block_size
         self._max_imbalance = max_imbalance
         self._sent: dict[ReplicaID, collections.OrderedDict[int, None]] = {}
-        self._reported: dict[ReplicaID, tuple[int, frozenset[int]]] = {}   # id(list) -> its set
+        self._reported: dict[ReplicaID, tuple[list, frozenset[int]]] = {}   # (the reported list, its set)
 
     def _cached(self, replica: RunningReplica) -> HeldBlocks:
         hashes = (replica.routing_stats or {}).get("prefix_hashes") or []
         memo = self._reported.get(replica.replica_id)
-        if memo is None or memo[0] != id(hashes):
-            memo = (id(hashes), frozenset(hashes))
+        if memo is None or memo[0] is not hashes:   # a new report (the memo keeps the old list alive)
+            memo = (hashes, frozenset(hashes))
             self._reported[replica.replica_id] = memo
         return HeldBlocks(memo[1], self._sent.get(replica.replica_id, {}))
 
