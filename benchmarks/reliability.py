@@ -39,7 +39,7 @@ from burst_load import StatsSampler, burst, percentile, rss_bytes
 
 APP_NAME = "pagedray-reliability"
 APP_ARGS = {"num_blocks": 128, "max_model_len": 512, "max_num_seqs": 4, "max_queued_requests": 4,
-            "dtype": "float32"}
+            "dtype": "float32", "engine_in_ingress": False}   # the engine deployment is what it kills and reads
 BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 

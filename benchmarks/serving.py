@@ -74,7 +74,7 @@ from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
-PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei)?(?:-si(\d+))?")
+PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?")
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 # (label, path in a loadtest summary, higher is better)
 CLOSED_ROWS = (("completed", ("completed",), True), ("failed", ("failed",), False),
@@ -162,9 +162,11 @@ def skip_reason(spec: SystemSpec, model_path: str) -> str | None:
 
 def system_specs(names: list[str], model_path: str, port: int, args: argparse.Namespace) -> list[SystemSpec]:
     """Server commands: ``peer`` (defaults), ``peer-tuned`` (KV cache sized for the load), ``pagedray-tpN``
-    (pagedray's default: one Ray worker actor per rank), ``pagedray-tp1-local`` (the model in the
-    engine replica's own process); ``-ei`` adds ``--engine-in-ingress`` (the engine in the ingress
-    replica); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned setting)."""
+    (pagedray's defaults: one Ray worker actor per rank; one replica, so the engine runs in the ingress
+    replica), ``pagedray-tp1-local`` (the model in the engine's own process); ``-ei`` adds
+    ``--engine-in-ingress`` and ``-sep`` ``--no-engine-in-ingress`` (the engine in a deployment of its
+    own between the ingress and the workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned
+    setting)."""
     specs = []
     for name in names:
         if name in (PEER, PEER_TUNED):
@@ -175,19 +177,20 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                             "--cb-max-batch-tokens", str(args.peer_max_batch_tokens)]
             specs.append(SystemSpec(name, command, model_path))
         elif PAGEDRAY_SYSTEM.fullmatch(name):
-            tp, in_process, in_ingress, stream_interval = PAGEDRAY_SYSTEM.fullmatch(name).groups()
+            tp, in_process, layout, stream_interval = PAGEDRAY_SYSTEM.fullmatch(name).groups()
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
                        "--tensor-parallel-size", tp, "--dtype", "float32",
                        "--device", args.device, "--host", "127.0.0.1", "--port", str(port)]
             if in_process:
                 command += ["--executor", "local"]
-            if in_ingress:
-                command += ["--engine-in-ingress"]
+            if layout:
+                command += ["--engine-in-ingress" if layout == "-ei" else "--no-engine-in-ingress"]
             if stream_interval:
                 command += ["--stream-interval", stream_interval]
             specs.append(SystemSpec(name, command, None, int(tp)))
         else:
-            raise ValueError(f"systems: unknown system {name!r} (peer, peer-tuned, pagedray-tpN[-local][-ei][-siK])")
+            raise ValueError(f"systems: unknown system {name!r} "
+                             "(peer, peer-tuned, pagedray-tpN[-local][-ei|-sep][-siK])")
     return specs
 
 
@@ -273,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks.serving", description=__doc__.split("\n\n")[0])
     add_round_args(p, "serving")
     p.add_argument("--systems", default="pagedray-tp1,pagedray-tp2,peer",
-                   help="servers: pagedray-tpN[-local][-ei][-siK] (-ei: --engine-in-ingress, "
+                   help="servers: pagedray-tpN[-local][-ei|-sep][-siK] (-ei / -sep: --engine-in-ingress / "
+                        "--no-engine-in-ingress, "
                         "-siK: --stream-interval K), peer, peer-tuned")
     p.add_argument("--peer-tuned", action="store_true",
                    help="also run the peer with a KV cache sized for this load (--peer-num-blocks, ...)")

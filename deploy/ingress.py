@@ -30,9 +30,10 @@ HTTP API takes; results are the same JSON objects, as dicts::
         print(chunk["choices"][0]["delta"].get("content") or "", end="")
     print()
 
-Layouts (``engine_in_ingress``, app.py): by default the engine runs in its own deployment and this
-replica reaches it through a DeploymentHandle (``HandleEngineClient``: one Ray stream per request,
-one item per output). With ``engine_in_ingress`` this replica holds the engine itself
+Layouts (``engine_in_ingress``, app.py): with several engine replicas (or autoscaling) the engine runs
+in its own deployment and this replica reaches it through a DeploymentHandle (``HandleEngineClient``:
+one Ray stream per request, one item per output). With one replica (by default) this replica holds
+the engine itself
 (``ServedEngine``; the TP workers stay Ray actors in this replica's placement group): outputs reach
 the HTTP responses through asyncio, and ``check_health`` / ``__del__`` act for the engine as the engine
 deployment's do.

@@ -58,8 +58,9 @@ SERVE_OPTIONS = (
     Option("graceful_shutdown_s", "on shutdown, how long in-flight requests may finish", kind=float,
            default=GRACEFUL_SHUTDOWN_S),
     Option("engine_in_ingress", "run the engine (scheduler, KV block allocator) in the ingress replica: one "
-           "process and one Ray stream per request fewer; TP workers stay Ray actors (app.py)", kind=bool,
-           default=False),
+           "process and one Ray stream per request fewer; TP workers stay Ray actors (app.py). Unset: on when "
+           "the app has one replica (no autoscaling_config, request_router not cache_aware)", kind=bool,
+           optional=True),
     Option("request_router", "how the ingress picks an engine replica: 'cache_aware' (the replica holding the "
            "longest cached prefix of the prompt, within router_max_imbalance of the least load), 'serve' "
            "(Serve's default, power of two choices) or 'auto' (cache_aware with more than one replica)",

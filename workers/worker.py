@@ -18,6 +18,9 @@ Decisions:
 - CPU fp32: every linear layer and the LM head also hold an MKL-packed weight
   (``layers/packed_gemm.py``) unless ``model.cpu_packed_weights`` is off; ``pack_report`` says how
   many matrices and bytes (logged at start-up).
+- CPU: glibc malloc keeps freed memory for reuse (``host_memory.keep_freed_memory``) unless
+  ``model.cpu_keep_freed_memory`` is off: without it every step's activations arrive as fresh, page-faulting
+  pages.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .contract.wire import StepPlan, StepResult, decode_plan, encode_result
 from .decode_graphs import CaptureReport, DecodeGraphs
 from .default_model import resolve_model_path
 from .grammar import GrammarBook
+from .host_memory import keep_freed_memory
 from .kv_cache import KVCacheSpec
 from .layers.packed_gemm import PackReport, pack_linear_weights, packed_gemm_available
 from .memory_profile import profile_gpu_num_blocks
@@ -79,6 +83,8 @@ class Worker:
         torch.set_num_threads(config.parallel.threads_per_worker or max(1, (os.cpu_count() or 1) // tp_size))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        elif config.model.cpu_keep_freed_memory:
+            keep_freed_memory()
         with CheckpointReader(model_path) as reader:
             self.tp = TPGroup.join(rank, tp_size, self.device, dist_init_method)
             self.model = cls(hf_config, self.tp, self.dtype, self.device, self.max_model_len)

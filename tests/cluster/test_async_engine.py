@@ -231,3 +231,38 @@ def test_drain_aborts_what_is_still_running_at_the_timeout(tiny_llama_path):
     assert long_tokens == list(range(8, 8 + len(long_tokens)))
     bm = engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_steps_run_back_to_back_while_the_event_loop_is_busy(tiny_llama_path):
+    """The step thread does not wait for the event loop between steps: with the loop blocked right after
+    the first output arrives, the later steps still run (the executor sees step 3, which needs step 2's
+    tokens), and every output reaches the stream in order once the loop is free again."""
+    import threading
+
+    class CountingExecutor(FakeExecutor):
+        def __init__(self, num_blocks):
+            super().__init__(num_blocks)
+            self.third_step = threading.Event()
+
+        def execute(self, plan):
+            result = super().execute(plan)
+            if len(self.plans) == 3:
+                self.third_step.set()
+            return result
+
+    executor = CountingExecutor(64)
+    engine = _engine(tiny_llama_path, executor)
+
+    async def main():
+        tokens, ran_while_blocked = [], None
+        async for out in engine.generate("a", [10, 11], SamplingParams(max_tokens=5, temperature=0)):
+            tokens += out.outputs[0].token_ids
+            if ran_while_blocked is None:   # block the event loop thread itself (not an await)
+                ran_while_blocked = executor.third_step.wait(timeout=60)
+        return tokens, ran_while_blocked
+    try:
+        tokens, ran_while_blocked = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert ran_while_blocked, "the third step waited for the blocked event loop"
+    assert tokens == [12, 13, 14, 15, 16]

@@ -16,8 +16,10 @@ from pagedray.deploy.sse import parse_sse
 API_KEY = "test-key"
 APP_NAME = "pagedray-test"
 # small and fast on a 2-core CPU: 128 blocks x 16 tokens, short contexts, a small queue bound
+# the engine in a deployment of its own unless a test asks otherwise (test_serve_engine_in_ingress.py runs
+# the same behaviours with the engine in the ingress, the default layout of a one-replica app)
 APP_ARGS = {"num_blocks": 128, "max_model_len": 512, "max_num_seqs": 4, "max_queued_requests": 4,
-            "dtype": "float32", "api_key": API_KEY, "max_body_bytes": 64 * 1024}
+            "dtype": "float32", "api_key": API_KEY, "max_body_bytes": 64 * 1024, "engine_in_ingress": False}
 
 
 def free_port() -> int:

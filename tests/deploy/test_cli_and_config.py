@@ -157,7 +157,7 @@ def test_the_cache_aware_router_is_used_where_there_is_a_choice_of_replicas():
         engine = build_app(args)._bound_deployment.init_args[0]._bound_deployment
         return engine._deployment_config.request_router_config
 
-    default_router = engine_router({}).request_router_class   # one replica: Serve's default
+    default_router = engine_router({"engine_in_ingress": False}).request_router_class   # one replica: Serve's
     assert "CacheAwareRouter" not in str(default_router)
     for args in ({"num_replicas": 2}, {"autoscaling_config": {"max_replicas": 2}}, {"request_router": "cache_aware"}):
         config = engine_router({**args, "block_size": 32, "router_max_imbalance": 3})
@@ -179,3 +179,22 @@ def test_engine_in_ingress_gives_the_ingress_the_engines_replicas_and_placement(
     assert merged._replica_config.ray_actor_options["num_cpus"] == 1
     assert merged.max_ongoing_requests == engine.max_ongoing_requests
 
+
+
+def test_the_engine_runs_in_the_ingress_by_default_only_with_a_single_replica():
+    """engine_in_ingress unset: in the ingress for one replica; a deployment of its own (routed to by the
+    ingress) with several replicas, autoscaling or the cache-aware router asked for; given: as given."""
+    from pagedray.deploy.app import build_app
+    from pagedray.workers.contract.config import EngineConfig
+
+    def in_ingress(args):
+        return isinstance(build_app(args)._bound_deployment.init_args[0], EngineConfig)
+
+    assert in_ingress({}) and in_ingress({"request_router": "serve"})
+    assert not in_ingress({"num_replicas": 2})
+    assert not in_ingress({"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}})
+    assert not in_ingress({"request_router": "cache_aware"})
+    assert not in_ingress({"engine_in_ingress": False})
+    assert in_ingress({"num_replicas": 2, "engine_in_ingress": True})
+    assert cli.build_parser().parse_args(["serve"]).engine_in_ingress is None
+    assert cli.build_parser().parse_args(["serve", "--no-engine-in-ingress"]).engine_in_ingress is False

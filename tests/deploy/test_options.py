@@ -28,7 +28,7 @@ NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "
                 "ray_transport": "compiled", "threads_per_worker": 1, "max_rank_restarts": 0, "max_num_seqs": 8,
                 "max_num_batched_tokens": 512, "policy": "priority", "max_queued_requests": 7,
                 "step_timeout_s": 30.0, "step_timeout_per_token_s": 0.5, "seed": 5, "stream_interval": 4,
-                "enforce_eager": True, "cpu_packed_weights": False}
+                "enforce_eager": True, "cpu_packed_weights": False, "cpu_keep_freed_memory": False}
 
 
 def engine_settings() -> set[str]:

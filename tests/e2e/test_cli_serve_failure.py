@@ -27,7 +27,8 @@ def test_replica_start_failure_is_reported_with_its_cause_and_exit_1(default_mod
     proc = subprocess.run([sys.executable, "-c", CLI, "serve", "--model", str(model), "--port", str(free_port())],
                           capture_output=True, text=True, timeout=600, env=env)   # timeout: hang guard only
     assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
-    assert "PagedEngine replica failed to start" in proc.stderr, proc.stderr[-4000:]
+    # one replica: the engine (and its failed weight load) is in the ingress replica (engine_in_ingress unset)
+    assert "OpenAIIngress replica failed to start" in proc.stderr, proc.stderr[-4000:]
     assert f"WeightLoadError: model: no *.safetensors weight files in {model}" in proc.stderr
     assert "hint: --model must be" in proc.stderr
     assert "is serving at" not in proc.stdout

@@ -45,6 +45,9 @@ class ModelConfig:
                                         "captured at start-up (one per batch-size bucket; TP=1 only)")
     cpu_packed_weights: bool = option(True, "CPU, float32: keep a copy of each weight packed for MKL's GEMM and "
                                             "use it for products of 4-16 rows, where it is faster (more memory)")
+    cpu_keep_freed_memory: bool = option(True, "CPU: glibc malloc keeps freed memory for the next step instead of "
+                                               "returning it to the OS (no page faults on each step's activations; "
+                                               "resident memory stays at its peak)")
 
     def validate(self) -> None:
         _require(isinstance(self.model, str) and self.model != "",
@@ -55,6 +58,8 @@ class ModelConfig:
                  f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         _require(isinstance(self.cpu_packed_weights, bool),
                  f"cpu_packed_weights: must be true or false, got {self.cpu_packed_weights!r}")
+        _require(isinstance(self.cpu_keep_freed_memory, bool),
+                 f"cpu_keep_freed_memory: must be true or false, got {self.cpu_keep_freed_memory!r}")
         _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len > 0),
                  f"max_model_len: must be a positive integer or None, got {self.max_model_len!r}")
 
