@@ -24,8 +24,8 @@ Decisions:
   requests, KV usage) are on /metrics but are not fed to Serve's autoscaler.
 - Layout (``engine_in_ingress``): unset, the engine runs in the ingress replica when there is one engine
   replica (no ``autoscaling_config``, no ``request_router: cache_aware``): no handle call and no Ray
-  stream item per output. On the 2-core CPU machine that served 1.08x more tokens per second than the
-  engine in a deployment of its own (the README's serving rows). With several replicas the engine is a
+  stream item per output. On the 2-core CPU machine that served 1.13x more tokens per second than the
+  engine in a deployment of its own (153 vs 136; the README's serving rows). With several replicas the engine is a
   deployment of its own, so the ingress can route between them (cache-aware).
 - The default executor is ``ray`` also at TP=1. Running the model in the replica's own process (vLLM's
   single-process layout) removes a process and a Ray call per step, but there the step thread shares
