@@ -239,13 +239,34 @@ def run_serve(ns: argparse.Namespace) -> int:
             time.sleep(0.5)  # short naps: a signal caught by another thread is acted on promptly
     except KeyboardInterrupt:
         print("stopping ...", flush=True)
-        status = 0 if status == 0 else 130  # Ctrl-C before the app was up
+        status = interrupted_status(status == 0, ns.host, ns.port)
     finally:
         serve.delete(ns.name)
         if started_ray:
             serve.shutdown()
             ray.shutdown()
     return status
+
+
+def answers_health(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether ``GET /health`` on the served port answers 200 (a wildcard host is asked on loopback)."""
+    import urllib.error
+    import urllib.request
+
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    url = f"http://[{host}]:{port}/health" if ":" in host else f"http://{host}:{port}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def interrupted_status(deployed: bool, host: str, port: int, probe=answers_health) -> int:
+    """Exit status of a Ctrl-C: 0 once the app serves, 130 when it stopped a start-up. The app can answer
+    before ``serve.run`` returns (the engine in the ingress replica is ready before Serve's controller
+    marks the app running), so a Ctrl-C in that window asks ``/health`` (``probe``) before saying 130."""
+    return 0 if deployed or probe(host, port) else 130
 
 
 def run_generate(ns: argparse.Namespace) -> int:

@@ -198,3 +198,39 @@ def test_the_engine_runs_in_the_ingress_by_default_only_with_a_single_replica():
     assert in_ingress({"num_replicas": 2, "engine_in_ingress": True})
     assert cli.build_parser().parse_args(["serve"]).engine_in_ingress is None
     assert cli.build_parser().parse_args(["serve", "--no-engine-in-ingress"]).engine_in_ingress is False
+
+
+def test_ctrl_c_exit_status_is_0_once_the_app_answers_and_130_during_start_up():
+    asked = []
+
+    def probe(answer):
+        return lambda host, port: asked.append((host, port)) or answer
+
+    assert cli.interrupted_status(True, "127.0.0.1", 8000, probe(False)) == 0 and asked == []
+    assert cli.interrupted_status(False, "127.0.0.1", 8000, probe(True)) == 0   # serving before serve.run returned
+    assert cli.interrupted_status(False, "0.0.0.0", 8001, probe(False)) == 130
+    assert asked == [("127.0.0.1", 8000), ("0.0.0.0", 8001)]
+
+
+def test_health_probe_reads_the_served_port():
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        assert cli.answers_health("0.0.0.0", port) and cli.answers_health("127.0.0.1", port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not cli.answers_health("127.0.0.1", port)   # nothing listens there any more
