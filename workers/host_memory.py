@@ -10,7 +10,8 @@ as fresh pages, and every 4 KiB page is faulted in and zeroed on its first write
 minor page faults and 1.1-2.0 s per prefill with glibc's defaults; 0-13k faults and 0.72-1.05 s with
 these settings; decode waves of 64 tokens 3% faster.
 
-Settings (``mallopt``, process-wide, applied once by ``keep_freed_memory``):
+Settings (``mallopt``, process-wide, set by ``keep_freed_memory`` at each CPU Worker's start; setting
+them again is harmless):
 - ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's largest on 64-bit): allocations below it come from the heap,
   whose freed chunks are reused. Setting it also stops glibc's dynamic adjustment.
 - ``M_TRIM_THRESHOLD`` = 1 GiB: the heap is not shrunk while less than that is free at its top.

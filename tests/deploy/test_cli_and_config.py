@@ -229,7 +229,9 @@ def test_health_probe_reads_the_served_port():
     thread.start()
     try:
         port = server.server_address[1]
-        assert cli.answers_health("0.0.0.0", port) and cli.answers_health("127.0.0.1", port)
+        # a generous timeout: the bound only ends a hang, the local server answers at once
+        assert cli.answers_health("0.0.0.0", port, timeout_s=60)
+        assert cli.answers_health("127.0.0.1", port, timeout_s=60)
     finally:
         server.shutdown()
         server.server_close()
