@@ -42,6 +42,7 @@ from ray.serve import Application
 from .engine_deployment import SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
 from .ingress import OpenAIIngress
 from .options import AppArgs, engine_config
+from .routing import PREFIX_SUMMARY_BLOCKS
 
 ROUTERS = ("auto", "cache_aware", "serve")
 CONTROL_CALL_HEADROOM = 16  # health / stats / meta calls that must get through a saturated engine
@@ -145,8 +146,10 @@ def build_app(args: dict | None = None) -> Application:
     if engine_in_ingress(parsed, most_replicas):
         return OpenAIIngress.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
             config, **ingress_args)
+    routing = router_config(parsed, most_replicas, config.cache.block_size)
+    summary_blocks = PREFIX_SUMMARY_BLOCKS if routing else 0   # Serve's own router reads no prefix summary
     engine = EngineDeployment.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
-                                      **router_config(parsed, most_replicas, config.cache.block_size)).bind(config)
+                                      **routing).bind(config, prefix_summary_blocks=summary_blocks)
     return OpenAIIngress.options(max_ongoing_requests=in_flight * most_replicas,
                                  graceful_shutdown_timeout_s=parsed.graceful_shutdown_s + SHUTDOWN_MARGIN_S).bind(
         engine, **ingress_args)

@@ -20,7 +20,9 @@ Methods called by the ingress through a DeploymentHandle:
 - ``abort(request_id)``, ``stats()``, ``health()``, ``model_meta()``.
 ``record_autoscaling_stats`` reports KV usage, running and waiting for ``autoscaling.kv_pressure_policy``.
 ``record_routing_stats`` is polled by Serve (``request_routing_stats_period_s``) for the request router:
-the replica's prefix-cache summary and load (``routing.py``).
+the replica's prefix-cache summary and load (``routing.py``). Serve polls it with its default router
+too (every 10 s), which reads no summary: build_app then passes ``prefix_summary_blocks=0`` and the
+poll leaves the step thread alone (no walk over the cached keys).
 ``check_health`` is also Serve's replica health hook: a dead rank, a failed step loop or a stalled
 step makes Serve replace the replica.
 
@@ -73,7 +75,12 @@ def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool
                   health_check_period_s=10.0, health_check_timeout_s=30.0)
 class EngineDeployment(ServedEngine):
     """ServedEngine's methods are what the ingress calls (``generate``, ``abort``, ``stats``, ``health``,
-    ``drain``, ``model_meta``); this class adds Serve's hooks and the per-replica calls."""
+    ``drain``, ``model_meta``); this class adds Serve's hooks and the per-replica calls.
+    ``prefix_summary_blocks``: cached prefix-block hashes per routing summary (0: none, no router reads them)."""
+
+    def __init__(self, config, prefix_summary_blocks: int = PREFIX_SUMMARY_BLOCKS) -> None:
+        super().__init__(config)
+        self._prefix_summary_blocks = prefix_summary_blocks
 
     def process_id(self) -> int:
         """The replica's pid (memory checks from tests and benchmarks on the same machine)."""
@@ -92,7 +99,7 @@ class EngineDeployment(ServedEngine):
         return autoscaling_stats(await self.stats())
 
     async def record_routing_stats(self) -> dict:
-        return await self.routing_stats(replica_id(), PREFIX_SUMMARY_BLOCKS)
+        return await self.routing_stats(replica_id(), self._prefix_summary_blocks)
 
     async def __del__(self) -> None:
         # Serve calls this once the ongoing calls are done (or its wait was cut short): abort the rest.

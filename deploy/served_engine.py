@@ -89,10 +89,12 @@ class ServedEngine:
     async def routing_stats(self, replica: str, max_blocks: int) -> dict:
         """The replica's summary for cache-aware routing (``routing.py``) and for the ingress' /metrics and
         /health: hashes of at most ``max_blocks`` cached prefix blocks, its load, its EngineStats (as a
-        dict) and whether its engine is healthy (dead / stalled; draining is not unhealthy here)."""
+        dict) and whether its engine is healthy (dead / stalled; draining is not unhealthy here).
+        ``max_blocks`` 0: no hashes, and no wait for the step thread."""
         stats = await self._engine.stats()
         healthy, reason = await self.health_state()
-        return {"replica": replica, "prefix_hashes": await self._engine.cached_prefix_hashes(max_blocks),
+        hashes = await self._engine.cached_prefix_hashes(max_blocks) if max_blocks else []
+        return {"replica": replica, "prefix_hashes": hashes,
                 "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
                 "stats": stats.to_dict(), "healthy": healthy, "reason": reason}

@@ -151,11 +151,13 @@ def test_autoscaling_config_reaches_the_engine_deployment_and_bad_ones_name_the_
 
 def test_the_cache_aware_router_is_used_where_there_is_a_choice_of_replicas():
     from pagedray.deploy.app import build_app
-    from pagedray.deploy.routing import CacheAwareRouter
+    from pagedray.deploy.routing import PREFIX_SUMMARY_BLOCKS, CacheAwareRouter
+
+    def engine(args):
+        return build_app(args)._bound_deployment.init_args[0]._bound_deployment
 
     def engine_router(args):
-        engine = build_app(args)._bound_deployment.init_args[0]._bound_deployment
-        return engine._deployment_config.request_router_config
+        return engine(args)._deployment_config.request_router_config
 
     default_router = engine_router({"engine_in_ingress": False}).request_router_class   # one replica: Serve's
     assert "CacheAwareRouter" not in str(default_router)
@@ -163,7 +165,11 @@ def test_the_cache_aware_router_is_used_where_there_is_a_choice_of_replicas():
         config = engine_router({**args, "block_size": 32, "router_max_imbalance": 3})
         assert config.get_request_router_class() is CacheAwareRouter, args
         assert config.request_router_kwargs == {"block_size": 32, "max_imbalance": 3}
+        assert engine(args).init_kwargs == {"prefix_summary_blocks": PREFIX_SUMMARY_BLOCKS}, args
     assert engine_router({"num_replicas": 2, "request_router": "serve"}).request_router_class == default_router
+    # Serve's router reads no prefix summary: its replicas build none
+    for args in ({"num_replicas": 2, "request_router": "serve"}, {"engine_in_ingress": False}):
+        assert engine(args).init_kwargs == {"prefix_summary_blocks": 0}, args
 
 
 def test_engine_in_ingress_gives_the_ingress_the_engines_replicas_and_placement():

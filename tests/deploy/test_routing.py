@@ -141,3 +141,42 @@ def test_the_router_remembers_a_bounded_number_of_sent_blocks():
         assert len(router._sent["a"]) == PREFIX_SUMMARY_BLOCKS
 
     asyncio.run(scenario())
+
+
+class SummaryEngine:
+    """Stands in for AsyncEngine in ServedEngine.routing_stats: counts the step-thread reads of the cache."""
+
+    def __init__(self) -> None:
+        self.hash_reads: list[int] = []
+
+    async def stats(self):
+        from pagedray.cluster.stats import EngineStats
+
+        return EngineStats(num_running=2, num_waiting=1, num_blocks=64, num_free_blocks=40, kv_usage=0.375,
+                           prefix_hit_rate=0.5, prefix_query_tokens_total=96, prefix_hit_tokens_total=48,
+                           num_preemptions_total=0, num_prompt_tokens_total=96, num_generation_tokens_total=9,
+                           num_computed_tokens_total=57, num_steps_total=9, num_requests_finished_total=1)
+
+    async def check_health(self) -> None:
+        return None
+
+    async def cached_prefix_hashes(self, limit: int) -> list[int]:
+        self.hash_reads.append(limit)
+        return [11, 22, 33][:limit]
+
+
+def test_a_summary_of_zero_blocks_reads_no_cache_keys_but_still_reports_load():
+    """Serve's own router reads no prefix hashes: build_app gives its replicas ``prefix_summary_blocks`` 0,
+    and their summaries then skip the walk over the cache (a wait for the step thread)."""
+    from pagedray.deploy.served_engine import ServedEngine
+
+    served = object.__new__(ServedEngine)
+    served._engine, served._draining, served._closed = SummaryEngine(), False, False
+    without = asyncio.run(served.routing_stats("r0", 0))
+    assert served._engine.hash_reads == [] and without["prefix_hashes"] == []
+    load = (without["replica"], without["num_running"], without["num_waiting"], without["healthy"])
+    assert load == ("r0", 2, 1, True)
+    with_hashes = asyncio.run(served.routing_stats("r0", 2))
+    assert served._engine.hash_reads == [2] and with_hashes["prefix_hashes"] == [11, 22]
+    assert {k: v for k, v in with_hashes.items() if k != "prefix_hashes"} == \
+        {k: v for k, v in without.items() if k != "prefix_hashes"}
