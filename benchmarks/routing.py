@@ -1,6 +1,6 @@
 """Routing between two engine replicas: cache-aware routing vs Serve's default router (power of two).
 
-    python -m benchmarks.routing [--rounds 3] [--workload conversations|independent] [--rate 2.0]
+    python -m benchmarks.routing [--rounds 3] [--workload conversations|independent] [--rate 2.0] [--num-blocks 64,96]
 
 Workload: 8 system prompts (``--system-tokens`` tokens of fixed seed words, default SmolLM2 tokenizer)
 x 16 user turns (a short question each) = 128 streaming completions; greedy, ``--max-tokens`` output
@@ -20,6 +20,12 @@ then asks the replicas for their stats (``replica_stats``: requests finished per
 KV cache (``--num-blocks`` blocks of 16) holds about half of what the workload's prefixes need: the case
 where routing decides whether a prompt's prefix is still cached where it lands (with a cache that holds
 everything on every replica, any router ends up hitting).
+
+``--num-blocks`` takes a comma-separated list to sweep the cache size: each size is then a pair of
+systems (``cache_aware/96``, ``serve/96``) and a ratio row of its own, all interleaved in the same rounds.
+How much routing gains depends on that size: with room for every prefix on each replica both routers
+hit, and with room for less than each replica's share of the prefixes neither does; the sweep shows
+the whole range rather than one chosen point.
 
 Systems alternate over ``--rounds`` rounds (``benchmarks.rounds``); a fresh app per run. Goals (issue
 16): cache-aware >= 2x the prefix-hit tokens and >= 1.5x lower mean TTFT than the default router, with
@@ -56,9 +62,34 @@ METRICS = [Metric("mean_ttft_s", "mean TTFT s", higher_is_better=False),
            Metric("hit_rate", "prefix-hit rate"),
            Metric("busiest_replica_share", "busiest replica's share", higher_is_better=False),
            Metric("failed", "failed requests", higher_is_better=False)]
-RATIOS = [Ratio(CACHE_AWARE, (DEFAULT,), ("cached_tokens",), "prefix-hit tokens (cache-aware / default)"),
-          Ratio(DEFAULT, (CACHE_AWARE,), ("mean_ttft_s", "p50_ttft_s", "p99_ttft_s"),
-                "TTFT speedup (default / cache-aware)")]
+HIT_RATIO, TTFT_RATIO = "prefix-hit tokens (cache-aware / default)", "TTFT speedup (default / cache-aware)"
+
+
+def system_name(router: str, blocks: int, sweep: bool) -> str:
+    """A system of the rounds: the router, and with a sweep of cache sizes also the size (``serve/96``)."""
+    return f"{router}/{blocks}" if sweep else router
+
+
+def ratios(sizes: list[int]) -> list[Ratio]:
+    """Per cache size: prefix-hit tokens cache-aware / default, and TTFT default / cache-aware."""
+    sweep, out = len(sizes) > 1, []
+    for blocks in sizes:
+        aware, default = system_name(CACHE_AWARE, blocks, sweep), system_name(DEFAULT, blocks, sweep)
+        suffix = f", {blocks} blocks" if sweep else ""
+        out += [Ratio(aware, (default,), ("cached_tokens",), HIT_RATIO + suffix),
+                Ratio(default, (aware,), ("mean_ttft_s", "p50_ttft_s", "p99_ttft_s"), TTFT_RATIO + suffix)]
+    return out
+
+
+def block_sizes(text: str) -> list[int]:
+    """argparse type of ``--num-blocks``: one count or a comma-separated list, each >= 1, no repeats."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if any(n < 1 for n in sizes) or len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"need distinct block counts >= 1, got {text!r}")
+    return sizes
 
 
 def workload(tokenizer, system_tokens: int, seed: int) -> list[list[int]]:
@@ -170,7 +201,7 @@ async def send_workload(url: str, args: argparse.Namespace, tokenizer) -> list[d
                                         args.seed)
 
 
-def run(router: str, args: argparse.Namespace, tokenizer) -> dict:
+def run(router: str, num_blocks: int, args: argparse.Namespace, tokenizer) -> dict:
     from pagedray.deploy.app import build_app
     from pagedray.deploy.engine_deployment import ENGINE_DEPLOYMENT_NAME
     from ray import serve
@@ -180,7 +211,7 @@ def run(router: str, args: argparse.Namespace, tokenizer) -> dict:
         port = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app_args = {"model": args.model, "dtype": "float32", "num_replicas": 2, "request_router": router,
-                "num_blocks": args.num_blocks, "max_model_len": args.system_tokens + TURNS * 32 + 64,
+                "num_blocks": num_blocks, "max_model_len": args.system_tokens + TURNS * 32 + 64,
                 "max_num_seqs": 16, "threads_per_worker": 1}
     try:
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
@@ -211,13 +242,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--think-s", type=float, default=0.5, help="conversations: mean pause between a chat's turns")
     p.add_argument("--system-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks per replica (16 tokens each); default 192 for conversations, 96 for independent")
+    p.add_argument("--num-blocks", type=block_sizes, default=None,
+                   help="KV blocks per replica (16 tokens each), or a comma-separated list to sweep; "
+                        "default 192 for conversations, 96 for independent")
     p.add_argument("--seed", type=int, default=0)
     add_round_args(p, "routing")
     args = p.parse_args(argv)
     if args.num_blocks is None:
-        args.num_blocks = DEFAULT_BLOCKS[args.workload]
+        args.num_blocks = [DEFAULT_BLOCKS[args.workload]]
+    sizes, sweep = args.num_blocks, len(args.num_blocks) > 1
+    systems = {system_name(router, blocks, sweep): (router, blocks) for blocks in sizes
+               for router in (CACHE_AWARE, DEFAULT)}
 
     import ray
     from pagedray.workers.default_model import ensure_default_model
@@ -229,15 +264,17 @@ def main(argv: list[str] | None = None) -> dict:
     # 2 replicas x (engine + TP worker) bundles: logical CPUs, the machine has what it has
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        runs = run_rounds([CACHE_AWARE, DEFAULT], args.rounds, lambda system, _: run(system, args, tokenizer),
+        runs = run_rounds(list(systems), args.rounds, lambda system, _: run(*systems[system], args, tokenizer),
                           on_run=print_run)
     finally:
         ray.shutdown()
     config = {k: v for k, v in vars(args).items() if k not in ("out", "rounds")}
-    report = finish_rounds("routing", args.out, runs, METRICS, RATIOS,
+    rows = ratios(sizes)
+    report = finish_rounds("routing", args.out, runs, METRICS, rows,
                            {**config, "num_systems": NUM_SYSTEMS, "turns": TURNS, "rounds": args.rounds})
-    print_ratio(report, RATIOS[0].name, "cached_tokens", "prefix-hit tokens, cache-aware / default", ">= 2x")
-    print_ratio(report, RATIOS[1].name, "mean_ttft_s", "mean TTFT, default / cache-aware", ">= 1.5x")
+    for hits, ttft in zip(rows[::2], rows[1::2]):
+        print_ratio(report, hits.name, "cached_tokens", hits.name, ">= 2x")
+        print_ratio(report, ttft.name, "mean_ttft_s", ttft.name + ", mean", ">= 1.5x")
     return report
 
 
