@@ -11,8 +11,12 @@ matches) and picks:
 - the replica holding the longest run of the prompt's leading blocks, among the replicas whose load
   (requests in flight there) is at most ``max_imbalance`` above the least-loaded replica's;
   ties go to the less loaded;
-- when no such replica holds any block: the least-loaded replicas (Serve probes their queues and
-  takes the shortest).
+- when no such replica holds any block (a cold prompt): among the same eligible replicas, those with
+  the smallest cache footprint this router has placed there (the distinct prompt blocks it sent them,
+  ``on_request_routed``), then the least load; Serve probes their queues and takes the shortest. This
+  is SGLang's "smallest tree" rule: new prefixes spread evenly over the replicas' caches, so that each
+  replica's share of the prefixes fits its cache, instead of following a momentary queue length (with
+  8 prefixes and 2 replicas, least-load alone often put 5 prefixes on one replica and 3 on the other).
 
 Other calls (stats, health, drain, model_meta) go to any replica as with Serve's default router.
 
@@ -57,6 +61,7 @@ class ReplicaView:
     replica: object            # returned as given
     cached: Container[int]     # hashes of the blocks it holds
     load: int                  # requests in flight there
+    footprint: int = 0         # distinct prompt blocks this router has sent there (its remembered share)
 
 
 class HeldBlocks:
@@ -82,24 +87,24 @@ def leading_blocks_held(prompt_hashes: list[int], cached) -> int:
 def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_imbalance: int) -> tuple[list, int]:
     """(the replicas to send to, in one rank; the prompt blocks the chosen one holds).
 
-    The replica with the most leading prompt blocks among those within ``max_imbalance`` of the least
-    load (ties: less load, then the order given); with no block held anywhere eligible: every replica
-    with the least load."""
+    Eligible: the replicas within ``max_imbalance`` of the least load. The eligible replica with the most
+    leading prompt blocks (ties: less load, then the order given); when no eligible replica holds a
+    block: every eligible replica with the smallest ``(footprint, load)``."""
     if not replicas:
         raise ValueError("replicas: at least one replica is needed")
     if max_imbalance < 0:
         raise ValueError(f"max_imbalance: must be >= 0, got {max_imbalance}")
     least = min(view.load for view in replicas)
+    eligible = [view for view in replicas if view.load - least <= max_imbalance]
     best, best_held = None, 0
-    for view in replicas:
-        if view.load - least > max_imbalance:
-            continue
+    for view in eligible:
         held = leading_blocks_held(prompt_hashes, view.cached)
         if held > best_held or (held == best_held and held > 0 and view.load < best.load):
             best, best_held = view, held
     if best is not None:
         return [best.replica], best_held
-    return [view.replica for view in replicas if view.load == least], 0
+    emptiest = min((view.footprint, view.load) for view in eligible)
+    return [view.replica for view in eligible if (view.footprint, view.load) == emptiest], 0
 
 
 def generate_prompt(pending_request: PendingRequest | None) -> list[int] | None:
@@ -152,7 +157,8 @@ class CacheAwareRouter(RequestRouter):
         if prompt is None or len(candidate_replicas) < 2:
             return [candidate_replicas]
         hashes = prefix_block_hashes(prompt, self._block_size)
-        views = [ReplicaView(r, self._cached(r), self._load(r)) for r in candidate_replicas]
+        views = [ReplicaView(r, self._cached(r), self._load(r), len(self._sent.get(r.replica_id, ())))
+                 for r in candidate_replicas]
         chosen, _ = choose_by_prefix(hashes, views, self._max_imbalance)
         return [chosen]
 

@@ -71,6 +71,37 @@ def test_choose_the_longest_cached_prefix_within_the_imbalance_else_the_least_lo
         choose_by_prefix(prompt, [a], -1)
 
 
+def test_a_cold_prompt_goes_to_the_smallest_footprint_within_the_imbalance():
+    prompt = [11, 12, 13]
+    cold = [ReplicaView("x", set(), 2, footprint=64), ReplicaView("y", set(), 0, footprint=80),
+            ReplicaView("z", set(), 1, footprint=64)]
+    assert choose_by_prefix(prompt, cold, 8) == (["z"], 0)            # smallest footprint, then less load
+    assert choose_by_prefix(prompt, cold, 1) == (["z"], 0)            # x is 2 above y: not eligible
+    assert choose_by_prefix(prompt, cold, 0) == (["y"], 0)            # only the least loaded is eligible
+    tied = [ReplicaView("x", set(), 1, footprint=16), ReplicaView("y", set(), 1, footprint=16)]
+    assert choose_by_prefix(prompt, tied, 8) == (["x", "y"], 0)       # Serve probes the tie
+
+
+def test_eight_new_prefixes_split_four_and_four_between_two_replicas():
+    """The placement the footprint rule exists for: equal loads, prefixes arriving one after the other."""
+    async def scenario():
+        router = make_router()
+        stats = {"num_running": 0, "num_waiting": 0, "prefix_hashes": []}
+        a, b = FakeReplica("a", dict(stats)), FakeReplica("b", dict(stats))
+        placed = {"a": 0, "b": 0}
+        for system in range(8):
+            prompt = list(range(1000 * system, 1000 * system + 4 * BS))
+            [choice] = await router.choose_replicas([a, b], generate_call(prompt))
+            replica = choice[0]                          # Serve's probe would take the first of a tie
+            router.on_request_routed(generate_call(prompt), replica.replica_id, None)
+            placed[replica.replica_id] += 1
+            # later turns of the same system follow it
+            assert await router.choose_replicas([a, b], generate_call(prompt + [5])) == [[replica]]
+        assert placed == {"a": 4, "b": 4}
+
+    asyncio.run(scenario())
+
+
 @dataclass
 class FakeMetadata:
     call_method: str
