@@ -12,6 +12,8 @@ the same on CPU metadata for a cache on any device (the check before the host-to
 The model's small ops (``fused_ops``): ``rms_norm`` (optional fused residual add, also per head on a
 strided q/k view), ``rotary_embedding_`` (in place on q and k) and ``silu_and_mul``, dispatched the same
 way; their ``*_reference`` twins (``fused_reference``) are the model layers' exact torch code.
+``seeded_uniform(keys, vocab)`` (``seeded_uniform``): the Sampler's noise for seeded rows, a counter-based
+hash of (key, column) for a whole batch in one call; ``noise_keys`` derives the keys from (seed, position).
 Benchmarks (from a checkout): ``python -m benchmarks.kernels`` (CUDA; ``--dry-run`` checks the plumbing on CPU)
 and ``python -m benchmarks.kernel_reference`` (CPU timing of the references against dense SDPA).
 """
@@ -31,6 +33,7 @@ from .reference import (
     paged_prefill_reference,
     store_kv_reference,
 )
+from .seeded_uniform import noise_keys, seeded_uniform, seeded_uniform_reference
 
 __all__ = [
     "check_step_metadata",
@@ -52,4 +55,7 @@ __all__ = [
     "apply_rotary_reference",
     "rotary_embedding_reference_",
     "silu_and_mul_reference",
+    "noise_keys",
+    "seeded_uniform",
+    "seeded_uniform_reference",
 ]

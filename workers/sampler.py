@@ -16,9 +16,17 @@ Per row, in this order (the conventions of ``SamplingParams`` and ``sampling_ops
    ``U = 0`` gives ``E = inf``, which only removes that token from that one draw (probability 2^-24
    per entry), and E is never 0 (which would force a token).
 
-Randomness: a row with ``params.seed`` draws its noise from a fresh ``torch.Generator`` seeded by a
-hash of ``(seed, len(output_token_ids))``; its token therefore depends only on its own logits, seed and
-position, never on the other rows of the batch or on a preemption that recomputes it. Rows without a
+Randomness: a row with ``params.seed`` draws noise that depends only on a hash of
+``(seed, len(output_token_ids))``; its token therefore depends only on its own logits, seed and
+position, never on the other rows of the batch or on a preemption that recomputes it. Two sources,
+chosen per Sampler (``batched_seed_noise``; default: batched on CUDA):
+- batched (CUDA): every seeded row of the step in one call of ``kernels.seeded_uniform``, a
+  counter-based hash of (key, column), keyed by 64 bits of blake2b of ``"seed:position"``
+  (``kernels.noise_keys``): no generator objects and no per-row launches;
+- per row (CPU, HF-exact path kept as it was): a fresh ``torch.Generator`` seeded by the same 64 bits,
+  filling the row's noise in place (the numbers ``torch.rand`` would draw); on CPU this is several
+  times faster than the hash in torch.
+The two sources give different (each reproducible) draws for the same seed. Rows without a
 seed share one generator owned by the Sampler (seeded by ``Sampler(seed=...)``, else from the OS).
 Disabled filters are exact no-ops for their rows (no float drift), so a seeded row gives the same token
 whichever other filters its batch-mates use.
@@ -41,6 +49,7 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+from pagedray.kernels.seeded_uniform import noise_keys, seeded_uniform
 
 from .contract.sampling_params import SamplingParams
 from .contract.wire import SampledToken
@@ -82,10 +91,14 @@ def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Ge
 class Sampler:
     """Picks one token per row. Stateless apart from the shared generator of unseeded rows."""
 
-    def __init__(self, seed: int | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, seed: int | None = None, eos_token_ids: tuple[int, ...] = (),
+                 batched_seed_noise: bool | None = None) -> None:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed: must be an integer or None, got {seed!r}")
+        if batched_seed_noise not in (None, True, False):
+            raise ValueError(f"batched_seed_noise: must be True, False or None (auto), got {batched_seed_noise!r}")
         self._seed = seed
+        self._batched_seed_noise = batched_seed_noise
         self._eos_token_ids = tuple(eos_token_ids)
         self._shared_generators: dict[torch.device, torch.Generator] = {}
 
@@ -153,17 +166,22 @@ class Sampler:
         return tokens
 
     def _exponential_noise(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
-        """Exp(1) noise ``[len(rows), vocab]``: per-row generators for seeded rows, one shared otherwise."""
-        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if len(unseeded) == len(rows):
+        """Exp(1) noise ``[len(rows), vocab]``: seeded rows from their (seed, position), one shared generator
+        for the others."""
+        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
+        if len(seeded) < len(rows):
             uniform = torch.rand(len(rows), vocab, device=device, generator=self._shared_generator(device))
+        else:
+            uniform = torch.empty(len(rows), vocab, device=device)
+        if not seeded:
             return uniform.log_().neg_()
-        uniform = torch.empty(len(rows), vocab, device=device)
-        if unseeded:
-            shared = self._shared_generator(device)
-            uniform[unseeded] = torch.rand(len(unseeded), vocab, device=device, generator=shared)
-        for i, row in enumerate(rows):
-            if row.params.seed is not None:
+        batched = self._batched_seed_noise
+        if batched if batched is not None else device.type == "cuda":
+            keys = noise_keys([(rows[i].params.seed, len(rows[i].output_token_ids)) for i in seeded], device)
+            uniform[seeded] = seeded_uniform(keys, vocab)    # [n_seeded, vocab] in one call
+        else:
+            for i in seeded:
+                row = rows[i]
                 generator = seeded_generator(row.params.seed, len(row.output_token_ids), device)
                 uniform[i].uniform_(generator=generator)   # the numbers torch.rand(vocab) would draw
         return uniform.log_().neg_()
