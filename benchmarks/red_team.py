@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -36,6 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 from burst_load import StatsSampler
 
 from benchmarks.common import machine
+from benchmarks.listening_sockets import public_sockets
 from benchmarks.serving import PAGEDRAY_CLI, RunningServer, SystemSpec
 
 API_KEY = "red-team-key"
@@ -210,33 +209,6 @@ def case_batch_next_to_short(url):
 def case_echo_token_ids(url):
     choice = post(url, {"prompt": [504, 3575, 282], "echo": True, "max_tokens": 2}).json()["choices"][0]
     return "the decoded prompt, then the completion", repr(choice["text"][:40]), len(choice["text"]) > 0
-
-
-def process_tree(root_pid: int) -> set[int]:
-    """``root_pid`` and all its descendants (the server and the Ray processes it started)."""
-    children: dict[int, list[int]] = {}
-    for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
-        pid, ppid = map(int, line.split())
-        children.setdefault(ppid, []).append(pid)
-    tree, todo = set(), [root_pid]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
-def public_sockets(root_pid: int) -> list[str]:
-    """Non-loopback listening TCP sockets owned by the server's process tree ("address (process)")."""
-    tree = process_tree(root_pid)
-    public = set()
-    for line in subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines():
-        fields = line.split()
-        owners = {int(pid) for pid in re.findall(r"pid=(\d+)", line)}
-        if fields and owners & tree and not fields[3].startswith(("127.0.0.1:", "[::1]:", "[::ffff:127.")):
-            name = re.search(r'\(\("([^"]+)"', line)
-            public.add(f"{fields[3]} ({name.group(1) if name else '?'})")
-    return sorted(public)
 
 
 def case_open_surfaces(url, server_pid: int):

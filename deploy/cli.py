@@ -20,6 +20,8 @@ Decisions:
 - A private Ray by default (``address="local"``): joining whatever ``address="auto"`` finds could
   land in another user's cluster on the same host, replace an app of the same name there and delete
   it on Ctrl-C. ``--address`` opts into an existing cluster.
+- That private Ray listens on loopback only: node IP 127.0.0.1 kept as given, the dashboard on
+  127.0.0.1, and the replicas' inter-deployment gRPC servers on 127.0.0.1 (``loopback.py``).
 - A Ray started here gets ``LOCAL_RAY_ENV``: Serve's proxy has 60 s for its readiness and health
   checks (Serve's default is 5 s, which a loaded 2-core machine misses at start-up, and Serve then
   kills the proxy), and Ray's worker processes run at niceness 0 instead of Ray's default 15: at 15
@@ -61,6 +63,7 @@ import socket
 import sys
 import time
 
+from .loopback import LOOPBACK_NODE_IP, LOOPBACK_RAY_ENV
 from .options import OPTIONS, cli_type, engine_options, llm_kwargs
 
 APP_NAME = "pagedray"
@@ -169,11 +172,11 @@ def _start_or_join_ray(address: str | None, tensor_parallel_size: int = 1, port:
     """Join the cluster at ``address``, or start a private local one whose ingress replica serves
     ``port`` itself when direct ingress is on, and whose HTTP servers ask for ``api_key`` on Serve's
     ``/-/routes`` (``http_guard.guard_env``). True when started here."""
-    import ray
-
     from .http_guard import guard_env
 
     if address:
+        import ray
+
         ray.init(address=address, log_to_driver=False)
         return False
     for name, value in LOCAL_RAY_ENV.items():
@@ -181,7 +184,10 @@ def _start_or_join_ray(address: str | None, tensor_parallel_size: int = 1, port:
     if uses_direct_ingress(os.environ):
         os.environ.update(direct_ingress_env(port))
     os.environ.update(guard_env(api_key))
-    ray.init(address="local", num_cpus=local_ray_num_cpus(tensor_parallel_size), log_to_driver=False)
+    import ray  # LOOPBACK_RAY_ENV is set by run_serve before Ray's first import, when it is read
+
+    ray.init(address="local", num_cpus=local_ray_num_cpus(tensor_parallel_size), log_to_driver=False,
+             _node_ip_address=LOOPBACK_NODE_IP, dashboard_host=LOOPBACK_NODE_IP)
     return True
 
 
@@ -213,6 +219,8 @@ def _prepare_model(model: str | None) -> None:
 
 
 def run_serve(ns: argparse.Namespace) -> int:
+    if not ns.address:   # a private Ray (loopback.py): Ray reads this when it is first imported
+        os.environ.update(LOOPBACK_RAY_ENV)
     import ray
     from ray import serve
 

@@ -49,6 +49,7 @@ import os
 from ray import serve
 
 from .autoscaling import autoscaling_stats
+from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
 from .routing import PREFIX_SUMMARY_BLOCKS
 from .served_engine import ServedEngine
@@ -79,6 +80,7 @@ class EngineDeployment(ServedEngine):
     ``prefix_summary_blocks``: cached prefix-block hashes per routing summary (0: none, no router reads them)."""
 
     def __init__(self, config, prefix_summary_blocks: int = PREFIX_SUMMARY_BLOCKS) -> None:
+        bind_replica_grpc_to_loopback()   # before Serve starts the replica's gRPC server (loopback nodes)
         super().__init__(config)
         self._prefix_summary_blocks = prefix_summary_blocks
 

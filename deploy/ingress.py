@@ -60,6 +60,7 @@ from .api import DEFAULT_MAX_BODY_BYTES, create_api
 from .engine_deployment import replica_id
 from .errors import to_api_error
 from .http_guard import use_bounded_protocol
+from .loopback import bind_replica_grpc_to_loopback
 from .metrics import ReplicaState, ServerMetrics
 from .options import GRACEFUL_SHUTDOWN_S
 from .prompt_bound import max_prompt_chars
@@ -167,6 +168,7 @@ class OpenAIIngress:
         from transformers import AutoTokenizer
 
         use_bounded_protocol()   # before Serve starts this replica's own HTTP server (direct ingress)
+        bind_replica_grpc_to_loopback()   # before Serve starts the replica's gRPC server (loopback nodes)
         self._served: ServedEngine | None = None
         if isinstance(engine, EngineConfig):
             self._served = ServedEngine(engine)
