@@ -89,8 +89,3 @@ def is_loopback_address(address: str) -> bool:
         ip = ip.ipv4_mapped
     return ip.is_loopback
 
-
-def public_sockets(root_pid: int) -> list[str]:
-    """Non-loopback listening sockets of the tree, as ``"address:port (process)"``."""
-    return [f"{address}:{port} ({name})" for address, port, _, name in listening_sockets(root_pid)
-            if not is_loopback_address(address)]

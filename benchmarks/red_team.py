@@ -34,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 from burst_load import StatsSampler
 
 from benchmarks.common import machine
-from benchmarks.listening_sockets import public_sockets
+from benchmarks.listening_sockets import is_loopback_address, listening_sockets
 from benchmarks.serving import PAGEDRAY_CLI, RunningServer, SystemSpec
 
 API_KEY = "red-team-key"
@@ -215,12 +215,14 @@ def case_open_surfaces(url, server_pid: int):
     redirect = httpx.get(url + "/v1/models/", headers={**AUTH, "Host": "evil.example.com"}, trust_env=False,
                          follow_redirects=False)
     routes = httpx.get(url + "/-/routes", trust_env=False).status_code
-    public = public_sockets(server_pid)
+    listening = listening_sockets(server_pid)
+    public = [f"{address}:{port} ({name})" for address, port, _, name in listening if not is_loopback_address(address)]
     print("non-loopback sockets of the server's processes: " + ", ".join(public), flush=True)
     no_location = "location" not in redirect.headers
     return ("no Host-built redirect; no route without the key; only loopback sockets",
             f"/v1/models/: {redirect.status_code}, Location: {not no_location}; /-/routes without key: {routes}; "
-            f"{len(public)} non-loopback listening sockets", no_location and routes == 401 and not public)
+            f"{len(public)} of {len(listening)} listening sockets non-loopback",
+            no_location and routes == 401 and not public and len(listening) > 0)
 
 
 CASES = [("big prompts", case_big_prompts), ("long prefill", case_long_prefill),

@@ -10,7 +10,7 @@ import sys
 
 from pagedray.deploy.loopback import is_loopback, loopback_grpc_port_binder
 
-from benchmarks.listening_sockets import is_loopback_address, listening_sockets, public_sockets
+from benchmarks.listening_sockets import is_loopback_address, listening_sockets
 
 
 def test_the_binder_moves_only_the_any_address_port_0_and_only_on_a_loopback_node():
@@ -47,9 +47,9 @@ def test_the_listening_sockets_of_a_process_tree_are_found_and_classified():
         assert ("127.0.0.1", loop.getsockname()[1]) in found
         assert ("0.0.0.0", anywhere.getsockname()[1]) in found and ("::", anywhere6.getsockname()[1]) in found
         assert ("127.0.0.1", child_port) in found                           # a descendant's socket
-        public = public_sockets(os.getpid())
-        assert any(f":{anywhere.getsockname()[1]} " in p for p in public)
-        assert not any(f":{loop.getsockname()[1]} " in p for p in public)
+        public = {port for address, port, _, _ in listening_sockets(os.getpid()) if not is_loopback_address(address)}
+        assert anywhere.getsockname()[1] in public and anywhere6.getsockname()[1] in public
+        assert loop.getsockname()[1] not in public and child_port not in public
     finally:
         child.stdin.close()
         child.wait()
