@@ -5,7 +5,9 @@ Sections (each prints its table; one JSON holds them all):
 
 1. ``throughput``: the nano-vllm shape: 256 sequences, prompt and output lengths uniform in
    [100, 1024] (fixed seed, random token ids), ignore EOS, greedy, CUDA-graph decode (the default).
-   Output tokens/s, median [min-max] of ``--rounds`` rounds. Goal on an H100: >= 15,000.
+   Output tokens/s, median [min-max] of ``--rounds`` rounds, with the synchronous engine and with
+   run-ahead scheduling (``async_scheduling``: step N+1 scheduled while step N runs), interleaved;
+   the ratio says whether running ahead pays. Goal on an H100: >= 15,000.
 2. ``batch1``: one 128-token prompt decoding 128 tokens: milliseconds per decode step (whole step:
    schedule, inputs, forward, sampling), graphs vs the same engine with its graphs switched off
    (what ``enforce_eager`` runs), interleaved rounds. Goal: <= 2.5 ms.
@@ -57,6 +59,9 @@ DRY = dict(shape=TINY, dtype="float32", device="cpu", num_seqs=8, low=8, high=32
            max_num_batched_tokens=512)
 
 
+RUN_AHEAD = "pagedray_run_ahead"
+
+
 def save_random_qwen3(folder: str, shape: dict, dtype) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -87,6 +92,9 @@ class Engine:
 
     def set_graphs(self, on: bool) -> None:
         self.worker.runner.decode_graphs = self.graphs if on else None
+
+    def set_run_ahead(self, on: bool) -> None:
+        self.llm.engine.set_async_scheduling(on)
 
     def generate(self, prompts, max_tokens) -> dict:
         from pagedray.cluster import SamplingParams
@@ -201,10 +209,18 @@ def section(title: str) -> None:
 def run_throughput(engine: Engine, cfg: dict, num_rounds: int, out: str, **pace) -> dict:
     prompts, outputs = workload(cfg["num_seqs"], cfg["low"], cfg["high"], cfg["shape"]["vocab_size"])
     engine.generate(prompts[:2], [4, 4])                                # warm-up
-    runs = rounds.run_rounds(["pagedray"], num_rounds, lambda s, i: engine.generate(prompts, outputs),
-                             on_run=print_run, **pace)
+
+    def run(system: str, _round: int) -> dict:
+        engine.set_run_ahead(system == RUN_AHEAD)
+        try:
+            return engine.generate(prompts, outputs)
+        finally:
+            engine.set_run_ahead(False)
+
+    runs = rounds.run_rounds(["pagedray", RUN_AHEAD], num_rounds, run, on_run=print_run, **pace)
     metrics = [rounds.Metric("output_tok_s", "output tok/s"), rounds.Metric("seconds", higher_is_better=False)]
-    return finish_rounds("gpu_throughput", out, runs, metrics, [], {**cfg, "shape": "qwen3-0.6b"})
+    ratios = [rounds.Ratio(RUN_AHEAD, ("pagedray",), label="run-ahead / synchronous")]
+    return finish_rounds("gpu_throughput", out, runs, metrics, ratios, {**cfg, "shape": "qwen3-0.6b"})
 
 
 def run_batch1(engine: Engine, cfg: dict, num_rounds: int, out: str, **pace) -> dict:
@@ -314,7 +330,8 @@ def _summary(report: dict) -> None:
         return None if value is None else value["median"]
 
     section("summary")
-    print(f"throughput: {rounds.fmt(median(report.get('throughput'), 'pagedray', 'output_tok_s'))} output tok/s")
+    print(f"throughput: {rounds.fmt(median(report.get('throughput'), 'pagedray', 'output_tok_s'))} output tok/s "
+          f"(run-ahead: {rounds.fmt(median(report.get('throughput'), RUN_AHEAD, 'output_tok_s'))})")
     print(f"batch-1 decode: {rounds.fmt(median(report.get('batch1'), 'graphs', 'ms_per_step'))} ms per step "
           f"(eager {rounds.fmt(median(report.get('batch1'), 'eager', 'ms_per_step'))})")
     graphs_busy = next((r for r in report.get("busy", []) if r["graphs"]), {})

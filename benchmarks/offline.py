@@ -7,7 +7,8 @@ than two, whose OpenMP barriers stall when a core is taken by another process).
 
 Section A, the default SmolLM2-135M-Instruct:
 - pagedray LLM, in-process LocalExecutor (TP=1); with ``--compare-threads`` also with 2 threads; with
-  ``--compare-packing`` also without the MKL-packed weights (``cpu_packed_weights=False``);
+  ``--compare-packing`` also without the MKL-packed weights (``cpu_packed_weights=False``); with
+  ``--compare-async`` also with run-ahead scheduling (``async_scheduling=True``), here and on Ray;
 - pagedray LLM through the Ray executor with one rank (TP=2 is impossible for SmolLM2: 9 query
   heads cannot be split over 2 ranks);
 - HF ``generate`` in static padded batches (``--hf-batch`` prompts per batch, left padding, each batch
@@ -53,6 +54,7 @@ from benchmarks.rounds import Metric, Ratio, run_rounds
 
 HF_STATIC, HF_CB, EVEN_LOCAL = "hf_generate_static", "hf_generate_batch", "even_heads_local_tp1"
 UNPACKED = "pagedray_local_tp1_unpacked"
+ASYNC_SUFFIX = "_async"
 METRICS = [Metric("output_tok_s", "output tok/s"), Metric("seconds", higher_is_better=False),
            Metric("output_tokens", "output tokens"), Metric("steps", higher_is_better=False),
            Metric("preemptions", higher_is_better=False)]
@@ -137,12 +139,19 @@ def _systems(args, folder: str | None) -> dict:
     if args.compare_packing:
         systems[UNPACKED] = lambda: run_pagedray(prompts, max_tokens, threads_per_worker=args.threads,
                                                  cpu_packed_weights=False, **common)
+    if args.compare_async:
+        systems["pagedray_local_tp1" + ASYNC_SUFFIX] = lambda: run_pagedray(
+            prompts, max_tokens, threads_per_worker=args.threads, async_scheduling=True, **common)
     if args.compare_threads:
         systems["pagedray_local_tp1_2threads"] = lambda: run_pagedray(prompts, max_tokens, threads_per_worker=2,
                                                                       **common)
     if not args.skip_ray:
         systems["pagedray_ray_tp1"] = lambda: run_pagedray(prompts, max_tokens, executor="ray",
                                                            threads_per_worker=args.threads, **common)
+        if args.compare_async:
+            systems["pagedray_ray_tp1" + ASYNC_SUFFIX] = lambda: run_pagedray(
+                prompts, max_tokens, executor="ray", threads_per_worker=args.threads, async_scheduling=True,
+                **common)
     if not args.skip_hf_continuous:
         systems[HF_CB] = lambda: {**run_hf_continuous(prompts[:k], max_tokens[:k]), "num_requests": k}
     if folder is not None:
@@ -159,6 +168,8 @@ def _ratios(systems: dict) -> list[Ratio]:
     ratios = [Ratio(n, hf, ("output_tok_s",), f"{n} / {label}") for n in systems if n.startswith("pagedray")]
     if UNPACKED in systems:
         ratios.append(Ratio("pagedray_local_tp1", (UNPACKED,), ("output_tok_s",)))
+    ratios += [Ratio(n, (n.removesuffix(ASYNC_SUFFIX),), ("output_tok_s",), f"{n} / synchronous")
+               for n in systems if n.endswith(ASYNC_SUFFIX)]
     return ratios + [Ratio(n, (EVEN_LOCAL,), ("output_tok_s",)) for n in systems if n.startswith("even_heads_ray")]
 
 
@@ -180,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compare-threads", action="store_true")
     parser.add_argument("--compare-packing", action="store_true",
                         help=f"also run {UNPACKED!r} (cpu_packed_weights=False) and report packed / unpacked")
+    parser.add_argument("--compare-async", action="store_true",
+                        help="also run with async_scheduling=True (local and Ray) and report run-ahead / synchronous")
     parser.add_argument("--tp2", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

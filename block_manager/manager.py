@@ -11,7 +11,10 @@ Invariants (``check_invariants`` asserts them, together with the pool's):
 - a partially filled last block (the one the next slot is written into) is private: ref count 1
   and no cache key. Full blocks are never written again, so they can be shared freely;
 - with prefix caching, the first ``num_hashed`` blocks of a table are full and their content keys
-  are known (``last_key``); ``num_hashed == num_slots // block_size``;
+  are known (``last_key``); ``num_hashed == num_slots // block_size``, except that a full block holding
+  a slot reserved for a token not known yet (``pending_tokens``, the engine's run-ahead scheduling) is
+  hashed only by a later ``allocate_slots`` that is given that token: ``num_hashed <= num_slots //
+  block_size``;
 - freeing every sequence returns the pool to all-free with ref counts 0; cached keys stay findable
   until their block is handed out again.
 
@@ -120,9 +123,12 @@ class BlockManager:
 
     # -- admission / growth -----------------------------------------------------------------------
     def _blocks_to_take(self, seq: _SeqBlocks | None, token_ids: Sequence[int], num_new_tokens: int,
-                        reuse_cached: bool = True) -> tuple[int, list[int], BlockKey | None]:
+                        reuse_cached: bool = True, pending_tokens: int = 0) -> tuple[int, list[int], BlockKey | None]:
         """(free blocks the call would consume, cached prefix blocks, their last key); validates."""
         _require_count("num_new_tokens", num_new_tokens)
+        _require_count("pending_tokens", pending_tokens)
+        if seq is None and pending_tokens:
+            raise ValueError(f"pending_tokens: a sequence being registered has every token known, got {pending_tokens}")
         bs = self.block_size
         if seq is not None:
             total = seq.num_slots + num_new_tokens
@@ -132,42 +138,50 @@ class BlockManager:
             total = len(hit_blocks) * bs + num_new_tokens
             revived = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
             needed = -(-total // bs) - len(hit_blocks) + revived
-        if len(token_ids) < total:
-            raise ValueError(f"token_ids: {len(token_ids)} tokens given but {total} slots would be "
-                             f"reserved (num_new_tokens={num_new_tokens})")
+        if len(token_ids) + pending_tokens < total:
+            raise ValueError(f"token_ids: {len(token_ids)} tokens given (+ {pending_tokens} pending) but {total} "
+                             f"slots would be reserved (num_new_tokens={num_new_tokens})")
         return max(needed, 0), hit_blocks, last_key
 
     def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                     reuse_cached: bool = True) -> bool:
+                     reuse_cached: bool = True, pending_tokens: int = 0) -> bool:
         """Whether ``allocate_slots`` with the same arguments would succeed.
 
         For an unknown ``seq_id`` the prefix-cache hit is included and ``watermark_blocks`` must stay free.
         """
         seq = self._seqs.get(seq_id)
-        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens, reuse_cached)
+        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens, reuse_cached, pending_tokens)
         reserve = 0 if seq is not None else self.watermark_blocks
         return self.pool.num_free_blocks - needed >= reserve
 
     def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                       reuse_cached: bool = True) -> Allocation:
+                       reuse_cached: bool = True, pending_tokens: int = 0) -> Allocation:
         """Reserve ``num_new_tokens`` more slots (a prefill chunk, or 1 per decode step).
 
         An unknown ``seq_id`` is registered first with its cached prefix attached (none with
         ``reuse_cached=False``: a sequence that must compute every position; its own full blocks are
         still cached for others). ``token_ids`` are the
-        sequence's tokens (at least ``num_slots`` after the call); blocks that become full are hashed
-        from them. Raises CannotAllocateError (nothing changed) when the pool is short of blocks.
+        sequence's tokens (at least ``num_slots`` after the call, counting ``pending_tokens``: trailing
+        slots of a running sequence whose tokens are not known yet); blocks that become full are hashed
+        from them (a block with a pending slot waits for a later call that knows its tokens).
+        Raises CannotAllocateError (nothing changed) when the pool is short of blocks.
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
+            if pending_tokens:
+                _require_count("pending_tokens", pending_tokens)
+                raise ValueError(f"pending_tokens: a sequence being registered has every token known, got "
+                                 f"{pending_tokens}")
             return self._register(seq_id, token_ids, num_new_tokens, reuse_cached)
         # decode fast path: validate, bump the slot count, touch the pool only at block boundaries
         if type(num_new_tokens) is not int or num_new_tokens < 0:  # noqa: E721
             _require_count("num_new_tokens", num_new_tokens)
+        if type(pending_tokens) is not int or pending_tokens < 0:  # noqa: E721
+            _require_count("pending_tokens", pending_tokens)
         total = seq.num_slots + num_new_tokens
-        if len(token_ids) < total:
-            raise ValueError(f"token_ids: {len(token_ids)} tokens given but {total} slots would be "
-                             f"reserved (num_new_tokens={num_new_tokens})")
+        if len(token_ids) + pending_tokens < total:
+            raise ValueError(f"token_ids: {len(token_ids)} tokens given (+ {pending_tokens} pending) but {total} "
+                             f"slots would be reserved (num_new_tokens={num_new_tokens})")
         table = seq.table
         missing = -(-total // self.block_size) - len(table)
         new_ids = self.pool.allocate(missing) if missing > 0 else []
@@ -201,11 +215,12 @@ class BlockManager:
         return Allocation(num_hit * bs, list(table))
 
     def _hash_full_blocks(self, seq: _SeqBlocks, token_ids: Sequence[int]) -> None:
-        """Key and cache every block of ``seq`` that became full since the last call."""
+        """Key and cache every block of ``seq`` that became full since the last call and whose tokens
+        are all in ``token_ids``."""
         bs = self.block_size
         pool = self.pool
         key = seq.last_key
-        num_full = seq.num_slots // bs
+        num_full = min(seq.num_slots, len(token_ids)) // bs
         for i in range(seq.num_hashed, num_full):
             key = pool.cache(seq.table[i], BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs])))
         seq.last_key = key
@@ -333,7 +348,7 @@ class BlockManager:
                 assert self.pool.ref_count(last) == 1 and self.pool.key_of(last) is None, (
                     f"sequence {seq_id!r}: partial last block {last} is shared or cached")
             if self.enable_prefix_caching:
-                assert seq.num_hashed == seq.num_slots // bs, (
+                assert seq.num_hashed <= seq.num_slots // bs, (
                     f"sequence {seq_id!r}: {seq.num_hashed} hashed blocks, {seq.num_slots // bs} full")
                 depth = 0 if seq.last_key is None else seq.last_key.depth()
                 assert depth == seq.num_hashed, f"sequence {seq_id!r}: key chain depth {depth}"

@@ -26,6 +26,15 @@ Decisions:
   AsyncEngine's health and watchdog read it from the event loop (one float, replaced whole).
 - When sequences were released and nothing else is scheduled, a plan with only
   ``released_seq_ids`` is still sent so that worker mirrors never outlive their sequences.
+- Run-ahead (``scheduler.async_scheduling``, TP=1): a ``step()`` schedules and submits step N+1
+  (queued behind step N on the worker; a sequence's token from step N goes as ``PENDING_TOKEN``),
+  then waits for step N and applies it: the scheduling of N+1 overlaps N's forward, the outputs of N
+  overlap N+1's. ``step()`` returns step N's outputs; one step stays in flight until nothing is left
+  to schedule (``has_unfinished_requests`` counts it). Outputs are those of the synchronous engine:
+  the scheduler never schedules ahead what a pending token would end by length, and a result for a
+  sequence finished, aborted or preempted since it was scheduled is dropped. A failed step also
+  drops the step queued behind it (waited for, its result ignored) before recovery or failure.
+  The step time limit covers both steps' tokens.
 """
 
 from __future__ import annotations
@@ -33,10 +42,12 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 
 from pagedray.block_manager import BlockManager
 from pagedray.workers.contract.config import EngineConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.contract.wire import StepPlan, StepResult
 from pagedray.workers.default_model import resolve_model_path
 from pagedray.workers.model_info import model_info
 
@@ -46,9 +57,19 @@ from .outputs import EngineDeadError, RequestOutput
 from .plan_builder import PlanBuilder
 from .request import FinishReason
 from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """Run-ahead: a submitted step whose result is not applied yet."""
+
+    out: SchedulerOutput
+    plan: StepPlan
+    handle: object
 
 
 class Engine:
@@ -75,6 +96,8 @@ class Engine:
         self.recovering = False                 # True while the TP group is being rebuilt (step thread)
         self.last_recovery_s: float | None = None   # duration of the last rebuild + reset
         self._prefix_totals_before = (0, 0)     # prefix query/hit tokens of BlockManagers replaced by recovery
+        self._run_ahead = config.scheduler.async_scheduling
+        self._in_flight: _InFlight | None = None   # run-ahead: the submitted step not applied yet
 
     def _effective_max_model_len(self) -> int:
         limit = self.config.model.max_model_len or self.model_info.max_position_embeddings
@@ -123,7 +146,7 @@ class Engine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or (
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None or (
             self._dead is None and self.scheduler.has_pending_releases)
 
     # -- stepping -----------------------------------------------------------------------------
@@ -133,23 +156,73 @@ class Engine:
             return outputs
         out = self.scheduler.schedule()
         plan = self.plan_builder.build(out)
-        if not plan.new_seqs and not plan.running and not plan.released_seq_ids:
+        has_work = bool(plan.new_seqs or plan.running or plan.released_seq_ids)
+        if self._run_ahead:
+            return outputs + self._step_ahead(out, plan, has_work)
+        if not has_work:
             return outputs
         self._num_steps += 1
         self.step_limit_s = self.config.step_limit_s(plan.num_scheduled_tokens)
         try:
             result = self.executor.execute(plan)
-            if result.step_id != plan.step_id:
-                raise RuntimeError(f"executor answered step {result.step_id} for plan {plan.step_id}")
-            touched = self.scheduler.update(out, result.sampled, result.prompt_logprobs)
+            touched = self._apply(out, plan, result)
         except Exception as exc:  # a curable rank failure is recovered from; any other ends the requests
             failure = self._recover(exc)
             return outputs if failure is None else outputs + self._fail(failure)
+        return outputs + self._outputs_of(touched)
+
+    def _step_ahead(self, out, plan: StepPlan, has_work: bool) -> list[RequestOutput]:
+        """Run-ahead: submit this plan behind the one in flight, then wait for that one and apply it."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is None and not has_work:
+            return []
+        tokens = plan.num_scheduled_tokens + (previous.plan.num_scheduled_tokens if previous else 0)
+        self.step_limit_s = self.config.step_limit_s(tokens)
+        try:
+            if has_work:
+                self._num_steps += 1
+                self._in_flight = _InFlight(out, plan, self.executor.submit(plan))
+            if previous is None:
+                return []
+            touched = self._apply(previous.out, previous.plan, self.executor.wait(previous.handle))
+        except Exception as exc:
+            self._drop_in_flight()
+            failure = self._recover(exc)
+            return [] if failure is None else self._fail(failure)
+        return self._outputs_of(touched)
+
+    def _apply(self, out, plan: StepPlan, result: StepResult) -> list:
+        if result.step_id != plan.step_id:
+            raise RuntimeError(f"executor answered step {result.step_id} for plan {plan.step_id}")
+        return self.scheduler.update(out, result.sampled, result.prompt_logprobs)
+
+    def _outputs_of(self, touched: list) -> list[RequestOutput]:
+        outputs = []
         for request in touched:
             if request.is_finished:
                 self._num_finished += 1
             outputs.append(self.output_builder.make(request))
         return outputs
+
+    def _drop_in_flight(self) -> None:
+        """Waits for the step queued behind a failed one and ignores its result (or its failure)."""
+        queued, self._in_flight = self._in_flight, None
+        if queued is not None:
+            try:
+                self.executor.wait(queued.handle)
+            except Exception:  # noqa: BLE001 - the failure that matters is the earlier step's
+                pass
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """Switches run-ahead scheduling between steps (benchmarks compare both modes on one loaded
+        engine); ValueError while a step is in flight or when the config could not run ahead."""
+        if not isinstance(on, bool):
+            raise ValueError(f"on: must be true or false, got {on!r}")
+        if self._in_flight is not None:
+            raise ValueError("on: a step is in flight; switch between generate calls")
+        if on and self.config.parallel.tensor_parallel_size != 1:
+            raise ValueError("on: async_scheduling needs tensor_parallel_size 1")
+        self._run_ahead = on
 
     def _recover(self, exc: Exception) -> Exception | None:
         """Rebuilds the TP group after a rank failure; returns None when recovered, else the failure."""
@@ -192,6 +265,7 @@ class Engine:
         return self._fail(exc)
 
     def _fail(self, exc: BaseException) -> list[RequestOutput]:
+        self._in_flight = None   # its sequences end here; a stalled executor is not waited for again
         self._dead = exc
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         failed = self.scheduler.abort_all(FinishReason.ERROR)

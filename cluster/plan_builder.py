@@ -6,6 +6,10 @@ scheduled after admission / re-admission / fork, and a ``RunningDelta`` (only th
 the one token sampled since) afterwards. Released sequences are dropped from that memory and listed
 in ``released_seq_ids`` of the next plan (the workers drop their mirrors before anything else).
 
+A running sequence's step needs its tokens up to ``start + num_tokens``; the one token the mirror
+lacks is sent by id when the engine knows it, else as ``PENDING_TOKEN`` (run-ahead scheduling: the
+previous step, still running, samples it; the worker appends its own draw).
+
 Invariant: ``known`` holds exactly the sequence ids the workers mirror after the last built plan.
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
+from pagedray.workers.contract.wire import PENDING_TOKEN, NewSequence, RunningDelta, StepPlan
 
 from .scheduler_output import SchedulerOutput
 
@@ -45,22 +49,28 @@ class PlanBuilder:
                     seq_id=seq.seq_id,
                     prompt_token_ids=list(seq.prompt_token_ids),
                     output_token_ids=list(seq.output_token_ids),
-                    num_computed_tokens=seq.num_computed_tokens,
+                    num_computed_tokens=sched.start,
                     num_scheduled_tokens=sched.num_tokens,
                     block_ids=table,
                     sampling_params=seq.params,
                 ))
-            else:
-                unsent = seq.num_tokens - mirror.num_tokens
-                if unsent not in (0, 1):
-                    raise RuntimeError(f"sequence {seq.seq_id} has {unsent} tokens unknown to the workers")
-                plan.running.append(RunningDelta(
-                    seq_id=seq.seq_id,
-                    num_scheduled_tokens=sched.num_tokens,
-                    new_block_ids=table[mirror.num_blocks:],
-                    new_token_id=seq.output_token_ids[-1] if unsent else None,
-                ))
-            self._known[seq.seq_id] = _Mirror(num_blocks=len(table), num_tokens=seq.num_tokens)
+                self._known[seq.seq_id] = _Mirror(num_blocks=len(table), num_tokens=seq.num_tokens)
+                continue
+            needed = sched.start + sched.num_tokens
+            missing = needed - mirror.num_tokens   # <= 0 inside a prefill the workers hold in full
+            if missing > 1:
+                raise RuntimeError(f"sequence {seq.seq_id} has {missing} tokens unknown to the workers")
+            new_token = None
+            if missing == 1:
+                position = mirror.num_tokens
+                new_token = seq.token_ids[position] if position < seq.num_tokens else PENDING_TOKEN
+            plan.running.append(RunningDelta(
+                seq_id=seq.seq_id,
+                num_scheduled_tokens=sched.num_tokens,
+                new_block_ids=table[mirror.num_blocks:],
+                new_token_id=new_token,
+            ))
+            self._known[seq.seq_id] = _Mirror(num_blocks=len(table), num_tokens=max(mirror.num_tokens, needed))
         return plan
 
     def forget_all(self) -> list[int]:

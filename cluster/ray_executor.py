@@ -189,16 +189,34 @@ class RayExecutor:
         return [nodes[i] for i in self.placement.bundle_indices]
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.wait(self.submit(plan))
+
+    def submit(self, plan: StepPlan) -> tuple[list, float]:
+        """Sends the plan to every rank (an actor runs its calls in order); the handle for ``wait``."""
         if self._closed:
             raise EngineDeadError("the Ray executor has been shut down")
         data = encode_plan(plan)
         timeout = self.config.step_limit_s(plan.num_scheduled_tokens)
-        self._steps_in_flight += 1
         try:
             if self._graph is not None:
-                replies = [ref.get(timeout=timeout) for ref in self._graph.execute(data)]
+                refs = self._graph.execute(data)
             else:
-                replies = ray.get([a.execute_bytes.remote(data) for a in self.actors], timeout=timeout)
+                refs = [a.execute_bytes.remote(data) for a in self.actors]
+        except Exception as exc:
+            failure = self._classify_failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+        self._steps_in_flight += 1
+        return refs, timeout
+
+    def wait(self, handle: tuple[list, float]) -> StepResult:
+        refs, timeout = handle
+        try:
+            if self._graph is not None:
+                replies = [ref.get(timeout=timeout) for ref in refs]
+            else:
+                replies = ray.get(refs, timeout=timeout)
         except Exception as exc:
             failure = self._classify_failure(exc)
             if failure is exc:

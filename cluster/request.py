@@ -4,10 +4,15 @@ A ``Request`` is what a caller submits (one prompt, one SamplingParams, a priori
 ``Sequence`` per sample (``params.n`` of them). Token bookkeeping lives on the Sequence:
 
 - ``token_ids`` = prompt + output tokens known so far.
-- ``num_computed_tokens``: tokens whose K/V are in the paged cache. The tokens still to compute are
-  ``token_ids[num_computed_tokens:]``; a sequence samples a new token in a step after which every
-  known token is computed (so a decoding sequence always has exactly one uncomputed token: the one
-  it sampled last).
+- ``num_computed_tokens``: tokens whose K/V are in the paged cache (steps whose results were applied).
+  The tokens still to compute are ``token_ids[num_computed_tokens:]``; a sequence samples a new token
+  in a step after which every known token is computed (so a decoding sequence always has exactly one
+  uncomputed token: the one it sampled last).
+- ``num_in_flight``: tokens scheduled in steps whose results have not been applied yet, and
+  ``num_pending``: tokens those steps will sample, not known yet. Both are 0 between steps of the
+  synchronous engine; with run-ahead scheduling (``async_scheduling``) the next step is scheduled
+  while one runs, so a decoding sequence computes its pending token at the next step
+  (``computable_tokens`` counts it).
 
 Decisions settled here:
 - Priority: a LOWER ``priority`` value is more important (the vLLM convention). It only matters under
@@ -64,6 +69,8 @@ class Sequence:
     num_preemptions: int = 0
     # logprobs of the sampled tokens (only filled when the request asked for them)
     output_logprobs: list = field(default_factory=list)
+    num_in_flight: int = 0           # tokens scheduled in steps not applied yet
+    num_pending: int = 0             # tokens those steps sample (ids not known yet)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -104,11 +111,23 @@ class Sequence:
         """The parent of an n > 1 request that has not forked its siblings yet."""
         return self.index == 0 and self.request.num_unforked > 0
 
+    @property
+    def num_scheduled_through(self) -> int:
+        """Tokens computed or scheduled in a step in flight: where the next scheduled chunk starts."""
+        return self.num_computed_tokens + self.num_in_flight
+
     def computable_tokens(self) -> int:
-        """Tokens this sequence may compute now: up to the fork point for an unforked parent."""
+        """Tokens this sequence may schedule now (pending ones included): up to the fork point for an
+        unforked parent."""
         if self.must_fork_first:
-            return max(0, self.request.fork_at - self.num_computed_tokens)
-        return self.num_uncomputed_tokens
+            return max(0, self.request.fork_at - self.num_scheduled_through)
+        return self.num_tokens + self.num_pending - self.num_scheduled_through
+
+    def reset_computed(self) -> None:
+        """Preemption / KV loss: nothing computed, nothing in flight counts any more."""
+        self.num_computed_tokens = 0
+        self.num_in_flight = 0
+        self.num_pending = 0
 
 
 @dataclass(eq=False)

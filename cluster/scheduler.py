@@ -26,8 +26,18 @@ token id -> "stop", once more than ``min_tokens`` tokens are out (the Sampler ba
 ``max_tokens`` outputs or ``max_model_len`` total tokens -> "length".
 Admission: prompts must be non-empty and shorter than ``max_model_len`` (ValueError otherwise).
 
+Run-ahead (``async_scheduling``, the engine schedules step N+1 while step N runs): a sequence
+scheduled in a step in flight counts those tokens as ``num_in_flight`` and the token that step samples
+as ``num_pending`` (its id unknown), so the next step can compute the pending token (its slot is
+reserved with ``pending_tokens``; its block is hashed once the id is known). ``update`` applies a
+step's result to sequences still in the epoch they were scheduled in: a sequence preempted since drops
+that result (it recomputes, and a greedy or seeded draw repeats itself); a finished one ignores it.
+A sequence whose pending token ends it by length (``max_tokens``, ``max_model_len``) is not scheduled
+ahead. The synchronous engine applies each result before the next ``schedule``, so there both counts
+are 0 at scheduling time.
+
 Invariant: every sequence in ``running`` is registered with the BlockManager and holds exactly
-``num_computed_tokens`` slots between steps; waiting and finished sequences hold none.
+``num_scheduled_through`` (computed + in flight) slots; waiting and finished sequences hold none.
 """
 
 from __future__ import annotations
@@ -147,31 +157,48 @@ class Scheduler:
             for seq in list(self.running):
                 if budget == 0:
                     break
-                left = seq.computable_tokens()
+                left = self._computable(seq)
                 if seq.seq_id in scheduled or left == 0 or (left == 1) != decode_phase:
                     continue
                 if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                     continue
                 num = min(left, budget)
                 if self._reserve(seq, num, scheduled, out):
-                    out.scheduled.append(ScheduledSequence(seq, num))
+                    self._schedule_tokens(seq, num, out)
                     scheduled.add(seq.seq_id)
                     budget -= num
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
 
+    def _computable(self, seq: Sequence) -> int:
+        """Tokens to schedule for a running sequence; 0 for one whose pending token ends it by length."""
+        if seq.num_pending and (len(seq.output_token_ids) + seq.num_pending >= seq.request.params.max_tokens
+                                or seq.num_tokens + seq.num_pending >= self.max_model_len):
+            return 0
+        return seq.computable_tokens()
+
+    @staticmethod
+    def _schedule_tokens(seq: Sequence, num: int, out: SchedulerOutput) -> None:
+        """Adds ``num`` tokens of ``seq`` (slots already reserved) to the step."""
+        start = seq.num_scheduled_through
+        samples = start + num == seq.num_tokens + seq.num_pending
+        seq.num_in_flight += num
+        seq.num_pending += samples
+        out.scheduled.append(ScheduledSequence(seq, num, start, samples, seq.num_preemptions))
+
     def _reserve(self, seq: Sequence, num: int, scheduled: set[int], out: SchedulerOutput) -> bool:
         """Gets slots for ``num`` more tokens of a running sequence, preempting as needed.
 
         Returns False when ``seq`` itself had to be preempted."""
-        while not self.block_manager.can_allocate(seq.seq_id, seq.token_ids, num):
+        bm = self.block_manager
+        while not bm.can_allocate(seq.seq_id, seq.token_ids, num, pending_tokens=seq.num_pending):
             victims = [s for s in self.running if s.seq_id not in scheduled]
             victim = max(victims, key=self._key)
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num)
+        bm.allocate_slots(seq.seq_id, seq.token_ids, num, pending_tokens=seq.num_pending)
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -179,7 +206,7 @@ class Scheduler:
         self.running.remove(seq)
         out.released_seq_ids.append(seq.seq_id)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.reset_computed()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -225,7 +252,7 @@ class Scheduler:
             self.queue_time.observe(seq.request.queue_time_s)
         self.running.append(seq)
         if num > 0:
-            out.scheduled.append(ScheduledSequence(seq, num))
+            self._schedule_tokens(seq, num, out)
             return num
         # an n > 1 parent whose prompt (minus its last token) is all cached: fork now
         self._fork(seq, out)
@@ -233,7 +260,7 @@ class Scheduler:
         for member in seq.request.sequences:
             if taken < budget and bm.can_allocate(member.seq_id, member.token_ids, 1):
                 bm.allocate_slots(member.seq_id, member.token_ids, 1)
-                out.scheduled.append(ScheduledSequence(member, 1))
+                self._schedule_tokens(member, 1, out)
                 taken += 1
         return taken
 
@@ -242,9 +269,9 @@ class Scheduler:
         child (copy-on-write), which may take preemptions (victims in the usual order)."""
         for seq in sorted(self.running, key=self._key):
             if seq.status is not SequenceStatus.RUNNING or not seq.must_fork_first \
-                    or seq.num_computed_tokens != seq.request.fork_at:
+                    or seq.num_scheduled_through != seq.request.fork_at:
                 continue
-            partial = seq.num_computed_tokens % self.block_manager.block_size != 0
+            partial = seq.num_scheduled_through % self.block_manager.block_size != 0
             needed = seq.request.num_unforked if partial else 0
             while self.block_manager.num_free_blocks < needed:
                 victim = max(self.running, key=self._key)
@@ -259,7 +286,8 @@ class Scheduler:
         for index in range(1, request.num_unforked + 1):
             child = self._new_sequence(request, index)
             out.block_copies.extend(self.block_manager.fork(parent.seq_id, child.seq_id))
-            child.num_computed_tokens = parent.num_computed_tokens
+            # the parent's in-flight prefill runs before this step's block copies and forward
+            child.num_computed_tokens = parent.num_scheduled_through
             child.status = SequenceStatus.RUNNING
             request.sequences.append(child)
             self.running.append(child)
@@ -279,13 +307,14 @@ class Scheduler:
         touched: dict[str, Request] = {}
         for sched in out.scheduled:
             seq = sched.seq
-            if seq.is_finished:
+            if seq.is_finished or sched.epoch != seq.num_preemptions:   # finished, or preempted since
                 continue
-            samples = sched.samples
+            seq.num_in_flight -= sched.num_tokens
             seq.num_computed_tokens += sched.num_tokens
             self.num_computed_tokens += sched.num_tokens
-            if not samples:
+            if not sched.samples:
                 continue
+            seq.num_pending -= 1
             token = by_seq.get(seq.seq_id)
             if token is None:
                 raise RuntimeError(f"step {out.step_id}: no sampled token for sequence {seq.seq_id}")
@@ -343,7 +372,7 @@ class Scheduler:
         for seq in reversed(requeued):
             self.block_manager.free(seq.seq_id)
             seq.status = SequenceStatus.WAITING
-            seq.num_computed_tokens = 0
+            seq.reset_computed()
             seq.num_preemptions += 1
             self.waiting.appendleft(seq)
         self.running = []

@@ -9,15 +9,17 @@ from .request import Sequence
 
 @dataclass
 class ScheduledSequence:
-    """``num_tokens`` tokens of ``seq`` are computed this step, starting at its num_computed_tokens."""
+    """``num_tokens`` tokens of ``seq`` are computed this step, from position ``start``.
+
+    ``samples``: after this step every token of the sequence (pending ones included) is computed, so
+    the worker samples one. ``epoch``: the sequence's preemption count when scheduled; a result that
+    arrives after a later preemption is stale (run-ahead scheduling) and is dropped."""
 
     seq: Sequence
     num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when every known token is computed after this step (so the worker samples one)."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+    start: int = 0
+    samples: bool = False
+    epoch: int = 0
 
 
 @dataclass

@@ -11,7 +11,9 @@ Decisions:
 - Everything that can be rejected from the config and the model folder (architecture, head split,
   Qwen's per-layer sliding window, missing weight files) is checked *before* joining the process group, so a bad
   model fails on every rank instead of leaving the others waiting for the group.
-- Only rank 0 samples and returns a StepResult; other ranks return None.
+- Only rank 0 samples and returns a StepResult; other ranks return None. Rank 0 keeps the tokens it
+  drew at its last step: a plan's ``PENDING_TOKEN`` delta (run-ahead scheduling, TP=1) means one of
+  them; other ranks cannot resolve it (ValueError).
 - CUDA graphs (``decode_graphs``): captured in ``init_kv_cache`` on CUDA at TP=1 unless
   ``model.enforce_eager``; the memory profile sets aside what they will hold. TP > 1 runs eagerly
   (capturing the NCCL collectives is not verified yet).
@@ -27,12 +29,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from types import MappingProxyType
 
 import torch
 
 from .contract.config import EngineConfig
-from .contract.wire import StepPlan, StepResult, decode_plan, encode_result
+from .contract.wire import PENDING_TOKEN, StepPlan, StepResult, decode_plan, encode_result
 from .decode_graphs import CaptureReport, DecodeGraphs
 from .default_model import resolve_model_path
 from .grammar import GrammarBook
@@ -105,6 +108,7 @@ class Worker:
         self.grammars = GrammarBook(str(config.model.tokenizer or model_path)) if self.tp.is_first else None
         self.runner: ModelRunner | None = None
         self.graph_report: CaptureReport | None = None
+        self._last_sampled: dict[int, int] = {}   # seq id -> token drawn at the last step (rank 0)
 
     @property
     def uses_decode_graphs(self) -> bool:
@@ -133,11 +137,31 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult | None:
         if self.runner is None:
             raise RuntimeError("Worker.execute: call init_kv_cache(num_blocks) first")
-        output = self.runner.execute(plan)
+        output = self.runner.execute(self._resolve_pending(plan))
         if not self.tp.is_first:
             return None
         self.grammars.release(plan.released_seq_ids)
-        return StepResult(step_id=plan.step_id, sampled=self.sample(output), prompt_logprobs=output.prompt_logprobs)
+        sampled = self.sample(output)
+        self._last_sampled = {token.seq_id: token.token_id for token in sampled}
+        return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs)
+
+    def _resolve_pending(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with each ``PENDING_TOKEN`` replaced by the token this rank drew for that sequence at
+        its last step."""
+        if not any(delta.new_token_id == PENDING_TOKEN for delta in plan.running):
+            return plan
+        if not self.tp.is_first:
+            raise ValueError(f"running: PENDING_TOKEN needs the sampling rank; rank {self.rank} draws no tokens")
+        running = []
+        for delta in plan.running:
+            if delta.new_token_id == PENDING_TOKEN:
+                token = self._last_sampled.get(delta.seq_id)
+                if token is None:
+                    raise ValueError(f"running: seq {delta.seq_id} asks for the token drawn at the previous "
+                                     "step, which drew none for it")
+                delta = replace(delta, new_token_id=token)
+            running.append(delta)
+        return replace(plan, running=running)
 
     def sample(self, output: StepOutput) -> list:
         """Rank 0: one SampledToken per logits row of a step's output (grammar rows masked first)."""

@@ -258,3 +258,27 @@ def test_freeing_everything_returns_all_blocks_and_keeps_keys_findable():
     assert bm.num_cached_prefix_tokens(P) == 8
     assert bm.num_cached_prefix_tokens(P[:4] + [7] * 9) == 12
     bm.check_invariants()
+
+
+def test_a_pending_slot_is_reserved_now_and_its_block_hashed_once_its_token_is_known():
+    """Run-ahead scheduling reserves the slot of a token not sampled yet (``pending_tokens``): the block
+    it fills waits for a later call that knows the token, then joins the prefix cache."""
+    manager = BlockManager(4, 8)
+    tokens = [1, 2, 3]
+    manager.allocate_slots("s", tokens, 3)
+    assert manager.can_allocate("s", tokens, 1, pending_tokens=1)
+    with pytest.raises(ValueError, match="token_ids"):
+        manager.allocate_slots("s", tokens, 1)               # the 4th token is unknown without pending
+    manager.allocate_slots("s", tokens, 1, pending_tokens=1)   # slot 3 reserved, block 0 full but unknown
+    manager.check_invariants()
+    assert manager.num_slots("s") == 4 and manager.num_cached_prefix_tokens([1, 2, 3, 9, 5]) == 0
+    manager.allocate_slots("s", tokens + [9], 1, pending_tokens=1)   # 9 is known now, the 5th is pending
+    manager.check_invariants()
+    assert manager.num_cached_prefix_tokens([1, 2, 3, 9, 5]) == 4      # block 0 = [1, 2, 3, 9] cached
+    assert manager.num_cached_prefix_tokens([1, 2, 3, 7, 5]) == 0
+    with pytest.raises(ValueError, match="pending_tokens"):
+        manager.allocate_slots("new", [1, 2], 3, pending_tokens=1)     # a new sequence knows its tokens
+    with pytest.raises(ValueError, match="pending_tokens"):
+        manager.can_allocate("s", tokens, 1, pending_tokens=-1)
+    manager.free("s")
+    assert manager.num_free_blocks == 8

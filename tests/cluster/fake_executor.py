@@ -2,10 +2,12 @@
 
 It mirrors sequences from the plans exactly as the wire contract says (tokens, computed counts,
 released ids) and "samples" a deterministic token: (last known token + 1) % vocab. It can be told to
-fail at a given step, to check that failures end requests with finish_reason "error".
+fail at a given step, to check that failures end requests with finish_reason "error". ``submit`` runs
+the step at once and ``wait`` hands back its result (or raises its failure), in submission order, as a
+real executor does; a ``PENDING_TOKEN`` delta takes the token this executor sampled at its last step.
 """
 
-from pagedray.workers.contract.wire import SampledToken, StepResult
+from pagedray.workers.contract.wire import PENDING_TOKEN, SampledToken, StepResult
 
 
 class FakeExecutor:
@@ -16,6 +18,21 @@ class FakeExecutor:
         self.mirror = {}          # seq_id -> [tokens, num_computed]
         self.plans = []
         self.closed = False
+        self.last_sampled = {}    # seq_id -> token sampled at the last step
+        self.waited = 0           # results handed out by wait()
+
+    def submit(self, plan):
+        try:
+            return "ok", self.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - handed back by wait(), as a real executor would
+            return "error", exc
+
+    def wait(self, handle):
+        kind, value = handle
+        self.waited += 1
+        if kind == "error":
+            raise value
+        return value
 
     def execute(self, plan):
         self.plans.append(plan)
@@ -26,8 +43,12 @@ class FakeExecutor:
         batch = []
         for delta in plan.running:
             state = self.mirror[delta.seq_id]
-            if delta.new_token_id is not None:
-                state[0].append(delta.new_token_id)
+            token = delta.new_token_id
+            if token == PENDING_TOKEN:
+                assert delta.seq_id in self.last_sampled, f"seq {delta.seq_id}: PENDING without a last sample"
+                token = self.last_sampled[delta.seq_id]
+            if token is not None:
+                state[0].append(token)
             batch.append((delta.seq_id, delta.num_scheduled_tokens))
         for new in plan.new_seqs:
             assert new.seq_id not in self.mirror, f"seq {new.seq_id} sent in full twice"
@@ -40,6 +61,7 @@ class FakeExecutor:
             assert state[1] <= len(state[0]), "scheduled past the known tokens"
             if state[1] == len(state[0]):
                 sampled.append(SampledToken(seq_id, (state[0][-1] + 1) % self.vocab))
+        self.last_sampled = {token.seq_id: token.token_id for token in sampled}
         return StepResult(step_id=plan.step_id, sampled=sampled)
 
     def check_health(self):
@@ -111,6 +133,7 @@ class RecoverableFakeExecutor(FakeExecutor):
         self.rebuilding.clear()
         self.num_rebuilds += 1
         self.mirror = {}
+        self.last_sampled = {}
 
 
 class SleepingFakeExecutor(FakeExecutor):

@@ -139,3 +139,30 @@ def test_cpu_capacity_from_kv_cache_gib(tiny_model_path):
     assert worker.available_kv_blocks() == int(0.001 * 2**30) // 4096 == 262
     worker.init_kv_cache(262)
     assert tuple(worker.runner.kv_cache.shape) == (2, 2, 262, 8, 2, 16)
+
+
+def test_a_pending_token_is_the_one_rank_0_drew_for_that_sequence_at_its_last_step(tiny_model_path):
+    """PENDING_TOKEN (run-ahead scheduling) resolves to the token the worker sampled at its previous
+    step: the next step then runs exactly as if the engine had sent that token's id."""
+    from pagedray.workers.contract.wire import PENDING_TOKEN, RunningDelta
+
+    def new_plan(step_id):
+        return StepPlan(step_id=step_id, new_seqs=[NewSequence(
+            seq_id=7, prompt_token_ids=[3, 4, 5], output_token_ids=[], num_computed_tokens=0,
+            num_scheduled_tokens=3, block_ids=[0], sampling_params=SamplingParams(temperature=0))])
+
+    results = []
+    for pending in (False, True):
+        worker = Worker(engine_config(tiny_model_path("llama")))
+        worker.init_kv_cache(8)
+        first = worker.execute(new_plan(0)).sampled[0].token_id
+        token = PENDING_TOKEN if pending else first
+        second = worker.execute(StepPlan(step_id=1, running=[RunningDelta(seq_id=7, num_scheduled_tokens=1,
+                                                                          new_token_id=token)]))
+        results.append((first, second.sampled[0].token_id))
+        if pending:
+            with pytest.raises(ValueError, match="seq 8 asks for the token drawn at the previous step"):
+                worker.execute(StepPlan(step_id=2, running=[RunningDelta(seq_id=8, num_scheduled_tokens=1,
+                                                                         new_token_id=PENDING_TOKEN)]))
+        worker.shutdown()
+    assert results[0] == results[1]

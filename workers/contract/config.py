@@ -127,6 +127,8 @@ class SchedulerConfig:
     policy: str = option("fcfs", "fcfs | priority")
     max_waiting_requests: int = option(1024, "requests waiting for admission; beyond it they are refused "
                                              "(HTTP 429)")
+    async_scheduling: bool = option(False, "schedule step N+1 while step N runs (one step queued ahead of the "
+                                           "workers; outputs unchanged); TP=1 only")
 
     def validate(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs!r}")
@@ -135,6 +137,8 @@ class SchedulerConfig:
         _require(self.policy in POLICIES, f"policy: must be one of {POLICIES}, got {self.policy!r}")
         _require(self.max_waiting_requests >= 1,
                  f"max_waiting_requests: must be >= 1, got {self.max_waiting_requests!r}")
+        _require(isinstance(self.async_scheduling, bool),
+                 f"async_scheduling: must be true or false, got {self.async_scheduling!r}")
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,9 @@ class EngineConfig:
                  f"step_timeout_per_token_s: must be >= 0, got {self.step_timeout_per_token_s!r}")
         _require(type(self.stream_interval) is int and self.stream_interval >= 1,   # noqa: E721
                  f"stream_interval: must be an integer >= 1, got {self.stream_interval!r}")
+        _require(not self.scheduler.async_scheduling or self.parallel.tensor_parallel_size == 1,
+                 "async_scheduling: needs tensor_parallel_size 1 (the ranks would need the sampled ids of the "
+                 f"step still running), got tensor_parallel_size={self.parallel.tensor_parallel_size}")
         if self.model.max_model_len is not None and self.cache.num_blocks is not None:
             capacity = self.cache.num_blocks * self.cache.block_size
             _require(self.model.max_model_len <= capacity,

@@ -17,6 +17,9 @@ in the cache), ``block_ids`` and the sampling params.
   blocks shared with a parent at fork).
 - ``RunningDelta``: a sequence the workers already mirror. ``new_token_id`` is the token sampled at
   the previous step (append it to the mirror first), or None while the sequence is still in prefill.
+  ``PENDING_TOKEN`` (-1) stands for the token that the immediately preceding plan sampled for this
+  sequence, which the engine does not know yet (run-ahead scheduling, TP=1): the sampling rank
+  appends the token it drew itself.
   ``new_block_ids`` extend the block table.
 - In both, ``num_scheduled_tokens`` tokens are computed this step, starting at
   ``num_computed_tokens``: the tokens ``token_ids[num_computed : num_computed + num_scheduled]``.
@@ -40,6 +43,7 @@ import msgpack
 from .sampling_params import SamplingParams
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+PENDING_TOKEN = -1   # RunningDelta.new_token_id: "the token you sampled for it at the previous step"
 
 
 class WireError(ValueError):
