@@ -178,15 +178,19 @@ class Engine:
             return []
         tokens = plan.num_scheduled_tokens + (previous.plan.num_scheduled_tokens if previous else 0)
         self.step_limit_s = self.config.step_limit_s(tokens)
+        unsettled = previous          # submitted and not waited for yet
         try:
             if has_work:
                 self._num_steps += 1
                 self._in_flight = _InFlight(out, plan, self.executor.submit(plan))
             if previous is None:
                 return []
+            unsettled = None          # wait() settles it, also when it raises
             touched = self._apply(previous.out, previous.plan, self.executor.wait(previous.handle))
         except Exception as exc:
-            self._drop_in_flight()
+            self._settle(unsettled)
+            self._settle(self._in_flight)
+            self._in_flight = None
             failure = self._recover(exc)
             return [] if failure is None else self._fail(failure)
         return self._outputs_of(touched)
@@ -204,13 +208,12 @@ class Engine:
             outputs.append(self.output_builder.make(request))
         return outputs
 
-    def _drop_in_flight(self) -> None:
-        """Waits for the step queued behind a failed one and ignores its result (or its failure)."""
-        queued, self._in_flight = self._in_flight, None
-        if queued is not None:
+    def _settle(self, step: _InFlight | None) -> None:
+        """Waits for a step submitted next to a failed one and ignores its result (or its failure)."""
+        if step is not None:
             try:
-                self.executor.wait(queued.handle)
-            except Exception:  # noqa: BLE001 - the failure that matters is the earlier step's
+                self.executor.wait(step.handle)
+            except Exception:  # noqa: BLE001 - the failure that matters is the failed step's
                 pass
 
     def set_async_scheduling(self, on: bool) -> None:

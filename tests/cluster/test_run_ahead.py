@@ -162,3 +162,27 @@ def test_run_ahead_needs_one_tp_rank(tiny_llama_path):
                      scheduler=SchedulerConfig(async_scheduling=True))
     with pytest.raises(ValueError, match="async_scheduling: must be true or false"):
         SchedulerConfig(async_scheduling="yes").validate()
+
+
+class SubmitFailsFakeExecutor(FakeExecutor):
+    """TEST DOUBLE: the submit of step ``fail_at`` raises (e.g. a rank that died between steps)."""
+
+    def __init__(self, num_blocks, fail_at):
+        super().__init__(num_blocks)
+        self.fail_at = fail_at
+        self.submitted = 0
+
+    def submit(self, plan):
+        if len(self.plans) == self.fail_at:
+            raise RuntimeError("simulated failure while sending a plan")
+        self.submitted += 1
+        return super().submit(plan)
+
+
+def test_a_failed_submit_still_settles_the_step_in_flight(tiny_llama_path):
+    executor = SubmitFailsFakeExecutor(64, fail_at=3)
+    engine = Engine(_config(tiny_llama_path, True), executor=executor)
+    streams, _ = _run(engine, [("a", [10, 11, 12], SamplingParams(max_tokens=20, temperature=0))])
+    assert streams["a"]["finish"] == {0: "error"} and engine.is_dead
+    assert executor.submitted == 3 and executor.waited == 3      # the step before the failure was waited for
+    assert engine.block_manager.num_free_blocks == 64
