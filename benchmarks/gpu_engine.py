@@ -27,7 +27,7 @@ Start-up facts: CUDA-graph capture time, graph memory, buckets; KV blocks.
 section), to check the plumbing where there is no GPU; its numbers mean nothing.
 
 Usage: ``python -m benchmarks.gpu_engine [--dry-run] [--rounds 3] [--skip-hf] [--out PATH]``
-(about 5-7 minutes on an H100).
+(estimated 6-8 minutes on an H100; not yet run there).
 """
 
 from __future__ import annotations

@@ -2,14 +2,13 @@
 
 ``listening_sockets(root_pid)`` -> sorted ``[(address, port, pid, process name)]`` for every socket in
 LISTEN state that a process of the tree (``root_pid`` and its descendants: a server and the Ray
-processes it started) holds open. ``is_loopback_address`` tells 127.0.0.0/8, ::1 and IPv4-mapped
-loopback apart from everything else (0.0.0.0 and :: included). Used by the red team's open-surfaces case
-and by tests/e2e/test_cli_loopback.py.
+processes it started) holds open; ``pagedray.deploy.loopback.is_loopback`` tells loopback addresses
+(IPv4-mapped ones included) from the rest (0.0.0.0 and :: included). Used by the red team's
+open-surfaces case and by tests/e2e/test_cli_loopback.py.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import struct
@@ -81,11 +80,4 @@ def listening_sockets(root_pid: int) -> list[tuple[str, int, int, str]]:
             if target.startswith("socket:[") and target[8:-1] in by_inode:
                 found.add((*by_inode[target[8:-1]], pid, name))
     return sorted(found)
-
-
-def is_loopback_address(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 

@@ -32,9 +32,10 @@ import httpx
 # the polling sampler is test-support code, kept beside the tests that use it
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "deploy"))
 from burst_load import StatsSampler
+from pagedray.deploy.loopback import is_loopback
 
 from benchmarks.common import machine
-from benchmarks.listening_sockets import is_loopback_address, listening_sockets
+from benchmarks.listening_sockets import listening_sockets
 from benchmarks.serving import PAGEDRAY_CLI, RunningServer, SystemSpec
 
 API_KEY = "red-team-key"
@@ -216,7 +217,7 @@ def case_open_surfaces(url, server_pid: int):
                          follow_redirects=False)
     routes = httpx.get(url + "/-/routes", trust_env=False).status_code
     listening = listening_sockets(server_pid)
-    public = [f"{address}:{port} ({name})" for address, port, _, name in listening if not is_loopback_address(address)]
+    public = [f"{address}:{port} ({name})" for address, port, _, name in listening if not is_loopback(address)]
     print("non-loopback sockets of the server's processes: " + ", ".join(public), flush=True)
     no_location = "location" not in redirect.headers
     return ("no Host-built redirect; no route without the key; only loopback sockets",

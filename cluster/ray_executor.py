@@ -203,10 +203,7 @@ class RayExecutor:
             else:
                 refs = [a.execute_bytes.remote(data) for a in self.actors]
         except Exception as exc:
-            failure = self._classify_failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._raise_classified(exc)
         self._steps_in_flight += 1
         return refs, timeout
 
@@ -218,15 +215,19 @@ class RayExecutor:
             else:
                 replies = ray.get(refs, timeout=timeout)
         except Exception as exc:
-            failure = self._classify_failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._raise_classified(exc)
         finally:
             self._steps_in_flight -= 1
         if replies[0] is None:
             raise RuntimeError("rank 0 returned no StepResult")
         return decode_result(replies[0])
+
+    def _raise_classified(self, exc: Exception):
+        """Re-raises a failed step's exception, as RankFailureError when a new TP group can cure it."""
+        failure = self._classify_failure(exc)
+        if failure is exc:
+            raise exc
+        raise failure from exc
 
     def num_sequences(self) -> list[int]:
         """Mirrored sequences per rank (leak checks)."""

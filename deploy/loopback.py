@@ -27,10 +27,14 @@ ANY_ADDRESS_PORT_0 = "[::]:0"
 
 
 def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1, an IPv4-mapped loopback address (``::ffff:127.0.0.1``) or ``localhost``."""
     try:
-        return ipaddress.ip_address(address).is_loopback
+        ip = ipaddress.ip_address(address)
     except ValueError:
         return address == "localhost"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def loopback_grpc_port_binder(add_port, node_ip: str):

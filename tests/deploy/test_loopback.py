@@ -10,7 +10,7 @@ import sys
 
 from pagedray.deploy.loopback import is_loopback, loopback_grpc_port_binder
 
-from benchmarks.listening_sockets import is_loopback_address, listening_sockets
+from benchmarks.listening_sockets import listening_sockets
 
 
 def test_the_binder_moves_only_the_any_address_port_0_and_only_on_a_loopback_node():
@@ -47,7 +47,7 @@ def test_the_listening_sockets_of_a_process_tree_are_found_and_classified():
         assert ("127.0.0.1", loop.getsockname()[1]) in found
         assert ("0.0.0.0", anywhere.getsockname()[1]) in found and ("::", anywhere6.getsockname()[1]) in found
         assert ("127.0.0.1", child_port) in found                           # a descendant's socket
-        public = {port for address, port, _, _ in listening_sockets(os.getpid()) if not is_loopback_address(address)}
+        public = {port for address, port, _, _ in listening_sockets(os.getpid()) if not is_loopback(address)}
         assert anywhere.getsockname()[1] in public and anywhere6.getsockname()[1] in public
         assert loop.getsockname()[1] not in public and child_port not in public
     finally:
@@ -55,7 +55,7 @@ def test_the_listening_sockets_of_a_process_tree_are_found_and_classified():
         child.wait()
         for sock in (loop, anywhere, anywhere6):
             sock.close()
-    assert is_loopback_address("127.0.0.5") and is_loopback_address("::1")
-    assert is_loopback_address("::ffff:127.0.0.1")
-    assert not is_loopback_address("0.0.0.0") and not is_loopback_address("::")
-    assert not is_loopback_address("::ffff:192.0.2.2")
+    assert is_loopback("127.0.0.5") and is_loopback("::1")
+    assert is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::")
+    assert not is_loopback("::ffff:192.0.2.2")

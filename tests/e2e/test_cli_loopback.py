@@ -14,9 +14,10 @@ import sys
 import time
 import urllib.request
 
+from pagedray.deploy.loopback import is_loopback
 from test_cli_serve_failure import CLI, free_port
 
-from benchmarks.listening_sockets import is_loopback_address, listening_sockets
+from benchmarks.listening_sockets import listening_sockets
 
 HANG_GUARD_S = 900
 
@@ -51,7 +52,7 @@ def test_a_served_app_and_its_private_ray_listen_on_loopback_only(default_model_
         names = {name for *_, name in sockets}
         assert any(p == port for _, p, _, _ in sockets), sockets        # the served port is seen
         assert len(sockets) >= 8 and "gcs_server" in names and "raylet" in names, sockets
-        public = [s for s in sockets if not is_loopback_address(s[0])]
+        public = [s for s in sockets if not is_loopback(s[0])]
         assert public == [], public
     finally:
         server.send_signal(signal.SIGINT)
