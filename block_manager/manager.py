@@ -168,11 +168,7 @@ class BlockManager:
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            if pending_tokens:
-                _require_count("pending_tokens", pending_tokens)
-                raise ValueError(f"pending_tokens: a sequence being registered has every token known, got "
-                                 f"{pending_tokens}")
-            return self._register(seq_id, token_ids, num_new_tokens, reuse_cached)
+            return self._register(seq_id, token_ids, num_new_tokens, reuse_cached, pending_tokens)
         # decode fast path: validate, bump the slot count, touch the pool only at block boundaries
         if type(num_new_tokens) is not int or num_new_tokens < 0:  # noqa: E721
             _require_count("num_new_tokens", num_new_tokens)
@@ -192,8 +188,9 @@ class BlockManager:
         return Allocation(0, new_ids)
 
     def _register(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                  reuse_cached: bool) -> Allocation:
-        needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens, reuse_cached)
+                  reuse_cached: bool, pending_tokens: int = 0) -> Allocation:
+        needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens, reuse_cached,
+                                                            pending_tokens)
         pool = self.pool
         if needed > pool.num_free_blocks:
             raise CannotAllocateError(needed, pool.num_free_blocks, f"registering sequence {seq_id!r}")

@@ -169,12 +169,14 @@ class Sampler:
         """Exp(1) noise ``[len(rows), vocab]``: seeded rows from their (seed, position), one shared generator
         for the others."""
         seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
-        if len(seeded) < len(rows):
-            uniform = torch.rand(len(rows), vocab, device=device, generator=self._shared_generator(device))
-        else:
-            uniform = torch.empty(len(rows), vocab, device=device)
         if not seeded:
+            uniform = torch.rand(len(rows), vocab, device=device, generator=self._shared_generator(device))
             return uniform.log_().neg_()
+        uniform = torch.empty(len(rows), vocab, device=device)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            shared = self._shared_generator(device)
+            uniform[unseeded] = torch.rand(len(unseeded), vocab, device=device, generator=shared)
         batched = self._batched_seed_noise
         if batched if batched is not None else device.type == "cuda":
             keys = noise_keys([(rows[i].params.seed, len(rows[i].output_token_ids)) for i in seeded], device)

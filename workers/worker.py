@@ -108,7 +108,7 @@ class Worker:
         self.grammars = GrammarBook(str(config.model.tokenizer or model_path)) if self.tp.is_first else None
         self.runner: ModelRunner | None = None
         self.graph_report: CaptureReport | None = None
-        self._last_sampled: dict[int, int] = {}   # seq id -> token drawn at the last step (rank 0)
+        self._last_sampled: list = []   # the SampledTokens of rank 0's last step
 
     @property
     def uses_decode_graphs(self) -> bool:
@@ -141,8 +141,7 @@ class Worker:
         if not self.tp.is_first:
             return None
         self.grammars.release(plan.released_seq_ids)
-        sampled = self.sample(output)
-        self._last_sampled = {token.seq_id: token.token_id for token in sampled}
+        sampled = self._last_sampled = self.sample(output)
         return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs)
 
     def _resolve_pending(self, plan: StepPlan) -> StepPlan:
@@ -152,10 +151,11 @@ class Worker:
             return plan
         if not self.tp.is_first:
             raise ValueError(f"running: PENDING_TOKEN needs the sampling rank; rank {self.rank} draws no tokens")
+        drawn = {token.seq_id: token.token_id for token in self._last_sampled}
         running = []
         for delta in plan.running:
             if delta.new_token_id == PENDING_TOKEN:
-                token = self._last_sampled.get(delta.seq_id)
+                token = drawn.get(delta.seq_id)
                 if token is None:
                     raise ValueError(f"running: seq {delta.seq_id} asks for the token drawn at the previous "
                                      "step, which drew none for it")
