@@ -210,8 +210,10 @@ def run(router: str, num_blocks: int, args: argparse.Namespace, tokenizer) -> di
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # longest prompt + output: a whole chat (conversations) or one question (independent), with room to spare
+    turns = TURNS if args.workload == "conversations" else 1
     app_args = {"model": args.model, "dtype": "float32", "num_replicas": 2, "request_router": router,
-                "num_blocks": num_blocks, "max_model_len": args.system_tokens + TURNS * 32 + 64,
+                "num_blocks": num_blocks, "max_model_len": args.system_tokens + turns * 32 + 64,
                 "max_num_seqs": 16, "threads_per_worker": 1}
     try:
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
