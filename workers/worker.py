@@ -35,7 +35,7 @@ from types import MappingProxyType
 import torch
 
 from .contract.config import EngineConfig
-from .contract.wire import PENDING_TOKEN, StepPlan, StepResult, decode_plan, encode_result
+from .contract.wire import PENDING_TOKEN, SampledToken, StepPlan, StepResult, decode_plan, encode_result
 from .decode_graphs import CaptureReport, DecodeGraphs
 from .default_model import resolve_model_path
 from .grammar import GrammarBook
@@ -108,7 +108,7 @@ class Worker:
         self.grammars = GrammarBook(str(config.model.tokenizer or model_path)) if self.tp.is_first else None
         self.runner: ModelRunner | None = None
         self.graph_report: CaptureReport | None = None
-        self._last_sampled: list = []   # the SampledTokens of rank 0's last step
+        self._last_sampled: list[SampledToken] = []   # rank 0: what its last step drew (the list it returned)
 
     @property
     def uses_decode_graphs(self) -> bool:
