@@ -29,7 +29,8 @@ the whole range rather than one chosen point.
 
 Systems alternate over ``--rounds`` rounds (``benchmarks.rounds``); a fresh app per run. Goals (issue
 16): cache-aware >= 2x the prefix-hit tokens and >= 1.5x lower mean TTFT than the default router, with
-no replica serving more than 70% of the requests.
+no replica serving more than 70% of the requests. ``benchmarks.routing_ceiling`` replays the same workloads
+without a model to show how that hit-token ratio depends on the cache size for any router.
 """
 
 from __future__ import annotations

@@ -107,6 +107,16 @@ def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_
     return [view.replica for view in eligible if (view.footprint, view.load) == emptiest], 0
 
 
+def remember_sent(sent: collections.OrderedDict[int, None], prompt_hashes: list[int]) -> None:
+    """Add a routed prompt's block hashes to ``sent`` (a replica's remembered share, newest last), keeping
+    at most ``PREFIX_SUMMARY_BLOCKS`` (the oldest go first)."""
+    for block_hash in prompt_hashes:
+        sent[block_hash] = None
+        sent.move_to_end(block_hash)
+    while len(sent) > PREFIX_SUMMARY_BLOCKS:
+        sent.popitem(last=False)
+
+
 def generate_prompt(pending_request: PendingRequest | None) -> list[int] | None:
     """The prompt token ids of an engine ``generate`` call, else None."""
     if pending_request is None or pending_request.metadata.call_method != GENERATE_METHOD:
@@ -166,12 +176,8 @@ class CacheAwareRouter(RequestRouter):
         prompt = generate_prompt(pending_request)
         if prompt is None:
             return
-        sent = self._sent.setdefault(replica_id, collections.OrderedDict())
-        for block_hash in prefix_block_hashes(prompt, self._block_size):
-            sent[block_hash] = None
-            sent.move_to_end(block_hash)
-        while len(sent) > PREFIX_SUMMARY_BLOCKS:
-            sent.popitem(last=False)
+        remember_sent(self._sent.setdefault(replica_id, collections.OrderedDict()),
+                      prefix_block_hashes(prompt, self._block_size))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
