@@ -16,7 +16,9 @@ matches) and picks:
   ``on_request_routed``), then the least load; Serve probes their queues and takes the shortest. This
   is SGLang's "smallest tree" rule: new prefixes spread evenly over the replicas' caches, so that each
   replica's share of the prefixes fits its cache, instead of following a momentary queue length (with
-  8 prefixes and 2 replicas, least-load alone often put 5 prefixes on one replica and 3 on the other).
+  8 prefixes and 2 replicas, least-load alone often put 5 prefixes on one replica and 3 on the other);
+- a prompt shorter than one block (no full block to cache or find): the least-loaded eligible replicas.
+  Footprint first would send every such prompt to the same replica, since they add nothing to it.
 
 Other calls (stats, health, drain, model_meta) go to any replica as with Serve's default router.
 
@@ -89,7 +91,8 @@ def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_
 
     Eligible: the replicas within ``max_imbalance`` of the least load. The eligible replica with the most
     leading prompt blocks (ties: less load, then the order given); when no eligible replica holds a
-    block: every eligible replica with the smallest ``(footprint, load)``."""
+    block: every eligible replica with the smallest ``(footprint, load)``, or with the least load for a
+    prompt shorter than one block."""
     if not replicas:
         raise ValueError("replicas: at least one replica is needed")
     if max_imbalance < 0:
@@ -103,6 +106,9 @@ def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_
             best, best_held = view, held
     if best is not None:
         return [best.replica], best_held
+    if not prompt_hashes:   # no full block: nothing to place in a cache, so load alone decides
+        least_eligible = min(view.load for view in eligible)
+        return [view.replica for view in eligible if view.load == least_eligible], 0
     emptiest = min((view.footprint, view.load) for view in eligible)
     return [view.replica for view in eligible if (view.footprint, view.load) == emptiest], 0
 

@@ -20,6 +20,7 @@ def test_a_node_lost_under_load_leaves_the_other_replica_serving(default_model_p
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["replicas_per_node"] == [1, 1]            # one replica per node
+    assert result["ingress_found"]                          # so the node removed is not the ingress' own
     assert result["cached_tokens"][0] == 0 and all(t > 0 for t in result["cached_tokens"][1:])   # routed together
     streams = result["streams"]
     assert all(s["status"] == 200 and s["done"] for s in streams), streams     # both ended, none hung

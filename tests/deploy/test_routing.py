@@ -82,6 +82,15 @@ def test_a_cold_prompt_goes_to_the_smallest_footprint_within_the_imbalance():
     assert choose_by_prefix(prompt, tied, 8) == (["x", "y"], 0)       # Serve probes the tie
 
 
+def test_a_prompt_shorter_than_a_block_goes_to_the_least_loaded_whatever_the_footprints():
+    """Such a prompt adds no block to a replica's footprint: footprint first would send them all to one replica."""
+    replicas = [ReplicaView("x", {11}, 0, footprint=64), ReplicaView("y", set(), 1, footprint=0),
+                ReplicaView("z", set(), 0, footprint=16)]
+    assert choose_by_prefix([], replicas, 8) == (["x", "z"], 0)
+    assert choose_by_prefix([], replicas[1:], 8) == (["z"], 0)
+    assert choose_by_prefix([11], replicas[1:], 8) == (["y"], 0)      # a full block to place: footprint first
+
+
 def test_eight_new_prefixes_split_four_and_four_between_two_replicas():
     """The placement the footprint rule exists for: equal loads, prefixes arriving one after the other."""
     async def scenario():

@@ -8,6 +8,11 @@ Steps: deploy ``deploy/serve.yaml``'s app (its args, with a small KV cache and 2
 in flight (one per replica: the router sends the second to the less-loaded one); remove the node of
 one replica; read both streams to their end; wait (hang guard) until Serve runs 1 engine replica; send
 new requests.
+
+The ingress replica asks for no CPU, so Ray may place it on either replica's node. The node removed is
+the engine replica's node that does not hold the ingress, and Serve's HTTP proxy runs on the head only:
+losing the node of the ingress or of the proxy a stream passes through cuts that stream at the
+connection (no SSE event can be sent), which is a different failure.
 """
 
 import json
@@ -64,6 +69,15 @@ def replica_nodes(app: str) -> dict[str, int]:
     return nodes
 
 
+def ingress_nodes(app: str) -> set[str]:
+    """Node ids of the app's live ingress replicas."""
+    from pagedray.deploy.ingress import INGRESS_DEPLOYMENT_NAME
+    from ray.util.state import list_actors
+
+    name = f"ServeReplica:{app}:{INGRESS_DEPLOYMENT_NAME}"
+    return {actor.node_id for actor in list_actors(filters=[("state", "=", "ALIVE")]) if actor.class_name == name}
+
+
 def running_engine_replicas(app: str) -> int:
     from ray import serve
 
@@ -84,7 +98,9 @@ def main(model_path: str) -> None:
         args = {**app_spec["args"], "model": model_path, "dtype": "float32", "num_replicas": 2, "num_blocks": 64,
                 "max_model_len": 512, "max_num_seqs": 4, "threads_per_worker": 1}
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # one HTTP proxy, on the head: the simulated nodes share one IP, so proxies on every node would all
+        # take connections on this port, and a connection held by the removed node's proxy would drop
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name=app_spec["name"], route_prefix=app_spec["route_prefix"])
         url = f"http://127.0.0.1:{port}"
         placement = replica_nodes(app_spec["name"])
@@ -104,7 +120,9 @@ def main(model_path: str) -> None:
         for thread, started in zip(threads, starts):
             thread.start()
             assert started.wait(HANG_GUARD_S)
-        victim = next(n for n in nodes if n.node_id in placement)
+        front = ingress_nodes(app_spec["name"])
+        result["ingress_found"] = len(front) == 1
+        victim = next(n for n in nodes if n.node_id in placement and n.node_id not in front)
         cluster.remove_node(victim, allow_graceful=False)
         for thread in threads:
             thread.join(HANG_GUARD_S)
