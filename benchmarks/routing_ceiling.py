@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import collections
 import random
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +54,7 @@ from pagedray.deploy.routing import (
 )
 
 from benchmarks.common import print_table, write_json
+from benchmarks.rounds import Stat, fmt_stat, stat
 from benchmarks.routing import NUM_SYSTEMS, TURNS, block_sizes
 
 ROUTERS = ("random", "cache_aware", "partition")
@@ -146,19 +146,21 @@ def replay(router: str, requests: list[Request], num_blocks: int, seed: int) -> 
     hit = sum(pick(router, request, replicas, rng).serve(i, request) for i, request in enumerate(requests))
     for replica in replicas:
         replica.cache.check_invariants()
-        assert replica.cache.num_free_blocks == num_blocks, "a replayed request left blocks behind"
+        if replica.cache.num_free_blocks != num_blocks:
+            raise RuntimeError("a replayed request left blocks behind")
     prompt_tokens = sum(len(r.prompt) for r in requests)
     return {"hit_tokens": hit, "prompt_tokens": prompt_tokens, "hit_rate": hit / prompt_tokens,
             "busiest_share": max(r.requests for r in replicas) / len(requests)}
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def over_seeds(values: list[float]) -> Stat:
+    """Median [min-max] over the seeds' values (a seed is a round; nothing here is timed, so none is noisy)."""
+    return stat([(seed, value, False) for seed, value in enumerate(values)])
 
 
 def sweep(workload: str, sizes: list[int], seeds: int, system_tokens: int, question_tokens: tuple[int, int],
           max_tokens: int) -> list[dict]:
-    """Per cache size: each router's hit rate and busiest share, and hit-token ratios to ``random``."""
+    """Per cache size: each router's hit rate and busiest share, and hit-token ratios to ``random`` (Stats)."""
     make = independent_requests if workload == "independent" else conversation_requests
     workloads = [make(seed, system_tokens, question_tokens, max_tokens) for seed in range(seeds)]
     rows = []
@@ -167,17 +169,13 @@ def sweep(workload: str, sizes: list[int], seeds: int, system_tokens: int, quest
                 for router in ROUTERS}
         row = {"num_blocks": num_blocks}
         for router, results in runs.items():
-            row[router] = {"hit_rate": spread([r["hit_rate"] for r in results]),
-                           "busiest_share": spread([r["busiest_share"] for r in results])}
+            row[router] = {"hit_rate": over_seeds([r["hit_rate"] for r in results]),
+                           "busiest_share": over_seeds([r["busiest_share"] for r in results])}
             if router != "random":
-                row[router]["hit_tokens_vs_random"] = spread(
+                row[router]["hit_tokens_vs_random"] = over_seeds(
                     [r["hit_tokens"] / max(1, base["hit_tokens"]) for r, base in zip(results, runs["random"])])
         rows.append(row)
     return rows
-
-
-def fmt_spread(value: dict, digits: int = 2, suffix: str = "") -> str:
-    return f"{value['median']:.{digits}f}{suffix} [{value['min']:.{digits}f}-{value['max']:.{digits}f}]"
 
 
 def question_range(text: str) -> tuple[int, int]:
@@ -208,14 +206,17 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = args.num_blocks or DEFAULT_SIZES[args.workload]
     rows = sweep(args.workload, sizes, args.seeds, args.system_tokens, args.question_tokens, args.max_tokens)
     print_table([{"KV blocks": row["num_blocks"],
-                  **{f"hit rate {router}": fmt_spread(row[router]["hit_rate"]) for router in ROUTERS},
-                  "cache_aware / random": fmt_spread(row["cache_aware"]["hit_tokens_vs_random"], suffix="x"),
-                  "partition / random": fmt_spread(row["partition"]["hit_tokens_vs_random"], suffix="x"),
-                  "busiest (cache_aware)": fmt_spread(row["cache_aware"]["busiest_share"])} for row in rows],
+                  **{f"hit rate {router}": fmt_stat(row[router]["hit_rate"]) for router in ROUTERS},
+                  "cache_aware / random": fmt_stat(row["cache_aware"]["hit_tokens_vs_random"], suffix="x"),
+                  "partition / random": fmt_stat(row["partition"]["hit_tokens_vs_random"], suffix="x"),
+                  "busiest (cache_aware)": fmt_stat(row["cache_aware"]["busiest_share"])} for row in rows],
                 ["KV blocks", *(f"hit rate {router}" for router in ROUTERS), "cache_aware / random",
                  "partition / random", "busiest (cache_aware)"])
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    report = {"config": {**config, "num_blocks": sizes, "num_systems": NUM_SYSTEMS, "turns": TURNS}, "rows": rows}
+    json_rows = [{"num_blocks": row["num_blocks"],
+                  **{router: {k: v.to_json() for k, v in row[router].items()} for router in ROUTERS}} for row in rows]
+    report = {"config": {**config, "num_blocks": sizes, "num_systems": NUM_SYSTEMS, "turns": TURNS},
+              "rows": json_rows}
     write_json(f"routing_ceiling_{args.workload}", report, args.out)
     return report
 

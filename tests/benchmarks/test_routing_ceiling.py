@@ -69,10 +69,10 @@ def test_the_sweep_reports_each_router_and_the_ratios_to_random():
         assert "hit_tokens_vs_random" not in row["random"]
         for router in ("cache_aware", "partition"):
             ratio = row[router]["hit_tokens_vs_random"]
-            assert ratio["min"] <= ratio["median"] <= ratio["max"]
+            assert ratio.low <= ratio.median <= ratio.high and ratio.rounds == (0, 1)
     roomy = rows[1]  # nothing evicted: random routing misses at least as often as either other router
-    assert roomy["cache_aware"]["hit_tokens_vs_random"]["min"] >= 1.0
-    assert roomy["partition"]["hit_tokens_vs_random"]["min"] >= 1.0
+    assert roomy["cache_aware"]["hit_tokens_vs_random"].low >= 1.0
+    assert roomy["partition"]["hit_tokens_vs_random"].low >= 1.0
 
 
 def test_a_cache_too_small_for_one_request_is_refused(independent):
