@@ -1,18 +1,29 @@
 """Tool calling on chat: the request's tools -> the prompt (and a grammar); the output -> ``tool_calls``.
 
 - ``tools``: OpenAI function tools (``{"type": "function", "function": {"name", "description",
-  "parameters"}}``). A chat template that knows tools (its source mentions ``tools``) renders them
-  itself; otherwise a system message written here lists them as JSON and asks for calls in the
-  Hermes form ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+  "parameters"}}``): a name of letters, digits, ``_ . -`` (at most 64), a string description, parameters
+  a JSON schema of an object nested at most ``MAX_SCHEMA_DEPTH`` levels; the plan keeps these three keys.
+  A chat template that knows tools (its source mentions ``tools``) renders them itself; otherwise a
+  system message written here lists them as JSON and asks for calls in the Hermes form
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 - ``tool_choice``: ``"none"`` (tools ignored: no prompt, no parsing), ``"auto"`` (the default: the model
   decides; the text is parsed after generation), ``"required"`` and ``{"type": "function", "function":
   {"name"}}`` (enforced by an llguidance grammar: a JSON array of ``{"name", "arguments"}`` objects
-  whose arguments follow each tool's ``parameters``, or, for a named function, its arguments object
-  alone, as vLLM does). ``parallel_tool_calls: false`` allows one call.
+  whose arguments follow each tool's ``parameters`` (their local ``$ref``s rebased to where they sit in
+  that array schema), or, for a named function, its arguments object alone, as vLLM does).
+  ``parallel_tool_calls: false`` allows one call.
+- Every malformed ``tools``, ``tool_choice``, ``parallel_tool_calls`` (also with ``tool_choice: "none"``)
+  and every malformed ``tool_calls`` entry of an earlier assistant turn (``{"id", "type": "function",
+  "function": {"name": str, "arguments": str}}``) is a 400 naming the field, never a 500.
 - Parsing (``auto``): every ``<tool_call>...</tool_call>`` block holding a JSON object with a known
   ``name`` and object ``arguments`` (or ``parameters``) becomes a call; without such blocks, an output
   that is one such JSON object (Llama-3's form) is a call. The rest of the text is the message content
-  (``null`` when empty). A block that does not parse stays in the content.
+  (``null`` when empty). Whatever does not parse as such a call (invalid JSON, NaN / Infinity, nesting
+  too deep for Python's JSON parser, a name that is not a known string, arguments that are not an
+  object) stays in the content: parsing model output never raises. Blocks are found with ``str.find``
+  (linear; a backtracking regex took minutes on a long run of whitespace after ``<tool_call>``).
+  ``required`` / named output that is not a list of such calls / an arguments object (cut short by
+  ``max_tokens``) is returned as content.
 - Calls get ids ``call_<24 hex>``; ``arguments`` is the JSON text of the arguments; the finish reason
   becomes ``"tool_calls"`` when a choice that stopped made calls.
 - Streams of a tools request are not incremental: each choice's text is held until it finishes, then
@@ -28,14 +39,20 @@ import uuid
 from dataclasses import dataclass
 
 from .errors import bad_request
+from .structured_output import MAX_GRAMMAR_CHARS, MAX_SCHEMA_DEPTH, check_schema_depth, schema_grammar
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+# levels tool_schema puts around a tool's parameters: root, items, anyOf, the call, its properties
+TOOL_SCHEMA_WRAP_DEPTH = 5
+_CHOICES = ("none", "auto", "required")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LITERALS = ("const", "enum", "default", "examples")
 
 
 @dataclass(frozen=True)
 class ToolPlan:
-    tools: tuple[dict, ...]        # the "function" objects, in request order
+    tools: tuple[dict, ...]        # the "function" objects (name, description, parameters), in request order
     choice: str                    # "auto" | "required" | "named"
     name: str | None = None        # the function of a named choice
     parallel: bool = True
@@ -48,37 +65,81 @@ class ToolPlan:
         return next(t.get("parameters") or {"type": "object"} for t in self.tools if t["name"] == name)
 
 
+def _function(tool, i: int) -> dict:
+    """The function object of ``tools[i]``, reduced to name / description / parameters; 400 naming tools."""
+    where = f"tools.{i}"
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or tool.get("type") != "function":
+        raise bad_request(f"{where}: must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise bad_request(f"{where}.function.name: must be a string of letters, digits, '_', '.', '-' (at most 64)",
+                          param="tools")
+    if not isinstance(function.get("description", ""), (str, type(None))):
+        raise bad_request(f"{where}.function.description: must be a string", param="tools")
+    parameters = function.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise bad_request(f"{where}.function.parameters: must be a JSON schema of an object (type 'object')",
+                              param="tools")
+        check_schema_depth(parameters, f"{where}.function.parameters", "tools")
+    return {key: function[key] for key in ("name", "description", "parameters") if function.get(key) is not None}
+
+
+def _choice(tool_choice) -> tuple[str, str | None]:
+    """(choice, function name) of ``tool_choice``; 400 naming tool_choice for any other shape."""
+    if tool_choice is None:
+        return "auto", None
+    if isinstance(tool_choice, str) and tool_choice in _CHOICES:
+        return tool_choice, None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not isinstance(function, dict) or tool_choice.get("type") != "function" \
+            or not isinstance(function.get("name"), str):
+        raise bad_request("tool_choice: must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                          "{'name': <a function of tools>}}", param="tool_choice")
+    return "named", function["name"]
+
+
 def plan_tools(tools: list | None, tool_choice, parallel_tool_calls) -> ToolPlan | None:
     """Validated tool request, or None when there is nothing to do (no tools, or ``tool_choice`` "none")."""
-    if tool_choice is not None and not (tool_choice in ("none", "auto", "required") or isinstance(tool_choice, dict)):
-        raise bad_request("tool_choice: must be 'none', 'auto', 'required' or a named function", param="tool_choice")
+    choice, name = _choice(tool_choice)
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request("tools: must be a list of function tools", param="tools")
     if not tools:
-        if tool_choice not in (None, "none", "auto"):
+        if choice in ("required", "named"):
             raise bad_request("tool_choice: needs tools", param="tool_choice")
         return None
-    if tool_choice == "none":
-        return None
-    functions = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict) \
-                or not isinstance(function.get("name"), str) or not _NAME.fullmatch(function["name"]):
-            raise bad_request(f"tools.{i}: must be {{'type': 'function', 'function': {{'name': ...}}}} with a name "
-                              "of letters, digits, '_', '.', '-' (at most 64)", param="tools")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise bad_request(f"tools.{i}.function.parameters: must be a JSON schema object", param="tools")
-        functions.append(function)
-    if len({f["name"] for f in functions}) != len(functions):
+    functions = [_function(tool, i) for i, tool in enumerate(tools)]
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
         raise bad_request("tools: function names must be unique", param="tools")
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise bad_request("parallel_tool_calls: must be a boolean", param="parallel_tool_calls")
-    parallel = parallel_tool_calls is not False
-    if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
-        if name not in {f["name"] for f in functions}:
-            raise bad_request(f"tool_choice: names no function among the tools: {name!r}", param="tool_choice")
-        return ToolPlan(tuple(functions), "named", name, parallel)
-    return ToolPlan(tuple(functions), tool_choice or "auto", None, parallel)
+    if choice == "none":
+        return None
+    if choice == "named" and name not in names:
+        raise bad_request(f"tool_choice: names no function among the tools: {name[:64]!r}", param="tool_choice")
+    return ToolPlan(tuple(functions), choice, name, parallel_tool_calls is not False)
+
+
+def _rebased(schema, prefix: str):
+    """A copy of ``schema`` whose local ``$ref``s (``#...``) point into ``prefix``, where the schema now sits
+    (its depth is bounded by plan_tools)."""
+    if isinstance(schema, list):
+        return [_rebased(item, prefix) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, item in schema.items():
+        if key == "$ref" and isinstance(item, str) and item.startswith("#"):
+            out[key] = prefix + item[1:]
+        elif key in _LITERALS:
+            out[key] = item
+        elif key in _NAMED_SCHEMAS and isinstance(item, dict):
+            out[key] = {name: _rebased(sub, prefix) for name, sub in item.items()}
+        else:
+            out[key] = _rebased(item, prefix)
+    return out
 
 
 def tool_schema(plan: ToolPlan) -> dict | None:
@@ -88,10 +149,24 @@ def tool_schema(plan: ToolPlan) -> dict | None:
     if plan.choice != "required":
         return None
     call = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-             "properties": {"name": {"const": t["name"]}, "arguments": t.get("parameters") or {"type": "object"}}}
-            for t in plan.tools]
+             "properties": {"name": {"const": t["name"]},
+                            "arguments": _rebased(t.get("parameters") or {"type": "object"},
+                                                  f"#/items/anyOf/{i}/properties/arguments")}}
+            for i, t in enumerate(plan.tools)]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
     return schema if plan.parallel else {**schema, "maxItems": 1}
+
+
+def tool_grammar(plan: ToolPlan) -> str | None:
+    """The llguidance grammar of a required / named choice (None for auto), checked like any schema."""
+    schema = tool_schema(plan)
+    if schema is None:
+        return None
+    grammar = schema_grammar(schema, "tool_choice", max_depth=MAX_SCHEMA_DEPTH + TOOL_SCHEMA_WRAP_DEPTH)
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise bad_request(f"tool_choice: the grammar of the tools exceeds {MAX_GRAMMAR_CHARS} characters",
+                          param="tool_choice")
+    return grammar
 
 
 def tools_system_prompt(plan: ToolPlan) -> str:
@@ -114,61 +189,110 @@ def with_tools_prompt(messages: list[dict], plan: ToolPlan) -> list[dict]:
     return [{"role": "system", "content": prompt}] + messages
 
 
-def calls_as_text(tool_calls: list[dict]) -> str:
-    """An earlier assistant turn's tool_calls, written in the Hermes form the listing asks for."""
+_NOT_JSON = object()
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json(text: str):
+    """The JSON value of ``text``, or _NOT_JSON (invalid, NaN / Infinity, nested too deep to parse)."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+
+
+def _earlier_call(call, i: int) -> tuple[str, str]:
+    """(name, arguments text) of an earlier assistant turn's ``tool_calls[i]``; 400 naming messages."""
+    where = f"messages: an assistant turn's tool_calls.{i}"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function" \
+            or not isinstance(call.get("id", ""), str):
+        raise bad_request(f"{where}: must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                          "'arguments': str}}}}", param="messages")
+    name, arguments = function.get("name"), function.get("arguments")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.function.name: must be a non-empty string", param="messages")
+    if not isinstance(arguments, (str, type(None))):
+        raise bad_request(f"{where}.function.arguments: must be a string (the JSON text of the arguments)",
+                          param="messages")
+    return name, arguments or "{}"
+
+
+def calls_as_text(tool_calls: list) -> str:
+    """An earlier assistant turn's tool_calls, written in the Hermes form the listing asks for (arguments
+    that are not JSON are written as the string they are)."""
     blocks = []
-    for call in tool_calls:
-        function = call.get("function") or {}
+    for i, call in enumerate(tool_calls):
+        name, arguments = _earlier_call(call, i)
+        value = _json(arguments)
         try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
-            arguments = function.get("arguments")
-        blocks.append("<tool_call>" + json.dumps({"name": function.get("name"), "arguments": arguments})
-                      + "</tool_call>")
+            block = json.dumps({"name": name, "arguments": arguments if value is _NOT_JSON else value})
+        except (ValueError, RecursionError):
+            block = json.dumps({"name": name, "arguments": arguments})
+        blocks.append(_OPEN + block + _CLOSE)
     return "\n".join(blocks)
 
 
-def _call(name: str, arguments) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
-
-
-def _as_call(text: str, plan: ToolPlan) -> dict | None:
+def _call(name, arguments, plan: ToolPlan) -> dict | None:
+    """A response tool call, or None unless ``name`` is one of the plan's functions and ``arguments`` an object."""
+    if not isinstance(name, str) or name not in plan.names or not isinstance(arguments, dict):
+        return None
     try:
-        value = json.loads(text)
-    except ValueError:
+        text = json.dumps(arguments)
+    except (ValueError, RecursionError):
         return None
-    if not isinstance(value, dict) or value.get("name") not in plan.names:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _as_call(value, plan: ToolPlan) -> dict | None:
+    """A parsed ``{"name", "arguments"}`` (or ``"parameters"``) object as a call, or None."""
+    if not isinstance(value, dict):
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return _call(value["name"], arguments) if isinstance(arguments, dict) else None
+    return _call(value.get("name"), value.get("arguments", value.get("parameters", {})), plan)
+
+
+def _blocks(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, stripped inside) of each ``<tool_call>...</tool_call>`` block, in order. Linear."""
+    found, pos = [], 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        close = text.find(_CLOSE, start + len(_OPEN))
+        if close < 0:
+            break
+        pos = close + len(_CLOSE)
+        found.append((start, pos, text[start + len(_OPEN):close].strip()))
+    return found
+
+
+def _constrained(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a required / named choice's output (content: the text when it is not calls)."""
+    value = _json(text)
+    if plan.choice == "named":
+        calls = [_call(plan.name, value, plan)]
+    else:
+        calls = [_as_call(item, plan) for item in value] if isinstance(value, list) and value else [None]
+    if any(call is None for call in calls):
+        return text or None, []        # cut short (max_tokens) or otherwise not calls: the text as it is
+    return None, calls if plan.parallel else calls[:1]
 
 
 def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of one choice's text (see the module docstring)."""
-    if plan.choice == "named":
-        try:
-            arguments = json.loads(text)
-        except ValueError:
-            return text or None, []      # cut short (max_tokens): the text as it is
-        return None, [_call(plan.name, arguments)]
-    if plan.choice == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text or None, []
-        return None, [_call(item["name"], item["arguments"]) for item in items]
+    """(content, tool calls) of one choice's text (see the module docstring); never raises."""
+    if plan.choice in ("named", "required"):
+        return _constrained(text, plan)
     calls, kept, last = [], [], 0
-    for match in _BLOCK.finditer(text):
-        call = _as_call(match.group(1), plan)
+    for start, end, inside in _blocks(text):
+        call = _as_call(_json(inside), plan)
         if call is not None:
-            kept.append(text[last:match.start()])
-            last = match.end()
+            kept.append(text[last:start])
+            last = end
             calls.append(call)
     if calls:
         content = ("".join(kept) + text[last:]).strip()
         return content or None, calls if plan.parallel else calls[:1]
-    whole = _as_call(text.strip(), plan)
+    whole = _as_call(_json(text.strip()), plan)
     if whole is not None:
         return None, [whole]
     return text, []

@@ -26,8 +26,8 @@ from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingPara
 
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .structured_output import requested_grammar, schema_grammar
-from .tools import ToolPlan, calls_as_text, plan_tools, tool_schema
+from .structured_output import requested_grammar
+from .tools import ToolPlan, calls_as_text, plan_tools, tool_grammar
 
 MAX_STOP_STRINGS = 16
 MAX_BATCH_PROMPTS = 64
@@ -148,12 +148,11 @@ def grammar_of(req: SamplingFields, check_grammar: Callable[[str, str], None] | 
     """The request's llguidance grammar (response_format / structured_outputs, or a required / named
     tool choice), checked; None without."""
     requested = requested_grammar(req.model_extra or {})
-    schema = tool_schema(tools) if tools is not None else None
-    if schema is not None:
+    if tools is not None and tools.choice in ("required", "named"):
         if requested is not None:
             raise bad_request(f"tool_choice: a required or named tool choice cannot be combined with {requested[0]}",
                               param="tool_choice")
-        requested = ("tool_choice", schema_grammar(schema, "tool_choice"))
+        requested = ("tool_choice", tool_grammar(tools))
     if requested is None:
         return None
     field, grammar = requested

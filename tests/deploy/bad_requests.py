@@ -4,7 +4,8 @@ Each case: (id, path, body, expected status, expected ``error.param``). Bodies a
 raw bytes sent as-is with ``Content-Type: application/json``, or ``RawBody`` (bytes + a content type).
 ``max_model_len`` / ``vocab_size`` placeholders are filled in by ``bad_request_cases``;
 ``malformed_cases`` adds the abuse catalogue (wrong types for every field, nested garbage, huge
-numbers, NaN/Infinity literals, invalid UTF-8, lone surrogates, wrong content types, deep nesting).
+numbers, NaN/Infinity literals, invalid UTF-8, lone surrogates, wrong content types, deep nesting,
+structured-output schemas and regexes the grammar checks refuse, malformed tools and tool calls).
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ def _range_cases(ok: dict, vocab_size: int) -> list[tuple]:
          400, "repetition_penalty"),
         ("frequency_penalty_out_of_range", COMPLETIONS, {**ok, "frequency_penalty": 3}, 400, "frequency_penalty"),
         ("repetition_penalty_zero", COMPLETIONS, {**ok, "repetition_penalty": 0}, 400, "repetition_penalty"),
+        # issue #32: 1e-50 is 0 in float32 (a masked logit times 0 is NaN); 1e30 overflows a logit's quotient
+        ("repetition_penalty_underflows", COMPLETIONS, {**ok, "repetition_penalty": 1e-50, "temperature": 0,
+                                                        "structured_outputs": {"choice": ["yes", "no"]}},
+         400, "repetition_penalty"),
+        ("repetition_penalty_overflows", COMPLETIONS, {**ok, "repetition_penalty": 1e30}, 400, "repetition_penalty"),
+        ("temperature_overflows_float32", COMPLETIONS, {**ok, "temperature": 1e39}, 400, "temperature"),
         ("top_k_beyond_int64", COMPLETIONS, {**ok, "top_k": 2**70}, 400, "top_k"),
         ("seed_beyond_int64", COMPLETIONS, {**ok, "seed": INT64_MAX + 1}, 400, "seed"),
         ("n_beyond_int64", COMPLETIONS, {**ok, "n": -(2**64)}, 400, "n"),
@@ -216,13 +223,66 @@ def _chat_cases(chat: dict, max_model_len: int) -> list[tuple]:
     ]
 
 
+def _grammar_cases(ok: dict) -> list[tuple]:
+    """Structured-output requests the ingress must refuse before admission (deploy/structured_output.py)."""
+    recursive = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    required_self = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    deep: dict = {"type": "string"}
+    for _ in range(40):   # 81 levels of JSON objects
+        deep = {"type": "object", "properties": {"a": deep}}
+    return [
+        ("schema_recursive_ref", COMPLETIONS, {**ok, "structured_outputs": {"json": recursive}}, 400,
+         "structured_outputs"),
+        ("schema_recursive_ref_response_format", COMPLETIONS, {**ok, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": recursive}}}, 400, "response_format"),
+        ("schema_required_property_is_itself", COMPLETIONS, {**ok, "structured_outputs": {"json": required_self}},
+         400, "structured_outputs"),
+        ("schema_string_nested_50000_deep", COMPLETIONS, {**ok, "structured_outputs": {
+            "json": "[" * 50_000 + "]" * 50_000}}, 400, "structured_outputs"),
+        ("schema_nested_81_deep", COMPLETIONS, {**ok, "structured_outputs": {"json": deep}}, 400,
+         "structured_outputs"),
+        ("regex_lexer_explodes", COMPLETIONS, {**ok, "n": 16, "temperature": 1, "structured_outputs": {
+            "regex": "(a{1000}){1000}"}}, 400, "structured_outputs"),
+    ]
+
+
+def _tool_cases(chat: dict) -> list[tuple]:
+    """Malformed tools, tool_choice and earlier tool calls (deploy/tools.py): 400s, never 500s."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with_tools = {**chat, "tools": [weather]}
+
+    def turn(call) -> dict:
+        return {**with_tools, "messages": [{"role": "user", "content": "hi"},
+                                           {"role": "assistant", "content": None, "tool_calls": [call]},
+                                           {"role": "user", "content": "and?"}]}
+    return [
+        ("tool_choice_function_not_object", CHAT, {**with_tools, "tool_choice": {
+            "type": "function", "function": "get_weather"}}, 400, "tool_choice"),
+        ("tool_choice_name_not_string", CHAT, {**with_tools, "tool_choice": {
+            "type": "function", "function": {"name": ["get_weather"]}}}, 400, "tool_choice"),
+        ("tool_function_not_object", CHAT, {**chat, "tools": [{"type": "function", "function": "get_weather"}]},
+         400, "tools"),
+        ("tool_description_not_string", CHAT, {**chat, "tools": [{"type": "function", "function": {
+            "name": "f", "description": {"a": 1}}}]}, 400, "tools"),
+        ("tool_parameters_not_object_schema", CHAT, {**chat, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "string"}}}]}, 400, "tools"),
+        ("tool_required_parameters_without_finite_instance", CHAT, {**chat, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}}}]}, 400, "tool_choice"),
+        ("tool_call_arguments_object", CHAT, turn({"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Oslo"}}}), 400, "messages"),
+        ("tool_call_function_string", CHAT, turn({"id": "call_1", "type": "function", "function": "get_weather"}),
+         400, "messages"),
+    ]
+
+
 def malformed_cases(model: str, max_model_len: int, vocab_size: int) -> list[tuple]:
     """``bad_request_cases`` plus the abuse catalogue (every case a 4xx with an OpenAI error body)."""
     ok = {"model": model, "prompt": "Hello", "max_tokens": 4}
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     cases = (bad_request_cases(model, max_model_len, vocab_size) + _completion_type_cases(ok)
              + _range_cases(ok, vocab_size) + _prompt_shape_cases(ok) + _body_cases()
-             + _chat_cases(chat, max_model_len))
+             + _chat_cases(chat, max_model_len) + _grammar_cases(ok) + _tool_cases(chat))
     ids = [case[0] for case in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases

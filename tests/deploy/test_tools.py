@@ -9,12 +9,21 @@ import pytest
 from bad_requests import assert_openai_error
 from fake_engine import ScriptedEngine
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pagedray.deploy.api import create_api
 from pagedray.deploy.errors import APIError
 from pagedray.deploy.metrics import ServerMetrics
 from pagedray.deploy.service import OpenAIService
 from pagedray.deploy.sse import parse_sse
-from pagedray.deploy.tools import parse_tool_calls, plan_tools, tool_schema, with_tools_prompt
+from pagedray.deploy.tools import (
+    calls_as_text,
+    parse_tool_calls,
+    plan_tools,
+    tool_schema,
+    tools_system_prompt,
+    with_tools_prompt,
+)
 from pagedray.deploy.validation import ModelLimits
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -133,3 +142,181 @@ def test_an_earlier_turns_tool_calls_and_tool_answers_are_rendered(tokenizer):
     assert_openai_error(client.post("/v1/chat/completions", json={**body, "tool_choice": "required",
                                                                    "response_format": {"type": "json_object"}}),
                         400, "tool_choice")
+
+
+# ---------------------------------------------------------------- malformed structures (issue #32)
+DEEP_PARAMETERS = {"type": "object"}
+for _ in range(40):
+    DEEP_PARAMETERS = {"type": "object", "properties": {"a": DEEP_PARAMETERS}}
+
+
+@pytest.mark.parametrize("tools, choice, parallel, param", [
+    ([WEATHER], {"type": "function", "function": "get_weather"}, None, "tool_choice"),
+    ([WEATHER], {"type": "function", "function": {"name": ["get_weather"]}}, None, "tool_choice"),
+    ([WEATHER], {"type": "function"}, None, "tool_choice"),
+    ([WEATHER], {"function": {"name": "get_weather"}}, None, "tool_choice"),
+    ([WEATHER], ["auto"], None, "tool_choice"),
+    (None, {"type": "function", "function": {"name": "get_weather"}}, None, "tool_choice"),
+    (["get_weather"], None, None, "tools"),
+    ({"type": "function"}, None, None, "tools"),
+    ([{"type": "function", "function": "get_weather"}], None, None, "tools"),
+    ([{"type": "tool", "function": {"name": "f"}}], None, None, "tools"),
+    ([{"type": "function", "function": {"name": 7}}], None, None, "tools"),
+    ([{"type": "function", "function": {"name": "f", "description": ["x"]}}], None, None, "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], None, None, "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None, None, "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": DEEP_PARAMETERS}}], None, None, "tools"),
+    ([{"type": "function", "function": "f"}], "none", None, "tools"),    # malformed even when not used
+    ([WEATHER], "none", 1, "parallel_tool_calls"),
+])
+def test_malformed_tool_requests_are_400s_naming_the_field(tools, choice, parallel, param):
+    with pytest.raises(APIError) as info:
+        plan_tools(tools, choice, parallel)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("call", [
+    "call_1", {"id": "call_1", "type": "function", "function": "get_time"},
+    {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {}}},
+    {"id": "call_1", "type": "function", "function": {"name": ["get_time"], "arguments": "{}"}},
+    {"id": "call_1", "type": "function", "function": {"arguments": "{}"}},
+    {"id": "call_1", "type": "custom", "function": {"name": "get_time", "arguments": "{}"}},
+    {"id": 5, "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+])
+def test_malformed_earlier_tool_calls_are_400s_naming_messages(call):
+    with pytest.raises(APIError) as info:
+        calls_as_text([call])
+    assert (info.value.status, info.value.param) == (400, "messages")
+
+
+def test_earlier_tool_call_arguments_that_are_not_json_are_written_as_strings():
+    deep = "[" * 50_000 + "]" * 50_000
+    for arguments in ("not json", deep, '{"x": NaN}'):
+        call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": arguments}}
+        assert calls_as_text([call]) == "<tool_call>" + json.dumps({"name": "get_time", "arguments": arguments}) \
+            + "</tool_call>"
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": [1], "arguments": {}}</tool_call>',
+    '<tool_call>{"name": {"a": 1}, "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "get_time", "arguments": [1, 2]}</tool_call>',
+    '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>',
+    '<tool_call>["get_time", {}]</tool_call>',
+    "<tool_call>" + "[" * 50_000 + "]" * 50_000 + "</tool_call>",
+    '{"name": "get_time", "arguments": ' + "[" * 50_000 + "]" * 50_000 + "}",
+    "<tool_call>" + " " * 20_000,
+    "<tool_call>x" * 20_000,
+    '{"name": null}',
+])
+def test_malformed_model_output_stays_content(text):
+    assert parse_tool_calls(text, plan_tools([WEATHER, TIME], "auto", None)) == (text, [])
+
+
+@pytest.mark.parametrize("choice, text", [
+    ("required", '{"name": "get_time", "arguments": {}}'),
+    ("required", "[]"),
+    ("required", '[{"name": "nope", "arguments": {}}]'),
+    ("required", '[{"name": "get_time", "arguments": "{}"}]'),
+    ("required", '["get_time"]'),
+    ("required", '[{"name": "get_time", "arguments": {}}, 5]'),
+    ({"type": "function", "function": {"name": "get_time"}}, "[1]"),
+    ({"type": "function", "function": {"name": "get_time"}}, '{"a": Infinity}'),
+    ({"type": "function", "function": {"name": "get_time"}}, "[" * 50_000),
+])
+def test_constrained_output_that_is_not_calls_stays_content(choice, text):
+    assert parse_tool_calls(text, plan_tools([WEATHER, TIME], choice, None)) == (text, [])
+
+
+def test_required_choice_rebases_each_tools_local_refs(tokenizer):
+    city = {"type": "function", "function": {"name": "city", "parameters": {
+        "type": "object", "$defs": {"name": {"type": "string", "maxLength": 20}},
+        "properties": {"name": {"$ref": "#/$defs/name"}, "twin": {"$ref": "#"}}, "required": ["name"]}}}
+    schema = tool_schema(plan_tools([WEATHER, city], "required", None))
+    arguments = schema["items"]["anyOf"][1]["properties"]["arguments"]
+    assert arguments["properties"]["name"] == {"$ref": "#/items/anyOf/1/properties/arguments/$defs/name"}
+    assert arguments["properties"]["twin"] == {"$ref": "#/items/anyOf/1/properties/arguments"}
+    text = '[{"name": "city", "arguments": {"name": "Oslo"}}]'
+    client, _ = _client(tokenizer, text)
+    body = {"messages": [{"role": "user", "content": "A city?"}], "tools": [WEATHER, city],
+            "tool_choice": "required", "max_tokens": len(tokenizer.encode(text))}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text   # the grammar check resolved every $ref
+    assert response.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "city"
+
+
+def test_a_malformed_call_in_model_output_is_content_whole_and_streamed(tokenizer):
+    text = '<tool_call>{"name": [1], "arguments": {}}</tool_call>'
+    client, _ = _client(tokenizer, text)
+    body = {"messages": [{"role": "user", "content": "Time?"}], "tools": [TIME],
+            "max_tokens": len(tokenizer.encode(text))}
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["content"] == text and message["tool_calls"] is None
+    events = [e for e in parse_sse(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+              if e != "[DONE]"]
+    assert all("error" not in e for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == text
+
+
+# ---------------------------------------------------------------- drawn malformed structures
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=3), max_leaves=12)
+NAMES = st.sampled_from(["get_weather", "get_time", "bad name", ""]) | JSON_VALUES
+FUNCTIONS = st.fixed_dictionaries({}, optional={"name": NAMES, "description": JSON_VALUES,
+                                                "parameters": JSON_VALUES | st.just({"type": "object"})})
+TOOLS = st.fixed_dictionaries({}, optional={"type": st.just("function") | JSON_VALUES,
+                                            "function": FUNCTIONS | JSON_VALUES})
+CHOICES = st.sampled_from(["none", "auto", "required", None]) | JSON_VALUES | st.fixed_dictionaries(
+    {}, optional={"type": st.just("function") | JSON_VALUES, "function": st.fixed_dictionaries(
+        {}, optional={"name": NAMES}) | JSON_VALUES})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tools=st.lists(TOOLS | JSON_VALUES, max_size=3) | JSON_VALUES, choice=CHOICES,
+       parallel=st.none() | st.booleans() | JSON_VALUES)
+def test_drawn_tool_requests_plan_or_are_400s(tools, choice, parallel):
+    try:
+        plan = plan_tools(tools, choice, parallel)
+    except APIError as exc:
+        assert exc.status == 400 and exc.param in ("tools", "tool_choice", "parallel_tool_calls")
+        return
+    if plan is not None:
+        assert all(isinstance(t["name"], str) and isinstance(t.get("parameters", {}), dict) for t in plan.tools)
+        assert plan.choice != "named" or plan.name in plan.names
+        tools_system_prompt(plan)
+        tool_schema(plan)
+
+
+@settings(max_examples=300, deadline=None)
+@given(calls=st.lists(st.fixed_dictionaries({}, optional={
+    "id": st.just("call_1") | JSON_VALUES, "type": st.just("function") | JSON_VALUES,
+    "function": st.fixed_dictionaries({}, optional={"name": NAMES, "arguments": st.just('{"a": 1}') | JSON_VALUES})
+    | JSON_VALUES}) | JSON_VALUES, min_size=1, max_size=3))
+def test_drawn_earlier_tool_calls_render_or_are_400s(calls):
+    try:
+        text = calls_as_text(calls)
+    except APIError as exc:
+        assert exc.status == 400 and exc.param == "messages"
+        return
+    assert text.count("<tool_call>") == len(calls)
+
+
+def _output_parts():
+    call = st.fixed_dictionaries({}, optional={"name": NAMES, "arguments": JSON_VALUES, "parameters": JSON_VALUES})
+    as_json = (call | JSON_VALUES | st.lists(call, max_size=2)).map(json.dumps)
+    return st.lists(as_json | st.sampled_from(["<tool_call>", "</tool_call>", " ", "\n", "NaN", "{", "]", "x"]),
+                    max_size=8).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_output_parts(), choice=st.sampled_from(["auto", "required", "named"]), parallel=st.booleans())
+def test_drawn_model_output_parses_without_raising(text, choice, parallel):
+    tool_choice = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else choice
+    plan = plan_tools([WEATHER, TIME], tool_choice, parallel)
+    content, calls = parse_tool_calls(text, plan)
+    assert content is None or isinstance(content, str)
+    for call in calls:
+        assert call["function"]["name"] in plan.names
+        assert isinstance(json.loads(call["function"]["arguments"]), dict)
+    assert calls or content == (text if choice == "auto" else text or None)
