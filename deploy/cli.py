@@ -3,9 +3,10 @@
     pagedray serve [--model default] [--tensor-parallel-size 1] [--host 127.0.0.1] [--port 8000] ...
         fetches the default model if needed, starts a private local Ray instance (or joins the
         cluster given by ``--address``, e.g. ``auto`` after ``ray start --head``), deploys the Serve
-        application (build_app), prints the URL and blocks until Ctrl-C, then removes the app. A
-        replica that fails to start ends the command at once with the replica's exception, a hint
-        and exit status 1 (deploy/startup.py).
+        application (build_app), prints the URL and blocks until Ctrl-C or SIGTERM, then removes the
+        app and stops a private Ray. An option value that cannot work is argparse's one-line error and
+        exit status 2 before anything starts; a replica that fails to start ends the command at once
+        with the replica's exception, a hint and exit status 1 (deploy/startup.py).
     pagedray generate "prompt" [--max-tokens 64] [--temperature 0] [--chat] ...
         one offline generation through the ``LLM`` API (no Ray Serve), printed to stdout.
     pagedray fetch-model [--cache-dir DIR]
@@ -48,6 +49,14 @@ Decisions:
   a replaced ingress replica gets ``--port`` back at once. One ingress replica per node can hold the
   port; ``RAY_SERVE_ENABLE_DIRECT_INGRESS=0`` in the environment (or ``--address``, joining a cluster
   whose settings are its own) puts Serve's proxy on ``--port`` instead.
+- A private Ray declares the logical CPUs that the app's replicas reserve at their most when that is
+  more than the cores (``startup.local_ray_num_cpus``): ``--num-replicas 2`` gets both engine replicas.
+- Stopping (Ctrl-C or SIGTERM, handled alike, also during start-up): a private Ray with nothing in
+  flight is torn down at once (``_drain_private``); with requests in flight Serve is told to delete the
+  app and the CLI waits for them, ``graceful_shutdown_s`` at most; a second signal stops at once. On a
+  Ray started here Serve does not hold a stopping ingress replica open when it is idle
+  (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0``: Serve's 30 s default lets an external load
+  balancer deregister the replica; there is none, and it made every ``serve.delete`` take 30 s or more).
 - With ``--api-key``, a Ray started here also gets ``http_guard.guard_env``: Serve's middleware hook
   and the key's SHA-256, so Serve's own ``/-/routes`` asks for the key too. The ingress replica's HTTP
   server bounds request heads in size and time (``http_guard.BoundedH11Protocol``).
@@ -65,6 +74,16 @@ import time
 
 from .loopback import LOOPBACK_NODE_IP, LOOPBACK_RAY_ENV
 from .options import OPTIONS, cli_type, engine_options, llm_kwargs
+from .startup import (
+    OptionError,
+    app_resources,
+    check_gpus,
+    check_kv_cache_memory,
+    check_model_folder,
+    checked_options,
+    deploy_and_watch,
+    local_ray_num_cpus,
+)
 
 APP_NAME = "pagedray"
 # environment of a Ray started here (values already set win): Serve's proxy gets 60 s for its checks,
@@ -72,7 +91,8 @@ APP_NAME = "pagedray"
 LOCAL_RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
                  "RAY_worker_niceness": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "RAY_SERVE_PORT_QUARANTINE_S": "0",
-                 "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+                 "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+                 "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 def json_object(text: str) -> dict:
     """argparse type of dict options: a JSON object."""
@@ -83,6 +103,17 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
+
+
+def port_number(text: str) -> int:
+    """argparse type of ``--port``: a TCP port, 1-65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer port 1-65535, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {port}")
+    return port
 
 
 def _add_options(parser: argparse.ArgumentParser, options) -> None:
@@ -113,11 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_p = sub.add_parser("serve", help="deploy the OpenAI-compatible server on Ray Serve")
     _add_options(serve_p, OPTIONS)
     serve_p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
-    serve_p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    serve_p.add_argument("--port", type=port_number, default=8000, help="HTTP port, 1-65535 (default 8000)")
     serve_p.add_argument("--address", default=None,
                          help="join this Ray cluster ('auto': the one `ray start --head` started here); "
                               "default: start a private local Ray for this command")
     serve_p.add_argument("--name", default=APP_NAME, help="Serve application name")
+    serve_p.set_defaults(usage_error=serve_p.error)
 
     gen_p = sub.add_parser("generate", help="generate once with the offline LLM API")
     gen_p.add_argument("prompt", help="the prompt text")
@@ -126,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen_p.add_argument("--temperature", type=float, default=0.0)
     gen_p.add_argument("--seed", type=int, default=None)
     gen_p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen_p.set_defaults(usage_error=gen_p.error)
 
     fetch_p = sub.add_parser("fetch-model", help="fetch and convert the default model")
     fetch_p.add_argument("--cache-dir", default=None, help="where to keep it (default: user cache dir)")
@@ -140,11 +173,15 @@ def serve_args(ns: argparse.Namespace) -> dict:
     return _given(ns, OPTIONS)
 
 
-def local_ray_num_cpus(tensor_parallel_size: int, cores: int | None = None) -> int:
-    """Logical CPUs declared for a Ray started here: at least the engine replica's bundle plus one per
-    TP rank, so that TP=2 schedules on a 2-core machine (Ray resources are logical; torch threads are
-    pinned per rank by the workers)."""
-    return max(cores or os.cpu_count() or 1, tensor_parallel_size + 1)
+def check_serve_options(ns: argparse.Namespace):
+    """Every ``serve`` option before anything starts (OptionError). With a private Ray, everything runs on
+    this machine: the model folder must exist here and the KV caches must fit in its memory; with
+    ``--address`` the replicas may run on other nodes, which are theirs to check. The parsed build_app args."""
+    parsed, config, replicas = checked_options(serve_args(ns))
+    if not ns.address:
+        check_model_folder(ns.model)
+        check_kv_cache_memory(config, replicas)
+    return parsed
 
 
 def uses_direct_ingress(environ) -> bool:
@@ -167,11 +204,11 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _start_or_join_ray(address: str | None, tensor_parallel_size: int = 1, port: int = 8000,
-                       api_key: str | None = None) -> bool:
-    """Join the cluster at ``address``, or start a private local one whose ingress replica serves
-    ``port`` itself when direct ingress is on, and whose HTTP servers ask for ``api_key`` on Serve's
-    ``/-/routes`` (``http_guard.guard_env``). True when started here."""
+def _start_or_join_ray(address: str | None, num_cpus: int, port: int = 8000, api_key: str | None = None) -> bool:
+    """Join the cluster at ``address``, or start a private local one with ``num_cpus`` logical CPUs
+    (``local_ray_num_cpus``) whose ingress replica serves ``port`` itself when direct ingress is on, and
+    whose HTTP servers ask for ``api_key`` on Serve's ``/-/routes`` (``http_guard.guard_env``). True when
+    started here."""
     from .http_guard import guard_env
 
     if address:
@@ -186,7 +223,7 @@ def _start_or_join_ray(address: str | None, tensor_parallel_size: int = 1, port:
     os.environ.update(guard_env(api_key))
     import ray  # LOOPBACK_RAY_ENV is set by run_serve before Ray's first import, when it is read
 
-    ray.init(address="local", num_cpus=local_ray_num_cpus(tensor_parallel_size), log_to_driver=False,
+    ray.init(address="local", num_cpus=num_cpus, log_to_driver=False,
              _node_ip_address=LOOPBACK_NODE_IP, dashboard_host=LOOPBACK_NODE_IP)
     return True
 
@@ -218,23 +255,95 @@ def _prepare_model(model: str | None) -> None:
         ensure_default_model()
 
 
-def run_serve(ns: argparse.Namespace) -> int:
-    if not ns.address:   # a private Ray (loopback.py): Ray reads this when it is first imported
-        os.environ.update(LOOPBACK_RAY_ENV)
+REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"   # Serve's replica actors: "SERVE_REPLICA::<app>#<deployment>#<id>"
+DRAIN_MARGIN_S = 1.0   # past graceful_shutdown_s: an ingress ends a stream whose engine Serve killed (SSE error)
+
+
+def requests_in_flight(app_name: str, timeout_s: float = 5.0) -> int | None:
+    """Requests the app's replicas hold now: Serve's own count per replica (``get_num_ongoing_requests``,
+    what a replica's graceful shutdown waits on; HTTP requests of the ingress included). None when that
+    cannot be told (no replica found, one not answering within ``timeout_s``): then nothing is assumed."""
+    import ray
+    from ray.util import list_named_actors
+
+    prefix = f"{REPLICA_ACTOR_PREFIX}{app_name}#"
+    try:
+        actors = [ray.get_actor(a["name"], namespace=a["namespace"])
+                  for a in list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+        counts = ray.get([actor.get_num_ongoing_requests.remote() for actor in actors], timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - any failure to ask means "unknown", never "idle"
+        return None
+    return sum(counts) if actors else None
+
+
+def _drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
+    """Let the requests in flight on a private Ray finish, for ``grace_s`` (``graceful_shutdown_s``) plus
+    ``DRAIN_MARGIN_S`` at most, before the caller tears the Ray down.
+
+    Decisions: with nothing in flight (``requests_in_flight`` is 0) it returns at once: ``ray.shutdown``
+    ends Serve's controller, proxy and every replica and TP worker with it, while ``serve.delete`` would
+    first wait out each replica's shutdown loop (seconds, doing nothing). With requests in flight, Serve is
+    told to delete the app (it stops routing to it and each replica drains) and the count is polled here,
+    so the teardown follows the last request instead of Serve's loops. When the count cannot be had, the
+    blocking ``serve.delete`` is Serve's own wait, nothing is assumed."""
+    from ray import serve
+
+    in_flight = requests_in_flight(name)
+    if in_flight == 0:
+        print("nothing in flight: stopping Ray", flush=True)
+        return
+    print(f"waiting up to {grace_s:g} s for the requests in flight (Ctrl-C again: stop now) ...", flush=True)
+    if in_flight is None:
+        serve.delete(name)
+        return
+    serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + grace_s + DRAIN_MARGIN_S
+    while time.monotonic() < deadline and requests_in_flight(name):   # 0, or no replica left: done
+        time.sleep(poll_s)
+
+
+def _stop_serving(name: str, private: bool, serve_started: bool, grace_s: float) -> None:
+    """Remove the app and stop a private Ray (``_drain_private`` first). A second Ctrl-C or SIGTERM cuts the
+    wait for requests in flight short; the teardown itself ignores further signals, so that no Ray process
+    is left behind. A joined cluster (``--address``) only gets the app deleted (Serve's own drain)."""
     import ray
     from ray import serve
 
-    from .app import build_app
-    from .startup import deploy_and_watch
-
-    app = build_app(serve_args(ns))  # validates the options before anything starts
-    _prepare_model(ns.model)
-    started_ray = _start_or_join_ray(ns.address, ns.tensor_parallel_size or 1, ns.port, ns.api_key)
-    direct = started_ray and uses_direct_ingress(os.environ)
-    serve.start(http_options={"host": ns.host, "port": free_port(ns.host) if direct else ns.port})
-    _stop_on_signals()
-    status = 1  # until the app is up
     try:
+        if serve_started and private:
+            _drain_private(name, grace_s)
+        elif serve_started:
+            serve.delete(name)
+    except KeyboardInterrupt:
+        print("stopping now (second signal): requests still in flight are cut", flush=True)
+    finally:
+        if private:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            ray.shutdown()
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    if not ns.address:   # a private Ray (loopback.py): Ray reads this when it is first imported
+        os.environ.update(LOOPBACK_RAY_ENV)
+    from ray import serve
+
+    from .app import build_app
+
+    parsed = check_serve_options(ns)   # OptionError (exit status 2) before anything starts
+    app = build_app(serve_args(ns))
+    needed = app_resources(app)
+    if not ns.address:
+        check_gpus(needed["GPU"])
+    _stop_on_signals()   # from here SIGTERM and Ctrl-C stop everything started, start-up included
+    status, serve_started = 1, False  # status 1 until the app is up
+    try:
+        _prepare_model(ns.model)
+        started_ray = _start_or_join_ray(ns.address, local_ray_num_cpus(needed["CPU"]), ns.port, ns.api_key)
+        _stop_on_signals()   # again: ray.init sets a SIGTERM handler of its own (sys.exit: no clean-up)
+        direct = started_ray and uses_direct_ingress(os.environ)
+        serve.start(http_options={"host": ns.host, "port": free_port(ns.host) if direct else ns.port})
+        serve_started = True
         failure = deploy_and_watch(lambda: serve.run(app, name=ns.name, route_prefix="/"),
                                    lambda: serve.status().applications.get(ns.name))
         if failure is not None:
@@ -249,10 +358,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         print("stopping ...", flush=True)
         status = interrupted_status(status == 0, ns.host, ns.port)
     finally:
-        serve.delete(ns.name)
-        if started_ray:
-            serve.shutdown()
-            ray.shutdown()
+        _stop_serving(ns.name, private=not ns.address, serve_started=serve_started,
+                      grace_s=parsed.graceful_shutdown_s)
     return status
 
 
@@ -278,9 +385,13 @@ def interrupted_status(deployed: bool, host: str, port: int, probe=answers_healt
 
 
 def run_generate(ns: argparse.Namespace) -> int:
+    given = _given(ns, generate_options())
+    _, config, _ = checked_options(given)   # OptionError (exit status 2) before the model loads
+    check_model_folder(ns.model)
+    check_kv_cache_memory(config, replicas=1)
     from pagedray.cluster import LLM, SamplingParams
 
-    llm = LLM(**llm_kwargs(_given(ns, generate_options())))
+    llm = LLM(**llm_kwargs(given))
     prompt: str | list[int] = ns.prompt
     if ns.chat:
         tokenizer = llm.engine.tokenizer
@@ -308,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         return loadtest_main(argv[1:])
     ns = build_parser().parse_args(argv)
     handlers = {"serve": run_serve, "generate": run_generate, "fetch-model": run_fetch_model}
-    return handlers[ns.command](ns)
+    try:
+        return handlers[ns.command](ns)
+    except OptionError as exc:   # raised by the checks before anything starts
+        ns.usage_error(str(exc))   # argparse's: usage, "pagedray serve: error: ...", exit status 2
+        raise   # not reached: usage_error exits
 
 
 if __name__ == "__main__":

@@ -92,6 +92,24 @@ def server_root(url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
+def served_model(url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
+    """The first model id of ``GET {root}/v1/models`` (the model a server started with ``--model PATH``
+    answers to; vLLM's benchmark client asks the same way); LookupError saying to pass ``--model`` when
+    the server does not list one."""
+    url = server_root(url) + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout_s, trust_env=False)
+        response.raise_for_status()
+        models = [entry["id"] for entry in response.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+        raise LookupError(f"--model not given and {url} lists no model ({type(err).__name__}: {err}); "
+                          "pass --model") from None
+    if not models:
+        raise LookupError(f"--model not given and {url} lists no model; pass --model")
+    return models[0]
+
+
 async def _measured(record: RequestRecord, stream_coro, timeout_s: float) -> None:
     """Run one request's stream coroutine, mapping every failure to a cause on the record."""
     try:

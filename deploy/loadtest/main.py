@@ -7,8 +7,13 @@ Prints a summary table, writes JSON (``--out``) and PNG plots next to it. ``--ch
 greedy response with a reference (a sequential run first, or ``--reference FILE``) and fails the requests
 whose text differs: tokens lost, duplicated or corrupted under load.
 
-Exit status: 0 when the run finished, 1 when ``--check`` found a mismatch or no request completed,
-2 for bad arguments (argparse's convention; the message names the argument).
+Without ``--model``, an HTTP target is asked for its model (the first of ``GET /v1/models``: a server
+started with ``--model PATH`` answers to that folder's name, not to "default"); a handle target gets
+"default".
+
+Exit status: 0 when the run finished, 1 when ``--check`` found a mismatch, no request completed (every
+one failed) or, without ``--model``, the server listed no model; 2 for bad arguments (argparse's convention; the
+message names the argument).
 
 Package map (pagedray.deploy.loadtest): prompts (inputs), record (per-request measurements and stream
 parsing), client (targets), runner (open / closed loop), metrics (/metrics polling), stats (summary and
@@ -19,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import pathlib
+import sys
 from dataclasses import dataclass, field
 
 from pagedray.deploy.loadtest.check import (
@@ -29,7 +36,13 @@ from pagedray.deploy.loadtest.check import (
     reference_from_records,
     save_reference,
 )
-from pagedray.deploy.loadtest.client import HandleTarget, HttpTarget, RequestOptions, parse_extra_body
+from pagedray.deploy.loadtest.client import (
+    HandleTarget,
+    HttpTarget,
+    RequestOptions,
+    parse_extra_body,
+    served_model,
+)
 from pagedray.deploy.loadtest.prompts import (
     PromptSpec,
     load_prompts_file,
@@ -38,6 +51,8 @@ from pagedray.deploy.loadtest.prompts import (
 )
 from pagedray.deploy.loadtest.runner import LoadSpec, RunResult, run_load
 from pagedray.deploy.loadtest.stats import format_table, summarize
+
+DEFAULT_MODEL = "default"   # what a handle target (and pagedray's own server) answers to
 
 
 @dataclass
@@ -149,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     target.add_argument("--handle", metavar="APP", help="Serve application name (DeploymentHandle target)")
-    p.add_argument("--model", default="default", help="model name sent in every request")
+    p.add_argument("--model", default=None, help="model name sent in every request (default: the first of "
+                   "the server's /v1/models; 'default' for --handle)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=None)
     load = p.add_mutually_exclusive_group(required=True)
@@ -202,7 +218,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         raise ValueError("reference: only meaningful with --check")
     if not args.metrics_interval > 0:
         raise ValueError(f"metrics_interval: must be > 0, got {args.metrics_interval}")
-    options = RequestOptions(model=args.model, endpoint=args.endpoint,
+    options = RequestOptions(model=args.model or DEFAULT_MODEL, endpoint=args.endpoint,
                              temperature=0.0 if args.check else args.temperature,
                              timeout_s=args.timeout, extra_body=parse_extra_body(args.extra_body))
     common = {"num_requests": args.num_requests, "duration_s": args.duration, "seed": args.seed}
@@ -217,6 +233,13 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         handle_app=args.handle, check=args.check, reference_path=args.reference,
         save_reference_path=args.save_reference, metrics_url="" if args.no_metrics else args.metrics_url,
         metrics_interval_s=args.metrics_interval, progress=not args.no_progress)
+
+
+def ask_served_model(config: LoadtestConfig) -> None:
+    """Every request of an HTTP run without ``--model`` names the server's model (``served_model``)."""
+    model = served_model(config.url, config.api_key, min(config.options.timeout_s, 60.0))
+    config.options = dataclasses.replace(config.options, model=model)
+    print(f"model: {model} (from {config.url.rstrip('/')}/v1/models)")
 
 
 def write_outputs(report: LoadtestReport, config: LoadtestConfig, args: argparse.Namespace) -> None:
@@ -242,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as err:
         parser.error(str(err))
+    if args.model is None and config.url is not None:
+        try:
+            ask_served_model(config)
+        except LookupError as err:
+            print(f"pagedray loadtest: {err}", file=sys.stderr)
+            return 1
     report = asyncio.run(run_loadtest(config))
     print(format_table(report.summaries))
     for check in report.checks:
@@ -251,8 +280,6 @@ def main(argv: list[str] | None = None) -> int:
             for example in check["examples"]:
                 print(f"  request {example['index']}: {example['cause']} {example['detail']}")
     write_outputs(report, config, args)
-    if report.mismatches or all(s["completed"] == 0 for s in report.summaries):
-        return 1
-    return 0
+    return 1 if report.mismatches or all(s["completed"] == 0 for s in report.summaries) else 0
 
 

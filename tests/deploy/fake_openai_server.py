@@ -1,7 +1,8 @@
 """TEST DOUBLE: a tiny fake OpenAI streaming server for the load-tester tests (not a model server).
 
 It listens on 127.0.0.1 on a free port, in a background thread with its own event loop (aiohttp), and
-answers ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming only) and ``GET /metrics``.
+answers ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming only), ``GET /v1/models``
+(``FakeBehavior.models``) and ``GET /metrics``.
 
 Behaviour is fully deterministic and set by ``FakeBehavior``:
 - output token i of a prompt is ``fake_token(prompt, i)`` (a word picked by crc32), ``max_tokens`` of them;
@@ -13,6 +14,8 @@ Behaviour is fully deterministic and set by ``FakeBehavior``:
 - with ``corrupt_min_in_flight`` set, a response whose token ``corrupt_at`` is produced while at least
   that many requests are in flight gets that token dropped, duplicated or replaced (``corruption``), and
   its prompt is appended to ``FakeOpenAIServer.corrupted`` -- the oracle for ``--check`` tests;
+- with ``strict_model``, a request naming a model that ``models`` does not list gets a 404 with an
+  OpenAI error body (what a server started with ``--model PATH`` answers to ``"model": "default"``);
 - ``usage.completion_tokens`` (when ``stream_options.include_usage``) counts the pieces actually sent;
 - ``/metrics`` exports the gauges the load tester polls: running = requests in flight, waiting = 0,
   KV usage = in flight / ``kv_capacity``.
@@ -51,6 +54,8 @@ class FakeBehavior:
     corrupt_at: int = 2
     corruption: str = "duplicate"   # "drop" | "duplicate" | "replace"
     kv_capacity: int = 8
+    models: tuple[str, ...] = ("fake",)
+    strict_model: bool = False
 
 
 class FakeOpenAIServer:
@@ -87,6 +92,7 @@ class FakeOpenAIServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
@@ -100,6 +106,10 @@ class FakeOpenAIServer:
                 f"pagedray:num_requests_waiting 0\n"
                 f'pagedray:kv_cache_usage_perc{{model="fake"}} {usage}\n')
         return web.Response(text=text)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "fake"}
+                                                             for name in self.behavior.models]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -117,6 +127,9 @@ class FakeOpenAIServer:
 
     async def _serve(self, request: web.Request, body: dict, prompt: str, chat: bool) -> web.StreamResponse:
         fault = self._next_fault()
+        if self.behavior.strict_model and body.get("model") not in self.behavior.models:
+            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                "type": "NotFoundError", "code": 404}}, status=404)
         if fault in ("429", "500"):
             return web.json_response({"error": {"message": f"fake {fault}"}}, status=int(fault))
         self.in_flight += 1

@@ -8,7 +8,7 @@ import types
 
 import pytest
 import yaml
-from pagedray.deploy import cli
+from pagedray.deploy import cli, startup
 from pagedray.deploy.app import build_app, engine_config, parse_args
 from pagedray.deploy.engine_deployment import placement_bundles
 
@@ -105,13 +105,35 @@ def test_generate_prints_transformers_greedy_text(default_model_path, capsys):
     assert printed == expected + "\n"
 
 
-def test_local_ray_declares_enough_logical_cpus_for_the_tp_group():
-    from pagedray.deploy.cli import local_ray_num_cpus
+def test_local_ray_declares_enough_logical_cpus_for_every_replica_and_rank():
+    """Each engine replica reserves its placement-group bundles (the replica + one per TP rank); the
+    ingress of a split layout reserves none; autoscaling counts max_replicas (issue #32: with
+    --num-replicas 2 the second replica was never scheduled on a 2-core machine)."""
+    from pagedray.deploy.startup import app_resources, local_ray_num_cpus
 
-    # the engine replica's bundle + one per rank must fit, whatever the core count
-    assert local_ray_num_cpus(1, cores=2) == 2
-    assert local_ray_num_cpus(2, cores=2) == 3
-    assert local_ray_num_cpus(4, cores=16) == 16
+    def cpus(args, cores=2):
+        return local_ray_num_cpus(app_resources(build_app({"device": "cpu", **args}))["CPU"], cores=cores)
+
+    assert cpus({}) == 2                                               # engine in the ingress: 1 + 1 rank
+    assert cpus({"tensor_parallel_size": 2}) == 3
+    assert cpus({"num_replicas": 2}) == 4                              # 2 x (replica + rank)
+    assert cpus({"num_replicas": 2, "tensor_parallel_size": 2}) == 6
+    assert cpus({"num_replicas": 3, "executor": "local"}) == 3         # in-process: one bundle per replica
+    assert cpus({"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}) == 6
+    assert cpus({"num_replicas": 2, "engine_in_ingress": True}) == 4
+    assert cpus({"num_replicas": 2}, cores=16) == 16                   # never fewer than the cores
+    assert app_resources(build_app({"device": "cpu", "num_replicas": 2}))["GPU"] == 0
+
+
+def test_gpus_beyond_the_machines_are_refused_before_anything_starts():
+    from pagedray.deploy.startup import OptionError, app_resources, check_gpus
+
+    needed = app_resources(build_app({"device": "cuda", "num_replicas": 2, "tensor_parallel_size": 2}))
+    assert needed["GPU"] == 4
+    check_gpus(needed["GPU"], gpus=4)
+    check_gpus(0, gpus=0)
+    with pytest.raises(OptionError, match="need 4 GPUs .* this machine has 2"):
+        check_gpus(needed["GPU"], gpus=2)
 
 
 def test_direct_ingress_follows_serves_rule_and_pins_the_port():
@@ -242,3 +264,155 @@ def test_health_probe_reads_the_served_port():
         server.shutdown()
         server.server_close()
     assert not cli.answers_health("127.0.0.1", port)   # nothing listens there any more
+
+
+@pytest.fixture
+def nothing_may_start(monkeypatch):
+    """``pagedray serve`` with Ray, Serve and the model fetch replaced by failures: a bad option must be
+    refused before any of them. The private Ray's environment the CLI sets is restored afterwards."""
+    from pagedray.deploy.loopback import LOOPBACK_RAY_ENV
+
+    for name in LOOPBACK_RAY_ENV:
+        monkeypatch.setenv(name, "0")
+
+    def started(*args, **kwargs):
+        raise AssertionError("something started before the options were checked")
+
+    monkeypatch.setattr(cli, "_start_or_join_ray", started)
+    monkeypatch.setattr(cli, "_prepare_model", started)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "-5"], "--max-num-seqs: must be >= 1, got -5"),
+    (["--block-size", "7"], "--block-size: must be one of (8, 16, 32, 64), got 7"),
+    (["--max-queued-requests", "0"], "--max-queued-requests: must be >= 1, got 0"),
+    (["--num-replicas", "0"], "--num-replicas: must be >= 1, got 0"),
+    (["--port", "99999"], "argument --port: must be in 1-65535, got 99999"),
+    (["--port", "0"], "argument --port: must be in 1-65535, got 0"),
+    (["--model", "/nonexistent/model"], "--model: '/nonexistent/model' is not a folder"),
+    (["--kv-cache-gib", "100000", "--device", "cpu"], "--kv-cache-gib: 100000 GiB per rank x 1 rank(s)"),
+])
+def test_bad_serve_options_are_one_usage_error_before_anything_starts(argv, message, nothing_may_start, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith("pagedray serve: error: " + message), err
+
+
+def test_kv_cache_memory_counts_every_rank_of_every_replica():
+    from pagedray.deploy.startup import OptionError, check_kv_cache_memory
+
+    config = engine_config(parse_args({"kv_cache_gib": 2.0, "tensor_parallel_size": 2, "device": "cpu"}))
+    check_kv_cache_memory(config, replicas=2, available=8 * 2**30)     # 2 GiB x 2 ranks x 2 replicas
+    with pytest.raises(OptionError, match=r"2 GiB per rank x 4 rank\(s\) = 8.0 GiB .* \(7.9 GiB\)"):
+        check_kv_cache_memory(config, replicas=2, available=int(7.9 * 2**30))
+    forced = engine_config(parse_args({"kv_cache_gib": 2.0, "num_blocks": 64, "device": "cpu"}))
+    check_kv_cache_memory(forced, replicas=1, available=1)             # num_blocks sizes it instead
+    on_gpu = engine_config(parse_args({"kv_cache_gib": 2.0, "device": "cuda"}))
+    check_kv_cache_memory(on_gpu, replicas=1, available=1)             # a CPU-only setting
+
+
+def test_an_existing_model_folder_and_a_joined_cluster_pass_the_local_checks(tmp_path, nothing_may_start):
+    """A folder with config.json passes the model check (its weights are the replica's to load); with
+    --address the replicas may run on other nodes, so neither the folder nor the memory is checked here."""
+    (tmp_path / "config.json").write_text("{}")
+    startup.check_model_folder(str(tmp_path))
+    startup.check_model_folder("default")
+    cli.check_serve_options(cli.build_parser().parse_args(
+        ["serve", "--model", "/elsewhere/model", "--kv-cache-gib", "100000", "--address", "auto"]))
+    with pytest.raises(startup.OptionError, match="--model: folder .* has no config.json"):
+        startup.check_model_folder(str(tmp_path / ".."))
+
+
+def test_bad_generate_options_are_one_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "hi", "--block-size", "7"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == "pagedray generate: error: --block-size: must be one of (8, 16, 32, 64), got 7"
+
+
+class FakeRayAndServe:
+    """Stand-ins for ``ray`` and ``ray.serve`` as ``cli._stop_serving`` uses them, recording the calls;
+    ``in_flight``: what successive ``requests_in_flight`` calls answer (the last one repeats)."""
+
+    def __init__(self, monkeypatch, in_flight, interrupt_delete=False):
+        self.calls = []
+        ray = types.ModuleType("ray")
+        ray.shutdown = lambda: self.calls.append("ray.shutdown")
+        serve = types.ModuleType("ray.serve")
+
+        def delete(name, _blocking=True):
+            self.calls.append(f"serve.delete({name}, blocking={_blocking})")
+            if interrupt_delete:
+                raise KeyboardInterrupt
+
+        def count(name):
+            self.calls.append(f"in_flight({name})")
+            return in_flight.pop(0) if len(in_flight) > 1 else in_flight[0]
+
+        serve.delete = delete
+        ray.serve = serve
+        monkeypatch.setitem(sys.modules, "ray", ray)
+        monkeypatch.setitem(sys.modules, "ray.serve", serve)
+        monkeypatch.setattr(cli, "requests_in_flight", count)
+        monkeypatch.setattr(cli.signal, "signal", lambda signum, handler: None)   # the test's own handlers stay
+        monkeypatch.setattr(cli.time, "sleep", lambda seconds: self.calls.append("sleep"))
+
+
+def test_an_idle_private_ray_is_torn_down_without_waiting_for_serve_delete(monkeypatch):
+    """Issue #32: an idle server took 34-39 s to exit on SIGTERM, most of it in serve.delete (Serve holds a
+    direct-ingress replica open for 30 s for load balancers, and each replica sleeps out a shutdown loop)."""
+    fake = FakeRayAndServe(monkeypatch, in_flight=[0])
+    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    assert fake.calls == ["in_flight(app)", "ray.shutdown"]
+
+
+def test_requests_in_flight_are_let_finish_before_the_private_ray_stops(monkeypatch):
+    fake = FakeRayAndServe(monkeypatch, in_flight=[2, 2, 1, 0])
+    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=False)", "in_flight(app)", "sleep",
+                          "in_flight(app)", "sleep", "in_flight(app)", "ray.shutdown"]
+    fake = FakeRayAndServe(monkeypatch, in_flight=[1, None])   # None: every replica is gone
+    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=False)", "in_flight(app)", "ray.shutdown"]
+
+
+def test_the_wait_for_requests_in_flight_ends_at_graceful_shutdown_s(monkeypatch):
+    fake = FakeRayAndServe(monkeypatch, in_flight=[1])   # a stream that never ends
+    clock = iter(range(0, 1000, 5))                         # each look at the clock: 5 s later
+    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
+    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    # deadline 0 + 20 + DRAIN_MARGIN_S: the clock reads 5, 10, 15, 20 below it, then 25
+    assert fake.calls.count("sleep") == 4 and fake.calls[-1] == "ray.shutdown"
+
+
+def test_requests_that_cannot_be_counted_get_serves_own_drain(monkeypatch):
+    fake = FakeRayAndServe(monkeypatch, in_flight=[None])
+    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=True)", "ray.shutdown"]
+
+
+def test_a_second_signal_cuts_the_wait_but_still_stops_the_private_ray(monkeypatch, capsys):
+    fake = FakeRayAndServe(monkeypatch, in_flight=[None], interrupt_delete=True)
+    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=True)", "ray.shutdown"]
+    assert "second signal" in capsys.readouterr().out
+
+
+def test_a_joined_cluster_only_loses_the_app_and_a_start_up_stopped_early_only_the_ray(monkeypatch):
+    fake = FakeRayAndServe(monkeypatch, in_flight=[0])
+    cli._stop_serving("app", private=False, serve_started=True, grace_s=20)
+    assert fake.calls == ["serve.delete(app, blocking=True)"]   # another cluster's Ray is never stopped
+    fake.calls.clear()
+    cli._stop_serving("app", private=True, serve_started=False, grace_s=20)
+    assert fake.calls == ["ray.shutdown"]
+
+
+def test_a_private_ray_holds_no_direct_ingress_replica_open_for_load_balancers():
+    """Serve keeps a stopping direct-ingress replica open 30 s by default, for an external load balancer to
+    deregister it; a private single-host Ray has none (serve.delete with a request in flight then takes
+    as long as the request, up to graceful_shutdown_s)."""
+    assert cli.LOCAL_RAY_ENV["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"

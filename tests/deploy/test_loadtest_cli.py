@@ -81,3 +81,34 @@ def test_module_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "pagedray.deploy.loadtest", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--sweep" in done.stdout and "--check" in done.stdout
+
+
+def test_without_model_the_servers_own_model_is_asked_for(tmp_path, capsys):
+    """Issue #32: against a server started with --model PATH every request named "default" and got a 404.
+    Without --model the load tester now sends the first model of /v1/models."""
+    out = tmp_path / "r.json"
+    with FakeOpenAIServer(FakeBehavior(models=("SmolLM2-local", "other"), strict_model=True)) as server:
+        rc = main(["--url", server.url + "/v1", "--concurrency", "2", "--num-requests", "4", "--output-len", "2",
+                   "--no-progress", "--no-metrics", "--no-plots", "--out", str(out)])
+        assert server.arrivals == 4
+    report = json.loads(out.read_text())
+    assert rc == 0, report["runs"][0]["summary"]
+    assert report["model"] == "SmolLM2-local" and report["runs"][0]["summary"]["completed"] == 4
+    assert "model: SmolLM2-local" in capsys.readouterr().out
+
+
+def test_a_model_the_server_does_not_serve_fails_every_request_and_exits_1(tmp_path):
+    out = tmp_path / "r.json"
+    with FakeOpenAIServer(FakeBehavior(models=("SmolLM2-local",), strict_model=True)) as server:
+        rc = main(["--url", server.url, "--model", "default", "--concurrency", "2", "--num-requests", "3",
+                   "--no-progress", "--no-metrics", "--no-plots", "--out", str(out)])
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    assert rc == 1 and summary["failed"] == 3 and summary["failed_by_cause"] == {"http_404": 3}
+
+
+def test_a_server_listing_no_model_is_an_error_naming_the_option(capsys):
+    with FakeOpenAIServer(FakeBehavior(models=())) as server:
+        rc = main(["--url", server.url, "--concurrency", "1", "--num-requests", "1", "--no-progress",
+                   "--no-metrics", "--no-plots"])
+        assert server.arrivals == 0   # nothing was sent
+    assert rc == 1 and "lists no model; pass --model" in capsys.readouterr().err
