@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -59,6 +60,8 @@ from .outputs import (
     merge_deltas,
 )
 from .stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,8 @@ class AsyncEngine:
                     return
                 burst.result()   # re-raises what crashed the step thread
         except Exception as exc:  # a crashed loop must not leave any consumer waiting
-            dead = EngineDeadError(f"the step loop crashed: {type(exc).__name__}: {exc}")
+            logger.error("the step loop crashed", exc_info=exc)
+            dead = EngineDeadError("engine dead: the step loop crashed (the server log has the details)")
             for queue in self._streams.values():
                 queue.put_nowait(dead)
             self._streams.clear()
@@ -269,7 +273,9 @@ class AsyncEngine:
         task = self._loop_task
         if task is not None and task.done():
             exc = None if task.cancelled() else task.exception()
-            raise EngineDeadError(f"the step loop stopped: {exc!r}")
+            if exc is not None:
+                logger.error("the step loop stopped", exc_info=exc)
+            raise EngineDeadError("engine dead: the step loop stopped (the server log has the details)")
 
     async def check_health(self) -> None:
         if self._closed:

@@ -15,9 +15,13 @@ Decisions:
   cache), and starts over with a fresh BlockManager of the same size (the old prefix cache described
   lost KV contents). The sampled tokens of the failed step are dropped; recompute yields the same ones
   (greedy, or seeded by (seed, position)), so every request finishes as an undisturbed run would.
+- A row rank 0 could not sample (its grammar, non-finite logits) comes back as a SampledToken with
+  ``error``: the scheduler ends that request with finish_reason "error"; the step is not a failure.
 - Any other executor failure (or a failed rebuild, or restarts used up) ends every in-flight request
   with finish_reason "error" (their outputs are returned by that ``step()``), frees their blocks and
-  marks the engine dead: later calls raise EngineDeadError. Nothing hangs.
+  marks the engine dead: later calls raise EngineDeadError. Nothing hangs. Callers get the fixed
+  ``ENGINE_DEAD_MESSAGE``; the exception (a worker's traceback, paths, request text) goes to the log
+  only. The replica's health check then fails, so Serve replaces it.
 - ``abort`` frees the request's blocks at once; its final output (finish_reason "abort") is
   returned by the next ``step()``.
 - Step time limit: ``step_limit_s`` is the current step's ``config.step_limit_s(tokens scheduled)``
@@ -61,6 +65,8 @@ from .scheduler_output import SchedulerOutput
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
+# what callers (and so HTTP clients) are told; the failure itself goes to the log, never to a client
+ENGINE_DEAD_MESSAGE = "engine dead: a step failed (the server log has the details)"
 
 
 @dataclass(frozen=True)
@@ -270,7 +276,8 @@ class Engine:
     def _fail(self, exc: BaseException) -> list[RequestOutput]:
         self._in_flight = None   # its sequences end here; a stalled executor is not waited for again
         self._dead = exc
-        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        logger.error("the engine is dead: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        message = ENGINE_DEAD_MESSAGE
         failed = self.scheduler.abort_all(FinishReason.ERROR)
         self.plan_builder.forget_all()
         self._num_finished += len(failed)
@@ -278,7 +285,7 @@ class Engine:
 
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine is dead: {type(self._dead).__name__}: {self._dead}")
+            raise EngineDeadError(ENGINE_DEAD_MESSAGE)
 
     def check_health(self) -> None:
         self._raise_if_dead()

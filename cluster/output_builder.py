@@ -32,7 +32,7 @@ class OutputBuilder:
             outputs=completions,
             finished=finished,
             prompt_token_ids=list(request.prompt_token_ids) if first else None,
-            error=error,
+            error=error or request.error,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             prompt_logprobs=self._prompt_logprobs(request) if first else None,
         )

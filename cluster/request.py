@@ -52,7 +52,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"        # EOS or a stop token id
     LENGTH = "length"    # max_tokens or max_model_len reached
     ABORT = "abort"      # cancelled by the caller
-    ERROR = "error"      # the engine failed while the sequence was in flight
+    ERROR = "error"      # a sample could not be drawn (its own failure), or the engine failed
 
 
 @dataclass(eq=False)
@@ -148,6 +148,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     added_at: float = field(default_factory=time.monotonic)   # when the scheduler took it in
     queue_time_s: float | None = None   # added_at -> first admission of sample 0
+    error: str | None = None            # why the request ended with finish_reason "error", for its caller
 
     def record_prompt_logprobs(self, entry: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:

@@ -21,6 +21,10 @@ sequence in queue order (lowest priority, then latest arrival) among those not y
 step — possibly the sequence itself. The victim's blocks are freed at once, it keeps its output
 tokens, is put back at the FRONT of the waiting queue and ``num_preemptions`` is incremented.
 
+A sampled token that carries ``error`` (rank 0 could not sample that row: its grammar failed, its
+logits were not finite) ends that request with finish_reason "error" (``request.error`` says why);
+the other sequences of the step are applied as usual.
+
 Stop rules (checked after each sampled token, in this order): EOS (unless ``ignore_eos``) or a stop
 token id -> "stop", once more than ``min_tokens`` tokens are out (the Sampler bans them before);
 ``max_tokens`` outputs or ``max_model_len`` total tokens -> "length".
@@ -318,7 +322,10 @@ class Scheduler:
             token = by_seq.get(seq.seq_id)
             if token is None:
                 raise RuntimeError(f"step {out.step_id}: no sampled token for sequence {seq.seq_id}")
-            self._append_token(seq, token)
+            if token.error is not None:
+                self._fail_request(seq, token.error)
+            else:
+                self._append_token(seq, token)
             touched[seq.request.request_id] = seq.request
         return list(touched.values())
 
@@ -346,6 +353,13 @@ class Scheduler:
         seq.finish_reason = reason
         if seq.request.is_finished:
             self.requests.pop(seq.request.request_id, None)
+
+    def _fail_request(self, seq: Sequence, error: str) -> None:
+        """Rank 0 could not sample ``seq`` (its grammar, non-finite logits): its whole request ends with
+        finish_reason "error" and ``request.error`` (every sample's blocks freed now); others go on."""
+        request = seq.request
+        request.error = f"sample {seq.index}: {error}"
+        self.abort(request.request_id, FinishReason.ERROR)
 
     # -- abort / failure ----------------------------------------------------------------------
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:

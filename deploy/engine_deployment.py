@@ -23,8 +23,9 @@ Methods called by the ingress through a DeploymentHandle:
 the replica's prefix-cache summary and load (``routing.py``). Serve polls it with its default router
 too (every 10 s), which reads no summary: build_app then passes ``prefix_summary_blocks=0`` and the
 poll leaves the step thread alone (no walk over the cached keys).
-``check_health`` is also Serve's replica health hook: a dead rank, a failed step loop or a stalled
-step makes Serve replace the replica.
+``check_health`` is also Serve's replica health hook: a dead engine (a step failure no request owns, rank
+restarts used up), a failed step loop or a stalled step makes Serve replace the replica after three
+failed checks ``HEALTH_CHECK_PERIOD_S`` apart.
 
 Draining (``served_engine.py`` holds the state; the same with ``engine_in_ingress``):
 - ``drain(timeout_s)``: the replica stops admitting (new requests get ``EngineDrainingError`` -> HTTP
@@ -55,6 +56,11 @@ from .routing import PREFIX_SUMMARY_BLOCKS
 from .served_engine import ServedEngine
 
 ENGINE_DEPLOYMENT_NAME = "PagedEngine"
+# Serve calls ``check_health`` this often and replaces a replica after 3 failures in a row (Serve's
+# REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD): a dead engine answers 503 for about 15 s, then a new replica
+# starts (the model's load time). The timeout is long: a check waits for nothing but a rank ping.
+HEALTH_CHECK_PERIOD_S = 5.0
+HEALTH_CHECK_TIMEOUT_S = 30.0
 SHUTDOWN_MARGIN_S = 10.0  # the ingress outlives the engine by this much on shutdown
 
 
@@ -73,7 +79,7 @@ def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool
 
 
 @serve.deployment(name=ENGINE_DEPLOYMENT_NAME, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
-                  health_check_period_s=10.0, health_check_timeout_s=30.0)
+                  health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
 class EngineDeployment(ServedEngine):
     """ServedEngine's methods are what the ingress calls (``generate``, ``abort``, ``stats``, ``health``,
     ``drain``, ``model_meta``); this class adds Serve's hooks and the per-replica calls.

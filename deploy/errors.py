@@ -8,7 +8,10 @@ Mapping (decided here, used by api.py and by the SSE path):
   convention of SamplingParams and the configs) the field becomes ``param``.
 - ``QueueFullError``: 429 ``rate_limit_error`` with a ``Retry-After`` header (seconds).
 - ``EngineDrainingError`` / ``EngineDeadError``: 503 ``service_unavailable``.
-- Anything else: 500 ``internal_error`` (message kept, no traceback).
+- An engine error (``EngineError``: e.g. a request whose sample failed, finish_reason "error"): 500
+  ``internal_error`` with the engine's short message.
+- Anything else: 500 ``internal_error`` with a fixed message; the exception goes to the log (a client
+  never sees a traceback, a path or another request's text).
 
 Exceptions raised inside the engine replica arrive wrapped by Ray (``RayTaskError``); Ray makes the
 wrapper a subclass of the original class, so ``isinstance`` still works, but the message then holds a
@@ -17,9 +20,13 @@ traceback; ``engine_error_message`` digs out the original exception's text.
 
 from __future__ import annotations
 
+import logging
 import re
 
-from pagedray.cluster.outputs import EngineDeadError, EngineDrainingError, QueueFullError
+from pagedray.cluster.outputs import EngineDeadError, EngineDrainingError, EngineError, QueueFullError
+
+logger = logging.getLogger(__name__)
+INTERNAL_ERROR_MESSAGE = "internal error (the server log has the details)"
 
 RETRY_AFTER_S = 1
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): ")
@@ -76,4 +83,17 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(original, ValueError):
         match = _FIELD_PREFIX.match(message)
         return bad_request(message, param=match.group(1) if match else None)
-    return APIError(500, f"internal error: {message}", "internal_error")
+    if isinstance(original, EngineError):   # the engine's own messages: fixed or short, nothing internal
+        return APIError(500, message, "internal_error")
+    logger.error("internal error answered with a 500", exc_info=exc)
+    return APIError(500, INTERNAL_ERROR_MESSAGE, "internal_error")
+
+
+def health_reason(exc: BaseException) -> str:
+    """The reason /health gives for ``exc``: the engine's own fixed message ("engine dead: ...", "draining",
+    a rank being rebuilt, a stalled step), or a fixed text for anything else (logged, never shown)."""
+    original = _original(exc)
+    if isinstance(original, EngineError):
+        return engine_error_message(exc)
+    logger.warning("health check failed", exc_info=exc)
+    return "engine unavailable (the server log has the details)"

@@ -57,7 +57,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from .api import DEFAULT_MAX_BODY_BYTES, create_api
-from .engine_deployment import replica_id
+from .engine_deployment import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S, replica_id
 from .errors import to_api_error
 from .http_guard import use_bounded_protocol
 from .loopback import bind_replica_grpc_to_loopback
@@ -157,7 +157,8 @@ def served_names(model: str, meta: ModelMeta, served_model_name: str | None) -> 
     return name, frozenset({name, model, meta.model_path})
 
 
-@serve.deployment(name=INGRESS_DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name=INGRESS_DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, engine: DeploymentHandle | EngineConfig, model: str = "default",

@@ -1,37 +1,71 @@
 """Grammar-constrained sampling on rank 0: one llguidance matcher per sequence that has a grammar.
 
 ``SamplingParams.grammar`` is an llguidance grammar (a JSON string the ingress builds from
-``response_format`` / ``structured_outputs``: deploy/structured_output.py). Each step, before the
-Sampler, ``GrammarBook.mask`` sets the logits of every token the grammar does not allow next to -inf;
-after it, ``GrammarBook.advance`` feeds the sampled tokens to the matchers. When a grammar is complete
-it allows only the tokenizer's EOS, which the scheduler's EOS rule turns into finish_reason "stop".
+``response_format`` / ``structured_outputs``: deploy/structured_output.py, which also compiled it and
+computed its first mask under the same limits before admitting the request). Each step:
+
+1. ``submit(rows)`` starts the step's masks on the book's own thread (``compute``), right after the
+   plan is applied and before the forward: llguidance drops the GIL while it builds a matcher or a
+   mask, so the masks are computed while the forward runs (vLLM and SGLang overlap them the same way);
+2. ``apply(logits, masks)`` sets every token a row's grammar does not allow next to -inf;
+3. after the Sampler, ``advance(rows, token_ids)`` feeds the sampled tokens to the matchers.
+
+When a grammar is complete it allows only the tokenizer's EOS, which the scheduler's EOS rule turns
+into finish_reason "stop".
 
 Why llguidance (not xgrammar): no ahead-of-time grammar compilation (its lexer is built lazily while
-masks are computed), so nothing slow runs on the step path when a new schema arrives and there is no
-compiled-grammar cache to bound; it needs no torch build of its own and installs as one wheel.
+masks are computed), it needs no torch build of its own and installs as one wheel; its
+``LLParserLimits`` bound the work of one mask (``grammar_limits.py``).
 
 Decisions:
+- A failure belongs to its row, never to the step: a matcher that cannot be built, is in an error
+  state, exceeds its limits, or refuses the sampled token is reported as ``{row index: message}``
+  (``GrammarMasks.failures``, ``advance``'s result); the worker turns it into that row's
+  ``SampledToken.error`` and the engine ends the request with finish_reason "error". The failed row's
+  mask allows nothing (its logits are all -inf) and its matcher is dropped. Nothing here raises for
+  a grammar or a token.
+- Mask work per step is bounded: each matcher runs under ``grammar_limits()`` (lexer fuel and parser
+  items per mask, lexer states, grammar size); a request has at most ``MAX_N`` grammar rows.
 - A matcher is keyed by seq_id and remembers how many output tokens it consumed. A row whose output
   length differs (first sight, or a sequence recomputed after preemption that lost its matcher) gets a
-  fresh matcher that replays the row's output tokens; released sequences drop theirs.
+  fresh matcher that replays the row's output tokens; released sequences drop theirs. Fresh matchers
+  are deep copies of one compiled matcher per grammar text (an LRU of ``TEMPLATES``), so the n samples
+  of a request compile their grammar once.
 - Logprobs of grammar rows are those of the masked logits (as in vLLM, where the bitmask is applied
   before the sampler): tokens the grammar forbids have logprob -inf and never appear in top_logprobs.
 - Logits wider than the tokenizer's vocabulary (padded embeddings): the extra ids are always masked.
-- A matcher in an error state (a token it could not consume: only possible if an engine-side rule
-  overrode the mask) raises RuntimeError naming the sequence, which fails the step.
+- Threads: ``compute`` runs on the mask thread and ``advance`` / ``release`` on the caller's, never at
+  the same time: the worker waits for a step's masks before it samples, and releases before it submits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
+
+from .grammar_limits import grammar_limits
+
+TEMPLATES = 64            # compiled matchers kept, one per grammar text
+MAX_ERROR_CHARS = 200     # of an llguidance message passed on to the client
 
 
 @dataclass
 class _Tracked:
     matcher: object        # llguidance.LLMatcher
     consumed: int          # output tokens fed so far
+
+
+@dataclass
+class GrammarMasks:
+    """The masks of one step: ``bitmask [len(rows), words]`` int32 for the logits rows ``rows`` (the rows
+    that have a grammar, in logits order) and the rows whose grammar failed (their masks allow nothing)."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+    failures: dict[int, str] = field(default_factory=dict)
 
 
 def load_llguidance():
@@ -44,11 +78,18 @@ def load_llguidance():
     return llguidance
 
 
+def _short(message: str) -> str:
+    message = " ".join(str(message).split())
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS - 3] + "..."
+
+
 class GrammarBook:
     def __init__(self, tokenizer_path: str) -> None:
         self._tokenizer_path = tokenizer_path
         self._lltokenizer = None
         self._tracked: dict[int, _Tracked] = {}
+        self._templates: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None   # the mask thread, started on the first grammar row
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -61,50 +102,104 @@ class GrammarBook:
             self._lltokenizer = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(self._tokenizer_path))
         return self._lltokenizer
 
+    def _template(self, grammar: str):
+        """The compiled matcher of ``grammar`` (never fed a token); LRU over ``TEMPLATES`` texts."""
+        template = self._templates.get(grammar)
+        if template is None:
+            llguidance = load_llguidance()
+            template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=grammar_limits())
+            self._templates[grammar] = template
+            if len(self._templates) > TEMPLATES:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(grammar)
+        return template
+
     def _matcher(self, seq_id: int, grammar: str, output_token_ids: list[int]):
+        """The row's matcher, up to date with its output tokens; one in an error state is returned as is."""
         tracked = self._tracked.get(seq_id)
         if tracked is None or tracked.consumed != len(output_token_ids):
-            llguidance = load_llguidance()
-            matcher = llguidance.LLMatcher(self._tokenizer(), grammar)
-            if output_token_ids:
+            template = self._template(grammar)
+            matcher = template if template.is_error() else template.deep_copy()
+            if output_token_ids and not matcher.is_error():
                 matcher.consume_tokens(list(output_token_ids))
             tracked = self._tracked[seq_id] = _Tracked(matcher, len(output_token_ids))
-        if tracked.matcher.is_error():
-            raise RuntimeError(f"sequence {seq_id}: grammar matcher error: {tracked.matcher.get_error()}")
         return tracked.matcher
 
-    def mask(self, logits: torch.Tensor, rows) -> torch.Tensor:
-        """``logits [rows, vocab]`` with every token the row's grammar forbids at -inf (a copy when any row
-        has a grammar; ``rows``: SamplingRow, in logits order)."""
+    # -- masks ----------------------------------------------------------------------------------
+    def submit(self, rows) -> Future | None:
+        """Starts ``compute(rows)`` on the mask thread; None when no row has a grammar."""
+        if not any(r.params.grammar is not None for r in rows):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedray-grammar")
+        return self._pool.submit(self.compute, list(rows))
+
+    def compute(self, rows) -> GrammarMasks | None:
+        """The masks of the rows that have a grammar (``rows``: SamplingRow, in logits order); None when
+        none has. Never raises for a grammar: a row that fails is in ``failures``."""
         wanted = [i for i, r in enumerate(rows) if r.params.grammar is not None]
         if not wanted:
-            return logits
+            return None
         llguidance = load_llguidance()
         tokenizer = self._tokenizer()
         bitmask = llguidance.torch.allocate_token_bitmask(len(wanted), tokenizer.vocab_size)   # [n, words] int32
+        failures = {}
         for j, i in enumerate(wanted):
             row = rows[i]
-            llguidance.torch.fill_next_token_bitmask(
-                self._matcher(row.seq_id, row.params.grammar, row.output_token_ids), bitmask, j)
-        allowed = _unpack(bitmask, logits.shape[1]).to(logits.device)                        # [n, vocab] bool
+            try:
+                matcher = self._matcher(row.seq_id, row.params.grammar, row.output_token_ids)
+                if not matcher.is_error():
+                    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, j)
+                error = matcher.get_error() if matcher.is_error() else ""
+            except Exception as exc:  # noqa: BLE001 - an API-level failure is still this row's alone
+                error = f"{type(exc).__name__}: {exc}"
+            if error:
+                failures[i] = f"its grammar cannot continue: {_short(error)}"
+                bitmask[j] = 0
+                self._tracked.pop(row.seq_id, None)
+        return GrammarMasks(wanted, bitmask, failures)
+
+    def apply(self, logits: torch.Tensor, masks: GrammarMasks | None) -> torch.Tensor:
+        """``logits [rows, vocab]`` with every token a row's grammar forbids at -inf (a copy when any row
+        has a grammar)."""
+        if masks is None:
+            return logits
+        allowed = _unpack(masks.bitmask, logits.shape[1]).to(logits.device)                  # [n, vocab] bool
         out = logits.clone()
-        out[wanted] = out[wanted].masked_fill(~allowed, float("-inf"))
+        out[masks.rows] = out[masks.rows].masked_fill(~allowed, float("-inf"))
         return out
 
-    def advance(self, rows, token_ids: list[int]) -> None:
-        """Feed each grammar row's sampled token to its matcher."""
-        for row, token_id in zip(rows, token_ids):
+    def mask(self, logits: torch.Tensor, rows) -> torch.Tensor:
+        """``apply(logits, compute(rows))`` on the caller's thread."""
+        return self.apply(logits, self.compute(rows))
+
+    def advance(self, rows, token_ids: list[int], skip: frozenset[int] = frozenset()) -> dict[int, str]:
+        """Feeds each grammar row's sampled token to its matcher (rows in ``skip`` failed already: their
+        matchers are dropped); returns ``{row index: message}`` for rows whose matcher refused it."""
+        failures = {}
+        for i, (row, token_id) in enumerate(zip(rows, token_ids)):
             if row.params.grammar is None:
                 continue
-            tracked = self._tracked[row.seq_id]
-            if not tracked.matcher.consume_token(token_id):
-                raise RuntimeError(f"sequence {row.seq_id}: token {token_id} is not allowed by its grammar: "
-                                   f"{tracked.matcher.get_error()}")
-            tracked.consumed += 1
+            tracked = self._tracked.get(row.seq_id)
+            if i in skip or tracked is None:
+                self._tracked.pop(row.seq_id, None)
+                continue
+            if tracked.matcher.consume_token(token_id):
+                tracked.consumed += 1
+            else:
+                failures[i] = f"its grammar refused token {token_id}: {_short(tracked.matcher.get_error())}"
+                self._tracked.pop(row.seq_id, None)
+        return failures
 
     def release(self, seq_ids) -> None:
         for seq_id in seq_ids:
             self._tracked.pop(seq_id, None)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -62,9 +62,12 @@ class ModelRunner:
             raise ValueError("graphs: built over a different KV cache than this runner's")
         self.decode_graphs = graphs
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        step = self.prepare(plan)
+        return self.run(self.prepare(plan))
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep | None) -> StepOutput:
+        """Steps 4-6 for a prepared step (``prepare``'s result; None: nothing to run)."""
         if step is None:
             return StepOutput(None, [])
         if step.bucket is not None:

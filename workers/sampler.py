@@ -34,7 +34,14 @@ whichever other filters its batch-mates use.
 Logprobs (``params.logprobs = n``): the sampled token's logprob and the ``n`` most likely tokens come
 from ``log_softmax`` of the RAW logits, before penalties, temperature and filters (vLLM's default
 ``raw_logprobs``): they describe the model's distribution and match transformers' log-softmax, whatever
-the sampling settings. ``n = 0`` gives the sampled token's logprob and an empty top list.
+the sampling settings. ``n = 0`` gives the sampled token's logprob and an empty top list. Tokens at -inf
+(a grammar row's masked tokens: its raw logits are the masked ones) are left out of the top list.
+
+Failed rows: a row whose greedy token has a non-finite logit (argmax picks a NaN first; every token at
+-inf), or whose draw had no positive probability (softmax of such a row is NaN), is not sampled: its
+SampledToken carries ``error`` (``NON_FINITE_ROW``) and ``PLACEHOLDER_TOKEN``, and the engine ends that
+request with finish_reason "error"; the other rows of the step are unaffected. The check costs one
+gather per step and rides on the one host transfer of the token ids.
 
 Fast path: a batch of greedy rows without penalties or logprobs is a single argmax. When every row
 samples, the greedy argmax and the row gather are skipped and the probabilities are divided by the
@@ -46,6 +53,7 @@ same numbers ``torch.rand`` would draw). The rest of the cost is the noise itsel
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -107,11 +115,11 @@ class Sampler:
         logits = _validated_logits(logits, rows)
         if all(_is_greedy(r.params) and not _has_penalty(r.params) and r.params.logprobs is None
                and not _has_processor(r) for r in rows):
-            token_ids = logits.argmax(dim=1).tolist()  # fast path: one argmax
-            return [SampledToken(seq_id=r.seq_id, token_id=t) for r, t in zip(rows, token_ids)]
+            tokens = logits.argmax(dim=1)  # fast path: one argmax
+            return _sampled_tokens(rows, tokens, _finite_at(logits, tokens))
         adjusted = _penalised(self._processed(logits, rows), rows)
-        tokens = self._choose(adjusted, rows)
-        return _with_logprobs(logits, rows, tokens)
+        tokens, ok = self._choose(adjusted, rows)
+        return _with_logprobs(logits, rows, _sampled_tokens(rows, tokens, ok))
 
     def _processed(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """``logits [rows, vocab]`` with logit_bias added and min_tokens' banned ids at -inf (a copy when any
@@ -140,16 +148,21 @@ class Sampler:
             out[torch.tensor(banned_rows, device=device), torch.tensor(banned_ids, device=device)] = float("-inf")
         return out
 
-    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """``logits [rows, vocab]`` (penalised) -> token ids ``[rows]`` int64."""
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits [rows, vocab]`` (penalised) -> (token ids ``[rows]`` int64, ok ``[rows]`` bool): a row is ok
+        when its greedy token's logit is finite, or its drawn token had a positive probability (a row with a
+        NaN, or with every token at -inf, is not)."""
         sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
         if not sampled:
-            return logits.argmax(dim=1)
+            tokens = logits.argmax(dim=1)
+            return tokens, _finite_at(logits, tokens)
         if len(sampled) == len(rows):   # every row samples: no greedy argmax and no row gather needed
             tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+            ok = torch.empty(len(rows), dtype=torch.bool, device=logits.device)
             sampled, sub_rows = slice(None), rows
         else:
             tokens, sub_rows = logits.argmax(dim=1), [rows[i] for i in sampled]
+            ok = _finite_at(logits, tokens)
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in sub_rows], device=device)
         scaled = logits[sampled] / temperature[:, None]  # [n_sampled, vocab] (a new tensor)
@@ -162,8 +175,11 @@ class Sampler:
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=1)
         noise = self._exponential_noise(sub_rows, probs.shape[1], device)
-        tokens[sampled] = probs.div_(noise).argmax(dim=1)   # in place: probs is not used again
-        return tokens
+        scores = probs.div_(noise)   # in place: probs is not used again
+        picked = scores.argmax(dim=1)
+        tokens[sampled] = picked
+        ok[sampled] = scores.gather(1, picked[:, None])[:, 0] > 0   # False for NaN (a NaN row or all -inf)
+        return tokens, ok
 
     def _exponential_noise(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
         """Exp(1) noise ``[len(rows), vocab]``: seeded rows from their (seed, position), one shared generator
@@ -232,20 +248,43 @@ def _penalised(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return out
 
 
-def _with_logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[SampledToken]:
-    """SampledTokens in row order; logprobs from log_softmax of the raw logits for rows that ask."""
-    token_ids = tokens.tolist()
-    results = [SampledToken(seq_id=r.seq_id, token_id=t) for r, t in zip(rows, token_ids)]
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+NON_FINITE_ROW = "its logits are not finite (NaN, or every token masked)"
+PLACEHOLDER_TOKEN = 0   # the token id of a failed row: keeps worker mirrors well-formed until it is released
+
+
+def _finite_at(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[rows]`` bool: whether each row's logit at its chosen token is finite (argmax picks a NaN first)."""
+    return logits.gather(1, tokens[:, None])[:, 0].isfinite()
+
+
+def _sampled_tokens(rows: list[SamplingRow], tokens: torch.Tensor, ok: torch.Tensor) -> list[SampledToken]:
+    """One SampledToken per row (one host transfer); a row that is not ok carries ``error`` and the
+    placeholder token instead of whatever its argmax picked."""
+    token_ids = torch.where(ok, tokens, -1).tolist()
+    return [SampledToken(seq_id=r.seq_id, token_id=t) if t >= 0 else
+            SampledToken(seq_id=r.seq_id, token_id=PLACEHOLDER_TOKEN, error=NON_FINITE_ROW)
+            for r, t in zip(rows, token_ids)]
+
+
+def _with_logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow],
+                   results: list[SampledToken]) -> list[SampledToken]:
+    """``results`` with logprobs from log_softmax of the raw logits for the rows that ask (failed rows get
+    none). Tokens at -inf (masked by a grammar) never appear in ``top_logprobs``, so a row may list fewer
+    than it asked for; no logprob is ever NaN or infinite."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None and results[i].error is None]
     if not wanted:
         return results
     logprobs = raw_logits[wanted].log_softmax(dim=1)  # [n_wanted, vocab]
-    chosen = logprobs.gather(1, tokens[wanted][:, None])[:, 0].tolist()
+    chosen_ids = torch.tensor([results[i].token_id for i in wanted], device=raw_logits.device)
+    chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0].tolist()
     top_n = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])
     top_values, top_ids = logprobs.topk(top_n, dim=1)  # sorted, best first
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(wanted):
         n = rows[i].params.logprobs
+        if not math.isfinite(chosen[j]):   # a raw logit the penalties and filters hid (NaN): the row failed
+            results[i] = SampledToken(results[i].seq_id, PLACEHOLDER_TOKEN, error=NON_FINITE_ROW)
+            continue
         results[i].logprob = chosen[j]
-        results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n]))
+        results[i].top_logprobs = [(t, v) for t, v in zip(top_ids[j][:n], top_values[j][:n]) if math.isfinite(v)]
     return results

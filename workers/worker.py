@@ -11,7 +11,10 @@ Decisions:
 - Everything that can be rejected from the config and the model folder (architecture, head split,
   Qwen's per-layer sliding window, missing weight files) is checked *before* joining the process group, so a bad
   model fails on every rank instead of leaving the others waiting for the group.
-- Only rank 0 samples and returns a StepResult; other ranks return None. Rank 0 keeps the tokens it
+- Only rank 0 samples and returns a StepResult; other ranks return None. Rank 0 starts the step's
+  grammar masks on the GrammarBook's thread once the plan is applied, runs the forward, then waits for
+  them (they overlap). A row it cannot sample (its grammar failed, its logits are not finite) gets a
+  SampledToken with ``error``: that request ends, the step and the engine go on. Rank 0 keeps the tokens it
   drew at its last step: a plan's ``PENDING_TOKEN`` delta (run-ahead scheduling, TP=1) means one of
   them; other ranks cannot resolve it (ValueError).
 - CUDA graphs (``decode_graphs``): captured in ``init_kv_cache`` on CUDA at TP=1 unless
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future, wait
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -46,7 +50,7 @@ from .memory_profile import profile_gpu_num_blocks
 from .model_info import load_hf_config, model_info
 from .model_runner import ModelRunner, StepOutput
 from .models.registry import model_class
-from .sampler import Sampler, SamplingRow
+from .sampler import PLACEHOLDER_TOKEN, Sampler, SamplingRow
 from .tp_group import TPGroup
 from .weight_loader import CheckpointReader
 
@@ -137,11 +141,21 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult | None:
         if self.runner is None:
             raise RuntimeError("Worker.execute: call init_kv_cache(num_blocks) first")
-        output = self.runner.execute(self._resolve_pending(plan))
+        plan = self._resolve_pending(plan)
         if not self.tp.is_first:
+            self.runner.execute(plan)
             return None
         self.grammars.release(plan.released_seq_ids)
-        sampled = self._last_sampled = self.sample(output)
+        step = self.runner.prepare(plan)
+        rows = [] if step is None else _sampling_rows(step.host.sampling_seqs)
+        masks = self.grammars.submit(rows)   # grammar masks on their own thread while the forward runs
+        try:
+            output = self.runner.run(step)
+        except BaseException:
+            if masks is not None:
+                wait([masks])   # the mask thread is done with the matchers before anything else touches them
+            raise
+        sampled = self._last_sampled = self.sample(output, rows, masks)
         return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs)
 
     def _resolve_pending(self, plan: StepPlan) -> StepPlan:
@@ -163,14 +177,21 @@ class Worker:
             running.append(delta)
         return replace(plan, running=running)
 
-    def sample(self, output: StepOutput) -> list:
-        """Rank 0: one SampledToken per logits row of a step's output (grammar rows masked first)."""
+    def sample(self, output: StepOutput, rows: list[SamplingRow] | None = None,
+               masks: Future | None = None) -> list[SampledToken]:
+        """Rank 0: one SampledToken per logits row of a step's output (grammar rows masked first; ``masks``:
+        ``GrammarBook.submit``'s pending result, computed here when not given). A row that fails (its
+        grammar, non-finite logits) carries ``error``: it ends its own request, never the step."""
         if output.logits is None:
             return []
-        rows = [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids)
-                for s in output.sampling_seqs]
-        sampled = self.sampler(self.grammars.mask(output.logits, rows), rows)
-        self.grammars.advance(rows, [token.token_id for token in sampled])
+        rows = _sampling_rows(output.sampling_seqs) if rows is None else rows
+        grammar_masks = masks.result() if masks is not None else self.grammars.compute(rows)
+        sampled = self.sampler(self.grammars.apply(output.logits, grammar_masks), rows)
+        failures = dict(grammar_masks.failures) if grammar_masks is not None else {}
+        failures.update(self.grammars.advance(rows, [token.token_id for token in sampled],
+                                              skip=frozenset(failures) | _failed(sampled)))
+        for i, message in failures.items():
+            sampled[i] = SampledToken(sampled[i].seq_id, PLACEHOLDER_TOKEN, error=message)
         return sampled
 
     def execute_bytes(self, data: bytes) -> bytes | None:
@@ -182,4 +203,14 @@ class Worker:
 
     def shutdown(self) -> None:
         self.runner = None
+        if self.grammars is not None:
+            self.grammars.shutdown()
         self.tp.destroy()
+
+
+def _sampling_rows(seqs) -> list[SamplingRow]:
+    return [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids) for s in seqs]
+
+
+def _failed(sampled: list[SampledToken]) -> frozenset[int]:
+    return frozenset(i for i, token in enumerate(sampled) if token.error is not None)

@@ -6,7 +6,7 @@ The double samples (last token + 1) % 512, so every expected token sequence is k
 import pytest
 from conftest import TINY_EOS
 from fake_executor import FakeExecutor
-from pagedray.cluster.engine import Engine
+from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE, Engine
 from pagedray.cluster.outputs import EngineDeadError
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
@@ -96,19 +96,22 @@ def test_abort_returns_a_final_abort_output_and_frees_blocks(tiny_llama_path):
     assert fake.mirror == {} and not engine.has_unfinished_requests()
 
 
-def test_executor_failure_ends_requests_with_error_and_kills_the_engine(tiny_llama_path):
+def test_executor_failure_ends_requests_with_error_and_kills_the_engine(tiny_llama_path, caplog):
     engine, _ = _engine(tiny_llama_path, fail_at_step=2)
     engine.add_request("a", [3, 4], SamplingParams(max_tokens=20, temperature=0))
     engine.add_request("b", [7, 8], SamplingParams(max_tokens=20, temperature=0))
-    streams = _collect(engine)
+    with caplog.at_level("ERROR", logger="pagedray.cluster.engine"):
+        streams = _collect(engine)
     for rid in ("a", "b"):
         last = streams[rid][-1]
         assert last.finished and last.outputs[0].finish_reason == "error"
-        assert "simulated rank failure" in last.error
+        assert last.error == ENGINE_DEAD_MESSAGE   # the failure itself goes to the log, never to a caller
+    assert "simulated rank failure" in caplog.text
     assert engine.block_manager.num_free_blocks == 64
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(EngineDeadError) as dead:
         engine.add_request("c", [1, 2], SamplingParams())
-    with pytest.raises(EngineDeadError):
+    assert str(dead.value) == ENGINE_DEAD_MESSAGE
+    with pytest.raises(EngineDeadError, match="^engine dead"):
         engine.check_health()
 
 

@@ -5,7 +5,7 @@ and an incurable error end the requests with "error" and leave no block held."""
 
 import pytest
 from fake_executor import FakeExecutor, RecoverableFakeExecutor
-from pagedray.cluster.engine import Engine
+from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE, Engine
 from pagedray.cluster.outputs import EngineDeadError
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
@@ -52,25 +52,29 @@ def test_rank_failures_are_recovered_and_outputs_match_undisturbed_run(tiny_llam
     _assert_idle_and_clean(engine)
 
 
-def test_restarts_beyond_the_limit_end_requests_with_error(tiny_llama_path):
+def test_restarts_beyond_the_limit_end_requests_with_error(tiny_llama_path, caplog):
     fake = RecoverableFakeExecutor(32, fail_at_steps=(2, 4))
     engine = _engine(tiny_llama_path, fake, max_rank_restarts=1)
-    _, reasons, errors = _run(engine)
+    with caplog.at_level("ERROR", logger="pagedray.cluster.engine"):
+        _, reasons, errors = _run(engine)
     assert fake.num_rebuilds == 1
-    assert set(reasons.values()) == {"error"} and "max_rank_restarts=1" in errors[0]
+    assert set(reasons.values()) == {"error"} and errors[0] == ENGINE_DEAD_MESSAGE   # the why is in the log only
+    assert "max_rank_restarts=1" in caplog.text
     with pytest.raises(EngineDeadError):
         engine.check_health()
     _assert_idle_and_clean(engine)
 
 
-def test_recovery_disabled_or_failed_rebuild_or_incurable_error_fails_cleanly(tiny_llama_path):
+def test_recovery_disabled_or_failed_rebuild_or_incurable_error_fails_cleanly(tiny_llama_path, caplog):
     cases = [(RecoverableFakeExecutor(32, fail_at_steps=(2,)), 0, "max_rank_restarts=0"),
              (RecoverableFakeExecutor(32, fail_at_steps=(2,), rebuild_fails=True), 3, "rebuilding the TP group failed"),
              (FakeExecutor(32, fail_at_step=2), 3, "simulated rank failure")]
     for fake, limit, message in cases:
         engine = _engine(tiny_llama_path, fake, max_rank_restarts=limit)
-        _, reasons, errors = _run(engine)
-        assert set(reasons.values()) == {"error"} and message in errors[0]
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="pagedray.cluster.engine"):
+            _, reasons, errors = _run(engine)
+        assert set(reasons.values()) == {"error"} and errors[0] == ENGINE_DEAD_MESSAGE and message in caplog.text
         assert getattr(fake, "num_rebuilds", 0) == 0
         _assert_idle_and_clean(engine)
 

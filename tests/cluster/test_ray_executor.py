@@ -13,6 +13,7 @@ import time
 import pytest
 from conftest import hf_greedy
 from pagedray.cluster import LLM, SamplingParams
+from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE
 from pagedray.cluster.outputs import EngineDeadError
 
 PROMPTS = [[5, 17, 300, 42, 8, 99, 100, 3], [250, 251, 252], list(range(40, 75))]
@@ -59,7 +60,7 @@ def _first_health_failure(executor, hang_guard_s=120.0) -> str:
 
 
 def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, tiny_llama_path, tiny_hf_model,
-                                                                   local_tokens, local_prompt_logprobs):
+                                                                   local_tokens, local_prompt_logprobs, caplog):
     ray = ray_session
     llm = LLM(tiny_llama_path, tensor_parallel_size=2, block_size=8, num_blocks=128, step_timeout_s=30.0,
               max_rank_restarts=0, ray_transport="compiled")
@@ -78,9 +79,10 @@ def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, t
         llm.engine.step()
         ray.kill(executor.actors[1])
         assert "rank 1" in _first_health_failure(executor)   # a busy rank's ping may time out first
-        outputs = llm.engine.step()
+        with caplog.at_level("ERROR", logger="pagedray.cluster.engine"):
+            outputs = llm.engine.step()
         assert [o.outputs[-1].finish_reason for o in outputs] == ["error"] and outputs[0].finished
-        assert "max_rank_restarts=0" in outputs[0].error
+        assert outputs[0].error == ENGINE_DEAD_MESSAGE and "max_rank_restarts=0" in caplog.text
         with pytest.raises(EngineDeadError):
             llm.engine.check_health()
         bm = llm.engine.block_manager

@@ -5,7 +5,9 @@ that no request with impossible parameters ever reaches the scheduler. The datac
 travels to the workers inside a StepPlan (see ``wire.py``) as a plain dict.
 
 Conventions (settled here, shared by the Sampler and the scheduler):
-- ``temperature == 0`` means greedy (argmax); other sampling knobs are then ignored.
+- ``temperature == 0`` means greedy (argmax); other sampling knobs are then ignored. At most
+  ``MAX_TEMPERATURE``; ``repetition_penalty`` lies in ``REPETITION_PENALTY_RANGE`` (values outside
+  underflow or overflow in float32: see those constants).
 - ``top_k <= 0`` disables top-k (``-1`` is accepted as the OpenAI/vLLM spelling of "off").
 - ``logprobs=None``: no logprobs; ``logprobs=k`` (k >= 0): the sampled token's logprob plus the
   top-k alternatives.
@@ -32,6 +34,12 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024   # entries per request: bounds the sampler's per-step work for one row
 MAX_GRAMMAR_CHARS = 256 * 1024
+# Bounds that keep every sampling transform finite in float32 (the Sampler's dtype): a repetition penalty
+# of 1e-50 is 0 in float32, and a masked logit (-inf) times 0 is NaN; logits divided by a penalty of
+# 1e-40 overflow; a temperature above float32's range is inf, and -inf / inf is NaN. Inside these ranges
+# (logits of |x| <= ~1e3, logit_bias included) every product and quotient stays finite.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_TEMPERATURE = 1e4
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -75,14 +83,15 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                f"must be a positive integer, got {self.max_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-               f"must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
                f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(_is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high, "repetition_penalty",
+               f"must be a number in [{low:g}, {high:g}], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")

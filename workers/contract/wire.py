@@ -29,7 +29,8 @@ in the cache), ``block_ids`` and the sampling params.
 - ``block_copies``: (src, dst) block pairs to copy in every layer's K and V before the forward
   (copy-on-write at fork/truncate).
 
-A result carries one ``SampledToken`` per sampling sequence, in batch order, and one
+A result carries one ``SampledToken`` per sampling sequence, in batch order (a row rank 0 could not
+sample carries ``error`` instead of a real token: the failure is that request's, not the step's), and one
 ``PromptLogprobs`` per sequence that asked for prompt logprobs and computed prompt positions this step.
 """
 
@@ -94,6 +95,9 @@ class SampledToken:
     logprob: float | None = None
     # (token_id, logprob) pairs, best first; None unless the sequence asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None
+    # set when this row could not be sampled (non-finite logits, its grammar failed): the sequence's
+    # request ends with finish_reason "error" and this short message; token_id is then a placeholder
+    error: str | None = None
 
 
 @dataclass
