@@ -411,7 +411,20 @@ def run_fetch_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def exit_now(status: int) -> None:
+    """End the process with ``status`` at once, after flushing its output: no interpreter teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; ``argv`` None: this process is the command (the console script, ``python -m``).
+
+    Decision: run as the program, ``serve`` with a private Ray ends with ``exit_now`` once that Ray is
+    stopped: the interpreter's teardown of the native modules it loaded (Ray's core worker, gRPC, torch)
+    took seconds more, which a supervisor that sends SIGTERM and then SIGKILL counts against the exit."""
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "loadtest":
         from pagedray.deploy.loadtest import main as loadtest_main
@@ -420,10 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     handlers = {"serve": run_serve, "generate": run_generate, "fetch-model": run_fetch_model}
     try:
-        return handlers[ns.command](ns)
+        status = handlers[ns.command](ns)
     except OptionError as exc:   # raised by the checks before anything starts
         ns.usage_error(str(exc))   # argparse's: usage, "pagedray serve: error: ...", exit status 2
         raise   # not reached: usage_error exits
+    if as_program and ns.command == "serve" and not ns.address:
+        exit_now(status)
+    return status
 
 
 if __name__ == "__main__":

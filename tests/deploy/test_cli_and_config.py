@@ -416,3 +416,17 @@ def test_a_private_ray_holds_no_direct_ingress_replica_open_for_load_balancers()
     deregister it; a private single-host Ray has none (serve.delete with a request in flight then takes
     as long as the request, up to graceful_shutdown_s)."""
     assert cli.LOCAL_RAY_ENV["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+
+
+def test_serve_run_as_the_program_exits_without_the_interpreters_teardown(monkeypatch):
+    """Only the command itself (argv from sys.argv, a private Ray) ends with exit_now; a caller of main()
+    with its own argv, and a joined cluster, get the status returned."""
+    exits = []
+    monkeypatch.setattr(cli, "run_serve", lambda ns: 3)
+    monkeypatch.setattr(cli, "exit_now", exits.append)
+    monkeypatch.setattr(sys, "argv", ["pagedray", "serve"])
+    cli.main()
+    assert exits == [3]
+    assert cli.main(["serve"]) == 3 and exits == [3]
+    monkeypatch.setattr(sys, "argv", ["pagedray", "serve", "--address", "auto"])
+    assert cli.main() == 3 and exits == [3]

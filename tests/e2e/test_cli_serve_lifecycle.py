@@ -23,7 +23,7 @@ import urllib.request
 
 import psutil
 import pytest
-from test_cli_serve_failure import CLI, free_port
+from test_cli_serve_failure import free_port
 
 HANG_GUARD_S = 300
 
@@ -67,8 +67,9 @@ def test_two_replicas_serve_and_sigterm_stops_the_whole_tree(default_model_path,
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_DASHBOARD_ADDRESS")}
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-u", "-c", CLI, "serve", "--model", str(default_model_path),
-                                   "--port", str(port), "--num-replicas", "2"],
+        # run as the program (``python -m``), as the console script runs it: the exit path is the user's
+        server = subprocess.Popen([sys.executable, "-u", "-m", "pagedray.deploy.cli", "serve",
+                                   "--model", str(default_model_path), "--port", str(port), "--num-replicas", "2"],
                                   stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     tree: list[psutil.Process] = []
