@@ -23,10 +23,14 @@ Decisions:
   rejections and engine-side validation errors are real HTTP statuses. Errors after that are sent as
   one SSE error event followed by ``data: [DONE]``.
 - /health answers 503 when the engine reports itself (or a TP rank, or its step loop) unhealthy.
+- A response body or SSE event bigger than ``SMALL_OUTPUT`` (a bounded walk, ``service.input_within``)
+  is JSON-encoded on a worker thread: prompt logprobs or a long /tokenize answer can be tens of
+  megabytes, and encoding them on the event loop would hold /health and every stream meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator
@@ -36,10 +40,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import APIError, bad_request, engine_error_message, to_api_error
+from .errors import APIError, bad_request, health_reason, to_api_error
 from .metrics import METRICS_CONTENT_TYPE
 from .options import DEFAULT_MAX_BODY_BYTES
-from .service import OpenAIService
+from .service import OpenAIService, input_within
 from .sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 
 
@@ -129,10 +133,26 @@ async def read_json_body(request: Request, max_bytes: int):
     return decode_json(b"".join(chunks))
 
 
+# a body with more string characters + entries than this is encoded on a worker thread (module docstring)
+SMALL_OUTPUT = 16_384
+
+
+def json_bytes(content) -> bytes:
+    """The JSON encoding of JSONResponse (compact, UTF-8, no NaN)."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
+async def json_response(content) -> Response:
+    """A JSON response; a big body is encoded on a worker thread, not on the event loop."""
+    if input_within(content, SMALL_OUTPUT):
+        return JSONResponse(content)
+    return Response(await asyncio.to_thread(json_bytes, content), media_type="application/json")
+
+
 async def sse_body(chunks) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
-            yield sse_event(chunk)
+            yield sse_event(chunk) if input_within(chunk, SMALL_OUTPUT) else await asyncio.to_thread(sse_event, chunk)
     except Exception as exc:  # noqa: BLE001 - the status is already sent; report in-band
         yield sse_event(to_api_error(exc).body())
     finally:
@@ -165,7 +185,7 @@ def create_api(service: OpenAIService, api_key: str | None = None,
             chunks = await open_stream(body)
             return StreamingResponse(sse_body(chunks), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
                                      background=BackgroundTask(chunks.aclose))
-        return JSONResponse(await whole(body))
+        return await json_response(await whole(body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -190,19 +210,19 @@ def create_api(service: OpenAIService, api_key: str | None = None,
     @app.post("/tokenize")
     async def tokenize(request: Request):
         check_api_key(request, api_key)
-        return JSONResponse(await service.tokenize(await read_json_body(request, max_body_bytes)))
+        return await json_response(await service.tokenize(await read_json_body(request, max_body_bytes)))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         check_api_key(request, api_key)
-        return JSONResponse(await service.detokenize(await read_json_body(request, max_body_bytes)))
+        return await json_response(await service.detokenize(await read_json_body(request, max_body_bytes)))
 
     @app.get("/health")
     async def health() -> Response:
         try:
             await service.check_health()
         except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
-            return JSONResponse({"status": "unhealthy", "reason": engine_error_message(exc)}, status_code=503)
+            return JSONResponse({"status": "unhealthy", "reason": health_reason(exc)}, status_code=503)
         return PlainTextResponse("ok")
 
     @app.get("/metrics")

@@ -13,7 +13,10 @@ Decisions:
   (the first one with null ``token_logprobs`` / ``top_logprobs``: nothing predicts it; offsets from 0);
   ``prompt_logprobs`` gives vLLM's shape: per prompt token ``{token id: {logprob, rank,
   decoded_token}}`` of the prompt token and its top k, null for the first. Streams send both with a
-  choice's first chunk.
+  choice's first chunk. vLLM's shape repeats a prompt's prompt_logprobs in every choice of it: they are
+  formatted once per prompt (``PromptLogprobsOnce``), as plain JSON values (no pydantic models: that
+  is the bulk of a big response), and every choice's dict holds the same list, so n choices cost one
+  list in memory (the JSON text still repeats it).
 - Chat with tools: each choice's text becomes content and ``tool_calls`` (tools.py); streams hold a
   choice's text until it finishes (``tool_chunks``).
 - Chat streams open each choice with ``{"role": "assistant", "content": ""}`` and send the finish
@@ -40,7 +43,6 @@ from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
-    PromptLogprob,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -102,18 +104,19 @@ class LogprobFormatter:
         out.text_offset += then.text_offset
         return out
 
-    def prompt_logprobs(self, entries: list[TokenLogprob | None]) -> list[dict[str, PromptLogprob] | None]:
-        """vLLM's prompt_logprobs: per prompt token its own entry, then its top k (ranks 1..k)."""
-        out: list[dict[str, PromptLogprob] | None] = []
+    def prompt_logprobs(self, entries: list[TokenLogprob | None]) -> list[dict[str, dict] | None]:
+        """vLLM's prompt_logprobs as JSON values (``PromptLogprob``'s fields): per prompt token its own
+        entry, then its top k (ranks 1..k)."""
+        out: list[dict[str, dict] | None] = []
         for entry in entries:
             if entry is None:
                 out.append(None)
                 continue
-            position = {str(entry.token_id): PromptLogprob(logprob=entry.logprob, rank=entry.rank,
-                                                           decoded_token=self.token(entry.token_id))}
+            position = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank,
+                                              "decoded_token": self.token(entry.token_id)}}
             for rank, (token_id, logprob) in enumerate(entry.top_logprobs, start=1):
-                position.setdefault(str(token_id), PromptLogprob(logprob=logprob, rank=rank,
-                                                                 decoded_token=self.token(token_id)))
+                position.setdefault(str(token_id), {"logprob": logprob, "rank": rank,
+                                                    "decoded_token": self.token(token_id)})
             out.append(position)
         return out
 
@@ -127,6 +130,27 @@ class LogprobFormatter:
             content.append(ChatTokenLogprob(token=top.token, logprob=top.logprob, bytes=top.bytes,
                                             top_logprobs=[self._top(t, lp) for t, lp in entry.top_logprobs]))
         return ChatLogprobs(content=content)
+
+
+class PromptLogprobsOnce:
+    """Formats each prompt's prompt logprobs once; the choices of a prompt share the result. The engine
+    side sends one list object per prompt to all of its choices, so the list's identity is the key (the
+    memo keeps the list alive, so an id is never reused while it is here)."""
+
+    def __init__(self, fmt: LogprobFormatter) -> None:
+        self._fmt = fmt
+        self._done: dict[int, tuple[list, list]] = {}
+
+    def __call__(self, entries: list[TokenLogprob | None]) -> list[dict[str, dict] | None]:
+        done = self._done.get(id(entries))
+        if done is None:
+            done = self._done[id(entries)] = (entries, self._fmt.prompt_logprobs(entries))
+        return done[1]
+
+
+def prompt_logprob_weight(entries: list | None, k: int | None) -> int:
+    """How many prompt logprob entries formatting ``entries`` with top ``k`` makes (0 without)."""
+    return 0 if entries is None or k is None else len(entries) * (k + 1)
 
 
 @dataclass
@@ -162,26 +186,37 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def completion_response(rid: str, created: int, model: str, choices: list[ChoiceAccumulator],
                         fmt: LogprobFormatter, use: UsageInfo, want_logprobs: bool, echo: bool = False,
-                        want_prompt_logprobs: bool = False) -> CompletionResponse:
-    """``echo`` with ``want_logprobs``: the prompt's logprobs lead the choice's (module docstring)."""
-    out = []
+                        want_prompt_logprobs: bool = False) -> dict:
+    """The response as a JSON dict. ``echo`` with ``want_logprobs``: the prompt's logprobs lead the
+    choice's; prompt logprobs are formatted once per prompt and shared (module docstring)."""
+    out, shared, once = [], [], PromptLogprobsOnce(fmt)
     for index, acc in enumerate(choices):
         logprobs = fmt.completion(acc.logprobs or [], TextOffsets(len(acc.prefix))) if want_logprobs else None
         entries = acc.prompt_logprobs or [None] * len(acc.prompt_token_ids)
         if want_logprobs and echo:
             logprobs = fmt.echoed_prompt(acc.prompt_token_ids, entries, logprobs)
         out.append(CompletionChoice(index=index, text=acc.full_text, logprobs=logprobs,
-                                    finish_reason=acc.finish_reason,
-                                    prompt_logprobs=fmt.prompt_logprobs(entries) if want_prompt_logprobs else None))
-    return CompletionResponse(id=rid, created=created, model=model, choices=out, usage=use)
+                                    finish_reason=acc.finish_reason))
+        shared.append(once(entries) if want_prompt_logprobs else None)
+    return _with_prompt_logprobs(CompletionResponse(id=rid, created=created, model=model, choices=out,
+                                                    usage=use).model_dump(), shared)
+
+
+def _with_prompt_logprobs(body: dict, per_choice: list[list | None]) -> dict:
+    """Put each choice's (shared) prompt logprobs into the dumped body, where the field's key goes."""
+    for choice, prompt_logprobs in zip(body["choices"], per_choice):
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
+    return body
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                      logprobs: CompletionLogprobs | None, finish_reason: str | None,
-                     prompt_logprobs: list | None = None) -> CompletionResponse:
-    choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
-                              prompt_logprobs=prompt_logprobs)
-    return CompletionResponse(id=rid, created=created, model=model, choices=[choice])
+                     prompt_logprobs: list | None = None) -> dict:
+    """A completion chunk as a JSON dict (``prompt_logprobs``: the prompt's shared list, not copied)."""
+    choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+    body = CompletionResponse(id=rid, created=created, model=model, choices=[choice]).model_dump()
+    return _with_prompt_logprobs(body, [prompt_logprobs])
 
 
 def _tool_message(text: str, tools: ToolPlan | None,
@@ -195,13 +230,14 @@ def _tool_message(text: str, tools: ToolPlan | None,
 
 
 def chat_response(rid: str, created: int, model: str, choices: list[ChoiceAccumulator], fmt: LogprobFormatter,
-                  use: UsageInfo, want_logprobs: bool, tools: ToolPlan | None = None) -> ChatCompletionResponse:
+                  use: UsageInfo, want_logprobs: bool, tools: ToolPlan | None = None) -> dict:
+    """The response as a JSON dict."""
     out = []
     for index, acc in enumerate(choices):
         message, finish_reason = _tool_message(acc.full_text, tools, acc.finish_reason)
         out.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
                               logprobs=fmt.chat(acc.logprobs or []) if want_logprobs else None))
-    return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=use)
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=use).model_dump()
 
 
 def tool_chunks(rid: str, created: int, model: str, index: int, text: str, tools: ToolPlan,

@@ -7,11 +7,25 @@ output is awaited (so 429/503 surface before any response starts) -> OpenAI obje
 Streams are returned as async iterators of dicts *after* that first output has arrived; closing one
 early (client disconnect, handle cancellation) closes the engine streams, which aborts the requests.
 
-Parsing, validation, chat-template rendering and tokenizing (``prepare``) run on one worker thread
-(``PREPARE_THREADS``), not on the event loop: a long prompt then delays only the requests queued behind
-it for that thread, never ``/health`` or the streams already running. One thread, because a Hugging
-Face fast tokenizer is not safe to call from several threads at once; prompts too long for the
-context are refused before tokenizing (``ModelLimits.max_prompt_chars``), which bounds the wait.
+Parsing, validation, chat-template rendering and tokenizing (``prepare``; /tokenize and /detokenize
+too) run on worker threads, never on the event loop, in two lanes chosen by the size of the request's
+body (``input_within``, a walk that stops at ``SMALL_INPUT`` characters and entries): small requests on
+their own thread (``SHORT_PREPARE_THREADS``), larger ones on ``BULK_PREPARE_THREADS``. A short request
+then waits only behind other short ones, never behind a client's big prompts; two bulk threads so that
+one big request does not hold the others' either, and because the Rust tokenizer releases the GIL
+while it encodes (a second core helps). A Hugging Face fast tokenizer is not safe to call from several
+threads at once, so each prepare thread encodes with its own copy (``copy.deepcopy``, made when the
+thread starts); the event loop keeps the original (detokenizing, logprob strings). A tokenizer that
+cannot be copied is shared, and then the prepare threads take turns with it (one at a time, as before). Every input a
+prepare thread handles is bounded before the work it bounds (validation.py: input bounds), and the
+rendered chat prompt is checked against ``max_prompt_chars`` before it is tokenized, which bounds how
+long one request holds a thread.
+
+A non-streamed response with many logprob entries (``BIG_RESPONSE_ENTRIES``: prompt logprobs, long
+logprob lists) is built on a worker thread (``asyncio.to_thread``), as are a stream's chunks that carry
+a big prompt's logprobs, so ``/health`` and other streams are not held while it is built; api.py
+encodes the JSON off the event loop too. Prompt logprobs are formatted once per prompt and shared by
+its choices (openai_format.py).
 
 A request with several prompts sends them to the engine at most ``SEQUENCES_IN_FLIGHT_PER_REQUEST // n``
 at a time (at least one; the next prompt goes when one finishes), so one batch request cannot take
@@ -25,6 +39,10 @@ latencies are recorded for every request that was admitted (also when it was abo
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
+import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -38,11 +56,13 @@ from .metrics import ServerMetrics
 from .openai_format import (
     ChoiceAccumulator,
     LogprobFormatter,
+    PromptLogprobsOnce,
     TextOffsets,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_response,
+    prompt_logprob_weight,
     tool_chunks,
     usage,
     usage_chunk_chat,
@@ -65,7 +85,10 @@ from .tools import ToolPlan, template_knows_tools, with_tools_prompt
 from .validation import (
     ModelLimits,
     PreparedRequest,
+    check_chat_shape,
     check_model,
+    check_prompt_chars,
+    check_prompt_tokens,
     check_token_ids,
     prepare_chat,
     prepare_completion,
@@ -131,13 +154,79 @@ class ChunkStream:
         await self._run.close("abort")
 
 
-PREPARE_THREADS = 1
+logger = logging.getLogger(__name__)
+
+# the prepare lanes (module docstring): a body of at most SMALL_INPUT string characters + list / dict
+# entries (about 4k tokens of prompt, milliseconds to prepare) goes to the short lane
+SMALL_INPUT = 16_384
+SHORT_PREPARE_THREADS = 1
+BULK_PREPARE_THREADS = 2
+class _CompletionChunks:
+    """Builds a completion stream's chunks: each choice's text offsets and pending echo; its prompt's
+    logprobs formatted once and shared by the prompt's choices."""
+
+    def __init__(self, req: CompletionRequest, run: _Run, fmt: LogprobFormatter, model: str) -> None:
+        self.req, self.run, self.fmt, self.model = req, run, fmt, model
+        self.offsets = [TextOffsets(len(p.echo_text or "")) for p in run.prepared for _ in range(run.n)]
+        self.pending_echo = [p.echo_text or "" for p in run.prepared for _ in range(run.n)]
+        self.prompts = [p.prompt_token_ids for p in run.prepared for _ in range(run.n)]
+        self.once = PromptLogprobsOnce(fmt)
+
+    def chunk(self, index: int, delta) -> dict | None:
+        """The chunk for one delta of choice ``index``; None when it has nothing to send."""
+        req, fmt = self.req, self.fmt
+        text, self.pending_echo[index] = self.pending_echo[index] + delta.text, ""
+        logprobs = prompt_logprobs = None
+        if req.logprobs is not None:
+            logprobs = fmt.completion(delta.logprobs or [], self.offsets[index])
+        if delta.prompt_logprobs is not None:   # the choice's first delta
+            if req.echo and logprobs is not None:
+                logprobs = fmt.echoed_prompt(self.prompts[index], delta.prompt_logprobs, logprobs)
+            if req.prompt_logprobs is not None:
+                prompt_logprobs = self.once(delta.prompt_logprobs)
+        if text or delta.finish_reason or (logprobs and logprobs.tokens) or prompt_logprobs:
+            return completion_chunk(self.run.rid, self.run.created, self.model, index, text, logprobs,
+                                    delta.finish_reason, prompt_logprobs)
+        return None
+
+
+PREPARE_THREADS = SHORT_PREPARE_THREADS + BULK_PREPARE_THREADS
+# a response with more logprob entries than this is built on a worker thread (a few ms of work below it)
+BIG_RESPONSE_ENTRIES = 4096
 SEQUENCES_IN_FLIGHT_PER_REQUEST = 64   # half the engine's default max_num_seqs (128)
+
+
+def input_within(value, budget: int) -> bool:
+    """True when the JSON value holds at most ``budget`` units: a string's characters, a list's or
+    dict's entries (and its keys' characters), 1 per other value. Stops as soon as the budget is spent,
+    so it takes at most about ``budget`` steps whatever the body (it runs on the event loop)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        budget -= len(item) if isinstance(item, (str, list, dict)) else 1
+        if budget < 0:
+            return False
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
+
+
+async def off_loop_if(big: bool, build: Callable):
+    """``build()`` on a worker thread when ``big``, else here (a thread hop costs more than small work)."""
+    return await asyncio.to_thread(build) if big else build()
 
 
 class OpenAIService:
     def __init__(self, engine: EngineClient, tokenizer, limits: ModelLimits, metrics: ServerMetrics) -> None:
-        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedray-prepare")
+        self._local = threading.local()   # each prepare thread's own tokenizer copy
+        self._shared_tokenizer_lock = threading.Lock()   # for a tokenizer that cannot be copied
+        self._short_pool = ThreadPoolExecutor(SHORT_PREPARE_THREADS, thread_name_prefix="pagedray-prepare-short",
+                                              initializer=self._start_prepare_thread)
+        self._bulk_pool = ThreadPoolExecutor(BULK_PREPARE_THREADS, thread_name_prefix="pagedray-prepare-bulk",
+                                             initializer=self._start_prepare_thread)
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
@@ -146,25 +235,53 @@ class OpenAIService:
         self.grammars = GrammarChecker(tokenizer)
 
     # ------------------------------------------------------------------ plumbing
+    def _start_prepare_thread(self) -> None:
+        try:
+            self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        except Exception:  # noqa: BLE001 - a failed initializer would break the pool for good
+            logger.warning("the tokenizer cannot be copied; the prepare threads take turns with one", exc_info=True)
+            self._local.tokenizer = None
+
+    @property
+    def _tok(self):
+        """This prepare thread's own tokenizer (the shared one off the prepare threads)."""
+        return getattr(self._local, "tokenizer", None) or self.tokenizer
+
+    def _prepare(self, work: Callable, body):
+        """``work(body)`` on this prepare thread; with a shared tokenizer, one thread at a time."""
+        if getattr(self._local, "tokenizer", None) is not None:
+            return work(body)
+        with self._shared_tokenizer_lock:
+            return work(body)
+
+    async def _on_lane(self, work: Callable, body):
+        """``work(body)`` on the body's prepare lane (module docstring)."""
+        pool = self._short_pool if input_within(body, SMALL_INPUT) else self._bulk_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, self._prepare, work, body)
+
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return self._tok.encode(text)
 
     def _decode_prompt(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return self._tok.decode(token_ids, skip_special_tokens=False)
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                      tools: ToolPlan | None = None) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+        """The chat template's prompt, tokenized; a rendered text too long for the context is refused
+        before tokenizing."""
+        tokenizer = self._tok
+        if not getattr(tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template; use /v1/completions",
                               param="messages")
         kwargs = {}
-        if tools is not None and template_knows_tools(self.tokenizer):
+        if tools is not None and template_knows_tools(tokenizer):
             kwargs["tools"] = [{"type": "function", "function": f} for f in tools.tools]
         elif tools is not None:
             messages = with_tools_prompt(messages, tools)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, **kwargs)
+        check_prompt_chars(len(text), self.limits, "messages")
+        return tokenizer.encode(text, add_special_tokens=False)
 
     async def _admit(self, prefix: str, prepared: list[PreparedRequest]) -> _Run:
         rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -208,10 +325,11 @@ class OpenAIService:
         finally:
             await run.close(outcome)
 
-    async def _open(self, endpoint: str, prefix: str, prepare: Callable) -> tuple[object, _Run]:
-        """Parse + validate (``prepare``), then admit; any failure is counted and raised as APIError."""
+    async def _open(self, endpoint: str, prefix: str, prepare: Callable, body) -> tuple[object, _Run]:
+        """Parse + validate (``prepare(body)``, on the body's prepare lane), then admit; any failure is
+        counted and raised as APIError."""
         try:
-            req, prepared = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
+            req, prepared = await self._on_lane(prepare, body)
             run = await self._admit(prefix, prepared)
         except Exception as exc:
             self.metrics.record_outcome(endpoint, outcome_of(exc))
@@ -225,60 +343,56 @@ class OpenAIService:
         return req, prepare_completion(req, self.limits, self._encode, self._decode_prompt, self.grammars.check)
 
     async def completion(self, body: dict) -> dict:
-        req, run = await self._open("completions", "cmpl", lambda: self._prepare_completion(body))
+        req, run = await self._open("completions", "cmpl", self._prepare_completion, body)
         accs = [ChoiceAccumulator(prefix=p.echo_text or "", prompt_token_ids=p.prompt_token_ids)
                 for p in run.prepared for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             accs[index].add(delta)
         use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
-        response = completion_response(run.rid, run.created, self.limits.served_name, accs,
-                                       self.logprob_format, use, req.logprobs is not None, req.echo,
-                                       req.prompt_logprobs is not None)
-        return response.model_dump()
+        params = run.prepared[0].params
+        weight = sum(prompt_logprob_weight(a.prompt_logprobs, params.prompt_logprobs)
+                     + prompt_logprob_weight(a.logprobs, params.logprobs) for a in accs)
+        return await off_loop_if(weight > BIG_RESPONSE_ENTRIES, functools.partial(
+            completion_response, run.rid, run.created, self.limits.served_name, accs, self.logprob_format, use,
+            req.logprobs is not None, req.echo, req.prompt_logprobs is not None))
 
     async def open_completion_stream(self, body: dict) -> ChunkStream:
-        req, run = await self._open("completions", "cmpl", lambda: self._prepare_completion(body))
+        req, run = await self._open("completions", "cmpl", self._prepare_completion, body)
         return ChunkStream(self._completion_chunks(req, run), run)
 
     async def _completion_chunks(self, req: CompletionRequest, run: _Run) -> AsyncIterator[dict]:
-        model = self.limits.served_name
-        offsets = [TextOffsets(len(p.echo_text or "")) for p in run.prepared for _ in range(run.n)]
-        pending_echo = [p.echo_text or "" for p in run.prepared for _ in range(run.n)]
-        prompts = [p.prompt_token_ids for p in run.prepared for _ in range(run.n)]
-        fmt = self.logprob_format
+        chunks = _CompletionChunks(req, run, self.logprob_format, self.limits.served_name)
+        k = run.prepared[0].params.prompt_logprobs
         async for index, delta in self._deltas(run):
-            text, pending_echo[index] = pending_echo[index] + delta.text, ""
-            logprobs = prompt_logprobs = None
-            if req.logprobs is not None:
-                logprobs = fmt.completion(delta.logprobs or [], offsets[index])
-            if delta.prompt_logprobs is not None:   # the choice's first delta
-                if req.echo and logprobs is not None:
-                    logprobs = fmt.echoed_prompt(prompts[index], delta.prompt_logprobs, logprobs)
-                if req.prompt_logprobs is not None:
-                    prompt_logprobs = fmt.prompt_logprobs(delta.prompt_logprobs)
-            if text or delta.finish_reason or (logprobs and logprobs.tokens) or prompt_logprobs:
-                yield completion_chunk(run.rid, run.created, model, index, text, logprobs,
-                                       delta.finish_reason, prompt_logprobs).model_dump()
+            # a choice's first delta carries its prompt's logprobs: a big one is formatted off the loop
+            big = prompt_logprob_weight(delta.prompt_logprobs, k) > BIG_RESPONSE_ENTRIES
+            chunk = await off_loop_if(big, functools.partial(chunks.chunk, index, delta))
+            if chunk is not None:
+                yield chunk
         if req.stream_options is not None and req.stream_options.include_usage:
             use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
-            yield usage_chunk_completion(run.rid, run.created, model, use).model_dump()
+            yield usage_chunk_completion(run.rid, run.created, chunks.model, use).model_dump()
 
     # ------------------------------------------------------------------ chat
     def _prepare_chat(self, body: dict) -> tuple[ChatCompletionRequest, list[PreparedRequest]]:
+        if isinstance(body, dict):
+            check_chat_shape(body.get("messages"), self.limits)   # before parsing a huge list
         req = parse_body(ChatCompletionRequest, body)
         return req, [prepare_chat(req, self.limits, self._render_chat, self.grammars.check)]
 
     async def chat(self, body: dict) -> dict:
-        req, run = await self._open("chat", "chatcmpl", lambda: self._prepare_chat(body))
+        req, run = await self._open("chat", "chatcmpl", self._prepare_chat, body)
         accs = [ChoiceAccumulator() for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             accs[index].add(delta)
         use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
-        return chat_response(run.rid, run.created, self.limits.served_name, accs, self.logprob_format,
-                             use, req.logprobs, run.prepared[0].tools).model_dump()
+        weight = sum(prompt_logprob_weight(a.logprobs, run.prepared[0].params.logprobs) for a in accs)
+        return await off_loop_if(weight > BIG_RESPONSE_ENTRIES, functools.partial(
+            chat_response, run.rid, run.created, self.limits.served_name, accs, self.logprob_format, use,
+            req.logprobs, run.prepared[0].tools))
 
     async def open_chat_stream(self, body: dict) -> ChunkStream:
-        req, run = await self._open("chat", "chatcmpl", lambda: self._prepare_chat(body))
+        req, run = await self._open("chat", "chatcmpl", self._prepare_chat, body)
         return ChunkStream(self._chat_chunks(req, run), run)
 
     async def _chat_chunks(self, req: ChatCompletionRequest, run: _Run) -> AsyncIterator[dict]:
@@ -305,22 +419,29 @@ class OpenAIService:
 
     # ------------------------------------------------------------------ tokenizer endpoints
     def _tokenize(self, body) -> dict:
+        """The same bounds as generation: a prompt's characters, a chat's messages, parts and rendered text."""
         if isinstance(body, dict) and "messages" in body:
+            check_chat_shape(body["messages"], self.limits)
             chat = parse_body(TokenizeChatRequest, body)
             check_model(chat.model, self.limits)
-            token_ids = self._render_chat([{"role": m.role, "content": m.text()} for m in chat.messages],
-                                          chat.add_generation_prompt)
+            messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
+            check_prompt_chars(sum(len(m["content"]) for m in messages), self.limits, "messages")
+            token_ids = self._render_chat(messages, chat.add_generation_prompt)
             with_strs = chat.return_token_strs
         else:
             req = parse_body(TokenizeCompletionRequest, body)
             check_model(req.model, self.limits)
-            token_ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            check_prompt_chars(len(req.prompt), self.limits, "prompt")
+            token_ids = self._tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             with_strs = req.return_token_strs
-        strs = self.tokenizer.convert_ids_to_tokens(token_ids) if with_strs else None
+        strs = self._tok.convert_ids_to_tokens(token_ids) if with_strs else None
         return TokenizeResponse(count=len(token_ids), max_model_len=self.limits.max_model_len, tokens=token_ids,
                                 token_strs=strs).model_dump()
 
     def _detokenize(self, body) -> dict:
+        """At most ``max_model_len`` token ids (counted before the list is parsed), like a prompt."""
+        if isinstance(body, dict) and isinstance(body.get("tokens"), list):
+            check_prompt_tokens(len(body["tokens"]), self.limits, "tokens")
         req = parse_body(DetokenizeRequest, body)
         check_model(req.model, self.limits)
         check_token_ids(req.tokens, self.limits.vocab_size, "tokens")
@@ -328,7 +449,7 @@ class OpenAIService:
 
     async def _on_prepare_thread(self, work: Callable, body) -> dict:
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, work, body)
+            return await self._on_lane(work, body)
         except Exception as exc:
             raise to_api_error(exc) from exc
 

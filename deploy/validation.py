@@ -15,6 +15,18 @@ Decisions:
 - ``echo`` with ``logprobs = k`` returns the prompt tokens' logprobs too (OpenAI's legacy shape: the
   first prompt token has a null logprob); the engine computes them as ``prompt_logprobs = k``.
   ``prompt_logprobs`` (vLLM's field, completions only) returns them in vLLM's shape.
+- Input bounds (``ModelLimits``), checked before the work they bound, so one request cannot hold a prepare
+  thread for long: a text prompt (completions, /tokenize, and a chat prompt rendered by the template) at
+  most ``max_prompt_chars`` characters, checked before tokenizing; a token-id prompt (and /detokenize's
+  ``tokens``) at most ``max_model_len`` ids, checked before the ids are; a chat at most ``max_model_len``
+  messages and ``max_model_len`` content parts, counted on the raw body before it is parsed (every message
+  costs the chat template at least one token; a part costs none, but more parts than context tokens is
+  no prompt anyone sends). The body size limit (api.py) bounds the rest.
+- A response-size budget: prompt logprobs come back once per choice (vLLM's shape), so a request may
+  ask for at most ``MAX_PROMPT_LOGPROB_CONTEXTS`` full contexts of them: the sum over prompts of
+  ``prompt tokens x (k + 1) x n`` must not pass ``MAX_PROMPT_LOGPROB_CONTEXTS x max_model_len x
+  (MAX_LOGPROBS + 1)`` entries (k = 20, n = 16 on a 6,000-token prompt is refused with a 400 up front
+  instead of a response of a hundred megabytes).
 """
 
 from __future__ import annotations
@@ -33,10 +45,14 @@ MAX_STOP_STRINGS = 16
 MAX_BATCH_PROMPTS = 64
 # one request may ask for at most this many full contexts of tokens: prompts x n x (prompt + max_tokens)
 MAX_REQUEST_CONTEXTS = 16
+# prompt logprob entries one request may ask for, in full contexts at the largest k (module docstring)
+MAX_PROMPT_LOGPROB_CONTEXTS = 4
 
 
 @dataclass(frozen=True)
 class ModelLimits:
+    """The served model's name and the bounds on its inputs (module docstring: input bounds)."""
+
     served_name: str
     aliases: frozenset[str]
     vocab_size: int
@@ -215,7 +231,32 @@ def _split_prompts(prompt) -> list[str | list[int]]:
     return prompts
 
 
-def _check_prompt_chars(num_chars: int, limits: ModelLimits, param: str) -> None:
+def check_prompt_tokens(num_tokens: int, limits: ModelLimits, param: str) -> None:
+    """400 for a token-id list longer than the context, before its ids are looked at."""
+    if num_tokens > limits.max_model_len:
+        raise bad_request(f"{param}: {num_tokens} tokens exceed the maximum context length of "
+                          f"{limits.max_model_len} tokens", param=param)
+
+
+def check_chat_shape(messages, limits: ModelLimits, param: str = "messages") -> None:
+    """400 for a raw (not yet parsed) ``messages`` list with more than ``max_model_len`` messages or
+    content parts; reads at most that many entries. Shapes and types are left to the request model."""
+    if not isinstance(messages, list):
+        return
+    bound = limits.max_model_len
+    if len(messages) > bound:
+        raise bad_request(f"{param}: {len(messages)} messages cannot fit in the maximum context length of "
+                          f"{bound} tokens (each message takes at least one token)", param=param)
+    parts = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts += len(content) if isinstance(content, list) else 0
+        if parts > bound:
+            raise bad_request(f"{param}: more than {bound} content parts (at most the maximum context "
+                              "length)", param=param)
+
+
+def check_prompt_chars(num_chars: int, limits: ModelLimits, param: str) -> None:
     """400 before tokenizing a text that cannot fit in the context (``limits.max_prompt_chars``)."""
     if limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
         raise bad_request(f"{param}: {num_chars} characters cannot fit in the maximum context length of "
@@ -243,7 +284,9 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
     prompts = _split_prompts(req.prompt)
     for prompt in prompts:   # every prompt is checked before any is tokenized
         if isinstance(prompt, str):
-            _check_prompt_chars(len(prompt), limits, "prompt")
+            check_prompt_chars(len(prompt), limits, "prompt")
+        else:
+            check_prompt_tokens(len(prompt), limits, "prompt")
     prepared = []
     for prompt in prompts:
         token_ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -255,6 +298,7 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
         echo_text = None if not req.echo else prompt if isinstance(prompt, str) else decode(token_ids)
         prepared.append(PreparedRequest(token_ids, params, stops, echo_text))
     _check_request_cost(prepared, limits)
+    _check_prompt_logprobs_size(prepared, limits, "logprobs" if req.prompt_logprobs is None else "prompt_logprobs")
     return prepared
 
 
@@ -267,6 +311,18 @@ def _check_request_cost(prepared: list[PreparedRequest], limits: ModelLimits) ->
         raise bad_request(f"prompt: this request asks for {cost} tokens (prompts x n x (prompt + max_tokens)); "
                           f"at most {limit} ({MAX_REQUEST_CONTEXTS} x the maximum context length) are allowed "
                           "per request: send fewer prompts, a smaller n or max_tokens", param="prompt")
+
+
+def _check_prompt_logprobs_size(prepared: list[PreparedRequest], limits: ModelLimits, param: str) -> None:
+    """400 for a request whose prompt logprobs (sent once per choice) pass the response-size budget
+    (module docstring); ``param``: the field that asked for them."""
+    entries = sum(len(p.prompt_token_ids) * (p.params.prompt_logprobs + 1) * p.params.n
+                  for p in prepared if p.params.prompt_logprobs is not None)
+    limit = MAX_PROMPT_LOGPROB_CONTEXTS * limits.max_model_len * (MAX_LOGPROBS + 1)
+    if entries > limit:
+        raise bad_request(f"{param}: this request asks for {entries} prompt logprob entries (prompt tokens x "
+                          f"(k + 1) x n); at most {limit} are allowed per request: lower {param}, n or the "
+                          "number of prompts", param=param)
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -305,7 +361,7 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     tools = plan_tools(req.tools, extra.get("tool_choice"), extra.get("parallel_tool_calls"))
     grammar = grammar_of(req, check_grammar, tools)
     messages = chat_messages(req)
-    _check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
+    check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
     token_ids = render(messages, req.add_generation_prompt, tools)
     if not token_ids:
         raise bad_request("messages: the chat template produced an empty prompt", param="messages")

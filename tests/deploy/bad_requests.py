@@ -276,13 +276,34 @@ def _tool_cases(chat: dict) -> list[tuple]:
     ]
 
 
+def _input_bound_cases(ok: dict, chat: dict, max_model_len: int) -> list[tuple]:
+    """Inputs the ingress refuses before working on them (validation.py: input bounds)."""
+    user = {"role": "user", "content": "hi"}
+    parts = [{"type": "text", "text": "a"}] * (max_model_len + 1)
+    too_many = [user] * (max_model_len + 1)
+    long_prompt = [5] * (max_model_len // 2)   # x 21 logprobs x n=16: 4x more than the budget of 4 contexts
+    return [
+        ("prompt_tokens_beyond_context", COMPLETIONS, {**ok, "prompt": [5] * (max_model_len + 1)}, 400, "prompt"),
+        ("chat_too_many_messages", CHAT, {**chat, "messages": too_many}, 400, "messages"),
+        ("chat_too_many_content_parts", CHAT, {**chat, "messages": [{"role": "user", "content": parts}]}, 400,
+         "messages"),
+        ("tokenize_chat_too_many_messages", "/tokenize", {"messages": too_many}, 400, "messages"),
+        ("detokenize_beyond_context", "/detokenize", {"tokens": [5] * (max_model_len + 1)}, 400, "tokens"),
+        ("prompt_logprobs_response_too_big", COMPLETIONS, {**ok, "prompt": long_prompt, "prompt_logprobs": 20,
+                                                           "n": 16, "max_tokens": 1}, 400, "prompt_logprobs"),
+        ("echo_logprobs_response_too_big", COMPLETIONS, {**ok, "prompt": long_prompt, "echo": True, "logprobs": 20,
+                                                         "n": 16, "max_tokens": 1}, 400, "logprobs"),
+    ]
+
+
 def malformed_cases(model: str, max_model_len: int, vocab_size: int) -> list[tuple]:
     """``bad_request_cases`` plus the abuse catalogue (every case a 4xx with an OpenAI error body)."""
     ok = {"model": model, "prompt": "Hello", "max_tokens": 4}
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     cases = (bad_request_cases(model, max_model_len, vocab_size) + _completion_type_cases(ok)
              + _range_cases(ok, vocab_size) + _prompt_shape_cases(ok) + _body_cases()
-             + _chat_cases(chat, max_model_len) + _grammar_cases(ok) + _tool_cases(chat))
+             + _chat_cases(chat, max_model_len) + _grammar_cases(ok) + _tool_cases(chat)
+             + _input_bound_cases(ok, chat, max_model_len))
     ids = [case[0] for case in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import httpx
 import pytest
 from bad_requests import assert_openai_error, malformed_cases, send
 from fake_engine import ScriptedEngine, queue_full
 from fastapi.testclient import TestClient
+from gates import GatedTokenizer
 from pagedray.cluster.outputs import EngineDrainingError
 from pagedray.deploy.api import create_api
 from pagedray.deploy.metrics import ServerMetrics
@@ -422,33 +422,8 @@ def test_chat_prompt_is_the_rendered_template(client_and_engine, tokenizer):
     assert engine.calls[-1][2].max_tokens == 1
 
 
-class _GatedTokenizer:
-    """The real tokenizer, except that encoding a prompt starting with "SLOW" records whether it runs
-    on the event loop's thread and then waits for ``release``."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.on_event_loop = inner, []
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def encode(self, text, **kwargs):
-        if text.startswith("SLOW"):
-            try:
-                asyncio.get_running_loop()
-                self.on_event_loop.append(True)
-            except RuntimeError:
-                self.on_event_loop.append(False)
-            self.entered.set()
-            if self.on_event_loop[-1]:
-                raise AssertionError("tokenizing on the event loop")   # waiting here would block the test
-            self.release.wait(600)   # safety net only: the test releases it
-        return self.inner.encode(text, **kwargs)
-
-
 def test_health_answers_while_a_prompt_is_being_tokenized(tokenizer):
-    gated = _GatedTokenizer(tokenizer)
+    gated = GatedTokenizer(tokenizer)
     engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
     limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN)
     app = create_api(OpenAIService(engine, gated, limits, ServerMetrics(MODEL)))
@@ -471,7 +446,7 @@ def test_prompt_that_cannot_fit_is_refused_before_tokenizing(tokenizer):
 
     bound = max_prompt_chars(tokenizer, MAX_MODEL_LEN)
     assert bound is not None and bound >= MAX_MODEL_LEN
-    gated = _GatedTokenizer(tokenizer)
+    gated = GatedTokenizer(tokenizer)
     limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN, bound)
     client = TestClient(create_api(OpenAIService(ScriptedEngine([5]), gated, limits, ServerMetrics(MODEL))))
     huge = "SLOW" + "x" * bound
