@@ -1,4 +1,4 @@
-"""Red-team replay of issue #17's findings against a live ``pagedray serve``: one row per case.
+"""Red-team replay of issues #17's and #32's findings against a live ``pagedray serve``: one row per case.
 
     python -m benchmarks.red_team [--port 18700] [--out bench_results/red_team.json]
 
@@ -11,7 +11,9 @@ and exits 1 when any row is a defect. A measurement script, not a test: it races
 Cases: big prompts (8 concurrent 3.9 MB prompts while a stream runs), a long prefill (health during a
 step of several seconds), raw surrogate bytes, unfinished headers (8 x 8 MiB) and slowloris sockets,
 seeded n > 1, partial-character logprobs, one batch request next to a short one, echo of token ids, and
-the open surfaces (Host-built redirect, unauthenticated routes, non-loopback listening sockets).
+the open surfaces (Host-built redirect, unauthenticated routes, non-loopback listening sockets); then issue
+#32's fault-isolation cases (``red_team_isolation.py``: requests that used to kill the engine or stall
+other clients, internals in error bodies, and the CLI's bad values, ``--num-replicas 2`` and SIGTERM).
 """
 
 from __future__ import annotations
@@ -246,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with RunningServer(SystemSpec("pagedray", command, None, 1), args.port, out_dir / "red_team_server.log") as server:
         server.wait_healthy(args.startup_timeout)
-        for name, fn in CASES:
+        from benchmarks.red_team_isolation import CASES as ISOLATION_CASES  # it imports this module's helpers
+
+        for name, fn in CASES + ISOLATION_CASES:
             start = time.monotonic()
             with health_watch(server.url) as watch:
                 try:

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import APIError, bad_request, engine_error_message, to_api_error
+from .errors import APIError, bad_request, health_reason, to_api_error
 from .metrics import METRICS_CONTENT_TYPE
 from .options import DEFAULT_MAX_BODY_BYTES
 from .service import OpenAIService, input_within
@@ -222,7 +222,7 @@ def create_api(service: OpenAIService, api_key: str | None = None,
         try:
             await service.check_health()
         except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
-            return JSONResponse({"status": "unhealthy", "reason": engine_error_message(exc)}, status_code=503)
+            return JSONResponse({"status": "unhealthy", "reason": health_reason(exc)}, status_code=503)
         return PlainTextResponse("ok")
 
     @app.get("/metrics")

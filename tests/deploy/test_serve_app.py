@@ -8,6 +8,7 @@ Oracle for greedy text: the offline ``LLM`` API on the same model.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import httpx
 import openai
@@ -232,6 +233,38 @@ def test_structured_output_with_the_openai_client(client, app):
     choice = client.completions.create(model=app.model, prompt="Is the sky blue? Answer:", max_tokens=5,
                                        temperature=0, extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
     assert choice.choices[0].text in (" yes", " no")
+
+
+def _strict_json(text: str):
+    def reject(constant):
+        raise ValueError(f"{constant} is not JSON")
+    import json
+
+    return json.loads(text, parse_constant=reject)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammar_with_logprobs_lists_only_allowed_finite_tokens(app, http, stream):
+    """Issue #32: top_logprobs under a grammar hold only tokens it allows (never -inf: a stream sent
+    ``-Infinity``, which is not JSON, and a plain request got a 400 after generating)."""
+    body = {"prompt": "Is the sky blue? Answer:", "max_tokens": 4, "temperature": 0, "logprobs": 5,
+            "structured_outputs": {"choice": [" yes", " no"]}, "stream": stream}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        blocks = [b[len("data: "):] for b in response.text.split("\n\n") if b.startswith("data: {")]
+        chunks = [_strict_json(b) for b in blocks]
+        logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    else:
+        choice = _strict_json(response.text)["choices"][0]
+        logprobs, text = [choice["logprobs"]], choice["text"]
+    assert text in (" yes", " no")
+    tops = [top for lp in logprobs for top in lp["top_logprobs"]]
+    assert tops and all(0 < len(top) <= 5 for top in tops)
+    assert all(math.isfinite(v) and v <= 0 for top in tops for v in top.values())
+    # the first position allows only the beginnings of " yes" / " no": far fewer than 5 tokens of the vocabulary
+    assert all(piece.strip() == "" or " yes".startswith(piece) or " no".startswith(piece) for piece in tops[0])
 
 
 def test_tool_calls_with_the_openai_client(client, app):
