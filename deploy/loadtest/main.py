@@ -12,8 +12,8 @@ started with ``--model PATH`` answers to that folder's name, not to "default"); 
 "default".
 
 Exit status: 0 when the run finished, 1 when ``--check`` found a mismatch, no request completed (every
-one failed) or, without ``--model``, the server listed no model; 2 for bad arguments (argparse's convention; the
-message names the argument).
+one failed) or, without ``--model``, the server listed no model; 2 for bad arguments (argparse's
+convention; the message names the argument).
 
 Package map (pagedray.deploy.loadtest): prompts (inputs), record (per-request measurements and stream
 parsing), client (targets), runner (open / closed loop), metrics (/metrics polling), stats (summary and
@@ -52,7 +52,7 @@ from pagedray.deploy.loadtest.prompts import (
 from pagedray.deploy.loadtest.runner import LoadSpec, RunResult, run_load
 from pagedray.deploy.loadtest.stats import format_table, summarize
 
-DEFAULT_MODEL = "default"   # what a handle target (and pagedray's own server) answers to
+DEFAULT_MODEL = "default"   # the model name sent to a handle target when --model is not given
 
 
 @dataclass
