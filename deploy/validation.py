@@ -42,6 +42,7 @@ from .structured_output import requested_grammar
 from .tools import ToolPlan, calls_as_text, plan_tools, tool_grammar
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 MAX_BATCH_PROMPTS = 64
 # one request may ask for at most this many full contexts of tokens: prompts x n x (prompt + max_tokens)
 MAX_REQUEST_CONTEXTS = 16
@@ -142,6 +143,9 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
         raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
     if any(s == "" for s in stops):
         raise bad_request("stop: stop strings must be non-empty", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        # the stop-string matcher holds back and rescans up to this many characters per token (event loop)
+        raise bad_request(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
     return stops
 
 

@@ -107,6 +107,8 @@ def _range_cases(ok: dict, vocab_size: int) -> list[tuple]:
          400, "repetition_penalty"),
         ("repetition_penalty_overflows", COMPLETIONS, {**ok, "repetition_penalty": 1e30}, 400, "repetition_penalty"),
         ("temperature_overflows_float32", COMPLETIONS, {**ok, "temperature": 1e39}, 400, "temperature"),
+        ("stop_string_too_long", COMPLETIONS, {**ok, "stop": ["x" * 5000]}, 400, "stop"),
+        ("too_many_stop_token_ids", COMPLETIONS, {**ok, "stop_token_ids": [5] * 2000}, 400, "stop_token_ids"),
         ("top_k_beyond_int64", COMPLETIONS, {**ok, "top_k": 2**70}, 400, "top_k"),
         ("seed_beyond_int64", COMPLETIONS, {**ok, "seed": INT64_MAX + 1}, 400, "seed"),
         ("n_beyond_int64", COMPLETIONS, {**ok, "n": -(2**64)}, 400, "n"),

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024   # entries per request: bounds the sampler's per-step work for one row
+MAX_STOP_TOKEN_IDS = 1024   # the scheduler checks each sampled token against them on the step thread
 MAX_GRAMMAR_CHARS = 256 * 1024
 # Bounds that keep every sampling transform finite in float32 (the Sampler's dtype): a repetition penalty
 # of 1e-50 is 0 in float32, and a masked logit (-inf) times 0 is NaN; logits divided by a penalty of
@@ -102,6 +103,9 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must contain non-negative integers")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} ids (each sampled token is checked against them), "
+               f"got {len(self.stop_token_ids)}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
