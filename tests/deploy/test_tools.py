@@ -208,7 +208,8 @@ def test_earlier_tool_call_arguments_that_are_not_json_are_written_as_strings():
     "<tool_call>" + " " * 20_000,
     "<tool_call>x" * 20_000,
     '{"name": null}',
-])
+], ids=["name_list", "name_object", "arguments_list", "nan", "not_an_object", "deep_block", "deep_arguments",
+        "unclosed_block_of_spaces", "many_unclosed_blocks", "name_null"])
 def test_malformed_model_output_stays_content(text):
     assert parse_tool_calls(text, plan_tools([WEATHER, TIME], "auto", None)) == (text, [])
 
@@ -223,7 +224,8 @@ def test_malformed_model_output_stays_content(text):
     ({"type": "function", "function": {"name": "get_time"}}, "[1]"),
     ({"type": "function", "function": {"name": "get_time"}}, '{"a": Infinity}'),
     ({"type": "function", "function": {"name": "get_time"}}, "[" * 50_000),
-])
+], ids=["required_not_a_list", "required_empty", "required_unknown_name", "required_arguments_string",
+        "required_item_string", "required_item_number", "named_list", "named_infinity", "named_deep"])
 def test_constrained_output_that_is_not_calls_stays_content(choice, text):
     assert parse_tool_calls(text, plan_tools([WEATHER, TIME], choice, None)) == (text, [])
 
