@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import socket
 import sys
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.red_team_isolation import CASES as ISOLATION_CASES  # it imports this module's helpers
 
         for name, fn in CASES + ISOLATION_CASES:
-            start = time.monotonic()
+            start, load_before = time.monotonic(), round(os.getloadavg()[0], 2)
             with health_watch(server.url) as watch:
                 try:
                     extra = (server.proc.pid,) if fn is case_open_surfaces else ()
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             healthy, health = health_summary(watch)
             rows.append({"case": name, "expected": expected, "observed": observed,
                          "seconds": round(time.monotonic() - start, 1), "health_during": health,
+                         "load_before": load_before,
                          "verdict": "ok" if ok and healthy else "DEFECT"})
             print(f"{name:32} {rows[-1]['verdict']:7} {rows[-1]['seconds']:6.1f} s  health {health}; "
                   f"{observed}", flush=True)

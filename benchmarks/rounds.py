@@ -301,9 +301,22 @@ def git_commit(cwd: str | None = None) -> str | None:
     return commit if out.returncode == 0 and commit else None
 
 
+def cpu_model() -> str:
+    """The CPU's model name as lscpu prints it (machines differ: AMD EPYC, Intel Xeon with AMX)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict:
     """Machine, date and commit a report was taken on."""
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "machine": platform.machine(),
+    return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+            "machine": platform.machine(),
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__)))}
