@@ -23,7 +23,7 @@ Decisions:
   rejections and engine-side validation errors are real HTTP statuses. Errors after that are sent as
   one SSE error event followed by ``data: [DONE]``.
 - /health answers 503 when the engine reports itself (or a TP rank, or its step loop) unhealthy.
-- A response body or SSE event bigger than ``SMALL_OUTPUT`` (a bounded walk, ``service.input_within``)
+- A response body or SSE event bigger than ``SMALL_OUTPUT`` (a bounded walk, ``prepare_lanes.input_within``)
   is JSON-encoded on a worker thread: prompt logprobs or a long /tokenize answer can be tens of
   megabytes, and encoding them on the event loop would hold /health and every stream meanwhile.
 """
@@ -43,7 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .errors import APIError, bad_request, health_reason, to_api_error
 from .metrics import METRICS_CONTENT_TYPE
 from .options import DEFAULT_MAX_BODY_BYTES
-from .service import OpenAIService, input_within
+from .prepare_lanes import input_within
+from .service import OpenAIService
 from .sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 
 

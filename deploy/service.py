@@ -8,18 +8,11 @@ Streams are returned as async iterators of dicts *after* that first output has a
 early (client disconnect, handle cancellation) closes the engine streams, which aborts the requests.
 
 Parsing, validation, chat-template rendering and tokenizing (``prepare``; /tokenize and /detokenize
-too) run on worker threads, never on the event loop, in two lanes chosen by the size of the request's
-body (``input_within``, a walk that stops at ``SMALL_INPUT`` characters and entries): small requests on
-their own thread (``SHORT_PREPARE_THREADS``), larger ones on ``BULK_PREPARE_THREADS``. A short request
-then waits only behind other short ones, never behind a client's big prompts; two bulk threads so that
-one big request does not hold the others' either, and because the Rust tokenizer releases the GIL
-while it encodes (a second core helps). A Hugging Face fast tokenizer is not safe to call from several
-threads at once, so each prepare thread encodes with its own copy (``copy.deepcopy``, made when the
-thread starts); the event loop keeps the original (detokenizing, logprob strings). A tokenizer that
-cannot be copied is shared, and then the prepare threads take turns with it (one at a time, as before). Every input a
-prepare thread handles is bounded before the work it bounds (validation.py: input bounds), and the
-rendered chat prompt is checked against ``max_prompt_chars`` before it is tokenized, which bounds how
-long one request holds a thread.
+too) run on the prepare lanes' worker threads (prepare_lanes.py), never on the event loop: a short
+request waits only behind other short ones, and each prepare thread encodes with its own tokenizer copy.
+Every input a prepare thread handles is bounded before the work it bounds (validation.py: input
+bounds), and the rendered chat prompt is checked against ``max_prompt_chars`` before it is tokenized,
+which bounds how long one request holds a thread.
 
 A non-streamed response with many logprob entries (``BIG_RESPONSE_ENTRIES``: prompt logprobs, long
 logprob lists) is built on a worker thread (``asyncio.to_thread``), as are a stream's chunks that carry
@@ -38,15 +31,10 @@ latencies are recorded for every request that was admitted (also when it was abo
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import functools
-import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from pydantic import ValidationError
 
@@ -68,6 +56,7 @@ from .openai_format import (
     usage_chunk_chat,
     usage_chunk_completion,
 )
+from .prepare_lanes import PrepareLanes, off_loop_if
 from .protocol import (
     ChatCompletionRequest,
     ChatDelta,
@@ -154,13 +143,6 @@ class ChunkStream:
         await self._run.close("abort")
 
 
-logger = logging.getLogger(__name__)
-
-# the prepare lanes (module docstring): a body of at most SMALL_INPUT string characters + list / dict
-# entries (about 4k tokens of prompt, milliseconds to prepare) goes to the short lane
-SMALL_INPUT = 16_384
-SHORT_PREPARE_THREADS = 1
-BULK_PREPARE_THREADS = 2
 class _CompletionChunks:
     """Builds a completion stream's chunks: each choice's text offsets and pending echo; its prompt's
     logprobs formatted once and shared by the prompt's choices."""
@@ -190,43 +172,14 @@ class _CompletionChunks:
         return None
 
 
-PREPARE_THREADS = SHORT_PREPARE_THREADS + BULK_PREPARE_THREADS
 # a response with more logprob entries than this is built on a worker thread (a few ms of work below it)
 BIG_RESPONSE_ENTRIES = 4096
 SEQUENCES_IN_FLIGHT_PER_REQUEST = 64   # half the engine's default max_num_seqs (128)
 
 
-def input_within(value, budget: int) -> bool:
-    """True when the JSON value holds at most ``budget`` units: a string's characters, a list's or
-    dict's entries (and its keys' characters), 1 per other value. Stops as soon as the budget is spent,
-    so it takes at most about ``budget`` steps whatever the body (it runs on the event loop)."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        budget -= len(item) if isinstance(item, (str, list, dict)) else 1
-        if budget < 0:
-            return False
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return True
-
-
-async def off_loop_if(big: bool, build: Callable):
-    """``build()`` on a worker thread when ``big``, else here (a thread hop costs more than small work)."""
-    return await asyncio.to_thread(build) if big else build()
-
-
 class OpenAIService:
     def __init__(self, engine: EngineClient, tokenizer, limits: ModelLimits, metrics: ServerMetrics) -> None:
-        self._local = threading.local()   # each prepare thread's own tokenizer copy
-        self._shared_tokenizer_lock = threading.Lock()   # for a tokenizer that cannot be copied
-        self._short_pool = ThreadPoolExecutor(SHORT_PREPARE_THREADS, thread_name_prefix="pagedray-prepare-short",
-                                              initializer=self._start_prepare_thread)
-        self._bulk_pool = ThreadPoolExecutor(BULK_PREPARE_THREADS, thread_name_prefix="pagedray-prepare-bulk",
-                                             initializer=self._start_prepare_thread)
+        self._lanes = PrepareLanes(tokenizer)
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
@@ -235,29 +188,10 @@ class OpenAIService:
         self.grammars = GrammarChecker(tokenizer)
 
     # ------------------------------------------------------------------ plumbing
-    def _start_prepare_thread(self) -> None:
-        try:
-            self._local.tokenizer = copy.deepcopy(self.tokenizer)
-        except Exception:  # noqa: BLE001 - a failed initializer would break the pool for good
-            logger.warning("the tokenizer cannot be copied; the prepare threads take turns with one", exc_info=True)
-            self._local.tokenizer = None
-
     @property
     def _tok(self):
-        """This prepare thread's own tokenizer (the shared one off the prepare threads)."""
-        return getattr(self._local, "tokenizer", None) or self.tokenizer
-
-    def _prepare(self, work: Callable, body):
-        """``work(body)`` on this prepare thread; with a shared tokenizer, one thread at a time."""
-        if getattr(self._local, "tokenizer", None) is not None:
-            return work(body)
-        with self._shared_tokenizer_lock:
-            return work(body)
-
-    async def _on_lane(self, work: Callable, body):
-        """``work(body)`` on the body's prepare lane (module docstring)."""
-        pool = self._short_pool if input_within(body, SMALL_INPUT) else self._bulk_pool
-        return await asyncio.get_running_loop().run_in_executor(pool, self._prepare, work, body)
+        """The calling prepare thread's own tokenizer (prepare_lanes.py)."""
+        return self._lanes.tokenizer
 
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text)
@@ -329,7 +263,7 @@ class OpenAIService:
         """Parse + validate (``prepare(body)``, on the body's prepare lane), then admit; any failure is
         counted and raised as APIError."""
         try:
-            req, prepared = await self._on_lane(prepare, body)
+            req, prepared = await self._lanes.run(prepare, body)
             run = await self._admit(prefix, prepared)
         except Exception as exc:
             self.metrics.record_outcome(endpoint, outcome_of(exc))
@@ -449,7 +383,7 @@ class OpenAIService:
 
     async def _on_prepare_thread(self, work: Callable, body) -> dict:
         try:
-            return await self._on_lane(work, body)
+            return await self._lanes.run(work, body)
         except Exception as exc:
             raise to_api_error(exc) from exc
 

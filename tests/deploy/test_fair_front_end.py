@@ -16,8 +16,9 @@ from gates import GatedFormatter, GatedTokenizer, on_event_loop
 from pagedray.deploy import api
 from pagedray.deploy.api import create_api
 from pagedray.deploy.metrics import ServerMetrics
+from pagedray.deploy.prepare_lanes import BULK_PREPARE_THREADS, SMALL_INPUT
 from pagedray.deploy.prompt_bound import max_prompt_chars
-from pagedray.deploy.service import BULK_PREPARE_THREADS, SMALL_INPUT, OpenAIService
+from pagedray.deploy.service import OpenAIService
 from pagedray.deploy.sse import parse_sse
 from pagedray.deploy.validation import ModelLimits
 
