@@ -67,13 +67,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import sys
 import time
 
 from .loopback import LOOPBACK_NODE_IP, LOOPBACK_RAY_ENV
 from .options import OPTIONS, cli_type, engine_options, llm_kwargs
+from .shutdown import stop_on_signals, stop_serving
 from .startup import (
     OptionError,
     app_resources,
@@ -229,17 +229,6 @@ def _start_or_join_ray(address: str | None, num_cpus: int, port: int = 8000, api
     return True
 
 
-def _stop_on_signals() -> None:
-    """Ctrl-C and SIGTERM both end the blocking wait (also when started in the background, where a
-    shell leaves SIGINT ignored), so the app is removed and a Ray started here is shut down."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
-
-
 def _prepare_model(model: str | None) -> None:
     """Fetch and convert the default model here, with its errors on this terminal, before any replica
     needs it (replicas on this machine then find it in the cache)."""
@@ -256,74 +245,6 @@ def _prepare_model(model: str | None) -> None:
         ensure_default_model()
 
 
-REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"   # Serve's replica actors: "SERVE_REPLICA::<app>#<deployment>#<id>"
-DRAIN_MARGIN_S = 1.0   # past graceful_shutdown_s: an ingress ends a stream whose engine Serve killed (SSE error)
-
-
-def requests_in_flight(app_name: str, timeout_s: float = 5.0) -> int | None:
-    """Requests the app's replicas hold now: Serve's own count per replica (``get_num_ongoing_requests``,
-    what a replica's graceful shutdown waits on; HTTP requests of the ingress included). None when that
-    cannot be told (no replica found, one not answering within ``timeout_s``): then nothing is assumed."""
-    import ray
-    from ray.util import list_named_actors
-
-    prefix = f"{REPLICA_ACTOR_PREFIX}{app_name}#"
-    try:
-        actors = [ray.get_actor(a["name"], namespace=a["namespace"])
-                  for a in list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-        counts = ray.get([actor.get_num_ongoing_requests.remote() for actor in actors], timeout=timeout_s)
-    except Exception:  # noqa: BLE001 - any failure to ask means "unknown", never "idle"
-        return None
-    return sum(counts) if actors else None
-
-
-def _drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
-    """Let the requests in flight on a private Ray finish, for ``grace_s`` (``graceful_shutdown_s``) plus
-    ``DRAIN_MARGIN_S`` at most, before the caller tears the Ray down.
-
-    Decisions: with nothing in flight (``requests_in_flight`` is 0) it returns at once: ``ray.shutdown``
-    ends Serve's controller, proxy and every replica and TP worker with it, while ``serve.delete`` would
-    first wait out each replica's shutdown loop (seconds, doing nothing). With requests in flight, Serve is
-    told to delete the app (it stops routing to it and each replica drains) and the count is polled here,
-    so the teardown follows the last request instead of Serve's loops. When the count cannot be had, the
-    blocking ``serve.delete`` is Serve's own wait, nothing is assumed."""
-    from ray import serve
-
-    in_flight = requests_in_flight(name)
-    if in_flight == 0:
-        print("nothing in flight: stopping Ray", flush=True)
-        return
-    print(f"waiting up to {grace_s:g} s for the requests in flight (Ctrl-C again: stop now) ...", flush=True)
-    if in_flight is None:
-        serve.delete(name)
-        return
-    serve.delete(name, _blocking=False)
-    deadline = time.monotonic() + grace_s + DRAIN_MARGIN_S
-    while time.monotonic() < deadline and requests_in_flight(name):   # 0, or no replica left: done
-        time.sleep(poll_s)
-
-
-def _stop_serving(name: str, private: bool, serve_started: bool, grace_s: float) -> None:
-    """Remove the app and stop a private Ray (``_drain_private`` first). A second Ctrl-C or SIGTERM cuts the
-    wait for requests in flight short; the teardown itself ignores further signals, so that no Ray process
-    is left behind. A joined cluster (``--address``) only gets the app deleted (Serve's own drain)."""
-    import ray
-    from ray import serve
-
-    try:
-        if serve_started and private:
-            _drain_private(name, grace_s)
-        elif serve_started:
-            serve.delete(name)
-    except KeyboardInterrupt:
-        print("stopping now (second signal): requests still in flight are cut", flush=True)
-    finally:
-        if private:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            ray.shutdown()
-
-
 def run_serve(ns: argparse.Namespace) -> int:
     if not ns.address:   # a private Ray (loopback.py): Ray reads this when it is first imported
         os.environ.update(LOOPBACK_RAY_ENV)
@@ -336,12 +257,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     needed = app_resources(app)
     if not ns.address:
         check_gpus(needed["GPU"])
-    _stop_on_signals()   # from here SIGTERM and Ctrl-C stop everything started, start-up included
+    stop_on_signals()   # from here SIGTERM and Ctrl-C stop everything started, start-up included
     status, serve_started = 1, False  # status 1 until the app is up
     try:
         _prepare_model(ns.model)
         started_ray = _start_or_join_ray(ns.address, local_ray_num_cpus(needed["CPU"]), ns.port, ns.api_key)
-        _stop_on_signals()   # again: ray.init sets a SIGTERM handler of its own (sys.exit: no clean-up)
+        stop_on_signals()   # again: ray.init sets a SIGTERM handler of its own (sys.exit: no clean-up)
         direct = started_ray and uses_direct_ingress(os.environ)
         serve.start(http_options={"host": ns.host, "port": free_port(ns.host) if direct else ns.port})
         serve_started = True
@@ -359,7 +280,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         print("stopping ...", flush=True)
         status = interrupted_status(status == 0, ns.host, ns.port)
     finally:
-        _stop_serving(ns.name, private=not ns.address, serve_started=serve_started,
+        stop_serving(ns.name, private=not ns.address, serve_started=serve_started,
                       grace_s=parsed.graceful_shutdown_s)
     return status
 

@@ -8,7 +8,7 @@ import types
 
 import pytest
 import yaml
-from pagedray.deploy import cli, startup
+from pagedray.deploy import cli, shutdown, startup
 from pagedray.deploy.app import build_app, engine_config, parse_args
 from pagedray.deploy.engine_deployment import placement_bundles
 
@@ -335,7 +335,7 @@ def test_bad_generate_options_are_one_usage_error(capsys):
 
 
 class FakeRayAndServe:
-    """Stand-ins for ``ray`` and ``ray.serve`` as ``cli._stop_serving`` uses them, recording the calls;
+    """Stand-ins for ``ray`` and ``ray.serve`` as ``shutdown.stop_serving`` uses them, recording the calls;
     ``in_flight``: what successive ``requests_in_flight`` calls answer (the last one repeats)."""
 
     def __init__(self, monkeypatch, in_flight, interrupt_delete=False):
@@ -357,57 +357,57 @@ class FakeRayAndServe:
         ray.serve = serve
         monkeypatch.setitem(sys.modules, "ray", ray)
         monkeypatch.setitem(sys.modules, "ray.serve", serve)
-        monkeypatch.setattr(cli, "requests_in_flight", count)
-        monkeypatch.setattr(cli.signal, "signal", lambda signum, handler: None)   # the test's own handlers stay
-        monkeypatch.setattr(cli.time, "sleep", lambda seconds: self.calls.append("sleep"))
+        monkeypatch.setattr(shutdown, "requests_in_flight", count)
+        monkeypatch.setattr(shutdown.signal, "signal", lambda signum, handler: None)   # the test's own handlers stay
+        monkeypatch.setattr(shutdown.time, "sleep", lambda seconds: self.calls.append("sleep"))
 
 
 def test_an_idle_private_ray_is_torn_down_without_waiting_for_serve_delete(monkeypatch):
     """Issue #32: an idle server took 34-39 s to exit on SIGTERM, most of it in serve.delete (Serve holds a
     direct-ingress replica open for 30 s for load balancers, and each replica sleeps out a shutdown loop)."""
     fake = FakeRayAndServe(monkeypatch, in_flight=[0])
-    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    shutdown.stop_serving("app", private=True, serve_started=True, grace_s=20)
     assert fake.calls == ["in_flight(app)", "ray.shutdown"]
 
 
 def test_requests_in_flight_are_let_finish_before_the_private_ray_stops(monkeypatch):
     fake = FakeRayAndServe(monkeypatch, in_flight=[2, 2, 1, 0])
-    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    shutdown.stop_serving("app", private=True, serve_started=True, grace_s=20)
     assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=False)", "in_flight(app)", "sleep",
                           "in_flight(app)", "sleep", "in_flight(app)", "ray.shutdown"]
     fake = FakeRayAndServe(monkeypatch, in_flight=[1, None])   # None: every replica is gone
-    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    shutdown.stop_serving("app", private=True, serve_started=True, grace_s=20)
     assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=False)", "in_flight(app)", "ray.shutdown"]
 
 
 def test_the_wait_for_requests_in_flight_ends_at_graceful_shutdown_s(monkeypatch):
     fake = FakeRayAndServe(monkeypatch, in_flight=[1])   # a stream that never ends
     clock = iter(range(0, 1000, 5))                         # each look at the clock: 5 s later
-    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
-    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    monkeypatch.setattr(shutdown.time, "monotonic", lambda: next(clock))
+    shutdown.stop_serving("app", private=True, serve_started=True, grace_s=20)
     # deadline 0 + 20 + DRAIN_MARGIN_S: the clock reads 5, 10, 15, 20 below it, then 25
     assert fake.calls.count("sleep") == 4 and fake.calls[-1] == "ray.shutdown"
 
 
 def test_requests_that_cannot_be_counted_get_serves_own_drain(monkeypatch):
     fake = FakeRayAndServe(monkeypatch, in_flight=[None])
-    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    shutdown.stop_serving("app", private=True, serve_started=True, grace_s=20)
     assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=True)", "ray.shutdown"]
 
 
 def test_a_second_signal_cuts_the_wait_but_still_stops_the_private_ray(monkeypatch, capsys):
     fake = FakeRayAndServe(monkeypatch, in_flight=[None], interrupt_delete=True)
-    cli._stop_serving("app", private=True, serve_started=True, grace_s=20)
+    shutdown.stop_serving("app", private=True, serve_started=True, grace_s=20)
     assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=True)", "ray.shutdown"]
     assert "second signal" in capsys.readouterr().out
 
 
 def test_a_joined_cluster_only_loses_the_app_and_a_start_up_stopped_early_only_the_ray(monkeypatch):
     fake = FakeRayAndServe(monkeypatch, in_flight=[0])
-    cli._stop_serving("app", private=False, serve_started=True, grace_s=20)
+    shutdown.stop_serving("app", private=False, serve_started=True, grace_s=20)
     assert fake.calls == ["serve.delete(app, blocking=True)"]   # another cluster's Ray is never stopped
     fake.calls.clear()
-    cli._stop_serving("app", private=True, serve_started=False, grace_s=20)
+    shutdown.stop_serving("app", private=True, serve_started=False, grace_s=20)
     assert fake.calls == ["ray.shutdown"]
 
 
