@@ -2,7 +2,9 @@
 
 Never on the event loop: on worker threads, in two lanes chosen by the size of the request's body
 (``input_within``, a walk that stops at ``SMALL_INPUT`` characters and entries). Small bodies get a
-thread of their own (``SHORT_PREPARE_THREADS``), larger ones share ``BULK_PREPARE_THREADS``: a short
+thread of their own (``SHORT_PREPARE_THREADS``), larger ones, and any that asks for structured output
+or tools (a grammar check may take its whole budget, however short the body: ``asks_for_grammar``),
+share ``BULK_PREPARE_THREADS``: a short
 request then waits only behind other short ones, never behind a client's big prompts; two bulk threads
 so that one big request does not hold the others' either, and because the Rust tokenizer releases the
 GIL while it encodes (a second core helps).
@@ -50,6 +52,15 @@ def input_within(value, budget: int) -> bool:
     return True
 
 
+GRAMMAR_FIELDS = ("response_format", "structured_outputs", "tools")
+
+
+def asks_for_grammar(body) -> bool:
+    """Whether a body may need a grammar compiled (its check costs up to the budget of
+    workers/grammar_limits.py, however small the body): such bodies go to the bulk lane."""
+    return isinstance(body, dict) and any(body.get(name) for name in GRAMMAR_FIELDS)
+
+
 async def off_loop_if(big: bool, build: Callable):
     """``build()`` on a worker thread when ``big``, else here (a thread hop costs more than small work)."""
     return await asyncio.to_thread(build) if big else build()
@@ -86,7 +97,12 @@ class PrepareLanes:
         with self._shared_lock:
             return work(body)
 
+    @staticmethod
+    def lane(body) -> str:
+        """"short" or "bulk": the lane of a request body (module docstring)."""
+        return "short" if input_within(body, SMALL_INPUT) and not asks_for_grammar(body) else "bulk"
+
     async def run(self, work: Callable, body):
         """``work(body)`` on the body's lane."""
-        pool = self._short if input_within(body, SMALL_INPUT) else self._bulk
+        pool = self._short if self.lane(body) == "short" else self._bulk
         return await asyncio.get_running_loop().run_in_executor(pool, self._call, work, body)

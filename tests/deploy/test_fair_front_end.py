@@ -161,3 +161,16 @@ def test_inputs_are_bounded_before_the_tokenizer_sees_them(tokenizer):
                         400, "messages")
     assert gated.encoded == []   # no tokenizer copy was asked to encode anything
     assert client.post("/tokenize", json={"prompt": "x" * 10}).status_code == 200 and len(gated.encoded) == 1
+
+
+def test_a_short_body_that_asks_for_a_grammar_takes_the_bulk_lane():
+    """A grammar check may spend its whole budget on a 40-character body (``(a{1000}){1000}``): such bodies
+    must not queue in front of other clients' short requests."""
+    from pagedray.deploy.prepare_lanes import PrepareLanes
+
+    assert PrepareLanes.lane({"prompt": "Hi", "max_tokens": 1}) == "short"
+    assert PrepareLanes.lane({"prompt": "x", "structured_outputs": {"regex": "(a{1000}){1000}"}}) == "bulk"
+    assert PrepareLanes.lane({"messages": [], "response_format": {"type": "json_object"}}) == "bulk"
+    assert PrepareLanes.lane({"messages": [], "tools": [{"type": "function"}]}) == "bulk"
+    assert PrepareLanes.lane({"prompt": "Hi", "response_format": None}) == "short"
+    assert PrepareLanes.lane({"prompt": "x" * (SMALL_INPUT + 1)}) == "bulk"
