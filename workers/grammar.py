@@ -48,7 +48,7 @@ import torch
 
 from .grammar_limits import grammar_limits
 
-TEMPLATES = 64            # compiled matchers kept, one per grammar text
+TEMPLATES = 16            # compiled matchers kept, one per grammar text (each may hold a large lexer)
 MAX_ERROR_CHARS = 200     # of an llguidance message passed on to the client
 
 
