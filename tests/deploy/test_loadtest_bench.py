@@ -48,7 +48,8 @@ def test_vllm_runs_at_its_defaults_and_in_float32_with_both_cores(monkeypatch):
     args = build_parser().parse_args([])
     default, fp32 = system_specs(["vllm", "vllm-fp32"], "/models/m", 18000, args)
     assert default.command == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",
-                               "/models/m", "--host", "127.0.0.1", "--port", "18000"]
+                               "/models/m", "--host", "127.0.0.1", "--port", "18000",
+                               "--gpu-memory-utilization", "0.5"]
     assert fp32.command == default.command + ["--dtype", "float32"]
     assert default.env["VLLM_HOST_IP"] == "127.0.0.1" and "VLLM_CPU_OMP_THREADS_BIND" not in default.env
     assert fp32.env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-") and default.model_name is None
