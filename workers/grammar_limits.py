@@ -2,7 +2,7 @@
 and the worker's matchers (workers/grammar.py) import this one function, so a grammar the ingress admits
 is one the worker can run with the same budget.
 
-Decisions (the measurements behind them are in the README, "Reliability"):
+Decisions (the red-team cases of ``benchmarks/red_team_isolation.py`` exercise them against a live server):
 - ``initial_lexer_fuel`` 200_000, a fifth of llguidance's default: it bounds the lexer work of a new
   grammar's first masks, and so how long one request may hold an ingress prepare thread. At the default
   the red team's ``(a{1000}){1000}`` passes its first mask and fails only on the engine's first step;
