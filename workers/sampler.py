@@ -282,9 +282,6 @@ def _with_logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow],
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(wanted):
         n = rows[i].params.logprobs
-        if not math.isfinite(chosen[j]):   # a raw logit the penalties and filters hid (NaN): the row failed
-            results[i] = SampledToken(results[i].seq_id, PLACEHOLDER_TOKEN, error=NON_FINITE_ROW)
-            continue
-        results[i].logprob = chosen[j]
+        results[i].logprob = chosen[j]   # finite: the row is ok, so its token's raw logit is finite
         results[i].top_logprobs = [(t, v) for t, v in zip(top_ids[j][:n], top_values[j][:n]) if math.isfinite(v)]
     return results
