@@ -25,7 +25,8 @@ thread); each failure is a 400 naming the field:
   token and computes the second mask: a grammar llguidance cannot use, one past its time or size
   budget, one that matches no text, and one whose lexer explodes on its first step (``(a{1000}){1000}``)
   fail here instead of in the engine. The message is llguidance's short error (first line and reason,
-  at most ``MAX_ERROR_CHARS``), never parser state. Results are cached by grammar text. The worker
+  at most 200 characters: ``grammar_limits.short_error``), never parser state. Results are cached by
+  grammar text. The worker
   builds its own matcher from the same text under the same limits (workers/grammar.py).
 """
 
@@ -36,11 +37,12 @@ import json
 import re
 import urllib.parse
 
+from pagedray.workers.grammar_limits import short_error
+
 from .errors import bad_request
 
 MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_SCHEMA_DEPTH = 64
-MAX_ERROR_CHARS = 200
 _NO_FINITE_INSTANCE = ("the schema has no finite instance: every instance must follow a $ref cycle (for "
                        "example a required property whose schema is the object itself)")
 
@@ -89,7 +91,7 @@ def schema_grammar(schema, param: str, max_depth: int = MAX_SCHEMA_DEPTH) -> str
     try:
         return load_llguidance().LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     except ValueError as exc:
-        raise bad_request(f"{param}: the schema cannot be used: {_short(str(exc))}", param=field) from None
+        raise bad_request(f"{param}: the schema cannot be used: {short_error(str(exc))}", param=field) from None
 
 
 _MISSING = object()
@@ -285,19 +287,6 @@ def requested_grammar(extra: dict) -> tuple[str, str] | None:
 
 
 
-def _short(message: str) -> str:
-    """llguidance's error without parser state: its first line and its ``error:`` reason, capped."""
-    lines = [line.strip() for line in message.splitlines() if line.strip() and line.strip() != "<non-verbose/>"]
-    if not lines:
-        return "llguidance refused it"
-    if lines[0] == "NoExtensionBias":   # the parser cannot go on and cannot stop: nothing matches
-        return "no text matches it"
-    reason = next((line for line in lines[1:] if line.startswith("error:")), "")[:MAX_ERROR_CHARS // 2]
-    room = MAX_ERROR_CHARS - len(reason) - 4
-    first = lines[0] if len(lines[0]) <= room else lines[0][:room] + "..."
-    return f"{first} {reason}".strip()
-
-
 def _lowest_allowed(row, skip: int) -> int | None:
     """The lowest token id set in one bitmask row (int32 words, 32 tokens each) other than ``skip``."""
     for word in row.nonzero().flatten().tolist():
@@ -352,7 +341,7 @@ class GrammarChecker:
             if type(exc).__name__ != "PanicException":
                 raise
             return "llguidance failed on it"
-        return _short(matcher.get_error()) if matcher.is_error() else ""
+        return short_error(matcher.get_error()) if matcher.is_error() else ""
 
     def check(self, field: str, grammar: str) -> None:
         message = self.error(grammar)

@@ -46,10 +46,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar_limits import grammar_limits
+from .grammar_limits import grammar_limits, short_error
 
 TEMPLATES = 16            # compiled matchers kept, one per grammar text (each may hold a large lexer)
-MAX_ERROR_CHARS = 200     # of an llguidance message passed on to the client
 
 
 @dataclass
@@ -76,11 +75,6 @@ def load_llguidance():
     except ImportError as exc:   # a dependency of the package; a broken install names itself here
         raise RuntimeError("structured output needs the 'llguidance' package (pip install llguidance)") from exc
     return llguidance
-
-
-def _short(message: str) -> str:
-    message = " ".join(str(message).split())
-    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS - 3] + "..."
 
 
 class GrammarBook:
@@ -155,7 +149,7 @@ class GrammarBook:
             except Exception as exc:  # noqa: BLE001 - an API-level failure is still this row's alone
                 error = f"{type(exc).__name__}: {exc}"
             if error:
-                failures[i] = f"its grammar cannot continue: {_short(error)}"
+                failures[i] = f"its grammar cannot continue: {short_error(error)}"
                 bitmask[j] = 0
                 self._tracked.pop(row.seq_id, None)
         return GrammarMasks(wanted, bitmask, failures)
@@ -188,7 +182,7 @@ class GrammarBook:
             if tracked.matcher.consume_token(token_id):
                 tracked.consumed += 1
             else:
-                failures[i] = f"its grammar refused token {token_id}: {_short(tracked.matcher.get_error())}"
+                failures[i] = f"its grammar refused token {token_id}: {short_error(tracked.matcher.get_error())}"
                 self._tracked.pop(row.seq_id, None)
         return failures
 

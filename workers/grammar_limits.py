@@ -31,6 +31,7 @@ STEP_MAX_ITEMS = 50_000
 MAX_ITEMS_IN_ROW = 2_000
 MAX_LEXER_STATES = 250_000
 MAX_GRAMMAR_SIZE = 500_000
+MAX_ERROR_CHARS = 200   # of an llguidance message passed on to a client
 
 
 def grammar_limits() -> llguidance.LLParserLimits:
@@ -41,3 +42,17 @@ def grammar_limits() -> llguidance.LLParserLimits:
         max_items_in_row=MAX_ITEMS_IN_ROW, initial_lexer_fuel=INITIAL_LEXER_FUEL, step_lexer_fuel=STEP_LEXER_FUEL,
         step_max_items=STEP_MAX_ITEMS, max_lexer_states=MAX_LEXER_STATES, max_grammar_size=MAX_GRAMMAR_SIZE,
         precompute_large_lexemes=True, verbose_errors=False)
+
+
+def short_error(message: str) -> str:
+    """llguidance's error without parser state: its first line and its ``error:`` reason, capped at
+    ``MAX_ERROR_CHARS`` (the ingress' 400s and the engine's per-request errors both say it this way)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip() and line.strip() != "<non-verbose/>"]
+    if not lines:
+        return "llguidance refused it"
+    if lines[0] == "NoExtensionBias":   # the parser cannot go on and cannot stop: nothing matches
+        return "no text matches it"
+    reason = next((line for line in lines[1:] if line.startswith("error:")), "")[:MAX_ERROR_CHARS // 2]
+    room = MAX_ERROR_CHARS - len(reason) - 4
+    first = lines[0] if len(lines[0]) <= room else lines[0][:room] + "..."
+    return f"{first} {reason}".strip()

@@ -9,7 +9,6 @@ import json
 import pytest
 from pagedray.deploy.errors import APIError
 from pagedray.deploy.structured_output import (
-    MAX_ERROR_CHARS,
     MAX_SCHEMA_DEPTH,
     GrammarChecker,
     has_finite_instance,
@@ -18,6 +17,7 @@ from pagedray.deploy.structured_output import (
     schema_grammar,
 )
 from pagedray.workers.grammar import load_llguidance
+from pagedray.workers.grammar_limits import MAX_ERROR_CHARS
 
 NODE = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array",
                                                                              "items": {"$ref": "#/$defs/node"}}},
