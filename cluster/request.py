@@ -55,6 +55,11 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"      # a sample could not be drawn (its own failure), or the engine failed
 
 
+def sibling_seed(seed: int, index: int) -> int:
+    """``seed + index`` wrapped into int64 (two's complement), as the wire and the tensors hold seeds."""
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sample of a request. Identity-compared; ``seq_id`` is unique within an engine."""
@@ -81,9 +86,10 @@ class Sequence:
         self._token_ids = self.request.prompt_token_ids + self.output_token_ids
         params = self.request.params
         # sample i of a seeded request samples with seed + i (vLLM's rule): the n choices differ and
-        # each one is reproducible on its own
+        # each one is reproducible on its own; the sum wraps like int64 arithmetic, so a seed near
+        # INT64_MAX stays a valid seed (it once raised while forking, inside the engine's step)
         seeded_sibling = params.seed is not None and self.index > 0
-        self.params = replace(params, seed=params.seed + self.index) if seeded_sibling else params
+        self.params = replace(params, seed=sibling_seed(params.seed, self.index)) if seeded_sibling else params
 
     @property
     def token_ids(self) -> list[int]:

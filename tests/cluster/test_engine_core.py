@@ -143,3 +143,16 @@ def test_stats_count_tokens_preemptions_and_usage(tiny_llama_path):
     assert stats.num_generation_tokens_total >= 48
     assert stats.num_requests_finished_total == 3 and stats.kv_usage == 0.0
     assert all(len(_tokens(s)) == 16 for s in streams.values())
+
+
+def test_a_seed_near_int64_max_with_n_samples_forks_without_failing_the_step(tiny_llama_path):
+    """seed + i for sample i wraps into int64: INT64_MAX with n = 3 used to raise ValueError inside the
+    scheduler's fork, out of the engine's step (an AsyncEngine's step loop, and so the engine, died)."""
+    from pagedray.cluster.request import sibling_seed
+
+    engine, _ = _engine(tiny_llama_path)
+    engine.add_request("a", [3, 4], SamplingParams(n=3, seed=2**63 - 1, temperature=1.0, max_tokens=4))
+    final = _collect(engine)["a"][-1]
+    assert final.finished and sorted(c.finish_reason for c in final.outputs) == ["length"] * 3
+    assert not engine.is_dead and engine.block_manager.num_free_blocks == 64
+    assert [sibling_seed(2**63 - 1, i) for i in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]

@@ -101,7 +101,7 @@ requests = st.fixed_dictionaries({
     "repetition_penalty": st.sampled_from([0.01, 1.0, 1.0, 1.0, 1.0, 100.0] + [1e-45, 1e30]),   # the last two refused
     "presence_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
     "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
-    "seed": st.one_of(st.none(), st.integers(0, 2**32)),
+    "seed": st.one_of(st.none(), st.integers(0, 2**32), st.sampled_from([2**63 - 1, 2**63 - 2, -(2**63)])),
     "logprobs": st.one_of(st.none(), st.sampled_from([0, 2, 20])),
     "min_tokens": st.sampled_from([0, 1]),
     "logit_bias": st.sampled_from([(), ((5, 100.0),), ((5, -100.0), (6, 100.0))]),
