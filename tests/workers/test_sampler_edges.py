@@ -53,7 +53,10 @@ def _banned(params: SamplingParams, output: list[int]) -> set[int]:
 
 
 def _expect_ok(row: torch.Tensor, banned: set[int]) -> bool:
-    """Sampleable: no NaN or +inf, and some finite logit that min_tokens does not ban."""
+    """Sampleable: no NaN or +inf outside the ids min_tokens bans (they are set to -inf first, NaN or
+    not), and some finite logit it does not ban."""
+    row = row.clone()
+    row[sorted(banned)] = float("-inf")
     if row.isnan().any() or (row == float("inf")).any():
         return False
     return any(math.isfinite(v) and t not in banned for t, v in enumerate(row.tolist()))
