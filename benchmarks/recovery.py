@@ -38,7 +38,7 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=35, ignore_eos=True),
           SamplingParams(temperature=1.0, seed=5, max_tokens=25, ignore_eos=True)]
-ENGINE_KWARGS = dict(block_size=8, num_blocks=96)
+ENGINE_KWARGS = dict(dtype="float32", block_size=8, num_blocks=96)   # float32: runs compare token for token
 
 
 def write_tiny_llama(path: str) -> str:

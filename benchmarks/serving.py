@@ -78,7 +78,7 @@ from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
-PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-bf16)?")
+PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-bf16|-fp32)?")
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 # (label, path in a loadtest summary, higher is better)
 CLOSED_ROWS = (("completed", ("completed",), True), ("failed", ("failed",), False),
@@ -176,7 +176,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
     replica), ``pagedray-tp1-local`` (the model in the engine's own process); ``-ei`` adds
     ``--engine-in-ingress`` and ``-sep`` ``--no-engine-in-ingress`` (the engine in a deployment of its
     own between the ingress and the workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned
-    setting); a final ``-bf16`` serves in bfloat16 instead of float32."""
+    setting); a final ``-bf16`` or ``-fp32`` names the dtype (without one: pagedray's default, ``auto``:
+    bfloat16 on a CPU with AMX or AVX512-BF16, else float32)."""
     specs = []
     for name in names:
         if name in (PEER, PEER_TUNED):
@@ -187,10 +188,12 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                             "--cb-max-batch-tokens", str(args.peer_max_batch_tokens)]
             specs.append(SystemSpec(name, command, model_path))
         elif PAGEDRAY_SYSTEM.fullmatch(name):
-            tp, in_process, layout, stream_interval, bf16 = PAGEDRAY_SYSTEM.fullmatch(name).groups()
+            tp, in_process, layout, stream_interval, dtype = PAGEDRAY_SYSTEM.fullmatch(name).groups()
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
-                       "--tensor-parallel-size", tp, "--dtype", "bfloat16" if bf16 else "float32",
-                       "--device", args.device, "--host", "127.0.0.1", "--port", str(port)]
+                       "--tensor-parallel-size", tp, "--device", args.device, "--host", "127.0.0.1",
+                       "--port", str(port)]
+            if dtype:
+                command += ["--dtype", {"-bf16": "bfloat16", "-fp32": "float32"}[dtype]]
             if in_process:
                 command += ["--executor", "local"]
             if layout:
@@ -203,7 +206,7 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                                     env=vllm_cpu.environment(name)))
         else:
             raise ValueError(f"systems: unknown system {name!r} "
-                             "(peer, peer-tuned, vllm, vllm-fp32, pagedray-tpN[-local][-ei|-sep][-siK][-bf16])")
+                             "(peer, peer-tuned, vllm, vllm-fp32, pagedray-tpN[-local][-ei|-sep][-siK][-bf16|-fp32])")
     return specs
 
 
@@ -289,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks.serving", description=__doc__.split("\n\n")[0])
     add_round_args(p, "serving")
     p.add_argument("--systems", default="pagedray-tp1,pagedray-tp2,peer",
-                   help="servers: pagedray-tpN[-local][-ei|-sep][-siK][-bf16] (-ei / -sep: --engine-in-ingress / "
+                   help="servers: pagedray-tpN[-local][-ei|-sep][-siK][-bf16|-fp32] (-ei / -sep: --engine-in-ingress / "
                         "--no-engine-in-ingress, "
                         "-siK: --stream-interval K), peer, peer-tuned, vllm, vllm-fp32 (benchmarks/vllm_cpu.py)")
     p.add_argument("--peer-tuned", action="store_true",

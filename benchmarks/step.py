@@ -1,4 +1,6 @@
-"""Per-step cost of the worker (CPU, fp32) split by phase, against a Hugging Face forward of the same batch.
+"""Per-step cost of the worker (CPU) split by phase, against a Hugging Face forward of the same batch.
+
+Both sides compute in float32, or in ``--dtype bfloat16``.
 
 Scenarios (contexts are what a decode step attends over; the KV cache holds random values, since
 timing does not depend on them, so no long prefill is needed to set a scenario up):
@@ -18,7 +20,7 @@ Steps of the two alternate one by one and every figure is a median over ``--step
 from other processes on the shared machine hits both alike.
 
     python -m benchmarks.step [--model default|tiny|PATH] [--batch-sizes 1,16,64]
-        [--threads 1] [--steps 15] [--json bench_step.json]
+        [--threads 1] [--steps 15] [--dtype float32|bfloat16] [--json bench_step.json]
 
 Results of the CPU performance pass (2-core shared CPU, load average 4-10 from other jobs, so absolute
 ms drift between runs; SmolLM2-135M-Instruct fp32, 1 thread; two runs each of 15 interleaved steps).
@@ -64,6 +66,8 @@ from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
 from pagedray.workers.default_model import resolve_model_path
 from pagedray.workers.layers.attention import PagedAttention
 from pagedray.workers.worker import Worker
+
+from benchmarks.rounds import environment
 
 BLOCK_SIZE = 16
 PREFILL_CHUNK = 256
@@ -118,11 +122,12 @@ class AttentionClock:
 class PagedrayScenario:
     """A Worker holding ``ctx`` decode sequences (random KV history) and optionally a prefill stream."""
 
-    def __init__(self, model: str, ctx: list[int], prefill: bool, threads: int, max_steps: int) -> None:
+    def __init__(self, model: str, ctx: list[int], prefill: bool, threads: int, max_steps: int,
+                 dtype: str = "float32") -> None:
         per_seq = [-(-(n + max_steps + 1) // BLOCK_SIZE) for n in ctx]
         chunk_blocks = -(-PREFILL_CHUNK // BLOCK_SIZE)
         num_blocks = sum(per_seq) + chunk_blocks
-        config = EngineConfig(model=ModelConfig(model=model),
+        config = EngineConfig(model=ModelConfig(model=model, dtype=dtype),
                               cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
                               parallel=ParallelConfig(threads_per_worker=threads))
         self.worker = Worker(config)
@@ -187,8 +192,8 @@ class HFScenario:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = DynamicCache()
         for layer in range(cfg.num_hidden_layers):
-            self.cache.update(torch.randn(batch, kv_heads, width, head_dim),
-                              torch.randn(batch, kv_heads, width, head_dim), layer)
+            self.cache.update(torch.randn(batch, kv_heads, width, head_dim, dtype=hf_model.dtype),
+                              torch.randn(batch, kv_heads, width, head_dim, dtype=hf_model.dtype), layer)
         self.mask = torch.zeros(batch, width, dtype=torch.long)
         for i, n in enumerate(ctx):
             self.mask[i, width - n:] = 1                                        # left padding
@@ -207,7 +212,7 @@ class HFScenario:
 
 
 def run_scenario(name: str, model: str, hf_model, ctx: list[int], prefill: bool, args) -> dict:
-    ours = PagedrayScenario(model, ctx, prefill, args.threads, args.steps + 2)
+    ours = PagedrayScenario(model, ctx, prefill, args.threads, args.steps + 2, args.dtype)
     peer = HFScenario(hf_model, ctx, prefill)
     times = PhaseTimes()
     for _ in range(2):                     # warm-up
@@ -226,7 +231,8 @@ def run(model: str, batch_sizes: list[int], args) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     path = str(resolve_model_path(model))
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype),
+                                                    attn_implementation="sdpa").eval()
     rows = [run_scenario(f"decode-{b}", path, hf_model, contexts(b), False, args) for b in batch_sizes]
     rows.append(run_scenario("mixed", path, hf_model, contexts(MIXED_DECODE), True, args))
     return rows
@@ -257,6 +263,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="both sides compute in this dtype")
     parser.add_argument("--json", default="bench_step.json")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -265,7 +273,8 @@ def main() -> None:
         rows = run(model, batch_sizes, args)
     print_table(rows)
     with open(args.json, "w") as out:
-        json.dump({"model": args.model, "threads": args.threads, "steps": args.steps,
+        json.dump({"model": args.model, "threads": args.threads, "steps": args.steps, "dtype": args.dtype,
+                   "environment": environment(),
                    "unit": "ms per step (median)", "rows": rows}, out, indent=2)
 
 

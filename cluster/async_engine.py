@@ -307,6 +307,11 @@ class AsyncEngine:
         return str(self.engine.model_path)
 
     @property
+    def dtype(self) -> str:
+        """The dtype the ranks run ("float32", "bfloat16", ...): ``dtype`` "auto" resolved."""
+        return self.engine.dtype
+
+    @property
     def vocab_size(self) -> int:
         return int(self.engine.model_info.vocab_size)
 

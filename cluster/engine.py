@@ -85,6 +85,7 @@ class Engine:
         self.model_path = resolve_model_path(config.model.model)
         self.model_info = model_info(self.model_path)
         self.executor = executor if executor is not None else create_executor(config)
+        self.dtype = self.executor.dtype      # what dtype "auto" became on the ranks (dtype_choice.py)
         cache = config.cache
         self.block_manager = BlockManager(cache.block_size, self.executor.num_blocks,
                                           enable_prefix_caching=cache.enable_prefix_caching,

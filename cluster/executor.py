@@ -10,7 +10,8 @@ scheduling (``async_scheduling``) can queue step N+1 behind step N and wait for 
 ``LocalExecutor`` runs submitted steps on one thread of its own (torch releases the GIL in its ops, so
 the engine's thread schedules meanwhile); its ``execute`` stays on the caller's thread.
 
-Every executor decides the number of KV blocks at construction: the minimum of what each rank can
+Every executor reports the ranks' dtype (``dtype``; the Ray executor refuses ranks that resolved
+``auto`` differently) and decides the number of KV blocks at construction: the minimum of what each rank can
 hold (``Worker.available_kv_blocks``), then initialises every rank's cache with it. The engine builds
 its BlockManager with ``executor.num_blocks``.
 """
@@ -32,6 +33,7 @@ class Executor(Protocol):
     """Everything the engine calls on an executor."""
 
     num_blocks: int
+    dtype: str          # the dtype every rank runs ("float32", "bfloat16", "float16")
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
@@ -64,6 +66,7 @@ class LocalExecutor:
             raise ValueError(f"tensor_parallel_size: LocalExecutor runs one rank, got "
                              f"{config.parallel.tensor_parallel_size}; use the Ray executor")
         self.worker = Worker(config, rank=0)
+        self.dtype = self.worker.dtype_choice.name
         self.num_blocks = self.worker.available_kv_blocks()
         self.worker.init_kv_cache(self.num_blocks)
         self._closed = False

@@ -168,6 +168,11 @@ class RayExecutor:
         if self.tp_size > 1:
             ip, port = ray.get(self.actors[0].node_ip_and_free_port.remote(), timeout=START_TIMEOUT_S)
             ray.get([a.init_worker.remote(f"tcp://{ip}:{port}") for a in self.actors], timeout=START_TIMEOUT_S)
+        dtypes = ray.get([a.dtype_name.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+        if len(set(dtypes)) > 1:
+            raise ValueError(f"dtype: the ranks resolved {self.config.model.dtype!r} differently ({dtypes}, in "
+                             "rank order; their CPUs differ): set dtype to one of them")
+        self.dtype = dtypes[0]
         self.num_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors], timeout=START_TIMEOUT_S))
         ray.get([a.init_kv_cache.remote(self.num_blocks) for a in self.actors], timeout=START_TIMEOUT_S)
 

@@ -267,6 +267,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedray"
     max_model_len: int
+    dtype: str | None = None      # the dtype the model runs in ("auto" resolved: dtype_choice.py)
 
 
 class ModelList(BaseModel):

@@ -37,6 +37,7 @@ class ModelMeta:
     tokenizer_path: str
     vocab_size: int
     max_model_len: int
+    dtype: str                # the dtype the ranks run (``dtype`` "auto" resolved)
 
 
 class ServedEngine:
@@ -103,7 +104,8 @@ class ServedEngine:
         engine = self._engine
         return ModelMeta(model_path=engine.model_path,
                          tokenizer_path=self._config.model.tokenizer or engine.model_path,
-                         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+                         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
+                         dtype=engine.dtype)
 
     async def close(self) -> None:
         if self._closed:

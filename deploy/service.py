@@ -397,7 +397,8 @@ class OpenAIService:
 
     # ------------------------------------------------------------------ models, health, metrics
     def _model_card(self) -> ModelCard:
-        return ModelCard(id=self.limits.served_name, created=0, max_model_len=self.limits.max_model_len)
+        return ModelCard(id=self.limits.served_name, created=0, max_model_len=self.limits.max_model_len,
+                         dtype=self.limits.dtype)
 
     def models(self) -> dict:
         return ModelList(data=[self._model_card()]).model_dump()

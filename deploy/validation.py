@@ -60,6 +60,7 @@ class ModelLimits:
     max_model_len: int
     # a prompt with more characters cannot fit in max_model_len tokens (prompt_bound.py); None: unknown
     max_prompt_chars: int | None = None
+    dtype: str | None = None     # the dtype the engine's ranks run, for /v1/models; None: not known
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
-"""pagedray.kernels: paged KV-cache attention (Triton on CUDA, torch reference on CPU).
+"""pagedray.kernels: paged KV-cache attention (Triton on CUDA; on CPU a compiled decode kernel and torch references).
 
 Cache layout: per layer ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``,
 head_dim contiguous; slot of position ``p`` = ``block_table[p // block_size] * block_size + p % block_size``.
 
 ``store_kv``, ``paged_decode``, ``paged_prefill`` and ``paged_attention`` validate their arguments
 (``ValueError`` naming the argument) and dispatch; the ``*_reference`` functions take the same arguments,
-skip validation and compute in float32 with torch (the CPU attention path and the test oracle).
+skip validation and compute in float32 with torch (the test oracle, and the CPU path of prefill chunks).
+CPU decode rows (float32 / bfloat16) run ``cpu_decode.c``, built with the machine's C compiler on first
+use (``cpu_decode.py``: reads K/V straight from the paged cache; the reference where no compiler is).
 ``check_step_metadata`` runs the metadata checks once for callers that reuse one step's metadata in
 every layer (they then pass ``validate_values=False`` per call); ``check_host_step_metadata`` does
 the same on CPU metadata for a cache on any device (the check before the host-to-device copy).

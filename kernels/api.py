@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from . import cpu_decode
 from . import validation as v
 from .decode_triton import paged_decode_triton
 from .prefill_triton import paged_prefill_triton
@@ -71,8 +72,16 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slope
     v.check_block_tables(block_tables, seq_lens, q.shape[0], q.device)
     if v.values_checked(validate_values, q.device):
         v.check_seq_len_values("seq_lens", seq_lens, block_tables, k_cache)
-    run = paged_decode_triton if _triton_wanted(use_triton, q.device) else paged_decode_reference
+    run = _decode_kernel(_triton_wanted(use_triton, q.device), q, k_cache)
     return run(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window, out)
+
+
+def _decode_kernel(triton_path: bool, q, k_cache):
+    """Triton on CUDA, the compiled CPU kernel on CPU where it is built and takes the shapes, else the
+    torch reference."""
+    if triton_path:
+        return paged_decode_triton
+    return cpu_decode.paged_decode_cpu if cpu_decode.supports(q, k_cache) else paged_decode_reference
 
 
 def _check_varlen(total_q: int, device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate: bool) -> None:
@@ -136,9 +145,19 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, s
     _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables,
                   v.values_checked(validate_values, q.device))
-    run = paged_prefill_triton if _triton_wanted(use_triton, q.device) else paged_prefill_reference
-    return run(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes, out,
-               sliding_window=sliding_window)
+    return _prefill(_triton_wanted(use_triton, q.device), q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
+                    block_tables, scale, alibi_slopes, out, sliding_window)
+
+
+def _prefill(triton_path: bool, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
+             out, sliding_window):
+    """Triton on CUDA; on CPU the torch prefill reference, whose length-1 chunks go to the decode kernel."""
+    if triton_path:
+        return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
+                                    alibi_slopes, out, sliding_window=sliding_window)
+    return paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
+                                   alibi_slopes, out, sliding_window=sliding_window,
+                                   decode_rows=cpu_decode.paged_decode_cpu if cpu_decode.supports(q, k_cache) else None)
 
 
 def _is_all_decode(q, cu_seqlens_q, num_seqs: int, max_query_len, values_known: bool) -> bool:
@@ -165,8 +184,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
     _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
     triton_path = _triton_wanted(use_triton, q.device)
     if _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate):
-        run = paged_decode_triton if triton_path else paged_decode_reference
+        run = _decode_kernel(triton_path, q, k_cache)
         return run(q, k_cache, v_cache, block_tables, seq_lens_k, scale, alibi_slopes, sliding_window, out)
-    run = paged_prefill_triton if triton_path else paged_prefill_reference
-    return run(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes, out,
-               sliding_window=sliding_window)
+    return _prefill(triton_path, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
+                    out, sliding_window)

@@ -199,10 +199,12 @@ def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, al
 
 
 def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                            alibi_slopes=None, out=None, *, sliding_window=None):
+                            alibi_slopes=None, out=None, *, sliding_window=None, decode_rows=None):
     """q [total_q, Hq, D] holding each sequence's newest chunk -> out [total_q, Hq, D] (q.dtype).
 
-    Length-1 chunks go through one batched decode pass; longer chunks are done per sequence.
+    Length-1 chunks go through one batched decode pass (``decode_rows``, a function with
+    ``_decode_rows``' arguments and result shape; default ``_decode_rows``, the compiled CPU kernel on
+    the CPU path); longer chunks are done per sequence.
     """
     result = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q.tolist()
@@ -211,8 +213,9 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
     if singles:
         rows = torch.tensor([cu[i] for i in singles], device=q.device)
         idx = torch.tensor(singles, device=q.device)
-        result[rows] = _decode_rows(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx],
-                                    scale, alibi_slopes, sliding_window)
+        rows_out = (decode_rows or _decode_rows)(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx],
+                                                 scale, alibi_slopes, sliding_window)
+        result[rows] = rows_out.to(torch.float32)
     for i, nk in enumerate(k_lens):
         start, end = cu[i], cu[i + 1]
         if end - start > 1:

@@ -62,6 +62,10 @@ class RayWorkerBody:
     def available_kv_blocks(self) -> int:
         return self._get().available_kv_blocks()
 
+    def dtype_name(self) -> str:
+        """The dtype this rank resolved (``dtype_choice``), e.g. "bfloat16"."""
+        return self._get().dtype_choice.name
+
     def init_kv_cache(self, num_blocks: int) -> None:
         self._get().init_kv_cache(num_blocks)
 

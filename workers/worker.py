@@ -6,7 +6,8 @@ Life cycle: ``__init__`` (pin threads, validate, join the TP group, load this ra
 
 Decisions:
 - device "auto": CUDA when available (rank r uses ``cuda:(r % device_count)``; under Ray each actor
-  sees only its own GPU, i.e. cuda:0), else CPU. dtype "auto": float32 on CPU, bfloat16 on CUDA.
+  sees only its own GPU, i.e. cuda:0), else CPU. dtype "auto": bfloat16 on CUDA and on a CPU with AMX or
+  AVX512-BF16, else float32 (``dtype_choice.py``); the choice and its reason are logged.
 - torch intra-op threads: ``parallel.threads_per_worker`` or ``cpu_count // tensor_parallel_size``.
 - Everything that can be rejected from the config and the model folder (architecture, head split,
   Qwen's per-layer sliding window, missing weight files) is checked *before* joining the process group, so a bad
@@ -34,7 +35,6 @@ import logging
 import os
 from concurrent.futures import Future, wait
 from dataclasses import replace
-from types import MappingProxyType
 
 import torch
 
@@ -42,6 +42,7 @@ from .contract.config import EngineConfig
 from .contract.wire import PENDING_TOKEN, SampledToken, StepPlan, StepResult, decode_plan, encode_result
 from .decode_graphs import CaptureReport, DecodeGraphs
 from .default_model import resolve_model_path
+from .dtype_choice import resolve_dtype
 from .grammar import GrammarBook
 from .host_memory import keep_freed_memory
 from .kv_cache import KVCacheSpec
@@ -56,21 +57,12 @@ from .weight_loader import CheckpointReader
 
 log = logging.getLogger(__name__)
 
-DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16})
-
-
 def resolve_device(device: str, rank: int) -> torch.device:
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was requested but no CUDA device is available")
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]
 
 
 class Worker:
@@ -81,7 +73,9 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = resolve_device(config.model.device, rank)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype_choice = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = self.dtype_choice.dtype
+        log.info("rank %d: %s", rank, self.dtype_choice.reason)
         model_path = resolve_model_path(config.model.model)
         hf_config = load_hf_config(model_path)
         cls = model_class(hf_config)

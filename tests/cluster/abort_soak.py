@@ -45,7 +45,7 @@ def make_workload(num: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 def soak_config(path: str) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(block_size=8, num_blocks=48),
+    return EngineConfig(model=ModelConfig(model=path, dtype="float32"), cache=CacheConfig(block_size=8, num_blocks=48),
                         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=24))
 
 

@@ -13,6 +13,7 @@ from pagedray.workers.contract.wire import PENDING_TOKEN, SampledToken, StepResu
 class FakeExecutor:
     def __init__(self, num_blocks, vocab=512, fail_at_step=None):
         self.num_blocks = num_blocks
+        self.dtype = "float32"
         self.vocab = vocab
         self.fail_at_step = fail_at_step
         self.mirror = {}          # seq_id -> [tokens, num_computed]

@@ -30,7 +30,7 @@ MAX_TIED_SHARE = 0.05  # at most this share of the requests may be cut at a near
 
 
 def _reference(path, workload):
-    llm = LLM(path, block_size=8, num_blocks=1024, max_num_seqs=64)
+    llm = LLM(path, dtype="float32", block_size=8, num_blocks=1024, max_num_seqs=64)
     try:
         params = [SamplingParams(temperature=0, max_tokens=m) for _, m in workload]
         results = llm.generate([p for p, _ in workload], params, use_tqdm=False)

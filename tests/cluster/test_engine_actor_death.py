@@ -39,7 +39,8 @@ def test_killed_engine_actor_fails_its_request_and_leaves_no_worker_or_group(ray
         def __init__(self, path):
             from pagedray.cluster import LLM
 
-            self.llm = LLM(path, tensor_parallel_size=2, block_size=8, num_blocks=64, step_timeout_s=30.0)
+            self.llm = LLM(path, dtype="float32",
+                           tensor_parallel_size=2, block_size=8, num_blocks=64, step_timeout_s=30.0)
 
         def group(self):
             executor = self.llm.engine.executor

@@ -39,7 +39,8 @@ def references(tiny_hf_model):
 
 
 def _run(path, prompts, run_ahead, **kwargs):
-    llm = LLM(path, block_size=BLOCK, watermark=0.0, threads_per_worker=1, async_scheduling=run_ahead, **kwargs)
+    llm = LLM(path, dtype="float32", block_size=BLOCK, watermark=0.0, threads_per_worker=1, async_scheduling=run_ahead,
+              **kwargs)
     try:
         results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
         return results, llm.engine.stats()
@@ -82,8 +83,8 @@ def test_small_token_budget_chunks_prefill_and_matches(tiny_llama_path, referenc
 @pytest.mark.parametrize("caching", [True, False])
 def test_prefix_caching_on_and_off_match(tiny_llama_path, references, caching, run_ahead):
     prompts = _prompts(seed=3, count=5, shared_prefix=3 * BLOCK)
-    llm = LLM(tiny_llama_path, block_size=BLOCK, num_blocks=256, enable_prefix_caching=caching, threads_per_worker=1,
-              async_scheduling=run_ahead)
+    llm = LLM(tiny_llama_path, dtype="float32", block_size=BLOCK, num_blocks=256, enable_prefix_caching=caching,
+              threads_per_worker=1, async_scheduling=run_ahead)
     try:
         first = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
         rest = llm.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
@@ -97,7 +98,8 @@ def test_prefix_caching_on_and_off_match(tiny_llama_path, references, caching, r
 
 def test_n_samples_fork_and_each_matches_hf(tiny_llama_path, references, run_ahead):
     prompts = _prompts(seed=4, count=2)
-    llm = LLM(tiny_llama_path, block_size=BLOCK, num_blocks=256, threads_per_worker=1, async_scheduling=run_ahead)
+    llm = LLM(tiny_llama_path, dtype="float32", block_size=BLOCK, num_blocks=256, threads_per_worker=1,
+              async_scheduling=run_ahead)
     try:
         results = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     finally:
@@ -112,7 +114,7 @@ def test_seeded_n_samples_differ_and_reproduce(tiny_llama_path, run_ahead):
     (alone, or next to other requests) gives the same choices."""
     prompt = _prompts(seed=5, count=1)[0]
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=MAX_TOKENS)
-    llm = LLM(tiny_llama_path, block_size=BLOCK, threads_per_worker=1, async_scheduling=run_ahead)
+    llm = LLM(tiny_llama_path, dtype="float32", block_size=BLOCK, threads_per_worker=1, async_scheduling=run_ahead)
     try:
         first = llm.generate([prompt], params, use_tqdm=False)[0]
         again = llm.generate([_prompts(seed=6, count=1)[0], prompt], params, use_tqdm=False)[1]

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 def test_tp2_rank_sigkilled_mid_decode_is_rebuilt_and_outputs_match_undisturbed_run(ray_session, tiny_llama_path):
     ray = ray_session
     expected = undisturbed_tokens(tiny_llama_path)
-    llm = LLM(tiny_llama_path, tensor_parallel_size=2, step_timeout_s=30.0, **ENGINE_KWARGS)
+    llm = LLM(tiny_llama_path, tensor_parallel_size=2, step_timeout_s=30.0, **ENGINE_KWARGS)   # float32 in there
     engine, executor = llm.engine, llm.engine.executor
     old_actors, old_group = list(executor.actors), executor.placement.placement_group
     pid = actor_pid(old_actors[1])

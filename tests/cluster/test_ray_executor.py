@@ -26,7 +26,7 @@ PROMPT_LOGPROBS = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
 
 @pytest.fixture(scope="module")
 def local_tokens(tiny_llama_path):
-    llm = LLM(tiny_llama_path, block_size=8, num_blocks=128)
+    llm = LLM(tiny_llama_path, dtype="float32", block_size=8, num_blocks=128)
     try:
         return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     finally:
@@ -35,7 +35,7 @@ def local_tokens(tiny_llama_path):
 
 @pytest.fixture(scope="module")
 def local_prompt_logprobs(tiny_llama_path):
-    with LLM(tiny_llama_path, block_size=8, num_blocks=128) as llm:
+    with LLM(tiny_llama_path, dtype="float32", block_size=8, num_blocks=128) as llm:
         return llm.generate([PROMPTS[2]], PROMPT_LOGPROBS, use_tqdm=False)[0].prompt_logprobs
 
 
@@ -62,8 +62,8 @@ def _first_health_failure(executor, hang_guard_s=120.0) -> str:
 def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, tiny_llama_path, tiny_hf_model,
                                                                    local_tokens, local_prompt_logprobs, caplog):
     ray = ray_session
-    llm = LLM(tiny_llama_path, tensor_parallel_size=2, block_size=8, num_blocks=128, step_timeout_s=30.0,
-              max_rank_restarts=0, ray_transport="compiled")
+    llm = LLM(tiny_llama_path, dtype="float32", tensor_parallel_size=2, block_size=8, num_blocks=128,
+              step_timeout_s=30.0, max_rank_restarts=0, ray_transport="compiled")
     executor = llm.engine.executor
     group = executor.placement.placement_group
     try:
@@ -129,7 +129,7 @@ def test_health_does_not_ping_ranks_during_a_step():
 def test_run_ahead_over_ray_tp1_matches_local(ray_session, tiny_llama_path, local_tokens, transport):
     """async_scheduling on the Ray executor: step N+1 is sent to the rank's actor while step N runs
     there (actor calls and compiled-graph executions run in order); the tokens are the local ones."""
-    llm = LLM(tiny_llama_path, block_size=8, num_blocks=128, executor="ray", async_scheduling=True,
+    llm = LLM(tiny_llama_path, dtype="float32", block_size=8, num_blocks=128, executor="ray", async_scheduling=True,
               ray_transport=transport)
     try:
         results = llm.generate(PROMPTS, PARAMS, use_tqdm=False)

@@ -24,7 +24,7 @@ from pagedray.workers.contract.wire import PENDING_TOKEN
 
 
 def _config(path, run_ahead, num_blocks=64, budget=32, caching=True, max_rank_restarts=0):
-    return EngineConfig(model=ModelConfig(model=path),
+    return EngineConfig(model=ModelConfig(model=path, dtype="float32"),
                         cache=CacheConfig(block_size=8, num_blocks=num_blocks, watermark=0.0,
                                           enable_prefix_caching=caching),
                         parallel=ParallelConfig(max_rank_restarts=max_rank_restarts),

@@ -18,7 +18,7 @@ def main(model_path: str, prompts_json: str, max_tokens: int) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    config = build_engine_config(model_path, tensor_parallel_size=2, block_size=8, num_blocks=128,
+    config = build_engine_config(model_path, tensor_parallel_size=2, dtype="float32", block_size=8, num_blocks=128,
                                  executor="ray", placement_strategy="SPREAD")
     executor = RayExecutor(config, transport="actor")
     engine = Engine(config, executor=executor)

@@ -170,7 +170,8 @@ def test_bad_input_never_touches_the_engine(app, http):
 
 
 def test_models_health_and_auth(app, http):
-    assert http.get("/v1/models").json()["data"][0]["id"] == app.model
+    card = http.get("/v1/models").json()["data"][0]
+    assert (card["id"], card["dtype"]) == (app.model, "float32")     # the app asks for float32 (serve_fixtures)
     with httpx.Client(base_url=app.url, timeout=60, trust_env=False) as anonymous:
         assert anonymous.get("/health").status_code == 200
         assert_openai_error(anonymous.get("/v1/models"), 401, None)

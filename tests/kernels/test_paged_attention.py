@@ -50,6 +50,8 @@ class _Spy:
     (((40, 1), (10, 17), (100, 1)), False),        # decode rows + a prefill chunk
 ])
 def test_dispatch_and_result(monkeypatch, chunks, expect_decode, use_triton):
+    """Triton, or the torch references (the compiled CPU decode kernel off: test_cpu_decode.py has it)."""
+    monkeypatch.setattr(api.cpu_decode, "supports", lambda q, k_cache: False)
     gen = torch.Generator().manual_seed(21)
     case, q, cu = _batch(gen, chunks, 8, 2, 64, 16)
     names = ("paged_decode_triton", "paged_prefill_triton") if use_triton else \

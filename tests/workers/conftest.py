@@ -94,7 +94,7 @@ def hf_logprobs_along(model_path: str, prompt: list[int], output: list[int]) -> 
 
 def engine_config(model_path: str, tp: int = 1, num_blocks: int = 64, block_size: int = 8,
                   **model_kwargs) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(model=model_path, **model_kwargs),
+    return EngineConfig(model=ModelConfig(**{"dtype": "float32", "model": model_path, **model_kwargs}),
                         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
                         parallel=ParallelConfig(tensor_parallel_size=tp, executor="ray" if tp > 1 else "local",
                                                 threads_per_worker=1),

@@ -103,7 +103,7 @@ def test_static_decode_path_with_prefix_hits_and_preemption(tiny_model_path):
     params = SamplingParams(temperature=0, max_tokens=16)
 
     def generate(static: bool):
-        llm = LLM(path, block_size=8, num_blocks=16, watermark=0.0, threads_per_worker=1,
+        llm = LLM(path, dtype="float32", block_size=8, num_blocks=16, watermark=0.0, threads_per_worker=1,
                   max_num_seqs=6)
         log = _with_static_decode(llm.engine.executor.worker, 6) if static else None
         try:

@@ -93,7 +93,7 @@ def test_greedy_batch_of_twelve_matches_transformers(kind, tiny_model_path):
     most steps take the packed path; tokens equal transformers' one-prompt-at-a-time generate."""
     path = tiny_model_path(kind)
     prompts = [[(7 * i + j) % 240 + 3 for j in range(5 + i)] for i in range(12)]
-    llm = LLM(path, block_size=8, num_blocks=128, threads_per_worker=1, max_num_seqs=32,
+    llm = LLM(path, dtype="float32", block_size=8, num_blocks=128, threads_per_worker=1, max_num_seqs=32,
               max_num_batched_tokens=16)
     try:
         assert llm.engine.executor.worker.pack_report is not None

@@ -36,7 +36,7 @@ def assert_matches_hf(entries, prompt: list[int], reference: torch.Tensor, k: in
 
 
 def _llm(path: str, **kwargs) -> LLM:
-    options = dict(block_size=8, num_blocks=64, threads_per_worker=1, max_num_batched_tokens=16)
+    options = dict(dtype="float32", block_size=8, num_blocks=64, threads_per_worker=1, max_num_batched_tokens=16)
     return LLM(path, **{**options, **kwargs})
 
 

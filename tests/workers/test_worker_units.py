@@ -131,7 +131,7 @@ def test_reduced_precision_weights_and_cache(tiny_model_path):
 def test_cpu_capacity_from_kv_cache_gib(tiny_model_path):
     from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig
 
-    config = EngineConfig(model=ModelConfig(model=tiny_model_path("llama")),
+    config = EngineConfig(model=ModelConfig(model=tiny_model_path("llama"), dtype="float32"),
                           cache=CacheConfig(block_size=8, kv_cache_gib=0.001))
     worker = Worker(config)
     # 2 layers x (K, V) x 8 slots x 2 KV heads x head_dim 16 x 4 bytes = 4096 bytes per block
