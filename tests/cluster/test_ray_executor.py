@@ -137,3 +137,34 @@ def test_run_ahead_over_ray_tp1_matches_local(ray_session, tiny_llama_path, loca
     finally:
         llm.shutdown()
     assert [r.outputs[0].token_ids for r in results] == local_tokens
+
+
+def test_ranks_that_resolve_dtype_auto_differently_are_refused(ray_session):
+    """dtype auto is resolved on each rank's machine (dtype_choice.py); ranks on CPUs that differ (one
+    with AVX512-BF16, one without) would run different dtypes, so the executor refuses them before any
+    KV cache exists, naming the option. White-box: the ranks are stand-ins answering with ObjectRefs."""
+    from pagedray.cluster.llm import build_engine_config
+    from pagedray.cluster.ray_executor import RayExecutor
+
+    def rank(dtype: str):
+        class Rank:
+            class dtype_name:
+                @staticmethod
+                def remote():
+                    return ray_session.put(dtype)
+
+            class available_kv_blocks:
+                @staticmethod
+                def remote():
+                    raise AssertionError("KV blocks asked for after the dtype check failed")
+        return Rank()
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor.config, executor.tp_size = build_engine_config("default"), 1
+    executor.actors = [rank("bfloat16"), rank("float32")]
+    with pytest.raises(ValueError, match=r"dtype: the ranks resolved 'auto' differently \(\['bfloat16', 'float32'\]"):
+        executor._init_workers()
+    executor.actors = [rank("bfloat16"), rank("bfloat16")]
+    with pytest.raises(AssertionError, match="KV blocks asked for"):
+        executor._init_workers()
+    assert executor.dtype == "bfloat16"
