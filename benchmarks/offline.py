@@ -7,7 +7,7 @@ than two, whose OpenMP barriers stall when a core is taken by another process).
 
 Section A, the default SmolLM2-135M-Instruct:
 - pagedray LLM, in-process LocalExecutor (TP=1); with ``--compare-threads`` also with 2 threads; with
-  ``--compare-packing`` also without the MKL-packed weights (``cpu_packed_weights=False``); with
+  ``--compare-packing`` also without the oneDNN-packed weights (``cpu_packed_weights=False``); with
   ``--compare-async`` also with run-ahead scheduling (``async_scheduling=True``), here and on Ray;
 - pagedray LLM through the Ray executor with one rank (TP=2 is impossible for SmolLM2: 9 query
   heads cannot be split over 2 ranks);

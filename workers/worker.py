@@ -21,7 +21,7 @@ Decisions:
 - CUDA graphs (``decode_graphs``): captured in ``init_kv_cache`` on CUDA at TP=1 unless
   ``model.enforce_eager``; the memory profile sets aside what they will hold. TP > 1 runs eagerly
   (capturing the NCCL collectives is not verified yet).
-- CPU fp32: every linear layer and the LM head also hold an MKL-packed weight
+- CPU fp32/bf16: every linear layer and the LM head also hold a weight packed for oneDNN
   (``layers/packed_gemm.py``) unless ``model.cpu_packed_weights`` is off; ``pack_report`` says how
   many matrices and bytes (logged at start-up).
 - CPU: glibc malloc keeps freed memory for reuse (``host_memory.keep_freed_memory``) unless
@@ -92,10 +92,10 @@ class Worker:
             self.model.load_weights(reader)
         self.model.eval()
         self.pack_report: PackReport | None = None
-        if (config.model.cpu_packed_weights and self.device.type == "cpu" and self.dtype == torch.float32
-                and packed_gemm_available()):
+        if (config.model.cpu_packed_weights and self.device.type == "cpu"
+                and packed_gemm_available(self.dtype)):
             self.pack_report = pack_linear_weights(self.model)
-            log.info("rank %d: %d weight matrices packed for MKL (%.0f MB of packed copies next to %.0f MB "
+            log.info("rank %d: %d weight matrices packed for oneDNN (%.0f MB of packed copies next to %.0f MB "
                      "of weights)", rank, self.pack_report.matrices, self.pack_report.packed_bytes / 1e6,
                      self.pack_report.weight_bytes / 1e6)
         dims = self.model.dims

@@ -1,6 +1,6 @@
-"""MKL-packed CPU weights (``layers/packed_gemm.py``): the packed product agrees with ``F.linear`` on
-random inputs, products outside ``PACKED_ROWS`` run ``F.linear`` itself, every linear layer and the LM
-head get a packed copy, and greedy tokens of a batch that takes the packed path still equal
+"""oneDNN-packed CPU weights (``layers/packed_gemm.py``): the packed product agrees with ``F.linear`` on
+random inputs at every row count (bit for bit in bf16), every linear layer and the LM head get a
+packed copy in fp32 and bf16, and greedy tokens of a batch that takes the packed path still equal
 transformers'."""
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from pagedray.workers.contract.config import ModelConfig
 from pagedray.workers.layers import packed_gemm
 from pagedray.workers.layers.embedding import ParallelLMHead
 from pagedray.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedray.workers.layers.packed_gemm import PACKED_ROWS, linear, pack_weight, packed_gemm_available
+from pagedray.workers.layers.packed_gemm import linear, pack_weight, packed_gemm_available
 from pagedray.workers.worker import Worker
 
-needs_mkl = pytest.mark.skipif(not packed_gemm_available(), reason="this torch has no MKL packed GEMM")
+needs_onednn = pytest.mark.skipif(not packed_gemm_available(torch.float32), reason="this torch has no oneDNN packed GEMM")
+needs_onednn_bf16 = pytest.mark.skipif(not packed_gemm_available(torch.bfloat16),
+                                       reason="oneDNN has no bf16 GEMM on this CPU")
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -28,7 +30,7 @@ def torch_threads(request):
     torch.set_num_threads(before)
 
 
-@needs_mkl
+@needs_onednn
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (251, 64), (3072, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bias, torch_threads):
@@ -36,19 +38,34 @@ def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bia
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05      # [out, in]
     bias = torch.randn(out_features, generator=gen) if with_bias else None    # [out]
     packed = pack_weight(weight)
-    for rows in (PACKED_ROWS[0], 9, PACKED_ROWS[-1]):
+    for rows in (1, 3, 16, 17, 64, 300):
         x = torch.randn(rows, in_features, generator=gen)                       # [rows, in]
         torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias))
-    for rows in (1, PACKED_ROWS[0] - 1, PACKED_ROWS[-1] + 1, 64, 300):   # outside: F.linear itself, bit for bit
-        x = torch.randn(rows, in_features, generator=gen)
-        assert torch.equal(linear(x, weight, bias, packed), F.linear(x, weight, bias))
-    x = torch.randn(PACKED_ROWS[-1], 2 * in_features, generator=gen)[:, ::2]   # non-contiguous
+    x = torch.randn(16, 2 * in_features, generator=gen)[:, ::2]                 # non-contiguous
     torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias))
+    x = torch.randn(2, 5, in_features, generator=gen)                           # [batch, tokens, in]
+    torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias))
+    assert linear(x, weight, bias, None).equal(F.linear(x, weight, bias))      # no packed copy: F.linear
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_bf16_product_equals_f_linear(with_bias, torch_threads):
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()          # [out, in]
+    bias = torch.randn(960, generator=gen).bfloat16() if with_bias else None
+    packed = pack_weight(weight)
+    for rows in (1, 16, 300):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()                   # [rows, in]
+        out = linear(x, weight, bias, packed)
+        assert out.dtype == torch.bfloat16 and out.equal(F.linear(x, weight, bias))
 
 
 def test_pack_weight_names_a_bad_weight():
     with pytest.raises(ValueError, match="weight"):
         pack_weight(torch.randn(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="weight"):
+        pack_weight(torch.randn(4, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="weight"):
         pack_weight(torch.randn(16))
 
@@ -58,39 +75,46 @@ def _packable(worker: Worker) -> list[torch.nn.Module]:
     return [m for m in worker.model.modules() if isinstance(m, kinds)]
 
 
-@needs_mkl
+@needs_onednn
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])   # untied LM head; tied LM head + qkv bias
-def test_worker_packs_every_linear_layer_and_the_lm_head(kind, tiny_model_path):
-    worker = Worker(engine_config(tiny_model_path(kind)))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_worker_packs_every_linear_layer_and_the_lm_head(kind, dtype, tiny_model_path):
+    if not packed_gemm_available(getattr(torch, dtype)):
+        pytest.skip(f"oneDNN has no {dtype} GEMM on this CPU")
+    worker = Worker(engine_config(tiny_model_path(kind), dtype=dtype))
     layers = _packable(worker)
     assert len(layers) == 2 * 4 + 1   # 2 layers x (qkv, o, gate_up, down) + LM head
     assert all(m.packed_weight is not None for m in layers)
     report = worker.pack_report
     assert report.matrices == len(layers)
-    assert report.weight_bytes == sum(m.weight.numel() * 4 for m in layers)
+    assert report.weight_bytes == sum(m.weight.numel() * m.weight.element_size() for m in layers)
     assert report.packed_bytes >= report.weight_bytes
+    assert all(m.packed_weight.dtype == getattr(torch, dtype) for m in layers)
 
 
-def test_packing_off_by_option_or_without_mkl(tiny_model_path, monkeypatch):
+def test_packing_off_by_option_without_onednn_or_in_fp16(tiny_model_path, monkeypatch):
     worker = Worker(engine_config(tiny_model_path("llama"), cpu_packed_weights=False))
     assert worker.pack_report is None and all(m.packed_weight is None for m in _packable(worker))
-    monkeypatch.setattr("pagedray.workers.worker.packed_gemm_available", lambda: False)
+    worker = Worker(engine_config(tiny_model_path("llama"), dtype="float16"))
+    assert worker.pack_report is None and all(m.packed_weight is None for m in _packable(worker))
+    monkeypatch.setattr("pagedray.workers.worker.packed_gemm_available", lambda dtype: False)
     worker = Worker(engine_config(tiny_model_path("llama")))
     assert worker.pack_report is None and all(m.packed_weight is None for m in _packable(worker))
     with pytest.raises(ValueError, match="cpu_packed_weights"):
         ModelConfig(cpu_packed_weights="yes").validate()
 
 
-def test_packed_gemm_available_needs_the_mkl_ops(monkeypatch):
-    monkeypatch.setattr(packed_gemm.torch.backends.mkl, "is_available", lambda: False)
-    assert packed_gemm_available() is False
+def test_packed_gemm_available_needs_onednn_and_a_packable_dtype(monkeypatch):
+    assert packed_gemm_available(torch.float16) is False and packed_gemm_available(torch.float64) is False
+    monkeypatch.setattr(packed_gemm.torch.backends.mkldnn, "is_available", lambda: False)
+    assert packed_gemm_available(torch.float32) is False
 
 
-@needs_mkl
+@needs_onednn
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_greedy_batch_of_twelve_matches_transformers(kind, tiny_model_path):
-    """12 sequences decode together and prefill in chunks of at most 16 tokens, so the products of
-    most steps take the packed path; tokens equal transformers' one-prompt-at-a-time generate."""
+    """12 sequences decode together and prefill in chunks of at most 16 tokens, every product on the
+    packed weights; tokens equal transformers' one-prompt-at-a-time generate."""
     path = tiny_model_path(kind)
     prompts = [[(7 * i + j) % 240 + 3 for j in range(5 + i)] for i in range(12)]
     llm = LLM(path, dtype="float32", block_size=8, num_blocks=128, threads_per_worker=1, max_num_seqs=32,

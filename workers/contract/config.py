@@ -37,14 +37,16 @@ def _require(cond: bool, message: str) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = option("default", "'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face model folder")
-    dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: bfloat16 on CUDA and on CPUs with AMX or "
+                                          "AVX512-BF16, float32 on other CPUs)")
     device: str = option("auto", "auto | cpu | cuda")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's max_position_embeddings)")
     tokenizer: str | None = option(None, "a separate tokenizer folder (default: the model folder)")
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs "
                                         "captured at start-up (one per batch-size bucket; TP=1 only)")
-    cpu_packed_weights: bool = option(True, "CPU, float32: keep a copy of each weight packed for MKL's GEMM and "
-                                            "use it for products of 4-16 rows, where it is faster (more memory)")
+    cpu_packed_weights: bool = option(True, "CPU, float32/bfloat16: keep a copy of each weight packed for "
+                                            "oneDNN's GEMM and multiply with it (1.7-3x faster linear layers; "
+                                            "as much memory again as the weights)")
     cpu_keep_freed_memory: bool = option(True, "CPU: glibc malloc keeps freed memory for the next step instead of "
                                                "returning it to the OS (no page faults on each step's activations; "
                                                "resident memory stays at its peak)")

@@ -67,7 +67,7 @@ class ParallelLMHead(nn.Module):
         else:
             self.weight = empty_param(tuple(embedding.weight.shape), embedding.weight.dtype,
                                       embedding.weight.device)
-        self.packed_weight: torch.Tensor | None = None   # MKL-packed copy (CPU fp32, packed_gemm.py)
+        self.packed_weight: torch.Tensor | None = None   # oneDNN-packed copy (CPU fp32/bf16, packed_gemm.py)
 
     def load(self, reader: CheckpointReader, name: str) -> None:
         if self.tied:

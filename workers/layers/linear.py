@@ -8,8 +8,8 @@
   product and one all-reduce sums them (the bias is added once, after the reduction).
 
 Weights follow torch's ``[out_features, in_features]`` convention, as in HF checkpoints. On CPU in
-fp32 each layer may also hold an MKL-packed copy of its weight (``packed_weight``, set by
-``packed_gemm.pack_linear_weights``) that products of many rows use.
+fp32/bf16 each layer may also hold a oneDNN-packed copy of its weight (``packed_weight``, set by
+``packed_gemm.pack_linear_weights``) that its products use.
 """
 
 from __future__ import annotations

@@ -1,28 +1,33 @@
-"""CPU fp32 linear layers over weights pre-packed once for MKL's GEMM (``cblas_sgemm_pack``).
+"""CPU linear layers over weights pre-packed once for oneDNN's GEMM (fp32 and bf16).
 
-``F.linear`` on CPU hands the weight to MKL's sgemm, which re-packs the whole weight into its
-internal panel layout on every call: at decode sizes (16 rows x 576 features for SmolLM2) that
-copy costs as much as the product. Packing each weight once at load time
-(``torch.ops.mkl._mkl_reorder_linear_weight``) and multiplying with ``torch.ops.mkl._mkl_linear``
-(``cblas_sgemm_compute``) removes it.
+``F.linear`` on CPU hands an fp32 weight to MKL's sgemm and a bf16 one to oneDNN, and both re-lay
+the whole weight out on every call. Packing each weight once at load time into oneDNN's blocked
+layout (``torch.ops.mkldnn._reorder_linear_weight``, no batch-size hint, so one packed copy serves
+every row count) and multiplying with ``torch.ops.mkldnn._linear_pointwise`` removes that; on the
+AMD EPYC VM oneDNN's fp32 kernels also ran about 3x as fast as MKL's sgemm at decode sizes.
 
 Decisions:
-- Used where it is faster: fp32 on CPU, for products of ``PACKED_ROWS`` (4 to 16) rows, i.e. decode
-  batches of 4-16 sequences. Measured on the 2-core VM (cold weights, 1 and 2 threads, SmolLM2's
-  shapes): packed / ``F.linear`` time 0.6-0.9 at 4-16 rows, ~1.0 at 1-2 rows, and 0.9-1.4 from 17
-  rows up (2.5x slower for the LM head at 512 rows): MKL's plain sgemm is the better kernel there.
-- Numerics: at 16 rows the packed product was bit-identical to ``F.linear`` in every shape we
-  checked; at 4-15 rows it differs in the last bits, as ``F.linear`` itself does between row counts
-  (its results for a row depend on how many rows share the call). Greedy tokens still equal
-  transformers' (the HF-exact tests run with packing on); batch-1 decode, which is what
-  ``generate`` runs, stays on ``F.linear``.
-- Memory: the packed copy sits next to the plain weight, which products outside ``PACKED_ROWS`` and
-  the tied embedding lookup still read. MKL's packed layout pads each matrix by a few MiB, so small
-  models pay most: SmolLM2-135M's 538 MB of fp32 weights gain 1.98 GB of packed copies; large
-  matrices gain ~1.1-1.3x their size. ``ModelConfig.cpu_packed_weights=False`` turns it off.
-- The two ops are torch's private MKL bindings (what inductor's CPU weight freezing uses). When
-  torch was built without them (no MKL, another CPU architecture) ``packed_gemm_available()`` is
-  False and every layer runs ``F.linear``.
+- Used for every product of a packed layer, at any row count, in fp32 and bf16 on CPU. Measured on
+  the 2-core AMD EPYC VM (2026-11-25, 2 threads, SmolLM2-135M's shapes, 30 layers' distinct
+  weights + the LM head per "step", so the weights come from DRAM as in a real step):
+
+      rows   fp32 F.linear  fp32 MKL-packed  fp32 oneDNN   bf16 F.linear  bf16 oneDNN   (ms)
+      1          31.9          23.9            15.7          11.1            7.7
+      16         54.1          55.3            18.7          19.0           10.7
+      64        135.3         135.4            47.2          38.9           25.7
+      256       390.2         418.1           148.0          96.9           80.0
+
+  (This replaced MKL's packed sgemm, ``_mkl_linear``, which won only at 4-16 rows and
+  padded SmolLM2's 538 MB of weights with 1.98 GB of packed copies.)
+- Numerics: bf16 products are bit-identical to ``F.linear`` (which runs oneDNN too). fp32 products
+  differ from MKL's in the last bits (another summation order; ~2e-6 relative), as ``F.linear``'s own
+  results differ between row counts. Greedy tokens still equal transformers' in the HF-exact tests,
+  which run with packing on (``tests/workers/test_packed_gemm.py`` runs a batch through both).
+- Memory: the packed copy (the same bytes as the weight) sits next to the plain weight, which the
+  tied embedding lookup reads. ``ModelConfig.cpu_packed_weights=False`` turns packing off.
+- The two ops are torch's private oneDNN bindings (what inductor's CPU weight freezing uses).
+  ``packed_gemm_available(dtype)`` is False where torch has no oneDNN, for other dtypes (fp16), and
+  for bf16 on a CPU without a bf16 path in oneDNN; those layers run ``F.linear``.
 """
 
 from __future__ import annotations
@@ -33,30 +38,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_ROWS = range(4, 17)   # products with this many rows use the packed weight (module docstring)
-PACK_HINT_ROWS = 16
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def packed_gemm_available() -> bool:
-    """True when this torch has MKL and its packed-GEMM ops."""
-    mkl = getattr(torch.ops, "mkl", None)
-    return (torch.backends.mkl.is_available() and mkl is not None
-            and hasattr(mkl, "_mkl_reorder_linear_weight") and hasattr(mkl, "_mkl_linear"))
+def packed_gemm_available(dtype: torch.dtype) -> bool:
+    """True when this torch has oneDNN and its packed-linear ops, and this CPU can run them in dtype."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    if (dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available() or mkldnn is None
+            or not hasattr(mkldnn, "_reorder_linear_weight") or not hasattr(mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or bool(mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] fp32 on CPU -> MKL's packed copy of it (opaque, 1-D)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
-        raise ValueError(f"weight: packing needs a 2-D float32 CPU tensor, got {tuple(weight.shape)} "
-                         f"{weight.dtype} on {weight.device}")
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), PACK_HINT_ROWS)
+    """weight [out, in] fp32/bf16 on CPU -> oneDNN's packed copy of it (opaque mkldnn tensor, [out, in])."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
+        raise ValueError(f"weight: packing needs a 2-D float32 or bfloat16 CPU tensor, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] -> [rows, out]: the packed product for rows in PACKED_ROWS, else F.linear."""
-    if packed is not None and x.dim() == 2 and x.shape[0] in PACKED_ROWS:
-        return torch.ops.mkl._mkl_linear(x.contiguous(), packed, weight, bias, x.shape[0])
+    """x [..., in] -> [..., out]: the packed product when the layer has a packed weight, else F.linear."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
