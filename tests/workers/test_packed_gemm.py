@@ -17,7 +17,7 @@ from pagedray.workers.layers.linear import ColumnParallelLinear, RowParallelLine
 from pagedray.workers.layers.packed_gemm import linear, pack_weight, packed_gemm_available
 from pagedray.workers.worker import Worker
 
-needs_onednn = pytest.mark.skipif(not packed_gemm_available(torch.float32), reason="this torch has no oneDNN packed GEMM")
+needs_onednn = pytest.mark.skipif(not packed_gemm_available(torch.float32), reason="torch has no oneDNN packed GEMM")
 needs_onednn_bf16 = pytest.mark.skipif(not packed_gemm_available(torch.bfloat16),
                                        reason="oneDNN has no bf16 GEMM on this CPU")
 
