@@ -2,9 +2,15 @@
  * cache (no gather), online softmax in float32. Built and loaded by cpu_decode.py (cc -O3
  * -march=native -fopenmp); called through ctypes with raw pointers and element strides.
  *
- * Work item = (sequence, KV head): its G = Hq / Hkv query heads share every K/V row they read.
- * Per cache block of the item (bs tokens): scores [G][bs] = q . k (+ ALiBi), -inf outside the visible
- * range; running max / sum / accumulator update with exp over the block's scores; acc += p @ V.
+ * Work item = a sequence (or one of its KV heads, when there are few sequences). Per KV head, its
+ * visible tokens go by in chunks of whole blocks (up to 64 tokens): the chunk's K/V rows are listed
+ * (bfloat16 rows converted once into an L1-sized float32 buffer), then each of the G = Hq / Hkv query
+ * heads takes its scores 8 tokens at a time (8 independent FMA chains, one transposing reduction),
+ * -inf outside the visible range, one online-softmax step per chunk, and acc += p @ V with acc in
+ * registers. The next chunk's blocks are prefetched while this one computes.
+ * Measured (AMD EPYC 2-core VM, 2 threads, SmolLM2 shapes, 16 sequences of 200-300 tokens, 30
+ * layers' caches cold): 7.7 ms fp32 / 7.5 ms bf16 per step, where the first version (one block per
+ * softmax step, a horizontal sum per score) took 12.6 / 8.9 ms.
  * Vectors are GCC vector extensions of 8 floats (head_dim and block_size are multiples of 8), so the
  * same source compiles to AVX2 or AVX-512 by -march=native.
  *
@@ -25,7 +31,6 @@
 
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
-#define MAX_CHUNKS 32      /* head_dim / 8 */
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -101,88 +106,149 @@ struct item_args {
     int64_t o_head;                      /* head stride of out, bytes */
 };
 
-/* One sequence, KV heads [kv_lo, kv_hi): each cache block is visited once for all of them. */
+/* d[0..7] -> (sum of d[0], ..., sum of d[7]): a transposing reduction, 14 shuffles and 7 adds for
+ * eight dot products (eight separate horizontal sums take about twice that). */
+static inline v8f hsum8x8(const v8f d[8]) {
+    const v8f t0 = __builtin_shufflevector(d[0], d[1], 0, 8, 1, 9, 4, 12, 5, 13)
+                 + __builtin_shufflevector(d[0], d[1], 2, 10, 3, 11, 6, 14, 7, 15);
+    const v8f t1 = __builtin_shufflevector(d[2], d[3], 0, 8, 1, 9, 4, 12, 5, 13)
+                 + __builtin_shufflevector(d[2], d[3], 2, 10, 3, 11, 6, 14, 7, 15);
+    const v8f t2 = __builtin_shufflevector(d[4], d[5], 0, 8, 1, 9, 4, 12, 5, 13)
+                 + __builtin_shufflevector(d[4], d[5], 2, 10, 3, 11, 6, 14, 7, 15);
+    const v8f t3 = __builtin_shufflevector(d[6], d[7], 0, 8, 1, 9, 4, 12, 5, 13)
+                 + __builtin_shufflevector(d[6], d[7], 2, 10, 3, 11, 6, 14, 7, 15);
+    /* t0 = [d0 02, d1 02, d0 13, d1 13, d0 46, d1 46, d0 57, d1 57] (digits: lanes summed) */
+    const v8f u0 = __builtin_shufflevector(t0, t1, 0, 1, 8, 9, 4, 5, 12, 13)
+                 + __builtin_shufflevector(t0, t1, 2, 3, 10, 11, 6, 7, 14, 15);
+    const v8f u1 = __builtin_shufflevector(t2, t3, 0, 1, 8, 9, 4, 5, 12, 13)
+                 + __builtin_shufflevector(t2, t3, 2, 3, 10, 11, 6, 7, 14, 15);
+    /* u0 = [d0 0-3, d1 0-3, d2 0-3, d3 0-3, d0 4-7, d1 4-7, d2 4-7, d3 4-7] */
+    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+static inline float hmax8(v8f v) {
+    float x = v[0];
+    for (int i = 1; i < 8; i++) x = v[i] > x ? v[i] : x;
+    return x;
+}
+
+#define CHUNK_FLOATS 4096    /* K (and V) rows of one chunk, float32: 16 KiB each (L1) */
+#define MAX_CHUNK 64         /* tokens */
+
+static const float zero_row[256] __attribute__((aligned(64)));
+
+/* One sequence, KV heads [kv_lo, kv_hi), head_dim = 8 C. Per KV head, the visible tokens go by in
+ * chunks of whole blocks (up to MAX_CHUNK tokens): the chunk's K/V rows are listed as float32 rows
+ * (pointers into a float32 cache, or rows converted once into a chunk buffer from bfloat16), then each
+ * of the G query heads takes scores 8 tokens at a time, one online-softmax step for the whole chunk,
+ * and acc += p @ V with acc in C registers. Rows past the chunk's visible ones (up to a multiple of 8)
+ * point at zeros and their scores are -inf. */
 static inline __attribute__((always_inline)) void decode_item(const struct item_args *a, int dtype, int64_t C) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
-    const int64_t bs = a->block_size, G = a->group;
-    const int64_t R = (a->kv_hi - a->kv_lo) * G;            /* query heads of this item */
-    const int64_t h0 = a->kv_lo * G;                        /* its first query head */
-    v8f qv[R][C], acc[R][C], row[MAX_CHUNKS];
-    float sc[R][bs] __attribute__((aligned(32)));
-    float m[R], l[R];
-    for (int64_t r = 0; r < R; r++) {
-        for (int64_t c = 0; c < C; c++) {
-            qv[r][c] = load8(a->q + (h0 + r) * a->q_head + c * 8 * elem, dtype) * splat(a->scale);
-            acc[r][c] = splat(0.0f);
-        }
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
+    const int64_t bs = a->block_size, G = a->group, D = 8 * C;
     const int64_t pos = a->seq_len - 1;
     const int64_t lo = (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
-    for (int64_t b = lo / bs; a->seq_len > 0 && b * bs < a->seq_len; b++) {
-        int64_t block = a->table[b];
-        block = block < 0 ? 0 : (block >= a->num_blocks ? a->num_blocks - 1 : block);
-        const int64_t j0 = b * bs;
-        const int64_t t_lo = lo > j0 ? lo - j0 : 0;
-        const int64_t t_hi = a->seq_len - j0 < bs ? a->seq_len - j0 : bs;
-        if ((b + 1) * bs < a->seq_len) {        /* the next block is a random address: fetch it early */
-            int64_t next = a->table[b + 1];
-            next = next < 0 ? 0 : (next >= a->num_blocks ? a->num_blocks - 1 : next);
-            const char *kn = a->k + next * a->c_block, *vn = a->v + next * a->c_block;
-            for (int64_t off = 0; off < bs * a->c_tok; off += 64) {
-                __builtin_prefetch(kn + off);
-                __builtin_prefetch(vn + off);
-            }
+    int64_t chunk_blocks = (CHUNK_FLOATS / D < MAX_CHUNK ? CHUNK_FLOATS / D : MAX_CHUNK) / bs;
+    chunk_blocks = chunk_blocks > 0 ? chunk_blocks : 1;
+    float kbuf[dtype == DTYPE_F32 ? 1 : chunk_blocks * bs * D] __attribute__((aligned(64)));
+    float vbuf[dtype == DTYPE_F32 ? 1 : chunk_blocks * bs * D] __attribute__((aligned(64)));
+    const float *krow[chunk_blocks * bs + 8], *vrow[chunk_blocks * bs + 8];
+    for (int64_t h = a->kv_lo; h < a->kv_hi; h++) {
+        v8f acc[G][C];
+        float m[G], l[G];
+        for (int64_t r = 0; r < G; r++) {
+            for (int64_t c = 0; c < C; c++) acc[r][c] = splat(0.0f);
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
         }
-        for (int64_t r = 0; r < R; r++) {
-            for (int64_t t = 0; t < bs; t++) sc[r][t] = -INFINITY;
-        }
-        for (int64_t t = t_lo; t < t_hi; t++) {
-            const char *k_row = a->k + block * a->c_block + t * a->c_tok;
-            for (int64_t h = a->kv_lo; h < a->kv_hi; h++) {
-                for (int64_t c = 0; c < C; c++) row[c] = load8(k_row + h * a->c_head + c * 8 * elem, dtype);
-                for (int64_t r = (h - a->kv_lo) * G; r < (h - a->kv_lo + 1) * G; r++) {
-                    v8f dot = qv[r][0] * row[0];
-                    for (int64_t c = 1; c < C; c++) dot += qv[r][c] * row[c];
-                    sc[r][t] = hsum8(dot);
-                    if (a->slopes != NULL) sc[r][t] += a->slopes[h0 + r] * (float)(j0 + t - pos);
+        for (int64_t b0 = lo / bs; a->seq_len > 0 && b0 * bs < a->seq_len; b0 += chunk_blocks) {
+            /* the next chunk's blocks are random addresses: start fetching them now, so that they
+             * arrive while this chunk computes */
+            for (int64_t b = b0 + chunk_blocks; b < b0 + 2 * chunk_blocks && b * bs < a->seq_len; b++) {
+                int64_t block = a->table[b];
+                block = block < 0 ? 0 : (block >= a->num_blocks ? a->num_blocks - 1 : block);
+                for (int64_t t = 0; t < bs; t++) {
+                    const char *k_src = a->k + block * a->c_block + t * a->c_tok + h * a->c_head;
+                    const char *v_src = a->v + block * a->c_block + t * a->c_tok + h * a->c_head;
+                    for (int64_t off = 0; off < D * elem; off += 64) {
+                        __builtin_prefetch(k_src + off);
+                        __builtin_prefetch(v_src + off);
+                    }
                 }
             }
-        }
-        for (int64_t r = 0; r < R; r++) {
-            float block_max = -INFINITY;
-            for (int64_t t = t_lo; t < t_hi; t++) block_max = sc[r][t] > block_max ? sc[r][t] : block_max;
-            const float new_max = block_max > m[r] ? block_max : m[r];
-            const v8f correction = exp8(splat(m[r] - new_max));
-            v8f sum = splat(0.0f);
-            for (int64_t t = 0; t < bs; t += 8) {
-                v8f s;
-                memcpy(&s, &sc[r][t], sizeof s);
-                s = exp8(s - splat(new_max));
-                memcpy(&sc[r][t], &s, sizeof s);
-                sum += s;
-            }
-            l[r] = l[r] * correction[0] + hsum8(sum);
-            m[r] = new_max;
-            for (int64_t c = 0; c < C; c++) acc[r][c] *= correction;
-        }
-        for (int64_t t = t_lo; t < t_hi; t++) {
-            const char *v_row = a->v + block * a->c_block + t * a->c_tok;
-            for (int64_t h = a->kv_lo; h < a->kv_hi; h++) {
-                for (int64_t c = 0; c < C; c++) row[c] = load8(v_row + h * a->c_head + c * 8 * elem, dtype);
-                for (int64_t r = (h - a->kv_lo) * G; r < (h - a->kv_lo + 1) * G; r++) {
-                    const v8f w = splat(sc[r][t]);
-                    for (int64_t c = 0; c < C; c++) acc[r][c] += w * row[c];
+            const int64_t first = lo > b0 * bs ? lo : b0 * bs;            /* first visible position */
+            int64_t n = 0;                                                  /* visible rows listed */
+            for (int64_t b = b0; b < b0 + chunk_blocks && b * bs < a->seq_len; b++) {
+                int64_t block = a->table[b];
+                block = block < 0 ? 0 : (block >= a->num_blocks ? a->num_blocks - 1 : block);
+                const int64_t t_lo = first > b * bs ? first - b * bs : 0;
+                const int64_t t_hi = a->seq_len - b * bs < bs ? a->seq_len - b * bs : bs;
+                for (int64_t t = t_lo; t < t_hi; t++, n++) {
+                    const char *k_src = a->k + block * a->c_block + t * a->c_tok + h * a->c_head;
+                    const char *v_src = a->v + block * a->c_block + t * a->c_tok + h * a->c_head;
+                    if (dtype == DTYPE_F32) {
+                        krow[n] = (const float *)k_src;
+                        vrow[n] = (const float *)v_src;
+                    } else {
+                        float *kd = kbuf + n * D, *vd = vbuf + n * D;
+                        for (int64_t c = 0; c < C; c++) {
+                            const v8f kx = load8(k_src + c * 16, DTYPE_BF16), vx = load8(v_src + c * 16, DTYPE_BF16);
+                            memcpy(kd + c * 8, &kx, sizeof kx);
+                            memcpy(vd + c * 8, &vx, sizeof vx);
+                        }
+                        krow[n] = kd;
+                        vrow[n] = vd;
+                    }
                 }
             }
+            const int64_t n8 = (n + 7) / 8 * 8;
+            for (int64_t i = n; i < n8; i++) krow[i] = zero_row;
+            for (int64_t r = 0; r < G; r++) {
+                const int64_t head = h * G + r;                                 /* query head */
+                v8f qv[C];
+                for (int64_t c = 0; c < C; c++) qv[c] = load8(a->q + head * a->q_head + c * 8 * elem, dtype) * splat(a->scale);
+                v8f sc[MAX_CHUNK / 8 + 1];
+                v8f chunk_max = splat(-INFINITY);
+                for (int64_t i8 = 0; i8 < n8; i8 += 8) {
+                    v8f d[8];
+                    for (int64_t i = 0; i < 8; i++) d[i] = splat(0.0f);
+                    for (int64_t c = 0; c < C; c++) {          /* 8 independent chains */
+                        for (int64_t i = 0; i < 8; i++) d[i] += qv[c] * load8((const char *)(krow[i8 + i] + c * 8), DTYPE_F32);
+                    }
+                    v8f s = hsum8x8(d);
+                    const v8i idx = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)i8;
+                    if (a->slopes != NULL) {                        /* key position first + idx */
+                        s += splat(a->slopes[head]) * __builtin_convertvector(idx + (int32_t)(first - pos), v8f);
+                    }
+                    s = select8(idx < (int32_t)n, s, splat(-INFINITY));
+                    sc[i8 / 8] = s;
+                    chunk_max = select8(s > chunk_max, s, chunk_max);
+                }
+                const float cmax = hmax8(chunk_max);
+                const float new_max = cmax > m[r] ? cmax : m[r];
+                const v8f correction = exp8(splat(m[r] - new_max));
+                v8f sum = splat(0.0f);
+                for (int64_t i8 = 0; i8 < n8 / 8; i8++) {
+                    sc[i8] = exp8(sc[i8] - splat(new_max));
+                    sum += sc[i8];
+                }
+                l[r] = l[r] * correction[0] + hsum8(sum);
+                m[r] = new_max;
+                v8f o[C];
+                for (int64_t c = 0; c < C; c++) o[c] = acc[r][c] * correction;
+                for (int64_t i = 0; i < n; i++) {
+                    const v8f w = splat(sc[i / 8][i % 8]);
+                    for (int64_t c = 0; c < C; c++) o[c] += w * load8((const char *)(vrow[i] + c * 8), DTYPE_F32);
+                }
+                for (int64_t c = 0; c < C; c++) acc[r][c] = o[c];
+            }
         }
-    }
-    for (int64_t r = 0; r < R; r++) {
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t c = 0; c < C; c++) {
-            for (int64_t i = 0; i < 8; i++) {
-                store_float(a->out + (h0 + r) * a->o_head + (c * 8 + i) * elem, acc[r][c][i] * inv, dtype);
+        for (int64_t r = 0; r < G; r++) {
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            char *dst = a->out + (h * G + r) * a->o_head;
+            for (int64_t c = 0; c < C; c++) {
+                for (int64_t i = 0; i < 8; i++) store_float(dst + (c * 8 + i) * elem, acc[r][c][i] * inv, dtype);
             }
         }
     }

@@ -3,8 +3,8 @@
 Decode attention on CPU used to gather each sequence's K/V blocks into a dense tensor per layer and
 call SDPA (``reference._decode_rows``); at decode sizes that is mostly per-call overhead and copies
 (SmolLM2, 16 sequences of ~250 tokens, bf16: 22 of a 44 ms step). The C kernel reads K/V rows
-straight from the paged cache, one (sequence, KV head) per work item, with an online softmax in
-float32 (``cpu_decode.c`` has the loop structure).
+straight from the paged cache, one sequence (or one of its KV heads) per work item, with an online
+softmax in float32 (``cpu_decode.c`` has the loop structure and its measured cost).
 
 Decisions:
 - Built at run time, not at install time: ``pip install -e .`` stays a pure-Python install (a build

@@ -149,3 +149,26 @@ def test_disabled_or_unbuildable_kernel_falls_back_to_the_reference(monkeypatch,
             caplog.clear()
     finally:
         cpu_decode._library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_rows_outside_the_visible_range_never_reach_the_output(dtype):
+    """Rows past seq_len in a sequence's last block, rows left of its window and unused blocks hold NaN
+    and inf: the kernel scores 8 rows at a time, so it reads some of them, and must mask them out."""
+    lens, window = (17, 250, 301, 5), 40
+    case, q, scale, _, _ = _case((9, 3, 64, 16, dtype, lens, False, None), seed=11)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    k_cache[:], v_cache[:] = float("nan"), float("inf")
+    for i, n in enumerate(lens):
+        for p in range(max(0, n - window), n):     # only the rows the window sees keep their values
+            block = case.block_tables[i, p // 16]
+            k_cache[block, p % 16], v_cache[block, p % 16] = case.keys[i][p], case.values[i][p]
+    out = cpu_decode.paged_decode_cpu(q, k_cache, v_cache, case.block_tables, case.seq_lens, scale, None, window)
+    clean = cpu_decode.paged_decode_cpu(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                        scale, None, window)
+    assert torch.isfinite(out).all() and torch.equal(out, clean)
+    reference = paged_decode_reference(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale,
+                                       None, window).float()
+    ulps = 1e-5 if dtype == F32 else 2 ** -7
+    assert ((out.float() - reference).abs() <= ulps * reference.abs().clamp(min=1)).all()
