@@ -78,7 +78,7 @@ from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
-PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-bf16|-fp32)?")
+PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-async)?(?:-t(\d+))?(-bf16|-fp32)?")
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 # (label, path in a loadtest summary, higher is better)
 CLOSED_ROWS = (("completed", ("completed",), True), ("failed", ("failed",), False),
@@ -176,8 +176,9 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
     replica), ``pagedray-tp1-local`` (the model in the engine's own process); ``-ei`` adds
     ``--engine-in-ingress`` and ``-sep`` ``--no-engine-in-ingress`` (the engine in a deployment of its
     own between the ingress and the workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned
-    setting); a final ``-bf16`` or ``-fp32`` names the dtype (without one: pagedray's default, ``auto``:
-    bfloat16 on a CPU with AMX or AVX512-BF16, else float32)."""
+    setting), ``-async`` adds ``--async-scheduling`` and ``-tK`` ``--threads-per-worker K``; a final
+    ``-bf16`` or ``-fp32`` names the dtype (without one: pagedray's default, ``auto``: bfloat16 on a CPU
+    with AMX or AVX512-BF16, else float32)."""
     specs = []
     for name in names:
         if name in (PEER, PEER_TUNED):
@@ -188,7 +189,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                             "--cb-max-batch-tokens", str(args.peer_max_batch_tokens)]
             specs.append(SystemSpec(name, command, model_path))
         elif PAGEDRAY_SYSTEM.fullmatch(name):
-            tp, in_process, layout, stream_interval, dtype = PAGEDRAY_SYSTEM.fullmatch(name).groups()
+            match = PAGEDRAY_SYSTEM.fullmatch(name)
+            tp, in_process, layout, stream_interval, run_ahead, threads, dtype = match.groups()
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
                        "--tensor-parallel-size", tp, "--device", args.device, "--host", "127.0.0.1",
                        "--port", str(port)]
@@ -200,13 +202,17 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                 command += ["--engine-in-ingress" if layout == "-ei" else "--no-engine-in-ingress"]
             if stream_interval:
                 command += ["--stream-interval", stream_interval]
+            if run_ahead:
+                command += ["--async-scheduling"]
+            if threads:
+                command += ["--threads-per-worker", threads]
             specs.append(SystemSpec(name, command, None, int(tp)))
         elif name in vllm_cpu.SYSTEMS:
             specs.append(SystemSpec(name, vllm_cpu.command(name, model_path, port), None,
                                     env=vllm_cpu.environment(name)))
         else:
-            raise ValueError(f"systems: unknown system {name!r} "
-                             "(peer, peer-tuned, vllm, vllm-fp32, pagedray-tpN[-local][-ei|-sep][-siK][-bf16|-fp32])")
+            raise ValueError(f"systems: unknown system {name!r} (peer, peer-tuned, vllm, vllm-fp32, "
+                             "pagedray-tpN[-local][-ei|-sep][-siK][-async][-tK][-bf16|-fp32])")
     return specs
 
 
@@ -292,9 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks.serving", description=__doc__.split("\n\n")[0])
     add_round_args(p, "serving")
     p.add_argument("--systems", default="pagedray-tp1,pagedray-tp2,peer",
-                   help="servers: pagedray-tpN[-local][-ei|-sep][-siK][-bf16|-fp32] (-ei / -sep: --engine-in-ingress / "
-                        "--no-engine-in-ingress, "
-                        "-siK: --stream-interval K), peer, peer-tuned, vllm, vllm-fp32 (benchmarks/vllm_cpu.py)")
+                   help="servers: pagedray-tpN[-local][-ei|-sep][-siK][-async][-tK][-bf16|-fp32] (-ei / -sep: "
+                        "--engine-in-ingress / --no-engine-in-ingress, -siK: --stream-interval K, -async: "
+                        "--async-scheduling, -tK: --threads-per-worker K), peer, peer-tuned, vllm, vllm-fp32 "
+                        "(benchmarks/vllm_cpu.py)")
     p.add_argument("--peer-tuned", action="store_true",
                    help="also run the peer with a KV cache sized for this load (--peer-num-blocks, ...)")
     p.add_argument("--peer-num-blocks", type=int, default=32, help="peer-tuned: KV pages of 256 tokens")
