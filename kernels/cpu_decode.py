@@ -7,17 +7,11 @@ straight from the paged cache, one sequence (or one of its KV heads) per work it
 softmax in float32 (``cpu_decode.c`` has the loop structure and its measured cost).
 
 Decisions:
-- Built at run time, not at install time: ``pip install -e .`` stays a pure-Python install (a build
-  step would need torch inside pip's isolated build environment, i.e. a second, CUDA, torch). The
-  first call compiles ``cpu_decode.c`` with ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp``
-  into ``<user cache>/pagedray/cpu_kernels/`` under a name hashed from the source, the flags, the
-  compiler's version and the CPU's flags (about a second); later processes load that file. Two
-  processes compiling at once each write a private file and rename it into place.
-- OpenMP threads: the kernel runs on ``torch.get_num_threads()`` threads of the same libgomp torch
-  uses (it is already loaded, so the kernel's ``libgomp.so.1`` resolves to it: one thread pool).
+- Built on first use by ``cpu_build`` (the machine's C compiler, cached per source and CPU); without
+  a compiler, or with ``PAGEDRAY_CPU_KERNELS=0``, ``available()`` is False and the torch reference
+  runs (one warning in the log says why).
+- OpenMP threads: ``torch.get_num_threads()`` threads of torch's own libgomp.
 - Dtypes: float32 and bfloat16 (q, caches and output share it). float16 goes to the torch reference.
-- Without a compiler, or with ``PAGEDRAY_CPU_KERNELS=0`` in the environment, ``available()`` is
-  False and the torch reference runs (one warning in the log says why).
 - Numerics: float32 accumulation like the reference, but another summation order and its own exp
   (relative error ~2e-7), so results differ from the reference in the last bits (the tests bound it);
   greedy tokens still equal transformers' in the HF-exact tests, which run through this kernel.
@@ -27,22 +21,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
 import pathlib
-import platform
-import subprocess
-import tempfile
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import cpu_build
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-DISABLE_ENV = "PAGEDRAY_CPU_KERNELS"
+DTYPE_CODES = {torch.float32: cpu_build.DTYPE_F32, torch.bfloat16: cpu_build.DTYPE_BF16}
 _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _INT64, _INT64, _PTR, _PTR, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64,
@@ -50,53 +36,14 @@ _ARGTYPES = [_PTR, _INT64, _INT64, _PTR, _PTR, _INT64, _INT64, _INT64, _INT64, _
              _INT64, ctypes.c_int]
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str) -> pathlib.Path:
-    """Compile the kernel (or find it compiled) and return the shared library's path."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
-    import platformdirs
-
-    folder = pathlib.Path(platformdirs.user_cache_dir("pagedray")) / "cpu_kernels"
-    target = folder / f"cpu_decode-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, private = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, "-o", private, str(SOURCE), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
-        os.replace(private, target)
-    finally:
-        if os.path.exists(private):
-            os.unlink(private)
-    return target
+def _declare(library: ctypes.CDLL) -> None:
+    library.paged_decode_cpu.argtypes = _ARGTYPES
+    library.paged_decode_cpu.restype = None
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(DISABLE_ENV) == "0":
-        log.warning("CPU decode kernel off (%s=0): decode attention runs the torch reference", DISABLE_ENV)
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"))))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("CPU decode kernel unavailable (%s): decode attention runs the torch reference", exc)
-        return None
-    library.paged_decode_cpu.argtypes = _ARGTYPES
-    library.paged_decode_cpu.restype = None
-    return library
+    return cpu_build.load(SOURCE, _declare, "CPU decode kernel", "decode attention runs the torch reference")
 
 
 def available() -> bool:

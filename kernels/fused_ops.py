@@ -6,11 +6,16 @@ torch reference (CPU, bit-identical to the layers' original code; see ``fused_re
   with the optional residual add: returns ``normed`` or ``(normed, x + residual)``.
 * ``rotary_embedding_(q, k, positions, inv_freq)``: rotate-half rope, in place on q and k.
 * ``silu_and_mul(gate_up)``: ``silu(gate) * up`` of ``[tokens, 2 * inter]`` -> ``[tokens, inter]``.
+* ``apply_rotary(x, cos, signed_sin)``: the CPU rotary path, a rotated copy of ``[tokens, heads, D]``
+  from one step's ``rotary_cos_sin`` tables (CUDA rotates in place with ``rotary_embedding_``).
 
-``use_triton`` works as in ``api``: ``None`` = Triton for CUDA tensors, the reference for CPU tensors;
-``True`` on CPU tensors needs ``TRITON_INTERPRET=1``. The checks read metadata only (ranks, shapes,
-dtypes, devices, strides, eps), never tensor contents, so the CUDA path never syncs with the host and
-can be captured in a CUDA graph. Every check raises ``ValueError`` starting with the argument's name.
+``use_triton`` works as in ``api``: ``None`` = Triton for CUDA tensors, the CPU path for CPU tensors;
+``True`` on CPU tensors needs ``TRITON_INTERPRET=1``. The CPU path of ``rms_norm`` and ``apply_rotary``
+is ``cpu_fused.c`` (one C call, op for op the reference's arithmetic) for float32/bfloat16 in the
+layouts it takes, else the torch reference; ``silu_and_mul`` runs its reference. The checks read
+metadata only (ranks, shapes, dtypes, devices, strides, eps), never tensor contents, so the CUDA path
+never syncs with the host and can be captured in a CUDA graph. Every check raises ``ValueError``
+starting with the argument's name.
 """
 
 from __future__ import annotations
@@ -19,10 +24,16 @@ import math
 
 import torch
 
+from . import cpu_fused
 from . import validation as v
 from .activation_triton import silu_and_mul_triton
 from .api import _triton_wanted
-from .fused_reference import rms_norm_reference, rotary_embedding_reference_, silu_and_mul_reference
+from .fused_reference import (
+    apply_rotary_reference,
+    rms_norm_reference,
+    rotary_embedding_reference_,
+    silu_and_mul_reference,
+)
 from .norm_triton import MAX_SIZE, rms_norm_triton
 from .rotary_triton import rotary_embedding_triton
 
@@ -88,6 +99,8 @@ def rms_norm(x, weight, eps, residual=None, *, out=None, use_triton=None):
     if out is not None:
         _check_like("out", out, x, "x")
     if not _triton_wanted(use_triton, x.device):
+        if cpu_fused.supports_rms_norm(x, residual, out):
+            return cpu_fused.rms_norm_cpu(x, weight, eps, residual, out)
         return rms_norm_reference(x, weight, eps, residual, out)
     if x.shape[-1] > MAX_SIZE:
         raise ValueError(f"x: last dim {x.shape[-1]} exceeds the Triton kernel's {MAX_SIZE}")
@@ -133,3 +146,18 @@ def silu_and_mul(gate_up, *, use_triton=None):
     out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
     silu_and_mul_triton(gate_up, out)
     return out
+
+
+def apply_rotary(x, cos, signed_sin):
+    """x [tokens, heads, D] -> x * cos + rotate_half(x) * sin as a new [tokens, heads, D] tensor; cos and
+    signed_sin [tokens, 1, D] in x's dtype (``rotary_cos_sin``). CPU: ``cpu_fused.c`` where it takes the
+    layout, else the torch reference (also on CUDA tensors)."""
+    _check_rows("x", x, (3,))
+    for name, table in (("cos", cos), ("signed_sin", signed_sin)):
+        _check_rows(name, table, (3,), x.device)
+        if tuple(table.shape) != (x.shape[0], 1, x.shape[2]) or table.dtype != x.dtype:
+            raise ValueError(f"{name}: expected shape [{x.shape[0]}, 1, {x.shape[2]}] and dtype {x.dtype}, got "
+                             f"{tuple(table.shape)} {table.dtype}")
+    if cpu_fused.supports_rotary(x, cos):
+        return cpu_fused.apply_rotary_cpu(x, cos, signed_sin)
+    return apply_rotary_reference(x, cos, signed_sin)

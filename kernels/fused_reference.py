@@ -2,8 +2,9 @@
 Triton kernels (``norm_triton``, ``rotary_triton``, ``activation_triton``).
 
 These are the layers' formulas op for op (``workers/layers/norm.py``, ``rotary.py``, ``activation.py``
-before the kernels existed), so a layer that calls them on CPU is bit-identical to before: the fp32
-CPU greedy tests against transformers rely on it. No argument validation here (``fused_ops`` does it).
+before the kernels existed), i.e. transformers' own. On CPU the layers now run ``cpu_fused.c`` for
+RMSNorm and rotary where it takes the layout (the same arithmetic, but for the order of the norm's sum
+of squares) and these references elsewhere. No argument validation here (``fused_ops`` does it).
 
 Rounding, which the Triton kernels reproduce op for op: every torch op on a float16/bfloat16 tensor
 rounds its result to that dtype; the kernels compute each such op in float32 and round the result,

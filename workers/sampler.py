@@ -270,11 +270,15 @@ def _with_logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow],
                    results: list[SampledToken]) -> list[SampledToken]:
     """``results`` with logprobs from log_softmax of the raw logits for the rows that ask (failed rows get
     none). Tokens at -inf (masked by a grammar) never appear in ``top_logprobs``, so a row may list fewer
-    than it asked for; no logprob is ever NaN or infinite."""
+    than it asked for; no logprob is ever NaN or infinite. An ok row holds NaN or +inf only at ids
+    min_tokens bans (``_validated_logits``); those count as -inf here, as in sampling, so the rest of the
+    row keeps finite logprobs."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None and results[i].error is None]
     if not wanted:
         return results
-    logprobs = raw_logits[wanted].log_softmax(dim=1)  # [n_wanted, vocab]
+    raw = raw_logits[wanted]
+    banned = raw.isnan() | (raw == float("inf"))
+    logprobs = raw.masked_fill(banned, float("-inf")).log_softmax(dim=1)  # [n_wanted, vocab]
     chosen_ids = torch.tensor([results[i].token_id for i in wanted], device=raw_logits.device)
     chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0].tolist()
     top_n = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[1])

@@ -17,7 +17,7 @@ import pagedray.kernels.api as api
 import pytest
 import torch
 from paged_kv_cases import alibi_like_slopes, assert_close_to_oracle, dense_attention, make_paged_case, nan_like
-from pagedray.kernels import cpu_decode, paged_attention, paged_decode, paged_decode_reference
+from pagedray.kernels import cpu_build, cpu_decode, paged_attention, paged_decode, paged_decode_reference
 
 F32, BF16 = torch.float32, torch.bfloat16
 CPU = torch.device("cpu")
@@ -139,7 +139,7 @@ def test_disabled_or_unbuildable_kernel_falls_back_to_the_reference(monkeypatch,
         for env, value in (("PAGEDRAY_CPU_KERNELS", "0"), ("CC", "/nonexistent/cc")):
             monkeypatch.setenv(env, value)
             cpu_decode._library.cache_clear()
-            with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
+            with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
                 assert not cpu_decode.available()
             assert value in caplog.text
             assert api._decode_kernel(False, q, case.k_cache) is paged_decode_reference

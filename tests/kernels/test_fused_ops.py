@@ -189,7 +189,7 @@ def test_bad_arguments_name_the_argument(call, name):
         call()
 
 
-# ---------------------------------------------------------------- the layers' CPU path is the old code
+# ---------------------------------------------------------------- the layers' CPU path is the old code (op for op)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -205,9 +205,13 @@ def test_cpu_layers_equal_their_original_formulas(dtype):
         t32 = t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * t32.to(t.dtype)
 
-    assert torch.equal(norm(x), old_norm(x, norm.weight))
+    # the hidden-size norm runs cpu_fused.c: bit for bit in bf16 (and fp16, the reference); in fp32 its
+    # sum of squares goes in another order (last bit; test_cpu_fused.py)
+    same = torch.equal if dtype != torch.float32 else (lambda a, b: torch.testing.assert_close(a, b, rtol=2 ** -21,
+                                                                                                 atol=0) is None)
+    assert same(norm(x), old_norm(x, norm.weight))
     normed, new_residual = norm(x, residual)
-    assert torch.equal(new_residual, x + residual) and torch.equal(normed, old_norm(x + residual, norm.weight))
+    assert torch.equal(new_residual, x + residual) and same(normed, old_norm(x + residual, norm.weight))
     qkv = torch.randn((7, 5, 24), generator=gen).to(dtype)
     head_norm = RMSNorm(24, eps, dtype, torch.device("cpu"))
     head_norm.weight.copy_(torch.randn((24,), generator=gen))

@@ -8,6 +8,7 @@ Before #32 a NaN row was sampled as its argmax (token 0 for an all-NaN row) and 
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -112,3 +113,19 @@ def test_masked_tokens_never_appear_in_top_logprobs():
     assert token.error is None and token.token_id in (0, 1, 2)
     assert sorted(t for t, _ in token.top_logprobs) == [0, 1, 2]
     assert all(math.isfinite(v) for _, v in token.top_logprobs)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_logit_at_an_id_min_tokens_bans_leaves_the_logprobs_finite(value):
+    """The row is sampleable (the NaN / +inf sits at EOS, which min_tokens bans), so its logprobs must be
+    finite too: that logit counts as -inf in the log-softmax, as in sampling (hypothesis found +inf)."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
+    logits[0, EOS] = value
+    params = SamplingParams(max_tokens=16, temperature=0.0, min_tokens=3, logprobs=5)
+    token = Sampler(seed=0, eos_token_ids=(EOS,))(logits.clone(), [SamplingRow(0, params, [2, 3], [4])])[0]
+    expected = logits[0].clone()
+    expected[EOS] = float("-inf")
+    assert token.error is None and token.token_id == int(expected.argmax())
+    expected = expected.log_softmax(0)
+    assert math.isfinite(token.logprob) and token.logprob == expected[token.token_id].item()
+    assert len(token.top_logprobs) == 5 and all(t != EOS and math.isfinite(v) for t, v in token.top_logprobs)

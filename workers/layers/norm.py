@@ -4,7 +4,8 @@ Numerics follow the reference implementation: normalise in float32, cast back to
 then scale by the weight. ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``
 so a decoder layer carries the residual stream without extra copies. The math runs in
 ``kernels.rms_norm``: the fused Triton kernel on CUDA tensors, the original torch code on CPU tensors
-(bit-identical to before). x is ``[tokens, size]`` or, for per-head q/k norm, ``[tokens, heads, size]``.
+(``cpu_fused.c`` for hidden-size rows: the same arithmetic but for the order of the sum of squares;
+the torch code for per-head rows). x is ``[tokens, size]`` or, for per-head q/k norm, ``[tokens, heads, size]``.
 """
 
 from __future__ import annotations

@@ -106,5 +106,5 @@ class RotaryStep:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # x [tokens, heads, head_dim] -> same shape: x * cos + rotate_half(x) * sin, bit for bit
-    return kernels.apply_rotary_reference(x, cos, signed_sin)
+    # x [tokens, heads, head_dim] -> same shape: x * cos + rotate_half(x) * sin, op for op
+    return kernels.apply_rotary(x, cos, signed_sin)

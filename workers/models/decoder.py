@@ -11,8 +11,9 @@ this rank's KV heads -> o_proj (row-parallel, one all-reduce) -> merged gate/up 
 embedding and one gather for the logits per step.
 
 The small ops (RMSNorm, q/k norm, rotary, SiLU*up) run through ``pagedray.kernels``: fused Triton
-kernels on CUDA, the original torch code on CPU (bit-identical, the fp32 oracle path). On the fused
-path the q/k norm and the rotary rewrite q and k inside the fresh qkv projection output, in place.
+kernels on CUDA; on CPU one C call each for RMSNorm and rotary (``cpu_fused.c``: the torch code's
+arithmetic op for op, but for the order of the norm's sum of squares) and torch ops for SiLU*up. On
+the fused path the q/k norm and the rotary rewrite q and k inside the fresh qkv projection output, in place.
 Nothing in the forward reads tensor values on the host, so it can be captured in a CUDA graph.
 """
 

@@ -1,0 +1,82 @@
+"""Builds pagedray's CPU C kernels (``cpu_decode.c``, ``cpu_fused.c``) with the machine's C compiler on first use.
+
+Decisions:
+- Built at run time, not at install time: ``pip install -e .`` stays a pure-Python install (a build
+  step would need torch inside pip's isolated build environment, i.e. a second, CUDA, torch). The
+  first use of a source compiles it with ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp`` into
+  ``<user cache>/pagedray/cpu_kernels/`` under a name hashed from the source, the flags, the
+  compiler's version and the CPU's flags (about a second); later processes load that file. Two
+  processes compiling at once each write a private file and rename it into place.
+- OpenMP threads: the kernels run on the libgomp torch already loaded (the library's ``libgomp.so.1``
+  resolves to it: one thread pool), on as many threads as the caller passes.
+- Without a compiler, or with ``PAGEDRAY_CPU_KERNELS=0`` in the environment, ``load`` returns None
+  and logs one warning naming why; the callers then run their torch references.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import subprocess
+import tempfile
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+DISABLE_ENV = "PAGEDRAY_CPU_KERNELS"
+DTYPE_F32, DTYPE_BF16 = 0, 1                 # the dtype codes every C kernel here takes
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
+    """Compile ``source`` (or find it compiled) and return the shared library's path."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    import platformdirs
+
+    folder = pathlib.Path(platformdirs.user_cache_dir("pagedray")) / "cpu_kernels"
+    target = folder / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, private = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", private, str(source), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+        os.replace(private, target)
+    finally:
+        if os.path.exists(private):
+            os.unlink(private)
+    return target
+
+
+def load(source: pathlib.Path, declare: Callable[[ctypes.CDLL], None], what: str,
+         fallback: str) -> ctypes.CDLL | None:
+    """The compiled ``source`` with its functions' signatures set by ``declare``, or None when kernels
+    are disabled or the build fails (one warning: ``what`` is off or unavailable, why, and ``fallback``)."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        log.warning("%s off (%s=0): %s", what, DISABLE_ENV, fallback)
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(source, os.environ.get("CC", "cc"))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("%s unavailable (%s): %s", what, exc, fallback)
+        return None
+    declare(library)
+    return library
