@@ -106,7 +106,12 @@ def run_vllm(prompts, max_tokens, dtype: str | None) -> dict:
                           text=True, env=env, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"vLLM run failed: {done.stderr.strip()[-600:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    from benchmarks.vllm_offline_run import RESULT_PREFIX
+
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if not lines:
+        raise RuntimeError(f"vLLM run printed no result line; stdout ends: {done.stdout.strip()[-600:]!r}")
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
     if result["output_tokens"] != sum(max_tokens):
         raise RuntimeError(f"vLLM produced {result['output_tokens']} tokens, expected {sum(max_tokens)}")
     return result

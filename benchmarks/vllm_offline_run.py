@@ -3,13 +3,16 @@
 Reads one JSON object on stdin: ``model`` (a folder), ``prompts``, ``max_tokens`` (one per prompt),
 ``dtype`` (None: vLLM's default) and ``env`` notes; builds ``vllm.LLM`` (start-up and compilation
 outside the timing), warms it up with two short requests, then times ``generate`` over every prompt
-(greedy, ``ignore_eos``) and prints one JSON line: seconds, output_tokens. Imports nothing of
-pagedray's (it runs in vLLM's own environment).
+(greedy, ``ignore_eos``) and prints one line ``RESULT_PREFIX`` + JSON (seconds, output_tokens): vLLM's
+own processes print to the same stdout, before and after it. Imports nothing of pagedray's (it runs in
+vLLM's own environment).
 """
 
 import json
 import sys
 import time
+
+RESULT_PREFIX = "pagedray-vllm-offline-result: "
 
 
 def main() -> None:
@@ -26,7 +29,7 @@ def main() -> None:
     outputs = llm.generate(job["prompts"], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(json.dumps({"seconds": seconds, "output_tokens": tokens}), flush=True)
+    print(RESULT_PREFIX + json.dumps({"seconds": seconds, "output_tokens": tokens}), flush=True)
 
 
 if __name__ == "__main__":
