@@ -38,6 +38,7 @@ class PrefillSpec:
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 CPU_SPECS = [
     PrefillSpec(4, 4, 64, 16, F32, ((0, 37), (0, 1), (0, 64))),                       # fresh prompts
+    PrefillSpec(9, 3, 64, 16, F16, ((0, 40), (0, 1), (0, 17), (5, 3))),               # fresh, GQA 3
     PrefillSpec(4, 2, 96, 8, F16, ((50, 13), (3, 1), (120, 64)), alibi=True),         # history > 0
     PrefillSpec(8, 2, 128, 32, F32, ((17, 30), (0, 20)), window=16),                  # sliding window
     PrefillSpec(16, 2, 64, 64, F16, ((64, 16), (0, 5), (100, 0)), alibi=True),        # GQA 8, empty chunk
