@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
 
 @dataclass
 class TokenLogprob:

@@ -38,9 +38,3 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    def tokens_by_seq_id(self) -> dict[int, int]:
-        return {s.seq.seq_id: s.num_tokens for s in self.scheduled}

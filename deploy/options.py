@@ -25,6 +25,7 @@ from pagedray.workers.contract.config import SECTIONS as _SECTIONS
 from pagedray.workers.contract.config import EngineConfig
 from pydantic import BaseModel, ConfigDict, create_model
 
+DEFAULT_MAX_IMBALANCE = 8   # router_max_imbalance's default (deploy/routing.py takes it from here)
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 GRACEFUL_SHUTDOWN_S = 20.0
 
@@ -66,7 +67,8 @@ SERVE_OPTIONS = (
            "(Serve's default, power of two choices) or 'auto' (cache_aware with more than one replica)",
            kind=str, default="auto"),
     Option("router_max_imbalance", "cache_aware routing: requests in flight above the least-loaded replica "
-           "that a replica holding the prompt's prefix may have and still be chosen", kind=int, default=8),
+           "that a replica holding the prompt's prefix may have and still be chosen", kind=int,
+           default=DEFAULT_MAX_IMBALANCE),
     Option("autoscaling_config", "Serve's autoscaling of the engine replicas (min_replicas, max_replicas, "
            "target_ongoing_requests, upscale_delay_s, ...; replaces num_replicas)", kind=dict, optional=True),
 )

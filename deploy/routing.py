@@ -49,10 +49,10 @@ from pagedray.block_manager import prefix_block_hashes
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from . import router_registry
+from .options import DEFAULT_MAX_IMBALANCE  # requests in flight above the least-loaded replica a cache hit may add
 
 PREFIX_SUMMARY_BLOCKS = 8192     # block hashes one replica reports (8 bytes each on the wire)
 ROUTING_STATS_PERIOD_S = 1.0     # how often Serve polls each replica's record_routing_stats
-DEFAULT_MAX_IMBALANCE = 8        # requests in flight above the least-loaded replica that a cache hit may add
 GENERATE_METHOD = "generate"     # the engine deployment's streaming method whose args[1] is the prompt
 
 
