@@ -199,7 +199,8 @@ def direct_ingress_env(port: int) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1)}
 
 
-def free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (the OS picks it; another process may take it before it is bound)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pathlib
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
 import httpx
+from pagedray.deploy.cli import free_port
 from pagedray.deploy.engine_deployment import ENGINE_DEPLOYMENT_NAME
 from pagedray.deploy.ingress import INGRESS_DEPLOYMENT_NAME
 from pagedray.deploy.sse import parse_sse
@@ -20,12 +20,6 @@ APP_NAME = "pagedray-test"
 # the same behaviours with the engine in the ingress, the default layout of a one-replica app)
 APP_ARGS = {"num_blocks": 128, "max_model_len": 512, "max_num_seqs": 4, "max_queued_requests": 4,
             "dtype": "float32", "api_key": API_KEY, "max_body_bytes": 64 * 1024, "engine_in_ingress": False}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

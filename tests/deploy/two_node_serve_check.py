@@ -17,7 +17,6 @@ connection (no SSE event can be sent), which is a different failure.
 
 import json
 import pathlib
-import socket
 import sys
 import threading
 import time
@@ -25,17 +24,12 @@ import time
 import httpx
 import ray
 import yaml
+from pagedray.deploy.cli import free_port
 from ray.cluster_utils import Cluster
 
 SHARED = ("You are a careful assistant for a small bakery. Answer in one short sentence, name the product, "
           "give its price in euros and never invent products that are not on the menu of the day. ")
 HANG_GUARD_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def stream(url: str, body: dict, out: dict, started: threading.Event) -> None:

@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
+from pagedray.deploy.cli import free_port
+
 CLI = "import sys; from pagedray.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_replica_start_failure_is_reported_with_its_cause_and_exit_1(default_model_path, tmp_path):
