@@ -33,7 +33,7 @@ import torch
 
 from .input_batch import HostBatch, PackedShape, build_host_batch, is_decode_only, unpack
 from .models.decoder import DecoderForCausalLM
-from .seq_mirror import ScheduledSequence
+from .seq_mirror import BatchedSequence
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +74,13 @@ class DecodeGraphs:
     def _shape(self, bucket: int) -> PackedShape:
         return PackedShape(tokens=bucket, seqs=bucket, logits=bucket, width=self.width)
 
-    def bucket_for(self, batch: list[ScheduledSequence]) -> int | None:
+    def bucket_for(self, batch: list[BatchedSequence]) -> int | None:
         """The bucket that runs this batch, or None (not decode-only, or more rows than the largest)."""
         if not batch or len(batch) > self.buckets[-1] or not is_decode_only(batch):
             return None
         return next(b for b in self.buckets if b >= len(batch))
 
-    def host_batch(self, batch: list[ScheduledSequence], bucket: int) -> HostBatch:
+    def host_batch(self, batch: list[BatchedSequence], bucket: int) -> HostBatch:
         return build_host_batch(batch, self.block_size, pin_memory=self.device.type == "cuda", rows=bucket,
                                 width=self.width)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .layers.attention import AttentionMetadata
-from .seq_mirror import ScheduledSequence, SequenceState
+from .seq_mirror import BatchedSequence, SequenceState
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens_k", "cu_seqlens_q", "logits_indices",
           "block_tables")
@@ -97,12 +97,12 @@ class HostBatch:
         return unpack(packed, self.shape, self.max_query_len, self.sampling_seqs)
 
 
-def is_decode_only(batch: list[ScheduledSequence]) -> bool:
+def is_decode_only(batch: list[BatchedSequence]) -> bool:
     """Every sequence runs exactly one token and samples it (what a decode graph can replay)."""
     return all(item.num_scheduled_tokens == 1 and item.samples for item in batch)
 
 
-def build_host_batch(batch: list[ScheduledSequence], block_size: int, pin_memory: bool = False,
+def build_host_batch(batch: list[BatchedSequence], block_size: int, pin_memory: bool = False,
                      rows: int | None = None, width: int | None = None) -> HostBatch:
     """The step's inputs in one host tensor. ``rows``/``width``: pad a decode-only batch (module doc)."""
     if not batch and rows is None:
@@ -158,7 +158,7 @@ def build_host_batch(batch: list[ScheduledSequence], block_size: int, pin_memory
     return HostBatch(packed, shape, max(q_lens), [item.state for item, s in zip(batch, sampling) if s], len(batch))
 
 
-def build_batch(batch: list[ScheduledSequence], block_size: int, device: torch.device) -> BatchInputs:
+def build_batch(batch: list[BatchedSequence], block_size: int, device: torch.device) -> BatchInputs:
     """``build_host_batch`` then ``to_device`` (callers without a metadata check of their own)."""
     host = build_host_batch(batch, block_size, pin_memory=device.type == "cuda")
     return host.to_device(device)

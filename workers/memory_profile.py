@@ -26,10 +26,10 @@ from .contract.sampling_params import SamplingParams
 from .input_batch import PackedShape, build_batch, build_host_batch
 from .kv_cache import KVCacheSpec
 from .models.decoder import DecoderForCausalLM
-from .seq_mirror import ScheduledSequence, SequenceState
+from .seq_mirror import BatchedSequence, SequenceState
 
 
-def _profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> tuple[list[ScheduledSequence], int]:
+def _profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> tuple[list[BatchedSequence], int]:
     per_seq = -(-num_tokens // num_seqs)
     batch, next_block = [], 0
     params = SamplingParams(temperature=0.0)
@@ -37,7 +37,7 @@ def _profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> tuple[lis
         n = min(per_seq, num_tokens)
         blocks = -(-n // block_size)
         state = SequenceState(len(batch), [0] * n, [], 0, list(range(next_block, next_block + blocks)), params)
-        batch.append(ScheduledSequence.of(state, n))
+        batch.append(BatchedSequence.of(state, n))
         next_block += blocks
         num_tokens -= n
     return batch, next_block

@@ -29,7 +29,7 @@ from .input_batch import BatchInputs, HostBatch, build_host_batch
 from .kv_cache import check_block_copies, copy_blocks
 from .models.decoder import DecoderForCausalLM
 from .prompt_logprobs import PromptRows, compute_prompt_logprobs, plan_prompt_rows
-from .seq_mirror import ScheduledSequence, SequenceMirror, SequenceState
+from .seq_mirror import BatchedSequence, SequenceMirror, SequenceState
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class PreparedStep:
-    batch: list[ScheduledSequence]   # the forward's sequences, in batch order
+    batch: list[BatchedSequence]   # the forward's sequences, in batch order
     host: HostBatch                  # checked host inputs (padded to the bucket when ``bucket`` is set)
     bucket: int | None               # decode-graph bucket, or None for the eager forward
 

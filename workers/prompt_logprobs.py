@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .contract.wire import PromptLogprobs
-from .seq_mirror import ScheduledSequence
+from .seq_mirror import BatchedSequence
 
 SLICE_ROWS = 256
 
@@ -39,7 +39,7 @@ class PromptRows:
     k: int                  # top logprobs wanted per position
 
 
-def plan_prompt_rows(batch: list[ScheduledSequence]) -> list[PromptRows]:
+def plan_prompt_rows(batch: list[BatchedSequence]) -> list[PromptRows]:
     """The prompt-logprob rows of a step's batch (batch order; a sequence's tokens are contiguous)."""
     plans, row = [], 0
     for scheduled in batch:

@@ -50,14 +50,17 @@ class SequenceState:
 
 
 @dataclass(frozen=True)
-class ScheduledSequence:
+class BatchedSequence:
+    """A mirrored sequence in this step's input batch, with the tokens the plan schedules for it (the
+    engine side's ``cluster.scheduler_output.ScheduledSequence`` is what the scheduler decided)."""
+
     state: SequenceState
     num_scheduled_tokens: int
     # every known token is computed after this step: the sequence samples its next token
     samples: bool
 
     @classmethod
-    def of(cls, state: SequenceState, num_scheduled_tokens: int) -> ScheduledSequence:
+    def of(cls, state: SequenceState, num_scheduled_tokens: int) -> BatchedSequence:
         done = state.num_computed_tokens + num_scheduled_tokens == state.num_tokens
         return cls(state, num_scheduled_tokens, done)
 
@@ -114,7 +117,7 @@ class SequenceMirror:
                         len(new.prompt_token_ids) + len(new.output_token_ids), len(new.block_ids),
                         self.block_size)
 
-    def apply(self, plan: StepPlan) -> list[ScheduledSequence]:
+    def apply(self, plan: StepPlan) -> list[BatchedSequence]:
         """Validate, then update the mirror; returns the forward's sequences in batch order."""
         self._validate(plan)
         for seq_id in plan.released_seq_ids:
@@ -126,16 +129,16 @@ class SequenceMirror:
                 state.output_token_ids.append(delta.new_token_id)
             state.block_ids.extend(delta.new_block_ids)
             if delta.num_scheduled_tokens:
-                batch.append(ScheduledSequence.of(state, delta.num_scheduled_tokens))
+                batch.append(BatchedSequence.of(state, delta.num_scheduled_tokens))
         for new in plan.new_seqs:
             state = SequenceState(new.seq_id, list(new.prompt_token_ids), list(new.output_token_ids),
                                   new.num_computed_tokens, list(new.block_ids), new.sampling_params)
             self._seqs[new.seq_id] = state
             if new.num_scheduled_tokens:
-                batch.append(ScheduledSequence.of(state, new.num_scheduled_tokens))
+                batch.append(BatchedSequence.of(state, new.num_scheduled_tokens))
         return batch
 
     @staticmethod
-    def mark_computed(batch: list[ScheduledSequence]) -> None:
+    def mark_computed(batch: list[BatchedSequence]) -> None:
         for item in batch:
             item.state.num_computed_tokens += item.num_scheduled_tokens

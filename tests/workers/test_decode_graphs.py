@@ -14,7 +14,7 @@ from pagedray.cluster import LLM, SamplingParams
 from pagedray.workers.contract.config import ModelConfig
 from pagedray.workers.decode_graphs import DecodeGraphs, bucket_sizes
 from pagedray.workers.input_batch import build_host_batch
-from pagedray.workers.seq_mirror import ScheduledSequence, SequenceState
+from pagedray.workers.seq_mirror import BatchedSequence, SequenceState
 from pagedray.workers.worker import Worker
 from worker_plans import log_bucket_runs
 
@@ -34,8 +34,8 @@ def test_bucket_sizes():
         bucket_sizes(0)
 
 
-def _decode(seq_id: int, tokens: list[int], blocks: list[int]) -> ScheduledSequence:
-    return ScheduledSequence.of(SequenceState(seq_id, tokens, [], len(tokens) - 1, blocks, GREEDY), 1)
+def _decode(seq_id: int, tokens: list[int], blocks: list[int]) -> BatchedSequence:
+    return BatchedSequence.of(SequenceState(seq_id, tokens, [], len(tokens) - 1, blocks, GREEDY), 1)
 
 
 def test_padded_host_batch_layout():
@@ -52,7 +52,7 @@ def test_padded_host_batch_layout():
     assert inputs.logits_indices.tolist() == [0, 1, 2, 3]
     assert host.num_real_rows == 2 and [s.seq_id for s in host.sampling_seqs] == [7, 8]
     assert host.packed.dtype == torch.int32 and host.packed.numel() == host.shape.size
-    prefill = ScheduledSequence.of(SequenceState(9, [1, 2, 3], [], 0, [4], GREEDY), 3)
+    prefill = BatchedSequence.of(SequenceState(9, [1, 2, 3], [], 0, [4], GREEDY), 3)
     with pytest.raises(ValueError, match="rows"):
         build_host_batch([prefill], 4, rows=4, width=3)
     with pytest.raises(ValueError, match="width"):

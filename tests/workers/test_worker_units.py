@@ -15,7 +15,7 @@ from pagedray.workers.kv_cache import KVCacheSpec, copy_blocks
 from pagedray.workers.layers.partition import HeadPartition, VocabPartition
 from pagedray.workers.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedray.workers.model_info import model_info
-from pagedray.workers.seq_mirror import ScheduledSequence, SequenceState
+from pagedray.workers.seq_mirror import BatchedSequence, SequenceState
 from pagedray.workers.worker import Worker
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -41,9 +41,9 @@ def test_build_batch_positions_slots_and_logits_rows():
     # block_size 4. seq 7: decode of position 5 (blocks [3, 9]); seq 8: prefill chunk of positions
     # 2..5 after 2 cached tokens (blocks [4, 1]), finishing its 6-token prompt; seq 9: first chunk of
     # 3 tokens of a 10-token prompt (blocks [6]) -> does not sample.
-    batch = [ScheduledSequence.of(_state(7, [1, 2, 3, 4, 5, 6], 5, [3, 9]), 1),
-             ScheduledSequence.of(_state(8, [10, 11, 12, 13, 14, 15], 2, [4, 1]), 4),
-             ScheduledSequence.of(_state(9, list(range(20, 30)), 0, [6]), 3)]
+    batch = [BatchedSequence.of(_state(7, [1, 2, 3, 4, 5, 6], 5, [3, 9]), 1),
+             BatchedSequence.of(_state(8, [10, 11, 12, 13, 14, 15], 2, [4, 1]), 4),
+             BatchedSequence.of(_state(9, list(range(20, 30)), 0, [6]), 3)]
     inputs = build_batch(batch, 4, torch.device("cpu"))
     assert inputs.input_ids.tolist() == [6, 12, 13, 14, 15, 20, 21, 22]
     assert inputs.positions.tolist() == [5, 2, 3, 4, 5, 0, 1, 2]
