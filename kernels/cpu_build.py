@@ -4,9 +4,10 @@ Decisions:
 - Built at run time, not at install time: ``pip install -e .`` stays a pure-Python install (a build
   step would need torch inside pip's isolated build environment, i.e. a second, CUDA, torch). The
   first use of a source compiles it with ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp`` into
-  ``<user cache>/pagedray/cpu_kernels/`` under a name hashed from the source, the flags, the
-  compiler's version and the CPU's flags (about a second); later processes load that file. Two
-  processes compiling at once each write a private file and rename it into place.
+  ``<user cache>/pagedray/cpu_kernels/`` under a name hashed from the source, the headers beside it
+  (``cpu_vec.h``), the flags, the compiler's version and the CPU's flags (about a second); later
+  processes load that file. Two processes compiling at once each write a private file and rename it
+  into place.
 - OpenMP threads: the kernels run on the libgomp torch already loaded (the library's ``libgomp.so.1``
   resolves to it: one thread pool), on as many threads as the caller passes.
 - Without a compiler, or with ``PAGEDRAY_CPU_KERNELS=0`` in the environment, ``load`` returns None
@@ -25,11 +26,13 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 
+import torch
+
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 DISABLE_ENV = "PAGEDRAY_CPU_KERNELS"
-DTYPE_F32, DTYPE_BF16 = 0, 1                 # the dtype codes every C kernel here takes
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}   # the dtype codes every C kernel takes (cpu_vec.h)
 
 
 def _cpu_flags() -> str:
@@ -45,7 +48,9 @@ def _cpu_flags() -> str:
 def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     """Compile ``source`` (or find it compiled) and return the shared library's path."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]   # what the source may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version,
+                                     _cpu_flags()]).encode())
     import platformdirs
 
     folder = pathlib.Path(platformdirs.user_cache_dir("pagedray")) / "cpu_kernels"

@@ -31,30 +31,7 @@
 #include <omp.h>
 #endif
 
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-
-static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-static inline v8f select8(v8i mask, v8f yes, v8f no) {
-    return (v8f)(((v8i)yes & mask) | ((v8i)no & ~mask));
-}
-
-/* 8 elements at src (float32 or bfloat16) as float32 */
-static inline v8f load8(const char *src, int dtype) {
-    if (dtype == DTYPE_F32) {
-        v8f r;
-        memcpy(&r, src, sizeof r);
-        return r;
-    }
-    v8h h;
-    memcpy(&h, src, sizeof h);
-    return (v8f)(__builtin_convertvector(h, v8i) << 16);
-}
+#include "cpu_vec.h"
 
 /* exp(x) for x <= 0 or -inf (scores minus their running max): x = n ln2 + r, exp(r) by a degree-6
  * polynomial, 2^n built in the exponent bits. Relative error ~2e-7; x below -87 gives 0. */
@@ -77,21 +54,6 @@ static inline v8f exp8(v8f x) {
 
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-static inline void store_float(char *dst, float x, int dtype) {
-    if (dtype == DTYPE_F32) {
-        memcpy(dst, &x, sizeof x);
-        return;
-    }
-    union { uint32_t u; float f; } v = {.f = x};
-    uint16_t h;
-    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu)) {
-        h = (uint16_t)((v.u >> 16) | 0x40u);                         /* NaN stays NaN */
-    } else {
-        h = (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);  /* nearest even, as torch */
-    }
-    memcpy(dst, &h, sizeof h);
 }
 
 struct item_args {

@@ -28,7 +28,7 @@ import torch
 from . import cpu_build
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_decode.c")
-DTYPE_CODES = {torch.float32: cpu_build.DTYPE_F32, torch.bfloat16: cpu_build.DTYPE_BF16}
+DTYPE_CODES = cpu_build.DTYPE_CODES
 _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _INT64, _INT64, _PTR, _PTR, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64,

@@ -16,22 +16,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#include "cpu_vec.h"
 
 static inline float load1(const char *base, int64_t i, int dtype) {
     if (dtype == DTYPE_F32) return ((const float *)base)[i];
     union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)base)[i] << 16};
     return v.f;
-}
-
-static inline uint16_t to_bf16(float x) {
-    union { uint32_t u; float f; } v = {.f = x};
-    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu)) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);          /* nearest even, as torch */
 }
 
 /* x rounded to dtype, as a float */
@@ -42,33 +32,12 @@ static inline float rnd(float x, int dtype) {
 }
 
 static inline void store1(char *base, int64_t i, float x, int dtype) {
-    if (dtype == DTYPE_F32) ((float *)base)[i] = x;
-    else ((uint16_t *)base)[i] = to_bf16(x);
+    store_float(base + i * (dtype == DTYPE_F32 ? 4 : 2), x, dtype);
 }
-
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-
-static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
 /* 8 elements at base[i..i+8) as float32 */
-static inline v8f load8(const char *base, int64_t i, int dtype) {
-    v8f r;
-    if (dtype == DTYPE_F32) {
-        memcpy(&r, base + i * 4, sizeof r);
-        return r;
-    }
-    v8h h;
-    memcpy(&h, base + i * 2, sizeof h);
-    return (v8f)(__builtin_convertvector(h, v8u) << 16);
-}
-
-/* bfloat16 bits of 8 floats: nearest even, NaN stays NaN (as torch) */
-static inline v8u bf16_bits8(v8f x) {
-    const v8u u = (v8u)x;
-    const v8u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const v8u nan = (v8u)(((u & 0x7f800000u) == 0x7f800000u) & ((u & 0x7fffffu) != 0));
-    return (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
+static inline v8f load8_at(const char *base, int64_t i, int dtype) {
+    return load8(base + i * (dtype == DTYPE_F32 ? 4 : 2), dtype);
 }
 
 /* x rounded to dtype, as floats */
@@ -99,13 +68,13 @@ void rms_norm_rows(const void *x, int64_t x_row, const void *residual, int64_t r
         if (residual != NULL) {
             const char *rr = (const char *)residual + r * r_row * elem;
             char *nr = (char *)new_residual + r * n_row * elem;
-            for (int64_t i = 0; i < vec; i += 8) store8(nr, i, load8(xr, i, dtype) + load8(rr, i, dtype), dtype);
+            for (int64_t i = 0; i < vec; i += 8) store8(nr, i, load8_at(xr, i, dtype) + load8_at(rr, i, dtype), dtype);
             for (int64_t i = vec; i < size; i++) store1(nr, i, load1(xr, i, dtype) + load1(rr, i, dtype), dtype);
             src = nr;
         }
         v8f lanes = splat(0.0f);
         for (int64_t i = 0; i < vec; i += 8) {
-            const v8f v = load8(src, i, dtype);
+            const v8f v = load8_at(src, i, dtype);
             lanes += v * v;
         }
         for (int64_t i = vec; i < size; i++) {
@@ -116,7 +85,7 @@ void rms_norm_rows(const void *x, int64_t x_row, const void *residual, int64_t r
         const float inv = 1.0f / sqrtf(sum / (float)size + eps);
         char *o = (char *)out + r * o_row * elem;
         for (int64_t i = 0; i < vec; i += 8) {
-            store8(o, i, load8(weight, i, dtype) * rnd8(load8(src, i, dtype) * inv, dtype), dtype);
+            store8(o, i, load8_at(weight, i, dtype) * rnd8(load8_at(src, i, dtype) * inv, dtype), dtype);
         }
         for (int64_t i = vec; i < size; i++) {
             store1(o, i, load1(weight, i, dtype) * rnd(load1(src, i, dtype) * inv, dtype), dtype);
@@ -139,8 +108,8 @@ void rotary_rows(const void *x, int64_t x_tok, const void *cos, const void *sign
             if (half % 8 == 0) {
                 for (int64_t i = 0; i < head_dim; i += 8) {
                     const int64_t src = i < half ? i + half : i - half;
-                    const v8f a = rnd8(load8(xr, i, dtype) * load8(c, i, dtype), dtype);
-                    const v8f b = rnd8(load8(xr, src, dtype) * load8(s, i, dtype), dtype);
+                    const v8f a = rnd8(load8_at(xr, i, dtype) * load8_at(c, i, dtype), dtype);
+                    const v8f b = rnd8(load8_at(xr, src, dtype) * load8_at(s, i, dtype), dtype);
                     store8(o, i, a + b, dtype);
                 }
                 continue;

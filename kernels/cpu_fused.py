@@ -28,7 +28,7 @@ import torch
 from . import cpu_build
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_fused.c")
-DTYPE_CODES = {torch.float32: cpu_build.DTYPE_F32, torch.bfloat16: cpu_build.DTYPE_BF16}
+DTYPE_CODES = cpu_build.DTYPE_CODES
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "rms_norm_rows": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _F32, _INT, _INT],
