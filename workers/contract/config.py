@@ -45,8 +45,8 @@ class ModelConfig:
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs "
                                         "captured at start-up (one per batch-size bucket; TP=1 only)")
     cpu_packed_weights: bool = option(True, "CPU, float32/bfloat16: keep a copy of each weight packed for "
-                                            "oneDNN's GEMM and multiply with it (1.7-3x faster linear layers; "
-                                            "as much memory again as the weights)")
+                                            "oneDNN's GEMM and multiply with it (faster linear layers; as much "
+                                            "memory again as the weights)")
     cpu_keep_freed_memory: bool = option(True, "CPU: glibc malloc keeps freed memory for the next step instead of "
                                                "returning it to the OS (no page faults on each step's activations; "
                                                "resident memory stays at its peak)")
