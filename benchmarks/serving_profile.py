@@ -6,9 +6,24 @@ Starts one server as ``benchmarks.serving`` does (same command, same private Ray
 the CPU time (user + system) of every process in the server's tree and of this process (the load
 generator) right before and right after the closed-loop load, and prints the difference grouped by
 role: TP worker, engine replica, ingress, Serve proxy, Serve controller, other Ray processes, load
-generator; with the run's output tokens per second and how much of the machine's CPU time the run
-used. A profile, not a comparison: it says which process to make cheaper, not how fast pagedray is.
+generator; with the run's output tokens per second, how much of the machine's CPU time the run
+used, and the engine's model steps during the load (``pagedray:engine_steps`` and
+``pagedray:computed_tokens`` from /metrics: tokens per step and wall ms per step). A profile, not a
+comparison: it says which process to make cheaper, not how fast pagedray is.
 JSON to ``--out`` (default ``bench_results/serving_profile.json``).
+
+What it showed (2-core AMD EPYC VM, 2026-11-25, SmolLM2 bf16, 32 requests at concurrency 16, single
+runs, so +-5%): pagedray-tp1 445-454 tok/s, 131 steps at 34.5-35.3 wall ms each; the TP worker 86-87%
+of the machine's CPU, the ingress (engine + HTTP) 5%, the load generator 3%, Ray's own processes 2%.
+The same requests through the in-process ``LLM`` (no prefix hits) ran 617 tok/s. A temporary trace
+inside the worker put the difference in three places: decode steps 22.7 ms median against 20.4 ms
+offline (the front end's CPU bursts preempt one of the worker's two OpenMP threads, and the other
+waits at the next barrier), 4.2 ms median between steps (the Ray actor round trip; ``.remote()``
+alone was ~20% of the ingress's samples in py-spy), and prefill steps 0.86 s against ~0.5 s.
+Variants, single runs: ``-t1`` 362-366 tok/s (the worker then runs 30 ms decode steps on one core);
+``-async`` 479 (gaps 1.1 ms, decode steps 24.0 ms); ``--ray-transport compiled`` 351 (the ingress
+spins at 43% of the machine waiting for results); ``OMP_WAIT_POLICY=PASSIVE`` 380, ``ACTIVE`` 421;
+the ingress at nice 5 / 10: 479 / 442 (no clear change).
 """
 
 from __future__ import annotations
@@ -19,6 +34,7 @@ import os
 import pathlib
 import sys
 import time
+import urllib.request
 
 if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
@@ -63,6 +79,18 @@ def by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, fl
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's step and computed-token counters, summed over replicas, from the server's /metrics."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    totals = {"steps": 0.0, "computed_tokens": 0.0}
+    for line in text.splitlines():
+        for key, series in (("steps", "pagedray:engine_steps_total"),
+                            ("computed_tokens", "pagedray:computed_tokens_total")):
+            if line.startswith(series + "{") or line.startswith(series + " "):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks.serving_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--system", default="pagedray-tp1", help="pagedray-tpN[-local][-ei][-siK]")
@@ -101,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(run_loadtest(config))
 
         run(LoadSpec(num_requests=2, concurrency=2))   # warm-up, not profiled
+        counters_before = engine_counters(server.url)
         before, started = cpu_times(server.proc.pid), time.monotonic()
         report = run(LoadSpec(num_requests=args.num_requests, concurrency=args.concurrency, seed=args.seed))
         wall, after = time.monotonic() - started, cpu_times(server.proc.pid)
+        counters = {key: value - counters_before[key] for key, value in engine_counters(server.url).items()}
     roles = by_role(before, after)
     available = wall * (os.cpu_count() or 1)
     summary = report.summaries[0]
@@ -111,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(roles.values()):.1f} of {available:.1f} CPU-s used")
     for role, seconds in roles.items():
         print(f"  {seconds:8.2f} CPU-s  {100 * seconds / available:5.1f}% of the machine  {role}")
+    steps = counters["steps"]
+    if steps:
+        print(f"  engine: {steps:.0f} steps, {counters['computed_tokens'] / steps:.1f} tokens per step, "
+              f"{1000 * wall / steps:.1f} wall ms per step")
     write_json("serving_profile", {"system": args.system, "command": spec.command, "args": vars(args),
-                                   "wall_s": wall, "cpu_s_by_role": roles, "load": summary}, args.out)
+                                   "wall_s": wall, "cpu_s_by_role": roles, "engine": counters, "load": summary},
+               args.out)
     return 0
 
 

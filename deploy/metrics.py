@@ -11,10 +11,11 @@ Decisions:
   requests run; they count the requests of this ingress replica.
 - Engine-level series are per engine replica (label ``replica``): running / waiting sequences, KV
   usage, free blocks, preemptions, prefix-cache queries and hits (counters, in prompt tokens, as
-  vLLM's), the queue-time histogram (arrival at the scheduler to first admission) and
-  ``pagedray:engine_healthy``. They are read from ``ReplicaState`` snapshots when /metrics is
-  scraped (ingress.py: every replica's, from the cache-aware router's view when it runs in this
-  process, else the one replica that answers), and exposed by a small custom collector.
+  vLLM's), model steps and the tokens they computed (counters), the queue-time histogram (arrival at
+  the scheduler to first admission) and ``pagedray:engine_healthy``. They are read from
+  ``ReplicaState`` snapshots when /metrics is scraped (ingress.py: every replica's, from the cache-
+  aware router's view when it runs in this process, else the one replica that answers), and exposed
+  by a small custom collector.
 - Latencies are measured at the ingress: TTFT from request arrival to the first generated text
   token, inter-token latency between consecutive token deliveries, end-to-end from arrival to the
   final token.
@@ -49,6 +50,9 @@ ENGINE_SERIES = (
     ("pagedray:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
      "prefix_query_tokens_total", "counter"),
     ("pagedray:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hit_tokens_total", "counter"),
+    ("pagedray:engine_steps", "Model steps the engine has run.", "num_steps_total", "counter"),
+    ("pagedray:computed_tokens", "Tokens run through the model (prefill chunks + decodes).",
+     "num_computed_tokens_total", "counter"),
 )
 HEALTHY_SERIES = "pagedray:engine_healthy"
 QUEUE_TIME_SERIES = "pagedray:request_queue_time_seconds"

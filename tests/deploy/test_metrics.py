@@ -77,6 +77,8 @@ def test_every_replica_gets_its_own_labelled_series():
     assert 'pagedray:prefix_cache_queries_total{model_name="smol",replica="a"} 64.0' in text
     assert 'pagedray:prefix_cache_hits_total{model_name="smol",replica="a"} 32.0' in text
     assert 'pagedray:num_preemptions_total{model_name="smol",replica="a"} 3.0' in text
+    assert 'pagedray:engine_steps_total{model_name="smol",replica="a"} 7.0' in text
+    assert 'pagedray:computed_tokens_total{model_name="smol",replica="a"} 42.0' in text
     assert 'pagedray:engine_healthy{model_name="smol",replica="a"} 1.0' in text
     assert 'pagedray:engine_healthy{model_name="smol",replica="b"} 0.0' in text
     metrics.record_outcome("chat", "stop")
