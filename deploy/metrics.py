@@ -13,8 +13,8 @@ Decisions:
   usage, free blocks, preemptions, prefix-cache queries and hits (counters, in prompt tokens, as
   vLLM's), model steps and the tokens they computed (counters), the queue-time histogram (arrival at
   the scheduler to first admission) and ``pagedray:engine_healthy``. They are read from
-  ``ReplicaState`` snapshots when /metrics is scraped (ingress.py: every replica's, from the cache-
-  aware router's view when it runs in this process, else the one replica that answers), and exposed
+  ``ReplicaState`` snapshots when /metrics is scraped (ingress.py: every replica's, from the
+  cache-aware router's view when it runs in this process, else the one replica that answers), and exposed
   by a small custom collector.
 - Latencies are measured at the ingress: TTFT from request arrival to the first generated text
   token, inter-token latency between consecutive token deliveries, end-to-end from arrival to the
