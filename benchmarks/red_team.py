@@ -33,8 +33,8 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 import httpx
 
 # the polling sampler is test-support code, kept beside the tests that use it
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "deploy"))
-from burst_load import StatsSampler
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from helpers.burst_load import StatsSampler
 from pagedray.deploy.loopback import is_loopback
 
 from benchmarks.common import machine
@@ -46,7 +46,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def health_watch(url: str) -> StatsSampler:
-    """A sampler (tests/deploy/burst_load.py) of (status, seconds) answers of GET /health every 0.25 s."""
+    """A sampler (tests/helpers/burst_load.py) of (status, seconds) answers of GET /health every 0.25 s."""
     client = httpx.Client(timeout=30, trust_env=False)
 
     def probe() -> tuple[object, float]:

@@ -4,7 +4,7 @@
 
 Starts a local Ray instance and the real app (small KV cache, fp32, capacity = max_num_seqs running +
 max_queued_requests waiting), then measures:
-- fuzz: ``--examples`` hypothesis-generated requests (tests/deploy/fuzz_requests.py): 2xx / 4xx / 5xx
+- fuzz: ``--examples`` hypothesis-generated requests (tests/helpers/fuzz_requests.py): 2xx / 4xx / 5xx
   counts, and the KV blocks still referenced once the engine is idle (leaked blocks);
 - overload: ``factor x capacity`` concurrent greedy requests: admitted / rejected counts, rejection
   latency p50 / p99, admitted latency p50, admitted texts that differ from the same prompt run alone,
@@ -32,10 +32,10 @@ import time
 if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 # the fuzz strategies and the burst client are test-support code, kept beside the tests that use them
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "deploy"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 import httpx
-from burst_load import StatsSampler, burst, percentile, rss_bytes
+from helpers.burst_load import StatsSampler, burst, percentile, rss_bytes
 
 APP_NAME = "pagedray-reliability"
 APP_ARGS = {"num_blocks": 128, "max_model_len": 512, "max_num_seqs": 4, "max_queued_requests": 4,
@@ -69,7 +69,7 @@ def wait_idle(engine, timeout_s: float = 60.0):
 
 
 def fuzz(url: str, engine, examples: int, concurrency: int) -> dict:
-    from fuzz_requests import run_fuzz
+    from helpers.fuzz_requests import run_fuzz
 
     meta = engine.model_meta.remote().result()
     with httpx.Client(base_url=url, timeout=300, trust_env=False) as client:

@@ -2,8 +2,14 @@
 
 - Triton kernels run under the interpreter when there is no CUDA device (set before triton loads).
 - ``ray_session``: one local Ray instance for the whole test session (Ray takes seconds to start).
-- ``default_model_path``: the embedded SmolLM2-135M-Instruct, fetched and converted once.
+- ``default_model_path``: the embedded SmolLM2-135M-Instruct, fetched and converted once;
+  ``tokenizer``: its tokenizer.
+- Shared helpers (the HF oracle, tiny models, fakes, ports) are modules of ``tests/helpers/``.
 - Tests marked ``gpu`` are skipped without CUDA.
+- Tiers: a module that starts Ray, Serve or another process says ``pytestmark =
+  pytest.mark.integration``; any test that asks for ``ray_session`` gets the marker too. ``python3 -m
+  pytest -m "not integration"`` is the fast tier, the plain command (what CI runs) runs everything
+  but the ``slow`` tests, which run only when the ``-m`` expression names them (``-m slow``).
 """
 
 import os
@@ -24,13 +30,19 @@ for _name, _value in LOCAL_RAY_ENV.items():
 RAY_NUM_CPUS = 8
 
 
+@pytest.hookimpl(tryfirst=True)   # before -m selects, so that it sees the markers added here
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if "ray_session" in getattr(item, "fixturenames", ()) and "integration" not in item.keywords:
+            item.add_marker(pytest.mark.integration)
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+    if "slow" not in (config.getoption("markexpr") or ""):   # slow tests only when -m names them
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +61,10 @@ def default_model_path():
     from pagedray.workers.default_model import ensure_default_model
 
     return str(ensure_default_model())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)

@@ -9,6 +9,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 

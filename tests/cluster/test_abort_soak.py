@@ -19,7 +19,7 @@ import logging
 
 import pytest
 import torch
-from abort_soak import make_workload, run_soak, soak_config
+from helpers.abort_soak import make_workload, run_soak, soak_config
 from pagedray.cluster import LLM
 from pagedray.cluster.async_engine import AsyncEngine
 from pagedray.workers.contract.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ failure, stall detection, drain."""
 import asyncio
 
 import pytest
-from fake_executor import FakeClock, FakeExecutor, GatedFakeExecutor, PacedFakeExecutor
+from helpers.fake_executor import FakeClock, FakeExecutor, GatedFakeExecutor, PacedFakeExecutor
 from pagedray.cluster.async_engine import AsyncEngine
 from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE
 from pagedray.cluster.outputs import EngineDeadError, EngineDrainingError

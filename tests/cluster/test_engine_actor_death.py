@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+
 
 def _answers(ray, actor) -> bool:
     try:

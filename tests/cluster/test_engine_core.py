@@ -4,8 +4,8 @@ The double samples (last token + 1) % 512, so every expected token sequence is k
 """
 
 import pytest
-from conftest import TINY_EOS
-from fake_executor import FakeExecutor
+from helpers.fake_executor import FakeExecutor
+from helpers.tiny_models import TINY_LLAMA_EOS as TINY_EOS
 from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE, Engine
 from pagedray.cluster.outputs import EngineDeadError
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig

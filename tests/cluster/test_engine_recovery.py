@@ -4,7 +4,7 @@ still finishes with the tokens of an undisturbed run; the limit (max_rank_restar
 and an incurable error end the requests with "error" and leave no block held."""
 
 import pytest
-from fake_executor import FakeExecutor, RecoverableFakeExecutor
+from helpers.fake_executor import FakeExecutor, RecoverableFakeExecutor
 from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE, Engine
 from pagedray.cluster.outputs import EngineDeadError
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig

@@ -8,7 +8,7 @@ import math
 import random
 
 import pytest
-from conftest import hf_greedy
+from helpers.hf_oracle import hf_greedy
 from pagedray.cluster import LLM, SamplingParams
 
 BLOCK = 8

@@ -1,7 +1,7 @@
 """The default SmolLM2-135M-Instruct through LLM (text in, text out) equals HF generate(do_sample=False)."""
 
 import torch
-from conftest import hf_greedy
+from helpers.hf_oracle import hf_greedy
 from pagedray.cluster import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]

@@ -14,6 +14,8 @@ from pagedray.cluster import LLM
 
 from benchmarks.recovery import ENGINE_KWARGS, actor_pid, run_with_kill, undisturbed_tokens
 
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+
 logger = logging.getLogger(__name__)
 
 

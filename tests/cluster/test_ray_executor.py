@@ -11,10 +11,12 @@ import sys
 import time
 
 import pytest
-from conftest import hf_greedy
+from helpers.hf_oracle import hf_greedy
 from pagedray.cluster import LLM, SamplingParams
 from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE
 from pagedray.cluster.outputs import EngineDeadError
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 PROMPTS = [[5, 17, 300, 42, 8, 99, 100, 3], [250, 251, 252], list(range(40, 75))]
 MAX_TOKENS = 12

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fake_executor import FakeExecutor, RecoverableFakeExecutor
+from helpers.fake_executor import FakeExecutor, RecoverableFakeExecutor
 from pagedray.cluster.async_engine import AsyncEngine
 from pagedray.cluster.engine import Engine
 from pagedray.workers.contract.config import (

@@ -2,10 +2,10 @@
 prefix-cache hits, admission errors, stop rules. Real BlockManager (block_size 4), no model."""
 
 import pytest
+from helpers.scheduler_harness import EOS, decisions, make_scheduler, params, prompt, step
 from pagedray.cluster.outputs import QueueFullError
 from pagedray.cluster.plan_builder import PlanBuilder
 from pagedray.cluster.request import FinishReason
-from scheduler_harness import EOS, decisions, make_scheduler, params, prompt, step
 
 
 def test_budget_is_split_decodes_then_partial_prefills_then_waiting():

@@ -6,9 +6,9 @@ can free.
 """
 
 import pytest
+from helpers.scheduler_harness import assert_pool_empty, decisions, make_scheduler, params, prompt, run_until_idle, step
 from pagedray.cluster.plan_builder import PlanBuilder
 from pagedray.cluster.request import FinishReason, SequenceStatus
-from scheduler_harness import assert_pool_empty, decisions, make_scheduler, params, prompt, run_until_idle, step
 
 
 def _fill_two(policy="fcfs", prio_a=0, prio_b=0, builder=False):

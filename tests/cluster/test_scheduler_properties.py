@@ -7,10 +7,10 @@ pool (so preemption, chunking and forks all happen):
 - once everything is aborted or finished, every block is free with ref count 0.
 """
 
+from helpers.scheduler_harness import assert_pool_empty, make_scheduler, params, run_until_idle, step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pagedray.cluster.request import SequenceStatus
-from scheduler_harness import assert_pool_empty, make_scheduler, params, run_until_idle, step
 
 ADD = st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.integers(1, 3), st.integers(0, 2))
 OPS = st.lists(st.one_of(ADD, st.just(("step",)), st.tuples(st.just("abort"), st.integers(0, 40))),

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-from fake_executor import FakeClock, SleepingFakeExecutor
+from helpers.fake_executor import FakeClock, SleepingFakeExecutor
 from pagedray.cluster.async_engine import STALL_GRACE_FACTOR, AsyncEngine
 from pagedray.cluster.outputs import EngineDeadError
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig

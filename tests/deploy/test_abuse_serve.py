@@ -2,10 +2,10 @@
 process, ``executor: local``; SmolLM2, fp32).
 
 One app for the module (capacity: max_num_seqs 4 running + max_queued_requests 4 waiting):
-- the malformed-input catalogue (tests/deploy/bad_requests.py, > 100 cases): each a 4xx with an
+- the malformed-input catalogue (tests/helpers/bad_requests.py, > 100 cases): each a 4xx with an
   OpenAI error body, and the engine's stats (blocks, queues, every counter) identical afterwards;
 - a hypothesis fuzz of both POST routes (1,000 derandomized examples sent 4 at a time,
-  tests/deploy/fuzz_requests.py):
+  tests/helpers/fuzz_requests.py):
   no 5xx, no in-band internal error, and every KV block free afterwards;
 - overload at 10x capacity: only 200 / 429; every 200 is the greedy reference text; 429s carry
   Retry-After; the engine's waiting queue never exceeds its bound; replica memory stays bounded;
@@ -26,10 +26,12 @@ import time
 import httpx
 import psutil
 import pytest
-from bad_requests import assert_openai_error, malformed_cases, send
-from burst_load import StatsSampler, burst, percentile, rss_bytes
-from fuzz_requests import run_fuzz
-from serve_fixtures import API_KEY, APP_ARGS, start_app, stop_app, stream_in_thread, stream_text, tp_worker_pids
+from helpers.bad_requests import assert_openai_error, malformed_cases, send
+from helpers.burst_load import StatsSampler, burst, percentile, rss_bytes
+from helpers.fuzz_requests import run_fuzz
+from helpers.serve_fixtures import API_KEY, APP_ARGS, start_app, stop_app, stream_in_thread, stream_text, tp_worker_pids
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FUZZ_EXAMPLES = 1000

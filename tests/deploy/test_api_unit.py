@@ -1,4 +1,4 @@
-"""HTTP layer against a TEST DOUBLE engine (tests/deploy/fake_engine.py): no Ray, no model forward.
+"""HTTP layer against a TEST DOUBLE engine (tests/helpers/fake_engine.py): no Ray, no model forward.
 
 Covers request parsing and validation (every bad-input case -> OpenAI error body, engine never
 called), auth, body limit, overload mapping, health, metrics text, SSE framing and stop strings on
@@ -12,10 +12,10 @@ import json
 
 import httpx
 import pytest
-from bad_requests import assert_openai_error, malformed_cases, send
-from fake_engine import ScriptedEngine, queue_full
 from fastapi.testclient import TestClient
-from gates import GatedTokenizer
+from helpers.bad_requests import assert_openai_error, malformed_cases, send
+from helpers.fake_engine import ScriptedEngine, queue_full
+from helpers.gates import GatedTokenizer
 from pagedray.cluster.outputs import EngineDrainingError
 from pagedray.deploy.api import create_api
 from pagedray.deploy.metrics import ServerMetrics
@@ -27,13 +27,6 @@ MODEL = "fake-model"
 MAX_MODEL_LEN = 64
 VOCAB = 49152
 SCRIPT_TEXT = " The quick brown fox jumps over the lazy dog. Then it rests."
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path)
 
 
 def make_client(tokenizer, engine=None, **api_kwargs):

@@ -16,8 +16,10 @@ import time
 
 import httpx
 import pytest
+from helpers.serve_fixtures import API_KEY, start_app, stop_app, tp_worker_pids
 from pagedray.deploy.sse import parse_sse
-from serve_fixtures import API_KEY, start_app, stop_app, tp_worker_pids
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HANG_GUARD_S = 300

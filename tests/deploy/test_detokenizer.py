@@ -17,13 +17,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path)
-
-
 def _stream(tokenizer, prompt_ids, ids, chunk_sizes):
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
     deltas, i = [], 0

@@ -9,10 +9,10 @@ import asyncio
 
 import httpx
 import pytest
-from bad_requests import assert_openai_error
-from fake_engine import ScriptedEngine
 from fastapi.testclient import TestClient
-from gates import GatedFormatter, GatedTokenizer, on_event_loop
+from helpers.bad_requests import assert_openai_error
+from helpers.fake_engine import ScriptedEngine
+from helpers.gates import GatedFormatter, GatedTokenizer, on_event_loop
 from pagedray.deploy import api
 from pagedray.deploy.api import create_api
 from pagedray.deploy.metrics import ServerMetrics
@@ -25,13 +25,6 @@ from pagedray.deploy.validation import ModelLimits
 MODEL = "fake-model"
 VOCAB = 49152
 MAX_MODEL_LEN = 8192   # room for prompts above SMALL_INPUT characters
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path)
 
 
 def make_service(tokenizer, max_model_len: int = MAX_MODEL_LEN) -> OpenAIService:

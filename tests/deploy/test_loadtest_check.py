@@ -8,7 +8,7 @@ has two in flight).
 import json
 
 import pytest
-from fake_openai_server import FakeBehavior, FakeOpenAIServer, expected_pieces
+from helpers.fake_openai_server import FakeBehavior, FakeOpenAIServer, expected_pieces
 from pagedray.deploy.loadtest import main
 from pagedray.deploy.loadtest.check import (
     CAUSE_CORRUPTED,

@@ -5,8 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from fake_openai_server import FakeBehavior, FakeOpenAIServer
+from helpers.fake_openai_server import FakeBehavior, FakeOpenAIServer
 from pagedray.deploy.loadtest import main
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 
 @pytest.fixture

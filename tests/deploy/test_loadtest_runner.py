@@ -10,7 +10,7 @@ import asyncio
 import math
 
 import pytest
-from fake_openai_server import FakeBehavior, FakeOpenAIServer
+from helpers.fake_openai_server import FakeBehavior, FakeOpenAIServer
 from pagedray.deploy.loadtest.client import HttpTarget, RequestOptions
 from pagedray.deploy.loadtest.prompts import LengthRange, synthetic_prompts
 from pagedray.deploy.loadtest.runner import LoadSpec, poisson_arrivals, run_load

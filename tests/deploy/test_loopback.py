@@ -8,9 +8,12 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from pagedray.deploy.loopback import is_loopback, loopback_grpc_port_binder
 
 from benchmarks.listening_sockets import listening_sockets
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 
 def test_the_binder_moves_only_the_any_address_port_0_and_only_on_a_loopback_node():

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)

@@ -5,8 +5,8 @@ details go to the server log."""
 from __future__ import annotations
 
 import pytest
-from fake_engine import ScriptedEngine
 from fastapi.testclient import TestClient
+from helpers.fake_engine import ScriptedEngine
 from pagedray.cluster.outputs import EngineDeadError
 from pagedray.deploy.api import create_api
 from pagedray.deploy.errors import INTERNAL_ERROR_MESSAGE

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from burst_load import percentile
-from fuzz_requests import CHAT, COMPLETIONS, FuzzRequest, fuzz_requests, verdict
+from helpers.burst_load import percentile
+from helpers.fuzz_requests import CHAT, COMPLETIONS, FuzzRequest, fuzz_requests, verdict
 from hypothesis import HealthCheck, given, settings
 from pagedray.deploy.app import parse_args
 

@@ -13,10 +13,12 @@ import math
 import httpx
 import openai
 import pytest
-from bad_requests import assert_openai_error, bad_request_cases, send
+from helpers.bad_requests import assert_openai_error, bad_request_cases, send
+from helpers.serve_fixtures import API_KEY, start_app, stop_app
 from pagedray.deploy.errors import APIError
 from pagedray.deploy.sse import parse_sse
-from serve_fixtures import API_KEY, start_app, stop_app
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 12

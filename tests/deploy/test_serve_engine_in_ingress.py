@@ -16,9 +16,11 @@ import httpx
 import psutil
 import pytest
 import test_serve_app as split_layout
-from bad_requests import assert_openai_error
-from serve_fixtures import start_app, stop_app, stream_in_thread, stream_text, tp_worker_pids
+from helpers.bad_requests import assert_openai_error
+from helpers.serve_fixtures import start_app, stop_app, stream_in_thread, stream_text, tp_worker_pids
 from test_serve_app import client, http, offline_greedy  # noqa: F401 - the shared tests' fixtures
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 DRAIN_HANG_GUARD_S = 600.0   # far longer than the in-flight request needs, even on a loaded machine
 

@@ -15,7 +15,9 @@ import time
 
 import httpx
 import pytest
-from serve_fixtures import API_KEY, start_app, stop_app
+from helpers.serve_fixtures import API_KEY, start_app, stop_app
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 SHARED = ("You are a careful assistant for a small bakery. Answer in one short sentence, name the product, "
           "give its price in euros and never invent products that are not on the menu of the day. ")

@@ -14,7 +14,9 @@ import time
 
 import httpx
 import pytest
-from serve_fixtures import API_KEY, start_app, stop_app, stream_in_thread, stream_text, tp_worker_pids
+from helpers.serve_fixtures import API_KEY, start_app, stop_app, stream_in_thread, stream_text, tp_worker_pids
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

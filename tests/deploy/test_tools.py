@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from bad_requests import assert_openai_error
-from fake_engine import ScriptedEngine
 from fastapi.testclient import TestClient
+from helpers.bad_requests import assert_openai_error
+from helpers.fake_engine import ScriptedEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedray.deploy.api import create_api
@@ -30,13 +30,6 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                             "parameters": {"type": "object", "required": ["city"],
                                                            "properties": {"city": {"type": "string"}}}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path)
 
 
 def test_plan_validation_names_the_field():

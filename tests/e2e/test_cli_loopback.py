@@ -14,10 +14,13 @@ import sys
 import time
 import urllib.request
 
+import pytest
 from pagedray.deploy.loopback import is_loopback
 from test_cli_serve_failure import CLI, free_port
 
 from benchmarks.listening_sockets import listening_sockets
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 HANG_GUARD_S = 900
 

@@ -9,7 +9,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from pagedray.deploy.cli import free_port
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 CLI = "import sys; from pagedray.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 

@@ -25,6 +25,8 @@ import psutil
 import pytest
 from test_cli_serve_failure import free_port
 
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+
 HANG_GUARD_S = 300
 
 

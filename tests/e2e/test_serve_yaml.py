@@ -21,7 +21,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,23 +30,15 @@ import httpx
 import psutil
 import pytest
 import yaml
+from helpers.ports import free_ports
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 YAML_PATH = REPO / "deploy" / "serve.yaml"
 BIN = pathlib.Path(sys.executable).parent
 START_TIMEOUT_S = 120
 DEPLOY_TIMEOUT_S = 300
-
-
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def cli(name: str) -> str:

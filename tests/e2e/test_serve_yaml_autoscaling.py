@@ -18,6 +18,8 @@ import yaml
 from pagedray.deploy.autoscaling import KV_PRESSURE_POLICY
 from test_serve_yaml import DEPLOY_TIMEOUT_S, cli, ray_head, run, write_config  # noqa: F401 - ray_head: fixture
 
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+
 SCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 2,
            "upscale_delay_s": 1, "downscale_delay_s": 5, "metrics_interval_s": 0.5, "look_back_period_s": 2,
            "policy": {"policy_function": KV_PRESSURE_POLICY}}

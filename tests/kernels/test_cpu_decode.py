@@ -16,7 +16,7 @@ import shutil
 import pagedray.kernels.api as api
 import pytest
 import torch
-from paged_kv_cases import alibi_like_slopes, assert_close_to_oracle, dense_attention, make_paged_case, nan_like
+from helpers.paged_kv_cases import alibi_like_slopes, assert_close_to_oracle, dense_attention, make_paged_case, nan_like
 from pagedray.kernels import cpu_build, cpu_decode, paged_attention, paged_decode, paged_decode_reference
 
 F32, BF16 = torch.float32, torch.bfloat16

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from paged_kv_cases import kernel_device, seed_of
+from helpers.paged_kv_cases import kernel_device, seed_of
 from pagedray import kernels
 from pagedray.kernels import fused_ops
 from pagedray.workers.layers.activation import silu_and_mul as layer_silu_and_mul

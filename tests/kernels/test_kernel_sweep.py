@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from paged_kv_cases import (
+from helpers.paged_kv_cases import (
     alibi_like_slopes,
     assert_close_to_oracle,
     dense_attention,

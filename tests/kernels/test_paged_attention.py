@@ -8,7 +8,7 @@ import pagedray.kernels.api as api
 import pagedray.kernels.reference as reference
 import pytest
 import torch
-from paged_kv_cases import (
+from helpers.paged_kv_cases import (
     alibi_like_slopes,
     assert_close_to_oracle,
     dense_attention,

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+
 REPO = pathlib.Path(__file__).resolve().parents[2]  # `python -m benchmarks.<name>` runs from here
 
 

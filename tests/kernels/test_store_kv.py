@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_kv_cases import kernel_device, seed_of
+from helpers.paged_kv_cases import kernel_device, seed_of
 from pagedray.kernels import store_kv, store_kv_reference
 
 

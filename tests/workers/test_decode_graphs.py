@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import engine_config, hf_greedy, local_driver
+from helpers.hf_oracle import hf_greedy_each
+from helpers.worker_plans import log_bucket_runs
+from helpers.worker_setup import engine_config, local_driver
 from pagedray import kernels
 from pagedray.cluster import LLM, SamplingParams
 from pagedray.workers.contract.config import ModelConfig
@@ -16,7 +18,6 @@ from pagedray.workers.decode_graphs import DecodeGraphs, bucket_sizes
 from pagedray.workers.input_batch import build_host_batch
 from pagedray.workers.seq_mirror import BatchedSequence, SequenceState
 from pagedray.workers.worker import Worker
-from worker_plans import log_bucket_runs
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[5, 17, 33, 8, 99, 120, 7], list(range(3, 40)), [200, 201, 4], list(range(60, 80)),
@@ -88,7 +89,7 @@ def test_static_decode_path_matches_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     worker, driver = local_driver(path, token_budget=24, max_chunk=16)
     log = _with_static_decode(worker, max_num_seqs=6)
-    assert driver.generate(PROMPTS, NEW_TOKENS) == hf_greedy(path, PROMPTS, NEW_TOKENS)
+    assert driver.generate(PROMPTS, NEW_TOKENS) == hf_greedy_each(path, PROMPTS, NEW_TOKENS)
     assert worker.num_sequences() == 0
     # decode steps ran in several buckets, padded ones included (3 rows in a bucket of 4, 5 in 6)
     assert {1, 4, 6} <= {bucket for _, bucket in log}

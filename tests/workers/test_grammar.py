@@ -19,13 +19,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "tags"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_model_path)
-
-
 def _generate(book, sampler, grammars, eos, vocab, seed, steps=200):
     """Sample every row until EOS (random logits, temperature 1): the grammar alone keeps the text valid."""
     generator = torch.Generator().manual_seed(seed)

@@ -7,9 +7,11 @@ import sys
 import textwrap
 
 import pytest
-from conftest import engine_config
+from helpers.worker_setup import engine_config
 from pagedray.workers import host_memory
 from pagedray.workers.contract.config import ModelConfig
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 
 def test_sets_the_mmap_and_trim_thresholds():

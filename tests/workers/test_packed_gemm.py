@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import engine_config, hf_greedy
+from helpers.hf_oracle import hf_greedy_each
+from helpers.worker_setup import engine_config
 from pagedray.cluster import LLM, SamplingParams
 from pagedray.workers.contract.config import ModelConfig
 from pagedray.workers.layers import packed_gemm
@@ -125,4 +126,4 @@ def test_greedy_batch_of_twelve_matches_transformers(kind, tiny_model_path):
                                use_tqdm=False)
     finally:
         llm.shutdown()
-    assert [r.outputs[0].token_ids for r in results] == hf_greedy(path, prompts, 16)
+    assert [r.outputs[0].token_ids for r in results] == hf_greedy_each(path, prompts, 16)

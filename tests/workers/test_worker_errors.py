@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import engine_config, save_tiny_model
+from helpers.tiny_models import save_tiny_model
+from helpers.worker_setup import engine_config
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
 from pagedray.workers.model_info import model_info
@@ -85,7 +86,7 @@ def test_plans_that_contradict_the_mirror(tiny_model_path):
 
 
 def test_qwen_per_layer_sliding_window_is_rejected_before_loading(tmp_path):
-    from conftest import tiny_config
+    from helpers.tiny_models import tiny_config
 
     config = tiny_config("qwen2")
     config.use_sliding_window, config.sliding_window = True, 8

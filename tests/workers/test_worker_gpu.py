@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import engine_config, hf_greedy
+from helpers.hf_oracle import hf_greedy_each
+from helpers.worker_plans import PlanDriver, log_bucket_runs
+from helpers.worker_setup import engine_config
 from pagedray.cluster import LLM, SamplingParams
 from pagedray.workers.worker import Worker
-from worker_plans import PlanDriver, log_bucket_runs
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 32
@@ -45,7 +46,7 @@ def test_fp32_on_cuda_matches_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     worker, driver = _cuda_driver(path, "float32")
     assert worker.device.type == "cuda"
-    assert driver.generate(TINY_PROMPTS, NEW_TOKENS) == hf_greedy(path, TINY_PROMPTS, NEW_TOKENS)
+    assert driver.generate(TINY_PROMPTS, NEW_TOKENS) == hf_greedy_each(path, TINY_PROMPTS, NEW_TOKENS)
     assert worker.num_sequences() == 0
 
 
@@ -54,7 +55,7 @@ def test_bf16_on_cuda_with_profiled_kv_cache(tiny_model_path):
     worker, driver = _cuda_driver(path, "bfloat16", profile_memory=True)
     assert driver.block_manager.num_free_blocks >= len(TINY_PROMPTS) * 16
     outputs = driver.generate(TINY_PROMPTS, 4)
-    expected = hf_greedy(path, TINY_PROMPTS, 4)
+    expected = hf_greedy_each(path, TINY_PROMPTS, 4)
     assert [out[0] for out in outputs] == [ref[0] for ref in expected]
     assert worker.num_sequences() == 0
 
@@ -76,7 +77,7 @@ def test_graph_replay_matches_eager(kind, dtype, tiny_model_path):
     assert replayed == eager_driver.generate(GRAPH_PROMPTS, NEW_TOKENS)
     assert (5, 8) in buckets_run and (3, 4) in buckets_run      # padded rows across bucket boundaries
     if dtype == "float32":
-        assert replayed == hf_greedy(path, GRAPH_PROMPTS, NEW_TOKENS)
+        assert replayed == hf_greedy_each(path, GRAPH_PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -8,7 +8,9 @@ chunks with decode tokens; ``_assert_mixed`` checks that the plans really did.
 from __future__ import annotations
 
 import pytest
-from conftest import hf_greedy, local_driver, save_tiny_model
+from helpers.hf_oracle import hf_greedy_each
+from helpers.tiny_models import save_tiny_model
+from helpers.worker_setup import local_driver
 
 NEW_TOKENS = 64
 TINY_PROMPTS = [[5, 17, 33, 8, 99, 120, 7], list(range(3, 40)), [200, 201, 4], list(range(60, 80))]
@@ -27,7 +29,7 @@ def test_tiny_models_match_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     worker, driver = local_driver(path, token_budget=24, max_chunk=16)
     outputs = driver.generate(TINY_PROMPTS, NEW_TOKENS)
-    assert outputs == hf_greedy(path, TINY_PROMPTS, NEW_TOKENS)
+    assert outputs == hf_greedy_each(path, TINY_PROMPTS, NEW_TOKENS)
     _assert_mixed(driver.plans)
     assert worker.num_sequences() == 0  # every finished sequence was released
 
@@ -38,7 +40,7 @@ def test_index_sharded_checkpoint(tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     prompts = TINY_PROMPTS[:2]
     _, driver = local_driver(path)
-    assert driver.generate(prompts, NEW_TOKENS) == hf_greedy(path, prompts, NEW_TOKENS)
+    assert driver.generate(prompts, NEW_TOKENS) == hf_greedy_each(path, prompts, NEW_TOKENS)
 
 
 def test_smollm2_plain_and_chat_prompts(default_model_path):
@@ -52,5 +54,5 @@ def test_smollm2_plain_and_chat_prompts(default_model_path):
     assert len(prompts[0]) < 24 < len(prompts[1])   # the chat prompt is prefilled in two chunks
     _, driver = local_driver(default_model_path, num_blocks=32, block_size=16, token_budget=32, max_chunk=24)
     outputs = driver.generate(prompts, NEW_TOKENS)
-    assert outputs == hf_greedy(default_model_path, prompts, NEW_TOKENS)
+    assert outputs == hf_greedy_each(default_model_path, prompts, NEW_TOKENS)
     _assert_mixed(driver.plans)

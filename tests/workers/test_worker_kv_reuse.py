@@ -4,7 +4,8 @@ copy-on-write block copies applied before the forward."""
 
 from __future__ import annotations
 
-from conftest import engine_config, hf_greedy, local_driver
+from helpers.hf_oracle import hf_greedy_each
+from helpers.worker_setup import engine_config, local_driver
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
 from pagedray.workers.worker import Worker
@@ -20,7 +21,7 @@ def test_prompt_split_into_many_prefill_chunks(tiny_model_path):
     chunks = [n.num_scheduled_tokens for p in driver.plans for n in p.new_seqs] + \
              [r.num_scheduled_tokens for p in driver.plans[:8] for r in p.running]
     assert chunks[:8] == [5, 5, 5, 5, 5, 5, 5, 2]
-    assert out == hf_greedy(path, [prompt], 16)
+    assert out == hf_greedy_each(path, [prompt], 16)
 
 
 def test_prefix_cache_hits_start_after_computed_tokens(tiny_model_path):
@@ -33,7 +34,7 @@ def test_prefix_cache_hits_start_after_computed_tokens(tiny_model_path):
     assert (a.num_cached_at_admission, b.num_cached_at_admission, c.num_cached_at_admission) == (0, 24, 16)
     new_seqs = [n for p in driver.plans for n in p.new_seqs]
     assert [n.num_computed_tokens for n in new_seqs] == [0, 24, 16]
-    assert [a.output, b.output, c.output] == hf_greedy(path, [first, second, third], 24)
+    assert [a.output, b.output, c.output] == hf_greedy_each(path, [first, second, third], 24)
 
 
 def _step(worker, step_id, new=(), running=(), copies=()):
@@ -61,7 +62,7 @@ def test_block_copy_before_forward(tiny_model_path):
         sampled = _step(worker, step, running=[RunningDelta(s, 1, [], tokens[s][-1]) for s in (0, 1)])
     for seq_id, token in sampled.items():
         tokens[seq_id].append(token)
-    expected = hf_greedy(path, [prompt], len(tokens[0]))[0]
+    expected = hf_greedy_each(path, [prompt], len(tokens[0]))[0]
     assert len(tokens[0]) == 8 and len(tokens[1]) == 7
     assert tokens[0] == expected
     assert tokens[1] == expected[: len(tokens[1])]

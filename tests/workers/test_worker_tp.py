@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_logprobs_along, local_driver, ray_execute, start_ray_workers, stop_ray_workers
+from helpers.hf_oracle import hf_greedy_each, hf_logprobs_along
+from helpers.worker_plans import PlanDriver
+from helpers.worker_setup import local_driver, ray_execute, start_ray_workers, stop_ray_workers
 from pagedray.workers.contract.sampling_params import SamplingParams
-from worker_plans import PlanDriver
+
+pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 NEW_TOKENS = 64
 PROMPTS = [[5, 17, 33, 8, 99, 120, 7], list(range(3, 40)), [200, 201, 4]]
@@ -43,6 +46,6 @@ def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
         assert ray_session.get([a.num_sequences.remote() for a in actors]) == [0, 0]
     finally:
         stop_ray_workers(ray_session, actors)
-    assert [s.output for s in tp2] == [s.output for s in tp1] == hf_greedy(path, PROMPTS, NEW_TOKENS)
+    assert [s.output for s in tp2] == [s.output for s in tp1] == hf_greedy_each(path, PROMPTS, NEW_TOKENS)
     for seq in tp2:
         _check_logprobs(path, seq)

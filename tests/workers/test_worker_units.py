@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from conftest import engine_config, tiny_config
+from helpers.tiny_models import tiny_config
+from helpers.worker_setup import engine_config
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import NewSequence, StepPlan
 from pagedray.workers.input_batch import build_batch

@@ -1,0 +1,65 @@
+"""Tiny random Hugging Face model folders (safetensors), one per supported architecture.
+
+Weights come from a fixed seed with a larger ``initializer_range`` than the default, so logits are
+well separated and greedy decoding is not decided by float noise (no near-ties that a summation order
+could flip).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TINY_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=251,
+                   max_position_embeddings=512, initializer_range=0.25, rms_norm_eps=1e-6,
+                   bos_token_id=1, eos_token_id=2)
+TINY_LLAMA_EOS = 1   # save_tiny_llama's EOS token
+
+
+def tiny_config(kind: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    if kind == "llama":   # llama3 rope scaling, GQA 4:2, untied LM head, odd vocab (uneven TP split)
+        return LlamaConfig(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                           architectures=["LlamaForCausalLM"])
+    if kind == "mistral":  # sliding_window (4096) longer than the context (512): plain causal attention
+        return MistralConfig(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                             architectures=["MistralForCausalLM"])
+    if kind == "mistral-window":  # an 8-token sliding window: every prompt and generation runs past it
+        return MistralConfig(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                             architectures=["MistralForCausalLM"])
+    if kind == "qwen2":   # qkv bias, tied embeddings
+        return Qwen2Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                           architectures=["Qwen2ForCausalLM"])
+    if kind == "qwen3":   # q/k norm, explicit head_dim != hidden / heads, a single KV head (replicated at TP=2)
+        return Qwen3Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+                           tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
+    raise ValueError(kind)
+
+
+def save_tiny_model(kind: str, folder, max_shard_size: str | None = None) -> str:
+    """A ``tiny_config(kind)`` model with seeded weights saved to ``folder``; returns the folder."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(folder), **kwargs)
+    return str(folder)
+
+
+def save_tiny_llama(folder) -> str:
+    """A tiny Llama with a 512-token vocabulary and EOS = ``TINY_LLAMA_EOS`` (the cluster tests' model,
+    fast breadth for engine tests) saved to ``folder``; returns the folder."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.3, bos_token_id=0, eos_token_id=TINY_LLAMA_EOS,
+                         tie_word_embeddings=False)
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(folder)
+    GenerationConfig(bos_token_id=0, eos_token_id=TINY_LLAMA_EOS).save_pretrained(folder)
+    return str(folder)
