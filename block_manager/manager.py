@@ -303,9 +303,6 @@ class BlockManager:
         """A copy of the sequence's block table."""
         return list(self._get(seq_id).table)
 
-    def has_sequence(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
-
     def sequence_ids(self) -> list[Hashable]:
         return list(self._seqs)
 

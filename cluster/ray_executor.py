@@ -185,14 +185,6 @@ class RayExecutor:
         # bounded by step_timeout_s instead
         return graph.experimental_compile(_submit_timeout=self._timeout, _buffer_size_bytes=CHANNEL_BUFFER_BYTES)
 
-    @property
-    def node_ids(self) -> list[str]:
-        """The Ray node id hosting each rank's bundle (rank order): shows where the placement put them."""
-        from ray.util import placement_group_table
-
-        nodes = placement_group_table(self.placement.placement_group)["bundles_to_node_id"]
-        return [nodes[i] for i in self.placement.bundle_indices]
-
     def execute(self, plan: StepPlan) -> StepResult:
         return self.wait(self.submit(plan))
 

@@ -179,7 +179,8 @@ class OpenAIIngress:
         name, aliases = served_names(model, meta, served_model_name)
         tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)
         limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len,
-                             max_prompt_chars(tokenizer, meta.max_model_len), meta.dtype)
+                             max_prompt_chars(tokenizer, meta.max_model_len), meta.dtype,
+                             sequences_in_flight=max(1, meta.max_num_seqs // 2))
         self._engine, self._limits_meta = engine, meta
         self._client = client
         self._service = OpenAIService(client, tokenizer, limits, ServerMetrics(name))

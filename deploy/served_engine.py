@@ -38,6 +38,7 @@ class ModelMeta:
     vocab_size: int
     max_model_len: int
     dtype: str                # the dtype the ranks run (``dtype`` "auto" resolved)
+    max_num_seqs: int         # the scheduler's sequences per step
 
 
 class ServedEngine:
@@ -105,7 +106,7 @@ class ServedEngine:
         return ModelMeta(model_path=engine.model_path,
                          tokenizer_path=self._config.model.tokenizer or engine.model_path,
                          vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
-                         dtype=engine.dtype)
+                         dtype=engine.dtype, max_num_seqs=self._config.scheduler.max_num_seqs)
 
     async def close(self) -> None:
         if self._closed:

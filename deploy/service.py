@@ -20,8 +20,9 @@ a big prompt's logprobs, so ``/health`` and other streams are not held while it 
 encodes the JSON off the event loop too. Prompt logprobs are formatted once per prompt and shared by
 its choices (openai_format.py).
 
-A request with several prompts sends them to the engine at most ``SEQUENCES_IN_FLIGHT_PER_REQUEST // n``
-at a time (at least one; the next prompt goes when one finishes), so one batch request cannot take
+A request with several prompts sends them to the engine at most ``limits.sequences_in_flight // n`` at a
+time (half the engine's ``max_num_seqs``, set by the ingress; at least one; the next prompt goes when
+one finishes), so one batch request cannot take
 every engine seat and leave other clients' requests waiting behind its whole batch. Admission errors
 of the later prompts (429) then arrive mid-response, like any engine error after the first output.
 
@@ -174,7 +175,6 @@ class _CompletionChunks:
 
 # a response with more logprob entries than this is built on a worker thread (a few ms of work below it)
 BIG_RESPONSE_ENTRIES = 4096
-SEQUENCES_IN_FLIGHT_PER_REQUEST = 64   # half the engine's default max_num_seqs (128)
 
 
 class OpenAIService:
@@ -222,7 +222,8 @@ class OpenAIService:
         timer = RequestTimer()
         streams = [stream_choices(self.engine, f"{rid}-{i}", p, self.tokenizer, timer)
                    for i, p in enumerate(prepared)]
-        window = max(1, SEQUENCES_IN_FLIGHT_PER_REQUEST // prepared[0].params.n)
+        bound = self.limits.sequences_in_flight
+        window = None if bound is None else max(1, bound // prepared[0].params.n)
         stream = PrefetchedStream(merge_streams(streams, window))
         try:
             await stream.prefetch()

@@ -61,6 +61,9 @@ class ModelLimits:
     # a prompt with more characters cannot fit in max_model_len tokens (prompt_bound.py); None: unknown
     max_prompt_chars: int | None = None
     dtype: str | None = None     # the dtype the engine's ranks run, for /v1/models; None: not known
+    # sequences (prompts x n) of one request in the engine at once (service.py); None: no bound.
+    # The ingress sets half the engine's max_num_seqs.
+    sequences_in_flight: int | None = None
 
 
 @dataclass(frozen=True)

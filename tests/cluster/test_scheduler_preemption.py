@@ -38,7 +38,7 @@ def test_preemption_victim_is_latest_arrival_requeued_at_front():
     assert sched.num_preemptions == 1 and b.num_preemptions == 1
     assert [s.request.request_id for s in sched.waiting] == ["b", "c"]
     assert (b.status, b.num_computed_tokens, len(b.output_token_ids)) == (SequenceStatus.WAITING, 0, 5)
-    assert not sched.block_manager.has_sequence(b.seq_id)
+    assert b.seq_id not in sched.block_manager.sequence_ids()
     # a reached max_tokens=6 at step 5 and left; b comes back first, recomputing prompt + 5 outputs
     out, plan = step(sched, builder=plans)
     assert decisions(out) == [("b", 0, 9), ("c", 0, 4)]

@@ -24,7 +24,7 @@ def _check(sched, out=None):
         assert seq.status is SequenceStatus.RUNNING
         assert bm.num_slots(seq.seq_id) == seq.num_computed_tokens
     for seq in sched.waiting:
-        assert not bm.has_sequence(seq.seq_id) and seq.num_computed_tokens == 0
+        assert seq.seq_id not in bm.sequence_ids() and seq.num_computed_tokens == 0
     if out is not None:
         assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
         assert len(out.scheduled) <= sched.config.max_num_seqs

@@ -7,6 +7,7 @@ import sys
 
 import ray
 from ray.cluster_utils import Cluster
+from ray.util import placement_group_table
 
 
 def main(model_path: str, prompts_json: str, max_tokens: int) -> None:
@@ -30,7 +31,9 @@ def main(model_path: str, prompts_json: str, max_tokens: int) -> None:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 tokens[out.request_id] += [t for c in out.outputs for t in c.token_ids]
-        result = {"tokens": [tokens[str(i)] for i in range(len(prompts))], "nodes": executor.node_ids,
+        bundle_nodes = placement_group_table(executor.placement.placement_group)["bundles_to_node_id"]
+        result = {"tokens": [tokens[str(i)] for i in range(len(prompts))],
+                  "nodes": [bundle_nodes[i] for i in executor.placement.bundle_indices],   # each rank's node
                   "leaks": executor.num_sequences()}
     finally:
         engine.shutdown()

@@ -492,11 +492,10 @@ def test_no_redirect_built_from_the_host_header(tokenizer):
 
 
 def test_a_batch_request_keeps_a_bounded_number_of_prompts_in_the_engine(tokenizer):
-    """48 prompts x n=4: at most SEQUENCES_IN_FLIGHT_PER_REQUEST // 4 = 16 prompts are in the engine at
-    once, and a short request from another client is served while the batch is still held there."""
+    """48 prompts x n=4 with sequences_in_flight 64 (what the ingress sets for max_num_seqs 128): at most
+    64 // 4 = 16 prompts are in the engine at once, and a short request from another client is served
+    while the batch is still held there."""
     from dataclasses import dataclass, field
-
-    from pagedray.deploy.service import SEQUENCES_IN_FLIGHT_PER_REQUEST
 
     @dataclass
     class GatedBatchEngine(ScriptedEngine):
@@ -518,9 +517,9 @@ def test_a_batch_request_keeps_a_bounded_number_of_prompts_in_the_engine(tokeniz
                     self.batch_in_flight -= 1
 
     engine = GatedBatchEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
-    limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN)
+    limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN, sequences_in_flight=64)
     app = create_api(OpenAIService(engine, tokenizer, limits, ServerMetrics(MODEL)))
-    window = SEQUENCES_IN_FLIGHT_PER_REQUEST // 4
+    window = 64 // 4
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:

@@ -11,6 +11,7 @@ import yaml
 from pagedray.deploy import cli, shutdown, startup
 from pagedray.deploy.app import build_app, engine_config, parse_args
 from pagedray.deploy.engine_deployment import placement_bundles
+from pagedray.deploy.options import OPTIONS, option_default
 
 YAML_PATH = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 
@@ -86,6 +87,12 @@ def test_serve_yaml_is_a_valid_serve_config():
     assert app.import_path == "pagedray.deploy.app:build_app"
     assert app.args["model"] == "default"
     build_app(app.args)  # the embedded args pass build_app's checks
+    # the file shows the options users set first at their defaults: each default lives in options.py
+    # and the config dataclasses only, so a changed default cannot leave the shipped file behind
+    defaults = {option.name: option_default(option) for option in OPTIONS}
+    differing = {name: value for name, value in app.args.items()
+                 if name not in ("model", "num_replicas") and value != defaults[name]}
+    assert differing == {}
 
 
 def test_generate_prints_transformers_greedy_text(default_model_path, capsys):
