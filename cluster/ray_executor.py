@@ -13,7 +13,7 @@ on any rank surfaces in that step). Two transports, same semantics:
   compiled once; a step is ``graph.execute(data)`` over shared-memory channels.
 - ``"actor"``: plain ``actor.execute_bytes.remote(data)`` calls.
 
-``benchmarks/overhead.py`` measures both (the README's table): the compiled graph's round trip is
+``benchmarks/overhead.py`` measures both (docs/benchmarks.md): the compiled graph's round trip is
 several times shorter, but both are under 1% of a decode step on CPU. Plain actor calls are the
 default (``ParallelConfig.ray_transport="actor"``): the compiled graph's ranks poll their channels and
 keep a core busy even while the engine is idle (a TP worker at full CPU under an idle

@@ -3,7 +3,7 @@ engine deployment).
 
 Used by ``serve run`` / ``serve deploy`` (``import_path: pagedray.deploy.app:build_app`` with
 ``args``), by the CLI and by tests. ``args`` keys (all optional) are the options of ``options.py``
-(one list: names, types, defaults, help; the README's configuration table shows them).
+(one list: names, types, defaults, help; docs/configuration.md's table shows them).
 
 Decisions:
 - Unknown keys are errors (a typo in a YAML file must not be silently ignored); values are checked by
@@ -25,12 +25,12 @@ Decisions:
 - Layout (``engine_in_ingress``): unset, the engine runs in the ingress replica when there is one engine
   replica (no ``autoscaling_config``, no ``request_router: cache_aware``): no handle call and no Ray
   stream item per output. On the 2-core CPU machine that served 1.13x more tokens per second than the
-  engine in a deployment of its own (153 vs 136; the README's serving rows). With several replicas the engine is a
-  deployment of its own, so the ingress can route between them (cache-aware).
+  engine in a deployment of its own (153 vs 136; docs/benchmarks.md's serving rows). With several
+  replicas the engine is a deployment of its own, so the ingress can route between them (cache-aware).
 - The default executor is ``ray`` also at TP=1. Running the model in the replica's own process (vLLM's
   single-process layout) removes a process and a Ray call per step, but there the step thread shares
   the GIL with Serve's event loop (one streamed output per request per step), and on the 2-core CPU
-  machine it served fewer tokens per second than a worker actor (the README's benchmark table, the
+  machine it served fewer tokens per second than a worker actor (docs/benchmarks.md, the
   ``pagedray-tp1-local`` row of benchmarks.serving). ``executor: local`` keeps that layout available.
 """
 

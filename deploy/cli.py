@@ -44,7 +44,7 @@ Decisions:
   node, listens on a free port next to it that nothing needs. This takes the proxy's Ray hop off every
   streamed chunk: on the 2-core CPU machine the proxy had cost ~3% of the machine's CPU during a load
   and the ingress ~35% more CPU per token (benchmarks/serving_profile.py); the serving benchmark's
-  default row went from 0.86x to 0.97x the peer (README). Ports of a released
+  default row went from 0.86x to 0.97x the peer (docs/benchmarks.md). Ports of a released
   replica are not quarantined here (``RAY_SERVE_PORT_QUARANTINE_S=0``: no HAProxy routes to them), so
   a replaced ingress replica gets ``--port`` back at once. One ingress replica per node can hold the
   port; ``RAY_SERVE_ENABLE_DIRECT_INGRESS=0`` in the environment (or ``--address``, joining a cluster

@@ -18,7 +18,7 @@ any size and any duration. What Serve does let us change, and what pagedray chan
    ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` (Serve's hook for extra middlewares) for the Ray it
    starts. ``/-/healthz`` stays open like ``/health``: it says whether the replica is up, nothing more.
 
-What remains (README, Known limitations): on a Ray cluster that ``pagedray serve`` joins (``--address``)
+What remains (docs/limitations.md): on a Ray cluster that ``pagedray serve`` joins (``--address``)
 the hook and the hash must be set in that cluster's environment; Serve's proxy, which in direct-ingress
 mode listens on a free loopback port that nothing uses, keeps httptools.
 """

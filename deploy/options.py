@@ -7,7 +7,7 @@ the flags of ``pagedray serve`` and ``pagedray generate`` and the ``EngineConfig
 ``metadata["help"]``), so a new config field is an arg and a flag at once, followed by the Serve-only
 options listed here. ``NOT_OPTIONS`` lists the engine settings that are deliberately not served, with
 why. Tests check that every config field is reachable from ``LLM(...)``, the CLI and the YAML args, and
-that the README's configuration table lists each option.
+that docs/configuration.md's table lists each option.
 
 Decisions:
 - The option name is the config field's name, except ``max_queued_requests`` (the engine's

@@ -1,5 +1,5 @@
 """One list of served options (deploy/options.py): every engine setting is an option or a documented
-exception, and build_app's args, the CLI flags and the README's table all follow the list."""
+exception, and build_app's args, the CLI flags and docs/configuration.md's table all follow the list."""
 
 import dataclasses
 import pathlib
@@ -19,7 +19,7 @@ from pagedray.deploy.options import (
 )
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}
 # a value other than the default for each engine option, valid together
 NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "device": "cpu", "max_model_len": 256,
@@ -94,5 +94,5 @@ def test_cli_flags_follow_the_options():
 
 
 @pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o.name)
-def test_the_readme_lists_every_option(option):
-    assert f"`{option.name}`" in README.read_text()
+def test_the_configuration_doc_lists_every_option(option):
+    assert f"`{option.name}`" in CONFIGURATION_DOC.read_text()

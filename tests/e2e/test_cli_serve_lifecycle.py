@@ -8,7 +8,7 @@ down without waiting out Serve's shutdown loops), and every process of the CLI's
 dashboard, Serve's controller and proxy, the replicas, the TP workers) is gone.
 
 Runs the real CLI in a subprocess; the time limits only end a hang (the exit time is measured by hand:
-the README reports it). Slow: two replicas load the model on 2 cores (~1-2 minutes); the fast tests of
+docs/reliability.md reports it). Slow: two replicas load the model on 2 cores (~1-2 minutes); the fast tests of
 the same logic are in tests/deploy/test_cli_and_config.py (CPU count, the shutdown paths).
 """
 
