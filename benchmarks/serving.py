@@ -78,7 +78,8 @@ from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
-PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-async)?(?:-t(\d+))?(-bf16|-fp32)?")
+PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-async)?(-sock)?(?:-t(\d+))?"
+                             r"(-bf16|-fp32)?")
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
 # (label, path in a loadtest summary, higher is better)
 CLOSED_ROWS = (("completed", ("completed",), True), ("failed", ("failed",), False),
@@ -171,14 +172,14 @@ def skip_reason(spec: SystemSpec, model_path: str) -> str | None:
 
 
 def system_specs(names: list[str], model_path: str, port: int, args: argparse.Namespace) -> list[SystemSpec]:
-    """Server commands: ``peer`` (defaults), ``peer-tuned`` (KV cache sized for the load), ``pagedray-tpN``
-    (pagedray's defaults: one Ray worker actor per rank; one replica, so the engine runs in the ingress
-    replica), ``pagedray-tp1-local`` (the model in the engine's own process); ``-ei`` adds
-    ``--engine-in-ingress`` and ``-sep`` ``--no-engine-in-ingress`` (the engine in a deployment of its
-    own between the ingress and the workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned
-    setting), ``-async`` adds ``--async-scheduling`` and ``-tK`` ``--threads-per-worker K``; a final
-    ``-bf16`` or ``-fp32`` names the dtype (without one: pagedray's default, ``auto``: bfloat16 on a CPU
-    with AMX or AVX512-BF16, else float32)."""
+    """Server commands: ``peer`` (defaults), ``peer-tuned`` (KV cache sized for the load), ``pagedray-tpN`` (pagedray's
+    defaults: one Ray worker actor per rank; one replica, so the engine runs in the ingress replica),
+    ``pagedray-tp1-local`` (the model in the engine's own process); ``-ei`` adds ``--engine-in-ingress`` and
+    ``-sep`` ``--no-engine-in-ingress`` (the engine in a deployment of its own between the ingress and the
+    workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned setting), ``-async`` adds
+    ``--async-scheduling``, ``-sock`` ``--ray-transport socket`` and ``-tK`` ``--threads-per-worker K``; a final
+    ``-bf16`` or ``-fp32`` names the dtype (without one: pagedray's default, ``auto``: bfloat16 on a CPU with
+    AMX or AVX512-BF16, else float32)."""
     specs = []
     for name in names:
         if name in (PEER, PEER_TUNED):
@@ -190,7 +191,7 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
             specs.append(SystemSpec(name, command, model_path))
         elif PAGEDRAY_SYSTEM.fullmatch(name):
             match = PAGEDRAY_SYSTEM.fullmatch(name)
-            tp, in_process, layout, stream_interval, run_ahead, threads, dtype = match.groups()
+            tp, in_process, layout, stream_interval, run_ahead, socket_transport, threads, dtype = match.groups()
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
                        "--tensor-parallel-size", tp, "--device", args.device, "--host", "127.0.0.1",
                        "--port", str(port)]
@@ -204,6 +205,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                 command += ["--stream-interval", stream_interval]
             if run_ahead:
                 command += ["--async-scheduling"]
+            if socket_transport:
+                command += ["--ray-transport", "socket"]
             if threads:
                 command += ["--threads-per-worker", threads]
             specs.append(SystemSpec(name, command, None, int(tp)))
@@ -212,7 +215,7 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                                     env=vllm_cpu.environment(name)))
         else:
             raise ValueError(f"systems: unknown system {name!r} (peer, peer-tuned, vllm, vllm-fp32, "
-                             "pagedray-tpN[-local][-ei|-sep][-siK][-async][-tK][-bf16|-fp32])")
+                             "pagedray-tpN[-local][-ei|-sep][-siK][-async][-sock][-tK][-bf16|-fp32])")
     return specs
 
 

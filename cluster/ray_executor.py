@@ -12,6 +12,10 @@ on any rank surfaces in that step). Two transports, same semantics:
 - ``"compiled"``: a Ray compiled graph ``InputNode -> each actor's execute_bytes -> MultiOutputNode``
   compiled once; a step is ``graph.execute(data)`` over shared-memory channels.
 - ``"actor"``: plain ``actor.execute_bytes.remote(data)`` calls.
+- ``"socket"``: a TCP connection per rank beside Ray (``workers/step_channel.py``): each rank answers
+  steps from one long actor call that blocks on its socket, the engine blocks on the replies; Ray still
+  creates, pings and kills the actors. A closed connection or a worker error reply is handled as the
+  actor transport's dead actor or task error is; ``num_sequences`` goes over the channel too.
 
 ``benchmarks/overhead.py`` measures both (docs/benchmarks.md): the compiled graph's round trip is
 several times shorter, but both are under 1% of a decode step on CPU. Plain actor calls are the
@@ -34,13 +38,14 @@ new empty KV cache). While rebuilding, ``check_health`` raises EngineDeadError (
 from __future__ import annotations
 
 import ray
-from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers import step_channel
+from pagedray.workers.contract.config import RAY_TRANSPORTS, EngineConfig
 from pagedray.workers.contract.wire import StepPlan, StepResult, decode_result, encode_plan
 
 from .outputs import EngineDeadError
 from .placement import Placement, place_ranks
 
-TRANSPORTS = ("compiled", "actor")
+TRANSPORTS = RAY_TRANSPORTS
 HEALTH_PING_TIMEOUT_S = 2.0   # an unanswered health ping means busy, not dead (a dead actor fails fast)
 DEAD_PING_TIMEOUT_S = 2.0
 START_TIMEOUT_S = 300.0   # bound on each start-up wait (actor creation + weight loading + KV init)
@@ -49,6 +54,10 @@ CHANNEL_BUFFER_BYTES = 8 * 1024 * 1024   # initial shared-memory channel size of
 
 class RankFailureError(RuntimeError):
     """A step failed because a TP rank died, lost its channel or stopped answering (curable by rebuild)."""
+
+
+class StepWorkerError(RuntimeError):
+    """A rank's worker code raised during a step (socket transport: the error text it sent back)."""
 
 
 def _wants_gpu(config: EngineConfig) -> bool:
@@ -71,6 +80,8 @@ class RayExecutor:
         self.tp_size = config.parallel.tensor_parallel_size
         self._timeout = config.step_timeout_s
         self._graph = None
+        self._channels = []   # socket transport: one connected step channel per rank
+        self._serving = []    # socket transport: the ranks' serve_step_channel calls (end with the channels)
         self._closed = False
         self._rebuilding = False
         self._steps_in_flight = 0   # execute() calls running now (read by check_health on another thread)
@@ -90,6 +101,8 @@ class RayExecutor:
             self._init_workers()
             if self.transport == "compiled":
                 self._graph = self._compile()
+            elif self.transport == "socket":
+                self._channels = self._open_channels()
         except BaseException:
             self._stop()
             raise
@@ -101,6 +114,9 @@ class RayExecutor:
         may be blocked in a collective with the dead one and the teardown would wait for it."""
         if kill_first:
             self._kill_actors()
+        for conn in self._channels:
+            conn.close()
+        self._channels, self._serving = [], []
         if self._graph is not None:
             try:
                 self._graph.teardown()
@@ -126,7 +142,7 @@ class RayExecutor:
         collective that lost its peer) while some rank's actor is dead. Any other exception is raised by
         worker code and would recur in a new group: it is returned unchanged."""
         errors = ray.exceptions
-        direct = (isinstance(exc, (errors.RayActorError, errors.RayChannelError, TimeoutError))
+        direct = (isinstance(exc, (errors.RayActorError, errors.RayChannelError, TimeoutError, OSError))
                   and not isinstance(exc, errors.RayTaskError))
         dead = self._dead_ranks()
         if direct or dead:
@@ -134,7 +150,11 @@ class RayExecutor:
         return exc
 
     def _dead_ranks(self) -> list[int]:
-        """Ranks whose actor is dead (a short ping; a busy rank that does not answer counts as alive)."""
+        """Ranks whose actor is dead (a short ping; a busy rank that does not answer counts as alive;
+        socket transport: ranks whose serve_step_channel call ended)."""
+        if self._serving:
+            ready, _ = ray.wait(list(self._serving), num_returns=len(self._serving), timeout=DEAD_PING_TIMEOUT_S)
+            return [rank for rank, ref in enumerate(self._serving) if ref in ready]
         refs = [a.ping.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DEAD_PING_TIMEOUT_S)
         dead = []
@@ -176,6 +196,21 @@ class RayExecutor:
         self.num_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors], timeout=START_TIMEOUT_S))
         ray.get([a.init_kv_cache.remote(self.num_blocks) for a in self.actors], timeout=START_TIMEOUT_S)
 
+    def _open_channels(self) -> list:
+        addresses = ray.get([a.open_step_channel.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+        self._serving = [a.serve_step_channel.remote() for a in self.actors]
+        return [step_channel.connect(host, port, secret, START_TIMEOUT_S) for host, port, secret in addresses]
+
+    def _read_reply(self, rank: int, conn, timeout: float) -> bytes | None:
+        conn.settimeout(timeout)
+        message = step_channel.read_message(conn)
+        if message is None:
+            raise ConnectionError(f"TP rank {rank} closed its step channel")
+        status, payload = message[:1], message[1:]
+        if status == step_channel.ERROR:
+            raise StepWorkerError(f"TP rank {rank}: {payload.decode('utf-8', 'replace')}")
+        return payload if status == step_channel.OK else None
+
     def _compile(self):
         from ray.dag import InputNode, MultiOutputNode
 
@@ -197,6 +232,10 @@ class RayExecutor:
         try:
             if self._graph is not None:
                 refs = self._graph.execute(data)
+            elif self._channels:
+                for conn in self._channels:
+                    step_channel.write_message(conn, data)
+                refs = None
             else:
                 refs = [a.execute_bytes.remote(data) for a in self.actors]
         except Exception as exc:
@@ -209,6 +248,8 @@ class RayExecutor:
         try:
             if self._graph is not None:
                 replies = [ref.get(timeout=timeout) for ref in refs]
+            elif refs is None:
+                replies = [self._read_reply(rank, conn, timeout) for rank, conn in enumerate(self._channels)]
             else:
                 replies = ray.get(refs, timeout=timeout)
         except Exception as exc:
@@ -228,6 +269,14 @@ class RayExecutor:
 
     def num_sequences(self) -> list[int]:
         """Mirrored sequences per rank (leak checks)."""
+        if self._channels:
+            if self._steps_in_flight:
+                raise RuntimeError("num_sequences: a step is in flight (its reply comes first on the channel)")
+            counts = []
+            for rank, conn in enumerate(self._channels):
+                step_channel.write_message(conn, step_channel.COUNT)
+                counts.append(step_channel.COUNT_FORMAT.unpack(self._read_reply(rank, conn, START_TIMEOUT_S))[0])
+            return counts
         return ray.get([a.num_sequences.remote() for a in self.actors], timeout=START_TIMEOUT_S)
 
     def check_health(self) -> None:
@@ -236,12 +285,18 @@ class RayExecutor:
         While a step is in flight the ranks are not pinged: the ping would queue behind the step (an
         actor runs one call at a time), and a rank that dies mid-step fails that step, which the engine
         handles. Otherwise each rank is pinged; one that does not answer within HEALTH_PING_TIMEOUT_S
-        (a step started meanwhile) counts as busy, not dead: stalls are the step watchdog's business."""
+        (a step started meanwhile) counts as busy, not dead: stalls are the step watchdog's business.
+        Socket transport: a rank's main thread is always in its ``serve_step_channel`` call, so instead
+        of a ping that call is looked at: one that has ended (the actor died, or its loop stopped) is a
+        dead rank, at any time."""
         if self._closed:
             raise EngineDeadError("the Ray executor has been shut down")
         actors = list(self.actors)
         if self._rebuilding or len(actors) != self.tp_size:
             raise EngineDeadError("the TP group is being rebuilt after a rank failure")
+        if self._serving:
+            self._raise_if_a_loop_ended(list(self._serving), timeout=0)
+            return
         if self._steps_in_flight:
             return
         refs = [a.ping.remote() for a in actors]
@@ -253,6 +308,19 @@ class RayExecutor:
                 ray.get(ref)
             except ray.exceptions.RayActorError as exc:
                 raise EngineDeadError(f"TP rank {rank} is dead: {exc}") from exc
+
+    @staticmethod
+    def _raise_if_a_loop_ended(serving: list, timeout: float) -> None:
+        """EngineDeadError naming the first rank whose serve_step_channel call has ended."""
+        ready, _ = ray.wait(serving, num_returns=len(serving), timeout=timeout)
+        for rank, ref in enumerate(serving):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                    reason = "its step channel closed"
+                except Exception as exc:  # RayActorError for a dead actor; anything else ended the loop too
+                    reason = f"{type(exc).__name__}: {exc}"
+                raise EngineDeadError(f"TP rank {rank} is dead: {reason}")
 
     def shutdown(self) -> None:
         if self._closed:

@@ -15,7 +15,10 @@ prefer ``execute_bytes`` (msgpack wire form) over ``execute`` (pickled dataclass
 The actor stays a plain (single-threaded) actor: calls run one at a time on its main thread. A health
 ping in a concurrency group of its own would not queue behind a step, but it turns the actor into a
 threaded one whose steps ran about 25% slower on the 2-core CPU (torch on a non-main thread); the
-executor instead skips the ping while a step is in flight (ray_executor.py).
+executor instead skips the ping while a step is in flight (ray_executor.py). With
+``ray_transport="socket"`` the steps come over a TCP connection instead (step_channel.py):
+``open_step_channel`` listens, then one long ``serve_step_channel`` call answers the steps on the main
+thread until the engine closes the connection.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import ray
 
 from .contract.config import EngineConfig
 from .contract.wire import StepPlan, StepResult
+from .step_channel import StepChannelServer
 from .worker import Worker
 
 
@@ -42,6 +46,7 @@ class RayWorkerBody:
         self._config = config
         self._rank = rank
         self._worker: Worker | None = None
+        self._channel: StepChannelServer | None = None
         if dist_init_method is not None or config.parallel.tensor_parallel_size == 1:
             self.init_worker(dist_init_method)
 
@@ -78,11 +83,28 @@ class RayWorkerBody:
     def num_sequences(self) -> int:
         return self._get().num_sequences()
 
+    def open_step_channel(self) -> tuple[str, int, bytes]:
+        """Listens for the engine's step channel (step_channel.py): (host, port, secret) to connect to.
+        Call ``serve_step_channel`` next; it answers the steps until the connection closes."""
+        if self._channel is not None:
+            raise RuntimeError(f"RayWorker rank {self._rank}: the step channel is already open")
+        worker, host = self._get(), ray.util.get_node_ip_address()
+        self._channel = StepChannelServer(host, worker.execute_bytes, worker.num_sequences)
+        return host, self._channel.port, self._channel.secret
+
+    def serve_step_channel(self) -> None:
+        """Blocks this actor's main thread answering the step channel opened by ``open_step_channel``."""
+        if self._channel is None:
+            raise RuntimeError(f"RayWorker rank {self._rank}: call open_step_channel first")
+        self._channel.serve()
+
     def ping(self) -> int:
         """Liveness only (reads no Worker state): the rank."""
         return self._rank
 
     def shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None

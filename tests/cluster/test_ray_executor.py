@@ -121,13 +121,14 @@ def test_health_does_not_ping_ranks_during_a_step():
     executor = RayExecutor.__new__(RayExecutor)
     executor._closed, executor._rebuilding, executor.tp_size = False, False, 2
     executor.actors, executor._steps_in_flight = [NotToBePinged(), NotToBePinged()], 1
+    executor._serving = []                       # actor transport: no step channel loops
     executor.check_health()                      # returns at once: no ping
     executor._steps_in_flight = 0
     with pytest.raises(AssertionError, match="pinged"):
         executor.check_health()                  # between steps the ranks are pinged
 
 
-@pytest.mark.parametrize("transport", ["actor", "compiled"])
+@pytest.mark.parametrize("transport", ["actor", "compiled", "socket"])
 def test_run_ahead_over_ray_tp1_matches_local(ray_session, tiny_llama_path, local_tokens, transport):
     """async_scheduling on the Ray executor: step N+1 is sent to the rank's actor while step N runs
     there (actor calls and compiled-graph executions run in order); the tokens are the local ones."""
@@ -139,6 +140,48 @@ def test_run_ahead_over_ray_tp1_matches_local(ray_session, tiny_llama_path, loca
     finally:
         llm.shutdown()
     assert [r.outputs[0].token_ids for r in results] == local_tokens
+
+
+def test_socket_transport_tp2_matches_local_reports_worker_errors_and_recovers_a_killed_rank(
+        ray_session, tiny_llama_path, local_tokens):
+    """ray_transport="socket" (workers/step_channel.py): TP=2 gives the local tokens; a plan the worker
+    refuses comes back as StepWorkerError (worker code, not a rank failure) and the channel stays in step;
+    a rank killed mid-decode is a rank failure: the group is rebuilt (new actors, new channels) and the
+    requests finish with the undisturbed tokens, nothing leaked; health sees a killed idle rank."""
+    from pagedray.cluster.ray_executor import StepWorkerError
+    from pagedray.workers.contract.wire import RunningDelta, StepPlan
+
+    from benchmarks.recovery import run_with_kill, undisturbed_tokens
+
+    ray = ray_session
+    llm = LLM(tiny_llama_path, dtype="float32", tensor_parallel_size=2, block_size=8, num_blocks=96,
+              step_timeout_s=60.0, ray_transport="socket")
+    engine, executor = llm.engine, llm.engine.executor
+    try:
+        assert executor.transport == "socket" and len(executor._channels) == 2
+        tokens = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        assert tokens == local_tokens and executor.num_sequences() == [0, 0]
+        expected = undisturbed_tokens(tiny_llama_path)   # benchmarks/recovery.py's requests, in-process
+        recovered, _ = run_with_kill(engine, lambda: ray.kill(executor.actors[1]), kill_after_tokens=5)
+        assert recovered == expected and executor.num_rebuilds == 1
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and executor.num_sequences() == [0, 0]
+        engine.check_health()
+    finally:
+        llm.shutdown()
+    tp1 = LLM(tiny_llama_path, dtype="float32", block_size=8, num_blocks=96, executor="ray", ray_transport="socket")
+    try:
+        bad = StepPlan(step_id=1, running=[RunningDelta(seq_id=424242, num_scheduled_tokens=1, new_token_id=5)])
+        with pytest.raises(StepWorkerError, match="TP rank 0: .*424242"):
+            tp1.engine.executor.execute(bad)
+        assert not tp1.engine.executor.is_rank_failure(StepWorkerError("x"))
+        tokens = [r.outputs[0].token_ids for r in tp1.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        assert tokens == local_tokens                         # the channel is still in step after the error
+        tp1.engine.executor.check_health()                    # the rank's serving call is still running
+        ray.kill(tp1.engine.executor.actors[0])
+        assert "rank 0" in _first_health_failure(tp1.engine.executor)
+    finally:
+        tp1.shutdown()
 
 
 def test_ranks_that_resolve_dtype_auto_differently_are_refused(ray_session):

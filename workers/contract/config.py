@@ -18,7 +18,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 EXECUTORS = ("auto", "local", "ray")
-RAY_TRANSPORTS = ("actor", "compiled")
+RAY_TRANSPORTS = ("actor", "compiled", "socket")
 POLICIES = ("fcfs", "priority")
 BLOCK_SIZES = (8, 16, 32, 64)
 
@@ -95,7 +95,8 @@ class ParallelConfig:
                                              "own placement group (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)")
     ray_transport: str = option("actor", "how plans reach the Ray ranks: actor (plain actor calls, idle ranks "
                                          "sleep) | compiled (Ray compiled graph: a shorter round trip, but its "
-                                         "ranks busy-poll while idle)")
+                                         "ranks busy-poll while idle) | socket (a TCP connection per rank beside "
+                                         "Ray: short round trips, nobody polls)")
     threads_per_worker: int | None = option(None, "torch threads per TP rank on CPU (default: cores // TP size)")
     max_rank_restarts: int = option(3, "times a dead TP rank may be recovered from (rebuild the group, re-admit "
                                        "the running sequences); 0: fail in-flight requests instead")
