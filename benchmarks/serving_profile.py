@@ -24,8 +24,9 @@ Variants, single runs: ``-t1`` 362-366 tok/s (the worker then runs 30 ms decode 
 ``-async`` 479 (gaps 1.1 ms, decode steps 24.0 ms); ``--ray-transport compiled`` 351 (the ingress
 spins at 43% of the machine waiting for results); ``-sock`` (``--ray-transport socket``) 480, the
 ingress down to 3.8% (32.7 wall ms per step); the same with the rank's loop on a thread of its own
-instead of the actor's main thread: 433 (oneDNN's GEMMs ran 1.5x slower there); ``OMP_WAIT_POLICY=PASSIVE`` 380, ``ACTIVE`` 421;
-the ingress at nice 5 / 10: 479 / 442 (no clear change).
+instead of the actor's main thread: 433 (oneDNN's GEMMs ran 1.5x slower there);
+``OMP_WAIT_POLICY=PASSIVE`` 380, ``ACTIVE`` 421; the ingress at nice 5 / 10: 479 / 442 (no clear
+change).
 """
 
 from __future__ import annotations
