@@ -89,12 +89,6 @@ def run_with_kill(engine, kill, kill_after_tokens: int) -> tuple[list[list[int]]
     return [tokens[str(i)] for i in range(len(PROMPTS))], first_after
 
 
-def actor_pid(actor) -> int:
-    import ray
-
-    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=60)
-
-
 def _measure(model: str, mode: str, kill_after: int, expected: list[list[int]]) -> dict:
     import ray
     from pagedray.cluster.llm import LLM
@@ -108,7 +102,7 @@ def _measure(model: str, mode: str, kill_after: int, expected: list[list[int]]) 
             def kill():
                 ray.kill(victim)
         else:
-            pid = actor_pid(victim)
+            pid = llm.engine.executor.rank_pids[1]
 
             def kill():
                 os.kill(pid, signal.SIGKILL)

@@ -17,7 +17,9 @@ on any rank surfaces in that step). Two transports, same semantics:
   creates, pings and kills the actors. A closed connection or a worker error reply is handled as the
   actor transport's dead actor or task error is; ``num_sequences`` goes over the channel too.
 
-``benchmarks/overhead.py`` measures both (docs/benchmarks.md): the compiled graph's round trip is
+``"auto"`` (the default) is ``"socket"`` when every rank's node is the engine's own (the connection
+stays on the machine) and ``"actor"`` otherwise, decided again at each (re)start.
+``benchmarks/overhead.py`` measures the first two (docs/benchmarks.md): the compiled graph's round trip is
 several times shorter, but both are under 1% of a decode step on CPU. Plain actor calls are the
 default (``ParallelConfig.ray_transport="actor"``): the compiled graph's ranks poll their channels and
 keep a core busy even while the engine is idle (a TP worker at full CPU under an idle
@@ -37,6 +39,8 @@ new empty KV cache). While rebuilding, ``check_health`` raises EngineDeadError (
 
 from __future__ import annotations
 
+import logging
+
 import ray
 from pagedray.workers import step_channel
 from pagedray.workers.contract.config import RAY_TRANSPORTS, EngineConfig
@@ -44,6 +48,8 @@ from pagedray.workers.contract.wire import StepPlan, StepResult, decode_result, 
 
 from .outputs import EngineDeadError
 from .placement import Placement, place_ranks
+
+log = logging.getLogger(__name__)
 
 TRANSPORTS = RAY_TRANSPORTS
 HEALTH_PING_TIMEOUT_S = 2.0   # an unanswered health ping means busy, not dead (a dead actor fails fast)
@@ -76,7 +82,9 @@ class RayExecutor:
         if not ray.is_initialized():
             ray.init(log_to_driver=False)
         self.config = config
-        self.transport = transport
+        self._requested_transport = transport
+        self.transport = transport   # "auto" resolved at start (_start)
+        self.rank_pids: list[int] = []
         self.tp_size = config.parallel.tensor_parallel_size
         self._timeout = config.step_timeout_s
         self._graph = None
@@ -99,10 +107,13 @@ class RayExecutor:
             self.actors = [RayWorker.options(**self.placement.actor_options(rank)).remote(self.config, rank)
                            for rank in range(self.tp_size)]
             self._init_workers()
+            self.transport = self._resolve_transport()
             if self.transport == "compiled":
                 self._graph = self._compile()
             elif self.transport == "socket":
                 self._channels = self._open_channels()
+            log.info("TP group of %d rank(s) ready: transport %s, rank processes %s", self.tp_size, self.transport,
+                     self.rank_pids)
         except BaseException:
             self._stop()
             raise
@@ -195,6 +206,15 @@ class RayExecutor:
         self.dtype = dtypes[0]
         self.num_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors], timeout=START_TIMEOUT_S))
         ray.get([a.init_kv_cache.remote(self.num_blocks) for a in self.actors], timeout=START_TIMEOUT_S)
+        self.rank_pids = ray.get([a.process_id.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+
+    def _resolve_transport(self) -> str:
+        if self._requested_transport != "auto":
+            return self._requested_transport
+        here = ray.util.get_node_ip_address()
+        nodes = [ip for ip, _ in ray.get([a.node_ip_and_free_port.remote() for a in self.actors],
+                                          timeout=START_TIMEOUT_S)]
+        return "socket" if all(ip == here for ip in nodes) else "actor"
 
     def _open_channels(self) -> list:
         addresses = ray.get([a.open_step_channel.remote() for a in self.actors], timeout=START_TIMEOUT_S)

@@ -23,6 +23,7 @@ thread until the engine closes the connection.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import ray
@@ -97,6 +98,11 @@ class RayWorkerBody:
         if self._channel is None:
             raise RuntimeError(f"RayWorker rank {self._rank}: call open_step_channel first")
         self._channel.serve()
+
+    def process_id(self) -> int:
+        """This rank's OS process id (the executor logs them at start-up: what a profiler or a fault test
+        attaches to)."""
+        return os.getpid()
 
     def ping(self) -> int:
         """Liveness only (reads no Worker state): the rank."""

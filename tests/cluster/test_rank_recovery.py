@@ -12,7 +12,7 @@ import signal
 import pytest
 from pagedray.cluster import LLM
 
-from benchmarks.recovery import ENGINE_KWARGS, actor_pid, run_with_kill, undisturbed_tokens
+from benchmarks.recovery import ENGINE_KWARGS, run_with_kill, undisturbed_tokens
 
 pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
@@ -26,7 +26,7 @@ def test_tp2_rank_sigkilled_mid_decode_is_rebuilt_and_outputs_match_undisturbed_
     llm = LLM(tiny_llama_path, tensor_parallel_size=2, step_timeout_s=30.0, **ENGINE_KWARGS)   # float32 in there
     engine, executor = llm.engine, llm.engine.executor
     old_actors, old_group = list(executor.actors), executor.placement.placement_group
-    pid = actor_pid(old_actors[1])
+    pid = executor.rank_pids[1]
     try:
         tokens, recovery_s = run_with_kill(engine, lambda: os.kill(pid, signal.SIGKILL), kill_after_tokens=5)
         logger.warning("rank-1 SIGKILL -> first token after rebuild: %.2f s (rebuild %.2f s)", recovery_s,

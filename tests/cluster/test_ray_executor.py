@@ -128,7 +128,7 @@ def test_health_does_not_ping_ranks_during_a_step():
         executor.check_health()                  # between steps the ranks are pinged
 
 
-@pytest.mark.parametrize("transport", ["actor", "compiled", "socket"])
+@pytest.mark.parametrize("transport", ["actor", "compiled", "socket", "auto"])
 def test_run_ahead_over_ray_tp1_matches_local(ray_session, tiny_llama_path, local_tokens, transport):
     """async_scheduling on the Ray executor: step N+1 is sent to the rank's actor while step N runs
     there (actor calls and compiled-graph executions run in order); the tokens are the local ones."""
@@ -137,6 +137,8 @@ def test_run_ahead_over_ray_tp1_matches_local(ray_session, tiny_llama_path, loca
     try:
         results = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         assert llm.engine.executor._steps_in_flight == 0
+        # auto: the rank runs on this (the engine's) node, so its plans go over the step channel
+        assert llm.engine.executor.transport == ("socket" if transport == "auto" else transport)
     finally:
         llm.shutdown()
     assert [r.outputs[0].token_ids for r in results] == local_tokens

@@ -18,7 +18,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 EXECUTORS = ("auto", "local", "ray")
-RAY_TRANSPORTS = ("actor", "compiled", "socket")
+RAY_TRANSPORTS = ("auto", "actor", "compiled", "socket")
 POLICIES = ("fcfs", "priority")
 BLOCK_SIZES = (8, 16, 32, 64)
 
@@ -93,10 +93,11 @@ class ParallelConfig:
                                    "ray (a Ray worker actor per TP rank)")
     placement_strategy: str = option("PACK", "placement of the TP ranks' bundles when the engine creates its "
                                              "own placement group (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)")
-    ray_transport: str = option("actor", "how plans reach the Ray ranks: actor (plain actor calls, idle ranks "
-                                         "sleep) | compiled (Ray compiled graph: a shorter round trip, but its "
-                                         "ranks busy-poll while idle) | socket (a TCP connection per rank beside "
-                                         "Ray: short round trips, nobody polls)")
+    ray_transport: str = option("auto", "how plans reach the Ray ranks: auto (socket when every rank runs on "
+                                        "the engine's node, else actor) | actor (plain actor calls, idle ranks "
+                                        "sleep) | compiled (Ray compiled graph: a shorter round trip, but its "
+                                        "ranks busy-poll while idle) | socket (a TCP connection per rank beside "
+                                        "Ray: short round trips, nobody polls)")
     threads_per_worker: int | None = option(None, "torch threads per TP rank on CPU (default: cores // TP size)")
     max_rank_restarts: int = option(3, "times a dead TP rank may be recovered from (rebuild the group, re-admit "
                                        "the running sequences); 0: fail in-flight requests instead")
