@@ -7,7 +7,7 @@ create the actors, ask rank 0 for ``node_ip_and_free_port`` and initialise every
 
 Each step encodes the plan once (msgpack), sends the same bytes to every rank and decodes the
 StepResult of rank 0 (the other ranks answer None; their replies are still awaited so that an error
-on any rank surfaces in that step). Two transports, same semantics:
+on any rank surfaces in that step). Three transports, same semantics:
 
 - ``"compiled"``: a Ray compiled graph ``InputNode -> each actor's execute_bytes -> MultiOutputNode``
   compiled once; a step is ``graph.execute(data)`` over shared-memory channels.
@@ -18,12 +18,12 @@ on any rank surfaces in that step). Two transports, same semantics:
   actor transport's dead actor or task error is; ``num_sequences`` goes over the channel too.
 
 ``"auto"`` (the default) is ``"socket"`` when every rank's node is the engine's own (the connection
-stays on the machine) and ``"actor"`` otherwise, decided again at each (re)start.
-``benchmarks/overhead.py`` measures the first two (docs/benchmarks.md): the compiled graph's round trip is
-several times shorter, but both are under 1% of a decode step on CPU. Plain actor calls are the
-default (``ParallelConfig.ray_transport="actor"``): the compiled graph's ranks poll their channels and
-keep a core busy even while the engine is idle (a TP worker at full CPU under an idle
-``pagedray serve``), which costs far more than the round trip it saves.
+stays on the machine; a port between nodes may be firewalled) and ``"actor"`` otherwise, decided again
+at each (re)start. The compiled graph is never the default: its ranks poll their channels and keep a
+core busy even while the engine is idle (a TP worker at full CPU under an idle ``pagedray serve``), and
+its driver polls too (the engine's process at 43% of the 2-core machine in a serving profile).
+``benchmarks/overhead.py`` measures actor calls against the compiled graph, benchmarks.serving's
+``-sock`` systems the socket transport (docs/benchmarks.md).
 
 Every wait is bounded (a step's by ``config.step_limit_s(tokens in the step)``) so a stalled rank fails the
 step instead of hanging.
@@ -315,7 +315,7 @@ class RayExecutor:
         if self._rebuilding or len(actors) != self.tp_size:
             raise EngineDeadError("the TP group is being rebuilt after a rank failure")
         if self._serving:
-            self._raise_if_a_loop_ended(list(self._serving), timeout=0)
+            self._raise_if_a_loop_ended(list(self._serving))
             return
         if self._steps_in_flight:
             return
@@ -330,9 +330,9 @@ class RayExecutor:
                 raise EngineDeadError(f"TP rank {rank} is dead: {exc}") from exc
 
     @staticmethod
-    def _raise_if_a_loop_ended(serving: list, timeout: float) -> None:
-        """EngineDeadError naming the first rank whose serve_step_channel call has ended."""
-        ready, _ = ray.wait(serving, num_returns=len(serving), timeout=timeout)
+    def _raise_if_a_loop_ended(serving: list) -> None:
+        """EngineDeadError naming the first rank whose serve_step_channel call has ended (no waiting)."""
+        ready, _ = ray.wait(serving, num_returns=len(serving), timeout=0)
         for rank, ref in enumerate(serving):
             if ref in ready:
                 try:

@@ -20,11 +20,11 @@ a big prompt's logprobs, so ``/health`` and other streams are not held while it 
 encodes the JSON off the event loop too. Prompt logprobs are formatted once per prompt and shared by
 its choices (openai_format.py).
 
-A request with several prompts sends them to the engine at most ``limits.sequences_in_flight // n`` at a
-time (half the engine's ``max_num_seqs``, set by the ingress; at least one; the next prompt goes when
-one finishes), so one batch request cannot take
-every engine seat and leave other clients' requests waiting behind its whole batch. Admission errors
-of the later prompts (429) then arrive mid-response, like any engine error after the first output.
+A request with several prompts sends them to the engine at most ``limits.sequences_in_flight // n`` at
+a time (half the engine's ``max_num_seqs``, set by the ingress; at least one; the next prompt goes when
+one finishes), so one batch request cannot take every engine seat and leave other clients' requests
+waiting behind its whole batch. Admission errors of the later prompts (429) then arrive mid-response,
+like any engine error after the first output.
 
 Metrics: every request is counted once in ``pagedray:requests_total`` by outcome; token counts and
 latencies are recorded for every request that was admitted (also when it was aborted).
