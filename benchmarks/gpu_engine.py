@@ -26,7 +26,8 @@ Start-up facts: CUDA-graph capture time, graph memory, buckets; KV blocks.
 ``--dry-run``: a tiny Qwen3-shaped model on CPU in float32 (no graphs, no profiler, no prefill kernel
 section), to check the plumbing where there is no GPU; its numbers mean nothing.
 
-Usage: ``python -m benchmarks.gpu_engine [--dry-run] [--rounds 3] [--skip-hf] [--out PATH]``
+Usage: ``python -m benchmarks.gpu_engine [--dry-run] [--rounds 3] [--skip-hf] [--num-seqs 256] [--out PATH]``
+(``--num-seqs`` shrinks the throughput section for a smoke run; its figure then is not the goal's shape)
 (estimated 6-8 minutes on an H100; not yet run there).
 """
 
@@ -118,6 +119,11 @@ class Engine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        self.graphs = self.worker = None      # the graphs hold the KV cache: the next engine needs the memory
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _sync() -> None:
@@ -132,6 +138,7 @@ def batch1_ms_per_step(engine: Engine, cfg: dict, graphs: bool) -> dict:
     engine.set_graphs(graphs)
     prompt = [[(7 * i) % 1000 + 2 for i in range(cfg["batch1_prompt"])]]
     n = cfg["batch1_tokens"]
+    engine.generate(prompt, [2])                                        # warm-up: the first call compiles
     one = engine.generate(prompt, [1])["seconds"]
     many = engine.generate(prompt, [n + 1])["seconds"]
     engine.set_graphs(True)
@@ -266,6 +273,13 @@ def print_rows(rows: list[dict], columns: list[str]) -> None:
     print_table(rows, columns)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"need an integer >= 1, got {text}")
+    return value
+
+
 def main() -> None:
     import torch
 
@@ -274,6 +288,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--hf-seqs", type=int, default=16)
     parser.add_argument("--hf-max-s", type=float, default=120.0, help="time limit of one HF round, seconds")
+    parser.add_argument("--num-seqs", type=_positive_int, default=None,
+                        help="sequences of the throughput section (default: 256, the nano-vllm shape)")
     add_round_args(parser, "gpu")
     args = parser.parse_args()
     if args.dry_run:
@@ -282,6 +298,8 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("benchmarks.gpu_engine needs a CUDA GPU (use --dry-run to check the script on CPU)")
         cfg = FULL
+    if args.num_seqs is not None:
+        cfg = {**cfg, "num_seqs": args.num_seqs}
     stem = args.out.removesuffix(".json")
     # a dry run checks the plumbing: no waiting for the load average to settle on a busy CI machine
     pace = {"sleep": (lambda _seconds: None) if args.dry_run else time.sleep}

@@ -34,14 +34,23 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 import torch
 import triton
-from pagedray.kernels import decode_triton, prefill_triton, store_kv_triton
+from pagedray.kernels import (
+    activation_triton,
+    decode_triton,
+    norm_triton,
+    prefill_triton,
+    rotary_triton,
+    seeded_uniform_triton,
+    store_kv_triton,
+)
 from triton import compiler
 from triton.backends.compiler import GPUTarget
 
 TARGET = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_q_ptr"}
-FP32_POINTERS = {"alibi_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"}
-INT64_POINTERS = {"slot_ptr"}
+FP32_POINTERS = {"alibi_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr", "inv_freq_ptr"}
+INT64_POINTERS = {"slot_ptr", "keys_ptr", "pos_ptr"}
+FP32_SCALARS = {"scale_log2", "eps"}
 NOT_DIVISIBLE = {"group_size", "stride_bt", "sliding_window", "num_splits", "num_seqs", "block_size", "num_heads"}
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SM90_SHARED_PER_SM = 228 * 1024
@@ -68,7 +77,7 @@ def compile_sm90(kernel, data_type: str, constexprs: dict, **options):
         elif name.endswith("_ptr"):
             signature[name] = "*" + data_type
         else:
-            signature[name] = "fp32" if name == "scale_log2" else "i32"
+            signature[name] = "fp32" if name in FP32_SCALARS else "i32"
         if name.endswith("_ptr") or (signature[name] == "i32" and name not in NOT_DIVISIBLE):
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = compiler.ASTSource(kernel, signature, constexprs, attrs)
@@ -127,6 +136,18 @@ def variants() -> dict[str, tuple]:
         out[name] = (prefill_triton._prefill_kernel, data_type, consts, options)
     store_cfg, store_options = _launch_options(store_kv_triton.store_kv_config(8, 128))
     out["store_kv bf16"] = (store_kv_triton._store_kv_kernel, "bf16", store_cfg, store_options)
+    # the element-wise kernels of the model and the sampler: the same wrapper configs at Qwen3-0.6B sizes
+    for name, kernel, data_type, cfg in (
+            ("silu_and_mul bf16", activation_triton._silu_and_mul_kernel, "bf16",
+             activation_triton.silu_and_mul_config(3072)),
+            ("rms_norm bf16", norm_triton._rms_norm_kernel, "bf16", dict(HAS_RESIDUAL=True,
+                                                                          **norm_triton.norm_config(1, 1024))),
+            ("rotary bf16", rotary_triton._rotary_kernel, "bf16", rotary_triton.rotary_config(16, 128)),
+            ("seeded uniform", seeded_uniform_triton._seeded_uniform_kernel, "fp32", dict(BLOCK=1024,
+                                                                                          num_warps=4))):
+        consts, options = _launch_options(cfg)
+        out[name] = (kernel, data_type, consts, options)
+    out["rotary bf16"][3]["enable_fp_fusion"] = False      # as rotary_embedding_triton launches it
     return out
 
 

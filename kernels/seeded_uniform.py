@@ -32,16 +32,16 @@ def noise_keys(seeds_and_positions: list[tuple[int, int]], device: torch.device)
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """The kernel's uint32 hash on int64 tensors holding values in [0, 2**32)."""
     x = x ^ (x >> 16)
-    x = (x * MIX_MUL_1) & MASK32
+    x = (x * MIX_MUL_1.value) & MASK32
     x = x ^ (x >> 15)
-    x = (x * MIX_MUL_2) & MASK32
+    x = (x * MIX_MUL_2.value) & MASK32
     return x ^ (x >> 15)
 
 
 def seeded_uniform_reference(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys ``[rows, 2]`` int64 -> ``[rows, vocab]`` float32 (the Triton kernel's formula in torch)."""
     row_a = _mix32(keys[:, 0:1])                                                  # [rows, 1]
-    row_b = _mix32(keys[:, 1:2] ^ GOLDEN)
+    row_b = _mix32(keys[:, 1:2] ^ GOLDEN.value)
     cols = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]   # [1, vocab]
     h = _mix32(_mix32((cols + row_a) & MASK32) ^ row_b)                           # [rows, vocab]
     return (h >> 8).to(torch.float32) * 2.0**-24

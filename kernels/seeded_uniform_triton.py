@@ -18,9 +18,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MIX_MUL_1 = 0x21F0AAAD   # both multipliers < 2**31, so the int64 torch reference never overflows
-MIX_MUL_2 = 0x735A2D97
-GOLDEN = 0x9E3779B9
+# constexpr globals: a jitted function may read a module global only when it is one (Triton 3.6 refuses
+# plain ints at compile time; the interpreter accepts both). ``.value`` is the int for torch code.
+MIX_MUL_1 = tl.constexpr(0x21F0AAAD)   # both multipliers < 2**31: the int64 torch reference never overflows
+MIX_MUL_2 = tl.constexpr(0x735A2D97)
+GOLDEN = tl.constexpr(0x9E3779B9)
 
 
 @triton.jit

@@ -196,7 +196,11 @@ class Worker:
         return 0 if self.runner is None else len(self.runner.mirror)
 
     def shutdown(self) -> None:
+        """Releases the KV cache and the decode graphs (the runner holds both), so a new engine in the
+        same process can profile the device memory again."""
         self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         if self.grammars is not None:
             self.grammars.shutdown()
         self.tp.destroy()

@@ -18,7 +18,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def test_gpu_engine_dry_run_writes_every_section(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_engine", "--dry-run", "--skip-hf", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_engine", "--dry-run", "--skip-hf", "--num-seqs", "5",
+                           "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -31,4 +32,5 @@ def test_gpu_engine_dry_run_writes_every_section(tmp_path):
     assert [row["graphs"] for row in report["busy"]] == [True, False]
     assert all(row["steps"] > 0 and row["wall_ms_per_step"] > 0 for row in report["busy"])
     assert report["startup"]["kv_blocks"] > 0
+    assert json.loads((tmp_path / "gpu_throughput.json").read_text())["config"]["num_seqs"] == 5   # --num-seqs
     assert "summary ==" in proc.stdout and "batch-1 decode:" in proc.stdout

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Every GPU check in one command, for a short lease on a CUDA machine with no network and no Ray
+# (docs/gpu.md). Run from the repository root:
+#
+#   bash benchmarks/gpu_check.sh quick   # install, the -m gpu tests, an engine smoke (32 sequences)
+#   bash benchmarks/gpu_check.sh full    # install, the -m gpu tests, benchmarks.gpu_engine at its shape
+#
+# Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, gpu*.json the figures.
+# Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
+# first when present. TEST_S and BENCH_S bound the two stages in seconds, so that a stage that hangs
+# or crawls still leaves the other's output.
+set -u
+mode=${1:-quick}
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/run.log") 2>&1
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)"
+git log -1 --format='commit %h %s' 2>/dev/null || true
+
+echo "== -m gpu tests =="
+parallel=()    # pytest-xdist where the image has it: Triton compiles the kernel variants on the CPU cores
+python3 -c "import xdist" 2>/dev/null && parallel=(-n "$(( $(nproc) > 8 ? 8 : $(nproc) ))")
+timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu "${parallel[@]}" --timeout 150 -rfEs \
+    ${TESTS:-tests/kernels tests/workers/test_worker_gpu.py}
+echo "tests exit: $?"
+
+echo "== benchmarks.gpu_engine ($mode) =="
+if [ "$mode" = quick ]; then
+    timeout "${BENCH_S:-200}" python3 -m benchmarks.gpu_engine --num-seqs 32 --skip-hf --out "$OUT/gpu.json"
+else
+    timeout "${BENCH_S:-420}" python3 -m benchmarks.gpu_engine --hf-max-s 30 --out "$OUT/gpu.json"
+fi
+echo "gpu_engine exit: $?"
