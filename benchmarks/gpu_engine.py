@@ -28,7 +28,7 @@ section), to check the plumbing where there is no GPU; its numbers mean nothing.
 
 Usage: ``python -m benchmarks.gpu_engine [--dry-run] [--rounds 3] [--skip-hf] [--num-seqs 256] [--out PATH]``
 (``--num-seqs`` shrinks the throughput section for a smoke run; its figure then is not the goal's shape)
-(estimated 6-8 minutes on an H100; not yet run there).
+(about 4 minutes on an H200, 2026-11-25: docs/gpu.md).
 """
 
 from __future__ import annotations
