@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     from pagedray.cluster import LLM, SamplingParams
-    from pagedray.deploy.structured_output import schema_grammar
+    from pagedray.deploy.openai.structured_output import schema_grammar
 
     batches = [int(b) for b in args.batches.split(",")]
     prompts = make_prompts(max(batches), 8, 120, args.seed)

@@ -2,7 +2,7 @@
 
 ``listening_sockets(root_pid)`` -> sorted ``[(address, port, pid, process name)]`` for every socket in
 LISTEN state that a process of the tree (``root_pid`` and its descendants: a server and the Ray
-processes it started) holds open; ``pagedray.deploy.loopback.is_loopback`` tells loopback addresses
+processes it started) holds open; ``pagedray.deploy.serve.loopback.is_loopback`` tells loopback addresses
 (IPv4-mapped ones included) from the rest (0.0.0.0 and :: included). Used by the red team's
 open-surfaces case and by tests/e2e/test_cli_loopback.py.
 """

@@ -35,7 +35,7 @@ import httpx
 # the polling sampler is test-support code, kept beside the tests that use it
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from helpers.burst_load import StatsSampler
-from pagedray.deploy.loopback import is_loopback
+from pagedray.deploy.serve.loopback import is_loopback
 
 from benchmarks.common import machine
 from benchmarks.listening_sockets import listening_sockets

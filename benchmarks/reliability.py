@@ -45,8 +45,8 @@ BODY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
 
 def start(model: str, ray_address: str) -> tuple[str, object]:
     import ray
-    from pagedray.deploy.app import build_app
-    from pagedray.deploy.engine_deployment import ENGINE_DEPLOYMENT_NAME
+    from pagedray.deploy.serve.app import build_app
+    from pagedray.deploy.serve.engine_deployment import ENGINE_DEPLOYMENT_NAME
     from ray import serve
 
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -115,7 +115,7 @@ def run_overload(url: str, engine, factor: int) -> dict:
 
 
 def _stream(url: str, body: dict, out: dict, started: threading.Event) -> threading.Thread:
-    from pagedray.deploy.sse import parse_sse
+    from pagedray.deploy.openai.sse import parse_sse
 
     def go() -> None:
         with httpx.Client(base_url=url, timeout=300, trust_env=False) as client:

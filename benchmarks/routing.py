@@ -12,7 +12,7 @@ tokens. ``--workload``:
 - ``independent``: each request is a system prompt + one question (no history), the 128 in a seeded
   random order, arriving as a Poisson process at ``--rate`` requests/s.
 
-Each run deploys the real app (``pagedray.deploy.app.build_app``) on a local Ray instance with 2 engine
+Each run deploys the real app (``pagedray.deploy.serve.app.build_app``) on a local Ray instance with 2 engine
 replicas (TP=1, Ray worker actor, 1 torch thread each) and ``request_router`` = ``cache_aware`` or
 ``serve`` (the peer: Serve's default router, at its defaults), sends the workload over HTTP, reads
 per request the time to the first token (client side) and ``usage.prompt_tokens_details.cached_tokens``,
@@ -203,8 +203,8 @@ async def send_workload(url: str, args: argparse.Namespace, tokenizer) -> list[d
 
 
 def run(router: str, num_blocks: int, args: argparse.Namespace, tokenizer) -> dict:
-    from pagedray.deploy.app import build_app
-    from pagedray.deploy.engine_deployment import ENGINE_DEPLOYMENT_NAME
+    from pagedray.deploy.serve.app import build_app
+    from pagedray.deploy.serve.engine_deployment import ENGINE_DEPLOYMENT_NAME
     from ray import serve
 
     with socket.socket() as sock:

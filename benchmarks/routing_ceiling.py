@@ -44,14 +44,14 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from pagedray.block_manager import BlockManager, prefix_block_hashes
-from pagedray.deploy.routing import (
-    DEFAULT_MAX_IMBALANCE,
+from pagedray.deploy.routing.router import (
     PREFIX_SUMMARY_BLOCKS,
     HeldBlocks,
     ReplicaView,
     choose_by_prefix,
     remember_sent,
 )
+from pagedray.deploy.serve.options import DEFAULT_MAX_IMBALANCE
 
 from benchmarks.common import print_table, write_json
 from benchmarks.rounds import Stat, fmt_stat, stat

@@ -80,7 +80,7 @@ from benchmarks.rounds import Metric, Ratio, run_rounds
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
 PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-async)?(-sock)?(?:-t(\d+))?"
                              r"(-bf16|-fp32)?")
-PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
+PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
 # (label, path in a loadtest summary, higher is better)
 CLOSED_ROWS = (("completed", ("completed",), True), ("failed", ("failed",), False),
                ("output tok/s", ("output_tok_per_s",), True), ("req/s", ("req_per_s",), True),

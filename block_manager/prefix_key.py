@@ -62,7 +62,7 @@ def prefix_block_hashes(token_ids, block_size: int) -> list[int]:
     """Hashes of the chained keys of every full block of ``token_ids``, first block first: what
     ``BlockManager.cached_prefix_hashes`` reports for the same blocks once they are cached. Deterministic
     across processes (tuples of ints are not hash-randomised), so a router in another process can
-    compare a prompt with a replica's cache (``pagedray.deploy.routing``)."""
+    compare a prompt with a replica's cache (``pagedray.deploy.routing.router``)."""
     hashes: list[int] = []
     key: BlockKey | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):

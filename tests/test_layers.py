@@ -72,3 +72,61 @@ def test_the_check_sees_relative_and_function_level_imports():
     assert pagedray_imports(source, ["workers"]) == [(2, ["workers"]), (5, ["cluster", "engine"])]
     assert pagedray_imports("from ...kernels import api\n", ["workers", "layers"]) == [(1, ["kernels"])]
     assert pagedray_imports("import pagedray.deploy.app\n", ["cluster"]) == [(1, ["deploy", "app"])]
+
+
+# pagedray.deploy's rooms and what each may import of the others (deploy/__init__.py): the protocol at the
+# bottom, the command that starts Ray at the top; the modules directly in deploy/ are the public import
+# paths that Serve YAML names, each re-exporting one room's object
+DEPLOY_ROOMS = {"openai": set(), "routing": set(), "http": {"openai"}, "serve": {"openai", "http", "routing"},
+                "cli": {"openai", "http", "routing", "serve", "loadtest"}, "loadtest": set()}
+PUBLIC_PATHS = {"app": {"serve"}, "autoscaling": {"routing"}, "__init__": set()}
+
+
+def deploy_room(path: pathlib.Path) -> str:
+    parts = path.relative_to(REPO / "deploy").parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def test_deploy_rooms_import_only_the_rooms_below_them():
+    assert {p.name for p in (REPO / "deploy").iterdir() if p.is_dir() and (p / "__init__.py").exists()} == \
+        set(DEPLOY_ROOMS)
+    wrong = []
+    for path in sources("deploy"):
+        room = deploy_room(path)
+        allowed = DEPLOY_ROOMS.get(room, PUBLIC_PATHS.get(room))
+        assert allowed is not None, f"{path.relative_to(REPO)} is in no room of deploy/"
+        wrong += [f"{path.relative_to(REPO)}:{line} ({room}) imports pagedray.{'.'.join(target)}"
+                  for line, target in file_imports(path)
+                  if target[:1] == ["deploy"] and len(target) > 1 and target[1] != room and target[1] not in allowed]
+    assert wrong == []
+
+
+def ray_uses(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every import of Ray and every ``ray.init(...)`` call in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, "import " + a.name) for a in node.names if a.name.split(".")[0] == "ray"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "ray":
+            found.append((node.lineno, "from " + node.module))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "init"
+              and isinstance(node.func.value, ast.Name) and node.func.value.id == "ray"):
+            found.append((node.lineno, "ray.init()"))
+    return found
+
+
+def test_openai_imports_no_ray_and_only_cli_starts_ray():
+    in_openai = [f"{p.relative_to(REPO)}:{line} {what}" for p in sources("deploy/openai")
+                 for line, what in ray_uses(p.read_text())]
+    assert in_openai == []
+    starts = [f"{p.relative_to(REPO)}:{line}" for p in sources("deploy") for line, what in ray_uses(p.read_text())
+              if what == "ray.init()" and deploy_room(p) != "cli"]
+    assert starts == []
+    assert any(what == "ray.init()" for p in sources("deploy/cli") for _, what in ray_uses(p.read_text()))
+
+
+def test_the_room_checks_see_ray_and_cross_room_imports():
+    assert ray_uses("import ray.serve\nfrom ray import serve\nfrom .ray import x\nray.init(address='auto')\n") == \
+        [(1, "import ray.serve"), (2, "from ray"), (4, "ray.init()")]
+    assert pagedray_imports("from ..serve.options import OPTIONS\n", ["deploy", "http"]) == \
+        [(1, ["deploy", "serve", "options"])]

@@ -1,7 +1,7 @@
 """Grammar-constrained sampling on rank 0: one llguidance matcher per sequence that has a grammar.
 
 ``SamplingParams.grammar`` is an llguidance grammar (a JSON string the ingress builds from
-``response_format`` / ``structured_outputs``: deploy/structured_output.py, which also compiled it and
+``response_format`` / ``structured_outputs``: deploy/openai/structured_output.py, which also compiled it and
 computed its first mask under the same limits before admitting the request). Each step:
 
 1. ``submit(rows)`` starts the step's masks on the book's own thread (``compute``), right after the

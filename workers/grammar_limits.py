@@ -1,4 +1,4 @@
-"""The llguidance resource limits every grammar runs under: the ingress' check (deploy/structured_output.py)
+"""The llguidance resource limits every grammar runs under: the ingress' check (deploy/openai/structured_output.py)
 and the worker's matchers (workers/grammar.py) import this one function, so a grammar the ingress admits
 is one the worker can run with the same budget.
 

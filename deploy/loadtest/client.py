@@ -18,7 +18,7 @@ Handle target: ``serve.get_app_handle(app).options(stream=True)`` and the ingres
 called with the same OpenAI request body the HTTP target posts. The method names are the constants
 ``HANDLE_STREAM_METHOD`` (completions) and ``HANDLE_CHAT_STREAM_METHOD`` (chat), called in exactly one
 place, ``open_handle_stream``.
-Matched against deploy/ingress.py (OpenAIIngress.completions_stream / chat_stream, body dict in, chunk dicts
+Matched against deploy/serve/ingress.py (OpenAIIngress.completions_stream / chat_stream, body dict in, chunk dicts
 out) while it was being written; re-check if the ingress renames them.
 Items it yields may be chunk dicts, pydantic chunk models, or SSE text (str/bytes).
 """
@@ -43,7 +43,7 @@ from pagedray.deploy.loadtest.record import (
 )
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-# The ingress's streaming handle methods (deploy/ingress.py, OpenAIIngress): each takes the OpenAI
+# The ingress's streaming handle methods (deploy/serve/ingress.py, OpenAIIngress): each takes the OpenAI
 # request body as a dict and yields chunk dicts (no [DONE]).
 HANDLE_STREAM_METHOD = "completions_stream"
 HANDLE_CHAT_STREAM_METHOD = "chat_stream"

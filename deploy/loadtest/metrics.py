@@ -1,6 +1,6 @@
 """Polling the target's Prometheus ``/metrics`` endpoint while a load runs.
 
-Expected metric names (gauges, one sample per engine replica; ``deploy/metrics.py`` exports them):
+Expected metric names (gauges, one sample per engine replica; ``deploy/openai/metrics.py`` exports them):
 - ``pagedray:num_requests_running``: requests being decoded / prefilled now (queue: running)
 - ``pagedray:num_requests_waiting``: requests admitted but waiting for KV blocks or a batch slot
 - ``pagedray:kv_cache_usage_perc``: used KV blocks / all KV blocks, 0..1

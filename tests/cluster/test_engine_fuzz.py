@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pagedray.cluster.engine import Engine
 from pagedray.cluster.llm import build_engine_config
-from pagedray.deploy.structured_output import _regex_grammar, schema_grammar
+from pagedray.deploy.openai.structured_output import _regex_grammar, schema_grammar
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 POISON = 7               # a stop token id that marks a request whose logits turn NaN (test-only convention)

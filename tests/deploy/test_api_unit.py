@@ -17,11 +17,11 @@ from helpers.bad_requests import assert_openai_error, malformed_cases, send
 from helpers.fake_engine import ScriptedEngine, queue_full
 from helpers.gates import GatedTokenizer
 from pagedray.cluster.outputs import EngineDrainingError
-from pagedray.deploy.api import create_api
-from pagedray.deploy.metrics import ServerMetrics
-from pagedray.deploy.service import OpenAIService
-from pagedray.deploy.sse import parse_sse
-from pagedray.deploy.validation import ModelLimits
+from pagedray.deploy.http.routes import create_api
+from pagedray.deploy.openai.metrics import ServerMetrics
+from pagedray.deploy.openai.service import OpenAIService
+from pagedray.deploy.openai.sse import parse_sse
+from pagedray.deploy.openai.validation import ModelLimits
 
 MODEL = "fake-model"
 MAX_MODEL_LEN = 64
@@ -435,7 +435,7 @@ def test_health_answers_while_a_prompt_is_being_tokenized(tokenizer):
 
 
 def test_prompt_that_cannot_fit_is_refused_before_tokenizing(tokenizer):
-    from pagedray.deploy.prompt_bound import max_prompt_chars
+    from pagedray.deploy.openai.prompt_bound import max_prompt_chars
 
     bound = max_prompt_chars(tokenizer, MAX_MODEL_LEN)
     assert bound is not None and bound >= MAX_MODEL_LEN

@@ -1,4 +1,4 @@
-"""Autoscaling of the engine deployment: the KV-pressure policy (deploy/autoscaling.py) as a function and its
+"""Autoscaling of the engine deployment: the KV-pressure policy (deploy/routing/autoscaling.py) as a function and its
 wiring through build_app. The real app scaling 1 -> 2 -> 1 under load: tests/e2e/test_serve_yaml_autoscaling.py
 (slow)."""
 
@@ -8,7 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 from pagedray.cluster.stats import EngineStats
-from pagedray.deploy.autoscaling import KV_PRESSURE_POLICY, TARGET_KV_USAGE, autoscaling_stats, kv_pressure_policy
+from pagedray.deploy.routing.autoscaling import (
+    KV_PRESSURE_POLICY,
+    TARGET_KV_USAGE,
+    autoscaling_stats,
+    kv_pressure_policy,
+)
 
 
 class FakeConfig:
@@ -42,7 +47,7 @@ def test_replicas_report_kv_usage_running_and_waiting():
 
 
 def test_build_app_passes_the_policy_to_serve():
-    from pagedray.deploy.app import build_app
+    from pagedray.deploy.serve.app import build_app
 
     scaling = {"max_replicas": 2, "policy": {"policy_function": KV_PRESSURE_POLICY}}
     engine = build_app({"autoscaling_config": scaling})._bound_deployment.init_args[0]._bound_deployment

@@ -8,12 +8,13 @@ import types
 
 import pytest
 import yaml
-from pagedray.deploy import cli, shutdown, startup
-from pagedray.deploy.app import build_app, engine_config, parse_args
-from pagedray.deploy.engine_deployment import placement_bundles
-from pagedray.deploy.options import OPTIONS, option_default
+from pagedray.deploy.cli import main as cli
+from pagedray.deploy.cli import shutdown, startup
+from pagedray.deploy.serve.app import build_app, engine_config, parse_args
+from pagedray.deploy.serve.engine_deployment import placement_bundles
+from pagedray.deploy.serve.options import OPTIONS, option_default
 
-YAML_PATH = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
+YAML_PATH = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "serve" / "serve.yaml"
 
 
 def test_serve_options_map_to_build_app_args():
@@ -116,7 +117,7 @@ def test_local_ray_declares_enough_logical_cpus_for_every_replica_and_rank():
     """Each engine replica reserves its placement-group bundles (the replica + one per TP rank); the
     ingress of a split layout reserves none; autoscaling counts max_replicas (issue #32: with
     --num-replicas 2 the second replica was never scheduled on a 2-core machine)."""
-    from pagedray.deploy.startup import app_resources, local_ray_num_cpus
+    from pagedray.deploy.cli.startup import app_resources, local_ray_num_cpus
 
     def cpus(args, cores=2):
         return local_ray_num_cpus(app_resources(build_app({"device": "cpu", **args}))["CPU"], cores=cores)
@@ -133,7 +134,7 @@ def test_local_ray_declares_enough_logical_cpus_for_every_replica_and_rank():
 
 
 def test_gpus_beyond_the_machines_are_refused_before_anything_starts():
-    from pagedray.deploy.startup import OptionError, app_resources, check_gpus
+    from pagedray.deploy.cli.startup import OptionError, app_resources, check_gpus
 
     needed = app_resources(build_app({"device": "cuda", "num_replicas": 2, "tensor_parallel_size": 2}))
     assert needed["GPU"] == 4
@@ -144,7 +145,7 @@ def test_gpus_beyond_the_machines_are_refused_before_anything_starts():
 
 
 def test_direct_ingress_follows_serves_rule_and_pins_the_port():
-    from pagedray.deploy.cli import LOCAL_RAY_ENV, direct_ingress_env, uses_direct_ingress
+    from pagedray.deploy.cli.main import LOCAL_RAY_ENV, direct_ingress_env, uses_direct_ingress
 
     assert uses_direct_ingress(LOCAL_RAY_ENV)   # a Ray started by the CLI: clients reach the replica itself
     assert not uses_direct_ingress({})          # Serve's default: the proxy
@@ -156,8 +157,8 @@ def test_direct_ingress_follows_serves_rule_and_pins_the_port():
 
 
 def test_autoscaling_config_reaches_the_engine_deployment_and_bad_ones_name_the_field():
-    from pagedray.deploy import cli
-    from pagedray.deploy.app import build_app
+    from pagedray.deploy.cli import main as cli
+    from pagedray.deploy.serve.app import build_app
 
     scaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8}
     ingress = build_app({"autoscaling_config": scaling})._bound_deployment
@@ -179,8 +180,8 @@ def test_autoscaling_config_reaches_the_engine_deployment_and_bad_ones_name_the_
 
 
 def test_the_cache_aware_router_is_used_where_there_is_a_choice_of_replicas():
-    from pagedray.deploy.app import build_app
-    from pagedray.deploy.routing import PREFIX_SUMMARY_BLOCKS, CacheAwareRouter
+    from pagedray.deploy.routing.router import PREFIX_SUMMARY_BLOCKS, CacheAwareRouter
+    from pagedray.deploy.serve.app import build_app
 
     def engine(args):
         return build_app(args)._bound_deployment.init_args[0]._bound_deployment
@@ -202,7 +203,7 @@ def test_the_cache_aware_router_is_used_where_there_is_a_choice_of_replicas():
 
 
 def test_engine_in_ingress_gives_the_ingress_the_engines_replicas_and_placement():
-    from pagedray.deploy.app import build_app
+    from pagedray.deploy.serve.app import build_app
     from pagedray.workers.contract.config import EngineConfig
 
     split = build_app({"num_replicas": 2})._bound_deployment
@@ -219,7 +220,7 @@ def test_engine_in_ingress_gives_the_ingress_the_engines_replicas_and_placement(
 def test_the_engine_runs_in_the_ingress_by_default_only_with_a_single_replica():
     """engine_in_ingress unset: in the ingress for one replica; a deployment of its own (routed to by the
     ingress) with several replicas, autoscaling or the cache-aware router asked for; given: as given."""
-    from pagedray.deploy.app import build_app
+    from pagedray.deploy.serve.app import build_app
     from pagedray.workers.contract.config import EngineConfig
 
     def in_ingress(args):
@@ -277,7 +278,7 @@ def test_health_probe_reads_the_served_port():
 def nothing_may_start(monkeypatch):
     """``pagedray serve`` with Ray, Serve and the model fetch replaced by failures: a bad option must be
     refused before any of them. The private Ray's environment the CLI sets is restored afterwards."""
-    from pagedray.deploy.loopback import LOOPBACK_RAY_ENV
+    from pagedray.deploy.serve.loopback import LOOPBACK_RAY_ENV
 
     for name in LOOPBACK_RAY_ENV:
         monkeypatch.setenv(name, "0")
@@ -309,7 +310,7 @@ def test_bad_serve_options_are_one_usage_error_before_anything_starts(argv, mess
 
 
 def test_kv_cache_memory_counts_every_rank_of_every_replica():
-    from pagedray.deploy.startup import OptionError, check_kv_cache_memory
+    from pagedray.deploy.cli.startup import OptionError, check_kv_cache_memory
 
     config = engine_config(parse_args({"kv_cache_gib": 2.0, "tensor_parallel_size": 2, "device": "cpu"}))
     check_kv_cache_memory(config, replicas=2, available=8 * 2**30)     # 2 GiB x 2 ranks x 2 replicas

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 from helpers.serve_fixtures import API_KEY, start_app, stop_app, tp_worker_pids
-from pagedray.deploy.sse import parse_sse
+from pagedray.deploy.openai.sse import parse_sse
 
 pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 

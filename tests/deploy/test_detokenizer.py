@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pagedray.deploy.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedray.deploy.openai.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "Hello world, this is a plain sentence.",

@@ -13,14 +13,14 @@ from fastapi.testclient import TestClient
 from helpers.bad_requests import assert_openai_error
 from helpers.fake_engine import ScriptedEngine
 from helpers.gates import GatedFormatter, GatedTokenizer, on_event_loop
-from pagedray.deploy import api
-from pagedray.deploy.api import create_api
-from pagedray.deploy.metrics import ServerMetrics
-from pagedray.deploy.prepare_lanes import BULK_PREPARE_THREADS, SMALL_INPUT
-from pagedray.deploy.prompt_bound import max_prompt_chars
-from pagedray.deploy.service import OpenAIService
-from pagedray.deploy.sse import parse_sse
-from pagedray.deploy.validation import ModelLimits
+from pagedray.deploy.http import routes as api
+from pagedray.deploy.http.routes import create_api
+from pagedray.deploy.openai.metrics import ServerMetrics
+from pagedray.deploy.openai.prepare_lanes import BULK_PREPARE_THREADS, SMALL_INPUT
+from pagedray.deploy.openai.prompt_bound import max_prompt_chars
+from pagedray.deploy.openai.service import OpenAIService
+from pagedray.deploy.openai.sse import parse_sse
+from pagedray.deploy.openai.validation import ModelLimits
 
 MODEL = "fake-model"
 VOCAB = 49152
@@ -159,7 +159,7 @@ def test_inputs_are_bounded_before_the_tokenizer_sees_them(tokenizer):
 def test_a_short_body_that_asks_for_a_grammar_takes_the_bulk_lane():
     """A grammar check may spend its whole budget on a 40-character body (``(a{1000}){1000}``): such bodies
     must not queue in front of other clients' short requests."""
-    from pagedray.deploy.prepare_lanes import PrepareLanes
+    from pagedray.deploy.openai.prepare_lanes import PrepareLanes
 
     assert PrepareLanes.lane({"prompt": "Hi", "max_tokens": 1}) == "short"
     assert PrepareLanes.lane({"prompt": "x", "structured_outputs": {"regex": "(a{1000}){1000}"}}) == "bulk"

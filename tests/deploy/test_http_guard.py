@@ -13,8 +13,8 @@ import threading
 
 import pytest
 import uvicorn
-from pagedray.deploy import http_guard
-from pagedray.deploy.http_guard import BoundedH11Protocol, GuardServeRoutes, guard_env, key_hash, serve_middlewares
+from pagedray.deploy.http import guard as http_guard
+from pagedray.deploy.http.guard import BoundedH11Protocol, GuardServeRoutes, guard_env, key_hash, serve_middlewares
 
 HOUR = 3600.0
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from pagedray.deploy.loopback import is_loopback, loopback_grpc_port_binder
+from pagedray.deploy.serve.loopback import is_loopback, loopback_grpc_port_binder
 
 from benchmarks.listening_sockets import listening_sockets
 

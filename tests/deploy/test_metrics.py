@@ -1,5 +1,5 @@
-"""/metrics content (deploy/metrics.py), the per-replica view of the ingress (ingress.HandleEngineClient over
-routing.replica_summaries) and the Grafana dashboard (deploy/grafana/pagedray.json): valid, and reading only
+"""/metrics content (deploy/openai/metrics.py), the per-replica view of the ingress (ingress.HandleEngineClient over
+routing.replica_summaries) and the Grafana dashboard (deploy/http/grafana/pagedray.json): valid, and reading only
 metric names the app exports."""
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import jsonschema
 import pytest
 from pagedray.cluster.outputs import EngineDeadError
 from pagedray.cluster.stats import EngineStats, QueueTimeHistogram
-from pagedray.deploy import ingress, router_registry, routing
-from pagedray.deploy.metrics import ReplicaState, ServerMetrics
+from pagedray.deploy.openai.metrics import ReplicaState, ServerMetrics
+from pagedray.deploy.routing import registry as router_registry
+from pagedray.deploy.routing import router as routing
+from pagedray.deploy.serve import ingress
 
-DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pagedray.json"
+DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "http" / "grafana" / "pagedray.json"
 DASHBOARD_SCHEMA = {   # what Grafana needs to import a dashboard of Prometheus time series panels
     "type": "object",
     "required": ["title", "uid", "schemaVersion", "panels", "templating"],

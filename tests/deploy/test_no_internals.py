@@ -8,12 +8,12 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers.fake_engine import ScriptedEngine
 from pagedray.cluster.outputs import EngineDeadError
-from pagedray.deploy.api import create_api
-from pagedray.deploy.errors import INTERNAL_ERROR_MESSAGE
-from pagedray.deploy.metrics import ServerMetrics
-from pagedray.deploy.service import OpenAIService
-from pagedray.deploy.sse import parse_sse
-from pagedray.deploy.validation import ModelLimits
+from pagedray.deploy.http.routes import create_api
+from pagedray.deploy.openai.errors import INTERNAL_ERROR_MESSAGE
+from pagedray.deploy.openai.metrics import ServerMetrics
+from pagedray.deploy.openai.service import OpenAIService
+from pagedray.deploy.openai.sse import parse_sse
+from pagedray.deploy.openai.validation import ModelLimits
 
 SECRET = ('Traceback (most recent call last):\n  File "/work/secret/workers/grammar.py", line 98, pid=4242, '
           'actor_id=deadbeef, grammar {"regex": "(a{1000}){1000}"}')

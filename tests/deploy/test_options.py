@@ -1,4 +1,4 @@
-"""One list of served options (deploy/options.py): every engine setting is an option or a documented
+"""One list of served options (deploy/serve/options.py): every engine setting is an option or a documented
 exception, and build_app's args, the CLI flags and docs/configuration.md's table all follow the list."""
 
 import dataclasses
@@ -6,9 +6,9 @@ import pathlib
 
 import pytest
 from pagedray.cluster.llm import build_engine_config
-from pagedray.deploy import cli
-from pagedray.deploy.app import parse_args
-from pagedray.deploy.options import (
+from pagedray.deploy.cli import main as cli
+from pagedray.deploy.serve.app import parse_args
+from pagedray.deploy.serve.options import (
     NOT_OPTIONS,
     OPTIONS,
     AppArgs,

@@ -9,7 +9,7 @@ import pytest
 from helpers.burst_load import percentile
 from helpers.fuzz_requests import CHAT, COMPLETIONS, FuzzRequest, fuzz_requests, verdict
 from hypothesis import HealthCheck, given, settings
-from pagedray.deploy.app import parse_args
+from pagedray.deploy.serve.app import parse_args
 
 ERROR = {"error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}}
 INTERNAL = {"error": {"message": "boom", "type": "internal_error", "param": None, "code": None}}

@@ -1,4 +1,4 @@
-"""Cache-aware routing (deploy/routing.py): the block-hash contract between router and engine, the choice
+"""Cache-aware routing (deploy/routing/router.py): the block-hash contract between router and engine, the choice
 rule, and the router class driven with stand-in replicas (no Ray cluster: the class runs in-process)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from pagedray.block_manager import BlockManager, prefix_block_hashes
-from pagedray.deploy.routing import (
+from pagedray.deploy.routing.router import (
     PREFIX_SUMMARY_BLOCKS,
     CacheAwareRouter,
     ReplicaView,
@@ -208,7 +208,7 @@ class SummaryEngine:
 def test_a_summary_of_zero_blocks_reads_no_cache_keys_but_still_reports_load():
     """Serve's own router reads no prefix hashes: build_app gives its replicas ``prefix_summary_blocks`` 0,
     and their summaries then skip the walk over the cache (a wait for the step thread)."""
-    from pagedray.deploy.served_engine import ServedEngine
+    from pagedray.deploy.serve.served_engine import ServedEngine
 
     served = object.__new__(ServedEngine)
     served._engine, served._draining, served._closed = SummaryEngine(), False, False

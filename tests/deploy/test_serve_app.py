@@ -15,8 +15,8 @@ import openai
 import pytest
 from helpers.bad_requests import assert_openai_error, bad_request_cases, send
 from helpers.serve_fixtures import API_KEY, start_app, stop_app
-from pagedray.deploy.errors import APIError
-from pagedray.deploy.sse import parse_sse
+from pagedray.deploy.openai.errors import APIError
+from pagedray.deploy.openai.sse import parse_sse
 
 pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 

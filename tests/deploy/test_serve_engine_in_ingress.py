@@ -67,7 +67,7 @@ def test_dead_tp_rank_mid_stream_is_recovered_with_exact_tokens(app, http):  # n
 
 
 def test_the_app_has_no_engine_deployment(app):
-    from pagedray.deploy.ingress import INGRESS_DEPLOYMENT_NAME
+    from pagedray.deploy.serve.ingress import INGRESS_DEPLOYMENT_NAME
     from ray import serve
 
     deployments = serve.status().applications[app.name].deployments

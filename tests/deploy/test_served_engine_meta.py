@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from helpers.tiny_models import save_tiny_llama
-from pagedray.deploy.served_engine import ServedEngine
+from pagedray.deploy.serve.served_engine import ServedEngine
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 

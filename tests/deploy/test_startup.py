@@ -4,7 +4,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from pagedray.deploy.startup import (
+from pagedray.deploy.cli.startup import (
     GENERIC_HINT,
     StartupFailure,
     deploy_and_watch,
@@ -89,7 +89,7 @@ def test_watch_returns_none_when_deploy_finishes_and_reraises_other_errors():
 def test_a_replica_whose_constructor_failed_deletes_quietly():
     import asyncio
 
-    from pagedray.deploy.engine_deployment import EngineDeployment
+    from pagedray.deploy.serve.engine_deployment import EngineDeployment
 
     cls = EngineDeployment.func_or_class
     half_built = cls.__new__(cls)          # what Serve holds when __init__ raised before the engine existed

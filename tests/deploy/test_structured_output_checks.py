@@ -1,4 +1,4 @@
-"""The ingress' structured-output checks (deploy/structured_output.py): schemas without a finite instance,
+"""The ingress' structured-output checks (deploy/openai/structured_output.py): schemas without a finite instance,
 the schema depth bound, and the GrammarChecker's compile + first masks under the shared limits, with the
 real default tokenizer (no engine: the HTTP cases are in bad_requests.py)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from pagedray.deploy.errors import APIError
-from pagedray.deploy.structured_output import (
+from pagedray.deploy.openai.errors import APIError
+from pagedray.deploy.openai.structured_output import (
     MAX_SCHEMA_DEPTH,
     GrammarChecker,
     has_finite_instance,

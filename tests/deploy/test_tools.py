@@ -11,12 +11,12 @@ from helpers.bad_requests import assert_openai_error
 from helpers.fake_engine import ScriptedEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pagedray.deploy.api import create_api
-from pagedray.deploy.errors import APIError
-from pagedray.deploy.metrics import ServerMetrics
-from pagedray.deploy.service import OpenAIService
-from pagedray.deploy.sse import parse_sse
-from pagedray.deploy.tools import (
+from pagedray.deploy.http.routes import create_api
+from pagedray.deploy.openai.errors import APIError
+from pagedray.deploy.openai.metrics import ServerMetrics
+from pagedray.deploy.openai.service import OpenAIService
+from pagedray.deploy.openai.sse import parse_sse
+from pagedray.deploy.openai.tools import (
     calls_as_text,
     parse_tool_calls,
     plan_tools,
@@ -24,7 +24,7 @@ from pagedray.deploy.tools import (
     tools_system_prompt,
     with_tools_prompt,
 )
-from pagedray.deploy.validation import ModelLimits
+from pagedray.deploy.openai.validation import ModelLimits
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "required": ["city"],

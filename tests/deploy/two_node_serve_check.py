@@ -3,7 +3,7 @@ replicas on two simulated nodes (ray.cluster_utils.Cluster: a head without CPUs 
 proxy and the ingress; two nodes of 2 CPUs, each fitting one replica's placement group), then one node
 is removed. Prints one JSON line with what the test checks (test_multinode_slow.py).
 
-Steps: deploy ``deploy/serve.yaml``'s app (its args, with a small KV cache and 2 replicas) through
+Steps: deploy ``deploy/serve/serve.yaml``'s app (its args, with a small KV cache and 2 replicas) through
 ``serve.run``; a shared-prefix workload (the cached tokens each request reports); two long streams
 in flight (one per replica: the router sends the second to the less-loaded one); remove the node of
 one replica; read both streams to their end; wait (hang guard) until Serve runs 1 engine replica; send
@@ -24,7 +24,7 @@ import time
 import httpx
 import ray
 import yaml
-from pagedray.deploy.cli import free_port
+from pagedray.deploy.cli.main import free_port
 from ray.cluster_utils import Cluster
 
 SHARED = ("You are a careful assistant for a small bakery. Answer in one short sentence, name the product, "
@@ -65,7 +65,7 @@ def replica_nodes(app: str) -> dict[str, int]:
 
 def ingress_nodes(app: str) -> set[str]:
     """Node ids of the app's live ingress replicas."""
-    from pagedray.deploy.ingress import INGRESS_DEPLOYMENT_NAME
+    from pagedray.deploy.serve.ingress import INGRESS_DEPLOYMENT_NAME
     from ray.util.state import list_actors
 
     name = f"ServeReplica:{app}:{INGRESS_DEPLOYMENT_NAME}"
@@ -79,7 +79,7 @@ def running_engine_replicas(app: str) -> int:
 
 
 def main(model_path: str) -> None:
-    from pagedray.deploy.app import build_app
+    from pagedray.deploy.serve.app import build_app
     from ray import serve
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
@@ -87,7 +87,8 @@ def main(model_path: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     result: dict = {}
     try:
-        spec = yaml.safe_load((pathlib.Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml").read_text())
+        yaml_path = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "serve" / "serve.yaml"
+        spec = yaml.safe_load(yaml_path.read_text())
         app_spec = spec["applications"][0]
         args = {**app_spec["args"], "model": model_path, "dtype": "float32", "num_replicas": 2, "num_blocks": 64,
                 "max_model_len": 512, "max_num_seqs": 4, "threads_per_worker": 1}

@@ -15,7 +15,7 @@ import time
 import urllib.request
 
 import pytest
-from pagedray.deploy.loopback import is_loopback
+from pagedray.deploy.serve.loopback import is_loopback
 from test_cli_serve_failure import CLI, free_port
 
 from benchmarks.listening_sockets import listening_sockets

@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from pagedray.deploy.cli import free_port
+from pagedray.deploy.cli.main import free_port
 
 pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
-CLI = "import sys; from pagedray.deploy.cli import main; sys.exit(main(sys.argv[1:]))"
+CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def test_replica_start_failure_is_reported_with_its_cause_and_exit_1(default_model_path, tmp_path):

@@ -70,7 +70,7 @@ def test_two_replicas_serve_and_sigterm_stops_the_whole_tree(default_model_path,
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         # run as the program (``python -m``), as the console script runs it: the exit path is the user's
-        server = subprocess.Popen([sys.executable, "-u", "-m", "pagedray.deploy.cli", "serve",
+        server = subprocess.Popen([sys.executable, "-u", "-m", "pagedray.deploy.cli.main", "serve",
                                    "--model", str(default_model_path), "--port", str(port), "--num-replicas", "2"],
                                   stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

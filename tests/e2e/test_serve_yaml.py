@@ -1,4 +1,4 @@
-"""CI smoke test of the YAML path: ``ray start --head`` -> ``serve deploy deploy/serve.yaml`` -> one
+"""CI smoke test of the YAML path: ``ray start --head`` -> ``serve deploy deploy/serve/serve.yaml`` -> one
 request -> ``serve shutdown -y`` -> stop the cluster.
 
 The cluster is private to this test: loopback only, its own temp dir, free ports for everything
@@ -11,7 +11,7 @@ clusters and this test session's own Ray included), so it is not used. The head 
 processes it started; any process still alive with our temp dir in its command line is then killed
 by pid.
 
-The deployed file is deploy/serve.yaml with only the HTTP port (a free one) and a smaller KV cache
+The deployed file is deploy/serve/serve.yaml with only the HTTP port (a free one) and a smaller KV cache
 (``num_blocks``) changed; everything else (import path, default model, 127.0.0.1) is as shipped.
 """
 
@@ -35,7 +35,7 @@ from helpers.ports import free_ports
 pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-YAML_PATH = REPO / "deploy" / "serve.yaml"
+YAML_PATH = REPO / "deploy" / "serve" / "serve.yaml"
 BIN = pathlib.Path(sys.executable).parent
 START_TIMEOUT_S = 120
 DEPLOY_TIMEOUT_S = 300

@@ -1,4 +1,4 @@
-"""Slow: ``serve deploy`` of deploy/serve.yaml with an ``autoscaling_config`` (and the KV-pressure policy)
+"""Slow: ``serve deploy`` of deploy/serve/serve.yaml with an ``autoscaling_config`` (and the KV-pressure policy)
 scales the engine from 1 to 2 replicas under a load test and back to 1 when it stops.
 
 A private Ray head as in test_serve_yaml.py (4 CPUs: two replicas of 2 bundles each). Serve's own signal
@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 import yaml
-from pagedray.deploy.autoscaling import KV_PRESSURE_POLICY
+from pagedray.deploy.routing.autoscaling import KV_PRESSURE_POLICY
 from test_serve_yaml import DEPLOY_TIMEOUT_S, cli, ray_head, run, write_config  # noqa: F401 - ray_head: fixture
 
 pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)

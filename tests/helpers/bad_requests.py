@@ -226,7 +226,7 @@ def _chat_cases(chat: dict, max_model_len: int) -> list[tuple]:
 
 
 def _grammar_cases(ok: dict) -> list[tuple]:
-    """Structured-output requests the ingress must refuse before admission (deploy/structured_output.py)."""
+    """Structured-output requests the ingress must refuse before admission (deploy/openai/structured_output.py)."""
     recursive = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
     required_self = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
     deep: dict = {"type": "string"}
@@ -251,7 +251,7 @@ def _grammar_cases(ok: dict) -> list[tuple]:
 
 
 def _tool_cases(chat: dict) -> list[tuple]:
-    """Malformed tools, tool_choice and earlier tool calls (deploy/tools.py): 400s, never 500s."""
+    """Malformed tools, tool_choice and earlier tool calls (deploy/openai/tools.py): 400s, never 500s."""
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     with_tools = {**chat, "tools": [weather]}
 

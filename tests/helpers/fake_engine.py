@@ -21,7 +21,7 @@ from pagedray.cluster.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from pagedray.deploy.metrics import ReplicaState
+from pagedray.deploy.openai.metrics import ReplicaState
 
 
 @dataclass

@@ -150,7 +150,7 @@ def verdict(status: int, text: str, stream: bool) -> str:
             return "server_error"
         return "client_error" if is_openai_error(payload) else "server_error"
     if stream:
-        from pagedray.deploy.sse import parse_sse
+        from pagedray.deploy.openai.sse import parse_sse
 
         events = parse_sse(text)
         if not events or events[-1] != "[DONE]":

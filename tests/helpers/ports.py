@@ -1,10 +1,10 @@
-"""Free TCP ports on loopback (one: ``pagedray.deploy.cli.free_port``)."""
+"""Free TCP ports on loopback (one: ``pagedray.deploy.cli.main.free_port``)."""
 
 from __future__ import annotations
 
 import socket
 
-from pagedray.deploy.cli import free_port
+from pagedray.deploy.cli.main import free_port
 
 __all__ = ["free_port", "free_ports"]
 

@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass
 
 import httpx
-from pagedray.deploy.cli import free_port
-from pagedray.deploy.engine_deployment import ENGINE_DEPLOYMENT_NAME
-from pagedray.deploy.ingress import INGRESS_DEPLOYMENT_NAME
-from pagedray.deploy.sse import parse_sse
+from pagedray.deploy.cli.main import free_port
+from pagedray.deploy.openai.sse import parse_sse
+from pagedray.deploy.serve.engine_deployment import ENGINE_DEPLOYMENT_NAME
+from pagedray.deploy.serve.ingress import INGRESS_DEPLOYMENT_NAME
 
 API_KEY = "test-key"
 APP_NAME = "pagedray-test"
@@ -56,7 +56,7 @@ class RunningApp:
 
 def start_app(model_path: str, **overrides) -> RunningApp:
     """Deploy the app with ``APP_ARGS`` (``overrides`` replace single keys)."""
-    from pagedray.deploy.app import build_app
+    from pagedray.deploy.serve.app import build_app
     from ray import serve
 
     port = free_port()

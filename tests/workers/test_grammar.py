@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pagedray.deploy.structured_output import _regex_grammar, schema_grammar
+from pagedray.deploy.openai.structured_output import _regex_grammar, schema_grammar
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.grammar import GrammarBook, _unpack
 from pagedray.workers.sampler import Sampler, SamplingRow

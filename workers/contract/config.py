@@ -24,7 +24,7 @@ BLOCK_SIZES = (8, 16, 32, 64)
 
 
 def option(default, help: str):
-    """A config field with its help text (``metadata["help"]``): deploy/options.py turns every field
+    """A config field with its help text (``metadata["help"]``): deploy/serve/options.py turns every field
     into a build_app arg and a CLI flag with this text."""
     return field(default=default, metadata={"help": help})
 
@@ -185,5 +185,5 @@ class EngineConfig:
         return self.step_timeout_s + self.step_timeout_per_token_s * num_tokens
 
 
-# EngineConfig's sections by field name (the engine's keyword routing and deploy/options.py read it)
+# EngineConfig's sections by field name (the engine's keyword routing and deploy/serve/options.py read it)
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}

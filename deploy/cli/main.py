@@ -6,7 +6,7 @@
         application (build_app), prints the URL and blocks until Ctrl-C or SIGTERM, then removes the
         app and stops a private Ray. An option value that cannot work is argparse's one-line error and
         exit status 2 before anything starts; a replica that fails to start ends the command at once
-        with the replica's exception, a hint and exit status 1 (deploy/startup.py).
+        with the replica's exception, a hint and exit status 1 (deploy/cli/startup.py).
     pagedray generate "prompt" [--max-tokens 64] [--temperature 0] [--chat] ...
         one offline generation through the ``LLM`` API (no Ray Serve), printed to stdout.
     pagedray fetch-model [--cache-dir DIR]
@@ -57,9 +57,9 @@ Decisions:
   Ray started here Serve does not hold a stopping ingress replica open when it is idle
   (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0``: Serve's 30 s default lets an external load
   balancer deregister the replica; there is none, and it made every ``serve.delete`` take 30 s or more).
-- With ``--api-key``, a Ray started here also gets ``http_guard.guard_env``: Serve's middleware hook
+- With ``--api-key``, a Ray started here also gets ``http/guard.py``'s ``guard_env``: Serve's middleware hook
   and the key's SHA-256, so Serve's own ``/-/routes`` asks for the key too. The ingress replica's HTTP
-  server bounds request heads in size and time (``http_guard.BoundedH11Protocol``).
+  server bounds request heads in size and time (``http/guard.py``'s ``BoundedH11Protocol``).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ import socket
 import sys
 import time
 
-from .loopback import LOOPBACK_NODE_IP, LOOPBACK_RAY_ENV
-from .options import OPTIONS, cli_type, engine_options, llm_kwargs
+from ..serve.loopback import LOOPBACK_NODE_IP, LOOPBACK_RAY_ENV
+from ..serve.options import OPTIONS, cli_type, engine_options, llm_kwargs
 from .shutdown import stop_on_signals, stop_serving
 from .startup import (
     OptionError,
@@ -209,9 +209,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _start_or_join_ray(address: str | None, num_cpus: int, port: int = 8000, api_key: str | None = None) -> bool:
     """Join the cluster at ``address``, or start a private local one with ``num_cpus`` logical CPUs
     (``local_ray_num_cpus``) whose ingress replica serves ``port`` itself when direct ingress is on, and
-    whose HTTP servers ask for ``api_key`` on Serve's ``/-/routes`` (``http_guard.guard_env``). True when
+    whose HTTP servers ask for ``api_key`` on Serve's ``/-/routes`` (``http/guard.py``'s ``guard_env``). True when
     started here."""
-    from .http_guard import guard_env
+    from ..http.guard import guard_env
 
     if address:
         import ray
@@ -251,7 +251,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         os.environ.update(LOOPBACK_RAY_ENV)
     from ray import serve
 
-    from .app import build_app
+    from ..serve.app import build_app
 
     parsed = check_serve_options(ns)   # OptionError (exit status 2) before anything starts
     app = build_app(serve_args(ns))

@@ -1,7 +1,7 @@
 """Prometheus metrics of the OpenAI front end, rendered at GET /metrics.
 
 Names and units follow vLLM's (``vllm:`` -> ``pagedray:``), so dashboards and autoscalers written for
-vLLM read them with the prefix changed; every series has a ``model_name`` label. ``deploy/grafana/
+vLLM read them with the prefix changed; every series has a ``model_name`` label. ``deploy/http/grafana/
 pagedray.json`` is a dashboard over exactly these names (a test keeps the two in step).
 
 Decisions:

@@ -25,8 +25,9 @@ from pagedray.workers.contract.config import SECTIONS as _SECTIONS
 from pagedray.workers.contract.config import EngineConfig
 from pydantic import BaseModel, ConfigDict, create_model
 
-DEFAULT_MAX_IMBALANCE = 8   # router_max_imbalance's default (deploy/routing.py takes it from here)
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+from ..http.guard import DEFAULT_MAX_BODY_BYTES
+
+DEFAULT_MAX_IMBALANCE = 8   # router_max_imbalance's default (build_app hands it to the router)
 GRACEFUL_SHUTDOWN_S = 20.0
 
 

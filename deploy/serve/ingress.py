@@ -41,7 +41,7 @@ deployment's do.
 Before a shutdown, ``handle.drain.remote(timeout_s).result()`` stops admission (503 from then on) and
 lets the requests in flight finish (``DrainReport``).
 
-Errors come back as ``pagedray.deploy.errors.APIError`` (``.status``, ``.body()``), wrapped by Ray
+Errors come back as ``pagedray.deploy.openai.errors.APIError`` (``.status``, ``.body()``), wrapped by Ray
 (``isinstance(err, APIError)`` holds). Cancelling a streaming call aborts the request in the engine.
 """
 
@@ -56,18 +56,18 @@ from pagedray.workers.contract.config import EngineConfig
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from .api import DEFAULT_MAX_BODY_BYTES, create_api
+from ..http.guard import use_bounded_protocol
+from ..http.routes import DEFAULT_MAX_BODY_BYTES, create_api
+from ..openai.errors import to_api_error
+from ..openai.metrics import ReplicaState, ServerMetrics
+from ..openai.prompt_bound import max_prompt_chars
+from ..openai.service import OpenAIService
+from ..openai.validation import ModelLimits
+from ..routing.router import replica_summaries
 from .engine_deployment import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S, replica_id
-from .errors import to_api_error
-from .http_guard import use_bounded_protocol
 from .loopback import bind_replica_grpc_to_loopback
-from .metrics import ReplicaState, ServerMetrics
 from .options import GRACEFUL_SHUTDOWN_S
-from .prompt_bound import max_prompt_chars
-from .routing import replica_summaries
 from .served_engine import DrainReport, ModelMeta, ServedEngine
-from .service import OpenAIService
-from .validation import ModelLimits
 
 INGRESS_DEPLOYMENT_NAME = "OpenAIIngress"
 # /health answers 503 when the engine replica does not answer within this (e.g. while Serve replaces it)

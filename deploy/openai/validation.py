@@ -21,7 +21,7 @@ Decisions:
   ``tokens``) at most ``max_model_len`` ids, checked before the ids are; a chat at most ``max_model_len``
   messages and ``max_model_len`` content parts, counted on the raw body before it is parsed (every message
   costs the chat template at least one token; a part costs none, but more parts than context tokens is
-  no prompt anyone sends). The body size limit (api.py) bounds the rest.
+  no prompt anyone sends). The body size limit (http/routes.py) bounds the rest.
 - A response-size budget: prompt logprobs come back once per choice (vLLM's shape), so a request may
   ask for at most ``MAX_PROMPT_LOGPROB_CONTEXTS`` full contexts of them: the sum over prompts of
   ``prompt tokens x (k + 1) x n`` must not pass ``MAX_PROMPT_LOGPROB_CONTEXTS x max_model_len x

@@ -2,7 +2,7 @@
 
 Body: ``{"error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}``.
 
-Mapping (decided here, used by api.py and by the SSE path):
+Mapping (decided here, used by http/routes.py and by the SSE path):
 - ``APIError`` (raised by validation): its own status (400 / 401 / 404 / 413).
 - ``ValueError``: 400 ``invalid_request_error``; when the message starts with ``"<field>: "`` (the
   convention of SamplingParams and the configs) the field becomes ``param``.

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .options import OPTIONS, engine_config
+from ..serve.options import OPTIONS, engine_config
 
 POLL_S = 0.5
 FAILED_TO_START = "failed to start"
@@ -201,7 +201,7 @@ def checked_options(values: dict):
     """(parsed build_app args, EngineConfig, most engine replicas) from option values, checked where they are
     checked for ``serve deploy`` (build_app's ``parse_args``, the config dataclasses): OptionError naming the
     flag. Imports Ray (through app.py): a private Ray's environment must be set before."""
-    from .app import check_autoscaling, parse_args
+    from ..serve.app import check_autoscaling, parse_args
 
     try:
         parsed = parse_args(values)

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from pagedray.cluster.outputs import TokenLogprob
 
-from .generation import ChoiceDelta
 from .protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -47,6 +46,7 @@ from .protocol import (
     TopLogprob,
     UsageInfo,
 )
+from .streaming import ChoiceDelta
 from .token_bytes import TokenBytes
 from .tools import ToolPlan, parse_tool_calls
 

@@ -20,7 +20,7 @@ Methods called by the ingress through a DeploymentHandle:
 - ``abort(request_id)``, ``stats()``, ``health()``, ``model_meta()``.
 ``record_autoscaling_stats`` reports KV usage, running and waiting for ``autoscaling.kv_pressure_policy``.
 ``record_routing_stats`` is polled by Serve (``request_routing_stats_period_s``) for the request router:
-the replica's prefix-cache summary and load (``routing.py``). Serve polls it with its default router
+the replica's prefix-cache summary and load (``routing/router.py``). Serve polls it with its default router
 too (every 10 s), which reads no summary: build_app then passes ``prefix_summary_blocks=0`` and the
 poll leaves the step thread alone (no walk over the cached keys).
 ``check_health`` is also Serve's replica health hook: a dead engine (a step failure no request owns, rank
@@ -49,10 +49,10 @@ import os
 
 from ray import serve
 
-from .autoscaling import autoscaling_stats
+from ..routing.autoscaling import autoscaling_stats
+from ..routing.router import PREFIX_SUMMARY_BLOCKS
 from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
-from .routing import PREFIX_SUMMARY_BLOCKS
 from .served_engine import ServedEngine
 
 ENGINE_DEPLOYMENT_NAME = "PagedEngine"

@@ -35,6 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADER_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024   # max_body_bytes' default: a larger body is a 413 (routes.py)
 HEAD_END = b"\r\n\r\n"
 TOO_LARGE_BODY = (b'{"error": {"message": "request headers are larger than 65536 bytes", '
                   b'"type": "invalid_request_error", "param": null, "code": "headers_too_large"}}')
@@ -42,7 +43,7 @@ TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: app
              b"connection: close\r\ncontent-length: " + str(len(TOO_LARGE_BODY)).encode() + b"\r\n\r\n"
              + TOO_LARGE_BODY)
 KEY_HASH_ENV = "PAGEDRAY_API_KEY_SHA256"
-MIDDLEWARE_HOOK = "pagedray.deploy.http_guard:serve_middlewares"
+MIDDLEWARE_HOOK = "pagedray.deploy.http.guard:serve_middlewares"
 GUARDED_PATHS = ("/-/routes",)
 
 

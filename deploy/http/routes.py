@@ -40,12 +40,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import APIError, bad_request, health_reason, to_api_error
-from .metrics import METRICS_CONTENT_TYPE
-from .options import DEFAULT_MAX_BODY_BYTES
-from .prepare_lanes import input_within
-from .service import OpenAIService
-from .sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
+from ..openai.errors import APIError, bad_request, health_reason, to_api_error
+from ..openai.metrics import METRICS_CONTENT_TYPE
+from ..openai.prepare_lanes import input_within
+from ..openai.service import OpenAIService
+from ..openai.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
+from .guard import DEFAULT_MAX_BODY_BYTES
 
 
 def error_response(err: APIError) -> JSONResponse:

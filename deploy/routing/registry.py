@@ -1,4 +1,4 @@
-"""The CacheAwareRouters of this process, by (app, deployment), weakly held (see routing.py: the ingress
+"""The CacheAwareRouters of this process, by (app, deployment), weakly held (see router.py: the ingress
 reads every engine replica's summary from the router of its own handle).
 
 A module of its own because Serve pickles the router class with its globals; a module is pickled by

@@ -16,9 +16,9 @@ which bounds how long one request holds a thread.
 
 A non-streamed response with many logprob entries (``BIG_RESPONSE_ENTRIES``: prompt logprobs, long
 logprob lists) is built on a worker thread (``asyncio.to_thread``), as are a stream's chunks that carry
-a big prompt's logprobs, so ``/health`` and other streams are not held while it is built; api.py
+a big prompt's logprobs, so ``/health`` and other streams are not held while it is built; http/routes.py
 encodes the JSON off the event loop too. Prompt logprobs are formatted once per prompt and shared by
-its choices (openai_format.py).
+its choices (formatting.py).
 
 A request with several prompts sends them to the engine at most ``limits.sequences_in_flight // n`` at
 a time (half the engine's ``max_num_seqs``, set by the ingress; at least one; the next prompt goes when
@@ -40,9 +40,7 @@ from collections.abc import AsyncIterator, Callable
 from pydantic import ValidationError
 
 from .errors import bad_request, to_api_error
-from .generation import EngineClient, PrefetchedStream, RequestTimer, merge_streams, stream_choices
-from .metrics import ServerMetrics
-from .openai_format import (
+from .formatting import (
     ChoiceAccumulator,
     LogprobFormatter,
     PromptLogprobsOnce,
@@ -57,6 +55,7 @@ from .openai_format import (
     usage_chunk_chat,
     usage_chunk_completion,
 )
+from .metrics import ServerMetrics
 from .prepare_lanes import PrepareLanes, off_loop_if
 from .protocol import (
     ChatCompletionRequest,
@@ -70,6 +69,7 @@ from .protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from .streaming import EngineClient, PrefetchedStream, RequestTimer, merge_streams, stream_choices
 from .structured_output import GrammarChecker
 from .tools import ToolPlan, template_knows_tools, with_tools_prompt
 from .validation import (

@@ -34,7 +34,7 @@ Decisions:
   running sequences first, then the most recently freed.
 - The same poll carries each replica's EngineStats and health, so the ingress' /metrics and /health
   read every replica from the router of its own process (``replica_summaries``) instead of asking one
-  replica per scrape. The routers register in a process-wide weak map (``router_registry``):
+  replica per scrape. The routers register in a process-wide weak map (``registry.py``):
   the only place the ingress can find the view Serve gives the router; a router that goes away
   leaves it.
 """
@@ -48,8 +48,7 @@ from dataclasses import dataclass
 from pagedray.block_manager import prefix_block_hashes
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from . import router_registry
-from .options import DEFAULT_MAX_IMBALANCE  # requests in flight above the least-loaded replica a cache hit may add
+from . import registry as router_registry
 
 PREFIX_SUMMARY_BLOCKS = 8192     # block hashes one replica reports (8 bytes each on the wire)
 ROUTING_STATS_PERIOD_S = 1.0     # how often Serve polls each replica's record_routing_stats
@@ -145,7 +144,7 @@ def replica_summaries(app_name: str, deployment_name: str) -> list[dict] | None:
 class CacheAwareRouter(RequestRouter):
     """Serve request router for the engine deployment (see the module docstring)."""
 
-    def initialize_state(self, block_size: int = 16, max_imbalance: int = DEFAULT_MAX_IMBALANCE) -> None:
+    def initialize_state(self, *, block_size: int, max_imbalance: int) -> None:
         router_registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
         self._block_size = block_size
         self._max_imbalance = max_imbalance

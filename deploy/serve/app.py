@@ -1,0 +1,155 @@
+"""``build_app(args) -> Application``: the Serve application (ingress holding the engine, or ingress ->
+engine deployment).
+
+Used by ``serve run`` / ``serve deploy`` (``import_path: pagedray.deploy.app:build_app`` with
+``args``), by the CLI and by tests. ``args`` keys (all optional) are the options of ``options.py``
+(one list: names, types, defaults, help; docs/configuration.md's table shows them).
+
+Decisions:
+- Unknown keys are errors (a typo in a YAML file must not be silently ignored); values are checked by
+  building the ``EngineConfig`` here, so ``serve deploy`` fails at once with a message naming the field
+  instead of crash-looping replicas.
+- GPU vs CPU bundles: ``device: auto`` uses GPU bundles when the Ray cluster (or, without Ray, this
+  machine) has a GPU.
+- Serve's own per-replica concurrency caps are set well above the engine's admission bound
+  (``max_num_seqs + max_queued_requests``): by that bound again (at least ``REJECTION_HEADROOM_MIN``)
+  for requests that are being rejected, plus ``CONTROL_CALL_HEADROOM``. Overload is thus decided by
+  the engine's bounded queue (a fast 429 with an OpenAI body), not by requests queueing inside
+  Serve's routers: with the cap at the bound itself, a 10x burst waited in Serve's router backoff and
+  its slowest 429s took seconds (benchmarks/reliability.py).
+- ``autoscaling_config`` (Serve's AutoscalingConfig, checked here: unknown keys and bad values are a
+  ValueError naming them) replaces ``num_replicas`` for the engine deployment; giving both is an error.
+  The ingress' concurrency cap then counts ``max_replicas`` engine replicas. Serve scales on ongoing
+  requests per replica (``target_ongoing_requests``); the engine's own pressure signals (waiting
+  requests, KV usage) are on /metrics but are not fed to Serve's autoscaler.
+- Layout (``engine_in_ingress``): unset, the engine runs in the ingress replica when there is one engine
+  replica (no ``autoscaling_config``, no ``request_router: cache_aware``): no handle call and no Ray
+  stream item per output. On the 2-core CPU machine that served 1.13x more tokens per second than the
+  engine in a deployment of its own (153 vs 136; docs/benchmarks.md's serving rows). With several
+  replicas the engine is a deployment of its own, so the ingress can route between them (cache-aware).
+- The default executor is ``ray`` also at TP=1. Running the model in the replica's own process (vLLM's
+  single-process layout) removes a process and a Ray call per step, but there the step thread shares
+  the GIL with Serve's event loop (one streamed output per request per step), and on the 2-core CPU
+  machine it served fewer tokens per second than a worker actor (docs/benchmarks.md, the
+  ``pagedray-tp1-local`` row of benchmarks.serving). ``executor: local`` keeps that layout available.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ValidationError
+from ray.serve import Application
+
+from ..routing.router import PREFIX_SUMMARY_BLOCKS
+from .engine_deployment import SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
+from .ingress import OpenAIIngress
+from .options import AppArgs, engine_config
+
+ROUTERS = ("auto", "cache_aware", "serve")
+CONTROL_CALL_HEADROOM = 16  # health / stats / meta calls that must get through a saturated engine
+REJECTION_HEADROOM_MIN = 256  # concurrent calls that are only being turned away (429), at least
+
+
+def parse_args(args: dict | None) -> BaseModel:
+    try:
+        parsed = AppArgs.model_validate(dict(args or {}))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "args"
+        raise ValueError(f"{field}: {first['msg']}") from None
+    if parsed.num_replicas < 1:
+        raise ValueError(f"num_replicas: must be >= 1, got {parsed.num_replicas}")
+    if parsed.max_body_bytes < 1024:
+        raise ValueError(f"max_body_bytes: must be >= 1024, got {parsed.max_body_bytes}")
+    if not 0 < parsed.graceful_shutdown_s <= 3600:
+        raise ValueError(f"graceful_shutdown_s: must be in (0, 3600] seconds, got {parsed.graceful_shutdown_s}")
+    if parsed.request_router not in ROUTERS:
+        raise ValueError(f"request_router: must be one of {sorted(ROUTERS)}, got {parsed.request_router!r}")
+    if parsed.router_max_imbalance < 0:
+        raise ValueError(f"router_max_imbalance: must be >= 0, got {parsed.router_max_imbalance}")
+    if parsed.engine_in_ingress is True and parsed.request_router == "cache_aware":
+        raise ValueError("request_router: cache_aware routes between engine replicas; with engine_in_ingress "
+                         "there is no engine deployment to route to")
+    if parsed.autoscaling_config is not None:
+        if "num_replicas" in parsed.model_fields_set:
+            raise ValueError("num_replicas: give either num_replicas or autoscaling_config, not both")
+        check_autoscaling(parsed.autoscaling_config)
+    return parsed
+
+
+def check_autoscaling(config: dict) -> int:
+    """ValueError naming the field unless Serve accepts ``config`` as an AutoscalingConfig; its max_replicas."""
+    from ray.serve.config import AutoscalingConfig
+
+    unknown = sorted(set(config) - set(AutoscalingConfig.model_fields))
+    if unknown:   # Serve's model would ignore them: a typo must not pass silently
+        raise ValueError(f"autoscaling_config: unknown keys {unknown}")
+    try:
+        return AutoscalingConfig(**config).max_replicas
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = "".join(f".{part}" for part in first["loc"])
+        raise ValueError(f"autoscaling_config{field}: {first['msg']}") from None
+
+
+def router_config(parsed: BaseModel, most_replicas: int, block_size: int) -> dict:
+    """The engine deployment's ``request_router_config`` option, or none for Serve's default router."""
+    from ray.serve.config import RequestRouterConfig
+
+    from ..routing.router import ROUTING_STATS_PERIOD_S, CacheAwareRouter
+
+    cache_aware = parsed.request_router == "cache_aware" or (parsed.request_router == "auto" and most_replicas > 1)
+    if not cache_aware:
+        return {}
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class=CacheAwareRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        request_router_kwargs={"block_size": block_size, "max_imbalance": parsed.router_max_imbalance})}
+
+
+def engine_in_ingress(parsed: BaseModel, most_replicas: int) -> bool:
+    """The layout: ``engine_in_ingress`` when given, else in the ingress exactly when there is one engine
+    replica to route to (no ``autoscaling_config`` that can add more, no cache-aware router asked for)."""
+    if parsed.engine_in_ingress is not None:
+        return parsed.engine_in_ingress
+    return most_replicas == 1 and parsed.autoscaling_config is None and parsed.request_router != "cache_aware"
+
+
+def wants_gpu(device: str) -> bool:
+    if device != "auto":
+        return device == "cuda"
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_app(args: dict | None = None) -> Application:
+    parsed = parse_args(args)
+    config = engine_config(parsed)
+    use_gpu, in_process = wants_gpu(parsed.device), not config.parallel.use_ray
+    admission = parsed.max_num_seqs + parsed.max_queued_requests
+    in_flight = admission + max(admission, REJECTION_HEADROOM_MIN) + CONTROL_CALL_HEADROOM
+    scaling = parsed.autoscaling_config
+    replicas = {"num_replicas": parsed.num_replicas} if scaling is None else {"autoscaling_config": scaling}
+    most_replicas = parsed.num_replicas if scaling is None else check_autoscaling(scaling)
+    engine_replica = dict(
+        **replicas,
+        placement_group_bundles=placement_bundles(parsed.tensor_parallel_size, use_gpu, in_process),
+        placement_group_strategy="PACK",
+        ray_actor_options={"num_cpus": 1, "num_gpus": 1 if use_gpu and in_process else 0},
+        max_ongoing_requests=in_flight,
+    )
+    ingress_args = dict(model=parsed.model, served_model_name=parsed.served_model_name, api_key=parsed.api_key,
+                        max_body_bytes=parsed.max_body_bytes)
+    if engine_in_ingress(parsed, most_replicas):
+        return OpenAIIngress.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
+            config, **ingress_args)
+    routing = router_config(parsed, most_replicas, config.cache.block_size)
+    summary_blocks = PREFIX_SUMMARY_BLOCKS if routing else 0   # Serve's own router reads no prefix summary
+    engine = EngineDeployment.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
+                                      **routing).bind(config, prefix_summary_blocks=summary_blocks)
+    return OpenAIIngress.options(max_ongoing_requests=in_flight * most_replicas,
+                                 graceful_shutdown_timeout_s=parsed.graceful_shutdown_s + SHUTDOWN_MARGIN_S).bind(
+        engine, **ingress_args)
