@@ -1,4 +1,4 @@
-"""Benchmark scripts: each prints a table and writes JSON to ``bench_results/<name>.json``.
+"""Benchmark scripts: each prints a table and writes JSON to ``benchmarks/results/<name>.json``.
 
 Run them from a checkout as ``python -m benchmarks.<name>`` or ``python benchmarks/<name>.py`` (``offline``,
 ``serving``, ...; each script puts the repo root first on ``sys.path`` when run by path, so its absolute

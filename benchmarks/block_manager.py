@@ -1,6 +1,6 @@
 """Decode-heavy bookkeeping benchmark of the BlockManager (a script, not a test).
 
-    python -m benchmarks.block_manager [--rounds 3] [--out bench_results/block_manager.json]
+    python -m benchmarks.block_manager [--rounds 3] [--out benchmarks/results/block_manager.json]
     python benchmarks/block_manager.py --num-seqs 40 --decode-steps 16   # a quick smoke run
 
 Trace: ``--num-seqs`` sequences (1,000) with prompts of 1,792..2,303 tokens, half of them starting

@@ -3,7 +3,7 @@ command-line and output plumbing of the interleaved comparisons (``benchmarks.ro
 
 Benchmarks are scripts (``python -m benchmarks.<name>`` or ``python benchmarks/<name>.py`` from the repo
 root), never timed tests. Each compares against a peer run in the same script and writes
-``bench_results/<name>.json`` (path relative to the current directory) with the machine description.
+``benchmarks/results/<name>.json`` (path relative to the current directory) with the machine description.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def _fmt(value) -> str:
 
 
 def write_json(name: str, payload: dict, path: str | os.PathLike | None = None) -> pathlib.Path:
-    """``payload`` with ``machine()`` to ``path`` (default ``bench_results/<name>.json``)."""
-    return _write(path or pathlib.Path("bench_results") / f"{name}.json", {"machine": machine(), **payload})
+    """``payload`` with ``machine()`` to ``path`` (default ``benchmarks/results/<name>.json``)."""
+    return _write(path or pathlib.Path("benchmarks/results") / f"{name}.json", {"machine": machine(), **payload})
 
 
 def _write(path: str | os.PathLike, data: dict) -> pathlib.Path:
@@ -93,10 +93,10 @@ def _rounds_arg(text: str) -> int:
 
 
 def add_round_args(parser: argparse.ArgumentParser, name: str) -> None:
-    """``--rounds`` (>= 3, default 3) and ``--out`` (default ``bench_results/<name>.json``)."""
+    """``--rounds`` (>= 3, default 3) and ``--out`` (default ``benchmarks/results/<name>.json``)."""
     parser.add_argument("--rounds", type=_rounds_arg, default=rounds.MIN_ROUNDS,
                         help="interleaved rounds (>= 3); the order of the systems alternates between rounds")
-    parser.add_argument("--out", default=f"bench_results/{name}.json", help="JSON report path")
+    parser.add_argument("--out", default=f"benchmarks/results/{name}.json", help="JSON report path")
 
 
 def print_run(run: rounds.Run) -> None:

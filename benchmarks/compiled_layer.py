@@ -18,7 +18,7 @@ ratio = system / eager time (lower is better). Compile time is logged per system
 
     python -m benchmarks.compiled_layer [--dtype bfloat16|float32] [--rows 16] [--threads 2] [--rounds 3]
 
-Result (2-core AMD EPYC VM, 2026-11-25, 2 threads, 16 rows, 3 interleaved rounds; ``bench_results/
+Result (2-core AMD EPYC VM, 2026-11-25, 2 threads, 16 rows, 3 interleaved rounds; ``benchmarks/results/
 compiled_layer_{bfloat16,float32}.json``): compiled / eager = 1.07x [1.05-1.12] in bf16 and 1.07x
 [1.07-1.10] in fp32 (slower), compiled_inductor_gemm / eager = 1.35x and 2.51x. Per-call guard and
 wrapper costs outweigh what fusing the residual add, RMSNorm and SiLU * up saves at decode sizes of

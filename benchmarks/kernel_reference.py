@@ -98,7 +98,8 @@ def time_prefill(model: str, chunk: int, history: int, dtype) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="time the CPU torch references")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_results/kernels_reference_cpu.json"))
+    parser.add_argument("--out", type=pathlib.Path,
+                        default=pathlib.Path("benchmarks/results/kernels_reference_cpu.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []

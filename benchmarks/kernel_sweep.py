@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                   dry_run=args.dry_run, torch=torch.__version__, copy_gbps=copy_gbps, rows=rows,
                   best={shape: row["config"] for shape, row in best_per_shape(rows).items()})
     default = pathlib.Path(tempfile.gettempdir()) / "pagedray_kernels_sweep_dry_run.json" if args.dry_run \
-        else pathlib.Path("bench_results/kernels_sweep.json")
+        else pathlib.Path("benchmarks/results/kernels_sweep.json")
     out = args.out or default
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))

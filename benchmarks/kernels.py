@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (use --dry-run to check the script on CPU)")
-    run(FULL, torch.device("cuda"), args.out or pathlib.Path("bench_results/kernels_bench.json"), False)
+    run(FULL, torch.device("cuda"), args.out or pathlib.Path("benchmarks/results/kernels_bench.json"), False)
 
 
 if __name__ == "__main__":

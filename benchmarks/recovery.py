@@ -13,7 +13,7 @@ sequences by recompute. Reported per mode:
 
 The model is a tiny random Llama written to a temporary folder (``--model`` picks another).
 Usage: ``python -m benchmarks.recovery [--model PATH] [--kill-after 5]``
-Writes bench_results/recovery.json.
+Writes benchmarks/results/recovery.json.
 """
 
 from __future__ import annotations

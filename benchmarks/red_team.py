@@ -1,6 +1,6 @@
 """Red-team replay of issues #17's and #32's findings against a live ``pagedray serve``: one row per case.
 
-    python -m benchmarks.red_team [--port 18700] [--out bench_results/red_team.json]
+    python -m benchmarks.red_team [--port 18700] [--out benchmarks/results/red_team.json]
 
 Starts ``pagedray serve`` (the CLI's defaults: private Ray, default model, 127.0.0.1) with an API key,
 then replays each finding. While a case runs, a thread polls ``/health`` every 0.25 s and records the
@@ -239,7 +239,7 @@ CASES = [("big prompts", case_big_prompts), ("long prefill", case_long_prefill),
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks.red_team", description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, default=18700)
-    parser.add_argument("--out", default="bench_results/red_team.json")
+    parser.add_argument("--out", default="benchmarks/results/red_team.json")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--host", "127.0.0.1", "--port", str(args.port),

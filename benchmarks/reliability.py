@@ -12,7 +12,7 @@ max_queued_requests waiting), then measures:
   against the peer run in this script (the solo request latency);
 - drain: one short and one long stream in flight, then ``drain(timeout)``: whether the short one
   finished exactly, whether the long one was aborted at the timeout, the status new requests got.
-Prints a table and writes JSON (default bench_results/reliability.json). Needs ``hypothesis``.
+Prints a table and writes JSON (default benchmarks/results/reliability.json). Needs ``hypothesis``.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fuzz-concurrency", type=int, default=4)
     parser.add_argument("--overload-factor", type=int, default=10)
     parser.add_argument("--drain-timeout", type=float, default=5.0)
-    parser.add_argument("--out", default="bench_results/reliability.json")
+    parser.add_argument("--out", default="benchmarks/results/reliability.json")
     parser.add_argument("--ray-address", default="local",
                         help="'local' (default): a fresh private Ray instance, even if one runs on this machine")
     args = parser.parse_args(argv)

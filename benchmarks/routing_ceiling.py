@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--system-tokens", type=int, default=256)
     p.add_argument("--question-tokens", type=question_range, default=(10, 20))
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--out", default=None, help="JSON report (default bench_results/routing_ceiling_<workload>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON report (default benchmarks/results/routing_ceiling_<workload>.json)")
     args = p.parse_args(argv)
     for name in ("seeds", "system_tokens", "max_tokens"):
         if getattr(args, name) < 1:

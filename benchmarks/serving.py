@@ -16,7 +16,7 @@ seconds a Hugging Face forward (fp32, no_grad, same threads) needs for the prefi
 batches of pagedray's per-step token budget) and for the decode steps at the load's concurrency with a KV
 cache of the right length. Prints per system the median [min-max] over clean rounds, the ratios per round
 (pagedray / the peer's best variant of that round; serving / offline; each system / floor), the runs with
-their load averages (noisy ones marked), and writes JSON to ``--out`` (``bench_results/serving.json``).
+their load averages (noisy ones marked), and writes JSON to ``--out`` (``benchmarks/results/serving.json``).
 
 Decisions:
 - vLLM for CPU (``vllm``: its defaults; ``vllm-fp32``: float32 with both cores bound) runs from its own
@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--port", type=int, default=18500)
-    p.add_argument("--out-dir", default="bench_results", help="server logs")
+    p.add_argument("--out-dir", default="benchmarks/results", help="server logs")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--ray-num-cpus", type=int, default=None,
                    help="logical CPUs of pagedray's private Ray (TP=2 on 2 cores needs >= 3)")

@@ -10,7 +10,7 @@ generator; with the run's output tokens per second, how much of the machine's CP
 used, and the engine's model steps during the load (``pagedray:engine_steps`` and
 ``pagedray:computed_tokens`` from /metrics: tokens per step and wall ms per step). A profile, not a
 comparison: it says which process to make cheaper, not how fast pagedray is.
-JSON to ``--out`` (default ``bench_results/serving_profile.json``).
+JSON to ``--out`` (default ``benchmarks/results/serving_profile.json``).
 
 What it showed (2-core AMD EPYC VM, 2026-11-25, SmolLM2 bf16, 32 requests at concurrency 16, single
 runs, so +-5%): pagedray-tp1 445-454 tok/s, 131 steps at 34.5-35.3 wall ms each; the TP worker 86-87%
@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=18550)
     p.add_argument("--startup-timeout", type=float, default=900.0)
-    p.add_argument("--out", default="bench_results/serving_profile.json")
-    p.add_argument("--log", default="bench_results/serving_profile_server.log")
+    p.add_argument("--out", default="benchmarks/results/serving_profile.json")
+    p.add_argument("--log", default="benchmarks/results/serving_profile_server.log")
     return p
 
 

@@ -20,7 +20,7 @@ Steps of the two alternate one by one and every figure is a median over ``--step
 from other processes on the shared machine hits both alike.
 
     python -m benchmarks.step [--model default|tiny|PATH] [--batch-sizes 1,16,64]
-        [--threads 1] [--steps 15] [--dtype float32|bfloat16] [--json bench_step.json]
+        [--threads 1] [--steps 15] [--dtype float32|bfloat16] [--json benchmarks/results/step.json]
 
 Results of the CPU performance pass (2-core shared CPU, load average 4-10 from other jobs, so absolute
 ms drift between runs; SmolLM2-135M-Instruct fp32, 1 thread; two runs each of 15 interleaved steps).
@@ -265,7 +265,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="both sides compute in this dtype")
-    parser.add_argument("--json", default="bench_step.json")
+    parser.add_argument("--json", default="benchmarks/results/step.json")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     with tempfile.TemporaryDirectory() as folder:

@@ -48,7 +48,7 @@ def test_systems_must_be_distinct_and_present():
 def test_rounds_flag_rejects_two_and_defaults_to_three():
     parser = argparse.ArgumentParser()
     add_round_args(parser, "x")
-    assert parser.parse_args([]).rounds == 3 and parser.parse_args([]).out == "bench_results/x.json"
+    assert parser.parse_args([]).rounds == 3 and parser.parse_args([]).out == "benchmarks/results/x.json"
     assert parser.parse_args(["--rounds", "5"]).rounds == 5
     with pytest.raises(SystemExit):
         parser.parse_args(["--rounds", "2"])

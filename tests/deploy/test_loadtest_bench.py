@@ -27,7 +27,7 @@ def summary(tok_s, ttft_p99, e2e_mean=1000.0, duration=8.0):
 
 def test_the_peer_runs_at_its_defaults_and_the_tuned_peer_only_on_request():
     args = build_parser().parse_args([])
-    assert args.peer_tuned is False and args.rounds == 3 and args.out == "bench_results/serving.json"
+    assert args.peer_tuned is False and args.rounds == 3 and args.out == "benchmarks/results/serving.json"
     peer, tuned, tp2 = system_specs([PEER, PEER_TUNED, "pagedray-tp2"], "/models/m", 18000, args)
     assert peer.command[:4] == ["transformers", "serve", "/models/m", "--continuous-batching"]
     assert not [flag for flag in peer.command if flag.startswith("--cb-")]
