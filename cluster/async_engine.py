@@ -237,8 +237,8 @@ class AsyncEngine:
                 with self._lock:
                     self._pending_adds -= 1
                 try:
-                    self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                            command.priority)
+                    self.engine.add_validated_request(command.request_id, command.prompt_token_ids,
+                                                      command.params, command.priority)   # validated at intake
                 except (ValueError, QueueFullError, EngineDeadError) as exc:
                     errors.append((command.request_id, exc))
             else:

@@ -137,12 +137,22 @@ class Engine:
                       priority: int = 0) -> None:
         """Raises ValueError / QueueFullError / EngineDeadError for a request add_request would refuse."""
         self.validate_request(prompt_token_ids, params, priority)
-        self.scheduler.check_request(request_id, prompt_token_ids, params, priority)
+        self.scheduler.check_admission(request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:
-        self.check_request(request_id, prompt_token_ids, params, priority)
-        self.scheduler.add_request(request_id, list(prompt_token_ids), params, priority)
+        self.validate_request(prompt_token_ids, params, priority)
+        self.add_validated_request(request_id, prompt_token_ids, params, priority)
+
+    def add_validated_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                              priority: int = 0) -> None:
+        """``add_request`` for arguments that already passed ``validate_request`` (the AsyncEngine and
+        ``LLM`` validate at intake, so each request is validated once): the admission checks (a live
+        engine, the id, the queue) and the enqueue. ``params`` is immutable and the prompt a private
+        copy, so what was validated is what runs."""
+        self._raise_if_dead()
+        self.scheduler.check_admission(request_id)
+        self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority)
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.abort(request_id, FinishReason.ABORT)

@@ -131,7 +131,7 @@ class LLM:
             while todo or engine.has_unfinished_requests():
                 while todo and engine.scheduler.num_waiting < limit:
                     rid, (_, token_ids), p = todo.pop()
-                    engine.add_request(rid, token_ids, p)
+                    engine.add_validated_request(rid, token_ids, p)   # checked in generate()
                 for out in engine.step():
                     result = results[out.request_id]
                     if out.num_cached_prompt_tokens:

@@ -94,21 +94,30 @@ class Scheduler:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      priority: int = 0) -> None:
-        """Raises ValueError / QueueFullError for a request that cannot be admitted; changes nothing."""
+    def check_admission(self, request_id: str) -> None:
+        """The checks that depend on the queue state: ValueError (bad or duplicate id) / QueueFullError."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        self.validate_request(prompt_token_ids, params, priority)
         if len(self.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting_requests="
                                  f"{self.config.max_waiting_requests}); retry later")
 
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      priority: int = 0) -> None:
+        """Raises ValueError / QueueFullError for a request that cannot be admitted; changes nothing."""
+        self.validate_request(prompt_token_ids, params, priority)
+        self.check_admission(request_id)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> Request:
         self.check_request(request_id, prompt_token_ids, params, priority)
+        return self.enqueue(request_id, prompt_token_ids, params, priority)
+
+    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                priority: int = 0) -> Request:
+        """Adds a request that passed ``check_request`` (the engine validates once, then enqueues)."""
         request = Request(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids],
                           params=params, arrival=self._next_arrival, priority=priority,
                           num_unforked=params.n - 1)

@@ -33,12 +33,14 @@ import os
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..openai.errors import APIError, invalid_api_key
+
 HEADER_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024   # max_body_bytes' default: a larger body is a 413 (routes.py)
 HEAD_END = b"\r\n\r\n"
-TOO_LARGE_BODY = (b'{"error": {"message": "request headers are larger than 65536 bytes", '
-                  b'"type": "invalid_request_error", "param": null, "code": "headers_too_large"}}')
+TOO_LARGE_BODY = APIError(431, f"request headers are larger than {MAX_HEAD_BYTES} bytes",
+                          code="headers_too_large").body_bytes()
 TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
              b"connection: close\r\ncontent-length: " + str(len(TOO_LARGE_BODY)).encode() + b"\r\n\r\n"
              + TOO_LARGE_BODY)
@@ -133,11 +135,11 @@ class GuardServeRoutes:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope.get("path") in GUARDED_PATHS and not self._authorized(scope):
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
-            await send({"type": "http.response.body",
-                        "body": b'{"error": {"message": "a valid API key is required (Authorization: Bearer '
-                                b'KEY)", "type": "authentication_error", "param": null, "code": "invalid_api_key"}}'})
+            error = invalid_api_key()
+            headers = [(b"content-type", b"application/json")] + [
+                (name.encode(), value.encode()) for name, value in error.headers.items()]
+            await send({"type": "http.response.start", "status": error.status, "headers": headers})
+            await send({"type": "http.response.body", "body": error.body_bytes()})
             return
         await self.app(scope, receive, send)
 

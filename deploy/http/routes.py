@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..openai.errors import APIError, bad_request, health_reason, to_api_error
+from ..openai.errors import APIError, bad_request, health_reason, invalid_api_key, to_api_error
 from ..openai.metrics import METRICS_CONTENT_TYPE
 from ..openai.prepare_lanes import input_within
 from ..openai.service import OpenAIService
@@ -58,8 +58,7 @@ def check_api_key(request: Request, api_key: str | None) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                       "invalid_request_error", code="invalid_api_key")
+        raise invalid_api_key()
 
 
 def check_content_type(request: Request) -> None:
@@ -221,7 +220,7 @@ def create_api(service: OpenAIService, api_key: str | None = None,
     @app.get("/health")
     async def health() -> Response:
         try:
-            await service.check_health()
+            await service.check_ready()
         except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
             return JSONResponse({"status": "unhealthy", "reason": health_reason(exc)}, status_code=503)
         return PlainTextResponse("ok")

@@ -20,6 +20,7 @@ traceback; ``engine_error_message`` digs out the original exception's text.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -55,8 +56,19 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+    def body_bytes(self) -> bytes:
+        """``body()`` as JSON bytes, for the layers below FastAPI (raw HTTP, plain ASGI)."""
+        return json.dumps(self.body()).encode()
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def invalid_api_key() -> APIError:
+    """401 for a missing or wrong ``Authorization: Bearer`` key (the routes and Serve's guarded paths)."""
+    return APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                    "invalid_request_error", code="invalid_api_key", headers={"www-authenticate": "Bearer"})
 
 
 def _original(exc: BaseException) -> BaseException:

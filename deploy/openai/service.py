@@ -409,8 +409,8 @@ class OpenAIService:
         check_model(model_id, self.limits)
         return self._model_card().model_dump()
 
-    async def check_health(self) -> None:
-        await self.engine.check_health()
+    async def check_ready(self) -> None:
+        await self.engine.check_ready()
 
     async def metrics_text(self) -> bytes:
         try:

@@ -49,7 +49,7 @@ class EngineClient(Protocol):
 
     async def replica_states(self) -> list: ...   # list[metrics.ReplicaState]: every engine replica known
 
-    async def check_health(self) -> None: ...
+    async def check_ready(self) -> None: ...   # alive and taking requests (/health), else raises
 
 
 @dataclass

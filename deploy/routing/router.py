@@ -163,7 +163,7 @@ class CacheAwareRouter(RequestRouter):
         queued = self.replica_queue_len_cache.get(replica.replica_id)
         if queued is not None:
             return queued
-        stats = replica.routing_stats or {}
+        stats = (replica.routing_stats or {}).get("stats") or {}   # {}: a replica not polled yet
         return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

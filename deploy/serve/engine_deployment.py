@@ -17,7 +17,7 @@ Methods called by the ingress through a DeploymentHandle:
   cancelling the call (``DeploymentResponseGenerator.cancel()``, or the ingress request being
   cancelled) cancels the iteration here, and AsyncEngine then aborts the request (blocks freed
   within a step).
-- ``abort(request_id)``, ``stats()``, ``health()``, ``model_meta()``.
+- ``abort(request_id)``, ``stats()``, ``check_ready()`` (for /health), ``model_meta()``.
 ``record_autoscaling_stats`` reports KV usage, running and waiting for ``autoscaling.kv_pressure_policy``.
 ``record_routing_stats`` is polled by Serve (``request_routing_stats_period_s``) for the request router:
 the replica's prefix-cache summary and load (``routing/router.py``). Serve polls it with its default router
@@ -29,7 +29,7 @@ failed checks ``HEALTH_CHECK_PERIOD_S`` apart.
 
 Draining (``served_engine.py`` holds the state; the same with ``engine_in_ingress``):
 - ``drain(timeout_s)``: the replica stops admitting (new requests get ``EngineDrainingError`` -> HTTP
-  503 ``engine_draining``; ``health()`` -> /health 503, so load balancers stop sending), waits up to
+  503 ``engine_draining``; ``check_ready()`` -> /health 503, so load balancers stop sending), waits up to
   ``timeout_s`` for the requests in flight, then aborts the rest (their streams end with
   finish_reason "abort"). Draining is one-way: the replica is then meant to be deleted or replaced.
   ``check_health`` (Serve's hook) stays healthy while draining, so Serve does not kill the replica
@@ -53,7 +53,7 @@ from ..routing.autoscaling import autoscaling_stats
 from ..routing.router import PREFIX_SUMMARY_BLOCKS
 from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
-from .served_engine import ServedEngine
+from .served_engine import ServedEngine, replica_id
 
 ENGINE_DEPLOYMENT_NAME = "PagedEngine"
 # Serve calls ``check_health`` this often and replaces a replica after 3 failures in a row (Serve's
@@ -62,11 +62,6 @@ ENGINE_DEPLOYMENT_NAME = "PagedEngine"
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
 SHUTDOWN_MARGIN_S = 10.0  # the ingress outlives the engine by this much on shutdown
-
-
-def replica_id() -> str:
-    """This Serve replica's id."""
-    return serve.get_replica_context().replica_id.unique_id
 
 
 def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool = False) -> list[dict[str, float]]:
@@ -81,7 +76,7 @@ def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool
 @serve.deployment(name=ENGINE_DEPLOYMENT_NAME, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
                   health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
 class EngineDeployment(ServedEngine):
-    """ServedEngine's methods are what the ingress calls (``generate``, ``abort``, ``stats``, ``health``,
+    """ServedEngine's methods are what the ingress calls (``generate``, ``abort``, ``stats``, ``check_ready``,
     ``drain``, ``model_meta``); this class adds Serve's hooks and the per-replica calls.
     ``prefix_summary_blocks``: cached prefix-block hashes per routing summary (0: none, no router reads them)."""
 
@@ -93,9 +88,6 @@ class EngineDeployment(ServedEngine):
     def process_id(self) -> int:
         """The replica's pid (memory checks from tests and benchmarks on the same machine)."""
         return os.getpid()
-
-    async def check_health(self) -> None:
-        await self.replica_health()
 
     async def replica_stats(self):
         """(this replica's Serve id, its EngineStats): per-replica figures for the ingress' /metrics with one

@@ -64,7 +64,7 @@ from ..openai.prompt_bound import max_prompt_chars
 from ..openai.service import OpenAIService
 from ..openai.validation import ModelLimits
 from ..routing.router import replica_summaries
-from .engine_deployment import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S, replica_id
+from .engine_deployment import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S
 from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
 from .served_engine import DrainReport, ModelMeta, ServedEngine
@@ -86,7 +86,7 @@ def replica_state(summary: dict) -> ReplicaState:
 class HandleEngineClient:
     """EngineClient over a DeploymentHandle to the engine deployment.
 
-    ``replica_states`` and ``check_health`` see every engine replica when a CacheAwareRouter routes this
+    ``replica_states`` and ``check_ready`` see every engine replica when a CacheAwareRouter routes this
     handle (``routing.replica_summaries``); otherwise (one replica, Serve's router) the one that answers."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
@@ -116,36 +116,16 @@ class HandleEngineClient:
     async def stats(self):
         return await self._handle.stats.remote()
 
-    async def check_health(self) -> None:
+    async def check_ready(self) -> None:
         for summary in self._summaries() or []:
             if not summary["healthy"]:
                 raise EngineDeadError(f"engine replica {summary['replica']}: {summary['reason']}")
-        response = self._handle.health.remote()
+        response = self._handle.check_ready.remote()
         try:
             await asyncio.wait_for(_awaited(response), HEALTH_TIMEOUT_S)
         except asyncio.TimeoutError:
             response.cancel()
             raise EngineDeadError(f"the engine did not answer a health check within {HEALTH_TIMEOUT_S} s") from None
-
-
-class LocalEngineClient:
-    """EngineClient over the ServedEngine in this process (``engine_in_ingress``)."""
-
-    def __init__(self, served: ServedEngine) -> None:
-        self._served = served
-
-    def generate(self, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator:
-        return self._served.generate(request_id, prompt_token_ids, params)
-
-    async def stats(self):
-        return await self._served.stats()
-
-    async def replica_states(self) -> list[ReplicaState]:
-        healthy, reason = await self._served.health_state()
-        return [ReplicaState(replica_id(), await self.stats(), healthy, reason)]
-
-    async def check_health(self) -> None:
-        await self._served.health()
 
 
 def served_names(model: str, meta: ModelMeta, served_model_name: str | None) -> tuple[str, frozenset[str]]:
@@ -173,7 +153,7 @@ class OpenAIIngress:
         self._served: ServedEngine | None = None
         if isinstance(engine, EngineConfig):
             self._served = ServedEngine(engine)
-            meta, client = self._served.model_meta(), LocalEngineClient(self._served)
+            meta, client = self._served.model_meta(), self._served
         else:
             meta, client = await engine.model_meta.remote(), HandleEngineClient(engine)
         name, aliases = served_names(model, meta, served_model_name)
@@ -243,7 +223,7 @@ class OpenAIIngress:
         """With ``engine_in_ingress``: the engine's replica health (a dead rank, a failed or stalled step
         loop makes Serve replace this replica). Otherwise the engine deployment has its own hook."""
         if self._served is not None:
-            await self._served.replica_health()
+            await self._served.check_health()
 
     async def __del__(self) -> None:
         if getattr(self, "_served", None) is not None:

@@ -1,13 +1,17 @@
 """``ServedEngine``: an ``AsyncEngine`` as one Serve replica serves it (draining, health, meta, shutdown).
 
 Two replicas hold one: the engine deployment (``engine_deployment.py``, the default layout) and, with
-``engine_in_ingress``, the ingress itself (``ingress.py``), so that both layouts drain, answer health
-and shut down the same way.
+``engine_in_ingress``, the ingress itself (``ingress.py``), which uses it as its engine client directly
+(it implements ``openai.streaming.EngineClient``), so that both layouts drain, answer health and shut
+down the same way.
+
+Health, one name per question: ``check_health`` asks "alive?" (no dead rank, failed step loop or
+stalled step; Serve's replica hook), ``check_ready`` asks "alive and taking requests?" (/health).
 
 Invariants:
 - Draining is one-way: once ``drain`` has begun, ``generate`` refuses (``EngineDrainingError`` -> 503)
-  and ``health`` fails, so load balancers stop sending; ``replica_health`` (Serve's hook) stays
-  healthy, so Serve does not kill the replica together with the requests that are finishing.
+  and ``check_ready`` fails, so load balancers stop sending; ``check_health`` stays healthy, so Serve
+  does not kill the replica together with the requests that are finishing.
 - ``close`` aborts whatever is still running and stops the TP workers; it is safe to call twice.
 """
 
@@ -20,6 +24,15 @@ from dataclasses import dataclass
 from pagedray.cluster.outputs import EngineDrainingError, RequestOutput
 from pagedray.workers.contract.config import EngineConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
+
+from ..openai.metrics import ReplicaState
+
+
+def replica_id() -> str:
+    """This Serve replica's id."""
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,8 @@ class ServedEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        # an async generator function, not a method returning AsyncEngine's generator: Serve runs a
+        # plain method in its thread pool and streams only what a generator function yields
         async for output in self._engine.generate(request_id, prompt_token_ids, params):
             yield output
 
@@ -61,23 +76,28 @@ class ServedEngine:
     async def stats(self):
         return await self._engine.stats()
 
-    async def health(self) -> None:
-        """For /health: also unhealthy while draining (stop sending traffic here)."""
+    async def check_health(self) -> None:
+        """Alive (Serve's replica health hook): raises for a dead rank, a failed step loop or a stalled step."""
+        await self._engine.check_health()
+
+    async def check_ready(self) -> None:
+        """Alive and taking requests (/health): also fails while draining (stop sending traffic here)."""
         if self._draining:
             raise EngineDrainingError("the engine is draining and accepts no new requests")
-        await self._engine.check_health()
+        await self.check_health()
 
-    async def replica_health(self) -> None:
-        """For Serve's ``check_health`` hook: a dead rank, a failed step loop or a stalled step."""
-        await self._engine.check_health()
-
-    async def health_state(self) -> tuple[bool, str]:
-        """``replica_health`` as (healthy, the reason when not), for reports that must not raise."""
+    async def _health_state(self) -> tuple[bool, str]:
+        """``check_health`` as (healthy, the reason when not), for reports that must not raise."""
         try:
-            await self.replica_health()
+            await self.check_health()
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             return False, str(exc)
         return True, ""
+
+    async def replica_states(self) -> list[ReplicaState]:
+        """This replica, the only one an ingress holding the engine sees (``EngineClient``)."""
+        healthy, reason = await self._health_state()
+        return [ReplicaState(replica_id(), await self.stats(), healthy, reason)]
 
     async def drain(self, timeout_s: float) -> DrainReport:
         """Refuse new requests, let the in-flight ones finish for ``timeout_s``, abort the rest."""
@@ -94,12 +114,10 @@ class ServedEngine:
         dict) and whether its engine is healthy (dead / stalled; draining is not unhealthy here).
         ``max_blocks`` 0: no hashes, and no wait for the step thread."""
         stats = await self._engine.stats()
-        healthy, reason = await self.health_state()
+        healthy, reason = await self._health_state()
         hashes = await self._engine.cached_prefix_hashes(max_blocks) if max_blocks else []
-        return {"replica": replica, "prefix_hashes": hashes,
-                "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
-                "stats": stats.to_dict(), "healthy": healthy, "reason": reason}
+        return {"replica": replica, "prefix_hashes": hashes, "stats": stats.to_dict(), "healthy": healthy,
+                "reason": reason}
 
     def model_meta(self) -> ModelMeta:
         engine = self._engine

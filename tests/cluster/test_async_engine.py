@@ -267,3 +267,24 @@ def test_steps_run_back_to_back_while_the_event_loop_is_busy(tiny_llama_path):
         engine.shutdown()
     assert ran_while_blocked, "the third step waited for the blocked event loop"
     assert tokens == [12, 13, 14, 15, 16]
+
+
+def test_a_request_is_validated_once_on_its_way_in(tiny_llama_path, monkeypatch):
+    """The intake validates (argument checks, prompt ids against the vocabulary); the step thread only
+    admits (id, queue): the scheduler's argument checks run once per request, not four times."""
+    from pagedray.cluster.scheduler import Scheduler
+
+    calls = []
+    original = Scheduler.validate_request
+    monkeypatch.setattr(Scheduler, "validate_request", lambda self, *a, **k: (calls.append(a), original(self, *a, **k)))
+    engine = _engine(tiny_llama_path, FakeExecutor(64))
+
+    async def main():
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            await _consume(engine, "b", [10, 10**9], 3)
+        return await _consume(engine, "a", [10, 11], 3)
+    try:
+        tokens, _ = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert tokens == [12, 13, 14] and len(calls) == 2          # one per request, the refused one included

@@ -156,3 +156,19 @@ def test_a_seed_near_int64_max_with_n_samples_forks_without_failing_the_step(tin
     assert final.finished and sorted(c.finish_reason for c in final.outputs) == ["length"] * 3
     assert not engine.is_dead and engine.block_manager.num_free_blocks == 64
     assert [sibling_seed(2**63 - 1, i) for i in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]
+
+
+def test_add_request_validates_once_and_a_refused_one_changes_nothing(tiny_llama_path, monkeypatch):
+    from pagedray.cluster.scheduler import Scheduler
+
+    calls = []
+    original = Scheduler.validate_request
+    monkeypatch.setattr(Scheduler, "validate_request", lambda self, *a, **k: (calls.append(a), original(self, *a, **k)))
+    engine, _ = _engine(tiny_llama_path)
+    engine.add_request("a", [10, 11, 12], SamplingParams(max_tokens=2, temperature=0))
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="request_id: 'a' is already in flight"):
+        engine.add_request("a", [10], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request("c", [-1], SamplingParams(max_tokens=2))
+    assert engine.scheduler.num_waiting == 1 and _tokens(_collect(engine)["a"]) == [13, 14]

@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 from pagedray.deploy.http import guard as http_guard
 from pagedray.deploy.http.guard import BoundedH11Protocol, GuardServeRoutes, guard_env, key_hash, serve_middlewares
+from pagedray.deploy.openai.errors import invalid_api_key
 
 HOUR = 3600.0
 
@@ -149,6 +150,7 @@ def test_serve_routes_need_the_key_and_other_paths_pass():
     guard = GuardServeRoutes(ok_app, key_hash("sk-test"))
     status, body = _call(guard, "/-/routes")
     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert json.loads(body) == invalid_api_key().body()          # the routes' 401, built in one place
     assert _call(guard, "/-/routes", "Bearer wrong")[0] == 401
     assert _call(guard, "/-/routes", "Bearer sk-test") == (200, b"ok")
     assert _call(guard, "/-/healthz") == (200, b"ok")

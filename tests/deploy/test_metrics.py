@@ -128,7 +128,7 @@ def test_the_ingress_sees_every_replica_the_router_sees_and_fails_health_for_any
         assert [(s.replica, s.stats.num_running, s.healthy) for s in states] == [("a", 2, True), ("b", 7, True)]
         router.curr_replicas[1].routing_stats = summary("b", healthy=False, reason="a TP rank failed")
         with pytest.raises(EngineDeadError, match="engine replica b: a TP rank failed"):
-            asyncio.run(client.check_health())
+            asyncio.run(client.check_ready())
     finally:
         router_registry.unregister("app", "PagedEngine")
     assert routing.replica_summaries("app", "PagedEngine") is None

@@ -22,7 +22,7 @@ SECRET = ('Traceback (most recent call last):\n  File "/work/secret/workers/gram
 class LeakyEngine(ScriptedEngine):
     """An engine whose failures carry internals, as a Ray-wrapped worker exception does."""
 
-    async def check_health(self) -> None:
+    async def check_ready(self) -> None:
         raise RuntimeError(SECRET)
 
     async def generate(self, request_id, prompt_token_ids, params):
@@ -65,7 +65,7 @@ def test_a_dead_engine_keeps_its_fixed_message(default_model_path):
     from transformers import AutoTokenizer
 
     class DeadEngine(ScriptedEngine):
-        async def check_health(self) -> None:
+        async def check_ready(self) -> None:
             raise EngineDeadError("engine dead: a step failed (the server log has the details)")
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)

@@ -95,7 +95,7 @@ def test_eight_new_prefixes_split_four_and_four_between_two_replicas():
     """The placement the footprint rule exists for: equal loads, prefixes arriving one after the other."""
     async def scenario():
         router = make_router()
-        stats = {"num_running": 0, "num_waiting": 0, "prefix_hashes": []}
+        stats = {"stats": {"num_running": 0, "num_waiting": 0}, "prefix_hashes": []}
         a, b = FakeReplica("a", dict(stats)), FakeReplica("b", dict(stats))
         placed = {"a": 0, "b": 0}
         for system in range(8):
@@ -151,7 +151,7 @@ def test_the_router_follows_reported_caches_and_its_own_sends_and_respects_load(
     async def scenario():
         router = make_router()
         shared = list(range(200, 212))                  # 3 full blocks
-        stats = {"num_running": 0, "num_waiting": 0}
+        stats = {"stats": {"num_running": 0, "num_waiting": 0}}
         a = FakeReplica("a", {**stats, "prefix_hashes": []})
         b = FakeReplica("b", {**stats, "prefix_hashes": prefix_block_hashes(shared[:8], BS)})
         assert await router.choose_replicas([a, b], generate_call(shared + [1])) == [[b]]
@@ -162,7 +162,7 @@ def test_the_router_follows_reported_caches_and_its_own_sends_and_respects_load(
         router.on_request_routed(generate_call(fresh), "a", None)
         assert await router.choose_replicas([a, b], generate_call(fresh + [9])) == [[a]]
         # a holder loaded beyond the imbalance is passed over
-        busy_b = FakeReplica("b", {"num_running": 3, "num_waiting": 1,
+        busy_b = FakeReplica("b", {"stats": {"num_running": 3, "num_waiting": 1},
                                    "prefix_hashes": b.routing_stats["prefix_hashes"]})
         assert await router.choose_replicas([a, busy_b], generate_call(shared)) == [[a]]
         # control calls (no prompt) go to any replica
@@ -214,7 +214,7 @@ def test_a_summary_of_zero_blocks_reads_no_cache_keys_but_still_reports_load():
     served._engine, served._draining, served._closed = SummaryEngine(), False, False
     without = asyncio.run(served.routing_stats("r0", 0))
     assert served._engine.hash_reads == [] and without["prefix_hashes"] == []
-    load = (without["replica"], without["num_running"], without["num_waiting"], without["healthy"])
+    load = (without["replica"], without["stats"]["num_running"], without["stats"]["num_waiting"], without["healthy"])
     assert load == ("r0", 2, 1, True)
     with_hashes = asyncio.run(served.routing_stats("r0", 2))
     assert served._engine.hash_reads == [2] and with_hashes["prefix_hashes"] == [11, 22]

@@ -112,7 +112,7 @@ class ScriptedEngine:
         reason = "rank 1 is dead" if self.dead else ""
         return [ReplicaState("fake-replica", await self.stats(), not self.dead, reason)]
 
-    async def check_health(self) -> None:
+    async def check_ready(self) -> None:
         if self.dead:
             raise EngineDeadError("rank 1 is dead")
 
