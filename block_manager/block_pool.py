@@ -10,13 +10,7 @@ Invariants (checked by ``check_invariants``):
   a block with a key is either referenced or free-but-findable (a "cached free" block);
 - a free block keeps its key until ``allocate`` hands it out again: only then is the key evicted.
 
-Decisions:
-- Allocation always takes the head of the free queue; freeing appends to the tail. The pool starts
-  with blocks queued in id order, so a fresh pool hands out 0, 1, 2, ...
-- ``touch`` revives a cached block (ref 0 -> 1 removes it from the middle of the queue in O(1)).
-- A key is registered for at most one block. When a second block gets content whose key is already
-  cached (two sequences computed the same prompt independently), that block stays without a key and
-  the existing block remains the cached copy.
+Decisions: docs/design/block_manager.md, ``pagedray.block_manager.block_pool``.
 """
 
 from __future__ import annotations

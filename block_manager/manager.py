@@ -18,21 +18,7 @@ Invariants (``check_invariants`` asserts them, together with the pool's):
 - freeing every sequence returns the pool to all-free with ref counts 0; cached keys stay findable
   until their block is handed out again.
 
-Decisions:
-- Prefix caching works on full blocks only. A block is registered in the cache as soon as the
-  ``allocate_slots`` call that fills it returns: its K/V are written by the step that scheduled those
-  tokens (a hit in the same step reads them after each layer's ``store_kv``). The lookup always
-  leaves at least one token to compute, so a fully cached prompt recomputes its last block.
-- The watermark is an admission policy: ``can_allocate`` for a new sequence keeps
-  ``int(watermark * num_blocks)`` blocks free; growing a running sequence may use them.
-  ``allocate_slots`` itself only fails when the pool is out of blocks.
-- Hit/query counters (in tokens) count the sequence-registering ``allocate_slots`` calls, not the
-  pure ``num_cached_prefix_tokens`` lookups.
-- ``fork`` shares every full block by ref count and copies a partially filled last block eagerly
-  (returns the (src, dst) copy the workers must do before the next forward).
-- ``free`` releases blocks last-to-first, so a sequence's tail blocks are evicted before its prefix.
-- No ``truncate`` (speculative rewind) and no extra cache key (adapter, cache salt): nothing in the
-  engine would call them. A feature that needs one adds it with its caller and its test.
+Decisions: docs/design/block_manager.md, ``pagedray.block_manager.manager``.
 """
 
 from __future__ import annotations

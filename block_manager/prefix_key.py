@@ -3,14 +3,7 @@
 A full block's key chains its parent block's key with the block's own token ids. Two blocks have
 equal keys exactly when every token of their whole prefix is equal.
 
-Decisions:
-- The key holds a reference to its parent key object, not just the parent's hash, and equality
-  compares real content (token tuples, then the parent chain). A hash collision can therefore never
-  make one prefix alias another: the dict lookup falls back to ``__eq__``.
-- The hash is computed once at construction from (parent hash, tokens) and stored.
-- Equality walks the chain iteratively (no recursion limit for long contexts) and stops at the first
-  pair of identical parent objects. The block manager always chains new keys onto the canonical key
-  object held by the cache, so this walk is O(block_size) in practice.
+Decisions: docs/design/block_manager.md, ``pagedray.block_manager.prefix_key``.
 """
 
 from __future__ import annotations

@@ -11,28 +11,7 @@ step thread runs steps back to back by itself (``_step_burst``) and posts each s
 loop, so a busy event loop (HTTP, streaming) never holds up the next step. The serving trace on the 2-core
 VM had 2-5 ms between decode steps when each step went through the loop.
 
-Decisions:
-- A consumer that stops iterating (``aclose``, cancellation, break) aborts its request; the abort is
-  applied before the next step, so its blocks are freed within one step.
-- ``abort(request_id)`` from another caller ends the stream with finish_reason "abort".
-- ``config.stream_interval`` = k > 1: a stream yields a request's first output at once, then one merged
-  delta (``merge_deltas``) per k step outputs, and its final output at once: fewer messages through
-  Serve per token, the same tokens.
-- Queue bound: a request is refused (QueueFullError) when the waiting requests seen after the last
-  step plus the adds not yet applied reach ``max_waiting_requests``.
-- Health: answered from state the step thread keeps (never queued behind a step): EngineDeadError when
-  the engine died (a failed step ended every request with "error"), the step loop crashed, a step has
-  run longer than its limit (``Engine.step_limit_s``: ``step_timeout_s`` plus ``step_timeout_per_token_s``
-  per token in the step), or the executor reports a dead rank (also while it rebuilds its TP group).
-  A step that is merely running is busy, not dead.
-- Stall watchdog: a step still running after ``STALL_GRACE_FACTOR`` x its limit (and not rebuilding
-  a TP group) ends every stream with a final output of finish_reason "error" and marks this engine dead
-  for good (health fails, new requests get EngineDeadError). The grace lets an executor that bounds its
-  own waits by the step's limit (Ray) fail the step itself and recover. The step thread cannot be
-  interrupted: once the stalled step returns, ``Engine.fail`` runs on it and frees every block.
-- ``drain(timeout_s)``: refuse new requests (EngineDrainingError), wait for in-flight ones; those
-  still running at the timeout are aborted; then wait until the step loop is idle, so that pending
-  aborts and the release of the last sequences from the worker mirrors have been applied.
+Decisions: docs/design/cluster.md, ``pagedray.cluster.async_engine``.
 """
 
 from __future__ import annotations

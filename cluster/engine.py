@@ -4,41 +4,7 @@ One ``step()`` = schedule -> build the StepPlan -> ``executor.execute`` -> apply
 -> stream RequestOutput deltas. The engine is single-threaded: callers serialize access (AsyncEngine
 applies intake and aborts between steps on its step thread).
 
-Decisions:
-- ``max_model_len`` = min(config value or the model's max_position_embeddings, KV capacity minus
-  the watermark), so that a lone sequence always fits and preemption always makes progress.
-- Rank failure recovery: when a step fails and the executor says the failure is a rank failure
-  (``executor.is_rank_failure(exc)``: a dead TP actor, a broken channel, a timed-out wait) and fewer
-  than ``config.parallel.max_rank_restarts`` rebuilds happened, the engine re-queues every running
-  sequence as if preempted (``Scheduler.reset_after_kv_loss``: blocks freed, output tokens kept), has
-  the executor rebuild its TP group (``executor.rebuild()``: new actors, process group, empty KV
-  cache), and starts over with a fresh BlockManager of the same size (the old prefix cache described
-  lost KV contents). The sampled tokens of the failed step are dropped; recompute yields the same ones
-  (greedy, or seeded by (seed, position)), so every request finishes as an undisturbed run would.
-- A row rank 0 could not sample (its grammar, non-finite logits) comes back as a SampledToken with
-  ``error``: the scheduler ends that request with finish_reason "error"; the step is not a failure.
-- Any other executor failure (or a failed rebuild, or restarts used up) ends every in-flight request
-  with finish_reason "error" (their outputs are returned by that ``step()``), frees their blocks and
-  marks the engine dead: later calls raise EngineDeadError. Nothing hangs. Callers get the fixed
-  ``ENGINE_DEAD_MESSAGE``; the exception (a worker's traceback, paths, request text) goes to the log
-  only. The replica's health check then fails, so Serve replaces it.
-- ``abort`` frees the request's blocks at once; its final output (finish_reason "abort") is
-  returned by the next ``step()``.
-- Step time limit: ``step_limit_s`` is the current step's ``config.step_limit_s(tokens scheduled)``
-  (``step_timeout_s`` plus ``step_timeout_per_token_s`` per token), set before the executor runs the
-  plan: a 2,048-token prefill chunk may take longer than a decode step without counting as stalled.
-  AsyncEngine's health and watchdog read it from the event loop (one float, replaced whole).
-- When sequences were released and nothing else is scheduled, a plan with only
-  ``released_seq_ids`` is still sent so that worker mirrors never outlive their sequences.
-- Run-ahead (``scheduler.async_scheduling``, TP=1): a ``step()`` schedules and submits step N+1
-  (queued behind step N on the worker; a sequence's token from step N goes as ``PENDING_TOKEN``),
-  then waits for step N and applies it: the scheduling of N+1 overlaps N's forward, the outputs of N
-  overlap N+1's. ``step()`` returns step N's outputs; one step stays in flight until nothing is left
-  to schedule (``has_unfinished_requests`` counts it). Outputs are those of the synchronous engine:
-  the scheduler never schedules ahead what a pending token would end by length, and a result for a
-  sequence finished, aborted or preempted since it was scheduled is dropped. A failed step also
-  drops the step queued behind it (waited for, its result ignored) before recovery or failure.
-  The step time limit covers both steps' tokens.
+Decisions: docs/design/cluster.md, ``pagedray.cluster.engine``.
 """
 
 from __future__ import annotations

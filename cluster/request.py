@@ -14,20 +14,7 @@ A ``Request`` is what a caller submits (one prompt, one SamplingParams, a priori
   while one runs, so a decoding sequence computes its pending token at the next step
   (``computable_tokens`` counts it).
 
-Decisions settled here:
-- Priority: a LOWER ``priority`` value is more important (the vLLM convention). It only matters under
-  the "priority" policy; under "fcfs" arrival order alone decides.
-- A preempted sequence keeps its output tokens, drops its blocks (``num_computed_tokens = 0``) and
-  goes back to WAITING; when re-admitted it is recomputed from prompt + output tokens (the prefix
-  cache may turn much of that into a hit).
-- ``n > 1``: a request starts with ONE sequence (sample 0, the "parent"). The parent prefills
-  ``fork_at = len(prompt) - 1`` tokens; then the scheduler forks the other n-1 samples from it
-  (they share the prompt blocks, copy-on-write) and every sample computes the last prompt token and
-  samples on its own. So the shared prompt is computed once and no sample is special afterwards.
-- Prompt logprobs (``params.prompt_logprobs``): ``Request.prompt_logprobs`` holds one entry per prompt
-  token (None for token 0 and until computed); the first report of a position wins, so a prefill
-  recomputed after a preemption (or the last prompt positions computed by every forked sample)
-  changes nothing.
+Decisions: docs/design/cluster.md, ``pagedray.cluster.request``.
 """
 
 from __future__ import annotations

@@ -4,12 +4,7 @@
 -> ``out [tokens, inter]``. One read of each input element, one write of each output element; the
 ``[tokens, inter]`` intermediate ``silu(gate)`` of the torch formula never touches memory.
 
-Decisions:
-* Grid ``(tokens, column blocks of BLOCK)``; ``BLOCK`` up to 1024 columns, four warps for a full block
-  (eight elements per thread).
-* Numerics as ``F.silu(gate) * up``: ``silu(g) = g / (1 + exp(-g))`` in float32, rounded to the dtype,
-  then the product rounded. ``exp`` is the GPU's approximate ``ex2``-based one and the division is the
-  fast one, so float32 differs from torch in the last bits; float16/bfloat16 rarely by one ulp.
+Decisions: docs/design/kernels.md, ``pagedray.kernels.activation_triton``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Builds pagedray's CPU C kernels (``cpu_decode.c``, ``cpu_fused.c``) with the machine's C compiler on first use.
 
-Decisions:
-- Built at run time, not at install time: ``pip install -e .`` stays a pure-Python install (a build
-  step would need torch inside pip's isolated build environment, i.e. a second, CUDA, torch). The
-  first use of a source compiles it with ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp`` into
-  ``<user cache>/pagedray/cpu_kernels/`` under a name hashed from the source, the headers beside it
-  (``cpu_vec.h``), the flags, the compiler's version and the CPU's flags (about a second); later
-  processes load that file. Two processes compiling at once each write a private file and rename it
-  into place.
-- OpenMP threads: the kernels run on the libgomp torch already loaded (the library's ``libgomp.so.1``
-  resolves to it: one thread pool), on as many threads as the caller passes.
-- Without a compiler, or with ``PAGEDRAY_CPU_KERNELS=0`` in the environment, ``load`` returns None
-  and logs one warning naming why; the callers then run their torch references.
+Decisions: docs/design/kernels.md, ``pagedray.kernels.cpu_build``.
 """
 
 from __future__ import annotations

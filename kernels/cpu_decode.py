@@ -6,15 +6,7 @@ call SDPA (``reference._decode_rows``); at decode sizes that is mostly per-call 
 straight from the paged cache, one sequence (or one of its KV heads) per work item, with an online
 softmax in float32 (``cpu_decode.c`` has the loop structure and its measured cost).
 
-Decisions:
-- Built on first use by ``cpu_build`` (the machine's C compiler, cached per source and CPU); without
-  a compiler, or with ``PAGEDRAY_CPU_KERNELS=0``, ``available()`` is False and the torch reference
-  runs (one warning in the log says why).
-- OpenMP threads: ``torch.get_num_threads()`` threads of torch's own libgomp.
-- Dtypes: float32 and bfloat16 (q, caches and output share it). float16 goes to the torch reference.
-- Numerics: float32 accumulation like the reference, but another summation order and its own exp
-  (relative error ~2e-7), so results differ from the reference in the last bits (the tests bound it);
-  greedy tokens still equal transformers' in the HF-exact tests, which run through this kernel.
+Decisions: docs/design/kernels.md, ``pagedray.kernels.cpu_decode``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Triton paged decode (one query token per sequence) with GQA grouping and split-KV.
 
-Decisions:
-* One program per (sequence, KV head, split). The program loads the ``group = Hq / Hkv`` query heads
-  that share its KV head as the rows of one ``[BLOCK_G, head_dim]`` tile (padded to >= 16 rows for
-  ``tl.dot``), so each K/V tile is read from memory once per group (GQA; MQA is ``Hkv == 1``).
-* K/V tiles are ``BLOCK_N`` consecutive token positions gathered through the block table
-  (position ``n`` -> block ``table[n // block_size]``, offset ``n % block_size``), so any block size works.
-* Split-KV (flash-decoding): when ``num_seqs * Hkv`` programs would under-fill the device, each
-  sequence's visible key range is cut into ``num_splits`` tile-aligned pieces; each piece writes its
-  running max ``m`` (log2 domain), sum ``l`` and unnormalised ``acc`` to a float32 workspace, and a
-  second kernel merges them with a log-sum-exp reduce. An empty split writes ``m = -inf, l = 0`` and
-  gets weight 0 in the reduce, so no NaN can appear; a sequence with no visible key outputs zeros.
-* The split count is chosen on the host from the SM count and the block-table capacity
-  (``block_tables.shape[1] * block_size``, an upper bound on the context known without a sync).
-* Softmax in base 2: scores are pre-multiplied by ``scale * log2(e)`` (ALiBi slopes too).
+Decisions: docs/design/kernels.md, ``pagedray.kernels.decode_triton``.
 """
 
 from __future__ import annotations

@@ -4,17 +4,7 @@ Rows are addressed as ``[tokens, heads, size]`` with free token and head strides
 contiguous, so one kernel serves the hidden-state norm (``[tokens, hidden]``, one "head" per token) and
 Qwen3's per-head q/k norm on a strided view ``qkv[:, :Hq]`` (token stride ``(Hq + 2 Hkv) * D``).
 
-Decisions:
-* One program per token and group of ``BLOCK_H`` heads; each row is one ``BLOCK_D`` (power of two >=
-  size) tile held in registers, so every element is read once and written once. ``norm_config`` keeps a
-  program's tile at <= 4096 elements where it can (whole rows always: ``size`` up to ``MAX_SIZE``).
-* Numerics as ``fused_reference.rms_norm_reference``: s = x + residual rounded to the input dtype (the
-  new residual), then ``s32 * rsqrt(mean(s32^2) + eps)`` in float32, rounded to the dtype, times the
-  weight (rounded). The sum of squares is a tree reduction and ``rsqrt`` is the GPU's approximate one,
-  so float32 results differ from torch in the last bits; float16/bfloat16 rarely differ by one ulp.
-* Outputs go to separate buffers (``out`` may be ``x`` itself: every program reads its rows before it
-  writes them and programs own disjoint rows). Writing x/residual in place would not save traffic: the
-  kernel reads x and residual and writes normed and the new residual either way.
+Decisions: docs/design/kernels.md, ``pagedray.kernels.norm_triton``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """Triton paged prefill: varlen causal query chunks over a history already in the paged cache.
 
-Decisions:
-* Chunk ``i`` holds queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; they are the *last* ``q_len`` positions
-  of a sequence of ``seq_lens_k[i]`` keys (history + chunk, already stored), so query ``t`` sits at
-  absolute position ``p = seq_lens_k - q_len + t`` and sees keys ``j <= p`` (and ``j > p - W`` with a
-  sliding window ``W``).
-* One program per (query tile, KV head). A query tile is ``BLOCK_Q`` consecutive tokens of one chunk
-  times the ``group = Hq / Hkv`` query heads of that KV head, flattened into ``BLOCK_M = BLOCK_Q * BLOCK_G``
-  rows (row = token * BLOCK_G + head-in-group), so every K/V tile is loaded once per group and both
-  products are ``tl.dot`` over ``[BLOCK_M, head_dim] x [head_dim, BLOCK_N]``.
-* The grid needs no host sync: with ``tile_start(i) = cu_seqlens_q[i] // BLOCK_Q + i`` (strictly
-  increasing), ``total_q // BLOCK_Q + num_seqs`` programs cover every chunk; each program finds its
-  chunk by binary search over ``tile_start`` and exits if its tile lies past the chunk's end.
-* Programs take tiles in reverse order, so the tiles that see the most keys (the end of each chunk)
-  start first and the last wave holds the light ones. Ascending order ends on the heaviest programs
-  while most SMs idle: a list-scheduling model (132 SMs, one program each, 8 KV heads, work = key
-  tiles visited) puts ascending order 14% / 6% / 3% above the ideal for 4k / 8k / 16k-token causal
-  chunks and reverse order within 0.2% (not yet measured on a GPU).
-* One pass, online softmax in base 2. Key tiles past the tile's last query position are never visited
-  (causal skip); tiles entirely below the tile's first query position skip the mask arithmetic
-  (unless a sliding window is set, then every tile is masked and tiles before the window are skipped).
-  A row whose keys are all masked in a tile keeps its state (guarded max), so no NaN appears.
+Decisions: docs/design/kernels.md, ``pagedray.kernels.prefill_triton``.
 """
 
 from __future__ import annotations

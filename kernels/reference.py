@@ -2,26 +2,7 @@
 
 Same signatures as the public kernels; no argument validation here (the public wrappers do it).
 
-Decisions:
-* Math in float32 (``scaled_dot_product_attention`` on float32 tensors), result cast to ``q.dtype``.
-* GQA without repeating K/V: the ``group = Hq / Hkv`` query heads of a KV head become extra query *rows*
-  of that head (``[B, Hkv, group * rows, D]``), so one attention call per batch serves all heads.
-* Decode (and every length-1 chunk of a prefill batch) is vectorised over the batch: sequences are
-  sorted by length and cut into groups holding at most ``GATHER_BUDGET_BYTES`` (2 MiB, about one core's
-  L2) of gathered K+V; each group is one ``index_select`` per cache (padded to the group's longest,
-  masked) and one SDPA call that reads the gathered blocks while they are still in cache; one
-  batch-wide gather was slower on the 2-core CPU (fresh pages, cache misses), and sorting cuts the
-  padding of mixed-length batches.
-* Decode queries are laid out ``[n, Hkv, G, D]`` (a view of q) against keys viewed ``[n, Hkv, L, D]``
-  straight from the gather (no transposing copy), with one ``[n, 1, 1, L]`` mask for the G rows.
-* Prefill chunks longer than one token are done per sequence: one gather of the keys the chunk can
-  see, then query blocks whose mask/bias stays under the same budget, each attending only to keys up
-  to its last query position (causal skip).
-* Key ``j`` is visible to a query at absolute position ``p`` when ``j <= p`` and, with a sliding window
-  ``W``, ``j > p - W`` (W keys including the query's own). ALiBi adds ``slope[h] * (j - p)``. A query
-  with no visible key (decode with ``seq_len == 0``) outputs zeros.
-* Block-table entries past a sequence's last used block are never trusted: they are clamped before the
-  gather and masked out afterwards, like the kernels, which never load them.
+Decisions: docs/design/kernels.md, ``pagedray.kernels.reference``.
 """
 
 from __future__ import annotations

@@ -5,15 +5,7 @@ they may be (disjoint) head slices of one fused qkv projection output. The angle
 i is ``float32(positions[t]) * inv_freq[i]``, computed in the kernel: no per-step cos/sin tensors, and
 every rope variant (plain, linear, llama3) works because its scaling lives in ``inv_freq``.
 
-Decisions:
-* Grid ``(tokens, q head groups + k head groups)``: a program computes its token's ``D / 2`` angles
-  once, then rotates ``BLOCK_H`` heads, loading each row's two halves as ``[BLOCK_H, BLOCK_HALF]``
-  tiles. Every element is read once and written once, by one program.
-* Numerics as ``fused_reference``: cos/sin in float32, rounded to the tensor dtype; then
-  ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin`` with every product and the sum rounded to the
-  dtype, as torch does op by op. FMA contraction is disabled at launch (``enable_fp_fusion=False``)
-  so float32 rounds like torch too; what remains is ``cos``/``sin`` themselves (the GPU's libdevice,
-  numpy under the interpreter, not torch's), about one float32 ulp.
+Decisions: docs/design/kernels.md, ``pagedray.kernels.rotary_triton``.
 """
 
 from __future__ import annotations

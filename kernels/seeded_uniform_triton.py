@@ -6,11 +6,7 @@ in uint32 arithmetic (``mix`` is a 32-bit avalanche hash: xor-shift 16, multiply
 multiply, xor-shift 15). Every value is a 24-bit fraction, exact in float32, so the kernel and the torch
 reference agree bit for bit.
 
-Decisions:
-* Grid ``(rows, column blocks of BLOCK)``: each program hashes ``BLOCK`` columns of one row; a row's
-  noise depends only on its key, never on the batch or the launch shape.
-* No state, no generator object: a seeded row costs the same as any other row, in one launch per batch
-  (``torch.Generator`` per seeded row was one generator and one launch per row).
+Decisions: docs/design/kernels.md, ``pagedray.kernels.seeded_uniform_triton``.
 """
 
 from __future__ import annotations

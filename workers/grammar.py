@@ -17,25 +17,7 @@ Why llguidance (not xgrammar): no ahead-of-time grammar compilation (its lexer i
 masks are computed), it needs no torch build of its own and installs as one wheel; its
 ``LLParserLimits`` bound the work of one mask (``grammar_limits.py``).
 
-Decisions:
-- A failure belongs to its row, never to the step: a matcher that cannot be built, is in an error
-  state, exceeds its limits, or refuses the sampled token is reported as ``{row index: message}``
-  (``GrammarMasks.failures``, ``advance``'s result); the worker turns it into that row's
-  ``SampledToken.error`` and the engine ends the request with finish_reason "error". The failed row's
-  mask allows nothing (its logits are all -inf) and its matcher is dropped. Nothing here raises for
-  a grammar or a token.
-- Mask work per step is bounded: each matcher runs under ``grammar_limits()`` (lexer fuel and parser
-  items per mask, lexer states, grammar size); a request has at most ``MAX_N`` grammar rows.
-- A matcher is keyed by seq_id and remembers how many output tokens it consumed. A row whose output
-  length differs (first sight, or a sequence recomputed after preemption that lost its matcher) gets a
-  fresh matcher that replays the row's output tokens; released sequences drop theirs. Fresh matchers
-  are deep copies of one compiled matcher per grammar text (an LRU of ``TEMPLATES``), so the n samples
-  of a request compile their grammar once.
-- Logprobs of grammar rows are those of the masked logits (as in vLLM, where the bitmask is applied
-  before the sampler): tokens the grammar forbids have logprob -inf and never appear in top_logprobs.
-- Logits wider than the tokenizer's vocabulary (padded embeddings): the extra ids are always masked.
-- Threads: ``compute`` runs on the mask thread and ``advance`` / ``release`` on the caller's, never at
-  the same time: the worker waits for a step's masks before it samples, and releases before it submits.
+Decisions: docs/design/workers.md, ``pagedray.workers.grammar``.
 """
 
 from __future__ import annotations

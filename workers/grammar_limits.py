@@ -2,20 +2,7 @@
 and the worker's matchers (workers/grammar.py) import this one function, so a grammar the ingress admits
 is one the worker can run with the same budget.
 
-Decisions (the red-team cases of ``benchmarks/red_team_isolation.py`` exercise them against a live server):
-- ``initial_lexer_fuel`` 200_000, a fifth of llguidance's default: it bounds the lexer work of a new
-  grammar's first masks, and so how long one request may hold an ingress prepare thread. At the default
-  the red team's ``(a{1000}){1000}`` passes its first mask and fails only on the engine's first step;
-  at this budget the ingress' check refuses it, and ``a{100000}`` with it, while ordinary schemas,
-  enums of thousands of strings and common regexes stay far inside it.
-- ``step_lexer_fuel``, ``step_max_items``, ``max_items_in_row``: llguidance's defaults. They bound every
-  mask the engine computes, not only the first (a matcher past them enters its error state, which ends
-  only its own request); lower values would end long, legitimate generations midway.
-- ``max_lexer_states``, ``max_grammar_size``: llguidance's defaults (the ingress caps a grammar's text at
-  256 KiB before llguidance sees it).
-- ``precompute_large_lexemes`` on (the default): without it ``(a{1000}){1000}`` passes its first step and
-  then costs its lexer work again on every step of the engine.
-- ``verbose_errors`` off: error messages carry no parser state or grammar details (they reach clients).
+Decisions: docs/design/workers.md, ``pagedray.workers.grammar_limits``.
 """
 
 from __future__ import annotations

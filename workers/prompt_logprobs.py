@@ -6,14 +6,7 @@ A step that computes positions ``[c, c + s)`` of such a sequence yields the entr
 Prompt token 0 has no entry. Positions past the prompt (an output token recomputed after a
 preemption) yield nothing here; their logprobs come with the sampled tokens.
 
-Decisions:
-- Logprobs are ``log_softmax`` of the raw logits, like the sampled tokens' (sampler.py): transformers'
-  log-softmax of the same forward.
-- The LM head runs over at most ``SLICE_ROWS`` prompt positions at a time, so a long prefill chunk
-  never holds a ``[chunk, vocab]`` logits tensor (2,048 x 49,152 fp32 would be 400 MB).
-- Every rank runs the same slices in the same order: the vocab-parallel LM head gathers to rank 0,
-  which alone builds the entries.
-- Rank = 1 + the number of tokens with a strictly larger logprob (vLLM's definition).
+Decisions: docs/design/workers.md, ``pagedray.workers.prompt_logprobs``.
 """
 
 from __future__ import annotations

@@ -4,29 +4,7 @@ Life cycle: ``__init__`` (pin threads, validate, join the TP group, load this ra
 -> ``available_kv_blocks`` (engine takes the min over ranks) -> ``init_kv_cache(num_blocks)`` ->
 ``execute(plan)`` per step -> ``shutdown``.
 
-Decisions:
-- device "auto": CUDA when available (rank r uses ``cuda:(r % device_count)``; under Ray each actor
-  sees only its own GPU, i.e. cuda:0), else CPU. dtype "auto": bfloat16 on CUDA and on a CPU with AMX or
-  AVX512-BF16, else float32 (``dtype_choice.py``); the choice and its reason are logged.
-- torch intra-op threads: ``parallel.threads_per_worker`` or ``cpu_count // tensor_parallel_size``.
-- Everything that can be rejected from the config and the model folder (architecture, head split,
-  Qwen's per-layer sliding window, missing weight files) is checked *before* joining the process group, so a bad
-  model fails on every rank instead of leaving the others waiting for the group.
-- Only rank 0 samples and returns a StepResult; other ranks return None. Rank 0 starts the step's
-  grammar masks on the GrammarBook's thread once the plan is applied, runs the forward, then waits for
-  them (they overlap). A row it cannot sample (its grammar failed, its logits are not finite) gets a
-  SampledToken with ``error``: that request ends, the step and the engine go on. Rank 0 keeps the tokens it
-  drew at its last step: a plan's ``PENDING_TOKEN`` delta (run-ahead scheduling, TP=1) means one of
-  them; other ranks cannot resolve it (ValueError).
-- CUDA graphs (``decode_graphs``): captured in ``init_kv_cache`` on CUDA at TP=1 unless
-  ``model.enforce_eager``; the memory profile sets aside what they will hold. TP > 1 runs eagerly
-  (capturing the NCCL collectives is not verified yet).
-- CPU fp32/bf16: every linear layer and the LM head also hold a weight packed for oneDNN
-  (``layers/packed_gemm.py``) unless ``model.cpu_packed_weights`` is off; ``pack_report`` says how
-  many matrices and bytes (logged at start-up).
-- CPU: glibc malloc keeps freed memory for reuse (``host_memory.keep_freed_memory``) unless
-  ``model.cpu_keep_freed_memory`` is off: without it every step's activations arrive as fresh, page-faulting
-  pages.
+Decisions: docs/design/workers.md, ``pagedray.workers.worker``.
 """
 
 from __future__ import annotations

@@ -17,49 +17,7 @@
 The flags come from the one list of options (options.py): ``serve`` has all of them (build_app's
 ``args``), ``generate`` the engine's; options left unset keep the defaults there.
 
-Decisions:
-- A private Ray by default (``address="local"``): joining whatever ``address="auto"`` finds could
-  land in another user's cluster on the same host, replace an app of the same name there and delete
-  it on Ctrl-C. ``--address`` opts into an existing cluster.
-- That private Ray listens on loopback only: node IP 127.0.0.1 kept as given, the dashboard on
-  127.0.0.1, and the replicas' inter-deployment gRPC servers on 127.0.0.1 (``loopback.py``).
-- A Ray started here gets ``LOCAL_RAY_ENV``: Serve's proxy has 60 s for its readiness and health
-  checks (Serve's default is 5 s, which a loaded 2-core machine misses at start-up, and Serve then
-  kills the proxy), and Ray's worker processes run at niceness 0 instead of Ray's default 15: at 15
-  the model's ranks get a few percent of a core next to any ordinary busy process (a build, another
-  server), which made a TP=2 start-up take minutes on a loaded machine. It also turns on Serve's
-  throughput mode (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: gRPC between deployments, user code on the
-  replica's own event loop, the ingress replica serving HTTP on a port of its own next to the proxy,
-  Serve's logs to files only), except that handle routers keep their own event loop
-  (``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=1``), so a ``DeploymentHandle`` still works from plain
-  synchronous code. In the serving profile (benchmarks/serving_profile.py, 2-core CPU) the ingress and
-  engine replicas spent about 30% less CPU per token. Serve's controller runs its control loop every
-  0.5 s instead of 0.1 s and replicas export Ray metrics (which pagedray's /metrics does not use) every
-  1 s instead of 0.1 s: an idle one-replica server's Ray and Serve processes then took ~10% of a core
-  instead of ~13% (controller 1.2% instead of 3.2%, GCS 0.9% instead of 2.0%), CPU that every step of
-  the model's threads would otherwise lose. Values already set in the environment win.
-- Clients talk to the ingress replica itself (Serve's direct ingress, on in throughput mode): a Ray
-  started here pins the replica's HTTP port range to ``--port`` (``direct_ingress_env``), so the
-  replica's own uvicorn server answers there, and Serve's proxy, which Serve still starts on the head
-  node, listens on a free port next to it that nothing needs. This takes the proxy's Ray hop off every
-  streamed chunk: on the 2-core CPU machine the proxy had cost ~3% of the machine's CPU during a load
-  and the ingress ~35% more CPU per token (benchmarks/serving_profile.py); the serving benchmark's
-  default row went from 0.86x to 0.97x the peer (docs/benchmarks.md). Ports of a released
-  replica are not quarantined here (``RAY_SERVE_PORT_QUARANTINE_S=0``: no HAProxy routes to them), so
-  a replaced ingress replica gets ``--port`` back at once. One ingress replica per node can hold the
-  port; ``RAY_SERVE_ENABLE_DIRECT_INGRESS=0`` in the environment (or ``--address``, joining a cluster
-  whose settings are its own) puts Serve's proxy on ``--port`` instead.
-- A private Ray declares the logical CPUs that the app's replicas reserve at their most when that is
-  more than the cores (``startup.local_ray_num_cpus``): ``--num-replicas 2`` gets both engine replicas.
-- Stopping (Ctrl-C or SIGTERM, handled alike, also during start-up): a private Ray with nothing in
-  flight is torn down at once (``_drain_private``); with requests in flight Serve is told to delete the
-  app and the CLI waits for them, ``graceful_shutdown_s`` at most; a second signal stops at once. On a
-  Ray started here Serve does not hold a stopping ingress replica open when it is idle
-  (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0``: Serve's 30 s default lets an external load
-  balancer deregister the replica; there is none, and it made every ``serve.delete`` take 30 s or more).
-- With ``--api-key``, a Ray started here also gets ``http/guard.py``'s ``guard_env``: Serve's middleware hook
-  and the key's SHA-256, so Serve's own ``/-/routes`` asks for the key too. The ingress replica's HTTP
-  server bounds request heads in size and time (``http/guard.py``'s ``BoundedH11Protocol``).
+Decisions: docs/design/deploy.md, ``pagedray.deploy.cli.main``.
 """
 
 from __future__ import annotations

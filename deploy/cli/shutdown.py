@@ -1,14 +1,6 @@
 """How ``pagedray serve`` stops: on Ctrl-C or SIGTERM alike, the app is removed and a private Ray shut down.
 
-Decisions (issue #32: an idle server took 34-39 s to exit, most of it in ``serve.delete``, where Serve holds
-a direct-ingress replica open for load balancers and each replica sleeps out a shutdown loop):
-- With nothing in flight on a private Ray, ``ray.shutdown`` alone ends Serve's controller, proxy, every
-  replica and TP worker: no ``serve.delete``.
-- With requests in flight, Serve is told to delete the app (no new routing, each replica drains) and the
-  in-flight count is polled, for ``graceful_shutdown_s`` + ``DRAIN_MARGIN_S`` at most, so the teardown
-  follows the last request; a count that cannot be had falls back to Serve's own blocking delete.
-- A second signal cuts the wait short; the teardown itself ignores further signals, so that no Ray
-  process is left behind. A joined cluster (``--address``) only gets the app deleted.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.cli.shutdown``.
 """
 
 from __future__ import annotations

@@ -4,28 +4,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with ``stream: tru
 GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /health,
 GET /metrics.
 
-Decisions:
-- Bodies are read and decoded here (not by FastAPI's model binding) so that oversized bodies get
-  413 before they are read in full (Content-Length is checked first; chunked bodies are counted
-  while reading), malformed JSON gets an OpenAI-style 400, and type errors name the field.
-- Only JSON is accepted: a Content-Type other than ``application/json`` (or ``*/*+json``) is a 415;
-  bodies that are not one UTF-8 JSON document are a 400 ``invalid_json``: bad UTF-8 (UTF-8-encoded
-  surrogates such as ``ED A0 80`` included; the body is decoded strictly before parsing), syntax errors,
-  nesting deeper than the JSON parser's recursion limit, and strings with unpaired surrogate escapes
-  (``"\\ud800"``, which no tokenizer or UTF-8 response can carry). ``NaN`` / ``Infinity`` literals
-  are decoded (Python's JSON extension) and then refused by the field checks (finite numbers only).
-- With ``api_key`` set, every route but /health needs ``Authorization: Bearer <key>`` (compared in
-  constant time); otherwise 401 with code ``invalid_api_key``.
-- Every error leaves as ``{"error": {message, type, param, code}}`` (errors.py), including 404/405
-  for unknown routes; a path with a trailing slash is unknown (no redirect, whose Location Starlette
-  would build from the client's Host header). A 429 carries ``Retry-After``.
-- A stream's first engine output is awaited before the 200 and the SSE headers are sent, so queue
-  rejections and engine-side validation errors are real HTTP statuses. Errors after that are sent as
-  one SSE error event followed by ``data: [DONE]``.
-- /health answers 503 when the engine reports itself (or a TP rank, or its step loop) unhealthy.
-- A response body or SSE event bigger than ``SMALL_OUTPUT`` (a bounded walk, ``prepare_lanes.input_within``)
-  is JSON-encoded on a worker thread: prompt logprobs or a long /tokenize answer can be tens of
-  megabytes, and encoding them on the event loop would hold /health and every stream meanwhile.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.http.routes``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """``--check``: greedy responses under load must equal a reference run of the same prompts.
 
-Decisions:
-- The reference is either a sequential low-load run against the same target (concurrency 1, one request
-  per distinct prompt, before the load) or a JSON file ``{"outputs": [{"prompt", "max_tokens", "text",
-  "chunks"?}]}`` (``--reference``; ``--save-reference`` writes this format). Entries are matched by
-  ``(prompt, max_tokens)``.
-- Pass/fail is exact equality of the full output text. Chunk boundaries may legitimately differ between
-  runs (an incremental detokenizer can hold a partial character back), so they never fail a request.
-- A mismatch is classified from a diff of the streamed pieces (text events; characters when the
-  reference has no pieces): the first difference decides -- pieces missing -> ``check_lost``; extra
-  pieces equal to the pieces right before or after them -> ``check_duplicated``; anything else ->
-  ``check_corrupted``. The record becomes a failure with that cause and a detail naming the position.
-- A load-run request whose prompt has no reference (its reference request failed, or the file lacks
-  it) is counted as unchecked, never as passed.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.loadtest.check``.
 """
 
 from __future__ import annotations

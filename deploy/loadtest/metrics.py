@@ -7,11 +7,7 @@ Expected metric names (gauges, one sample per engine replica; ``deploy/openai/me
 A sample with labels (one per replica or per model) is summed over its label sets for the two counts and
 averaged for the usage ratio. Names are matched exactly; Prometheus client suffixes are not guessed.
 
-Decisions:
-- Polling is best effort: a target without ``/metrics`` (404, refused, not Prometheus text) gives an
-  empty time series and one note in the result, never a failed run. After a 404 it stops polling.
-- The parser reads the text exposition format only (``name{labels} value [timestamp]``), skipping
-  ``#`` lines; values that are not floats are skipped.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.loadtest.metrics``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Prompts for the load tester: synthetic ones from a seed, or a JSONL file.
 
-Decisions:
-- Synthetic prompts are sequences of words drawn from a fixed vocabulary with ``random.Random(seed)``:
-  the same seed always gives the same prompts, on every machine and Python version (``Random`` with an
-  int seed is stable). Lengths are uniform over an inclusive ``MIN:MAX`` range, counted in words (the
-  load tester has no tokenizer; a word of this vocabulary is one to two tokens for BPE tokenizers).
-- Words are drawn independently per prompt, so prompts share no long prefix: a prefix cache cannot turn
-  the load into a cache-hit benchmark by accident.
-- The output length of each request is ``max_tokens`` drawn uniformly from its own range; whether the
-  server stops earlier (EOS) is its business and shows up in the measured token counts.
-- A JSONL file holds one object per line: ``{"prompt": str, "max_tokens": int}``; ``max_tokens`` may be
-  left out, and then the ``default_max_tokens`` given by the caller applies. Blank lines are skipped.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.loadtest.prompts``.
 """
 
 from __future__ import annotations

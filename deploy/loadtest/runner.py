@@ -1,16 +1,6 @@
 """Issuing the load: open-loop Poisson arrivals or a closed loop at fixed concurrency.
 
-Decisions:
-- Open loop (``rate``): request i is sent at the i-th point of a Poisson process (exponential gaps with
-  mean ``1/rate``) drawn from ``random.Random(seed)``, whatever the server does; ``rate = inf`` sends
-  everything at once. The arrival times are fixed before the run, so the set of requests sent within
-  ``duration_s`` is known in advance: exactly those whose arrival time is ``< duration_s``.
-- Closed loop (``concurrency``): that many workers each send a request, wait for its end, send the next.
-  A worker stops taking requests once ``duration_s`` has passed.
-- Both stop by themselves: at most ``num_requests`` are sent, none is started after ``duration_s``, and
-  every request is bounded by the target's timeout, so a run ends by ``duration_s + timeout``.
-- Request i sends prompt ``i % len(prompts)`` (a prompts file shorter than the run is cycled).
-- The run's duration is from its start to the end of its last request; rates divide by it.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.loadtest.runner``.
 """
 
 from __future__ import annotations

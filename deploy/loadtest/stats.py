@@ -1,13 +1,6 @@
 """Summaries of a load run: counts by outcome, rates, latency percentiles; the printed table.
 
-Decisions:
-- Percentiles interpolate linearly between order statistics (numpy's default "linear" method):
-  ``p`` of sorted ``x[0..n-1]`` is at rank ``(n - 1) * p / 100``.
-- Latency statistics use completed requests only (a failed request has no meaningful E2E); ITL pools
-  every gap of every completed request.
-- ``req_per_s`` and ``output_tok_per_s`` count completed requests and their output tokens over the run's
-  duration (start to end of the last request).
-- All latencies in the summary are milliseconds.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.loadtest.stats``.
 """
 
 from __future__ import annotations

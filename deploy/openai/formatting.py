@@ -1,26 +1,6 @@
 """ChoiceDelta streams -> OpenAI response objects (completions and chat; whole and chunked).
 
-Decisions:
-- Logprob token strings and ``bytes`` come from ``TokenBytes`` (token_bytes.py): a token's own bytes,
-  shown as text when they are valid UTF-8 (special tokens kept, so EOS shows as ``<|im_end|>``), else
-  in OpenAI's ``bytes:`` form; a token that is half of a character is never ``"\ufffd"``.
-- Completions ``top_logprobs`` is the OpenAI legacy dict ``{token: logprob}`` of the k best
-  alternatives (``logprobs=k``); two alternatives with the same string keep the first (more likely).
-- ``text_offset`` of a token is the number of characters of the returned text (echoed prompt
-  included) before it: the tokens' bytes go through an incremental UTF-8 decoder
-  (``TextOffsets``), so a character split over several tokens is counted once, where it completes.
-- Prompt logprobs: with ``echo`` and ``logprobs`` the echoed prompt's tokens lead the legacy lists
-  (the first one with null ``token_logprobs`` / ``top_logprobs``: nothing predicts it; offsets from 0);
-  ``prompt_logprobs`` gives vLLM's shape: per prompt token ``{token id: {logprob, rank,
-  decoded_token}}`` of the prompt token and its top k, null for the first. Streams send both with a
-  choice's first chunk. vLLM's shape repeats a prompt's prompt_logprobs in every choice of it: they are
-  formatted once per prompt (``PromptLogprobsOnce``), as plain JSON values (no pydantic models: that
-  is the bulk of a big response), and every choice's dict holds the same list, so n choices cost one
-  list in memory (the JSON text still repeats it).
-- Chat with tools: each choice's text becomes content and ``tool_calls`` (tools.py); streams hold a
-  choice's text until it finishes (``tool_chunks``).
-- Chat streams open each choice with ``{"role": "assistant", "content": ""}`` and send the finish
-  reason in a chunk of its own when it arrives with no text.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.openai.formatting``.
 """
 
 from __future__ import annotations

@@ -4,25 +4,7 @@ Names and units follow vLLM's (``vllm:`` -> ``pagedray:``), so dashboards and au
 vLLM read them with the prefix changed; every series has a ``model_name`` label. ``deploy/http/grafana/
 pagedray.json`` is a dashboard over exactly these names (a test keeps the two in step).
 
-Decisions:
-- One ``CollectorRegistry`` per ``ServerMetrics`` object (one per ingress replica); the global
-  prometheus_client registry is never touched, so tests and several apps in one process don't clash.
-- Request-level series (outcomes, token counts, latency histograms) are recorded by the ingress as
-  requests run; they count the requests of this ingress replica.
-- Engine-level series are per engine replica (label ``replica``): running / waiting sequences, KV
-  usage, free blocks, preemptions, prefix-cache queries and hits (counters, in prompt tokens, as
-  vLLM's), model steps and the tokens they computed (counters), the queue-time histogram (arrival at
-  the scheduler to first admission) and ``pagedray:engine_healthy``. They are read from
-  ``ReplicaState`` snapshots when /metrics is scraped (ingress.py: every replica's, from the
-  cache-aware router's view when it runs in this process, else the one replica that answers), and exposed
-  by a small custom collector.
-- Latencies are measured at the ingress: TTFT from request arrival to the first generated text
-  token, inter-token latency between consecutive token deliveries, end-to-end from arrival to the
-  final token.
-
-Outcomes (label ``outcome`` of ``pagedray:requests_total``): ``stop``, ``length`` (finish reasons),
-``abort`` (client disconnected or cancelled), ``error`` (engine failure), ``invalid`` (4xx),
-``rejected`` (429 / 503 overload).
+Decisions: docs/design/deploy.md, ``pagedray.deploy.openai.metrics``.
 """
 
 from __future__ import annotations

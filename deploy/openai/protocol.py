@@ -1,22 +1,6 @@
 """OpenAI-compatible request and response models (pydantic v2).
 
-Decisions:
-- Requests are validated in *strict* mode: ``"5"`` is not an integer and ``true`` is not a number,
-  so a client with a type bug gets a 400 naming the field instead of a silent coercion. Integers are
-  accepted where a float is expected (JSON has one number type).
-- Fields (one rule, ``validation.check_fields``): an OpenAI or vLLM request field that asks for a
-  behaviour this server does not implement (``functions``, vLLM's ``guided_*``, ``prompt_logprobs``,
-  ``suffix``, ...) is a 400 naming the field, so a client never gets a 200 that
-  ignored what it asked for; the same field with its "nothing asked" value (``"none"``, ``null``, an
-  empty list) is accepted. Fields that change nothing in the output (``user``, ``metadata``,
-  ``service_tier``, ``parallel_tool_calls`` without tools) and fields unknown to both APIs are accepted and ignored
-  (the top-level request models keep them in ``model_extra``, where the check looks).
-  ``response_format`` and ``structured_outputs`` are read from there too (structured_output.py).
-- Integer fields must fit in int64 (``Int64``); messages other than the assistant's need ``content``.
-- Value ranges (temperature >= 0, top_p in (0, 1], ...) are checked once, by ``SamplingParams``;
-  these models only check shapes and types.
-- Responses are plain pydantic models dumped with ``model_dump()`` (``None`` fields kept, because the
-  OpenAI schema has explicit nulls such as ``"logprobs": null``).
+Decisions: docs/design/deploy.md, ``pagedray.deploy.openai.protocol``.
 """
 
 from __future__ import annotations

@@ -6,16 +6,7 @@ that could begin a stop string held back. When every choice has finished (finish
 engine, or a stop string seen here) it stops consuming, which cancels the engine stream and so
 aborts the request in the engine: its KV blocks are freed within one step.
 
-Decisions:
-- A stop string finishes its choice with ``finish_reason="stop"``; the text is cut before it. The text
-  of a choice's first ``min_tokens`` tokens is not searched (vLLM's rule: no stop rule applies before
-  ``min_tokens``), so a stop string ends a choice only in the text that follows them. With
-  n > 1 the engine request is aborted only once every choice has finished; tokens that a choice
-  stopped by a stop string still receives are dropped (and not counted in usage).
-- A stop token id that ended a choice is not shown in the text (EOS is hidden anyway: special
-  tokens are skipped when detokenizing); it is counted in ``completion_tokens``.
-- An engine output with ``finish_reason="error"`` raises ``EngineRequestError`` (HTTP 500 before
-  the stream starts, an SSE error event after).
+Decisions: docs/design/deploy.md, ``pagedray.deploy.openai.streaming``.
 """
 
 from __future__ import annotations

@@ -4,29 +4,7 @@ Everything here runs in the ingress before the engine is called, so a bad reques
 engine state. Every failure raises ``APIError`` (400, or 404 for an unknown model) whose ``param``
 names the offending field.
 
-Decisions:
-- Value ranges are checked by constructing ``SamplingParams`` (its ValueError names the field).
-- ``max_tokens`` defaults to 16 for completions (OpenAI) and to "the rest of the context"
-  (``max_model_len - prompt_len``) for chat; an explicit value with ``prompt + max_tokens >
-  max_model_len`` is a 400, never a silent clamp.
-- Token ids (prompt and ``stop_token_ids``) must lie in ``[0, vocab_size)``.
-- A batch of prompts (list of strings / list of token lists) is supported for completions; choice
-  ``index = prompt_index * n + sample_index`` (the OpenAI convention).
-- ``echo`` with ``logprobs = k`` returns the prompt tokens' logprobs too (OpenAI's legacy shape: the
-  first prompt token has a null logprob); the engine computes them as ``prompt_logprobs = k``.
-  ``prompt_logprobs`` (vLLM's field, completions only) returns them in vLLM's shape.
-- Input bounds (``ModelLimits``), checked before the work they bound, so one request cannot hold a prepare
-  thread for long: a text prompt (completions, /tokenize, and a chat prompt rendered by the template) at
-  most ``max_prompt_chars`` characters, checked before tokenizing; a token-id prompt (and /detokenize's
-  ``tokens``) at most ``max_model_len`` ids, checked before the ids are; a chat at most ``max_model_len``
-  messages and ``max_model_len`` content parts, counted on the raw body before it is parsed (every message
-  costs the chat template at least one token; a part costs none, but more parts than context tokens is
-  no prompt anyone sends). The body size limit (http/routes.py) bounds the rest.
-- A response-size budget: prompt logprobs come back once per choice (vLLM's shape), so a request may
-  ask for at most ``MAX_PROMPT_LOGPROB_CONTEXTS`` full contexts of them: the sum over prompts of
-  ``prompt tokens x (k + 1) x n`` must not pass ``MAX_PROMPT_LOGPROB_CONTEXTS x max_model_len x
-  (MAX_LOGPROBS + 1)`` entries (k = 20, n = 16 on a 6,000-token prompt is refused with a 400 up front
-  instead of a response of a hundred megabytes).
+Decisions: docs/design/deploy.md, ``pagedray.deploy.openai.validation``.
 """
 
 from __future__ import annotations

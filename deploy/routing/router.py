@@ -22,21 +22,7 @@ matches) and picks:
 
 Other calls (stats, health, drain, model_meta) go to any replica as with Serve's default router.
 
-Decisions:
-- Between two polls the router also counts the blocks of the prompts it has itself sent to each
-  replica (up to ``PREFIX_SUMMARY_BLOCKS`` per replica, oldest dropped first): the second request of a
-  new system prompt follows the first one without waiting for the next poll. Such an entry may name
-  a block the replica has since evicted; that costs one less-than-ideal choice, never a wrong result
-  (the replica's own cache decides what is reused).
-- Load is Serve's count of requests this router has in flight at the replica (its queue-length
-  cache), else the replica's last reported running + waiting sequences.
-- The summary is capped, so a replica with more cached blocks than the cap reports those of its
-  running sequences first, then the most recently freed.
-- The same poll carries each replica's EngineStats and health, so the ingress' /metrics and /health
-  read every replica from the router of its own process (``replica_summaries``) instead of asking one
-  replica per scrape. The routers register in a process-wide weak map (``registry.py``):
-  the only place the ingress can find the view Serve gives the router; a router that goes away
-  leaves it.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.routing.router``.
 """
 
 from __future__ import annotations

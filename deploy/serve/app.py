@@ -5,33 +5,7 @@ Used by ``serve run`` / ``serve deploy`` (``import_path: pagedray.deploy.app:bui
 ``args``), by the CLI and by tests. ``args`` keys (all optional) are the options of ``options.py``
 (one list: names, types, defaults, help; docs/configuration.md's table shows them).
 
-Decisions:
-- Unknown keys are errors (a typo in a YAML file must not be silently ignored); values are checked by
-  building the ``EngineConfig`` here, so ``serve deploy`` fails at once with a message naming the field
-  instead of crash-looping replicas.
-- GPU vs CPU bundles: ``device: auto`` uses GPU bundles when the Ray cluster (or, without Ray, this
-  machine) has a GPU.
-- Serve's own per-replica concurrency caps are set well above the engine's admission bound
-  (``max_num_seqs + max_queued_requests``): by that bound again (at least ``REJECTION_HEADROOM_MIN``)
-  for requests that are being rejected, plus ``CONTROL_CALL_HEADROOM``. Overload is thus decided by
-  the engine's bounded queue (a fast 429 with an OpenAI body), not by requests queueing inside
-  Serve's routers: with the cap at the bound itself, a 10x burst waited in Serve's router backoff and
-  its slowest 429s took seconds (benchmarks/reliability.py).
-- ``autoscaling_config`` (Serve's AutoscalingConfig, checked here: unknown keys and bad values are a
-  ValueError naming them) replaces ``num_replicas`` for the engine deployment; giving both is an error.
-  The ingress' concurrency cap then counts ``max_replicas`` engine replicas. Serve scales on ongoing
-  requests per replica (``target_ongoing_requests``); the engine's own pressure signals (waiting
-  requests, KV usage) are on /metrics but are not fed to Serve's autoscaler.
-- Layout (``engine_in_ingress``): unset, the engine runs in the ingress replica when there is one engine
-  replica (no ``autoscaling_config``, no ``request_router: cache_aware``): no handle call and no Ray
-  stream item per output. On the 2-core CPU machine that served 1.13x more tokens per second than the
-  engine in a deployment of its own (153 vs 136; docs/benchmarks.md's serving rows). With several
-  replicas the engine is a deployment of its own, so the ingress can route between them (cache-aware).
-- The default executor is ``ray`` also at TP=1. Running the model in the replica's own process (vLLM's
-  single-process layout) removes a process and a Ray call per step, but there the step thread shares
-  the GIL with Serve's event loop (one streamed output per request per step), and on the 2-core CPU
-  machine it served fewer tokens per second than a worker actor (docs/benchmarks.md, the
-  ``pagedray-tp1-local`` row of benchmarks.serving). ``executor: local`` keeps that layout available.
+Decisions: docs/design/deploy.md, ``pagedray.deploy.serve.app``.
 """
 
 from __future__ import annotations

@@ -9,11 +9,7 @@ options listed here. ``NOT_OPTIONS`` lists the engine settings that are delibera
 why. Tests check that every config field is reachable from ``LLM(...)``, the CLI and the YAML args, and
 that docs/configuration.md's table lists each option.
 
-Decisions:
-- The option name is the config field's name, except ``max_queued_requests`` (the engine's
-  ``max_waiting_requests``: the name the README and YAML files have used since the first release).
-- Served defaults differ from the engine's in one place: ``executor`` is ``ray`` (app.py says why).
-- Importing this module imports neither Ray nor Serve (the CLI builds its parser from it).
+Decisions: docs/design/deploy.md, ``pagedray.deploy.serve.options``.
 """
 
 from __future__ import annotations

@@ -6,28 +6,7 @@ layout (``torch.ops.mkldnn._reorder_linear_weight``, no batch-size hint, so one 
 every row count) and multiplying with ``torch.ops.mkldnn._linear_pointwise`` removes that; on the
 AMD EPYC VM oneDNN's fp32 kernels also ran about 3x as fast as MKL's sgemm at decode sizes.
 
-Decisions:
-- Used for every product of a packed layer, at any row count, in fp32 and bf16 on CPU. Measured on
-  the 2-core AMD EPYC VM (2026-11-25, 2 threads, SmolLM2-135M's shapes, 30 layers' distinct
-  weights + the LM head per "step", so the weights come from DRAM as in a real step):
-
-      rows   fp32 F.linear  fp32 MKL-packed  fp32 oneDNN   bf16 F.linear  bf16 oneDNN   (ms)
-      1          31.9          23.9            15.7          11.1            7.7
-      16         54.1          55.3            18.7          19.0           10.7
-      64        135.3         135.4            47.2          38.9           25.7
-      256       390.2         418.1           148.0          96.9           80.0
-
-  (This replaced MKL's packed sgemm, ``_mkl_linear``, which won only at 4-16 rows and
-  padded SmolLM2's 538 MB of weights with 1.98 GB of packed copies.)
-- Numerics: bf16 products are bit-identical to ``F.linear`` (which runs oneDNN too). fp32 products
-  differ from MKL's in the last bits (another summation order; ~2e-6 relative), as ``F.linear``'s own
-  results differ between row counts. Greedy tokens still equal transformers' in the HF-exact tests,
-  which run with packing on (``tests/workers/test_packed_gemm.py`` runs a batch through both).
-- Memory: the packed copy (the same bytes as the weight) sits next to the plain weight, which the
-  tied embedding lookup reads. ``ModelConfig.cpu_packed_weights=False`` turns packing off.
-- The two ops are torch's private oneDNN bindings (what inductor's CPU weight freezing uses).
-  ``packed_gemm_available(dtype)`` is False where torch has no oneDNN, for other dtypes (fp16), and
-  for bf16 on a CPU without a bf16 path in oneDNN; those layers run ``F.linear``.
+Decisions: docs/design/workers.md, ``pagedray.workers.layers.packed_gemm``.
 """
 
 from __future__ import annotations
