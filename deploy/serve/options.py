@@ -15,6 +15,8 @@ Decisions: docs/design/deploy.md, ``pagedray.deploy.serve.options``.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import sys
 from dataclasses import dataclass
 
 from pagedray.workers.contract.config import SECTIONS as _SECTIONS
@@ -149,3 +151,46 @@ def llm_kwargs(values: dict) -> dict:
     """``LLM(...)`` keyword arguments (config field names) from option values given by name."""
     by_name = {o.name: o for o in engine_options()}
     return {by_name[name].config.rpartition(".")[2]: value for name, value in values.items() if name in by_name}
+
+
+DOC_BEGIN = ("<!-- the options table: generated from OPTIONS by `python -m pagedray.deploy.serve.options "
+             "docs/configuration.md`; edit the help texts, not this table -->")
+DOC_END = "<!-- end of the generated options table -->"
+
+
+def _doc_value(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def options_markdown() -> str:
+    """The options table of docs/configuration.md: every option with its default, where it is set and its
+    help text (engine options: ``LLM(...)`` too, under the config field's name)."""
+    rows = ["| option | default | set in | what it does |", "|---|---|---|---|"]
+    for option in OPTIONS:
+        field = None if option.config is None else option.config.rpartition(".")[2]
+        where = "serve, CLI" if field is None else "serve, CLI, `LLM`" + ("" if field == option.name else
+                                                                         f" (as `{field}`)")
+        help_text = option.help.replace("|", "\\|")
+        rows.append(f"| `{option.name}` | {_doc_value(option_default(option))} | {where} | {help_text} |")
+    return "\n".join(rows)
+
+
+def write_options_doc(path: str | pathlib.Path) -> bool:
+    """Replaces the generated table in ``path`` (between DOC_BEGIN and DOC_END); True when it changed."""
+    path = pathlib.Path(path)
+    text = path.read_text()
+    head, begin, rest = text.partition(DOC_BEGIN)
+    _, end, tail = rest.partition(DOC_END)
+    if not begin or not end:
+        raise ValueError(f"path: {path} has no generated options table (the two marker comments)")
+    new = f"{head}{DOC_BEGIN}\n{options_markdown()}\n{DOC_END}{tail}"
+    path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    print("updated" if write_options_doc(sys.argv[1]) else "unchanged", sys.argv[1])

@@ -3,12 +3,15 @@ exception, and build_app's args, the CLI flags and docs/configuration.md's table
 
 import dataclasses
 import pathlib
+import re
 
 import pytest
 from pagedray.cluster.llm import build_engine_config
 from pagedray.deploy.cli import main as cli
 from pagedray.deploy.serve.app import parse_args
 from pagedray.deploy.serve.options import (
+    DOC_BEGIN,
+    DOC_END,
     NOT_OPTIONS,
     OPTIONS,
     AppArgs,
@@ -16,6 +19,8 @@ from pagedray.deploy.serve.options import (
     engine_options,
     llm_kwargs,
     option_default,
+    options_markdown,
+    write_options_doc,
 )
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
@@ -93,6 +98,59 @@ def test_cli_flags_follow_the_options():
                                   "max_rank_restarts": 0, "ray_transport": "compiled"}
 
 
-@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o.name)
-def test_the_configuration_doc_lists_every_option(option):
-    assert f"`{option.name}`" in CONFIGURATION_DOC.read_text()
+def test_the_configuration_doc_holds_the_generated_options_table():
+    """docs/configuration.md's table is generated from OPTIONS (names, defaults, help): a stale one fails
+    here; ``python -m pagedray.deploy.serve.options docs/configuration.md`` rewrites it."""
+    text = CONFIGURATION_DOC.read_text()
+    assert f"{DOC_BEGIN}\n{options_markdown()}\n{DOC_END}" in text
+    table = options_markdown()
+    assert all(f"| `{option.name}` | " in table for option in OPTIONS)
+    assert "| `block_size` | 16 | " in table and "| `max_queued_requests` | 1024 | serve, CLI, `LLM` (as " \
+        "`max_waiting_requests`) | " in table
+
+
+def test_the_options_doc_writer_replaces_only_the_table(tmp_path):
+    doc = tmp_path / "configuration.md"
+    doc.write_text(f"intro\n{DOC_BEGIN}\n| stale |\n{DOC_END}\nnotes\n")
+    assert write_options_doc(doc) is True and write_options_doc(doc) is False
+    assert doc.read_text() == f"intro\n{DOC_BEGIN}\n{options_markdown()}\n{DOC_END}\nnotes\n"
+    (tmp_path / "plain.md").write_text("no table here\n")
+    with pytest.raises(ValueError, match="path: .* has no generated options table"):
+        write_options_doc(tmp_path / "plain.md")
+
+
+README = CONFIGURATION_DOC.parents[1] / "README.md"
+
+
+def _readme_value(text: str) -> object:
+    text = text.strip().strip("`")
+    if text in ("none", "the model's"):
+        return None
+    if text in ("true", "false"):
+        return text == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def test_the_readme_options_show_the_options_defaults():
+    """The README's short table repeats defaults for a newcomer: each must be the option's own."""
+    by_name = {o.name: o for o in OPTIONS}
+    lines = README.read_text().split("\n")
+    start = lines.index("| option | default | meaning |") + 2
+    checked = 0
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        names_cell, defaults_cell = line.split("|")[1:3]
+        names = re.findall(r"`(\w+)`", names_cell)
+        defaults = re.split(r" / |, ", defaults_cell.strip())
+        assert len(names) == len(defaults), line
+        for name, default in zip(names, defaults):
+            if name in by_name:
+                assert _readme_value(default) == option_default(by_name[name]), (name, default)
+                checked += 1
+    assert checked >= 10
