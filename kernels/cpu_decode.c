@@ -10,18 +10,15 @@
  * registers. Every head's first chunk is prefetched when the item starts, the next chunk while one
  * computes. The cache misses of those rows are still about half the time (perf, bf16: the hottest
  * instructions are the conversion pass's loads; huge pages changed nothing, so not the TLB).
- * Measured (AMD EPYC 2-core VM, 2 threads, SmolLM2 shapes, 16 sequences of 200-300 tokens, 30
- * layers' caches cold): 7.7 ms fp32 / 7.2 ms bf16 per step, where the first version (one block per
- * softmax step, a horizontal sum per score) took 12.6 / 8.9 ms.
- * Vectors are GCC vector extensions of 8 floats (head_dim and block_size are multiples of 8), so the
- * same source compiles to AVX2 or AVX-512 by -march=native.
+ * Vectors are GCC vector extensions: 16 floats along head_dim (a multiple of 16), 8 along tokens
+ * (block_size is a multiple of 8), so the same source compiles to AVX2 or AVX-512 by -march=native.
  *
  * Key j is visible from the query at p = seq_len - 1 when j <= p and, with a window W > 0, j > p - W.
  * A sequence with seq_len <= 0 outputs zeros. Block ids are clamped into [0, num_blocks) (the
  * Python wrapper's callers check them; the clamp only keeps a bad id from reading outside the cache).
  *
  * dtype codes (q, caches and out share one): 0 = float32, 1 = bfloat16 (upper half of a float32).
- * Limits (checked by the caller): head_dim <= 256 and a multiple of 8, block_size a multiple of 8
+ * Limits (checked by the caller): head_dim <= 256 and a multiple of 16, block_size a multiple of 8
  * and <= 64, G <= 64.
  */
 #include <math.h>
@@ -120,7 +117,37 @@ static inline void prefetch_rows(const struct item_args *a, int64_t h_lo, int64_
     }
 }
 
-/* One sequence, KV heads [kv_lo, kv_hi), head_dim = 8 C. Per KV head, the visible tokens go by in
+/* 16-float vectors for the head_dim axis (head_dim is a multiple of 16): one AVX-512 register, two
+ * AVX2 ones. The token axis keeps 8-float vectors (scores, the transposing reduction). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f splat16(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline v16f load16_f32(const char *src) {
+    v16f r;
+    memcpy(&r, src, sizeof r);
+    return r;
+}
+
+static inline v16f load16_bf16(const char *src) {
+    v16h h;
+    memcpy(&h, src, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+static inline v16f load16(const char *src, int dtype) {
+    return dtype == DTYPE_F32 ? load16_f32(src) : load16_bf16(src);
+}
+
+/* lanes 0-7 + lanes 8-15 */
+static inline v8f halves_sum(v16f x) {
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* One sequence, KV heads [kv_lo, kv_hi), head_dim = 16 C. Per KV head, the visible tokens go by in
  * chunks of whole blocks (up to MAX_CHUNK tokens): the chunk's K/V rows are listed as float32 rows
  * (pointers into a float32 cache, or rows converted once into a chunk buffer from bfloat16), then each
  * of the G query heads takes scores 8 tokens at a time, one online-softmax step for the whole chunk,
@@ -128,7 +155,7 @@ static inline void prefetch_rows(const struct item_args *a, int64_t h_lo, int64_
  * point at zeros and their scores are -inf. */
 static inline __attribute__((always_inline)) void decode_item(const struct item_args *a, int dtype, int64_t C) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
-    const int64_t bs = a->block_size, G = a->group, D = 8 * C;
+    const int64_t bs = a->block_size, G = a->group, D = 16 * C;
     const int64_t pos = a->seq_len - 1;
     const int64_t lo = (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
     int64_t chunk_blocks = (CHUNK_FLOATS / D < MAX_CHUNK ? CHUNK_FLOATS / D : MAX_CHUNK) / bs;
@@ -138,10 +165,10 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
     const float *krow[chunk_blocks * bs + 8], *vrow[chunk_blocks * bs + 8];
     prefetch_rows(a, a->kv_lo, a->kv_hi, lo / bs, lo / bs + chunk_blocks, D * elem);   /* every head's first chunk */
     for (int64_t h = a->kv_lo; h < a->kv_hi; h++) {
-        v8f acc[G][C];
+        v16f acc[G][C];
         float m[G], l[G];
         for (int64_t r = 0; r < G; r++) {
-            for (int64_t c = 0; c < C; c++) acc[r][c] = splat(0.0f);
+            for (int64_t c = 0; c < C; c++) acc[r][c] = splat16(0.0f);
             m[r] = -INFINITY;
             l[r] = 0.0f;
         }
@@ -165,9 +192,9 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                     } else {
                         float *kd = kbuf + n * D, *vd = vbuf + n * D;
                         for (int64_t c = 0; c < C; c++) {
-                            const v8f kx = load8(k_src + c * 16, DTYPE_BF16), vx = load8(v_src + c * 16, DTYPE_BF16);
-                            memcpy(kd + c * 8, &kx, sizeof kx);
-                            memcpy(vd + c * 8, &vx, sizeof vx);
+                            const v16f kx = load16_bf16(k_src + c * 32), vx = load16_bf16(v_src + c * 32);
+                            memcpy(kd + c * 16, &kx, sizeof kx);
+                            memcpy(vd + c * 16, &vx, sizeof vx);
                         }
                         krow[n] = kd;
                         vrow[n] = vd;
@@ -178,16 +205,18 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
             for (int64_t i = n; i < n8; i++) krow[i] = zero_row;
             for (int64_t r = 0; r < G; r++) {
                 const int64_t head = h * G + r;                                 /* query head */
-                v8f qv[C];
-                for (int64_t c = 0; c < C; c++) qv[c] = load8(a->q + head * a->q_head + c * 8 * elem, dtype) * splat(a->scale);
+                v16f qv[C];
+                for (int64_t c = 0; c < C; c++) qv[c] = load16(a->q + head * a->q_head + c * 16 * elem, dtype) * splat16(a->scale);
                 v8f sc[MAX_CHUNK / 8 + 1];
                 v8f chunk_max = splat(-INFINITY);
                 for (int64_t i8 = 0; i8 < n8; i8 += 8) {
-                    v8f d[8];
-                    for (int64_t i = 0; i < 8; i++) d[i] = splat(0.0f);
+                    v16f d16[8];
+                    for (int64_t i = 0; i < 8; i++) d16[i] = splat16(0.0f);
                     for (int64_t c = 0; c < C; c++) {          /* 8 independent chains */
-                        for (int64_t i = 0; i < 8; i++) d[i] += qv[c] * load8((const char *)(krow[i8 + i] + c * 8), DTYPE_F32);
+                        for (int64_t i = 0; i < 8; i++) d16[i] += qv[c] * load16_f32((const char *)(krow[i8 + i] + c * 16));
                     }
+                    v8f d[8];
+                    for (int64_t i = 0; i < 8; i++) d[i] = halves_sum(d16[i]);
                     v8f s = hsum8x8(d);
                     const v8i idx = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)i8;
                     if (a->slopes != NULL) {                        /* key position first + idx */
@@ -207,11 +236,11 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                 }
                 l[r] = l[r] * correction[0] + hsum8(sum);
                 m[r] = new_max;
-                v8f o[C];
-                for (int64_t c = 0; c < C; c++) o[c] = acc[r][c] * correction;
+                v16f o[C];
+                for (int64_t c = 0; c < C; c++) o[c] = acc[r][c] * splat16(correction[0]);
                 for (int64_t i = 0; i < n; i++) {
-                    const v8f w = splat(sc[i / 8][i % 8]);
-                    for (int64_t c = 0; c < C; c++) o[c] += w * load8((const char *)(vrow[i] + c * 8), DTYPE_F32);
+                    const v16f w = splat16(sc[i / 8][i % 8]);
+                    for (int64_t c = 0; c < C; c++) o[c] += w * load16_f32((const char *)(vrow[i] + c * 16));
                 }
                 for (int64_t c = 0; c < C; c++) acc[r][c] = o[c];
             }
@@ -220,7 +249,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
             const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
             char *dst = a->out + (h * G + r) * a->o_head;
             for (int64_t c = 0; c < C; c++) {
-                for (int64_t i = 0; i < 8; i++) store_float(dst + (c * 8 + i) * elem, acc[r][c][i] * inv, dtype);
+                for (int64_t i = 0; i < 16; i++) store_float(dst + (c * 16 + i) * elem, acc[r][c][i] * inv, dtype);
             }
         }
     }
@@ -255,13 +284,13 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
         };
         /* constant dtype and head_dim / 8 at the common call sites: the compiler specialises them */
         if (dtype == DTYPE_F32) {
-            if (head_dim == 64) decode_item(&a, DTYPE_F32, 8);
-            else if (head_dim == 128) decode_item(&a, DTYPE_F32, 16);
-            else decode_item(&a, DTYPE_F32, head_dim / 8);
+            if (head_dim == 64) decode_item(&a, DTYPE_F32, 4);
+            else if (head_dim == 128) decode_item(&a, DTYPE_F32, 8);
+            else decode_item(&a, DTYPE_F32, head_dim / 16);
         } else {
-            if (head_dim == 64) decode_item(&a, DTYPE_BF16, 8);
-            else if (head_dim == 128) decode_item(&a, DTYPE_BF16, 16);
-            else decode_item(&a, DTYPE_BF16, head_dim / 8);
+            if (head_dim == 64) decode_item(&a, DTYPE_BF16, 4);
+            else if (head_dim == 128) decode_item(&a, DTYPE_BF16, 8);
+            else decode_item(&a, DTYPE_BF16, head_dim / 16);
         }
     }
 }

@@ -49,9 +49,10 @@ MAX_GROUP = 64
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when ``paged_decode_cpu`` takes these (validated) tensors and the kernel is built: CPU,
-    float32/bfloat16, block_size a multiple of 8 up to 64, at most 64 query heads per KV head."""
+    float32/bfloat16, head_dim a multiple of 16 (the kernel's vector width; other head sizes run the
+    torch reference), block_size a multiple of 8 up to 64, at most 64 query heads per KV head."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and block_size % 8 == 0
+    return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and q.shape[2] % 16 == 0 and block_size % 8 == 0
             and block_size <= MAX_BLOCK_SIZE and q.shape[1] // num_kv_heads <= MAX_GROUP and available())
 
 

@@ -172,3 +172,14 @@ def test_rows_outside_the_visible_range_never_reach_the_output(dtype):
                                        None, window).float()
     ulps = 1e-5 if dtype == F32 else 2 ** -7
     assert ((out.float() - reference).abs() <= ulps * reference.abs().clamp(min=1)).all()
+
+
+@needs_kernel
+def test_a_head_size_off_the_vector_width_runs_the_reference():
+    """The kernel vectorises head_dim by 16: a head of 24 (the tiny Qwen3's) is not taken, and the CPU
+    decode entry point then answers with the torch reference, still right."""
+    case, q, scale, _, _ = _case((4, 2, 24, 16, F32, (5, 40, 17), False, None), seed=11)
+    assert not cpu_decode.supports(q, case.k_cache)
+    assert cpu_decode.supports(torch.zeros(1, 4, 32), torch.zeros(8, 16, 2, 32))
+    out = paged_decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale)
+    assert_close_to_oracle(out, _oracle(case, q, scale, None, None), F32)
