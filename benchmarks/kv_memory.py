@@ -48,7 +48,7 @@ RATIOS = [Ratio(PAGED, (CONTIGUOUS,), ("peak_concurrent", "mean_concurrent_first
 
 def run_paged(lengths, block_size: int, num_blocks: int, max_model_len: int) -> dict:
     bm = BlockManager(block_size, num_blocks, enable_prefix_caching=False, watermark=0.01)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=8192, max_waiting_requests=10_000),
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=8192, max_queued_requests=10_000),
                       bm, max_model_len=max_model_len)
     rng = random.Random(1)
     for i, (prompt_len, max_tokens) in enumerate(lengths):

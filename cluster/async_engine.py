@@ -92,10 +92,10 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         self.engine.validate_request(prompt_token_ids, params, priority)
-        limit = self.config.scheduler.max_waiting_requests
+        limit = self.config.scheduler.max_queued_requests
         with self._lock:
             if self._stats.num_waiting + self._pending_adds >= limit:
-                raise QueueFullError(f"{limit} requests are waiting (max_waiting_requests); retry later")
+                raise QueueFullError(f"{limit} requests are waiting (max_queued_requests); retry later")
             self._pending_adds += 1
             self._commands.append(AddCommand(request_id, list(prompt_token_ids), params, priority))
         queue: asyncio.Queue = asyncio.Queue()

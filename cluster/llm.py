@@ -125,7 +125,7 @@ class LLM:
         from tqdm.auto import tqdm
 
         engine = self.engine
-        limit = self.config.scheduler.max_waiting_requests
+        limit = self.config.scheduler.max_queued_requests
         todo.reverse()
         with tqdm(total=len(results), disable=not use_tqdm, desc="generate", unit="req") as bar:
             while todo or engine.has_unfinished_requests():

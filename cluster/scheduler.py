@@ -100,9 +100,9 @@ class Scheduler:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting_requests="
-                                 f"{self.config.max_waiting_requests}); retry later")
+        if len(self.waiting) >= self.config.max_queued_requests:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queued_requests="
+                                 f"{self.config.max_queued_requests}); retry later")
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       priority: int = 0) -> None:

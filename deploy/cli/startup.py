@@ -137,7 +137,7 @@ class OptionError(ValueError):
 
 def _flags() -> dict[str, str]:
     """Option and config-field names -> the flag, for messages of the configs and build_app
-    (``max_waiting_requests: ...`` is about ``--max-queued-requests``)."""
+    (``max_queued_requests: ...`` is about ``--max-queued-requests``)."""
     flags = {o.config.rpartition(".")[2]: o.flag for o in OPTIONS if o.config}
     return {**flags, **{o.name: o.flag for o in OPTIONS}}
 

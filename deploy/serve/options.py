@@ -43,7 +43,6 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-SERVED_NAMES = {"scheduler.max_waiting_requests": "max_queued_requests"}
 SERVED_DEFAULTS = {"parallel.executor": "ray"}
 NOT_OPTIONS = {
     "parallel.placement_strategy": "in Serve the replica's placement group is always PACK (build_app); "
@@ -85,7 +84,7 @@ def config_paths() -> list[str]:
 
 
 def _engine_option(path: str) -> Option:
-    return Option(SERVED_NAMES.get(path, path.rpartition(".")[2]), _config_field(path).metadata["help"], path,
+    return Option(path.rpartition(".")[2], _config_field(path).metadata["help"], path,
                   default=SERVED_DEFAULTS.get(path))
 
 
@@ -167,13 +166,11 @@ def _doc_value(value: object) -> str:
 
 
 def options_markdown() -> str:
-    """The options table of docs/configuration.md: every option with its default, where it is set and its
-    help text (engine options: ``LLM(...)`` too, under the config field's name)."""
+    """The options table of docs/configuration.md: every option with its default, where it is set (engine
+    options: ``LLM(...)`` keywords too) and its help text."""
     rows = ["| option | default | set in | what it does |", "|---|---|---|---|"]
     for option in OPTIONS:
-        field = None if option.config is None else option.config.rpartition(".")[2]
-        where = "serve, CLI" if field is None else "serve, CLI, `LLM`" + ("" if field == option.name else
-                                                                         f" (as `{field}`)")
+        where = "serve, CLI" if option.config is None else "serve, CLI, `LLM`"
         help_text = option.help.replace("|", "\\|")
         rows.append(f"| `{option.name}` | {_doc_value(option_default(option))} | {where} | {help_text} |")
     return "\n".join(rows)

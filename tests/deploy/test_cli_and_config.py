@@ -38,7 +38,7 @@ def test_engine_config_from_args():
     assert config.parallel.threads_per_worker == 3
     assert engine_config(parse_args({})).parallel.threads_per_worker is None
     assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
-    assert config.scheduler.max_waiting_requests == 9 and config.model.max_model_len == 512
+    assert config.scheduler.max_queued_requests == 9 and config.model.max_model_len == 512
 
 
 @pytest.mark.parametrize("args, field", [({"modle": "x"}, "modle"), ({"block_size": 7}, "block_size"),
@@ -47,7 +47,7 @@ def test_engine_config_from_args():
                                          ({"threads_per_worker": 0}, "threads_per_worker"),
                                          ({"executor": "mpi"}, "executor"),
                                          ({"executor": "local", "tensor_parallel_size": 2}, "executor"),
-                                         ({"max_queued_requests": 0}, "max_waiting_requests"),
+                                         ({"max_queued_requests": 0}, "max_queued_requests"),
                                          ({"request_router": "random"}, "request_router"),
                                          ({"router_max_imbalance": -1}, "router_max_imbalance"),
                                          ({"engine_in_ingress": True, "request_router": "cache_aware"},

@@ -80,7 +80,7 @@ def test_every_engine_option_reaches_its_config_field_from_yaml_args_and_from_ll
                 got = getattr(getattr(config, section) if section else config, name)
                 assert got == values[option.name], option.name
     assert llm_kwargs({"max_queued_requests": 7, "policy": "priority", "api_key": "k"}) == {
-        "max_waiting_requests": 7, "policy": "priority"}
+        "max_queued_requests": 7, "policy": "priority"}
 
 
 def test_cli_flags_follow_the_options():
@@ -105,8 +105,7 @@ def test_the_configuration_doc_holds_the_generated_options_table():
     assert f"{DOC_BEGIN}\n{options_markdown()}\n{DOC_END}" in text
     table = options_markdown()
     assert all(f"| `{option.name}` | " in table for option in OPTIONS)
-    assert "| `block_size` | 16 | " in table and "| `max_queued_requests` | 1024 | serve, CLI, `LLM` (as " \
-        "`max_waiting_requests`) | " in table
+    assert "| `block_size` | 16 | " in table and "| `max_queued_requests` | 1024 | serve, CLI, `LLM` | " in table
 
 
 def test_the_options_doc_writer_replaces_only_the_table(tmp_path):

@@ -129,7 +129,7 @@ class SchedulerConfig:
     max_num_seqs: int = option(128, "sequences per step")
     max_num_batched_tokens: int = option(2048, "tokens per step (chunked prefill)")
     policy: str = option("fcfs", "fcfs | priority")
-    max_waiting_requests: int = option(1024, "requests waiting for admission; beyond it they are refused "
+    max_queued_requests: int = option(1024, "requests waiting for admission; beyond it they are refused "
                                              "(HTTP 429)")
     async_scheduling: bool = option(False, "schedule step N+1 while step N runs (one step queued ahead of the "
                                            "workers; outputs unchanged); TP=1 only")
@@ -139,8 +139,8 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens!r}")
         _require(self.policy in POLICIES, f"policy: must be one of {POLICIES}, got {self.policy!r}")
-        _require(self.max_waiting_requests >= 1,
-                 f"max_waiting_requests: must be >= 1, got {self.max_waiting_requests!r}")
+        _require(self.max_queued_requests >= 1,
+                 f"max_queued_requests: must be >= 1, got {self.max_queued_requests!r}")
         _require(isinstance(self.async_scheduling, bool),
                  f"async_scheduling: must be true or false, got {self.async_scheduling!r}")
 
