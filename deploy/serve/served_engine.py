@@ -109,10 +109,10 @@ class ServedEngine:
         return DrainReport(in_flight, aborted, time.monotonic() - start)
 
     async def routing_stats(self, replica: str, max_blocks: int) -> dict:
-        """The replica's summary for cache-aware routing (``routing/router.py``) and for the ingress' /metrics and
-        /health: hashes of at most ``max_blocks`` cached prefix blocks, its load, its EngineStats (as a
-        dict) and whether its engine is healthy (dead / stalled; draining is not unhealthy here).
-        ``max_blocks`` 0: no hashes, and no wait for the step thread."""
+        """The replica's summary for cache-aware routing (``routing/router.py``) and for the ingress'
+        /metrics and /health: hashes of at most ``max_blocks`` cached prefix blocks, its EngineStats as a
+        dict (the router reads the load from it) and whether its engine is healthy (dead / stalled;
+        draining is not unhealthy here). ``max_blocks`` 0: no hashes, and no wait for the step thread."""
         stats = await self._engine.stats()
         healthy, reason = await self._health_state()
         hashes = await self._engine.cached_prefix_hashes(max_blocks) if max_blocks else []
