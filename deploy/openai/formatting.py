@@ -12,10 +12,8 @@ from pagedray.cluster.outputs import TokenLogprob
 
 from .protocol import (
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatDelta,
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
@@ -190,13 +188,20 @@ def _with_prompt_logprobs(body: dict, per_choice: list[list | None]) -> dict:
     return body
 
 
+# Stream chunks are built as the JSON dicts they become, one per token and choice: the same keys and
+# values as dumping the protocol's CompletionResponse / ChatCompletionChunk (a test holds them equal),
+# without building and dumping those models on the per-token path.
+
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                      logprobs: CompletionLogprobs | None, finish_reason: str | None,
                      prompt_logprobs: list | None = None) -> dict:
     """A completion chunk as a JSON dict (``prompt_logprobs``: the prompt's shared list, not copied)."""
-    choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
-    body = CompletionResponse(id=rid, created=created, model=model, choices=[choice]).model_dump()
-    return _with_prompt_logprobs(body, [prompt_logprobs])
+    choice = {"index": index, "text": text, "logprobs": None if logprobs is None else logprobs.model_dump(),
+              "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+            "usage": None}
 
 
 def _tool_message(text: str, tools: ToolPlan | None,
@@ -227,21 +232,22 @@ def tool_chunks(rid: str, created: int, model: str, index: int, text: str, tools
     message, finish_reason = _tool_message(text, tools, finish_reason)
     chunks = []
     if message.content:
-        chunks.append(chat_chunk(rid, created, model, index, ChatDelta(content=message.content)))
+        chunks.append(chat_chunk(rid, created, model, index, {"content": message.content}))
     if message.tool_calls:
         calls = [{"index": i, **call} for i, call in enumerate(message.tool_calls)]
-        chunks.append(chat_chunk(rid, created, model, index, ChatDelta(tool_calls=calls)))
-    chunks.append(chat_chunk(rid, created, model, index, ChatDelta(), finish_reason=finish_reason))
+        chunks.append(chat_chunk(rid, created, model, index, {"tool_calls": calls}))
+    chunks.append(chat_chunk(rid, created, model, index, {}, finish_reason=finish_reason))
     return chunks
 
 
-def chat_chunk(rid: str, created: int, model: str, index: int, delta: ChatDelta,
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
                logprobs: ChatLogprobs | None = None, finish_reason: str | None = None) -> dict:
-    """A chat chunk as a dict; the delta omits unset fields (``{"content": "..."}``), as OpenAI's does."""
-    choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-    chunk = ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump()
-    chunk["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-    return chunk
+    """A chat chunk as a dict. ``delta``: the fields this chunk sets (``role``, ``content``,
+    ``tool_calls``), unset ones left out (``{"content": "..."}``), as OpenAI's deltas do."""
+    choice = {"index": index, "delta": delta, "logprobs": None if logprobs is None else logprobs.model_dump(),
+              "finish_reason": finish_reason}
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice],
+            "usage": None}
 
 
 def usage_chunk_completion(rid: str, created: int, model: str, use: UsageInfo) -> CompletionResponse:

@@ -59,7 +59,6 @@ from .metrics import ServerMetrics
 from .prepare_lanes import PrepareLanes, off_loop_if
 from .protocol import (
     ChatCompletionRequest,
-    ChatDelta,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -333,7 +332,7 @@ class OpenAIService:
     async def _chat_chunks(self, req: ChatCompletionRequest, run: _Run) -> AsyncIterator[dict]:
         model, rid, created = self.limits.served_name, run.rid, run.created
         for index in range(run.n):
-            yield chat_chunk(rid, created, model, index, ChatDelta(role="assistant", content=""))
+            yield chat_chunk(rid, created, model, index, {"role": "assistant", "content": ""})
         tools = run.prepared[0].tools
         held = [[] for _ in range(run.n)]   # with tools: each choice's text, sent when it finishes
         async for index, delta in self._deltas(run):
@@ -346,7 +345,7 @@ class OpenAIService:
                         yield chunk
                 continue
             if delta.text or delta.finish_reason or (logprobs and logprobs.content):
-                content = ChatDelta(content=delta.text) if delta.text else ChatDelta()
+                content = {"content": delta.text} if delta.text else {}
                 yield chat_chunk(rid, created, model, index, content, logprobs, delta.finish_reason)
         if req.stream_options is not None and req.stream_options.include_usage:
             use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
