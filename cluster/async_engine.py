@@ -8,8 +8,7 @@ outputs back to the loop, which puts them on the per-request asyncio queues.
 
 The step loop is an asyncio task: it sleeps on an Event while there is no work; while there is, the
 step thread runs steps back to back by itself (``_step_burst``) and posts each step's outputs to the
-loop, so a busy event loop (HTTP, streaming) never holds up the next step. The serving trace on the 2-core
-VM had 2-5 ms between decode steps when each step went through the loop.
+loop, so a busy event loop (HTTP, streaming) never holds up the next step.
 
 Decisions: docs/design/cluster.md, ``pagedray.cluster.async_engine``.
 """

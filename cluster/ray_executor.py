@@ -21,7 +21,7 @@ on any rank surfaces in that step). Three transports, same semantics:
 stays on the machine; a port between nodes may be firewalled) and ``"actor"`` otherwise, decided again
 at each (re)start. The compiled graph is never the default: its ranks poll their channels and keep a
 core busy even while the engine is idle (a TP worker at full CPU under an idle ``pagedray serve``), and
-its driver polls too (the engine's process at 43% of the 2-core machine in a serving profile).
+its driver polls too.
 ``benchmarks/overhead.py`` measures actor calls against the compiled graph, benchmarks.serving's
 ``-sock`` systems the socket transport (docs/benchmarks.md).
 

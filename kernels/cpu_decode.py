@@ -1,10 +1,9 @@
 """The CPU decode-attention kernel (``cpu_decode.c``): built with the machine's C compiler on first use.
 
 Decode attention on CPU used to gather each sequence's K/V blocks into a dense tensor per layer and
-call SDPA (``reference._decode_rows``); at decode sizes that is mostly per-call overhead and copies
-(SmolLM2, 16 sequences of ~250 tokens, bf16: 22 of a 44 ms step). The C kernel reads K/V rows
-straight from the paged cache, one sequence (or one of its KV heads) per work item, with an online
-softmax in float32 (``cpu_decode.c`` has the loop structure and its measured cost).
+call SDPA (``reference._decode_rows``); at decode sizes that is mostly per-call overhead and copies.
+The C kernel reads K/V rows straight from the paged cache, one sequence (or one of its KV heads) per
+work item, with an online softmax in float32 (``cpu_decode.c`` has the loop structure).
 
 Decisions: docs/design/kernels.md, ``pagedray.kernels.cpu_decode``.
 """

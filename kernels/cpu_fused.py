@@ -5,11 +5,8 @@ of SmolLM2, where each op's dispatch costs as much as its arithmetic at decode s
 does the same arithmetic, op for op (``cpu_fused.c`` says where it can differ: the order of the sum of
 squares, in the last bit of float32).
 
-Measured per call (AMD EPYC VM, 2 threads, SmolLM2's shapes; ``fused_reference`` -> C, microseconds):
-RMSNorm + residual 13.4 -> 7.0 (fp32) and 18.5 -> 12.9 (bf16) at 16 rows, 583 -> 24 and 106 -> 73 at
-272 rows; rotary 9.6 -> 5.2 (fp32), 12.2 -> 12.5 (bf16) at 16 rows, 1046 -> 19 and 77 -> 82 at 272.
-SiLU * up stays a torch op: the same kind of C loop (8-float vectors, a polynomial exp) ran 1.6-3x
-slower than torch's vectorised ``silu``.
+SiLU * up stays a torch op: the same kind of C loop was slower than torch's vectorised ``silu``
+(docs/design/kernels.md has the measurements).
 
 ``fused_ops`` calls these for CPU tensors that ``supports_*`` accepts (float32 / bfloat16, the layouts
 the decoder passes) when the library is built (``cpu_build``: the machine's C compiler, cached; with

@@ -1,10 +1,9 @@
 """What ``dtype: auto`` means on a rank: bfloat16 on CUDA, and on a CPU with a fast bfloat16 path; else float32.
 
 A CPU has a fast bfloat16 path when it has AMX (``amx_bf16``) or AVX512-BF16 (``avx512_bf16``) in
-``/proc/cpuinfo``'s flags: oneDNN then multiplies bfloat16 matrices natively, and a bfloat16 GEMM is
-2-6x faster than a float32 one (the 2-core AMD EPYC VM: 385 vs 176 GFLOP/s at 16 rows, 2,623 vs 406 at
-512 rows; issue 33). Without either, bfloat16 is emulated and slower than float32, so ``auto`` stays
-float32 there (vLLM for CPU chooses the same way). Other systems than Linux: float32.
+``/proc/cpuinfo``'s flags: oneDNN then multiplies bfloat16 matrices natively, several times faster
+than float32 (docs/design/workers.md). Without either, bfloat16 is emulated and slower than float32, so
+``auto`` stays float32 there (vLLM for CPU chooses the same way). Other systems than Linux: float32.
 
 float32 is the exact oracle path (greedy tokens equal transformers' float32 ``generate``); pass
 ``dtype="float32"`` for it on any machine. Every rank resolves ``auto`` on its own machine; the

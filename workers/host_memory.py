@@ -5,10 +5,8 @@ Why: glibc serves an allocation at or above its mmap threshold (128 KiB at start
 freed) with fresh pages from ``mmap`` and gives the top of its heap back once more than the trim
 threshold is free. A CPU forward allocates its activations anew every step and of a new size every
 prefill ([900 tokens, 1536] fp32 = 5.5 MB per MLP product), so much of each step's memory came back
-as fresh pages, and every 4 KiB page is faulted in and zeroed on its first write. Measured on the
-2-core VM (SmolLM2-135M fp32, 16 prompts of 8-120 words prefilled in one step, 2026-11-23): 113k-205k
-minor page faults and 1.1-2.0 s per prefill with glibc's defaults; 0-13k faults and 0.72-1.05 s with
-these settings; decode waves of 64 tokens 3% faster.
+as fresh pages, and every 4 KiB page is faulted in and zeroed on its first write (docs/design/workers.md
+has the page faults and prefill times with and without these settings).
 
 Settings (``mallopt``, process-wide, set by ``keep_freed_memory`` at each CPU Worker's start; setting
 them again is harmless):

@@ -14,7 +14,7 @@ prefer ``execute_bytes`` (msgpack wire form) over ``execute`` (pickled dataclass
 
 The actor stays a plain (single-threaded) actor: calls run one at a time on its main thread. A health
 ping in a concurrency group of its own would not queue behind a step, but it turns the actor into a
-threaded one whose steps ran about 25% slower on the 2-core CPU (torch on a non-main thread); the
+threaded one whose steps run slower (torch on a non-main thread, docs/design/workers.md); the
 executor instead skips the ping while a step is in flight (ray_executor.py). With
 ``ray_transport="socket"`` the steps come over a TCP connection instead (step_channel.py):
 ``open_step_channel`` listens, then one long ``serve_step_channel`` call answers the steps on the main

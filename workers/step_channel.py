@@ -1,8 +1,8 @@
 """The step channel: plans and results between the engine and one TP rank over a TCP connection of their
 own, beside Ray (``ParallelConfig.ray_transport="socket"``).
 
-A plain Ray actor call costs the engine's process ~0.6 ms of CPU to submit and the round trip a few ms
-on a loaded 2-core CPU; a compiled graph is faster but its reader spins. Here the rank serves
+A plain Ray actor call costs the engine's process CPU to submit and a round trip per step
+(docs/design/workers.md); a compiled graph is faster but its reader spins. Here the rank serves
 ``execute_bytes`` from one long actor call (``RayWorker.serve_step_channel``) that blocks on the
 socket, and the engine blocks on the reply: no spinning on either side, and Ray stays in charge of the
 actor's life (creation, health pings, kill).
@@ -15,8 +15,9 @@ byte and a payload: ``OK`` + result bytes, ``NONE`` (a rank that samples nothing
 worker's exception as text (``"TypeName: message"``). The connection closing means the rank (or the
 engine) is gone.
 
-Threads: the rank's steps run on the channel thread (one thread for the actor's life, with the rank's
-torch thread count), its other actor methods (ping, num_sequences) on the actor's main thread.
+Threads: the rank's steps run on the actor's main thread, inside the long ``serve_step_channel`` call
+(torch's GEMMs ran slower on a thread of their own); ``num_sequences`` goes over the channel too, and
+the executor watches the serving call instead of pinging a rank whose main thread is busy.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 ``F.linear`` on CPU hands an fp32 weight to MKL's sgemm and a bf16 one to oneDNN, and both re-lay
 the whole weight out on every call. Packing each weight once at load time into oneDNN's blocked
 layout (``torch.ops.mkldnn._reorder_linear_weight``, no batch-size hint, so one packed copy serves
-every row count) and multiplying with ``torch.ops.mkldnn._linear_pointwise`` removes that; on the
-AMD EPYC VM oneDNN's fp32 kernels also ran about 3x as fast as MKL's sgemm at decode sizes.
+every row count) and multiplying with ``torch.ops.mkldnn._linear_pointwise`` removes that.
 
 Decisions: docs/design/workers.md, ``pagedray.workers.layers.packed_gemm``.
 """
