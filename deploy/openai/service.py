@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+from jinja2.exceptions import TemplateError
 from pydantic import ValidationError
 
 from .errors import bad_request, to_api_error
@@ -81,6 +82,7 @@ from .validation import (
     check_token_ids,
     prepare_chat,
     prepare_completion,
+    template_kwargs,
 )
 
 
@@ -199,20 +201,24 @@ class OpenAIService:
         return self._tok.decode(token_ids, skip_special_tokens=False)
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                     tools: ToolPlan | None = None) -> list[int]:
+                     tools: ToolPlan | None = None, template_kwargs: dict | None = None) -> list[int]:
         """The chat template's prompt, tokenized; a rendered text too long for the context is refused
-        before tokenizing."""
+        before tokenizing. ``template_kwargs``: checked extra template variables (``chat_template_kwargs``).
+        A template that refuses the conversation (its ``raise_exception``) is a 400 with its message."""
         tokenizer = self._tok
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template; use /v1/completions",
                               param="messages")
-        kwargs = {}
+        kwargs = dict(template_kwargs or {})
         if tools is not None and template_knows_tools(tokenizer):
             kwargs["tools"] = [{"type": "function", "function": f} for f in tools.tools]
         elif tools is not None:
             messages = with_tools_prompt(messages, tools)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **kwargs)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False, **kwargs)
+        except TemplateError as exc:
+            raise bad_request(f"messages: the chat template refused the request: {exc}", param="messages") from None
         check_prompt_chars(len(text), self.limits, "messages")
         return tokenizer.encode(text, add_special_tokens=False)
 
@@ -360,7 +366,8 @@ class OpenAIService:
             check_model(chat.model, self.limits)
             messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
             check_prompt_chars(sum(len(m["content"]) for m in messages), self.limits, "messages")
-            token_ids = self._render_chat(messages, chat.add_generation_prompt)
+            token_ids = self._render_chat(messages, chat.add_generation_prompt, None,
+                                          template_kwargs(chat.chat_template_kwargs))
             with_strs = chat.return_token_strs
         else:
             req = parse_body(TokenizeCompletionRequest, body)

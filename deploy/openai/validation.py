@@ -97,7 +97,6 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "continue_final_message": (_asks_nothing, "not supported"),
     "add_special_tokens": (_asks_nothing, "not supported on chat (the chat template adds them)"),
     "chat_template": (_asks_nothing, "the model's own chat template is used"),
-    "chat_template_kwargs": (_asks_nothing, "not supported"),
     "documents": (_asks_nothing, "not supported"),
 }
 # vLLM's completion-only extension: the tokenizer's special tokens are always added
@@ -117,6 +116,28 @@ def check_fields(req: SamplingFields) -> None:
             raise bad_request(f"{name}: {why}", param=name)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of: only best_of == n is supported", param="best_of")
+
+
+# what apply_chat_template itself takes: a chat_template_kwargs key may not replace them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+MAX_TEMPLATE_KWARGS = 32
+
+
+def template_kwargs(kwargs: dict | None) -> dict:
+    """``chat_template_kwargs``: the extra variables the chat template sees (Qwen3's ``enable_thinking``,
+    ...). 400 naming the key for one that would replace an argument of the template call itself."""
+    kwargs = kwargs or {}
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise bad_request(f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS} keys, got {len(kwargs)}",
+                          param="chat_template_kwargs")
+    for key in kwargs:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(f"chat_template_kwargs.{key}: not a variable the chat template may take "
+                              f"(reserved: the request's own fields set it)", param="chat_template_kwargs")
+    return dict(kwargs)
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -335,7 +356,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
-                 render: Callable[[list[dict], bool, ToolPlan | None], list[int]],
+                 render: Callable[[list[dict], bool, ToolPlan | None, dict], list[int]],
                  check_grammar: Callable[[str, str], None] | None = None) -> PreparedRequest:
     """Validate a /v1/chat/completions request; ``render`` applies the chat template and tokenizes."""
     check_model(req.model, limits)
@@ -348,7 +369,7 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     grammar = grammar_of(req, check_grammar, tools)
     messages = chat_messages(req)
     check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
-    token_ids = render(messages, req.add_generation_prompt, tools)
+    token_ids = render(messages, req.add_generation_prompt, tools, template_kwargs(req.chat_template_kwargs))
     if not token_ids:
         raise bad_request("messages: the chat template produced an empty prompt", param="messages")
     if len(token_ids) >= limits.max_model_len:

@@ -1,0 +1,72 @@
+"""``chat_template_kwargs`` on chat and /tokenize: the variables reach the model's chat template (Qwen3's
+``enable_thinking`` is one), keys that would replace the template call's own arguments are a 400 naming
+them, and a template that refuses the conversation (``raise_exception``) is a 400 with its message, not
+a 500."""
+
+import copy
+
+import pytest
+from fastapi.testclient import TestClient
+from helpers.fake_engine import ScriptedEngine
+from pagedray.deploy.http.routes import create_api
+from pagedray.deploy.openai.metrics import ServerMetrics
+from pagedray.deploy.openai.service import OpenAIService
+from pagedray.deploy.openai.validation import ModelLimits
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                   "{{ raise_exception('System messages are not supported by this template') }}{% endif %}"
+                   "{{ m['content'] }}{% endfor %}")
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+def _client(tokenizer, template: str):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    engine = ScriptedEngine(tok.encode(" four"), eos_token_id=tok.eos_token_id)
+    limits = ModelLimits("m", frozenset({"m"}), len(tok), 512)
+    return TestClient(create_api(OpenAIService(engine, tok, limits, ServerMetrics("m")))), engine, tok
+
+
+def test_the_template_sees_the_kwargs_in_chat_and_tokenize(tokenizer):
+    client, engine, tok = _client(tokenizer, THINKING_TEMPLATE)
+    off = tok.encode("<|user|>What is 2 + 2?\n<|assistant|><think>\n\n</think>\n\n", add_special_tokens=False)
+    on = tok.encode("<|user|>What is 2 + 2?\n<|assistant|>", add_special_tokens=False)
+    body = {"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {}}).status_code == 200
+    assert [prompt for _, prompt, _ in engine.calls] == [off, on]
+    tokenized = client.post("/tokenize", json={"messages": MESSAGES,
+                                               "chat_template_kwargs": {"enable_thinking": False}})
+    assert tokenized.json()["tokens"] == off
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tokenize": True}, "chat_template_kwargs.tokenize: not a variable"),
+    ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt: not a variable"),
+    ({"tools": []}, "chat_template_kwargs.tools: not a variable"),
+    ({"not-a-name": 1}, "chat_template_kwargs.not-a-name: not a variable"),
+    ({f"k{i}": i for i in range(33)}, "chat_template_kwargs: at most 32 keys"),
+    ("enable_thinking", "chat_template_kwargs: Input should be a valid dictionary"),
+])
+def test_bad_kwargs_are_a_400_naming_them_and_reach_no_engine(tokenizer, kwargs, message):
+    client, engine, _ = _client(tokenizer, THINKING_TEMPLATE)
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})):
+        response = client.post(path, json={"messages": MESSAGES, "chat_template_kwargs": kwargs, **extra})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "chat_template_kwargs" and error["message"].startswith(message), error
+    assert engine.calls == []
+
+
+def test_a_template_that_refuses_the_conversation_is_a_400(tokenizer):
+    client, engine, _ = _client(tokenizer, STRICT_TEMPLATE)
+    messages = [{"role": "system", "content": "Be brief."}] + MESSAGES
+    response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert response.status_code == 400 and engine.calls == []
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "System messages are not supported" in error["message"]
+    assert client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).status_code == 200
