@@ -2,10 +2,16 @@
 
 Accepted (the rest of these fields' values are a 400 naming the field):
 - ``response_format``: ``{"type": "text"}`` (no grammar), ``{"type": "json_object"}`` (any JSON
-  object), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (the schema;
-  ``strict`` changes nothing: the output always follows the schema).
+  object), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (the schema).
 - vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, as an object or a JSON string),
   ``json_object: true``, ``regex``, ``choice`` (a list of strings: the output is one of them).
+
+Strict by default (as xgrammar's strict mode and OpenAI's ``strict: true``): an object schema that lists
+``properties`` and leaves ``additionalProperties`` unset gets ``additionalProperties: false``
+(``closed_objects``), so a model cannot add keys the schema does not name and run on until
+``max_tokens``. Opt out per schema with ``"strict": false`` (``json_schema``, or a function tool) or by
+setting ``additionalProperties`` yourself; an object schema without ``properties`` (``json_object``,
+``{"type": "object"}``) stays open.
 
 JSON is generated compact (llguidance's ``whitespace_flexible: false``: fixed separators, no free
 whitespace between tokens), so a model cannot loop on whitespace until ``max_tokens``. Not combinable
@@ -66,9 +72,47 @@ def check_schema_depth(schema, what: str, param: str, limit: int = MAX_SCHEMA_DE
         raise bad_request(f"{what}: the schema is nested deeper than {limit} levels", param=param)
 
 
-def schema_grammar(schema, param: str, max_depth: int = MAX_SCHEMA_DEPTH) -> str:
+# JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SCHEMA_VALUED = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                  "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """A copy of ``schema`` in which every object schema that lists ``properties`` and leaves
+    ``additionalProperties`` (and ``patternProperties`` / ``unevaluatedProperties``) unset allows no
+    other keys. Literal values (``const``, ``enum``, ``default``) are not schemas and are left alone;
+    the depth is bounded by ``check_schema_depth`` before this runs."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_VALUED:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(item) for item in out[key]]
+    for key in NAMED_SCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(item) for name, item in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not any(
+            key in out for key in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
+def strict_flag(value, param: str) -> bool:
+    """A schema's ``strict`` field: True unless it is ``false``; 400 naming it when not a boolean."""
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"{param}: must be a boolean", param=param.split(".")[0])
+    return value is not False
+
+
+def schema_grammar(schema, param: str, max_depth: int = MAX_SCHEMA_DEPTH, strict: bool = True) -> str:
     """The grammar of a JSON schema (an object or its JSON text), checked as the module docstring says;
-    ``param`` is the dotted path named in messages (its first part is the error's ``param``)."""
+    ``param`` is the dotted path named in messages (its first part is the error's ``param``); ``strict``:
+    close the object schemas (``closed_objects``)."""
     from pagedray.workers.grammar import load_llguidance
 
     field = param.split(".")[0]
@@ -84,6 +128,8 @@ def schema_grammar(schema, param: str, max_depth: int = MAX_SCHEMA_DEPTH) -> str
     if not isinstance(schema, dict):
         raise bad_request(f"{param}: a JSON schema must be an object", param=field)
     check_schema_depth(schema, param, field, max_depth)
+    if strict:
+        schema = closed_objects(schema)
     if not has_finite_instance(schema):
         raise bad_request(f"{param}: {_NO_FINITE_INSTANCE}", param=field)
     # compact JSON (no free whitespace between tokens): with it, small models and sampled tokens can emit
@@ -238,7 +284,8 @@ def _from_response_format(value) -> str | None:
         if not isinstance(spec, dict) or "schema" not in spec:
             raise bad_request("response_format.json_schema: must be an object with a 'schema'",
                               param="response_format")
-        return schema_grammar(spec["schema"], "response_format.json_schema.schema")
+        strict = strict_flag(spec.get("strict"), "response_format.json_schema.strict")
+        return schema_grammar(spec["schema"], "response_format.json_schema.schema", strict=strict)
     raise bad_request(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                       param="response_format")
 

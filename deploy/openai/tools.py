@@ -39,14 +39,21 @@ import uuid
 from dataclasses import dataclass
 
 from .errors import bad_request
-from .structured_output import MAX_GRAMMAR_CHARS, MAX_SCHEMA_DEPTH, check_schema_depth, schema_grammar
+from .structured_output import (
+    MAX_GRAMMAR_CHARS,
+    MAX_SCHEMA_DEPTH,
+    NAMED_SCHEMAS,
+    check_schema_depth,
+    closed_objects,
+    schema_grammar,
+    strict_flag,
+)
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 # levels tool_schema puts around a tool's parameters: root, items, anyOf, the call, its properties
 TOOL_SCHEMA_WRAP_DEPTH = 5
 _CHOICES = ("none", "auto", "required")
-_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _LITERALS = ("const", "enum", "default", "examples")
 
 
@@ -83,7 +90,10 @@ def _function(tool, i: int) -> dict:
             raise bad_request(f"{where}.function.parameters: must be a JSON schema of an object (type 'object')",
                               param="tools")
         check_schema_depth(parameters, f"{where}.function.parameters", "tools")
-    return {key: function[key] for key in ("name", "description", "parameters") if function.get(key) is not None}
+        if strict_flag(function.get("strict"), f"tools.{i}.function.strict"):
+            parameters = closed_objects(parameters)   # strict by default: no keys the schema does not list
+    out = {key: function[key] for key in ("name", "description") if function.get(key) is not None}
+    return out if parameters is None else {**out, "parameters": parameters}
 
 
 def _choice(tool_choice) -> tuple[str, str | None]:
@@ -135,7 +145,7 @@ def _rebased(schema, prefix: str):
             out[key] = prefix + item[1:]
         elif key in _LITERALS:
             out[key] = item
-        elif key in _NAMED_SCHEMAS and isinstance(item, dict):
+        elif key in NAMED_SCHEMAS and isinstance(item, dict):
             out[key] = {name: _rebased(sub, prefix) for name, sub in item.items()}
         else:
             out[key] = _rebased(item, prefix)
@@ -162,7 +172,9 @@ def tool_grammar(plan: ToolPlan) -> str | None:
     schema = tool_schema(plan)
     if schema is None:
         return None
-    grammar = schema_grammar(schema, "tool_choice", max_depth=MAX_SCHEMA_DEPTH + TOOL_SCHEMA_WRAP_DEPTH)
+    # each tool's parameters are already closed or left open as its ``strict`` says (_function)
+    grammar = schema_grammar(schema, "tool_choice", max_depth=MAX_SCHEMA_DEPTH + TOOL_SCHEMA_WRAP_DEPTH,
+                             strict=False)
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise bad_request(f"tool_choice: the grammar of the tools exceeds {MAX_GRAMMAR_CHARS} characters",
                           param="tool_choice")

@@ -56,7 +56,7 @@ def test_required_schema_lists_every_tool_and_parallel_false_allows_one():
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
     assert [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
     named = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
-    assert tool_schema(named) == WEATHER["function"]["parameters"]
+    assert tool_schema(named) == {**WEATHER["function"]["parameters"], "additionalProperties": False}   # strict
     assert tool_schema(plan_tools([WEATHER], "auto", None)) is None
 
 
