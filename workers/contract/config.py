@@ -36,7 +36,8 @@ def _require(cond: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = option("default", "'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face model folder")
+    model: str = option("default", "'default' (embedded SmolLM2-135M-Instruct), a Hugging Face model folder, or "
+                                   "a repo id (org/name) already in the local Hugging Face cache")
     dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: bfloat16 on CUDA and on CPUs with AMX or "
                                           "AVX512-BF16, float32 on other CPUs)")
     device: str = option("auto", "auto | cpu | cuda")
