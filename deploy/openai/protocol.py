@@ -94,6 +94,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int64 | None = None
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False       # leave the last (assistant) message open: the model continues it
     chat_template_kwargs: dict | None = None   # extra variables for the chat template (enable_thinking, ...)
 
 
@@ -112,6 +113,7 @@ class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
 

@@ -82,7 +82,7 @@ from .validation import (
     check_token_ids,
     prepare_chat,
     prepare_completion,
-    template_kwargs,
+    template_options,
 )
 
 
@@ -203,7 +203,7 @@ class OpenAIService:
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                      tools: ToolPlan | None = None, template_kwargs: dict | None = None) -> list[int]:
         """The chat template's prompt, tokenized; a rendered text too long for the context is refused
-        before tokenizing. ``template_kwargs``: checked extra template variables (``chat_template_kwargs``).
+        before tokenizing. ``template_kwargs``: the checked extra arguments (``template_options``).
         A template that refuses the conversation (its ``raise_exception``) is a 400 with its message."""
         tokenizer = self._tok
         if not getattr(tokenizer, "chat_template", None):
@@ -366,8 +366,9 @@ class OpenAIService:
             check_model(chat.model, self.limits)
             messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
             check_prompt_chars(sum(len(m["content"]) for m in messages), self.limits, "messages")
-            token_ids = self._render_chat(messages, chat.add_generation_prompt, None,
-                                          template_kwargs(chat.chat_template_kwargs))
+            options = template_options(chat.chat_template_kwargs, chat.continue_final_message,
+                                       chat.add_generation_prompt, messages)
+            token_ids = self._render_chat(messages, chat.add_generation_prompt, None, options)
             with_strs = chat.return_token_strs
         else:
             req = parse_body(TokenizeCompletionRequest, body)

@@ -94,7 +94,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
 CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "echo": (_asks_nothing, "not supported on chat"),
     "prompt_logprobs": (lambda v: v is None, "only on /v1/completions"),
-    "continue_final_message": (_asks_nothing, "not supported"),
     "add_special_tokens": (_asks_nothing, "not supported on chat (the chat template adds them)"),
     "chat_template": (_asks_nothing, "the model's own chat template is used"),
     "documents": (_asks_nothing, "not supported"),
@@ -124,6 +123,23 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 MAX_TEMPLATE_KWARGS = 32
+
+
+def template_options(kwargs: dict | None, continue_final_message: bool, add_generation_prompt: bool,
+                     messages: list[dict]) -> dict:
+    """The template call's extra arguments: ``chat_template_kwargs`` (checked by ``template_kwargs``)
+    and ``continue_final_message`` (vLLM's: the last message must be the assistant's, and no new
+    assistant turn may be opened after it: 400 naming the field otherwise)."""
+    options = template_kwargs(kwargs)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise bad_request("continue_final_message: cannot be combined with add_generation_prompt (set it "
+                              "to false)", param="continue_final_message")
+        if not messages or messages[-1]["role"] != "assistant":
+            raise bad_request("continue_final_message: the last message must be the assistant's (the one to "
+                              "continue)", param="continue_final_message")
+        options["continue_final_message"] = True
+    return options
 
 
 def template_kwargs(kwargs: dict | None) -> dict:
@@ -369,7 +385,9 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     grammar = grammar_of(req, check_grammar, tools)
     messages = chat_messages(req)
     check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
-    token_ids = render(messages, req.add_generation_prompt, tools, template_kwargs(req.chat_template_kwargs))
+    options = template_options(req.chat_template_kwargs, req.continue_final_message, req.add_generation_prompt,
+                               messages)
+    token_ids = render(messages, req.add_generation_prompt, tools, options)
     if not token_ids:
         raise bad_request("messages: the chat template produced an empty prompt", param="messages")
     if len(token_ids) >= limits.max_model_len:

@@ -70,3 +70,30 @@ def test_a_template_that_refuses_the_conversation_is_a_400(tokenizer):
     error = response.json()["error"]
     assert error["param"] == "messages" and "System messages are not supported" in error["message"]
     assert client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).status_code == 200
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(tokenizer):
+    client, engine, tok = _client(tokenizer, tokenizer.chat_template)
+    messages = MESSAGES + [{"role": "assistant", "content": "The answer is"}]
+    body = {"messages": messages, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                       continue_final_message=True)
+    assert rendered.endswith("The answer is")                      # no end-of-turn after the open message
+    assert engine.calls[-1][1] == tok.encode(rendered, add_special_tokens=False)
+    tokenized = client.post("/tokenize", json={k: v for k, v in body.items() if k != "max_tokens"})
+    assert tokenized.json()["tokens"] == engine.calls[-1][1]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"messages": MESSAGES + [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+     "continue_final_message: cannot be combined with add_generation_prompt"),
+    ({"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message: the last message must be the assistant's"),
+])
+def test_continue_final_message_misuse_is_a_400(tokenizer, body, message):
+    client, engine, _ = _client(tokenizer, tokenizer.chat_template)
+    response = client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert response.status_code == 400 and engine.calls == []
+    assert response.json()["error"]["message"].startswith(message)
+    assert response.json()["error"]["param"] == "continue_final_message"
