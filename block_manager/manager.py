@@ -12,7 +12,7 @@ Invariants (``check_invariants`` asserts them, together with the pool's):
   and no cache key. Full blocks are never written again, so they can be shared freely;
 - with prefix caching, the first ``num_hashed`` blocks of a table are full and their content keys
   are known (``last_key``); ``num_hashed == num_slots // block_size``, except that a full block holding
-  a slot reserved for a token not known yet (``pending_tokens``, the engine's run-ahead scheduling) is
+  a slot reserved for a token not known yet (``pending_tokens``, the engine's async scheduling) is
   hashed only by a later ``allocate_slots`` that is given that token: ``num_hashed <= num_slots //
   block_size``;
 - freeing every sequence returns the pool to all-free with ref counts 0; cached keys stay findable

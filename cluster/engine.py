@@ -37,7 +37,7 @@ ENGINE_DEAD_MESSAGE = "engine dead: a step failed (the server log has the detail
 
 @dataclass(frozen=True)
 class _InFlight:
-    """Run-ahead: a submitted step whose result is not applied yet."""
+    """Async scheduling: a submitted step whose result is not applied yet."""
 
     out: SchedulerOutput
     plan: StepPlan
@@ -69,8 +69,8 @@ class Engine:
         self.recovering = False                 # True while the TP group is being rebuilt (step thread)
         self.last_recovery_s: float | None = None   # duration of the last rebuild + reset
         self._prefix_totals_before = (0, 0)     # prefix query/hit tokens of BlockManagers replaced by recovery
-        self._run_ahead = config.scheduler.async_scheduling
-        self._in_flight: _InFlight | None = None   # run-ahead: the submitted step not applied yet
+        self._async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: _InFlight | None = None   # async scheduling: the submitted step not applied yet
 
     def _effective_max_model_len(self) -> int:
         limit = self.config.model.max_model_len or self.model_info.max_position_embeddings
@@ -140,7 +140,7 @@ class Engine:
         out = self.scheduler.schedule()
         plan = self.plan_builder.build(out)
         has_work = bool(plan.new_seqs or plan.running or plan.released_seq_ids)
-        if self._run_ahead:
+        if self._async_scheduling:
             return outputs + self._step_ahead(out, plan, has_work)
         if not has_work:
             return outputs
@@ -155,7 +155,7 @@ class Engine:
         return outputs + self._outputs_of(touched)
 
     def _step_ahead(self, out, plan: StepPlan, has_work: bool) -> list[RequestOutput]:
-        """Run-ahead: submit this plan behind the one in flight, then wait for that one and apply it."""
+        """Async scheduling: submit this plan behind the one in flight, then wait for that one and apply it."""
         previous, self._in_flight = self._in_flight, None
         if previous is None and not has_work:
             return []
@@ -200,15 +200,15 @@ class Engine:
                 pass
 
     def set_async_scheduling(self, on: bool) -> None:
-        """Switches run-ahead scheduling between steps (benchmarks compare both modes on one loaded
-        engine); ValueError while a step is in flight or when the config could not run ahead."""
+        """Switches async scheduling between steps (benchmarks compare both modes on one loaded
+        engine); ValueError while a step is in flight or when the config cannot schedule ahead (TP > 1)."""
         if not isinstance(on, bool):
             raise ValueError(f"on: must be true or false, got {on!r}")
         if self._in_flight is not None:
             raise ValueError("on: a step is in flight; switch between generate calls")
         if on and self.config.parallel.tensor_parallel_size != 1:
             raise ValueError("on: async_scheduling needs tensor_parallel_size 1")
-        self._run_ahead = on
+        self._async_scheduling = on
 
     def _recover(self, exc: Exception) -> Exception | None:
         """Rebuilds the TP group after a rank failure; returns None when recovered, else the failure."""

@@ -5,7 +5,7 @@
 - ``RayExecutor`` (``ray_executor.py``): one RayWorker actor per TP rank in a placement group.
 
 ``execute(plan)`` runs one step and returns its result. ``submit(plan)`` starts it and returns a
-handle; ``wait(handle)`` returns its result. Steps run in submission order, so the engine's run-ahead
+handle; ``wait(handle)`` returns its result. Steps run in submission order, so the engine's async scheduling
 scheduling (``async_scheduling``) can queue step N+1 behind step N and wait for N.
 ``LocalExecutor`` runs submitted steps on one thread of its own (torch releases the GIL in its ops, so
 the engine's thread schedules meanwhile); its ``execute`` stays on the caller's thread.

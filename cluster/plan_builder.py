@@ -7,7 +7,7 @@ the one token sampled since) afterwards. Released sequences are dropped from tha
 in ``released_seq_ids`` of the next plan (the workers drop their mirrors before anything else).
 
 A running sequence's step needs its tokens up to ``start + num_tokens``; the one token the mirror
-lacks is sent by id when the engine knows it, else as ``PENDING_TOKEN`` (run-ahead scheduling: the
+lacks is sent by id when the engine knows it, else as ``PENDING_TOKEN`` (async scheduling: the
 previous step, still running, samples it; the worker appends its own draw).
 
 Invariant: ``known`` holds exactly the sequence ids the workers mirror after the last built plan.

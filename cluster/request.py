@@ -10,7 +10,7 @@ A ``Request`` is what a caller submits (one prompt, one SamplingParams, a priori
   uncomputed token: the one it sampled last).
 - ``num_in_flight``: tokens scheduled in steps whose results have not been applied yet, and
   ``num_pending``: tokens those steps will sample, not known yet. Both are 0 between steps of the
-  synchronous engine; with run-ahead scheduling (``async_scheduling``) the next step is scheduled
+  synchronous engine; with async scheduling (``async_scheduling``) the next step is scheduled
   while one runs, so a decoding sequence computes its pending token at the next step
   (``computable_tokens`` counts it).
 

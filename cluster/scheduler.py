@@ -30,7 +30,7 @@ token id -> "stop", once more than ``min_tokens`` tokens are out (the Sampler ba
 ``max_tokens`` outputs or ``max_model_len`` total tokens -> "length".
 Admission: prompts must be non-empty and shorter than ``max_model_len`` (ValueError otherwise).
 
-Run-ahead (``async_scheduling``, the engine schedules step N+1 while step N runs): a sequence
+Async scheduling (``async_scheduling``, the engine schedules step N+1 while step N runs): a sequence
 scheduled in a step in flight counts those tokens as ``num_in_flight`` and the token that step samples
 as ``num_pending`` (its id unknown), so the next step can compute the pending token (its slot is
 reserved with ``pending_tokens``; its block is hashed once the id is known). ``update`` applies a

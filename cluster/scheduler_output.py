@@ -13,7 +13,7 @@ class ScheduledSequence:
 
     ``samples``: after this step every token of the sequence (pending ones included) is computed, so
     the worker samples one. ``epoch``: the sequence's preemption count when scheduled; a result that
-    arrives after a later preemption is stale (run-ahead scheduling) and is dropped."""
+    arrives after a later preemption is stale (async scheduling) and is dropped."""
 
     seq: Sequence
     num_tokens: int

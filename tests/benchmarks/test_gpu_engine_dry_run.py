@@ -25,8 +25,8 @@ def test_gpu_engine_dry_run_writes_every_section(tmp_path):
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["device"] == "cpu"
     assert report["throughput"]["systems"]["pagedray"]["output_tok_s"]["median"] > 0
-    assert report["throughput"]["systems"]["pagedray_run_ahead"]["output_tok_s"]["median"] > 0
-    assert "run-ahead / synchronous" in report["throughput"]["ratios"]
+    assert report["throughput"]["systems"]["pagedray_async"]["output_tok_s"]["median"] > 0
+    assert "async / synchronous" in report["throughput"]["ratios"]
     batch1 = report["batch1"]["systems"]
     assert batch1["graphs"]["ms_per_step"]["median"] > 0 and batch1["eager"]["ms_per_step"]["median"] > 0
     assert [row["graphs"] for row in report["busy"]] == [True, False]

@@ -261,7 +261,7 @@ def test_freeing_everything_returns_all_blocks_and_keeps_keys_findable():
 
 
 def test_a_pending_slot_is_reserved_now_and_its_block_hashed_once_its_token_is_known():
-    """Run-ahead scheduling reserves the slot of a token not sampled yet (``pending_tokens``): the block
+    """Async scheduling reserves the slot of a token not sampled yet (``pending_tokens``): the block
     it fills waits for a later call that knows the token, then joins the prefix cache."""
     manager = BlockManager(4, 8)
     tokens = [1, 2, 3]

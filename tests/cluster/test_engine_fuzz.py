@@ -53,7 +53,7 @@ def tiny_smol_path(tmp_path_factory, default_model_path):
     return str(path)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "run_ahead"])
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
 def engine(request, tiny_smol_path):
     config = build_engine_config(tiny_smol_path, dtype="float32", block_size=8, num_blocks=96, max_num_seqs=8,
                                  threads_per_worker=1, async_scheduling=request.param)

@@ -1,7 +1,7 @@
 """End to end through LLM + LocalExecutor (fp32, CPU): greedy tokens equal HF generate token for token,
 with plenty of KV, with a KV pool at ~25% of the demand (preemptions), with a small token budget
 (chunked prefill), with prefix caching on and off, and n > 1; each with the synchronous engine and
-with run-ahead scheduling (``async_scheduling``: step N+1 scheduled while step N runs on the
+with async scheduling (``async_scheduling``: step N+1 scheduled while step N runs on the
 executor's thread)."""
 
 import math
@@ -21,8 +21,8 @@ def _prompts(seed=0, count=6, shared_prefix=0):
     return [prefix + [rng.randrange(2, 512) for _ in range(rng.randrange(5, 40))] for _ in range(count)]
 
 
-@pytest.fixture(params=[False, True], ids=["sync", "run_ahead"])
-def run_ahead(request):
+@pytest.fixture(params=[False, True], ids=["sync", "async_scheduling"])
+def async_scheduling(request):
     return request.param
 
 
@@ -38,9 +38,9 @@ def references(tiny_hf_model):
     return ref
 
 
-def _run(path, prompts, run_ahead, **kwargs):
-    llm = LLM(path, dtype="float32", block_size=BLOCK, watermark=0.0, threads_per_worker=1, async_scheduling=run_ahead,
-              **kwargs)
+def _run(path, prompts, async_scheduling, **kwargs):
+    llm = LLM(path, dtype="float32", block_size=BLOCK, watermark=0.0, threads_per_worker=1,
+              async_scheduling=async_scheduling, **kwargs)
     try:
         results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
         return results, llm.engine.stats()
@@ -56,35 +56,35 @@ def _assert_matches(results, prompts, references):
         assert out.finish_reason == ("stop" if expected[-1] == 1 else "length")
 
 
-def test_plenty_of_kv_matches_hf(tiny_llama_path, references, run_ahead):
+def test_plenty_of_kv_matches_hf(tiny_llama_path, references, async_scheduling):
     prompts = _prompts()
-    results, stats = _run(tiny_llama_path, prompts, run_ahead, num_blocks=256)
+    results, stats = _run(tiny_llama_path, prompts, async_scheduling, num_blocks=256)
     _assert_matches(results, prompts, references)
     assert stats.num_preemptions_total == 0 and stats.kv_usage == 0.0
 
 
-def test_kv_pool_at_a_quarter_of_demand_preempts_and_still_matches(tiny_llama_path, references, run_ahead):
+def test_kv_pool_at_a_quarter_of_demand_preempts_and_still_matches(tiny_llama_path, references, async_scheduling):
     prompts = _prompts(seed=1, count=8)
     demand_blocks = sum(math.ceil((len(p) + MAX_TOKENS) / BLOCK) for p in prompts)
     num_blocks = max(math.ceil(demand_blocks / 4), math.ceil((max(map(len, prompts)) + MAX_TOKENS) / BLOCK))
-    results, stats = _run(tiny_llama_path, prompts, run_ahead, num_blocks=num_blocks)
+    results, stats = _run(tiny_llama_path, prompts, async_scheduling, num_blocks=num_blocks)
     _assert_matches(results, prompts, references)
     assert stats.num_preemptions_total > 0
 
 
-def test_small_token_budget_chunks_prefill_and_matches(tiny_llama_path, references, run_ahead):
+def test_small_token_budget_chunks_prefill_and_matches(tiny_llama_path, references, async_scheduling):
     prompts = _prompts(seed=2)
     assert max(map(len, prompts)) > 8
-    results, stats = _run(tiny_llama_path, prompts, run_ahead, num_blocks=256, max_num_batched_tokens=8)
+    results, stats = _run(tiny_llama_path, prompts, async_scheduling, num_blocks=256, max_num_batched_tokens=8)
     _assert_matches(results, prompts, references)
     assert stats.num_steps_total >= sum(len(p) for p in prompts) // 8
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_prefix_caching_on_and_off_match(tiny_llama_path, references, caching, run_ahead):
+def test_prefix_caching_on_and_off_match(tiny_llama_path, references, caching, async_scheduling):
     prompts = _prompts(seed=3, count=5, shared_prefix=3 * BLOCK)
     llm = LLM(tiny_llama_path, dtype="float32", block_size=BLOCK, num_blocks=256, enable_prefix_caching=caching,
-              threads_per_worker=1, async_scheduling=run_ahead)
+              threads_per_worker=1, async_scheduling=async_scheduling)
     try:
         first = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
         rest = llm.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
@@ -96,10 +96,10 @@ def test_prefix_caching_on_and_off_match(tiny_llama_path, references, caching, r
     assert [r.num_cached_prompt_tokens for r in rest] == [3 * BLOCK if caching else 0] * 4
 
 
-def test_n_samples_fork_and_each_matches_hf(tiny_llama_path, references, run_ahead):
+def test_n_samples_fork_and_each_matches_hf(tiny_llama_path, references, async_scheduling):
     prompts = _prompts(seed=4, count=2)
     llm = LLM(tiny_llama_path, dtype="float32", block_size=BLOCK, num_blocks=256, threads_per_worker=1,
-              async_scheduling=run_ahead)
+              async_scheduling=async_scheduling)
     try:
         results = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     finally:
@@ -109,12 +109,13 @@ def test_n_samples_fork_and_each_matches_hf(tiny_llama_path, references, run_ahe
         assert [o.index for o in result.outputs] == [0, 1, 2]
 
 
-def test_seeded_n_samples_differ_and_reproduce(tiny_llama_path, run_ahead):
+def test_seeded_n_samples_differ_and_reproduce(tiny_llama_path, async_scheduling):
     """n > 1 with a seed: each choice samples with seed + index, so the choices differ and a rerun
     (alone, or next to other requests) gives the same choices."""
     prompt = _prompts(seed=5, count=1)[0]
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=MAX_TOKENS)
-    llm = LLM(tiny_llama_path, dtype="float32", block_size=BLOCK, threads_per_worker=1, async_scheduling=run_ahead)
+    llm = LLM(tiny_llama_path, dtype="float32", block_size=BLOCK, threads_per_worker=1,
+              async_scheduling=async_scheduling)
     try:
         first = llm.generate([prompt], params, use_tqdm=False)[0]
         again = llm.generate([_prompts(seed=6, count=1)[0], prompt], params, use_tqdm=False)[1]

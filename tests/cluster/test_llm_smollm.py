@@ -50,7 +50,7 @@ def test_min_tokens_and_logit_bias_on_the_real_model(default_model_path):
     assert bias.outputs[0].token_ids == [biased] * 4
 
 
-def test_run_ahead_on_the_real_model_matches_hf_greedy_and_the_synchronous_seeded_draws(default_model_path):
+def test_async_scheduling_on_the_real_model_matches_hf_greedy_and_the_synchronous_seeded_draws(default_model_path):
     """async_scheduling (step N+1 scheduled while step N runs) on SmolLM2 with a KV pool that preempts:
     greedy equals HF, and seeded samples equal the synchronous engine's (a draw depends only on the
     seed, the position and the logits)."""
@@ -60,16 +60,16 @@ def test_run_ahead_on_the_real_model_matches_hf_greedy_and_the_synchronous_seede
     prompts = PROMPTS + ["Once upon a time", "1, 2, 3, 4,", "Hello, my name is"]
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=12) for i in range(len(prompts))]
     runs = {}
-    for run_ahead in (False, True):
+    for async_scheduling in (False, True):
         llm = LLM(default_model_path, dtype="float32", num_blocks=8, block_size=8, max_num_seqs=4,
-                  max_num_batched_tokens=16, threads_per_worker=1, async_scheduling=run_ahead)
+                  max_num_batched_tokens=16, threads_per_worker=1, async_scheduling=async_scheduling)
         try:
             greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
             sampled = llm.generate(prompts, seeded, use_tqdm=False)
             preemptions = llm.engine.stats().num_preemptions_total
         finally:
             llm.shutdown()
-        runs[run_ahead] = ([r.outputs[0].token_ids for r in greedy], [r.outputs[0].token_ids for r in sampled])
+        runs[async_scheduling] = ([r.outputs[0].token_ids for r in greedy], [r.outputs[0].token_ids for r in sampled])
         assert preemptions > 0
     assert runs[True] == runs[False]
     model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()

@@ -129,7 +129,7 @@ def test_health_does_not_ping_ranks_during_a_step():
 
 
 @pytest.mark.parametrize("transport", ["actor", "compiled", "socket", "auto"])
-def test_run_ahead_over_ray_tp1_matches_local(ray_session, tiny_llama_path, local_tokens, transport):
+def test_async_scheduling_over_ray_tp1_matches_local(ray_session, tiny_llama_path, local_tokens, transport):
     """async_scheduling on the Ray executor: step N+1 is sent to the rank's actor while step N runs
     there (actor calls and compiled-graph executions run in order); the tokens are the local ones."""
     llm = LLM(tiny_llama_path, dtype="float32", block_size=8, num_blocks=128, executor="ray", async_scheduling=True,

@@ -143,7 +143,7 @@ def test_cpu_capacity_from_kv_cache_gib(tiny_model_path):
 
 
 def test_a_pending_token_is_the_one_rank_0_drew_for_that_sequence_at_its_last_step(tiny_model_path):
-    """PENDING_TOKEN (run-ahead scheduling) resolves to the token the worker sampled at its previous
+    """PENDING_TOKEN (async scheduling) resolves to the token the worker sampled at its previous
     step: the next step then runs exactly as if the engine had sent that token's id."""
     from pagedray.workers.contract.wire import PENDING_TOKEN, RunningDelta
 

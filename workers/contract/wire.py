@@ -18,7 +18,7 @@ in the cache), ``block_ids`` and the sampling params.
 - ``RunningDelta``: a sequence the workers already mirror. ``new_token_id`` is the token sampled at
   the previous step (append it to the mirror first), or None while the sequence is still in prefill.
   ``PENDING_TOKEN`` (-1) stands for the token that the immediately preceding plan sampled for this
-  sequence, which the engine does not know yet (run-ahead scheduling, TP=1): the sampling rank
+  sequence, which the engine does not know yet (async scheduling, TP=1): the sampling rank
   appends the token it drew itself.
   ``new_block_ids`` extend the block table.
 - In both, ``num_scheduled_tokens`` tokens are computed this step, starting at

@@ -1,7 +1,7 @@
-"""Run-ahead scheduling (``async_scheduling``): the engine schedules and submits step N+1 before it
+"""Async scheduling (``async_scheduling``): the engine schedules and submits step N+1 before it
 waits for step N. Over the FakeExecutor double (tokens known exactly: (last + 1) % 512) every scenario
 must stream exactly what the synchronous engine streams, leave no block or mirror behind, and really
-run ahead (plans carry PENDING_TOKEN, one step stays queued). The real models are checked against
+schedule ahead (plans carry PENDING_TOKEN, one step stays queued). The real models are checked against
 transformers in test_llm_local.py (both modes) and over Ray in test_ray_executor.py."""
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import PENDING_TOKEN
 
 
-def _config(path, run_ahead, num_blocks=64, budget=32, caching=True, max_rank_restarts=0):
+def _config(path, async_scheduling, num_blocks=64, budget=32, caching=True, max_rank_restarts=0):
     return EngineConfig(model=ModelConfig(model=path, dtype="float32"),
                         cache=CacheConfig(block_size=8, num_blocks=num_blocks, watermark=0.0,
                                           enable_prefix_caching=caching),
                         parallel=ParallelConfig(max_rank_restarts=max_rank_restarts),
                         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6,
-                                                  async_scheduling=run_ahead))
+                                                  async_scheduling=async_scheduling))
 
 
 def _run(engine, requests, abort_at=None):
@@ -68,23 +68,23 @@ def _requests():
 
 def _both(path, requests, **config):
     results = {}
-    for run_ahead in (False, True):
+    for async_scheduling in (False, True):
         executor = FakeExecutor(config.get("num_blocks", 64))
-        engine = Engine(_config(path, run_ahead, **config), executor=executor)
-        results[run_ahead] = _run(engine, requests)[0], engine, executor
+        engine = Engine(_config(path, async_scheduling, **config), executor=executor)
+        results[async_scheduling] = _run(engine, requests)[0], engine, executor
     return results
 
 
 @pytest.mark.parametrize("config", [{}, {"num_blocks": 9}, {"budget": 8}, {"caching": False}],
                          ids=["plenty", "preempting", "small-budget", "no-prefix-cache"])
-def test_run_ahead_streams_what_the_synchronous_engine_streams(tiny_llama_path, config):
+def test_async_scheduling_streams_what_the_synchronous_engine_streams(tiny_llama_path, config):
     results = _both(tiny_llama_path, _requests(), **config)
     (sync, _, _), (ahead, engine, executor) = results[False], results[True]
     assert ahead == sync
     assert sync["c"]["tokens"][0][-1] == 56 and sync["c"]["finish"] == {0: "stop"}
     assert sync["d"]["tokens"] == {i: [64, 65, 66, 67, 68] for i in range(3)}
     pending = sum(delta.new_token_id == PENDING_TOKEN for plan in executor.plans for delta in plan.running)
-    assert pending > 0                                   # it did run ahead
+    assert pending > 0                                   # it did schedule ahead
     bm = engine.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks and executor.mirror == {}
@@ -141,9 +141,9 @@ def test_recovery_from_a_rank_failure_finishes_as_an_undisturbed_run(tiny_llama_
     assert engine.block_manager.num_free_blocks == 64
 
 
-def test_async_engine_streams_match_with_run_ahead(tiny_llama_path):
-    async def stream_all(run_ahead):
-        engine = AsyncEngine(_config(tiny_llama_path, run_ahead), executor=FakeExecutor(64))
+def test_async_engine_streams_match_with_async_scheduling(tiny_llama_path):
+    async def stream_all(async_scheduling):
+        engine = AsyncEngine(_config(tiny_llama_path, async_scheduling), executor=FakeExecutor(64))
 
         async def consume(request_id, prompt, params):
             return [t async for out in engine.generate(request_id, prompt, params)
@@ -156,7 +156,7 @@ def test_async_engine_streams_match_with_run_ahead(tiny_llama_path):
     assert asyncio.run(stream_all(True)) == asyncio.run(stream_all(False))
 
 
-def test_run_ahead_needs_one_tp_rank(tiny_llama_path):
+def test_async_scheduling_needs_one_tp_rank(tiny_llama_path):
     with pytest.raises(ValueError, match="async_scheduling: needs tensor_parallel_size 1"):
         EngineConfig(model=ModelConfig(model=tiny_llama_path), parallel=ParallelConfig(tensor_parallel_size=2),
                      scheduler=SchedulerConfig(async_scheduling=True))
