@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from jinja2.exceptions import TemplateError
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from pydantic import ValidationError
 
 from .errors import bad_request, to_api_error
@@ -217,6 +217,8 @@ class OpenAIService:
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                  tokenize=False, **kwargs)
+        except TemplateSyntaxError:
+            raise                             # the model's template is broken: a server fault, not the request's
         except TemplateError as exc:
             raise bad_request(f"messages: the chat template refused the request: {exc}", param="messages") from None
         check_prompt_chars(len(text), self.limits, "messages")

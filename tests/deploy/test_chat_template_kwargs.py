@@ -97,3 +97,10 @@ def test_continue_final_message_misuse_is_a_400(tokenizer, body, message):
     assert response.status_code == 400 and engine.calls == []
     assert response.json()["error"]["message"].startswith(message)
     assert response.json()["error"]["param"] == "continue_final_message"
+
+
+def test_a_broken_model_template_is_a_server_error_not_the_requests(tokenizer):
+    client, engine, _ = _client(tokenizer, "{% for m in messages %}{{ m['content'] }")
+    response = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+    assert response.status_code == 500 and engine.calls == []
+    assert response.json()["error"]["type"] == "internal_error"
