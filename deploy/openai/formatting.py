@@ -20,10 +20,12 @@ from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    CompletionTokensDetails,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
+from .reasoning import ReasoningTracker
 from .streaming import ChoiceDelta
 from .token_bytes import TokenBytes
 from .tools import ToolPlan, parse_tool_calls
@@ -141,9 +143,12 @@ class ChoiceAccumulator:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    reasoning: ReasoningTracker | None = None   # chat with a reasoning parser: splits the text as it comes
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
+        if self.reasoning is not None:
+            self.reasoning.feed(delta.text, len(delta.token_ids), delta.finish_reason is not None)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.logprobs is not None:
@@ -156,10 +161,14 @@ class ChoiceAccumulator:
         return self.prefix + "".join(self.text)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> UsageInfo:
+    """``reasoning_tokens``: set (also 0) on chat with a reasoning parser, None elsewhere."""
+    details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                     completion_tokens_details=details)
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[ChoiceAccumulator],
@@ -216,13 +225,28 @@ def _tool_message(text: str, tools: ToolPlan | None,
 
 def chat_response(rid: str, created: int, model: str, choices: list[ChoiceAccumulator], fmt: LogprobFormatter,
                   use: UsageInfo, want_logprobs: bool, tools: ToolPlan | None = None) -> dict:
-    """The response as a JSON dict."""
-    out = []
+    """The response as a JSON dict; with a reasoning parser each message also has ``reasoning_content``
+    and tool calls are parsed from the content alone."""
+    out, reasoning = [], []
     for index, acc in enumerate(choices):
-        message, finish_reason = _tool_message(acc.full_text, tools, acc.finish_reason)
+        text, thought = acc.full_text, None
+        if acc.reasoning is not None:
+            split = acc.reasoning.message()
+            text, thought = split.content, split.reasoning
+        if text is None:
+            message, finish_reason = ChatResponseMessage(content=None), acc.finish_reason
+        else:
+            message, finish_reason = _tool_message(text, tools, acc.finish_reason)
         out.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
                               logprobs=fmt.chat(acc.logprobs or []) if want_logprobs else None))
-    return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=use).model_dump()
+        reasoning.append((acc.reasoning is not None, thought))
+    body = ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=use).model_dump()
+    for choice, (parsed, thought) in zip(body["choices"], reasoning):
+        if parsed:
+            choice["message"]["reasoning_content"] = thought
+        else:
+            del choice["message"]["reasoning_content"]
+    return body
 
 
 def tool_chunks(rid: str, created: int, model: str, index: int, text: str, tools: ToolPlan,

@@ -141,11 +141,25 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0   # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0   # completion tokens of the reasoning block (chat with a reasoning parser)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None   # set on chat with a reasoning parser
+
+    @model_serializer(mode="wrap")
+    def _without_unset_details(self, handler):
+        """``completion_tokens_details`` is left out when it is None (responses without a reasoning parser
+        keep their usage shape)."""
+        data = handler(self)
+        if data.get("completion_tokens_details", 0) is None:
+            del data["completion_tokens_details"]
+        return data
 
 
 class CompletionLogprobs(BaseModel):
@@ -209,6 +223,8 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[dict] | None = None
+    # with a reasoning parser (reasoning.py): the thinking; the key is left out of responses without one
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -231,6 +247,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

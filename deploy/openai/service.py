@@ -69,6 +69,7 @@ from .protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from .reasoning import ReasoningTracker, resolve_reasoning_parser
 from .streaming import EngineClient, PrefetchedStream, RequestTimer, merge_streams, stream_choices
 from .structured_output import GrammarChecker
 from .tools import ToolPlan, template_knows_tools, with_tools_prompt
@@ -179,7 +180,10 @@ BIG_RESPONSE_ENTRIES = 4096
 
 
 class OpenAIService:
-    def __init__(self, engine: EngineClient, tokenizer, limits: ModelLimits, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: EngineClient, tokenizer, limits: ModelLimits, metrics: ServerMetrics,
+                 reasoning_parser: str = "auto") -> None:
+        """``reasoning_parser``: ``auto``, ``think`` or ``none`` (reasoning.py); ValueError naming it."""
+        self.reasoning = resolve_reasoning_parser(reasoning_parser, getattr(tokenizer, "chat_template", None))
         self._lanes = PrepareLanes(tokenizer)
         self.engine = engine
         self.tokenizer = tokenizer
@@ -201,8 +205,8 @@ class OpenAIService:
         return self._tok.decode(token_ids, skip_special_tokens=False)
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                     tools: ToolPlan | None = None, template_kwargs: dict | None = None) -> list[int]:
-        """The chat template's prompt, tokenized; a rendered text too long for the context is refused
+                     tools: ToolPlan | None = None, template_kwargs: dict | None = None) -> tuple[list[int], str]:
+        """The chat template's prompt, tokenized, and its text; a rendered text too long for the context is refused
         before tokenizing. ``template_kwargs``: the checked extra arguments (``template_options``).
         A template that refuses the conversation (its ``raise_exception``) is a 400 with its message."""
         tokenizer = self._tok
@@ -222,7 +226,7 @@ class OpenAIService:
         except TemplateError as exc:
             raise bad_request(f"messages: the chat template refused the request: {exc}", param="messages") from None
         check_prompt_chars(len(text), self.limits, "messages")
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False), text
 
     async def _admit(self, prefix: str, prepared: list[PreparedRequest]) -> _Run:
         rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -320,14 +324,16 @@ class OpenAIService:
         if isinstance(body, dict):
             check_chat_shape(body.get("messages"), self.limits)   # before parsing a huge list
         req = parse_body(ChatCompletionRequest, body)
-        return req, [prepare_chat(req, self.limits, self._render_chat, self.grammars.check)]
+        return req, [prepare_chat(req, self.limits, self._render_chat, self.grammars.check, self.reasoning)]
 
     async def chat(self, body: dict) -> dict:
         req, run = await self._open("chat", "chatcmpl", self._prepare_chat, body)
-        accs = [ChoiceAccumulator() for _ in range(run.n)]
+        start = run.prepared[0].reasoning
+        accs = [ChoiceAccumulator(reasoning=None if start is None else ReasoningTracker(start)) for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             accs[index].add(delta)
-        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
+        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens,
+                    None if start is None else sum(acc.reasoning.tokens for acc in accs))
         weight = sum(prompt_logprob_weight(a.logprobs, run.prepared[0].params.logprobs) for a in accs)
         return await off_loop_if(weight > BIG_RESPONSE_ENTRIES, functools.partial(
             chat_response, run.rid, run.created, self.limits.served_name, accs, self.logprob_format, use,
@@ -341,22 +347,32 @@ class OpenAIService:
         model, rid, created = self.limits.served_name, run.rid, run.created
         for index in range(run.n):
             yield chat_chunk(rid, created, model, index, {"role": "assistant", "content": ""})
-        tools = run.prepared[0].tools
-        held = [[] for _ in range(run.n)]   # with tools: each choice's text, sent when it finishes
+        tools, start = run.prepared[0].tools, run.prepared[0].reasoning
+        trackers = [None if start is None else ReasoningTracker(start) for _ in range(run.n)]
+        held = [[] for _ in range(run.n)]   # with tools: each choice's content, sent when it finishes
         async for index, delta in self._deltas(run):
             logprobs = self.logprob_format.chat(delta.logprobs or []) if req.logprobs else None
+            reasoning, content = "", delta.text
+            if trackers[index] is not None:
+                reasoning, content = trackers[index].feed(delta.text, len(delta.token_ids),
+                                                          delta.finish_reason is not None)
             if tools is not None:
-                held[index].append(delta.text)
+                held[index].append(content)
+                if reasoning:
+                    yield chat_chunk(rid, created, model, index, {"reasoning_content": reasoning})
                 if delta.finish_reason is not None:
                     for chunk in tool_chunks(rid, created, model, index, "".join(held[index]), tools,
                                              delta.finish_reason):
                         yield chunk
                 continue
-            if delta.text or delta.finish_reason or (logprobs and logprobs.content):
-                content = {"content": delta.text} if delta.text else {}
-                yield chat_chunk(rid, created, model, index, content, logprobs, delta.finish_reason)
+            if reasoning or content or delta.finish_reason or (logprobs and logprobs.content):
+                fields = {"reasoning_content": reasoning} if reasoning else {}
+                if content:
+                    fields["content"] = content
+                yield chat_chunk(rid, created, model, index, fields, logprobs, delta.finish_reason)
         if req.stream_options is not None and req.stream_options.include_usage:
-            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
+            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens,
+                        None if start is None else sum(t.tokens for t in trackers))
             yield usage_chunk_chat(rid, created, model, use).model_dump()
 
     # ------------------------------------------------------------------ tokenizer endpoints
@@ -370,7 +386,7 @@ class OpenAIService:
             check_prompt_chars(sum(len(m["content"]) for m in messages), self.limits, "messages")
             options = template_options(chat.chat_template_kwargs, chat.continue_final_message,
                                        chat.add_generation_prompt, messages)
-            token_ids = self._render_chat(messages, chat.add_generation_prompt, None, options)
+            token_ids, _ = self._render_chat(messages, chat.add_generation_prompt, None, options)
             with_strs = chat.return_token_strs
         else:
             req = parse_body(TokenizeCompletionRequest, body)

@@ -16,6 +16,7 @@ from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingPara
 
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .reasoning import ReasoningStart, ThinkTags, grammar_after_reasoning
 from .structured_output import requested_grammar
 from .tools import ToolPlan, calls_as_text, plan_tools, tool_grammar
 
@@ -53,6 +54,8 @@ class PreparedRequest:
     echo_text: str | None = None
     # chat with tools: how the output becomes tool_calls (tools.py); None without tools
     tools: ToolPlan | None = None
+    # chat with a reasoning parser: the tags and whether the prompt left a block open (reasoning.py)
+    reasoning: ReasoningStart | None = None
 
 
 def check_model(name: str | None, limits: ModelLimits) -> None:
@@ -182,10 +185,9 @@ def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tu
     return tuple(pairs)
 
 
-def grammar_of(req: SamplingFields, check_grammar: Callable[[str, str], None] | None,
-               tools: ToolPlan | None = None) -> str | None:
-    """The request's llguidance grammar (response_format / structured_outputs, or a required / named
-    tool choice), checked; None without."""
+def requested_chat_grammar(req: SamplingFields, tools: ToolPlan | None = None) -> tuple[str, str] | None:
+    """(field, llguidance grammar) the request asks for (response_format / structured_outputs, or a required /
+    named tool choice), not yet compiled; None without."""
     requested = requested_grammar(req.model_extra or {})
     if tools is not None and tools.choice in ("required", "named"):
         if requested is not None:
@@ -194,15 +196,24 @@ def grammar_of(req: SamplingFields, check_grammar: Callable[[str, str], None] | 
         requested = ("tool_choice", tool_grammar(tools))
     if requested is None:
         return None
-    field, grammar = requested
+    field = requested[0]
     if req.ignore_eos:
         raise bad_request(f"ignore_eos: cannot be combined with {field} (a finished grammar allows only EOS)",
                           param="ignore_eos")
     if req.min_tokens:
         raise bad_request(f"min_tokens: cannot be combined with {field} (min_tokens bans EOS)", param="min_tokens")
+    return requested
+
+
+def grammar_of(req: SamplingFields, check_grammar: Callable[[str, str], None] | None,
+               tools: ToolPlan | None = None) -> str | None:
+    """The request's llguidance grammar (``requested_chat_grammar``), checked; None without."""
+    requested = requested_chat_grammar(req, tools)
+    if requested is None:
+        return None
     if check_grammar is not None:
-        check_grammar(field, grammar)
-    return grammar
+        check_grammar(*requested)
+    return requested[1]
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
@@ -372,9 +383,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
-                 render: Callable[[list[dict], bool, ToolPlan | None, dict], list[int]],
-                 check_grammar: Callable[[str, str], None] | None = None) -> PreparedRequest:
-    """Validate a /v1/chat/completions request; ``render`` applies the chat template and tokenizes."""
+                 render: Callable[[list[dict], bool, ToolPlan | None, dict], tuple[list[int], str]],
+                 check_grammar: Callable[[str, str], None] | None = None,
+                 reasoning: ThinkTags | None = None) -> PreparedRequest:
+    """Validate a /v1/chat/completions request; ``render`` applies the chat template and returns the prompt's
+    token ids and text; ``reasoning``: the reasoning parser's tags (None: no parsing, reasoning.py)."""
     check_model(req.model, limits)
     check_fields(req)
     logprobs = chat_logprobs(req)
@@ -382,20 +395,28 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
     extra = req.model_extra or {}
     tools = plan_tools(req.tools, extra.get("tool_choice"), extra.get("parallel_tool_calls"))
-    grammar = grammar_of(req, check_grammar, tools)
+    requested = requested_chat_grammar(req, tools)
     messages = chat_messages(req)
     check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
     options = template_options(req.chat_template_kwargs, req.continue_final_message, req.add_generation_prompt,
                                messages)
-    token_ids = render(messages, req.add_generation_prompt, tools, options)
+    token_ids, prompt_text = render(messages, req.add_generation_prompt, tools, options)
     if not token_ids:
         raise bad_request("messages: the chat template produced an empty prompt", param="messages")
     if len(token_ids) >= limits.max_model_len:
         raise bad_request(f"messages: the prompt has {len(token_ids)} tokens, the maximum context length "
                           f"is {limits.max_model_len}", param="messages")
+    start = None if reasoning is None else ReasoningStart(reasoning, reasoning.prompt_opens(prompt_text))
+    grammar = None
+    if requested is not None:
+        field, grammar = requested
+        if start is not None:   # the grammar constrains the answer after the reasoning block
+            grammar = grammar_after_reasoning(grammar, start)
+        if check_grammar is not None:
+            check_grammar(field, grammar)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = _check_max_tokens(requested, len(token_ids), limits, param,
+    requested_max = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _check_max_tokens(requested_max, len(token_ids), limits, param,
                                    limits.max_model_len - len(token_ids))
     return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size, grammar), stops,
-                           tools=tools)
+                           tools=tools, reasoning=start)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ValidationError
 from ray.serve import Application
 
+from ..openai.reasoning import PARSER_ALIASES, REASONING_PARSERS
 from ..routing.router import PREFIX_SUMMARY_BLOCKS
 from .engine_deployment import SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
 from .ingress import OpenAIIngress
@@ -38,6 +39,9 @@ def parse_args(args: dict | None) -> BaseModel:
         raise ValueError(f"graceful_shutdown_s: must be in (0, 3600] seconds, got {parsed.graceful_shutdown_s}")
     if parsed.request_router not in ROUTERS:
         raise ValueError(f"request_router: must be one of {sorted(ROUTERS)}, got {parsed.request_router!r}")
+    if PARSER_ALIASES.get(parsed.reasoning_parser, parsed.reasoning_parser) not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS + tuple(PARSER_ALIASES))}, "
+                         f"got {parsed.reasoning_parser!r}")
     if parsed.router_max_imbalance < 0:
         raise ValueError(f"router_max_imbalance: must be >= 0, got {parsed.router_max_imbalance}")
     if parsed.engine_in_ingress is True and parsed.request_router == "cache_aware":
@@ -116,7 +120,7 @@ def build_app(args: dict | None = None) -> Application:
         max_ongoing_requests=in_flight,
     )
     ingress_args = dict(model=parsed.model, served_model_name=parsed.served_model_name, api_key=parsed.api_key,
-                        max_body_bytes=parsed.max_body_bytes)
+                        max_body_bytes=parsed.max_body_bytes, reasoning_parser=parsed.reasoning_parser)
     if engine_in_ingress(parsed, most_replicas):
         return OpenAIIngress.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
             config, **ingress_args)

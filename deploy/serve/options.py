@@ -67,6 +67,8 @@ SERVE_OPTIONS = (
     Option("router_max_imbalance", "cache_aware routing: requests in flight above the least-loaded replica "
            "that a replica holding the prompt's prefix may have and still be chosen", kind=int,
            default=DEFAULT_MAX_IMBALANCE),
+    Option("reasoning_parser", "chat: split <think>...</think> into reasoning_content: 'auto' (when the chat "
+           "template has both tags), 'think' (also 'qwen3', 'deepseek_r1') or 'none'", kind=str, default="auto"),
     Option("autoscaling_config", "Serve's autoscaling of the engine replicas (min_replicas, max_replicas, "
            "target_ongoing_requests, upscale_delay_s, ...; replaces num_replicas)", kind=dict, optional=True),
 )

@@ -1,0 +1,212 @@
+"""Reasoning ("thinking") output on chat: the text between ``<think>`` and ``</think>`` becomes the
+message's ``reasoning_content``, the text after it ``content`` (vLLM's ``--reasoning-parser`` for the
+Qwen3 and DeepSeek-R1 formats).
+
+The contract:
+
+- Parser: the ``reasoning_parser`` option. ``auto`` (the default) is ``think`` when the chat template's
+  source holds both tags (Qwen3, DeepSeek-R1 and their distills), else ``none``; ``think`` forces it
+  (``qwen3`` and ``deepseek_r1`` are accepted as its names); ``none`` leaves the output untouched.
+- Where a choice starts: inside the reasoning when the rendered prompt ends in an open block (its last
+  ``<think>`` comes after its last ``</think>``: DeepSeek-R1 and Qwen3 thinking-2507 templates put
+  ``<think>\\n`` in the generation prompt), else in content, where a ``<think>`` that opens the output
+  (after whitespace) starts the reasoning (Qwen3). A Qwen3 prompt rendered with
+  ``chat_template_kwargs: {"enable_thinking": false}`` ends in the closed empty block, so its output is
+  content.
+- The split: reasoning = the text after the opening tag up to the closing tag; content = the text after
+  the closing tag. The tags are dropped, and so is the whitespace right after each tag and right before
+  the closing one (templates write ``<think>\\n ... \\n</think>\\n\\n``). Only the first block counts: a
+  later ``<think>`` is content. A choice that never enters a block is content byte for byte, as without a
+  parser. A choice that ends inside the block (``max_tokens``) has reasoning and ``content`` null.
+- Streaming: ``ReasoningSplitter`` consumes the text deltas and holds back only what may still turn out
+  to be (part of) a tag or whitespace to drop, so a tag is found when it spans tokens; the non-streamed
+  message is the same splitter fed the whole text, so the concatenated streamed pieces equal it.
+- Reasoning tokens (``usage.completion_tokens_details.reasoning_tokens``): the tokens of the deltas that
+  reached the splitter while it was in, or took it into, the reasoning (the tags' tokens included).
+- Grammars (``response_format``, ``structured_outputs``, a required or named tool choice) constrain the
+  answer, not the thinking: a choice that may reason gets its grammar wrapped (``grammar_after_reasoning``:
+  any text up to the closing tag, optional whitespace, then the request's grammar).
+- Tool calls are parsed from the content only (a call written while thinking is reasoning text).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("auto", "think", "none")
+PARSER_ALIASES = {"qwen3": "think", "deepseek_r1": "think"}
+ANSWER_GRAMMAR = "pagedray_answer"   # the request's own grammar, referenced from the wrapper
+
+
+@dataclass(frozen=True)
+class ThinkTags:
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def prompt_opens(self, prompt: str) -> bool:
+        """True when ``prompt`` ends inside an open block (its last start tag after its last end tag)."""
+        return prompt.rfind(self.start) > prompt.rfind(self.end)
+
+
+def resolve_reasoning_parser(name: str, chat_template: str | None) -> ThinkTags | None:
+    """The tags for option value ``name`` (``auto`` looks at the template source); None: no parsing."""
+    name = PARSER_ALIASES.get(name, name)
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: {name!r} is not one of {', '.join(REASONING_PARSERS)} "
+                         f"(or {', '.join(PARSER_ALIASES)})")
+    tags = ThinkTags()
+    if name == "auto":
+        source = chat_template or ""
+        return tags if tags.start in source and tags.end in source else None
+    return tags if name == "think" else None
+
+
+@dataclass(frozen=True)
+class ReasoningStart:
+    """One chat request's reasoning setup: the tags, and whether its prompt left a block open."""
+
+    tags: ThinkTags
+    opened: bool
+
+
+_BEFORE, _REASONING, _CONTENT = "before", "reasoning", "content"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningSplitter:
+    """One choice's text -> (reasoning, content) pieces, incrementally (module docstring)."""
+
+    def __init__(self, start: ReasoningStart) -> None:
+        self._tags = start.tags
+        self._state = _REASONING if start.opened else _BEFORE
+        self.entered = start.opened          # the choice has (had) a reasoning block
+        self._held = ""
+        self._trim = start.opened            # drop whitespace at the start of the current section
+        self.touched = False                 # was in the reasoning during a feed (reset by the caller)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._held += text
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held, at the end of the choice."""
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> tuple[str, str]:
+        reasoning, content = [], []
+        while True:
+            if self._state == _BEFORE:
+                stripped = self._held.lstrip()
+                if stripped.startswith(self._tags.start):
+                    self._held = stripped[len(self._tags.start):]
+                    self._state, self.entered, self._trim = _REASONING, True, True
+                    continue
+                if self._tags.start.startswith(stripped) and not final:
+                    break                        # whitespace or a tag's beginning: not decided yet
+                self._state = _CONTENT
+                continue
+            self.touched |= self._state == _REASONING
+            if self._trim:
+                self._held = self._held.lstrip()
+                if not self._held:
+                    break
+                self._trim = False
+            if self._state == _CONTENT:
+                content.append(self._held)
+                self._held = ""
+                break
+            end = self._held.find(self._tags.end)
+            if end >= 0:
+                reasoning.append(self._held[:end].rstrip())
+                self._held = self._held[end + len(self._tags.end):]
+                self._state, self._trim = _CONTENT, True
+                continue
+            if final:
+                reasoning.append(self._held.rstrip())
+                self._held = ""
+                break
+            keep = _partial_suffix(self._held, self._tags.end)
+            sure = self._held[:len(self._held) - keep]
+            body = sure.rstrip()                 # trailing whitespace waits: it may precede the end tag
+            reasoning.append(body)
+            self._held = self._held[len(body):]
+            break
+        return "".join(reasoning), "".join(content)
+
+
+@dataclass
+class SplitMessage:
+    """A whole choice's text split (the non-streamed message)."""
+
+    reasoning: str | None
+    content: str | None
+
+
+class ReasoningTracker:
+    """One choice's splitter and its reasoning-token count (module docstring), fed per engine delta."""
+
+    def __init__(self, start: ReasoningStart) -> None:
+        self.splitter = ReasoningSplitter(start)
+        self.tokens = 0
+        self._undecided = 0          # tokens seen before the choice's first text decided the state
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+
+    def feed(self, text: str, num_tokens: int, last: bool) -> tuple[str, str]:
+        """(reasoning, content) pieces this delta releases; ``last``: the choice's final delta."""
+        self.splitter.touched = False
+        reasoning, content = self.splitter.feed(text)
+        if last:
+            more_reasoning, more_content = self.splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.splitter.touched:
+            self.tokens += self._undecided + num_tokens
+            self._undecided = 0
+        elif self.splitter.entered:
+            self._undecided = 0
+        else:
+            self._undecided += num_tokens
+        self.reasoning.append(reasoning)
+        self.content.append(content)
+        return reasoning, content
+
+    def message(self) -> SplitMessage:
+        """The whole choice (everything fed so far, ``last`` given): None for an empty part, and content
+        None beside reasoning only when the choice entered a block."""
+        reasoning, content = "".join(self.reasoning), "".join(self.content)
+        if not self.splitter.entered:
+            return SplitMessage(None, content)
+        return SplitMessage(reasoning or None, content or None)
+
+
+def split_text(text: str, start: ReasoningStart) -> SplitMessage:
+    """A whole choice's text split in one go (the same splitter as the streams)."""
+    tracker = ReasoningTracker(start)
+    tracker.feed(text, 0, last=True)
+    return tracker.message()
+
+
+def grammar_after_reasoning(grammar: str, start: ReasoningStart) -> str:
+    """``grammar`` (llguidance's JSON form) allowing a reasoning block before it: from an open block,
+    any text up to the end tag; otherwise an optional block that opens the output; then optional
+    whitespace and the original grammar (referenced as a named sub-grammar)."""
+    top = json.loads(grammar)               # built by this server (structured_output.py, tools.py)
+    grammars = top["grammars"]
+    answer = {**grammars[0], "name": ANSWER_GRAMMAR}
+    end = re.escape(start.tags.end).replace("/", "\\/")
+    think = f"think[lazy]: /(?s:.*){end}/"
+    if start.opened:
+        rules = f"start: think WS? @{ANSWER_GRAMMAR}"
+    else:
+        rules = f"start: (OPEN think WS?)? @{ANSWER_GRAMMAR}\nOPEN: {json.dumps(start.tags.start)}"
+    lark = f"{rules}\nWS: /[ \\t\\r\\n]+/\n{think}"
+    return json.dumps({**top, "grammars": [{"lark_grammar": lark}, answer, *grammars[1:]]})
