@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from pagedray.deploy.cli.main import LOCAL_RAY_ENV  # noqa: E402
+from pagedray.deploy.cli.ray_env import LOCAL_RAY_ENV  # noqa: E402
 
 # every Ray this session starts (the shared one, the e2e clusters, subprocesses) gets the CLI's
 # environment: Serve's proxy checks that survive a loaded machine, workers at normal priority

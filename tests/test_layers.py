@@ -4,6 +4,8 @@ statement counts, also those inside functions; relative imports are resolved."""
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -130,3 +132,18 @@ def test_the_room_checks_see_ray_and_cross_room_imports():
         [(1, "import ray.serve"), (2, "from ray"), (4, "ray.init()")]
     assert pagedray_imports("from ..serve.options import OPTIONS\n", ["deploy", "http"]) == \
         [(1, ["deploy", "serve", "options"])]
+
+
+# the GPU image (docs/gpu.md, benchmarks/gpu_check.sh) has torch, triton and transformers but no Ray and no
+# HTTP stack: its -m gpu tests must collect there
+GPU_IMAGE_LACKS = ("ray", "uvicorn", "fastapi", "starlette", "httpx")
+
+
+def test_the_gpu_tests_collect_without_ray_or_the_http_stack():
+    blocked = "; ".join(f"sys.modules[{name!r}] = None" for name in GPU_IMAGE_LACKS)
+    script = (f"import sys; {blocked}; import pytest; "
+              "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', '-m', 'gpu', "
+              "'tests/kernels', 'tests/workers/test_worker_gpu.py']))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " tests collected" in done.stdout or "selected" in done.stdout, done.stdout[-2000:]

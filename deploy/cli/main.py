@@ -31,6 +31,7 @@ import time
 
 from ..serve.loopback import LOOPBACK_NODE_IP, LOOPBACK_RAY_ENV
 from ..serve.options import OPTIONS, cli_type, engine_options, llm_kwargs
+from .ray_env import LOCAL_RAY_ENV
 from .shutdown import stop_on_signals, stop_serving
 from .startup import (
     OptionError,
@@ -44,13 +45,6 @@ from .startup import (
 )
 
 APP_NAME = "pagedray"
-# environment of a Ray started here (values already set win): Serve's proxy gets 60 s for its checks,
-# and Ray's worker processes (the model ranks, the replicas) run at normal priority
-LOCAL_RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
-                 "RAY_worker_niceness": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-                 "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "RAY_SERVE_PORT_QUARANTINE_S": "0",
-                 "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
-                 "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
 def json_object(text: str) -> dict:
