@@ -249,21 +249,6 @@ def chat_response(rid: str, created: int, model: str, choices: list[ChoiceAccumu
     return body
 
 
-def tool_chunks(rid: str, created: int, model: str, index: int, text: str, tools: ToolPlan,
-                finish_reason: str) -> list[dict]:
-    """A finished choice of a tools request as chunks: its content, its calls (one delta entry each, with
-    ``index``), then the finish reason."""
-    message, finish_reason = _tool_message(text, tools, finish_reason)
-    chunks = []
-    if message.content:
-        chunks.append(chat_chunk(rid, created, model, index, {"content": message.content}))
-    if message.tool_calls:
-        calls = [{"index": i, **call} for i, call in enumerate(message.tool_calls)]
-        chunks.append(chat_chunk(rid, created, model, index, {"tool_calls": calls}))
-    chunks.append(chat_chunk(rid, created, model, index, {}, finish_reason=finish_reason))
-    return chunks
-
-
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
                logprobs: ChatLogprobs | None = None, finish_reason: str | None = None) -> dict:
     """A chat chunk as a dict. ``delta``: the fields this chunk sets (``role``, ``content``,

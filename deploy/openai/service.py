@@ -51,7 +51,6 @@ from .formatting import (
     completion_chunk,
     completion_response,
     prompt_logprob_weight,
-    tool_chunks,
     usage,
     usage_chunk_chat,
     usage_chunk_completion,
@@ -72,7 +71,8 @@ from .protocol import (
 from .reasoning import ReasoningTracker, resolve_reasoning_parser
 from .streaming import EngineClient, PrefetchedStream, RequestTimer, merge_streams, stream_choices
 from .structured_output import GrammarChecker
-from .tools import ToolPlan, template_knows_tools, with_tools_prompt
+from .tool_parsers import ToolCallStream
+from .tools import ToolPlan, resolve_tool_call_parser, template_knows_tools, with_tools_prompt
 from .validation import (
     ModelLimits,
     PreparedRequest,
@@ -181,9 +181,11 @@ BIG_RESPONSE_ENTRIES = 4096
 
 class OpenAIService:
     def __init__(self, engine: EngineClient, tokenizer, limits: ModelLimits, metrics: ServerMetrics,
-                 reasoning_parser: str = "auto") -> None:
-        """``reasoning_parser``: ``auto``, ``think`` or ``none`` (reasoning.py); ValueError naming it."""
+                 reasoning_parser: str = "auto", tool_call_parser: str = "auto") -> None:
+        """``reasoning_parser``: ``auto``, ``think`` or ``none`` (reasoning.py); ``tool_call_parser``: ``auto``
+        or a format of tool_parsers.py (tools.py ``resolve_tool_call_parser``); ValueError naming either."""
         self.reasoning = resolve_reasoning_parser(reasoning_parser, getattr(tokenizer, "chat_template", None))
+        self.tool_parser = resolve_tool_call_parser(tool_call_parser, tokenizer)
         self._lanes = PrepareLanes(tokenizer)
         self.engine = engine
         self.tokenizer = tokenizer
@@ -324,7 +326,8 @@ class OpenAIService:
         if isinstance(body, dict):
             check_chat_shape(body.get("messages"), self.limits)   # before parsing a huge list
         req = parse_body(ChatCompletionRequest, body)
-        return req, [prepare_chat(req, self.limits, self._render_chat, self.grammars.check, self.reasoning)]
+        return req, [prepare_chat(req, self.limits, self._render_chat, self.grammars.check, self.reasoning,
+                                  self.tool_parser)]
 
     async def chat(self, body: dict) -> dict:
         req, run = await self._open("chat", "chatcmpl", self._prepare_chat, body)
@@ -349,23 +352,24 @@ class OpenAIService:
             yield chat_chunk(rid, created, model, index, {"role": "assistant", "content": ""})
         tools, start = run.prepared[0].tools, run.prepared[0].reasoning
         trackers = [None if start is None else ReasoningTracker(start) for _ in range(run.n)]
-        held = [[] for _ in range(run.n)]   # with tools: each choice's content, sent when it finishes
+        calls = [None if tools is None else ToolCallStream(tools, tools.parser) for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             logprobs = self.logprob_format.chat(delta.logprobs or []) if req.logprobs else None
+            finished = delta.finish_reason is not None
             reasoning, content = "", delta.text
             if trackers[index] is not None:
-                reasoning, content = trackers[index].feed(delta.text, len(delta.token_ids),
-                                                          delta.finish_reason is not None)
-            if tools is not None:
-                held[index].append(content)
+                reasoning, content = trackers[index].feed(delta.text, len(delta.token_ids), finished)
+            if calls[index] is not None:   # tool calls: content and calls as the parser releases them
                 if reasoning:
                     yield chat_chunk(rid, created, model, index, {"reasoning_content": reasoning})
-                if delta.finish_reason is not None:
-                    for chunk in tool_chunks(rid, created, model, index, "".join(held[index]), tools,
-                                             delta.finish_reason):
-                        yield chunk
+                for fields in calls[index].feed(content) + (calls[index].finish() if finished else []):
+                    yield chat_chunk(rid, created, model, index, fields)
+                if finished:
+                    reason = "tool_calls" if calls[index].made_calls and delta.finish_reason == "stop" \
+                        else delta.finish_reason
+                    yield chat_chunk(rid, created, model, index, {}, finish_reason=reason)
                 continue
-            if reasoning or content or delta.finish_reason or (logprobs and logprobs.content):
+            if reasoning or content or finished or (logprobs and logprobs.content):
                 fields = {"reasoning_content": reasoning} if reasoning else {}
                 if content:
                     fields["content"] = content

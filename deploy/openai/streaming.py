@@ -77,8 +77,9 @@ class RequestTimer:
 
 
 class _ChoiceState:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...], min_tokens: int = 0) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...], min_tokens: int = 0,
+                 skip_special_tokens: bool = True) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.matcher = StopStringMatcher(stop)
         self.finished = False
         self.sent_prompt_logprobs = False
@@ -108,9 +109,11 @@ async def stream_choices(engine: EngineClient, request_id: str, prepared: Prepar
                          timer: RequestTimer) -> AsyncIterator[list[ChoiceDelta]]:
     """Yield, per engine step, the deltas of the choices that advanced (see the module docstring)."""
     params = prepared.params
-    states = [_ChoiceState(tokenizer, prepared.prompt_token_ids, prepared.stop, params.min_tokens)
-              for _ in range(params.n)]
+    states = [_ChoiceState(tokenizer, prepared.prompt_token_ids, prepared.stop, params.min_tokens,
+                           not prepared.keep_special_tokens) for _ in range(params.n)]
     hidden_ids = frozenset(params.stop_token_ids)
+    if prepared.keep_special_tokens:   # the text keeps special tokens: not the EOS that ended the choice
+        hidden_ids |= frozenset(tokenizer.all_special_ids)
     timer.prompt_tokens += len(prepared.prompt_token_ids)
     prompt_logprobs, cached = None, 0
     async with aclosing(engine.generate(request_id, prepared.prompt_token_ids, params)) as outputs:

@@ -15,27 +15,30 @@
 - Every malformed ``tools``, ``tool_choice``, ``parallel_tool_calls`` (also with ``tool_choice: "none"``)
   and every malformed ``tool_calls`` entry of an earlier assistant turn (``{"id", "type": "function",
   "function": {"name": str, "arguments": str}}``) is a 400 naming the field, never a 500.
-- Parsing (``auto``): every ``<tool_call>...</tool_call>`` block holding a JSON object with a known
-  ``name`` and object ``arguments`` (or ``parameters``) becomes a call; without such blocks, an output
-  that is one such JSON object (Llama-3's form) is a call. The rest of the text is the message content
-  (``null`` when empty). Whatever does not parse as such a call (invalid JSON, NaN / Infinity, nesting
-  too deep for Python's JSON parser, a name that is not a known string, arguments that are not an
-  object) stays in the content: parsing model output never raises. Blocks are found with ``str.find``
-  (linear; a backtracking regex took minutes on a long run of whitespace after ``<tool_call>``).
-  ``required`` / named output that is not a list of such calls / an arguments object (cut short by
-  ``max_tokens``) is returned as content.
-- Calls get ids ``call_<24 hex>``; ``arguments`` is the JSON text of the arguments; the finish reason
-  becomes ``"tool_calls"`` when a choice that stopped made calls.
-- Streams of a tools request are not incremental: each choice's text is held until it finishes, then
-  sent as its content and/or one ``delta.tool_calls`` entry per call (the shape the OpenAI client's
-  stream accumulator merges), then the finish reason. Such streams carry no ``logprobs``.
+- Parsing (tool_parsers.py has the contract): each choice's text goes through a ``ToolCallStream`` of the
+  model's format (``hermes`` by default: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks, or an output that is Llama-3's ``{"name": ..., "parameters": {...}}``; also ``llama3_json``,
+  ``mistral`` and ``pythonic``; ``required`` / named output is the grammar's JSON). A call needs a known
+  ``name`` and arguments that are a JSON object (``parameters`` accepted for ``arguments``); its
+  ``arguments`` are the raw JSON text the model wrote, kept as written when they turn out malformed or cut
+  short (``max_tokens``). Text that is not such a call (invalid JSON, a name that is not a known string,
+  arguments that are not an object) stays in the content, stripped where it meets calls (``null`` when
+  empty); parsing model output never raises and is linear in the text. ``parallel_tool_calls: false``
+  keeps the first call and drops later ones.
+- Calls get ids ``call_<24 hex>``; the finish reason becomes ``"tool_calls"`` when a choice that stopped
+  made calls.
+- Streams of a tools request are incremental (service.py): each choice's text goes through its
+  ``ToolCallStream`` as it arrives, so content streams as it comes and a call as OpenAI streams it (a delta
+  with ``index``, ``id``, ``type`` and the name, then pieces of ``arguments``). Such streams carry no
+  ``logprobs``. The format is the ``tool_call_parser`` option (``resolve_tool_call_parser``); a format
+  whose marker is a special token (``keeps_special_tokens``) makes the detokenizer keep special tokens for
+  that request.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
 from .errors import bad_request
@@ -48,6 +51,7 @@ from .structured_output import (
     schema_grammar,
     strict_flag,
 )
+from .tool_parsers import TOOL_CALL_PARSERS, ToolCallStream, detect_tool_call_parser, merge_tool_deltas
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -63,6 +67,7 @@ class ToolPlan:
     choice: str                    # "auto" | "required" | "named"
     name: str | None = None        # the function of a named choice
     parallel: bool = True
+    parser: str = "hermes"         # the model's tool-call format (tool_parsers.py), set by the service
 
     @property
     def names(self) -> frozenset[str]:
@@ -193,6 +198,17 @@ def template_knows_tools(tokenizer) -> bool:
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
+def resolve_tool_call_parser(name: str, tokenizer) -> str:
+    """The ``tool_call_parser`` option: ``auto`` reads the format off a template that renders tools
+    (``detect_tool_call_parser``) and is ``hermes`` for one that does not (the system prompt written here
+    asks for Hermes blocks); else one of ``TOOL_CALL_PARSERS``. ValueError naming the option."""
+    if name == "auto":
+        return detect_tool_call_parser(tokenizer.chat_template) if template_knows_tools(tokenizer) else "hermes"
+    if name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser: {name!r} is not one of auto, {', '.join(TOOL_CALL_PARSERS)}")
+    return name
+
+
 def with_tools_prompt(messages: list[dict], plan: ToolPlan) -> list[dict]:
     """Messages for a template without tool support: the tool listing joins (or becomes) the system message."""
     prompt = tools_system_prompt(plan)
@@ -248,63 +264,9 @@ def calls_as_text(tool_calls: list) -> str:
     return "\n".join(blocks)
 
 
-def _call(name, arguments, plan: ToolPlan) -> dict | None:
-    """A response tool call, or None unless ``name`` is one of the plan's functions and ``arguments`` an object."""
-    if not isinstance(name, str) or name not in plan.names or not isinstance(arguments, dict):
-        return None
-    try:
-        text = json.dumps(arguments)
-    except (ValueError, RecursionError):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
-
-
-def _as_call(value, plan: ToolPlan) -> dict | None:
-    """A parsed ``{"name", "arguments"}`` (or ``"parameters"``) object as a call, or None."""
-    if not isinstance(value, dict):
-        return None
-    return _call(value.get("name"), value.get("arguments", value.get("parameters", {})), plan)
-
-
-def _blocks(text: str) -> list[tuple[int, int, str]]:
-    """(start, end, stripped inside) of each ``<tool_call>...</tool_call>`` block, in order. Linear."""
-    found, pos = [], 0
-    while (start := text.find(_OPEN, pos)) >= 0:
-        close = text.find(_CLOSE, start + len(_OPEN))
-        if close < 0:
-            break
-        pos = close + len(_CLOSE)
-        found.append((start, pos, text[start + len(_OPEN):close].strip()))
-    return found
-
-
-def _constrained(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
-    """(content, calls) of a required / named choice's output (content: the text when it is not calls)."""
-    value = _json(text)
-    if plan.choice == "named":
-        calls = [_call(plan.name, value, plan)]
-    else:
-        calls = [_as_call(item, plan) for item in value] if isinstance(value, list) and value else [None]
-    if any(call is None for call in calls):
-        return text or None, []        # cut short (max_tokens) or otherwise not calls: the text as it is
-    return None, calls if plan.parallel else calls[:1]
-
-
-def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of one choice's text (see the module docstring); never raises."""
-    if plan.choice in ("named", "required"):
-        return _constrained(text, plan)
-    calls, kept, last = [], [], 0
-    for start, end, inside in _blocks(text):
-        call = _as_call(_json(inside), plan)
-        if call is not None:
-            kept.append(text[last:start])
-            last = end
-            calls.append(call)
-    if calls:
-        content = ("".join(kept) + text[last:]).strip()
-        return content or None, calls if plan.parallel else calls[:1]
-    whole = _as_call(_json(text.strip()), plan)
-    if whole is not None:
-        return None, [whole]
-    return text, []
+def parse_tool_calls(text: str, plan: ToolPlan, parser: str | None = None) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of one choice's whole text: one ``ToolCallStream`` fed all of it, its deltas
+    merged (tool_parsers.py; the same result as streaming the text in any pieces); never raises.
+    ``parser``: the format (default: the plan's)."""
+    stream = ToolCallStream(plan, parser or plan.parser)
+    return merge_tool_deltas(stream.feed(text) + stream.finish())

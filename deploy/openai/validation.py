@@ -10,7 +10,7 @@ Decisions: docs/design/deploy.md, ``pagedray.deploy.openai.validation``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -18,6 +18,7 @@ from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .reasoning import ReasoningStart, ThinkTags, grammar_after_reasoning
 from .structured_output import requested_grammar
+from .tool_parsers import keeps_special_tokens
 from .tools import ToolPlan, calls_as_text, plan_tools, tool_grammar
 
 MAX_STOP_STRINGS = 16
@@ -56,6 +57,8 @@ class PreparedRequest:
     tools: ToolPlan | None = None
     # chat with a reasoning parser: the tags and whether the prompt left a block open (reasoning.py)
     reasoning: ReasoningStart | None = None
+    # the detokenizer keeps special tokens (a tool-call format whose marker is one: tool_parsers.py)
+    keep_special_tokens: bool = False
 
 
 def check_model(name: str | None, limits: ModelLimits) -> None:
@@ -385,9 +388,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
                  render: Callable[[list[dict], bool, ToolPlan | None, dict], tuple[list[int], str]],
                  check_grammar: Callable[[str, str], None] | None = None,
-                 reasoning: ThinkTags | None = None) -> PreparedRequest:
+                 reasoning: ThinkTags | None = None, tool_parser: str = "hermes") -> PreparedRequest:
     """Validate a /v1/chat/completions request; ``render`` applies the chat template and returns the prompt's
-    token ids and text; ``reasoning``: the reasoning parser's tags (None: no parsing, reasoning.py)."""
+    token ids and text; ``reasoning``: the reasoning parser's tags (None: no parsing, reasoning.py);
+    ``tool_parser``: the model's tool-call format (tool_parsers.py)."""
     check_model(req.model, limits)
     check_fields(req)
     logprobs = chat_logprobs(req)
@@ -395,6 +399,8 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     check_token_ids(list(req.stop_token_ids or ()), limits.vocab_size, "stop_token_ids")
     extra = req.model_extra or {}
     tools = plan_tools(req.tools, extra.get("tool_choice"), extra.get("parallel_tool_calls"))
+    if tools is not None:
+        tools = replace(tools, parser=tool_parser)
     requested = requested_chat_grammar(req, tools)
     messages = chat_messages(req)
     check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
@@ -419,4 +425,5 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     max_tokens = _check_max_tokens(requested_max, len(token_ids), limits, param,
                                    limits.max_model_len - len(token_ids))
     return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size, grammar), stops,
-                           tools=tools, reasoning=start)
+                           tools=tools, reasoning=start,
+                           keep_special_tokens=tools is not None and keeps_special_tokens(tool_parser))

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from ray.serve import Application
 
 from ..openai.reasoning import PARSER_ALIASES, REASONING_PARSERS
+from ..openai.tool_parsers import TOOL_CALL_PARSERS
 from ..routing.router import PREFIX_SUMMARY_BLOCKS
 from .engine_deployment import SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
 from .ingress import OpenAIIngress
@@ -42,6 +43,9 @@ def parse_args(args: dict | None) -> BaseModel:
     if PARSER_ALIASES.get(parsed.reasoning_parser, parsed.reasoning_parser) not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS + tuple(PARSER_ALIASES))}, "
                          f"got {parsed.reasoning_parser!r}")
+    if parsed.tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
+        raise ValueError(f"tool_call_parser: must be one of auto, {', '.join(TOOL_CALL_PARSERS)}, "
+                         f"got {parsed.tool_call_parser!r}")
     if parsed.router_max_imbalance < 0:
         raise ValueError(f"router_max_imbalance: must be >= 0, got {parsed.router_max_imbalance}")
     if parsed.engine_in_ingress is True and parsed.request_router == "cache_aware":
@@ -120,7 +124,8 @@ def build_app(args: dict | None = None) -> Application:
         max_ongoing_requests=in_flight,
     )
     ingress_args = dict(model=parsed.model, served_model_name=parsed.served_model_name, api_key=parsed.api_key,
-                        max_body_bytes=parsed.max_body_bytes, reasoning_parser=parsed.reasoning_parser)
+                        max_body_bytes=parsed.max_body_bytes, reasoning_parser=parsed.reasoning_parser,
+                        tool_call_parser=parsed.tool_call_parser)
     if engine_in_ingress(parsed, most_replicas):
         return OpenAIIngress.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
             config, **ingress_args)

@@ -143,7 +143,8 @@ def served_names(model: str, meta: ModelMeta, served_model_name: str | None) -> 
 class OpenAIIngress:
     async def __init__(self, engine: DeploymentHandle | EngineConfig, model: str = "default",
                        served_model_name: str | None = None, api_key: str | None = None,
-                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto") -> None:
+                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto",
+                       tool_call_parser: str = "auto") -> None:
         """``engine``: a handle to the engine deployment, or (``engine_in_ingress``) the EngineConfig of
         the engine this replica runs itself."""
         from transformers import AutoTokenizer
@@ -163,7 +164,8 @@ class OpenAIIngress:
                              sequences_in_flight=max(1, meta.max_num_seqs // 2))
         self._engine, self._limits_meta = engine, meta
         self._client = client
-        self._service = OpenAIService(client, tokenizer, limits, ServerMetrics(name), reasoning_parser)
+        self._service = OpenAIService(client, tokenizer, limits, ServerMetrics(name), reasoning_parser,
+                                      tool_call_parser)
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
 

@@ -69,6 +69,9 @@ SERVE_OPTIONS = (
            default=DEFAULT_MAX_IMBALANCE),
     Option("reasoning_parser", "chat: split <think>...</think> into reasoning_content: 'auto' (when the chat "
            "template has both tags), 'think' (also 'qwen3', 'deepseek_r1') or 'none'", kind=str, default="auto"),
+    Option("tool_call_parser", "chat with tools: the model's tool-call format, 'auto' (read off a chat template "
+           "that renders tools; 'hermes' for one that does not: the server's own tool prompt asks for Hermes "
+           "blocks), 'hermes', 'llama3_json', 'mistral' or 'pythonic'", kind=str, default="auto"),
     Option("autoscaling_config", "Serve's autoscaling of the engine replicas (min_replicas, max_replicas, "
            "target_ongoing_requests, upscale_delay_s, ...; replaces num_replicas)", kind=dict, optional=True),
 )

@@ -7,7 +7,6 @@ is several tokens, so the tags always span tokens; then the grammar that waits f
 reasoning, with llguidance itself."""
 
 import copy
-import json
 import pathlib
 
 import pytest
@@ -193,7 +192,9 @@ def test_tool_calls_are_parsed_from_the_answer_not_the_thinking(tokenizer):
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
     assert "get_time" in choice["message"]["reasoning_content"]
     assert choice["finish_reason"] == "tool_calls"
-    deltas = [c["choices"][0]["delta"] for c in _stream(client, body) if c["choices"]]
+    chunks = [c for c in _stream(client, body) if c["choices"]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert "".join(d.get("reasoning_content", "") for d in deltas) == choice["message"]["reasoning_content"]
     streamed = [call["function"]["name"] for d in deltas for call in d.get("tool_calls") or []
                 if call.get("function", {}).get("name")]
