@@ -1,7 +1,10 @@
 """The FastAPI application of the ingress: routes, API-key auth, body-size limit, error bodies.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with ``stream: true`` -> SSE),
-GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /health,
+POST /v1/responses (OpenAI's Responses API) and POST /v1/messages (Anthropic's Messages API), both
+translated to a chat request (openai/responses_api.py, openai/messages_api.py) and streamed with named
+SSE events; /v1/messages answers every error in Anthropic's shape and takes the key from ``x-api-key``
+too. GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /health,
 GET /metrics.
 
 Decisions: docs/design/deploy.md, ``pagedray.deploy.http.routes``.
@@ -10,6 +13,7 @@ Decisions: docs/design/deploy.md, ``pagedray.deploy.http.routes``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 from collections.abc import AsyncIterator
@@ -19,9 +23,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..openai import messages_api, responses_api
+from ..openai.chat_bridge import named_sse_event, renamed
 from ..openai.errors import APIError, bad_request, health_reason, invalid_api_key, to_api_error
+from ..openai.messages_stream import message_events
 from ..openai.metrics import METRICS_CONTENT_TYPE
-from ..openai.prepare_lanes import input_within
+from ..openai.prepare_lanes import input_within, off_loop_if
+from ..openai.responses_stream import response_events
 from ..openai.service import OpenAIService
 from ..openai.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 from .guard import DEFAULT_MAX_BODY_BYTES
@@ -31,8 +39,11 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def check_api_key(request: Request, api_key: str | None) -> None:
+def check_api_key(request: Request, api_key: str | None, x_api_key: bool = False) -> None:
+    """``Authorization: Bearer <key>``; with ``x_api_key`` (Anthropic's clients) an ``x-api-key`` header too."""
     if not api_key:
+        return
+    if x_api_key and hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), api_key.encode()):
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -139,6 +150,19 @@ async def sse_body(chunks) -> AsyncIterator[str]:
     yield SSE_DONE
 
 
+async def named_sse_body(events) -> AsyncIterator[str]:
+    """Events that name their ``type`` (Responses, Messages) as SSE with ``event:`` lines; no ``[DONE]``. The
+    event generators report errors in-band themselves."""
+    try:
+        async for event in events:
+            if input_within(event, SMALL_OUTPUT):
+                yield named_sse_event(event["type"], event)
+            else:
+                yield await asyncio.to_thread(named_sse_event, event["type"], event)
+    finally:
+        await events.aclose()
+
+
 def create_api(service: OpenAIService, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     # redirect_slashes off: Starlette's trailing-slash redirect builds its Location from the Host header
@@ -173,6 +197,42 @@ def create_api(service: OpenAIService, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _generate(request, service.chat, service.open_chat_stream)
+
+    async def _bridged(body, api, events_of) -> Response:
+        """Run a Responses / Messages body through the chat path (``api``: its translation module)."""
+        call = await off_loop_if(not input_within(body, SMALL_OUTPUT), functools.partial(api.to_chat, body))
+        try:
+            if call.stream:
+                chunks = await service.open_chat_stream(call.chat_body)
+            else:
+                result = await service.chat(call.chat_body)
+        except Exception as exc:
+            raise renamed(to_api_error(exc), api.CHAT_NAMES) from exc
+        if not call.stream:
+            return await json_response(api.from_chat(result, call))
+        events = events_of(chunks, call)
+
+        async def close() -> None:
+            await events.aclose()
+            await chunks.aclose()   # also when the events never started
+
+        return StreamingResponse(named_sse_body(events), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
+                                 background=BackgroundTask(close))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        check_api_key(request, api_key)
+        return await _bridged(await read_json_body(request, max_body_bytes), responses_api, response_events)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        try:
+            check_api_key(request, api_key, x_api_key=True)
+            body = await read_json_body(request, max_body_bytes)
+            return await _bridged(body, messages_api, message_events)
+        except Exception as exc:  # noqa: BLE001 - every error in Anthropic's shape
+            err = to_api_error(exc)
+            return JSONResponse(messages_api.error_body(err), status_code=err.status, headers=err.headers)
 
     @app.get("/v1/models")
     async def models(request: Request):
