@@ -87,6 +87,9 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+MAX_DOCUMENTS = 64
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
@@ -96,6 +99,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False       # leave the last (assistant) message open: the model continues it
     chat_template_kwargs: dict | None = None   # extra variables for the chat template (enable_thinking, ...)
+    # RAG documents for a chat template that renders them (vLLM's / transformers' ``documents``)
+    documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_DOCUMENTS)
 
 
 class TokenizeCompletionRequest(_Request):

@@ -216,6 +216,8 @@ class OpenAIService:
             raise bad_request("messages: this model has no chat template; use /v1/completions",
                               param="messages")
         kwargs = dict(template_kwargs or {})
+        if "documents" in kwargs and "documents" not in tokenizer.chat_template:
+            raise bad_request("documents: this model's chat template does not render documents", param="documents")
         if tools is not None and template_knows_tools(tokenizer):
             kwargs["tools"] = [{"type": "function", "function": f} for f in tools.tools]
         elif tools is not None:

@@ -102,7 +102,6 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "prompt_logprobs": (lambda v: v is None, "only on /v1/completions"),
     "add_special_tokens": (_asks_nothing, "not supported on chat (the chat template adds them)"),
     "chat_template": (_asks_nothing, "the model's own chat template is used"),
-    "documents": (_asks_nothing, "not supported"),
 }
 # vLLM's completion-only extension: the tokenizer's special tokens are always added
 COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
@@ -406,6 +405,9 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     check_prompt_chars(sum(len(m["content"]) for m in messages), limits, "messages")
     options = template_options(req.chat_template_kwargs, req.continue_final_message, req.add_generation_prompt,
                                messages)
+    if req.documents is not None:
+        check_prompt_chars(sum(len(k) + len(v) for d in req.documents for k, v in d.items()), limits, "documents")
+        options["documents"] = [dict(d) for d in req.documents]
     token_ids, prompt_text = render(messages, req.add_generation_prompt, tools, options)
     if not token_ids:
         raise bad_request("messages: the chat template produced an empty prompt", param="messages")

@@ -1,7 +1,7 @@
 """``chat_template_kwargs`` on chat and /tokenize: the variables reach the model's chat template (Qwen3's
 ``enable_thinking`` is one), keys that would replace the template call's own arguments are a 400 naming
 them, and a template that refuses the conversation (``raise_exception``) is a 400 with its message, not
-a 500."""
+a 500. ``documents`` reach a template that renders them and are a 400 for one that does not."""
 
 import copy
 
@@ -104,3 +104,44 @@ def test_a_broken_model_template_is_a_server_error_not_the_requests(tokenizer):
     response = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
     assert response.status_code == 500 and engine.calls == []
     assert response.json()["error"]["type"] == "internal_error"
+
+
+RAG_TEMPLATE = ("{% for d in documents %}[{{ d['title'] }}] {{ d['text'] }}\n{% endfor %}"
+                "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>")
+
+
+def test_documents_reach_a_template_that_renders_them(tokenizer):
+    client, engine, tok = _client(tokenizer, RAG_TEMPLATE)
+    documents = [{"title": "Oslo", "text": "Rainy."}, {"title": "Paris", "text": "Sunny."}]
+    body = {"messages": MESSAGES, "max_tokens": 2, "documents": documents}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    want = "[Oslo] Rainy.\n[Paris] Sunny.\n<|user|>What is 2 + 2?\n<|assistant|>"
+    assert engine.calls[-1][1] == tok.encode(want, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("template, documents, message", [
+    (THINKING_TEMPLATE, [{"text": "x"}], "documents: this model's chat template does not render documents"),
+    (RAG_TEMPLATE, [{"text": 5}], "documents.0.text: Input should be a valid string"),
+    (RAG_TEMPLATE, "a document", "documents: Input should be a valid list"),
+    (RAG_TEMPLATE, [{"text": "x"}] * 65, "documents: List should have at most 64 items"),
+])
+def test_bad_documents_are_a_400_naming_them(tokenizer, template, documents, message):
+    client, engine, _ = _client(tokenizer, template)
+    response = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
+                                                         "documents": documents})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "documents" and error["message"].startswith(message), error
+    assert engine.calls == []
+
+
+def test_documents_count_towards_the_prompt_bound(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = RAG_TEMPLATE
+    engine = ScriptedEngine(tok.encode(" four"), eos_token_id=tok.eos_token_id)
+    limits = ModelLimits("m", frozenset({"m"}), len(tok), 512, max_prompt_chars=5_000)
+    client = TestClient(create_api(OpenAIService(engine, tok, limits, ServerMetrics("m"))))
+    body = {"messages": MESSAGES, "max_tokens": 2, "documents": [{"text": "x" * 10_000}]}
+    error = client.post("/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == "documents" and error["message"].startswith("documents: 10004 characters cannot fit")
+    assert engine.calls == []

@@ -1,8 +1,8 @@
 """`pagedray serve` with its private Ray listens on loopback only: every listening TCP socket of the
 CLI's process tree (the CLI, GCS, raylet, dashboard and agents, the Serve controller and proxy, the
 ingress and engine replicas, the TP worker) is on 127.0.0.0/8, ::1 or an IPv4-mapped loopback address.
-The served app is also checked with the official openai and anthropic clients on /v1/responses and
-/v1/messages (cheaper here than in a server of their own).
+The served app is also checked with the official openai client (chat, streamed chat, tool calls, Responses)
+and anthropic client (Messages, tool use), whole and streamed (cheaper here than in a server of their own).
 The engine runs in a deployment of its own (``--no-engine-in-ingress``), so both of pagedray's replica
 kinds are covered. Runs the real CLI in a subprocess; the time limits only end a hang."""
 
@@ -54,6 +54,13 @@ def _responses_and_messages_clients(url: str) -> None:
     assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens >= 1
     with claude.messages.stream(model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}]) as s:
         assert s.get_final_message().usage.output_tokens >= 1
+    chat_tools = [{"type": "function", "function": {"name": "get_weather", "parameters": None}}]
+    chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4,
+                                       temperature=0)
+    streamed_chat = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0, stream=True)
+        if c.choices)
+    assert chat.choices[0].message.content == streamed_chat and chat.usage.completion_tokens == 4
     # tools, with the choice forced (the grammar makes this small model call): whole and streamed
     city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris"]}},
             "required": ["city"]}
@@ -67,6 +74,14 @@ def _responses_and_messages_clients(url: str) -> None:
                               tool_choice="required", parallel_tool_calls=False, tools=weather) as stream:
         final = stream.get_final_response()
     assert [item.name for item in final.output if item.type == "function_call"] == ["get_weather"]
+    chat_tools[0]["function"]["parameters"] = city
+    forced = dict(model=model, messages=[{"role": "user", "content": ask}], max_tokens=60, temperature=0,
+                  tools=chat_tools, tool_choice="required", parallel_tool_calls=False)
+    (chat_call,) = oai.chat.completions.create(**forced).choices[0].message.tool_calls
+    with oai.chat.completions.stream(**forced) as chat_stream:
+        (streamed_call,) = chat_stream.get_final_completion().choices[0].message.tool_calls
+    assert chat_call.function.name == streamed_call.function.name == "get_weather"
+    assert json.loads(streamed_call.function.arguments) == json.loads(chat_call.function.arguments)
     tools = [{"name": "get_weather", "description": "Weather of a city", "input_schema": city}]
     one_call = {"type": "any", "disable_parallel_tool_use": True}
     message = claude.messages.create(model=model, max_tokens=60, tools=tools, tool_choice=one_call,
