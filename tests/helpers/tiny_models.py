@@ -16,7 +16,7 @@ TINY_LLAMA_EOS = 1   # save_tiny_llama's EOS token
 
 
 def tiny_config(kind: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if kind == "llama":   # llama3 rope scaling, GQA 4:2, untied LM head, odd vocab (uneven TP split)
         return LlamaConfig(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
@@ -35,6 +35,10 @@ def tiny_config(kind: str):
     if kind == "qwen3":   # q/k norm, explicit head_dim != hidden / heads, a single KV head (replicated at TP=2)
         return Qwen3Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
                            tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])
+    if kind == "phi3":    # fused qkv_proj / gate_up_proj in the checkpoint, a 16-token sliding window
+        return Phi3Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+                          original_max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False,
+                          architectures=["Phi3ForCausalLM"])
     raise ValueError(kind)
 
 

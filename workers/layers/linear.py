@@ -93,6 +93,24 @@ class ColumnParallelLinear(nn.Module):
                 copy_into(self.bias[rows], value, name)
             offset += seg.rows
 
+    def load_fused(self, reader: CheckpointReader, prefix: str) -> None:
+        """The segments from one checkpoint tensor that holds them one after another along its rows (Phi-3's
+        ``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]): segment i's rows start after the full
+        rows of segments 0..i-1."""
+        full = sum(seg.full_rows for seg in self.segments)
+        offset, base = 0, 0
+        for seg in self.segments:
+            rows = slice(offset, offset + seg.rows)
+            start, end = base + seg.start, base + seg.start + seg.rows
+            name = f"{prefix}.weight"
+            copy_into(self.weight[rows], reader.read(name, 0, start, end, expect_shape=[full, self.input_size]),
+                      name)
+            if self.bias is not None:
+                name = f"{prefix}.bias"
+                copy_into(self.bias[rows], reader.read(name, 0, start, end, expect_shape=[full]), name)
+            offset += seg.rows
+            base += seg.full_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [tokens, in] -> [tokens, out_local]
         return linear(x, self.weight, self.bias, self.packed_weight)

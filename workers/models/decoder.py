@@ -1,6 +1,7 @@
-"""The pre-norm decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+"""The pre-norm decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3 and Phi-3.
 
-The families differ only in the switches of ``ArchSpec`` (projection biases, per-head q/k RMSNorm);
+The families differ only in the switches of ``ArchSpec`` (projection biases, per-head q/k RMSNorm, a
+sliding window, checkpoints with fused ``qkv_proj`` / ``gate_up_proj``);
 each model module derives the spec from its Hugging Face config and subclasses
 ``DecoderForCausalLM``. Checkpoint names follow the Hugging Face layout
 (``model.layers.{i}.self_attn.q_proj.weight`` ...).
@@ -42,6 +43,7 @@ class ArchSpec:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None   # keys within this many positions of the query (itself included)
+    fused_checkpoint: bool = False      # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,13 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5,
                                    spec.sliding_window)
+        self.fused_checkpoint = spec.fused_checkpoint
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
-        self.qkv_proj.load(reader, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
+        if self.fused_checkpoint:
+            self.qkv_proj.load_fused(reader, f"{prefix}.qkv_proj")
+        else:
+            self.qkv_proj.load(reader, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
         self.o_proj.load(reader, f"{prefix}.o_proj")
         if self.q_norm is not None:
             self.q_norm.load(reader, f"{prefix}.q_norm.weight")
@@ -119,9 +125,13 @@ class DecoderMLP(nn.Module):
                                                         dtype, device)
         self.down_proj = RowParallelLinear(size, dims.hidden_size, spec.mlp_bias, tp, dtype, device,
                                            name="intermediate_size")
+        self.fused_checkpoint = spec.fused_checkpoint
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
-        self.gate_up_proj.load(reader, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        if self.fused_checkpoint:
+            self.gate_up_proj.load_fused(reader, f"{prefix}.gate_up_proj")
+        else:
+            self.gate_up_proj.load(reader, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.down_proj.load(reader, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 from .decoder import DecoderForCausalLM
 from .llama import LlamaForCausalLM
+from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
@@ -18,6 +19,7 @@ MODEL_CLASSES = MappingProxyType({
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 })
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
