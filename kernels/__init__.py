@@ -3,7 +3,8 @@
 Cache layout: per layer ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]``,
 head_dim contiguous; slot of position ``p`` = ``block_table[p // block_size] * block_size + p % block_size``.
 
-``store_kv``, ``paged_decode``, ``paged_prefill`` and ``paged_attention`` validate their arguments
+``store_kv``, ``paged_decode``, ``paged_prefill``, ``paged_attention`` and ``store_kv_and_attend`` (the
+first then the fourth; one C call for a CPU decode step) validate their arguments
 (``ValueError`` naming the argument) and dispatch; the ``*_reference`` functions take the same arguments,
 skip validation and compute in float32 with torch (the test oracle, and the CPU path of prefill chunks).
 CPU decode rows (float32 / bfloat16) run ``cpu_decode.c``, built with the machine's C compiler on first
@@ -21,7 +22,15 @@ Benchmarks (from a checkout): ``python -m benchmarks.kernels`` (CUDA; ``--dry-ru
 and ``python -m benchmarks.kernel_reference`` (CPU timing of the references against dense SDPA).
 """
 
-from .api import check_host_step_metadata, check_step_metadata, paged_attention, paged_decode, paged_prefill, store_kv
+from .api import (
+    check_host_step_metadata,
+    check_step_metadata,
+    paged_attention,
+    paged_decode,
+    paged_prefill,
+    store_kv,
+    store_kv_and_attend,
+)
 from .fused_ops import apply_rotary, fused_triton_path, rms_norm, rotary_embedding_, silu_and_mul
 from .fused_reference import (
     apply_rotary_reference,
@@ -42,6 +51,7 @@ __all__ = [
     "check_step_metadata",
     "check_host_step_metadata",
     "store_kv",
+    "store_kv_and_attend",
     "paged_decode",
     "paged_prefill",
     "paged_attention",

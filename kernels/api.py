@@ -188,3 +188,32 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
         return run(q, k_cache, v_cache, block_tables, seq_lens_k, scale, alibi_slopes, sliding_window, out)
     return _prefill(triton_path, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
                     out, sliding_window)
+
+
+def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables,
+                        scale, *, max_query_len=None, sliding_window=None, validate_values=None, use_triton=None):
+    """``store_kv(key, value, ...)`` then ``paged_attention(q, ...)`` (no ALiBi): one call where one kernel
+    does both (a decode step on CPU: the C decode kernel stores each sequence's new key / value, then reads
+    them), else the two calls. Shapes and checks as those two functions'."""
+    v.check_caches(k_cache, v_cache)
+    v.check_heads_tensor("key", key, k_cache, num_kv_heads_match=True)
+    v.check_heads_tensor("value", value, k_cache, num_kv_heads_match=True)
+    if value.shape != key.shape:
+        raise ValueError(f"value: shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    triton_path = _triton_wanted(use_triton, q.device)
+    validate = v.values_checked(validate_values, q.device)
+    one_call = (not triton_path and key.shape[0] == q.shape[0] and cpu_decode.supports(q, k_cache)
+                and _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate))
+    if not one_call:
+        store_kv(key, value, k_cache, v_cache, slot_mapping, validate_values=validate, use_triton=use_triton)
+        return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
+                               max_query_len=max_query_len, sliding_window=sliding_window,
+                               validate_values=validate, use_triton=use_triton)
+    v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, validate)
+    _check_common(q, k_cache, v_cache, scale, None, sliding_window, None)
+    _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
+    _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
+    slots = slot_mapping if slot_mapping.dtype == torch.int32 else slot_mapping.to(torch.int32)   # held by the call
+    return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens_k, scale, None, sliding_window,
+                                       new_kv=(key, value, slots.contiguous()))
+

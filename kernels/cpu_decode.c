@@ -56,7 +56,7 @@ static inline float hsum8(v8f v) {
 struct item_args {
     const char *q;                       /* this sequence's query row, first head */
     int64_t q_head;                      /* head stride of q, bytes */
-    const char *k, *v;                   /* the caches */
+    const char *k, *v;                   /* the caches (store_new writes the new token's rows) */
     int64_t c_block, c_tok, c_head;      /* cache strides, bytes */
     int64_t num_blocks, block_size, head_dim, group, kv_lo, kv_hi;
     const int32_t *table;
@@ -255,15 +255,37 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
     }
 }
 
+/* Sequence s's new key and value rows, KV heads [kv_lo, kv_hi), into cache slot slots[s] (skipped when
+ * negative): the store_kv of a decode step, done by the work item that then reads them. The slot is in a
+ * block of this sequence that no other sequence reads at that position (the engine never shares a block
+ * a sequence still writes), so items running in parallel never race on it. */
+static inline void store_new(const struct item_args *a, int64_t s, const char *k_new, int64_t k_tok, int64_t k_head,
+                             const char *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots,
+                             int64_t elem) {
+    const int64_t slot = slots[s];
+    if (slot < 0) return;
+    const int64_t block = slot / a->block_size, offset = slot % a->block_size;
+    if (block >= a->num_blocks) return;                 /* checked by the caller; never write outside */
+    for (int64_t h = a->kv_lo; h < a->kv_hi; h++) {
+        const int64_t dst = block * a->c_block + offset * a->c_tok + h * a->c_head;
+        memcpy((char *)a->k + dst, k_new + s * k_tok + h * k_head, a->head_dim * elem);
+        memcpy((char *)a->v + dst, v_new + s * v_tok + h * v_head, a->head_dim * elem);
+    }
+}
+
 /* q [S, Hq, D] (strides q_tok, q_head in elements); caches [NB, bs, Hkv, D] with element strides
  * (c_block, c_tok, c_head, 1); block_tables [S, max_blocks] int32 (row stride bt_row); seq_lens [S]
- * int32; slopes [Hq] float32 or NULL; window <= 0: none; out [S, Hq, D] (strides o_tok, o_head). */
+ * int32; slopes [Hq] float32 or NULL; window <= 0: none; out [S, Hq, D] (strides o_tok, o_head).
+ * slots [S] int32 or NULL: with it, k_new [S, Hkv, D] (strides k_tok, k_head) and v_new (v_tok, v_head)
+ * are stored into the caches first (store_new). */
 void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       const void *k_cache, const void *v_cache, int64_t c_block, int64_t c_tok, int64_t c_head,
                       int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
                       int64_t num_seqs, int64_t group, const int32_t *block_tables, int64_t bt_row,
                       const int32_t *seq_lens, float scale, const float *slopes, int64_t window,
-                      int dtype, void *out, int64_t o_tok, int64_t o_head, int threads) {
+                      int dtype, void *out, int64_t o_tok, int64_t o_head, int threads,
+                      const void *k_new, int64_t k_tok, int64_t k_head,
+                      const void *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
     /* a work item is one sequence with all its KV heads (each block read once, whole); with fewer
      * sequences than two per thread, one (sequence, KV head) so that every thread has work */
@@ -282,6 +304,8 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
             .table = block_tables + s * bt_row, .seq_len = seq_lens[s], .window = window, .scale = scale,
             .slopes = slopes, .out = (char *)out + s * o_tok * elem, .o_head = o_head * elem,
         };
+        if (slots != NULL) store_new(&a, s, (const char *)k_new, k_tok * elem, k_head * elem, (const char *)v_new,
+                                     v_tok * elem, v_head * elem, slots, elem);
         /* constant dtype and head_dim / 8 at the common call sites: the compiler specialises them */
         if (dtype == DTYPE_F32) {
             if (head_dim == 64) decode_item(&a, DTYPE_F32, 4);

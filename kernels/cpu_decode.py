@@ -24,7 +24,7 @@ _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _INT64, _INT64, _PTR, _PTR, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64,
              _INT64, _INT64, _PTR, _INT64, _PTR, ctypes.c_float, _PTR, _INT64, ctypes.c_int, _PTR, _INT64,
-             _INT64, ctypes.c_int]
+             _INT64, ctypes.c_int, _PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR]
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -56,11 +56,13 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-                     sliding_window=None, out=None):
+                     sliding_window=None, out=None, new_kv=None):
     """``paged_decode_reference``'s contract through the C kernel (arguments already validated).
 
     q [S, Hq, D] (head_dim contiguous); k/v_cache [NB, bs, Hkv, D]; block_tables [S, max_blocks] int32;
-    seq_lens [S] int32 -> out [S, Hq, D] in q.dtype.
+    seq_lens [S] int32 -> out [S, Hq, D] in q.dtype. ``new_kv``: (key, value [S, Hkv, D] head_dim contiguous,
+    slot_mapping [S] int32 or int64): each sequence's new token, stored into the caches first (``store_kv``'s
+    contract for a decode step, slot < 0 skipped), by the same call.
     """
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
@@ -72,6 +74,8 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
     slopes = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()
     result = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype)
     if v_cache.stride() != k_cache.stride():                 # the kernel walks both with one set of strides
+        if new_kv is not None:
+            raise ValueError("new_kv: the caches must share strides (the kernel writes them in place)")
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     k_strides = k_cache.stride()
     _library().paged_decode_cpu(
@@ -79,8 +83,22 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
         k_strides[0], k_strides[1], k_strides[2], num_blocks, block_size, num_kv_heads, head_dim,
         num_seqs, group, tables.data_ptr(), tables.stride(0), lens.data_ptr(), float(scale),
         None if slopes is None else slopes.data_ptr(), int(sliding_window or 0), DTYPE_CODES[q.dtype],
-        result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads())
+        result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads(), *_new_kv_args(new_kv, k_cache))
     if out is None:
         return result
     out.copy_(result)
     return out
+
+
+def _new_kv_args(new_kv, k_cache) -> tuple:
+    """The kernel's (k_new, its token / head strides, v_new, its strides, slots) arguments: NULLs without
+    ``new_kv``."""
+    if new_kv is None:
+        return None, 0, 0, None, 0, 0, None
+    key, value, slots = new_kv
+    if key.stride(2) != 1 or value.stride(2) != 1 or key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+        raise ValueError("new_kv: key and value must have the cache's dtype and a contiguous head_dim")
+    if slots.dtype != torch.int32 or not slots.is_contiguous():
+        raise ValueError("new_kv: slot_mapping must be contiguous int32 (the model runner's are)")
+    return (key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+            slots.data_ptr())

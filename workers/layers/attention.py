@@ -1,8 +1,9 @@
 """Paged attention over this rank's KV shard, through ``pagedray.kernels`` only.
 
-Per layer and step: write the new K/V of the scheduled tokens into their cache slots
-(``kernels.store_kv``), then attend every query over its sequence's cached history plus itself
-(``kernels.paged_attention``, which picks the decode or prefill kernel), within the model's
+Per layer and step: write the new K/V of the scheduled tokens into their cache slots, then attend every
+query over its sequence's cached history plus itself (``kernels.store_kv_and_attend``: ``store_kv`` then
+``paged_attention``, which picks the decode or prefill kernel; a CPU decode step does both in one C
+call), within the model's
 sliding window when it has one (Mistral). The kernels are looked up
 on the module at call time (``kernels.paged_attention``), never copied into this package.
 
@@ -27,7 +28,7 @@ from ... import kernels
 class AttentionMetadata:
     """Shared by every layer of one step; checked once per step by ``ModelRunner.prepare``."""
 
-    slot_mapping: torch.Tensor    # [tokens] int64: cache slot of each scheduled token
+    slot_mapping: torch.Tensor    # [tokens] int32 (int64 accepted): cache slot of each scheduled token
     cu_seqlens_q: torch.Tensor    # [seqs + 1] int32: query token offsets per sequence
     seq_lens_k: torch.Tensor      # [seqs] int32: history + scheduled tokens per sequence
     block_tables: torch.Tensor    # [seqs, max_blocks] int32 (padded with 0)
@@ -50,7 +51,7 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # kv_layer [2, num_blocks, block_size, kv_heads_local, head_dim]
         k_cache, v_cache = kv_layer[0], kv_layer[1]
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, validate_values=False)
-        return kernels.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k,
-                                       meta.block_tables, self.scale, max_query_len=meta.max_query_len,
-                                       sliding_window=self.sliding_window, validate_values=False)
+        return kernels.store_kv_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.cu_seqlens_q,
+                                           meta.seq_lens_k, meta.block_tables, self.scale,
+                                           max_query_len=meta.max_query_len, sliding_window=self.sliding_window,
+                                           validate_values=False)
