@@ -110,11 +110,12 @@ def rms_norm(x, weight, eps, residual=None, *, out=None, use_triton=None):
     return normed if residual is None else (normed, new_residual)
 
 
-def rotary_embedding_(q, k, positions, inv_freq, *, use_triton=None) -> None:
+def rotary_embedding_(q, k, positions, inv_freq, *, scale: float = 1.0, use_triton=None) -> None:
     """Rotate q [tokens, Hq, D] and k [tokens, Hk, D] in place (rotate-half layout, D even).
 
     q and k share dtype, D and tokens; they may be head slices of one tensor but must not overlap.
-    positions [tokens] int32/int64; inv_freq [D / 2] float32 (angle = float32(position) * inv_freq).
+    positions [tokens] int32/int64; inv_freq [D / 2] float32 (angle = float32(position) * inv_freq);
+    ``scale`` (positive, finite) multiplies cos and sin (LongRoPE's attention factor).
     """
     _check_rows("q", q, (3,))
     _check_rows("k", k, (3,), q.device)
@@ -132,8 +133,10 @@ def rotary_embedding_(q, k, positions, inv_freq, *, use_triton=None) -> None:
     if positions.shape[0] != q.shape[0]:
         raise ValueError(f"positions: shape {tuple(positions.shape)}, expected [{q.shape[0]}] (q's tokens)")
     _check_vector("inv_freq", inv_freq, head_dim // 2, torch.float32, q.device)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a positive finite float, got {scale!r}")
     run = rotary_embedding_triton if _triton_wanted(use_triton, q.device) else rotary_embedding_reference_
-    run(q, k, positions, inv_freq)
+    run(q, k, positions, inv_freq, scale)
 
 
 def silu_and_mul(gate_up, *, use_triton=None):

@@ -43,11 +43,12 @@ def rms_norm_reference(x, weight, eps, residual=None, out=None):
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                   dtype: torch.dtype, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     # positions [tokens], inv_freq [head_dim / 2] float32 -> cos, signed_sin [tokens, 1, head_dim] (dtype);
-    # signed_sin = (-sin, sin) over the two halves, the sign rotate-half puts on x's second half
+    # signed_sin = (-sin, sin) over the two halves, the sign rotate-half puts on x's second half; ``scale``
+    # (LongRoPE's attention factor, as transformers applies it) multiplies both in float32 (1.0: exact no-op)
     angles = (positions.float().unsqueeze(-1) * inv_freq).unsqueeze(1)         # [tokens, 1, head_dim / 2]
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
     return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
@@ -57,9 +58,9 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def rotary_embedding_reference_(q, k, positions, inv_freq) -> None:
+def rotary_embedding_reference_(q, k, positions, inv_freq, scale: float = 1.0) -> None:
     """Rotate q [tokens, Hq, D] and k [tokens, Hk, D] in place (views of one tensor are fine)."""
-    cos, signed_sin = rotary_cos_sin(positions, inv_freq, q.dtype)
+    cos, signed_sin = rotary_cos_sin(positions, inv_freq, q.dtype, scale)
     q.copy_(apply_rotary_reference(q, cos, signed_sin))
     k.copy_(apply_rotary_reference(k, cos, signed_sin))
 

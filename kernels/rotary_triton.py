@@ -3,7 +3,8 @@
 q ``[tokens, Hq, D]`` and k ``[tokens, Hk, D]`` have free token and head strides and D contiguous, so
 they may be (disjoint) head slices of one fused qkv projection output. The angle of token t and pair
 i is ``float32(positions[t]) * inv_freq[i]``, computed in the kernel: no per-step cos/sin tensors, and
-every rope variant (plain, linear, llama3) works because its scaling lives in ``inv_freq``.
+every rope variant (plain, linear, llama3, LongRoPE) works because its scaling lives in ``inv_freq``
+(and LongRoPE's attention factor in ``scale``, which multiplies cos and sin).
 
 Decisions: docs/design/kernels.md, ``pagedray.kernels.rotary_triton``.
 """
@@ -34,7 +35,7 @@ def _rotate_heads(ptr, stride_t, stride_h, token, first_head, num_heads, half, c
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, pos_ptr, inv_freq_ptr,
+    q_ptr, k_ptr, pos_ptr, inv_freq_ptr, scale,
     stride_qt, stride_qh, stride_kt, stride_kh,
     num_q_heads, num_k_heads, half,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -45,8 +46,8 @@ def _rotary_kernel(
     i = tl.arange(0, BLOCK_HALF)[None, :]                                         # [1, BLOCK_HALF]
     angle = tl.load(pos_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=i < half, other=0.0)
     dtype = q_ptr.dtype.element_ty
-    cos = tl.cos(angle).to(dtype).to(tl.float32)
-    sin = tl.sin(angle).to(dtype).to(tl.float32)
+    cos = (tl.cos(angle) * scale).to(dtype).to(tl.float32)
+    sin = (tl.sin(angle) * scale).to(dtype).to(tl.float32)
     if group < q_groups:
         _rotate_heads(q_ptr, stride_qt, stride_qh, token, group * BLOCK_H, num_q_heads, half, cos, sin,
                       BLOCK_H, BLOCK_HALF)
@@ -63,9 +64,10 @@ def rotary_config(num_heads: int, head_dim: int) -> dict:
     return dict(BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=max(1, min(8, block_h * block_half // 256)))
 
 
-def rotary_embedding_triton(q, k, positions, inv_freq) -> None:
+def rotary_embedding_triton(q, k, positions, inv_freq, scale: float = 1.0) -> None:
     """q [tokens, Hq, D], k [tokens, Hk, D] (D even, contiguous) rotated in place; positions [tokens]
-    int32/int64; inv_freq [D / 2] float32 contiguous."""
+    int32/int64; inv_freq [D / 2] float32 contiguous; cos and sin are multiplied by ``scale`` (LongRoPE's
+    attention factor) in float32 before they are rounded to the dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     cfg = rotary_config(max(num_q_heads, num_k_heads, 1), head_dim)
@@ -73,7 +75,7 @@ def rotary_embedding_triton(q, k, positions, inv_freq) -> None:
     if num_tokens == 0 or groups == 0:
         return
     _rotary_kernel[(num_tokens, groups)](
-        q, k, positions, inv_freq,
+        q, k, positions, inv_freq, float(scale),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         num_q_heads, num_k_heads, head_dim // 2, enable_fp_fusion=False, **cfg,
     )

@@ -39,6 +39,13 @@ def tiny_config(kind: str):
         return Phi3Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
                           original_max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False,
                           architectures=["Phi3ForCausalLM"])
+    if kind == "phi3-longrope":   # LongRoPE's short factors and an attention factor that scales cos / sin
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [4.0 + i for i in range(8)],
+                "original_max_position_embeddings": 512, "attention_factor": 1.2}
+        return Phi3Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
+                          original_max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False,
+                          rope_parameters=rope, architectures=["Phi3ForCausalLM"])
     raise ValueError(kind)
 
 

@@ -26,7 +26,10 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_fre
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 ROPES = {"default": {"rope_type": "default", "rope_theta": 10000.0},
          "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-         "llama3": LLAMA3}
+         "llama3": LLAMA3,
+         "longrope": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 4096,
+                      "max_position_embeddings": 131072, "short_factor": [1.0 + 0.02 * i for i in range(64)],
+                      "long_factor": [1.5 + 0.3 * i for i in range(64)]}}
 
 
 def _randn(gen, shape, dtype, device, scale=1.0):
@@ -100,18 +103,22 @@ def test_rms_norm_per_head_new_output_and_empty_batch():
 @pytest.mark.parametrize("tokens,q_heads,k_heads,head_dim,dtype,rope,pos_dtype", [
     (7, 3, 1, 64, torch.float32, "default", torch.int64), (13, 3, 3, 96, torch.float16, "llama3", torch.int32),
     (1, 4, 2, 128, torch.float32, "llama3", torch.int64), (7, 3, 1, 128, torch.float16, "linear", torch.int64),
-    (13, 2, 1, 96, torch.float32, "linear", torch.int32)])
+    (13, 2, 1, 96, torch.float32, "linear", torch.int32), (7, 3, 1, 128, torch.float32, "longrope", torch.int64),
+    (5, 2, 2, 128, torch.float16, "longrope", torch.int32)])
 def test_rotary_in_place_on_qkv_matches_reference(tokens, q_heads, k_heads, head_dim, dtype, rope, pos_dtype):
     device = kernel_device()
     gen = torch.Generator().manual_seed(seed_of("rope", tokens, q_heads, head_dim, dtype, rope))
     qkv = _randn(gen, (tokens, q_heads + 2 * k_heads, head_dim), dtype, device)
     positions = torch.randint(0, 5000, (tokens,), generator=gen, dtype=pos_dtype).to(device)
-    inv_freq = RotaryEmbedding(head_dim, ROPES[rope], device).inv_freq
+    rotary = RotaryEmbedding(head_dim, ROPES[rope], device, max_model_len=8192)   # longrope (D 128): long factors
+    inv_freq, scale = rotary.inv_freq, rotary.scale
+    assert (scale > 1.0) == (rope == "longrope")
     expected = qkv.clone()
     k_end = q_heads + k_heads
-    kernels.rotary_embedding_reference_(expected[:, :q_heads], expected[:, q_heads:k_end], positions, inv_freq)
+    kernels.rotary_embedding_reference_(expected[:, :q_heads], expected[:, q_heads:k_end], positions, inv_freq, scale)
     v_before = qkv[:, k_end:].clone()
-    kernels.rotary_embedding_(qkv[:, :q_heads], qkv[:, q_heads:k_end], positions, inv_freq, use_triton=True)
+    kernels.rotary_embedding_(qkv[:, :q_heads], qkv[:, q_heads:k_end], positions, inv_freq, scale=scale,
+                              use_triton=True)
     _assert_close(qkv[:, :k_end], expected[:, :k_end], dtype)
     assert torch.equal(qkv[:, k_end:], v_before)
 

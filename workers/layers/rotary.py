@@ -1,9 +1,17 @@
 """Rotary position embedding (rotate-half / NeoX layout, as used by Llama, Qwen2 and Qwen3).
 
-Supported ``rope_type``: ``default``, ``linear`` (positions divided by ``factor``) and ``llama3``
-(Llama 3.1+ frequency-dependent scaling). Others raise ValueError naming the rope type. Every type is
-just an ``inv_freq`` vector: the angle of position p and pair i is ``float32(p) * inv_freq[i]``, a
-single rounded product, the same value any implementation gets.
+Supported ``rope_type``: ``default``, ``linear`` (positions divided by ``factor``), ``llama3``
+(Llama 3.1+ frequency-dependent scaling) and ``longrope`` (also named ``su``: Phi-3's per-frequency
+``short_factor`` / ``long_factor`` and an attention factor that scales cos and sin). Others raise
+ValueError naming the rope type. Every type is an ``inv_freq`` vector (the angle of position p and pair
+i is ``float32(p) * inv_freq[i]``, a single rounded product, the same value any implementation gets)
+and a ``scale`` for cos and sin (1 but for LongRoPE).
+
+LongRoPE's factors are chosen once, by ``max_model_len``: the long ones when the model may run past
+``original_max_position_embeddings``, else the short ones (vLLM's rule). transformers switches per
+forward by the longest position in it, so the two agree on every sequence when ``max_model_len`` is at
+most the original length; with a longer ``max_model_len`` a short sequence gets the long factors here
+(transformers would use the short ones until it grows past the original length).
 
 ``RotaryEmbedding.for_step`` prepares one forward's rotary inputs (``RotaryStep``, shared by all layers),
 for one of two paths (``kernels.fused_triton_path``: CUDA tensors take the first):
@@ -26,7 +34,7 @@ import torch
 
 from ... import kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_parameters(hf_config) -> dict:
@@ -38,7 +46,30 @@ def rope_parameters(hf_config) -> dict:
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "su":
+        params["rope_type"] = "longrope"
+    for key in ("max_position_embeddings", "original_max_position_embeddings"):
+        if key not in params and getattr(hf_config, key, None) is not None:
+            params[key] = getattr(hf_config, key)
     return params
+
+
+def _longrope(exponents: torch.Tensor, params: dict, max_model_len: int | None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention factor) of LongRoPE, transformers' arithmetic (module docstring: which factors)."""
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("model: rope_type 'longrope' needs original_max_position_embeddings")
+    long = max_model_len is not None and max_model_len > original
+    factors = params["long_factor" if long else "short_factor"]
+    if len(factors) != exponents.shape[0]:
+        raise ValueError(f"model: longrope {'long' if long else 'short'}_factor has {len(factors)} entries, "
+                         f"expected head_dim / 2 = {exponents.shape[0]}")
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * params["rope_theta"] ** exponents)
+    factor = params.get("factor") or params.get("max_position_embeddings", original) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(attention)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
@@ -56,30 +87,33 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    def __init__(self, head_dim: int, params: dict, device: torch.device) -> None:
+    def __init__(self, head_dim: int, params: dict, device: torch.device, max_model_len: int | None = None) -> None:
         rope_type = params["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"model: rope_type {rope_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (params["rope_theta"] ** exponents)               # [head_dim / 2]
+        self.scale = 1.0                                                    # multiplies cos and sin
         if rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type == "longrope":
+            inv_freq, self.scale = _longrope(exponents, params, max_model_len)
         self.inv_freq = inv_freq.to(device)
         self.head_dim = head_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [tokens] -> cos, signed_sin [tokens, 1, head_dim] (broadcast over heads);
         # signed_sin = (-sin, sin) over the two halves, the sign rotate-half puts on x's second half
-        return kernels.rotary_cos_sin(positions, self.inv_freq, dtype)
+        return kernels.rotary_cos_sin(positions, self.inv_freq, dtype, self.scale)
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
         """positions [tokens] -> the rotary inputs of one forward (no host sync: the path follows the device)."""
         if kernels.fused_triton_path(positions.device):
-            return RotaryStep(positions, self.inv_freq, None, None)
-        return RotaryStep(positions, self.inv_freq, *self.cos_sin(positions, dtype))
+            return RotaryStep(positions, self.inv_freq, None, None, self.scale)
+        return RotaryStep(positions, self.inv_freq, *self.cos_sin(positions, dtype), self.scale)
 
 
 @dataclass(frozen=True)
@@ -91,6 +125,7 @@ class RotaryStep:
     inv_freq: torch.Tensor            # [head_dim / 2] float32
     cos: torch.Tensor | None
     sin: torch.Tensor | None          # signed: (-sin, sin) over the two halves
+    scale: float = 1.0                # multiplies cos and sin (LongRoPE's attention factor)
 
     @property
     def fused(self) -> bool:
@@ -98,7 +133,7 @@ class RotaryStep:
 
     def rotate_(self, q: torch.Tensor, k: torch.Tensor) -> None:
         # q [tokens, Hq, D], k [tokens, Hk, D] (disjoint, e.g. head slices of qkv) rotated in place
-        kernels.rotary_embedding_(q, k, self.positions, self.inv_freq)
+        kernels.rotary_embedding_(q, k, self.positions, self.inv_freq, scale=self.scale)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         # torch path: x [tokens, heads, D] -> rotated copy

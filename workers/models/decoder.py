@@ -177,7 +177,7 @@ class DecoderForCausalLM(nn.Module):
         dims = ModelDims.from_hf(hf_config)
         check_head_split(dims.num_heads, dims.num_kv_heads, tp_size)
         check_even_split(dims.intermediate_size, tp_size, "intermediate_size")
-        RotaryEmbedding(dims.head_dim, rope_parameters(hf_config), torch.device("cpu"))
+        RotaryEmbedding(dims.head_dim, rope_parameters(hf_config), torch.device("cpu"), max_model_len)
 
     def __init__(self, hf_config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
                  max_model_len: int) -> None:
@@ -185,7 +185,7 @@ class DecoderForCausalLM(nn.Module):
         spec = self.arch_spec(hf_config, max_model_len)
         self.dims = dims = ModelDims.from_hf(hf_config)
         self.tp = tp
-        self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(hf_config), device)
+        self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(hf_config), device, max_model_len)
         self.embed_tokens = VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(dims, spec, tp, dtype, device) for _ in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)

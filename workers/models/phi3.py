@@ -1,11 +1,10 @@
 """Phi-3 / Phi-4 (``Phi3ForCausalLM``): the Llama layout with ``qkv_proj`` and ``gate_up_proj`` fused in
-the checkpoint (split across ranks at load: ``ColumnParallelLinear.load_fused``) and Mistral's sliding
-window (``sliding_window``, 2047 in Phi-3-mini-4k).
+the checkpoint (split across ranks at load: ``ColumnParallelLinear.load_fused``), Mistral's sliding
+window (``sliding_window``, 2047 in Phi-3-mini-4k) and, for the 128k-context checkpoints, LongRoPE
+(``layers/rotary.py``: which factors, and where that differs from transformers).
 
-Not supported yet (a ValueError naming it before any weight is read): LongRoPE (``rope_scaling`` type
-``longrope`` / ``su``, the 128k-context checkpoints: transformers switches between its short and long
-factors by the length of the sequence, and scales cos/sin) and a partial rotary (``partial_rotary_factor``
-below 1, Phi-4-mini).
+Not supported yet (a ValueError naming it before any weight is read): a partial rotary
+(``partial_rotary_factor`` below 1, Phi-4-mini).
 """
 
 from __future__ import annotations
@@ -22,7 +21,4 @@ class Phi3ForCausalLM(DecoderForCausalLM):
         partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
         if partial != 1.0:
             raise ValueError(f"model: partial_rotary_factor {partial} is not supported (only 1.0)")
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind in ("longrope", "su"):
-            raise ValueError(f"model: rope_type {kind!r} (LongRoPE) is not supported yet")
         return ArchSpec(fused_checkpoint=True, sliding_window=sliding_window_of(hf_config, max_model_len))
