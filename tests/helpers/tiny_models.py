@@ -32,6 +32,14 @@ def tiny_config(kind: str):
     if kind == "qwen2":   # qkv bias, tied embeddings
         return Qwen2Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                            architectures=["Qwen2ForCausalLM"])
+    if kind == "qwen2-window":   # use_sliding_window: layer 0 attends to everything, layer 1 within 8 tokens
+        return Qwen2Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                           use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                           architectures=["Qwen2ForCausalLM"])
+    if kind == "qwen3-window":   # the same per-layer window on Qwen3
+        return Qwen3Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+                           tie_word_embeddings=False, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                           architectures=["Qwen3ForCausalLM"])
     if kind == "qwen3":   # q/k norm, explicit head_dim != hidden / heads, a single KV head (replicated at TP=2)
         return Qwen3Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
                            tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])

@@ -85,13 +85,13 @@ def test_plans_that_contradict_the_mirror(tiny_model_path):
     assert [s.seq_id for s in result.sampled] == [0]
 
 
-def test_qwen_per_layer_sliding_window_is_rejected_before_loading(tmp_path):
+def test_qwen_layer_types_outside_full_and_sliding_are_rejected_before_loading(tmp_path):
     from helpers.tiny_models import tiny_config
 
-    config = tiny_config("qwen2")
-    config.use_sliding_window, config.sliding_window = True, 8
+    config = tiny_config("qwen2-window")
+    config.layer_types = ["full_attention", "chunked_attention"]
     config.save_pretrained(str(tmp_path))   # no weights: the check comes first
-    with pytest.raises(ValueError, match="use_sliding_window=true are not supported"):
+    with pytest.raises(ValueError, match="layer_types \\['chunked_attention'\\] are not supported"):
         Worker(engine_config(str(tmp_path), num_blocks=64, max_model_len=64))
 
 

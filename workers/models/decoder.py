@@ -1,7 +1,8 @@
 """The pre-norm decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3 and Phi-3.
 
 The families differ only in the switches of ``ArchSpec`` (projection biases, per-head q/k RMSNorm, a
-sliding window, checkpoints with fused ``qkv_proj`` / ``gate_up_proj``);
+sliding window on every layer or on some (transformers' ``layer_types``), checkpoints with fused
+``qkv_proj`` / ``gate_up_proj``);
 each model module derives the spec from its Hugging Face config and subclasses
 ``DecoderForCausalLM``. Checkpoint names follow the Hugging Face layout
 (``model.layers.{i}.self_attn.q_proj.weight`` ...).
@@ -43,7 +44,13 @@ class ArchSpec:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None   # keys within this many positions of the query (itself included)
+    sliding_layers: tuple[bool, ...] | None = None   # which layers use the window (None: every layer)
     fused_checkpoint: bool = False      # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+
+    def window_of(self, layer: int) -> int | None:
+        if self.sliding_layers is None or self.sliding_window is None:
+            return self.sliding_window
+        return self.sliding_window if self.sliding_layers[layer] else None
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class ModelDims:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, dims: ModelDims, spec: ArchSpec, tp: TPGroup, dtype, device) -> None:
+    def __init__(self, dims: ModelDims, spec: ArchSpec, tp: TPGroup, dtype, device, window: int | None) -> None:
         super().__init__()
         heads = HeadPartition(dims.num_heads, dims.num_kv_heads, tp.world_size, tp.rank)
         self.head_dim = dims.head_dim
@@ -83,7 +90,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device) if spec.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5,
-                                   spec.sliding_window)
+                                   window)
         self.fused_checkpoint = spec.fused_checkpoint
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
@@ -139,10 +146,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, dims: ModelDims, spec: ArchSpec, tp: TPGroup, dtype, device) -> None:
+    def __init__(self, dims: ModelDims, spec: ArchSpec, tp: TPGroup, dtype, device, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
-        self.self_attn = DecoderAttention(dims, spec, tp, dtype, device)
+        self.self_attn = DecoderAttention(dims, spec, tp, dtype, device, spec.window_of(index))
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
         self.mlp = DecoderMLP(dims, spec, tp, dtype, device)
 
@@ -173,8 +180,11 @@ class DecoderForCausalLM(nn.Module):
     @classmethod
     def validate_config(cls, hf_config, max_model_len: int, tp_size: int) -> None:
         """Every check the constructor would make, without allocating anything (ValueError)."""
-        cls.arch_spec(hf_config, max_model_len)
+        spec = cls.arch_spec(hf_config, max_model_len)
         dims = ModelDims.from_hf(hf_config)
+        if spec.sliding_layers is not None and len(spec.sliding_layers) != dims.num_layers:
+            raise ValueError(f"model: layer_types lists {len(spec.sliding_layers)} layers, num_hidden_layers is "
+                             f"{dims.num_layers}")
         check_head_split(dims.num_heads, dims.num_kv_heads, tp_size)
         check_even_split(dims.intermediate_size, tp_size, "intermediate_size")
         RotaryEmbedding(dims.head_dim, rope_parameters(hf_config), torch.device("cpu"), max_model_len)
@@ -187,7 +197,7 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp
         self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(hf_config), device, max_model_len)
         self.embed_tokens = VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(dims, spec, tp, dtype, device) for _ in range(dims.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(dims, spec, tp, dtype, device, i) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=dims.tie_word_embeddings)
 

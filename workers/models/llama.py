@@ -21,6 +21,26 @@ def sliding_window_of(hf_config, max_model_len: int) -> int | None:
     return window
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def qwen_sliding_layers(hf_config, max_model_len: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(window, which layers use it) of a Qwen2 / Qwen3 config: with ``use_sliding_window`` the layers that
+    ``layer_types`` marks ``sliding_attention`` (transformers derives them from ``max_window_layers``: the
+    layers from that index on slide); without it, none."""
+    if not getattr(hf_config, "use_sliding_window", False):
+        return None, None
+    window = sliding_window_of(hf_config, max_model_len)
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        first = getattr(hf_config, "max_window_layers", 0)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(hf_config.num_hidden_layers)]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"model: layer_types {unknown} are not supported (only {', '.join(LAYER_TYPES)})")
+    return window, tuple(t == "sliding_attention" for t in types)
+
+
 class LlamaForCausalLM(DecoderForCausalLM):
     @staticmethod
     def arch_spec(hf_config, max_model_len: int) -> ArchSpec:
