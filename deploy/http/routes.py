@@ -13,7 +13,6 @@ Decisions: docs/design/deploy.md, ``pagedray.deploy.http.routes``.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import json
 from collections.abc import AsyncIterator
@@ -24,11 +23,12 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..openai import messages_api, responses_api
-from ..openai.chat_bridge import named_sse_event, renamed
+from ..openai.bridged import run_bridged
+from ..openai.chat_bridge import named_sse_event
 from ..openai.errors import APIError, bad_request, health_reason, invalid_api_key, to_api_error
 from ..openai.messages_stream import message_events
 from ..openai.metrics import METRICS_CONTENT_TYPE
-from ..openai.prepare_lanes import input_within, off_loop_if
+from ..openai.prepare_lanes import input_within
 from ..openai.responses_stream import response_events
 from ..openai.service import OpenAIService
 from ..openai.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
@@ -200,24 +200,11 @@ def create_api(service: OpenAIService, api_key: str | None = None,
 
     async def _bridged(body, api, events_of) -> Response:
         """Run a Responses / Messages body through the chat path (``api``: its translation module)."""
-        call = await off_loop_if(not input_within(body, SMALL_OUTPUT), functools.partial(api.to_chat, body))
-        try:
-            if call.stream:
-                chunks = await service.open_chat_stream(call.chat_body)
-            else:
-                result = await service.chat(call.chat_body)
-        except Exception as exc:
-            raise renamed(to_api_error(exc), api.CHAT_NAMES) from exc
-        if not call.stream:
-            return await json_response(api.from_chat(result, call))
-        events = events_of(chunks, call)
-
-        async def close() -> None:
-            await events.aclose()
-            await chunks.aclose()   # also when the events never started
-
-        return StreamingResponse(named_sse_body(events), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
-                                 background=BackgroundTask(close))
+        result = await run_bridged(service, api, events_of, body)
+        if isinstance(result, dict):
+            return await json_response(result)
+        return StreamingResponse(named_sse_body(result), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
+                                 background=BackgroundTask(result.aclose))
 
     @app.post("/v1/responses")
     async def responses(request: Request):

@@ -58,9 +58,13 @@ from ray.serve.handle import DeploymentHandle
 
 from ..http.guard import use_bounded_protocol
 from ..http.routes import DEFAULT_MAX_BODY_BYTES, create_api
+from ..openai import messages_api, responses_api
+from ..openai.bridged import run_bridged
 from ..openai.errors import to_api_error
+from ..openai.messages_stream import message_events
 from ..openai.metrics import ReplicaState, ServerMetrics
 from ..openai.prompt_bound import max_prompt_chars
+from ..openai.responses_stream import response_events
 from ..openai.service import OpenAIService
 from ..openai.validation import ModelLimits
 from ..routing.router import replica_summaries
@@ -196,6 +200,32 @@ class OpenAIIngress:
     async def generate_stream(self, prompt: str | list[int], params: dict | None = None) -> AsyncIterator[dict]:
         async for chunk in self.completions_stream({**(params or {}), "prompt": prompt}):
             yield chunk
+
+    async def responses(self, body: dict) -> dict:
+        """POST /v1/responses (OpenAI's Responses API) with ``stream`` false, as a Python call."""
+        return await run_bridged(self._service, responses_api, response_events, body, stream=False)
+
+    async def responses_stream(self, body: dict) -> AsyncIterator[dict]:
+        """POST /v1/responses with ``stream`` true: yields the Responses event objects."""
+        async for event in self._bridged_stream(responses_api, response_events, body):
+            yield event
+
+    async def messages(self, body: dict) -> dict:
+        """POST /v1/messages (Anthropic's Messages API) with ``stream`` false, as a Python call."""
+        return await run_bridged(self._service, messages_api, message_events, body, stream=False)
+
+    async def messages_stream(self, body: dict) -> AsyncIterator[dict]:
+        """POST /v1/messages with ``stream`` true: yields the Messages event objects."""
+        async for event in self._bridged_stream(messages_api, message_events, body):
+            yield event
+
+    async def _bridged_stream(self, api, events_of, body: dict) -> AsyncIterator[dict]:
+        events = await run_bridged(self._service, api, events_of, body, stream=True)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
 
     async def tokenize(self, body: dict) -> dict:
         """POST /tokenize as a Python call: ``{"prompt": ...}`` or ``{"messages": [...]}``."""

@@ -314,6 +314,21 @@ def test_handle_plain_and_streaming(app, http, offline_greedy):
     with pytest.raises(APIError) as info:
         handle.generate.remote("", params).result()
     assert info.value.status == 400 and info.value.param == "prompt"
+    # the Responses and Messages APIs as Python calls: the same text as chat, whole and streamed
+    response = handle.responses.remote({"input": CHAT, "max_output_tokens": MAX_TOKENS, "temperature": 0}).result()
+    assert response["output"][-1]["content"][0]["text"] == whole
+    events = list(handle.options(stream=True).responses_stream.remote({"input": CHAT, "max_output_tokens": MAX_TOKENS,
+                                                                        "temperature": 0}))
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == whole
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    message = handle.messages.remote({"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}).result()
+    assert message["content"][-1]["text"] == whole
+    events = list(handle.options(stream=True).messages_stream.remote({"messages": CHAT, "max_tokens": MAX_TOKENS,
+                                                                      "temperature": 0}))
+    assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == whole
+    with pytest.raises(APIError) as info:
+        handle.responses.remote({"input": CHAT, "max_output_tokens": -1}).result()
+    assert info.value.status == 400 and info.value.param == "max_output_tokens"
 
 
 def test_disconnect_mid_stream_frees_blocks(app, http):
