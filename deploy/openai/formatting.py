@@ -144,6 +144,7 @@ class ChoiceAccumulator:
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     reasoning: ReasoningTracker | None = None   # chat with a reasoning parser: splits the text as it comes
+    stop_reason: str | int | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
@@ -154,7 +155,7 @@ class ChoiceAccumulator:
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(delta.logprobs)
         if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
     @property
     def full_text(self) -> str:
@@ -183,7 +184,7 @@ def completion_response(rid: str, created: int, model: str, choices: list[Choice
         if want_logprobs and echo:
             logprobs = fmt.echoed_prompt(acc.prompt_token_ids, entries, logprobs)
         out.append(CompletionChoice(index=index, text=acc.full_text, logprobs=logprobs,
-                                    finish_reason=acc.finish_reason))
+                                    finish_reason=acc.finish_reason, stop_reason=acc.stop_reason))
         shared.append(once(entries) if want_prompt_logprobs else None)
     return _with_prompt_logprobs(CompletionResponse(id=rid, created=created, model=model, choices=out,
                                                     usage=use).model_dump(), shared)
@@ -203,10 +204,10 @@ def _with_prompt_logprobs(body: dict, per_choice: list[list | None]) -> dict:
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                      logprobs: CompletionLogprobs | None, finish_reason: str | None,
-                     prompt_logprobs: list | None = None) -> dict:
+                     prompt_logprobs: list | None = None, stop_reason: str | int | None = None) -> dict:
     """A completion chunk as a JSON dict (``prompt_logprobs``: the prompt's shared list, not copied)."""
     choice = {"index": index, "text": text, "logprobs": None if logprobs is None else logprobs.model_dump(),
-              "finish_reason": finish_reason}
+              "finish_reason": finish_reason, "stop_reason": stop_reason}
     if prompt_logprobs is not None:
         choice["prompt_logprobs"] = prompt_logprobs
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
@@ -238,6 +239,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[ChoiceAccumu
         else:
             message, finish_reason = _tool_message(text, tools, acc.finish_reason)
         out.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
+                              stop_reason=acc.stop_reason if finish_reason == "stop" else None,
                               logprobs=fmt.chat(acc.logprobs or []) if want_logprobs else None))
         reasoning.append((acc.reasoning is not None, thought))
     body = ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=use).model_dump()
@@ -250,11 +252,12 @@ def chat_response(rid: str, created: int, model: str, choices: list[ChoiceAccumu
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
-               logprobs: ChatLogprobs | None = None, finish_reason: str | None = None) -> dict:
+               logprobs: ChatLogprobs | None = None, finish_reason: str | None = None,
+               stop_reason: str | int | None = None) -> dict:
     """A chat chunk as a dict. ``delta``: the fields this chunk sets (``role``, ``content``,
     ``tool_calls``), unset ones left out (``{"content": "..."}``), as OpenAI's deltas do."""
     choice = {"index": index, "delta": delta, "logprobs": None if logprobs is None else logprobs.model_dump(),
-              "finish_reason": finish_reason}
+              "finish_reason": finish_reason, "stop_reason": stop_reason}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice],
             "usage": None}
 

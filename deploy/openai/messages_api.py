@@ -31,9 +31,9 @@ Output: ``{"id": "msg_...", "type": "message", "role": "assistant", "model", "co
 (from ``reasoning_content``; ``signature`` empty), text block, tool_use blocks (``id`` "toolu_...",
 ``name``, ``input`` the parsed arguments)], "stop_reason", "stop_sequence", "usage"}``. ``stop_reason``:
 chat "length" -> ``max_tokens``, "tool_calls" -> ``tool_use``, "stop" -> ``end_turn``, or
-``stop_sequence`` with the matched string when the chat choice names it in vLLM's ``stop_reason`` (the chat
-path does not report it today, so a stop sequence reads as ``end_turn``). Usage: ``input_tokens`` are the
-prompt tokens not read from the prefix cache, ``cache_read_input_tokens`` those that were.
+``stop_sequence`` with the matched string the chat choice names in vLLM's ``stop_reason``. Usage:
+``input_tokens`` are the prompt tokens not read from the prefix cache, ``cache_read_input_tokens`` those
+that were.
 
 Errors: ``{"type": "error", "error": {"type", "message"}}`` with the status the chat route would answer;
 ``error.type`` from the status (``ERROR_TYPES``); chat field names restated (``CHAT_NAMES``).

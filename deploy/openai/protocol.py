@@ -189,6 +189,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM: what stopped a "stop" choice: the stop string that matched, or the stop_token_ids entry; None
+    # for EOS (and for every other finish)
+    stop_reason: str | int | None = None
     # vLLM: per prompt token (None for the first) {token id: entry} of the prompt token and its top k;
     # left out of the JSON unless asked for (OpenAI's shape has no such key)
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
@@ -237,6 +240,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None   # as CompletionChoice's
 
 
 class ChatCompletionResponse(BaseModel):
@@ -260,6 +264,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None   # on the finishing chunk (CompletionChoice's)
 
 
 class ChatCompletionChunk(BaseModel):

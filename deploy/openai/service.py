@@ -171,7 +171,7 @@ class _CompletionChunks:
                 prompt_logprobs = self.once(delta.prompt_logprobs)
         if text or delta.finish_reason or (logprobs and logprobs.tokens) or prompt_logprobs:
             return completion_chunk(self.run.rid, self.run.created, self.model, index, text, logprobs,
-                                    delta.finish_reason, prompt_logprobs)
+                                    delta.finish_reason, prompt_logprobs, delta.stop_reason)
         return None
 
 
@@ -369,13 +369,14 @@ class OpenAIService:
                 if finished:
                     reason = "tool_calls" if calls[index].made_calls and delta.finish_reason == "stop" \
                         else delta.finish_reason
-                    yield chat_chunk(rid, created, model, index, {}, finish_reason=reason)
+                    yield chat_chunk(rid, created, model, index, {}, finish_reason=reason,
+                                     stop_reason=delta.stop_reason if reason == "stop" else None)
                 continue
             if reasoning or content or finished or (logprobs and logprobs.content):
                 fields = {"reasoning_content": reasoning} if reasoning else {}
                 if content:
                     fields["content"] = content
-                yield chat_chunk(rid, created, model, index, fields, logprobs, delta.finish_reason)
+                yield chat_chunk(rid, created, model, index, fields, logprobs, delta.finish_reason, delta.stop_reason)
         if req.stream_options is not None and req.stream_options.include_usage:
             use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens,
                         None if start is None else sum(t.tokens for t in trackers))

@@ -52,6 +52,8 @@ class ChoiceDelta:
     finish_reason: str | None = None
     # on a choice's first delta when the request asked for prompt logprobs (None for prompt token 0)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # with finish_reason "stop": the stop string that matched or the stop token id; None for EOS
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -86,7 +88,8 @@ class _ChoiceState:
         self.unprotected_after = min_tokens   # the first min_tokens tokens' text is never matched
         self.num_tokens = 0
 
-    def advance(self, out: CompletionOutput, hidden_ids: frozenset[int]) -> ChoiceDelta:
+    def advance(self, out: CompletionOutput, hidden_ids: frozenset[int],
+                stop_token_ids: frozenset[int] = frozenset()) -> ChoiceDelta:
         visible = out.token_ids
         if out.finish_reason == "stop" and visible and visible[-1] in hidden_ids:
             visible = visible[:-1]
@@ -102,7 +105,11 @@ class _ChoiceState:
             text += self.matcher.flush()
             finish_reason = "stop" if self.matcher.stopped else out.finish_reason
         self.finished = finish_reason is not None
-        return ChoiceDelta(out.index, text, list(out.token_ids), out.logprobs, finish_reason)
+        stop_reason = self.matcher.matched
+        if stop_reason is None and finish_reason == "stop" and out.token_ids and out.token_ids[-1] in stop_token_ids:
+            stop_reason = out.token_ids[-1]
+        return ChoiceDelta(out.index, text, list(out.token_ids), out.logprobs, finish_reason,
+                           stop_reason=stop_reason if finish_reason == "stop" else None)
 
 
 async def stream_choices(engine: EngineClient, request_id: str, prepared: PreparedRequest, tokenizer,
@@ -111,7 +118,7 @@ async def stream_choices(engine: EngineClient, request_id: str, prepared: Prepar
     params = prepared.params
     states = [_ChoiceState(tokenizer, prepared.prompt_token_ids, prepared.stop, params.min_tokens,
                            not prepared.keep_special_tokens) for _ in range(params.n)]
-    hidden_ids = frozenset(params.stop_token_ids)
+    hidden_ids = stop_ids = frozenset(params.stop_token_ids)
     if prepared.keep_special_tokens:   # the text keeps special tokens: not the EOS that ended the choice
         hidden_ids |= frozenset(tokenizer.all_special_ids)
     timer.prompt_tokens += len(prepared.prompt_token_ids)
@@ -124,7 +131,7 @@ async def stream_choices(engine: EngineClient, request_id: str, prepared: Prepar
                 timer.cached_prompt_tokens += output.num_cached_prompt_tokens - cached
                 cached = output.num_cached_prompt_tokens
             prompt_logprobs = output.prompt_logprobs or prompt_logprobs
-            deltas = [states[o.index].advance(o, hidden_ids) for o in output.outputs
+            deltas = [states[o.index].advance(o, hidden_ids, stop_ids) for o in output.outputs
                       if not states[o.index].finished]
             for delta in deltas:
                 if prompt_logprobs is not None and not states[delta.index].sent_prompt_logprobs:

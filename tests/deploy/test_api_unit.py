@@ -94,7 +94,8 @@ def test_stop_string_aborts_engine_request_and_cuts_text(client_and_engine):
     client, engine = client_and_engine
     response = client.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 30, "stop": ["fox"]})
     choice = response.json()["choices"][0]
-    assert choice == {"index": 0, "text": " The quick brown ", "logprobs": None, "finish_reason": "stop"}
+    assert choice == {"index": 0, "text": " The quick brown ", "logprobs": None, "finish_reason": "stop",
+                      "stop_reason": "fox"}   # vLLM's: the stop string that matched
     assert engine.calls[-1][0] in engine.aborted
 
 
@@ -538,3 +539,26 @@ def test_a_batch_request_keeps_a_bounded_number_of_prompts_in_the_engine(tokeniz
     assert held == window and engine.most_in_flight == window
     assert short.status_code == 200 and batch.status_code == 200, batch.text
     assert len(batch.json()["choices"]) == 48 * 4
+
+
+def test_stop_reason_names_what_stopped_a_choice(client_and_engine, tokenizer):
+    """vLLM's ``stop_reason``: the matched stop string, the stop token id, or None for EOS / other finishes;
+    the same on the finishing chunk of a stream, and Anthropic's ``stop_sequence`` reads it."""
+    client, _ = client_and_engine
+    chat = {"messages": [{"role": "user", "content": "Say:"}], "max_tokens": 30}
+    whole = client.post("/v1/chat/completions", json={**chat, "stop": ["fox"]}).json()["choices"][0]
+    assert (whole["finish_reason"], whole["stop_reason"]) == ("stop", "fox")
+    brown = tokenizer.encode(" brown", add_special_tokens=False)[-1]
+    by_id = client.post("/v1/chat/completions", json={**chat, "stop_token_ids": [brown]}).json()["choices"][0]
+    assert (by_id["finish_reason"], by_id["stop_reason"]) == ("stop", brown)
+    length = client.post("/v1/chat/completions", json={**chat, "max_tokens": 2}).json()["choices"][0]
+    assert (length["finish_reason"], length["stop_reason"]) == ("length", None)
+    events = [e for e in parse_sse(client.post("/v1/chat/completions", json={**chat, "stop": ["fox"], "stream": True})
+                                   .text) if e != "[DONE]"]
+    finishing = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in finishing] == [("stop", "fox")]
+    assert all(e["choices"][0]["stop_reason"] is None for e in events
+               if e["choices"] and e["choices"][0]["finish_reason"] is None)
+    message = client.post("/v1/messages", json={"messages": chat["messages"], "max_tokens": 30,
+                                                "stop_sequences": ["fox"]}).json()
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "fox")
