@@ -54,6 +54,15 @@ def tiny_config(kind: str):
         return Phi3Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
                           original_max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False,
                           rope_parameters=rope, architectures=["Phi3ForCausalLM"])
+    if kind == "gemma3":   # (1 + w) norms, sandwich norms, GELU-tanh, scaled embeddings, local/global layers
+        from transformers import Gemma3TextConfig
+
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}
+        return Gemma3TextConfig(**{**TINY_COMMON, "num_hidden_layers": 3}, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                rope_parameters=rope, pad_token_id=0, architectures=["Gemma3ForCausalLM"])
     raise ValueError(kind)
 
 

@@ -103,3 +103,18 @@ def test_phi3_partial_rotary_is_rejected_before_loading(tmp_path):
     config.save_pretrained(str(tmp_path))   # no weights: the check comes first
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
         Worker(engine_config(str(tmp_path), num_blocks=64, max_model_len=64))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping is not supported yet"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping is not supported yet"),
+    ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
+])
+def test_gemma3_settings_without_a_path_are_rejected_before_loading(tmp_path, field, value, message):
+    from helpers.tiny_models import tiny_config
+
+    config = tiny_config("gemma3")
+    setattr(config, field, value)
+    config.save_pretrained(str(tmp_path))   # no weights: the check comes first
+    with pytest.raises(ValueError, match=message):
+        Worker(engine_config(str(tmp_path), num_blocks=64, max_model_len=64))

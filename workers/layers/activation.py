@@ -1,12 +1,14 @@
-"""SiLU-and-multiply for the merged gate/up projection (elementwise: no communication).
+"""Gated activations for the merged gate/up projection (elementwise: no communication).
 
-``kernels.silu_and_mul``: the fused Triton kernel on CUDA tensors, ``F.silu(gate) * up`` (the original
-code, bit-identical) on CPU tensors.
+``silu_and_mul``: ``kernels.silu_and_mul``, the fused Triton kernel on CUDA tensors, ``F.silu(gate) * up``
+(the original code, bit-identical) on CPU tensors. ``gelu_tanh_and_mul`` (Gemma's ``gelu_pytorch_tanh``):
+``F.gelu(gate, approximate="tanh") * up``, torch on every device.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ... import kernels
 
@@ -14,3 +16,9 @@ from ... import kernels
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up [tokens, 2 * inter_local] (gate first, then up) -> [tokens, inter_local]
     return kernels.silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up [tokens, 2 * inter_local] (gate first, then up) -> [tokens, inter_local]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -19,14 +19,21 @@ from .linear import empty_param
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype, device) -> None:
+    """``weight_offset``: added to the checkpoint's weight at load, in float32 (Gemma stores w and scales by
+    1 + w: with 1.0 the product is Gemma's, exactly so in float32)."""
+
+    def __init__(self, size: int, eps: float, dtype, device, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.size = size
         self.eps = eps
+        self.weight_offset = weight_offset
         self.weight = empty_param((size,), dtype, device)   # [size]
 
     def load(self, reader: CheckpointReader, name: str) -> None:
-        copy_into(self.weight, reader.read(name, expect_shape=[self.size]), name)
+        value = reader.read(name, expect_shape=[self.size])
+        if self.weight_offset:
+            value = value.float() + self.weight_offset
+        copy_into(self.weight, value, name)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None):
         # x [tokens, size] or [tokens, heads, size]; ``out`` (x's shape, may be x) receives the normed rows

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.activation import silu_and_mul
+from ..layers.activation import gelu_tanh_and_mul, silu_and_mul
 from ..layers.attention import AttentionMetadata, PagedAttention
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -46,6 +46,9 @@ class ArchSpec:
     sliding_window: int | None = None   # keys within this many positions of the query (itself included)
     sliding_layers: tuple[bool, ...] | None = None   # which layers use the window (None: every layer)
     fused_checkpoint: bool = False      # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+    attn_scale: float | None = None     # softmax scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar)
+    norm_offset: float = 0.0            # added to every RMSNorm weight at load (Gemma's 1 + w)
+    gelu_tanh: bool = False             # the MLP gates with GELU-tanh instead of SiLU (Gemma)
 
     def window_of(self, layer: int) -> int | None:
         if self.sliding_layers is None or self.sliding_window is None:
@@ -87,10 +90,11 @@ class DecoderAttention(nn.Module):
                                                  dtype, device)
         self.o_proj = RowParallelLinear(dims.num_heads * dims.head_dim, dims.hidden_size, spec.o_bias, tp,
                                         dtype, device, name="num_attention_heads * head_dim")
-        self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device) if spec.qk_norm else None
-        self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device) if spec.qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5,
-                                   window)
+        offset = spec.norm_offset
+        self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device, offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device, offset) if spec.qk_norm else None
+        scale = spec.attn_scale if spec.attn_scale is not None else dims.head_dim ** -0.5
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, scale, window)
         self.fused_checkpoint = spec.fused_checkpoint
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
@@ -133,6 +137,7 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, dims.hidden_size, spec.mlp_bias, tp, dtype, device,
                                            name="intermediate_size")
         self.fused_checkpoint = spec.fused_checkpoint
+        self.act = gelu_tanh_and_mul if spec.gelu_tanh else silu_and_mul
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         if self.fused_checkpoint:
@@ -142,7 +147,7 @@ class DecoderMLP(nn.Module):
         self.down_proj.load(reader, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

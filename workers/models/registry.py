@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from .decoder import DecoderForCausalLM
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
@@ -20,6 +21,7 @@ MODEL_CLASSES = MappingProxyType({
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 })
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
