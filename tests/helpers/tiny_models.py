@@ -54,6 +54,13 @@ def tiny_config(kind: str):
         return Phi3Config(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
                           original_max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False,
                           rope_parameters=rope, architectures=["Phi3ForCausalLM"])
+    if kind == "qwen3-moe":   # 6 experts, top-2 renormalised; layer 1 of 3 dense (mlp_only_layers)
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**{**TINY_COMMON, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                              tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
     if kind == "gemma3":   # (1 + w) norms, sandwich norms, GELU-tanh, scaled embeddings, local/global layers
         from transformers import Gemma3TextConfig
 

@@ -30,6 +30,7 @@ from ..layers.activation import gelu_tanh_and_mul, silu_and_mul
 from ..layers.attention import AttentionMetadata, PagedAttention
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.moe import MoESpec, SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.partition import HeadPartition, check_even_split, check_head_split
 from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
@@ -49,6 +50,8 @@ class ArchSpec:
     attn_scale: float | None = None     # softmax scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar)
     norm_offset: float = 0.0            # added to every RMSNorm weight at load (Gemma's 1 + w)
     gelu_tanh: bool = False             # the MLP gates with GELU-tanh instead of SiLU (Gemma)
+    moe: MoESpec | None = None          # sparse experts (layers/moe.py) on the layers moe_layers marks
+    moe_layers: tuple[bool, ...] = ()
 
     def window_of(self, layer: int) -> int | None:
         if self.sliding_layers is None or self.sliding_window is None:
@@ -156,7 +159,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
         self.self_attn = DecoderAttention(dims, spec, tp, dtype, device, spec.window_of(index))
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
-        self.mlp = DecoderMLP(dims, spec, tp, dtype, device)
+        sparse = spec.moe is not None and spec.moe_layers[index]
+        self.mlp = SparseMoE(dims.hidden_size, spec.moe, tp, dtype, device) if sparse else \
+            DecoderMLP(dims, spec, tp, dtype, device)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight")
@@ -192,6 +197,8 @@ class DecoderForCausalLM(nn.Module):
                              f"{dims.num_layers}")
         check_head_split(dims.num_heads, dims.num_kv_heads, tp_size)
         check_even_split(dims.intermediate_size, tp_size, "intermediate_size")
+        if spec.moe is not None:
+            check_even_split(spec.moe.intermediate_size, tp_size, "moe_intermediate_size")
         RotaryEmbedding(dims.head_dim, rope_parameters(hf_config), torch.device("cpu"), max_model_len)
 
     def __init__(self, hf_config, tp: TPGroup, dtype: torch.dtype, device: torch.device,

@@ -14,6 +14,7 @@ from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +23,7 @@ MODEL_CLASSES = MappingProxyType({
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 })
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)

@@ -1,0 +1,75 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE), the torch reference path: router, top-k, one loop over experts.
+
+Per token the router's softmax (float32) picks ``top_k`` experts (with ``norm_topk_prob`` their weights are
+renormalised to sum to 1, then cast to the hidden dtype); each picked expert runs its SiLU-gated MLP on the
+tokens routed to it, the output is scaled by the token's weight and added into the token's row, experts in
+ascending order (transformers' order, so float32 sums match it).
+
+Tensor parallelism: the router is replicated; every rank holds every expert's slice of the intermediate
+dimension (gate / up rows, down columns), as vLLM's fused-MoE TP does, so each rank's sum is a partial one
+and one all-reduce completes it: the same collective as the dense MLP's down projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tp_group import TPGroup
+from ..weight_loader import CheckpointReader, copy_into
+from .linear import empty_param
+from .partition import check_even_split
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int          # per expert
+    norm_topk_prob: bool
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, spec: MoESpec, tp: TPGroup, dtype, device) -> None:
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        rows = check_even_split(spec.intermediate_size, tp.world_size, "moe_intermediate_size")
+        self.start, self.rows, self.hidden_size = tp.rank * rows, rows, hidden_size
+        self.gate = empty_param((spec.num_experts, hidden_size), dtype, device)              # router [E, H]
+        self.gate_up = empty_param((spec.num_experts, 2 * rows, hidden_size), dtype, device)  # [E, 2 I_local, H]
+        self.down = empty_param((spec.num_experts, hidden_size, rows), dtype, device)        # [E, H, I_local]
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        """``{prefix}.gate.weight`` and ``{prefix}.experts.{e}.{gate,up,down}_proj.weight`` (this rank's rows /
+        columns of each expert)."""
+        full, hidden, start, end = self.spec.intermediate_size, self.hidden_size, self.start, self.start + self.rows
+        name = f"{prefix}.gate.weight"
+        copy_into(self.gate, reader.read(name, expect_shape=[self.spec.num_experts, hidden]), name)
+        for e in range(self.spec.num_experts):
+            base = f"{prefix}.experts.{e}"
+            for half, proj in enumerate(("gate_proj", "up_proj")):
+                name = f"{base}.{proj}.weight"
+                copy_into(self.gate_up[e, half * self.rows:(half + 1) * self.rows],
+                          reader.read(name, 0, start, end, expect_shape=[full, hidden]), name)
+            name = f"{base}.down_proj.weight"
+            copy_into(self.down[e], reader.read(name, 1, start, end, expect_shape=[hidden, full]), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [tokens, H] -> [tokens, H] (all-reduced over the ranks)
+        logits = F.linear(x, self.gate)                                                   # [tokens, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)                    # [tokens, k]
+        if self.spec.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            slot, token = torch.where((experts == e).T)                                   # [k, tokens] order
+            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        self.tp.all_reduce(out)
+        return out
