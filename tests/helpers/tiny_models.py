@@ -61,6 +61,18 @@ def tiny_config(kind: str):
                               head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
                               tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+    if kind == "qwen2-moe":   # 4 experts, top-2 not renormalised, a gated shared expert, qkv bias
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(**TINY_COMMON, num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                              norm_topk_prob=False, tie_word_embeddings=False, architectures=["Qwen2MoeForCausalLM"])
+    if kind == "mixtral":   # block_sparse_moe with w1 / w3 / w2, top-2 of 4 renormalised
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**{**TINY_COMMON, "intermediate_size": 32}, num_attention_heads=4, num_key_value_heads=2,
+                             num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                             architectures=["MixtralForCausalLM"])
     if kind == "gemma3":   # (1 + w) norms, sandwich norms, GELU-tanh, scaled embeddings, local/global layers
         from transformers import Gemma3TextConfig
 

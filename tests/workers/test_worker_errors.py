@@ -118,3 +118,13 @@ def test_gemma3_settings_without_a_path_are_rejected_before_loading(tmp_path, fi
     config.save_pretrained(str(tmp_path))   # no weights: the check comes first
     with pytest.raises(ValueError, match=message):
         Worker(engine_config(str(tmp_path), num_blocks=64, max_model_len=64))
+
+
+def test_a_routing_that_picks_more_experts_than_exist_is_rejected_before_loading(tmp_path):
+    from helpers.tiny_models import tiny_config
+
+    config = tiny_config("mixtral")
+    config.num_experts_per_tok = 5
+    config.save_pretrained(str(tmp_path))   # no weights: the check comes first
+    with pytest.raises(ValueError, match="num_experts_per_tok 5 of 4 experts is not a valid routing"):
+        Worker(engine_config(str(tmp_path), num_blocks=64, max_model_len=64))

@@ -7,7 +7,8 @@ untied LM head. ``qwen3``: a single KV head, so both ranks hold a replica of it.
 16-token sliding window. ``gemma3``: (1 + w) norms around attention and MLP, scaled embeddings, GELU-tanh,
 local and global layers with their own rope (the logprob check fails when the global layers take the local
 rope, which the greedy tokens alone do not catch). ``qwen3-moe``: 6 experts, top-2, each rank holding every
-expert's half of the intermediate dimension, one dense layer.
+expert's half of the intermediate dimension, one dense layer; ``qwen2-moe``: plus a gated shared expert;
+``mixtral``: Mixtral's names and renormalised top-2.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _check_logprobs(path: str, seq) -> None:
         assert abs(sampled.logprob - row[sampled.token_id].item()) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma3", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma3", "qwen3-moe", "qwen2-moe", "mixtral"])
 def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
     path = tiny_model_path(kind)
     params = SamplingParams(temperature=0.0, logprobs=TOP_N)

@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE), the torch reference path: router, top-k, one loop over experts.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral), the torch reference path: router, top-k,
+one loop over experts.
 
 Per token the router's softmax (float32) picks ``top_k`` experts (with ``norm_topk_prob`` their weights are
 renormalised to sum to 1, then cast to the hidden dtype); each picked expert runs its SiLU-gated MLP on the
@@ -8,6 +9,11 @@ ascending order (transformers' order, so float32 sums match it).
 Tensor parallelism: the router is replicated; every rank holds every expert's slice of the intermediate
 dimension (gate / up rows, down columns), as vLLM's fused-MoE TP does, so each rank's sum is a partial one
 and one all-reduce completes it: the same collective as the dense MLP's down projection.
+
+Qwen2-MoE adds a shared expert (a dense MLP passed in by the model, tensor-parallel as usual) whose output,
+scaled by ``sigmoid(shared_expert_gate(x))`` (a replicated [1, H] projection), joins the experts' sum.
+Checkpoint names: ``MoESpec.block`` (``mlp``; Mixtral ``block_sparse_moe``) holds ``gate`` (the router) and
+``experts.{e}.{names}`` (``gate_proj / up_proj / down_proj``; Mixtral ``w1 / w3 / w2``).
 """
 
 from __future__ import annotations
@@ -30,12 +36,19 @@ class MoESpec:
     top_k: int
     intermediate_size: int          # per expert
     norm_topk_prob: bool
+    shared_intermediate_size: int = 0   # Qwen2-MoE's shared expert (0: none)
+    block: str = "mlp"                  # the layer's checkpoint module
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden_size: int, spec: MoESpec, tp: TPGroup, dtype, device) -> None:
+    def __init__(self, hidden_size: int, spec: MoESpec, tp: TPGroup, dtype, device,
+                 shared: nn.Module | None = None) -> None:
         super().__init__()
         self.spec, self.tp = spec, tp
+        self.checkpoint_name = spec.block
+        self.shared = shared                                                                  # [T, H] -> [T, H]
+        self.shared_gate = empty_param((1, hidden_size), dtype, device) if shared is not None else None
         rows = check_even_split(spec.intermediate_size, tp.world_size, "moe_intermediate_size")
         self.start, self.rows, self.hidden_size = tp.rank * rows, rows, hidden_size
         self.gate = empty_param((spec.num_experts, hidden_size), dtype, device)              # router [E, H]
@@ -48,14 +61,19 @@ class SparseMoE(nn.Module):
         full, hidden, start, end = self.spec.intermediate_size, self.hidden_size, self.start, self.start + self.rows
         name = f"{prefix}.gate.weight"
         copy_into(self.gate, reader.read(name, expect_shape=[self.spec.num_experts, hidden]), name)
+        gate_name, up_name, down_name = self.spec.names
         for e in range(self.spec.num_experts):
             base = f"{prefix}.experts.{e}"
-            for half, proj in enumerate(("gate_proj", "up_proj")):
+            for half, proj in enumerate((gate_name, up_name)):
                 name = f"{base}.{proj}.weight"
                 copy_into(self.gate_up[e, half * self.rows:(half + 1) * self.rows],
                           reader.read(name, 0, start, end, expect_shape=[full, hidden]), name)
-            name = f"{base}.down_proj.weight"
+            name = f"{base}.{down_name}.weight"
             copy_into(self.down[e], reader.read(name, 1, start, end, expect_shape=[hidden, full]), name)
+        if self.shared is not None:
+            self.shared.load(reader, f"{prefix}.shared_expert")
+            name = f"{prefix}.shared_expert_gate.weight"
+            copy_into(self.shared_gate, reader.read(name, expect_shape=[1, hidden]), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [tokens, H] -> [tokens, H] (all-reduced over the ranks)
@@ -72,4 +90,6 @@ class SparseMoE(nn.Module):
             y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         self.tp.all_reduce(out)
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out

@@ -21,7 +21,7 @@ Nothing in the forward reads tensor values on the host, so it can be captured in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -160,14 +160,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(dims, spec, tp, dtype, device, spec.window_of(index))
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
         sparse = spec.moe is not None and spec.moe_layers[index]
-        self.mlp = SparseMoE(dims.hidden_size, spec.moe, tp, dtype, device) if sparse else \
-            DecoderMLP(dims, spec, tp, dtype, device)
+        if not sparse:
+            self.mlp = DecoderMLP(dims, spec, tp, dtype, device)
+        else:
+            size = spec.moe.shared_intermediate_size
+            shared = DecoderMLP(replace(dims, intermediate_size=size), spec, tp, dtype, device) if size else None
+            self.mlp = SparseMoE(dims.hidden_size, spec.moe, tp, dtype, device, shared)
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight")
         self.self_attn.load(reader, f"{prefix}.self_attn")
         self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight")
-        self.mlp.load(reader, f"{prefix}.mlp")
+        self.mlp.load(reader, f"{prefix}.{getattr(self.mlp, 'checkpoint_name', 'mlp')}")
 
     def forward(self, hidden, residual, rope: RotaryStep, kv_layer, meta):
         # returns (mlp output, residual stream before it), both [tokens, hidden]
