@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/gpu_check.sh quick   # install, the -m gpu tests, an engine smoke (32 sequences)
 #   bash benchmarks/gpu_check.sh full    # install, the -m gpu tests, benchmarks.gpu_engine at its shape
+# Both then run benchmarks.moe_kernel (the fused-MoE kernel against the loop over experts).
 #
 # Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, gpu*.json the figures.
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
@@ -40,3 +41,7 @@ else
     timeout "${BENCH_S:-420}" python3 -m benchmarks.gpu_engine --hf-max-s 30 --out "$OUT/gpu.json"
 fi
 echo "gpu_engine exit: $?"
+
+echo "== benchmarks.moe_kernel =="
+timeout "${MOE_S:-120}" python3 -m benchmarks.moe_kernel --out "$OUT/moe_kernel.json"
+echo "moe_kernel exit: $?"

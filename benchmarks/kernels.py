@@ -218,21 +218,28 @@ def run(cfg: dict, device: torch.device, out_path: pathlib.Path, dry_run: bool) 
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_main(argv: list[str] | None, module: str, description: str, run, full: dict, dry: dict,
+               default_out: str, dry_out: str) -> None:
+    """The command line of the GPU kernel benchmarks: ``--dry-run`` re-executes under ``TRITON_INTERPRET=1``
+    and runs ``dry`` on CPU, else ``full`` on CUDA; ``run(cfg, device, out_path, dry_run)`` does the work."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET=1")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON output path")
     args = parser.parse_args(argv)
     if args.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":   # triton reads it when the kernels are defined
             env = dict(os.environ, TRITON_INTERPRET="1")
-            os.execve(sys.executable, [sys.executable, "-m", "benchmarks.kernels", *sys.argv[1:]], env)
-        out = args.out or pathlib.Path(tempfile.gettempdir()) / "pagedray_kernels_bench_dry_run.json"
-        run(DRY, torch.device("cpu"), out, dry_run=True)
+            os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
+        run(dry, torch.device("cpu"), args.out or pathlib.Path(tempfile.gettempdir()) / dry_out, dry_run=True)
         return
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (use --dry-run to check the script on CPU)")
-    run(FULL, torch.device("cuda"), args.out or pathlib.Path("benchmarks/results/kernels_bench.json"), False)
+    run(full, torch.device("cuda"), args.out or pathlib.Path(default_out), False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    bench_main(argv, "benchmarks.kernels", __doc__.splitlines()[0], run, FULL, DRY,
+               "benchmarks/results/kernels_bench.json", "pagedray_kernels_bench_dry_run.json")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import triton
 from pagedray.kernels import (
     activation_triton,
     decode_triton,
+    moe_triton,
     norm_triton,
     prefill_triton,
     rotary_triton,
@@ -47,11 +48,12 @@ from triton import compiler
 from triton.backends.compiler import GPUTarget
 
 TARGET = GPUTarget("cuda", 90, 32)
-INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_q_ptr"}
+INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_q_ptr", "rows_ptr", "experts_ptr"}
 FP32_POINTERS = {"alibi_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr", "inv_freq_ptr"}
 INT64_POINTERS = {"slot_ptr", "keys_ptr", "pos_ptr"}
-FP32_SCALARS = {"scale_log2", "eps"}
-NOT_DIVISIBLE = {"group_size", "stride_bt", "sliding_window", "num_splits", "num_seqs", "block_size", "num_heads"}
+FP32_SCALARS = {"scale_log2", "eps", "scale"}
+NOT_DIVISIBLE = {"group_size", "stride_bt", "sliding_window", "num_splits", "num_seqs", "block_size", "num_heads",
+                 "top_k", "num_rows"}
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SM90_SHARED_PER_SM = 228 * 1024
 SM90_SHARED_RESERVED = 1024
@@ -148,6 +150,9 @@ def variants() -> dict[str, tuple]:
         consts, options = _launch_options(cfg)
         out[name] = (kernel, data_type, consts, options)
     out["rotary bf16"][3]["enable_fp_fusion"] = False      # as rotary_embedding_triton launches it
+    for name, by_token, mul in (("fused moe gate_up bf16", True, False), ("fused moe down bf16", False, True)):
+        consts, options = _launch_options(dict(A_BY_TOKEN=by_token, MUL_WEIGHT=mul, **moe_triton.moe_config(256)))
+        out[name] = (moe_triton._grouped_gemm_kernel, "bf16", consts, options)
     return out
 
 

@@ -13,9 +13,11 @@ use (``cpu_decode.py``: reads K/V straight from the paged cache; the reference w
 every layer (they then pass ``validate_values=False`` per call); ``check_host_step_metadata`` does
 the same on CPU metadata for a cache on any device (the check before the host-to-device copy).
 The model's small ops (``fused_ops``): ``rms_norm`` (optional fused residual add, also per head on a
-strided q/k view), ``rotary_embedding_`` (in place on q and k), ``apply_rotary`` (CPU: a rotated copy)
-and ``silu_and_mul``, dispatched the same way (on CPU, RMSNorm and ``apply_rotary`` are one C call
-each, ``cpu_fused.c``); their ``*_reference`` twins (``fused_reference``) are the model layers' exact torch code.
+strided q/k view), ``rotary_embedding_`` (in place on q and k), ``apply_rotary`` (CPU: a rotated copy),
+``silu_and_mul`` and ``fused_moe`` (mixture-of-experts over the picked experts: ``moe_triton``'s grouped
+GEMMs on CUDA, a torch loop over experts elsewhere), dispatched the same way (on CPU, RMSNorm and
+``apply_rotary`` are one C call each, ``cpu_fused.c``); their ``*_reference`` twins (``fused_reference``) are
+the model layers' exact torch code.
 ``seeded_uniform(keys, vocab)`` (``seeded_uniform``): the Sampler's noise for seeded rows, a counter-based
 hash of (key, column) for a whole batch in one call; ``noise_keys`` derives the keys from (seed, position).
 Benchmarks (from a checkout): ``python -m benchmarks.kernels`` (CUDA; ``--dry-run`` checks the plumbing on CPU)
@@ -31,9 +33,10 @@ from .api import (
     store_kv,
     store_kv_and_attend,
 )
-from .fused_ops import apply_rotary, fused_triton_path, rms_norm, rotary_embedding_, silu_and_mul
+from .fused_ops import apply_rotary, fused_moe, fused_triton_path, rms_norm, rotary_embedding_, silu_and_mul
 from .fused_reference import (
     apply_rotary_reference,
+    fused_moe_reference,
     rms_norm_reference,
     rotary_cos_sin,
     rotary_embedding_reference_,
@@ -64,6 +67,8 @@ __all__ = [
     "rotary_embedding_",
     "apply_rotary",
     "silu_and_mul",
+    "fused_moe",
+    "fused_moe_reference",
     "rms_norm_reference",
     "rotary_cos_sin",
     "apply_rotary_reference",

@@ -30,6 +30,7 @@ from .activation_triton import silu_and_mul_triton
 from .api import _triton_wanted
 from .fused_reference import (
     apply_rotary_reference,
+    fused_moe_reference,
     rms_norm_reference,
     rotary_embedding_reference_,
     silu_and_mul_reference,
@@ -164,3 +165,35 @@ def apply_rotary(x, cos, signed_sin):
     if cpu_fused.supports_rotary(x, cos):
         return cpu_fused.apply_rotary_cpu(x, cos, signed_sin)
     return apply_rotary_reference(x, cos, signed_sin)
+
+
+def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, use_triton=None):
+    """Mixture-of-experts MLP over the picked experts: x [T, H]; gate_up [E, 2I, H] (gate rows, then up);
+    down [E, H, I]; topk_weights [T, k] in x's dtype; topk_ids [T, k] int32/int64 in [0, E) ->
+    [T, H] = sum over the picks of weight * down(silu(gate) * up). Triton on CUDA (``moe_triton``: grouped
+    GEMMs over the rows sorted by expert), the torch loop over experts elsewhere (``fused_moe_reference``)."""
+    _check_rows("x", x, (2,))
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        _check_rows(name, w, (3,), x.device)
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name}: dtype {w.dtype} differs from x {x.dtype}")
+    experts, two_inter, hidden = gate_up.shape
+    if hidden != x.shape[1] or two_inter % 2 or tuple(down.shape) != (experts, hidden, two_inter // 2):
+        raise ValueError(f"gate_up / down: shapes {tuple(gate_up.shape)} / {tuple(down.shape)} do not fit x "
+                         f"{tuple(x.shape)} (expected [E, 2I, {x.shape[1]}] and [E, {x.shape[1]}, I])")
+    v.check_tensor("topk_ids", topk_ids, 2, x.device)
+    if topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids: expected int32/int64 [{x.shape[0]}, k], got {topk_ids.dtype} "
+                         f"{tuple(topk_ids.shape)}")
+    v.check_tensor("topk_weights", topk_weights, 2, x.device)
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != x.dtype:
+        raise ValueError(f"topk_weights: expected {tuple(topk_ids.shape)} in {x.dtype}, got "
+                         f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= experts):
+        raise ValueError(f"topk_ids: expert ids must lie in [0, {experts})")
+    if _triton_wanted(use_triton, x.device):
+        from .moe_triton import fused_moe_triton
+
+        return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids)
+    return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids)
+

@@ -53,3 +53,13 @@ def test_sweep_dry_run_checks_and_times_every_config(tmp_path):
     shapes = {r["shape"] for r in rows}
     assert set(report["best"]) == shapes
     assert all(sum(r["config"] == "default" for r in rows if r["shape"] == s) == 1 for s in shapes)
+
+
+def test_moe_kernel_dry_run_checks_and_times_every_row(tmp_path):
+    from benchmarks.moe_kernel import DRY
+
+    report = _run_dry("benchmarks.moe_kernel", tmp_path / "moe.json")
+    rows = report["rows"]
+    assert [r["tokens"] for r in rows] == list(DRY["tokens"])
+    assert all(r["fused_ms"] > 0 and r["loop_ms"] > 0 and r["tflops"] > 0 and r["gbps"] > 0 for r in rows)
+    assert all(1 <= r["experts_hit"] <= DRY["experts"] for r in rows)

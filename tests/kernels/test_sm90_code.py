@@ -58,3 +58,8 @@ def test_prefill_uses_wgmma_and_wide_loads(rows, name):
 def test_store_kv_moves_16_byte_vectors(rows):
     row = rows["store_kv bf16"]
     assert row["wide_loads"] >= 2 and row["wide_stores"] >= 2, row
+
+
+@pytest.mark.parametrize("name", ["fused moe gate_up bf16", "fused moe down bf16"])
+def test_fused_moe_uses_tensor_cores(rows, name):
+    assert rows[name]["hgmma"] + rows[name]["hmma"] > 0, rows[name]

@@ -1,10 +1,11 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral), the torch reference path: router, top-k,
-one loop over experts.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): router, top-k, then ``kernels.fused_moe``
+(the Triton grouped GEMMs on CUDA, a torch loop over experts elsewhere).
 
 Per token the router's softmax (float32) picks ``top_k`` experts (with ``norm_topk_prob`` their weights are
 renormalised to sum to 1, then cast to the hidden dtype); each picked expert runs its SiLU-gated MLP on the
-tokens routed to it, the output is scaled by the token's weight and added into the token's row, experts in
-ascending order (transformers' order, so float32 sums match it).
+tokens routed to it, the output is scaled by the token's weight and added into the token's row; the torch
+path adds experts in ascending order (transformers' order, so float32 sums match it), the Triton path sums
+each token's picks in slot order.
 
 Tensor parallelism: the router is replicated; every rank holds every expert's slice of the intermediate
 dimension (gate / up rows, down columns), as vLLM's fused-MoE TP does, so each rank's sum is a partial one
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import kernels
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader, copy_into
 from .linear import empty_param
@@ -82,13 +84,7 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)                    # [tokens, k]
         if self.spec.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            slot, token = torch.where((experts == e).T)                                   # [k, tokens] order
-            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        out = kernels.fused_moe(x, self.gate_up, self.down, weights.to(logits.dtype), experts)   # [tokens, H]
         self.tp.all_reduce(out)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)

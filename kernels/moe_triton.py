@@ -1,0 +1,92 @@
+"""Triton fused mixture-of-experts: the routed (token, slot) rows sorted by expert, one grouped GEMM launch
+for every expert's gate / up projection and one for its down projection, the top-k weight applied in the
+second GEMM's epilogue.
+
+``align_by_expert`` lists the rows ``token * top_k + slot`` grouped by expert, each expert's group padded to
+a multiple of ``BLOCK_M`` with a sentinel (``tokens * top_k``, never stored), and the expert of each
+``BLOCK_M`` block (experts that got no row get no block). ``_grouped_gemm_kernel`` computes, for one block
+of rows and ``BLOCK_N`` output columns, ``a[row] @ w[expert]^T`` (``a``'s row = the token's row of x for the
+first GEMM, the routed row itself for the second), accumulating in float32; with ``MUL_WEIGHT`` each row is
+scaled by its top-k weight. The caller sums the ``top_k`` rows of each token.
+
+Decisions: docs/design/kernels.md, ``pagedray.kernels.moe_triton``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """topk_ids [T, k] -> (sorted_rows [P] int32 with sentinel T*k, block_experts [P / block_m] int32)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)                                   # [T*k]
+    order = torch.argsort(flat, stable=True)                                     # rows grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts)                         # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    total = int(padded.sum())
+    sentinel = flat.numel()
+    sorted_rows = torch.full((total,), sentinel, dtype=torch.int32, device=flat.device)
+    starts = torch.cumsum(padded, 0) - padded                                    # each expert's first slot
+    within = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    sorted_rows[starts[flat[order]] + within] = order.to(torch.int32)
+    block_experts = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32),
+                                            padded // block_m)
+    return sorted_rows, block_experts
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, weight_ptr, rows_ptr, experts_ptr,
+                         num_rows, n_out, k_in, top_k, stride_a, stride_we, stride_wn, stride_out,
+                         A_BY_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK_N
+    expert = tl.load(experts_ptr + block).to(tl.int64)
+    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)   # [BLOCK_M] routed rows
+    real = rows < num_rows
+    a_rows = rows // top_k if A_BY_TOKEN else rows                                 # x's row, or the routed row
+    cols = col0 + tl.arange(0, BLOCK_N)                                            # [BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+                    mask=real[:, None] & (ks[None, :] < k_in), other=0.0)         # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None],
+                    mask=(cols[None, :] < n_out) & (ks[:, None] < k_in), other=0.0)   # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(a, w)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + rows, mask=real, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=real[:, None] & (cols[None, :] < n_out))
+
+
+def moe_config(tokens: int) -> dict:
+    """Row blocks of 16 at decode sizes, 64 for long prefill steps."""
+    return dict(BLOCK_M=16 if tokens <= 64 else 64, BLOCK_N=64, BLOCK_K=32)
+
+
+def _grouped_gemm(a, w, out, weights, sorted_rows, block_experts, top_k, a_by_token, cfg) -> None:
+    n_out, k_in = w.shape[1], w.shape[2]
+    grid = (block_experts.shape[0], triton.cdiv(n_out, cfg["BLOCK_N"]))
+    _grouped_gemm_kernel[grid](a, w, out, weights, sorted_rows, block_experts, out.shape[0], n_out, k_in, top_k,
+                               a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_BY_TOKEN=a_by_token,
+                               MUL_WEIGHT=weights is not None, **cfg)
+
+
+def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights [T, k]; topk_ids [T, k] -> [T, H] (x.dtype):
+    sum over the k picks of weight * down(silu(gate) * up) (``fused_reference.fused_moe_reference``)."""
+    tokens, top_k = topk_ids.shape
+    num_experts, two_inter, _ = gate_up.shape
+    cfg = moe_config(tokens)
+    sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
+    routed = torch.empty((tokens * top_k, two_inter), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, gate_up, routed, None, sorted_rows, block_experts, top_k, True, cfg)
+    gate, up = routed.chunk(2, dim=-1)
+    hidden = (torch.nn.functional.silu(gate) * up).contiguous()                  # [T*k, I]
+    per_pick = torch.empty((tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _grouped_gemm(hidden, down, per_pick, weights, sorted_rows, block_experts, top_k, False, cfg)
+    return per_pick.view(tokens, top_k, -1).sum(dim=1)
