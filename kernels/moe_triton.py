@@ -4,10 +4,11 @@ second GEMM's epilogue.
 
 ``align_by_expert`` lists the rows ``token * top_k + slot`` grouped by expert, each expert's group padded to
 a multiple of ``BLOCK_M`` with a sentinel (``tokens * top_k``, never stored), and the expert of each
-``BLOCK_M`` block (experts that got no row get no block). ``_grouped_gemm_kernel`` computes, for one block
-of rows and ``BLOCK_N`` output columns, ``a[row] @ w[expert]^T`` (``a``'s row = the token's row of x for the
-first GEMM, the routed row itself for the second), accumulating in float32; with ``MUL_WEIGHT`` each row is
-scaled by its top-k weight. The caller sums the ``top_k`` rows of each token.
+``BLOCK_M`` block (experts that got no row get no block; the list has a fixed worst-case length whose
+unused blocks say -1 and return at once, so nothing is read back to the host). ``_grouped_gemm_kernel``
+computes, for one block of rows and ``BLOCK_N`` output columns, ``a[row] @ w[expert]^T`` (``a``'s row: the
+token's row of x for the first GEMM, the routed row itself for the second), accumulating in float32; with
+``MUL_WEIGHT`` each row is scaled by its top-k weight. The caller sums the ``top_k`` rows of each token.
 
 Decisions: docs/design/kernels.md, ``pagedray.kernels.moe_triton``.
 """
@@ -20,19 +21,25 @@ import triton.language as tl
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """topk_ids [T, k] -> (sorted_rows [P] int32 with sentinel T*k, block_experts [P / block_m] int32)."""
+    """topk_ids [T, k] -> (sorted_rows [P] int32 with sentinel T*k, block_experts [P / block_m] int32, -1 for
+    the blocks past the last expert's). P is the bound T*k + E*(block_m - 1) rounded up to block_m, so the
+    shapes depend on T, k and E only: no value reaches the host (the step can be a CUDA graph)."""
     flat = topk_ids.reshape(-1).to(torch.int64)                                   # [T*k]
+    rows = flat.numel()
     order = torch.argsort(flat, stable=True)                                     # rows grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)                         # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))                                          # [E]
     padded = (counts + block_m - 1) // block_m * block_m
-    total = int(padded.sum())
-    sentinel = flat.numel()
-    sorted_rows = torch.full((total,), sentinel, dtype=torch.int32, device=flat.device)
-    starts = torch.cumsum(padded, 0) - padded                                    # each expert's first slot
-    within = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-    sorted_rows[starts[flat[order]] + within] = order.to(torch.int32)
-    block_experts = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32),
-                                            padded // block_m)
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded                                                       # each expert's first slot
+    total = -(-(rows + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_rows = torch.full((total,), rows, dtype=torch.int32, device=flat.device)
+    expert_of = flat[order]
+    within = torch.arange(rows, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    sorted_rows[starts[expert_of] + within] = order.to(torch.int32)
+    block_starts = torch.arange(0, total, block_m, device=flat.device)
+    block_experts = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)   # E past the end
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
     return sorted_rows, block_experts
 
 
@@ -44,6 +51,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, weight_ptr, rows_ptr, experts_pt
     block = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK_N
     expert = tl.load(experts_ptr + block).to(tl.int64)
+    if expert < 0:                                   # a block past the last expert's rows
+        return
     rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)   # [BLOCK_M] routed rows
     real = rows < num_rows
     a_rows = rows // top_k if A_BY_TOKEN else rows                                 # x's row, or the routed row

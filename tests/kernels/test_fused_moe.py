@@ -46,8 +46,9 @@ def test_triton_matches_the_loop_over_experts(tokens, experts, top_k, hidden, in
 def test_rows_are_grouped_by_expert_and_padded():
     ids = torch.tensor([[3, 0], [0, 2], [3, 0]])                     # rows 0..5 = token * 2 + slot
     rows, experts = align_by_expert(ids, num_experts=5, block_m=4)
-    assert experts.tolist() == [0, 2, 3]                              # experts 1 and 4 get no block
-    assert rows.tolist() == [1, 2, 5, 6, 3, 6, 6, 6, 0, 4, 6, 6]     # 6 = the sentinel (tokens * top_k)
+    # experts 1 and 4 get no block; the worst-case length 6 + 5 * 3 -> 24 rows leaves 3 unused blocks (-1)
+    assert experts.tolist() == [0, 2, 3, -1, -1, -1]
+    assert rows.tolist() == [1, 2, 5, 6, 3, 6, 6, 6, 0, 4, 6, 6] + [6] * 12   # 6 = the sentinel (tokens * top_k)
 
 
 @pytest.mark.parametrize("change, message", [
