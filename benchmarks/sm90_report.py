@@ -51,7 +51,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_q_ptr", "rows_ptr", "experts_ptr"}
 FP32_POINTERS = {"alibi_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr", "inv_freq_ptr"}
 INT64_POINTERS = {"slot_ptr", "keys_ptr", "pos_ptr"}
-FP32_SCALARS = {"scale_log2", "eps", "scale"}
+FP32_SCALARS = {"scale_log2", "eps", "scale", "softcap"}
 NOT_DIVISIBLE = {"group_size", "stride_bt", "sliding_window", "num_splits", "num_seqs", "block_size", "num_heads",
                  "top_k", "num_rows"}
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -125,7 +125,7 @@ def variants() -> dict[str, tuple]:
                                             ("bf16", True, True, True), ("fp32", True, False, True)):
         cfg, options = _launch_options(decode_triton.decode_config(128, 4))
         consts = dict(BLOCK_SIZE=16, HAS_ALIBI=alibi, HAS_WINDOW=window, SPLIT=split,
-                      IEEE=data_type == "fp32", **cfg)
+                      IEEE=data_type == "fp32", HAS_SOFTCAP=split, **cfg)   # the split variant also soft-caps
         name = f"decode {data_type}" + (" split+alibi+window" if split else "")
         out[name] = (decode_triton._decode_kernel, data_type, consts, options)
     out["split reduce bf16"] = (decode_triton._reduce_splits_kernel, "bf16", dict(BLOCK_S=32, BLOCK_D=128),
@@ -133,7 +133,8 @@ def variants() -> dict[str, tuple]:
     for data_type, group, alibi, window in (("bf16", 4, False, False), ("fp16", 4, False, False),
                                             ("bf16", 1, True, True), ("fp32", 3, True, False)):
         cfg, options = _launch_options(prefill_triton.prefill_config(128, group, DATA_TYPES[data_type], on_gpu=True))
-        consts = dict(BLOCK_SIZE=16, HAS_ALIBI=alibi, HAS_WINDOW=window, IEEE=data_type == "fp32", **cfg)
+        consts = dict(BLOCK_SIZE=16, HAS_ALIBI=alibi, HAS_WINDOW=window, IEEE=data_type == "fp32",
+                      HAS_SOFTCAP=alibi, **cfg)   # the ALiBi variants also soft-cap
         name = f"prefill {data_type} group {group}" + (" alibi+window" if alibi else "")
         out[name] = (prefill_triton._prefill_kernel, data_type, consts, options)
     store_cfg, store_options = _launch_options(store_kv_triton.store_kv_config(8, 128))

@@ -16,6 +16,7 @@ Keyword-only extras beyond the fixed interface (all optional, defaults keep the 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -52,7 +53,14 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, *, validate_values=None
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
 
-def _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out) -> None:
+def _check_softcap(logit_softcap) -> None:
+    if logit_softcap is not None and (isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float))
+                                      or not math.isfinite(logit_softcap) or logit_softcap <= 0):
+        raise ValueError(f"logit_softcap: expected None or a positive finite float, got {logit_softcap!r}")
+
+
+def _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap=None) -> None:
+    _check_softcap(logit_softcap)
     v.check_caches(k_cache, v_cache)
     v.check_heads_tensor("q", q, k_cache, num_kv_heads_match=False)
     v.check_scale(scale)
@@ -62,18 +70,24 @@ def _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None, sliding_window=None,
-                 out=None, *, validate_values=None, use_triton=None):
+                 out=None, *, validate_values=None, use_triton=None, logit_softcap=None):
     """One query token per sequence at position seq_len - 1.
 
     q [num_seqs, num_q_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
     seq_lens [num_seqs] int32 -> out [num_seqs, num_q_heads, head_dim] (q.dtype).
+    ``logit_softcap`` (Gemma 2): the scaled scores become ``softcap * tanh(score / softcap)``.
     """
-    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap)
     v.check_block_tables(block_tables, seq_lens, q.shape[0], q.device)
     if v.values_checked(validate_values, q.device):
         v.check_seq_len_values("seq_lens", seq_lens, block_tables, k_cache)
     run = _decode_kernel(_triton_wanted(use_triton, q.device), q, k_cache)
-    return run(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window, out)
+    return run(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window, out,
+               **_softcap_kw(logit_softcap))
+
+
+def _softcap_kw(logit_softcap) -> dict:
+    return {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
 
 
 def _decode_kernel(triton_path: bool, q, k_cache):
@@ -134,30 +148,31 @@ def check_host_step_metadata(cache_shape, cache_dtype: torch.dtype, num_tokens: 
 
 
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
-                  out=None, *, sliding_window=None, validate_values=None, use_triton=None):
+                  out=None, *, sliding_window=None, validate_values=None, use_triton=None, logit_softcap=None):
     """Causal varlen chunks over cached history.
 
     q [total_q, num_q_heads, head_dim]; cu_seqlens_q [num_seqs + 1] int32; seq_lens_k [num_seqs] int32
     (history + chunk; the chunk's keys are already stored); block_tables [num_seqs, max_blocks] int32
     -> out [total_q, num_q_heads, head_dim] (q.dtype). Query i of a chunk sees keys
-    [0, seq_len_k - q_len + i].
+    [0, seq_len_k - q_len + i]. ``logit_softcap`` as ``paged_decode``'s.
     """
-    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables,
                   v.values_checked(validate_values, q.device))
     return _prefill(_triton_wanted(use_triton, q.device), q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
-                    block_tables, scale, alibi_slopes, out, sliding_window)
+                    block_tables, scale, alibi_slopes, out, sliding_window, logit_softcap)
 
 
 def _prefill(triton_path: bool, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
-             out, sliding_window):
+             out, sliding_window, logit_softcap=None):
     """Triton on CUDA; on CPU the torch prefill reference, whose length-1 chunks go to the decode kernel."""
     if triton_path:
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                                    alibi_slopes, out, sliding_window=sliding_window)
+                                    alibi_slopes, out, sliding_window=sliding_window, **_softcap_kw(logit_softcap))
     return paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                    alibi_slopes, out, sliding_window=sliding_window,
-                                   decode_rows=cpu_decode.paged_decode_cpu if cpu_decode.supports(q, k_cache) else None)
+                                   decode_rows=cpu_decode.paged_decode_cpu if cpu_decode.supports(q, k_cache) else None,
+                                   logit_softcap=logit_softcap)
 
 
 def _is_all_decode(q, cu_seqlens_q, num_seqs: int, max_query_len, values_known: bool) -> bool:
@@ -175,23 +190,25 @@ def _is_all_decode(q, cu_seqlens_q, num_seqs: int, max_query_len, values_known: 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
                     max_query_len=None, out=None, *, sliding_window=None, validate_values=None,
-                    use_triton=None):
+                    use_triton=None, logit_softcap=None):
     """Mixed batch (decode rows and prefill chunks, shapes as ``paged_prefill``): the decode kernel when
     every chunk is one token, else the prefill kernel. ``max_query_len`` (optional host int) is a hint."""
-    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out)
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap)
     validate = v.values_checked(validate_values, q.device)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
     _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
     triton_path = _triton_wanted(use_triton, q.device)
     if _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate):
         run = _decode_kernel(triton_path, q, k_cache)
-        return run(q, k_cache, v_cache, block_tables, seq_lens_k, scale, alibi_slopes, sliding_window, out)
+        return run(q, k_cache, v_cache, block_tables, seq_lens_k, scale, alibi_slopes, sliding_window, out,
+                   **_softcap_kw(logit_softcap))
     return _prefill(triton_path, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
-                    out, sliding_window)
+                    out, sliding_window, logit_softcap)
 
 
 def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables,
-                        scale, *, max_query_len=None, sliding_window=None, validate_values=None, use_triton=None):
+                        scale, *, max_query_len=None, sliding_window=None, validate_values=None, use_triton=None,
+                        logit_softcap=None):
     """``store_kv(key, value, ...)`` then ``paged_attention(q, ...)`` (no ALiBi): one call where one kernel
     does both (a decode step on CPU: the C decode kernel stores each sequence's new key / value, then reads
     them), else the two calls. Shapes and checks as those two functions'."""
@@ -208,12 +225,12 @@ def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlen
         store_kv(key, value, k_cache, v_cache, slot_mapping, validate_values=validate, use_triton=use_triton)
         return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                max_query_len=max_query_len, sliding_window=sliding_window,
-                               validate_values=validate, use_triton=use_triton)
+                               validate_values=validate, use_triton=use_triton, logit_softcap=logit_softcap)
     v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, validate)
-    _check_common(q, k_cache, v_cache, scale, None, sliding_window, None)
+    _check_common(q, k_cache, v_cache, scale, None, sliding_window, None, logit_softcap)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
     _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
     slots = slot_mapping if slot_mapping.dtype == torch.int32 else slot_mapping.to(torch.int32)   # held by the call
     return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens_k, scale, None, sliding_window,
-                                       new_kv=(key, value, slots.contiguous()))
+                                       new_kv=(key, value, slots.contiguous()), logit_softcap=logit_softcap)
 

@@ -63,6 +63,7 @@ struct item_args {
     int64_t seq_len, window;
     float scale;
     const float *slopes;                 /* [Hq], or NULL */
+    float softcap;                       /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
     char *out;                           /* this sequence's output row, first head */
     int64_t o_head;                      /* head stride of out, bytes */
 };
@@ -219,6 +220,9 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                     for (int64_t i = 0; i < 8; i++) d[i] = halves_sum(d16[i]);
                     v8f s = hsum8x8(d);
                     const v8i idx = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)i8;
+                    if (a->softcap > 0.0f) {                        /* before any bias, as the references */
+                        for (int i = 0; i < 8; i++) s[i] = a->softcap * tanhf(s[i] / a->softcap);
+                    }
                     if (a->slopes != NULL) {                        /* key position first + idx */
                         s += splat(a->slopes[head]) * __builtin_convertvector(idx + (int32_t)(first - pos), v8f);
                     }
@@ -277,7 +281,7 @@ static inline void store_new(const struct item_args *a, int64_t s, const char *k
  * (c_block, c_tok, c_head, 1); block_tables [S, max_blocks] int32 (row stride bt_row); seq_lens [S]
  * int32; slopes [Hq] float32 or NULL; window <= 0: none; out [S, Hq, D] (strides o_tok, o_head).
  * slots [S] int32 or NULL: with it, k_new [S, Hkv, D] (strides k_tok, k_head) and v_new (v_tok, v_head)
- * are stored into the caches first (store_new). */
+ * are stored into the caches first (store_new). softcap > 0: the scaled scores are soft-capped (Gemma 2). */
 void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       const void *k_cache, const void *v_cache, int64_t c_block, int64_t c_tok, int64_t c_head,
                       int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
@@ -285,7 +289,7 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       const int32_t *seq_lens, float scale, const float *slopes, int64_t window,
                       int dtype, void *out, int64_t o_tok, int64_t o_head, int threads,
                       const void *k_new, int64_t k_tok, int64_t k_head,
-                      const void *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots) {
+                      const void *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
     /* a work item is one sequence with all its KV heads (each block read once, whole); with fewer
      * sequences than two per thread, one (sequence, KV head) so that every thread has work */
@@ -302,7 +306,7 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
             .num_blocks = num_blocks, .block_size = block_size, .head_dim = head_dim, .group = group,
             .kv_lo = kv_lo, .kv_hi = kv_lo + heads_per_item,
             .table = block_tables + s * bt_row, .seq_len = seq_lens[s], .window = window, .scale = scale,
-            .slopes = slopes, .out = (char *)out + s * o_tok * elem, .o_head = o_head * elem,
+            .slopes = slopes, .softcap = softcap, .out = (char *)out + s * o_tok * elem, .o_head = o_head * elem,
         };
         if (slots != NULL) store_new(&a, s, (const char *)k_new, k_tok * elem, k_head * elem, (const char *)v_new,
                                      v_tok * elem, v_head * elem, slots, elem);

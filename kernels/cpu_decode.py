@@ -24,7 +24,7 @@ _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _INT64, _INT64, _PTR, _PTR, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64,
              _INT64, _INT64, _PTR, _INT64, _PTR, ctypes.c_float, _PTR, _INT64, ctypes.c_int, _PTR, _INT64,
-             _INT64, ctypes.c_int, _PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR]
+             _INT64, ctypes.c_int, _PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, ctypes.c_float]
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -56,13 +56,14 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-                     sliding_window=None, out=None, new_kv=None):
+                     sliding_window=None, out=None, new_kv=None, logit_softcap=None):
     """``paged_decode_reference``'s contract through the C kernel (arguments already validated).
 
     q [S, Hq, D] (head_dim contiguous); k/v_cache [NB, bs, Hkv, D]; block_tables [S, max_blocks] int32;
     seq_lens [S] int32 -> out [S, Hq, D] in q.dtype. ``new_kv``: (key, value [S, Hkv, D] head_dim contiguous,
     slot_mapping [S] int32 or int64): each sequence's new token, stored into the caches first (``store_kv``'s
-    contract for a decode step, slot < 0 skipped), by the same call.
+    contract for a decode step, slot < 0 skipped), by the same call. ``logit_softcap``: Gemma 2's soft-capping
+    of the scaled scores.
     """
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
@@ -83,7 +84,8 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
         k_strides[0], k_strides[1], k_strides[2], num_blocks, block_size, num_kv_heads, head_dim,
         num_seqs, group, tables.data_ptr(), tables.stride(0), lens.data_ptr(), float(scale),
         None if slopes is None else slopes.data_ptr(), int(sliding_window or 0), DTYPE_CODES[q.dtype],
-        result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads(), *_new_kv_args(new_kv, k_cache))
+        result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads(), *_new_kv_args(new_kv, k_cache),
+        float(logit_softcap or 0.0))
     if out is None:
         return result
     out.copy_(result)

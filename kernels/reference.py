@@ -40,7 +40,19 @@ def _gather(cache, table, lo: int, hi: int):
     return g[:, start:start + hi - lo].to(torch.float32).transpose(1, 2)
 
 
-def _attend(q_rows, keys, values, row_pos, k_lo: int, k_lens, scale, row_slopes, sliding_window):
+def _sdpa(queries, keys, values, mask, scale, softcap):
+    """SDPA, or with ``softcap`` (Gemma 2) transformers' eager formula: softcap * tanh(scale q k^T / softcap),
+    + mask (bool: visible, float: bias with -inf), softmax, @ v. Rows with no visible key give NaN here (the
+    callers zero them)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
+
+
+def _attend(q_rows, keys, values, row_pos, k_lo: int, k_lens, scale, row_slopes, sliding_window, softcap=None):
     """q_rows [B, Hkv, R, D]; keys/values [B, Hkv, L, D] holding positions [k_lo, k_lo + L);
     row_pos [B, R] absolute query positions; k_lens [B] keys that exist; row_slopes [Hkv, R] or None.
     -> [B, Hkv, R, D] float32."""
@@ -53,7 +65,7 @@ def _attend(q_rows, keys, values, row_pos, k_lo: int, k_lens, scale, row_slopes,
     else:
         rel = (k_pos - row_pos[:, :, None]).to(torch.float32)                     # [B, R, L]
         mask = (row_slopes[None, :, :, None] * rel[:, None]).masked_fill_(~visible[:, None], float("-inf"))
-    out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)
+    out = _sdpa(q_rows, keys, values, mask, scale, softcap)
     return out.nan_to_num_(0.0)                                                   # rows with no key
 
 
@@ -108,7 +120,8 @@ def _length_groups(sorted_lens: list[int], bytes_per_position: int, block_size: 
     return ranges
 
 
-def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window):
+def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
+                 logit_softcap=None):
     """q [S, Hq, D] one query per sequence at position seq_len - 1 -> [S, Hq, D] float32.
 
     Sequences are sorted by length (so a group pads little) and cut into groups (``_length_groups``).
@@ -136,16 +149,16 @@ def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slope
         keys = k_cache.index_select(0, ids).to(torch.float32).view(shape).transpose(1, 2)  # [n, Hkv, L, D]
         values = v_cache.index_select(0, ids).to(torch.float32).view(shape).transpose(1, 2)
         mask = _decode_mask(lens[s0:s1], shape[1], slopes, sliding_window)
-        out = F.scaled_dot_product_attention(queries[s0:s1], keys, values, attn_mask=mask, scale=scale)
-        sorted_out[s0:s1] = out
+        sorted_out[s0:s1] = _sdpa(queries[s0:s1], keys, values, mask, scale, logit_softcap)
     result = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out) if permuted else sorted_out
     return result.view(num_seqs, num_q_heads, head_dim)
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-                           sliding_window=None, out=None):
+                           sliding_window=None, out=None, logit_softcap=None):
     """q [num_seqs, num_q_heads, head_dim] -> out [num_seqs, num_q_heads, head_dim] (q.dtype)."""
-    result = _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window)
+    result = _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
+                          logit_softcap=logit_softcap)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
@@ -153,13 +166,13 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, a
 
 
 def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, alibi_slopes,
-                 sliding_window, result):
+                 sliding_window, result, softcap=None):
     """q_chunk [nq, Hq, D] = the last nq positions of a sequence of seq_len_k keys; writes
     result [nq, Hq, D] float32 one query block at a time (each block's mask stays under the budget
     and only sees keys up to its last query)."""
     nq, num_q_heads, head_dim = q_chunk.shape
     num_kv_heads = k_cache.shape[2]
-    if seq_len_k == nq and alibi_slopes is None and sliding_window is None:
+    if seq_len_k == nq and alibi_slopes is None and sliding_window is None and softcap is None:
         # no history, no bias: plain causal attention, SDPA's is_causal (no mask tensor, no row grouping;
         # the same values, 15-55% less time at 16-256 tokens on the 2-core VM)
         table = table_row[None].long()
@@ -185,12 +198,13 @@ def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, al
         row_pos = pos.repeat(rows.shape[2] // (t1 - t0))[None]                     # [1, G*T]
         slopes = _row_slopes(alibi_slopes, num_kv_heads, t1 - t0)
         out = _attend(rows, keys[:, :, lo - lo0:hi - lo0], values[:, :, lo - lo0:hi - lo0], row_pos, lo,
-                      k_len, scale, slopes, sliding_window)
+                      k_len, scale, slopes, sliding_window, softcap)
         result[t0:t1] = _ungroup_rows(out, t1 - t0)[0]
 
 
 def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                            alibi_slopes=None, out=None, *, sliding_window=None, decode_rows=None):
+                            alibi_slopes=None, out=None, *, sliding_window=None, decode_rows=None,
+                            logit_softcap=None):
     """q [total_q, Hq, D] holding each sequence's newest chunk -> out [total_q, Hq, D] (q.dtype).
 
     Length-1 chunks go through one batched decode pass (``decode_rows``, a function with
@@ -205,13 +219,14 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
         rows = torch.tensor([cu[i] for i in singles], device=q.device)
         idx = torch.tensor(singles, device=q.device)
         rows_out = (decode_rows or _decode_rows)(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx],
-                                                 scale, alibi_slopes, sliding_window)
+                                                 scale, alibi_slopes, sliding_window,
+                                                 **({"logit_softcap": logit_softcap} if logit_softcap else {}))
         result[rows] = rows_out.to(torch.float32)
     for i, nk in enumerate(k_lens):
         start, end = cu[i], cu[i + 1]
         if end - start > 1:
             _prefill_one(q[start:end], k_cache, v_cache, block_tables[i], nk, scale, alibi_slopes,
-                         sliding_window, result[start:end])
+                         sliding_window, result[start:end], logit_softcap)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
@@ -219,7 +234,9 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
 
 
 def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                              alibi_slopes=None, max_query_len=None, out=None, *, sliding_window=None):
+                              alibi_slopes=None, max_query_len=None, out=None, *, sliding_window=None,
+                              logit_softcap=None):
     """Mixed batch: the prefill reference already routes length-1 chunks through the decode pass."""
     return paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                                   alibi_slopes=alibi_slopes, out=out, sliding_window=sliding_window)
+                                   alibi_slopes=alibi_slopes, out=out, sliding_window=sliding_window,
+                                   logit_softcap=logit_softcap)

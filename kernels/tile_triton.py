@@ -3,7 +3,8 @@
 Query rows ``q [BLOCK_M, BLOCK_D]`` sit at absolute positions ``q_pos [BLOCK_M]``; the tile covers key
 positions ``[n0, n0 + BLOCK_N)`` gathered through one sequence's block table (position ``n`` -> block
 ``table[n // BLOCK_SIZE]``, offset ``n % BLOCK_SIZE``), keys at or past ``kv_end`` are never loaded.
-Scores are in base 2 (``scale_log2 = scale * log2(e)``, slopes pre-multiplied by log2(e)). With
+Scores are in base 2 (``scale_log2 = scale * log2(e)``, slopes pre-multiplied by log2(e)); with
+``HAS_SOFTCAP`` the scaled score is first soft-capped, ``softcap * tanh(score / softcap)`` (Gemma 2). With
 ``MASKED`` the causal (``n <= q_pos``) and sliding-window (``n > q_pos - W``) masks are applied;
 callers pass ``MASKED=False`` only for tiles they know are fully visible. A row with no visible key in
 the tile keeps its state (guarded max), so fully masked tiles cannot produce NaN.
@@ -15,9 +16,9 @@ import triton.language as tl
 
 @triton.jit
 def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
-                 stride_kb, stride_ks, stride_vb, stride_vs, sliding_window, scale_log2,
+                 stride_kb, stride_ks, stride_vb, stride_vs, sliding_window, scale_log2, softcap,
                  d, d_mask, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr):
     """One online-softmax step over key positions [n0, n0 + BLOCK_N) -> updated (m, l, acc)."""
     n = n0 + tl.arange(0, BLOCK_N)                                               # [BLOCK_N]
     n_mask = n < kv_end
@@ -30,7 +31,11 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * scale_log2                                                           # [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:   # Gemma 2: cap * tanh(scale * s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1), then base 2
+        x = s * (scale_log2 / 1.4426950408889634 / softcap)
+        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
+    else:
+        s = s * scale_log2                                                       # [BLOCK_M, BLOCK_N]
     if HAS_ALIBI:
         s += slope[:, None] * (n[None, :] - q_pos[:, None]).to(tl.float32)
     if MASKED:

@@ -70,8 +70,9 @@ def alibi_like_slopes(num_q_heads: int, device: torch.device) -> torch.Tensor:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    alibi_slopes=None, sliding_window=None) -> torch.Tensor:
-    """float64 oracle. q [nq, Hq, D] are the last nq positions of k/v [nk, Hkv, D] -> [nq, Hq, D]."""
+                    alibi_slopes=None, sliding_window=None, softcap=None) -> torch.Tensor:
+    """float64 oracle. q [nq, Hq, D] are the last nq positions of k/v [nk, Hkv, D] -> [nq, Hq, D];
+    ``softcap``: the scaled scores become softcap * tanh(score / softcap) (Gemma 2)."""
     nq, num_q_heads, _ = q.shape
     nk, num_kv_heads, _ = k.shape
     group = num_q_heads // num_kv_heads
@@ -85,6 +86,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     for h in range(num_q_heads):
         kv = h // group
         scores = (q64[:, h] @ k64[:, kv].T) * scale                            # [nq, nk]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         if alibi_slopes is not None:
             scores = scores + float(alibi_slopes[h]) * (k_pos - q_pos)
         scores = scores.masked_fill(~visible, float("-inf"))

@@ -73,6 +73,12 @@ def tiny_config(kind: str):
         return MixtralConfig(**{**TINY_COMMON, "intermediate_size": 32}, num_attention_heads=4, num_key_value_heads=2,
                              num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
                              architectures=["MixtralForCausalLM"])
+    if kind == "gemma2":   # soft-capped attention scores (cap 2: it binds) and final logits, alternating layers
+        from transformers import Gemma2Config
+
+        return Gemma2Config(**{**TINY_COMMON, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=2.0,
+                            final_logit_softcapping=5.0, pad_token_id=0, architectures=["Gemma2ForCausalLM"])
     if kind == "gemma3":   # (1 + w) norms, sandwich norms, GELU-tanh, scaled embeddings, local/global layers
         from transformers import Gemma3TextConfig
 

@@ -106,8 +106,8 @@ def test_phi3_partial_rotary_is_rejected_before_loading(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping is not supported yet"),
-    ("final_logit_softcapping", 30.0, "final_logit_softcapping is not supported yet"),
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping is not supported on this architecture"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping is not supported on this architecture"),
     ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
 ])
 def test_gemma3_settings_without_a_path_are_rejected_before_loading(tmp_path, field, value, message):

@@ -39,7 +39,7 @@ def _check_logprobs(path: str, seq) -> None:
         assert abs(sampled.logprob - row[sampled.token_id].item()) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma3", "qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe", "mixtral"])
 def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
     path = tiny_model_path(kind)
     params = SamplingParams(temperature=0.0, logprobs=TOP_N)

@@ -39,13 +39,14 @@ class PagedAttention(nn.Module):
     """q [tokens, heads_local, head_dim], k/v [tokens, kv_heads_local, head_dim] -> [tokens, heads_local, head_dim]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window   # None: full causal attention
+        self.logit_softcap = logit_softcap     # Gemma 2: scores soft-capped (kernels.paged_decode)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -54,4 +55,4 @@ class PagedAttention(nn.Module):
         return kernels.store_kv_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.cu_seqlens_q,
                                            meta.seq_lens_k, meta.block_tables, self.scale,
                                            max_query_len=meta.max_query_len, sliding_window=self.sliding_window,
-                                           validate_values=False)
+                                           validate_values=False, logit_softcap=self.logit_softcap)

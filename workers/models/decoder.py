@@ -50,6 +50,7 @@ class ArchSpec:
     attn_scale: float | None = None     # softmax scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar)
     norm_offset: float = 0.0            # added to every RMSNorm weight at load (Gemma's 1 + w)
     gelu_tanh: bool = False             # the MLP gates with GELU-tanh instead of SiLU (Gemma)
+    attn_softcap: float | None = None   # attention logit soft-capping (Gemma 2)
     moe: MoESpec | None = None          # sparse experts (layers/moe.py) on the layers moe_layers marks
     moe_layers: tuple[bool, ...] = ()
 
@@ -97,7 +98,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device, offset) if spec.qk_norm else None
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device, offset) if spec.qk_norm else None
         scale = spec.attn_scale if spec.attn_scale is not None else dims.head_dim ** -0.5
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, scale, window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, scale, window, spec.attn_softcap)
         self.fused_checkpoint = spec.fused_checkpoint
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:

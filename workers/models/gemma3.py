@@ -1,4 +1,5 @@
-"""Gemma 3, text only (``Gemma3ForCausalLM``): the shared decoder's attention and MLP with Gemma's choices.
+"""Gemma 3, text only (``Gemma3ForCausalLM``), and Gemma 2 (``Gemma2ForCausalLM``): the shared decoder's
+attention and MLP with Gemma's choices.
 
 - RMSNorm scales by ``1 + weight`` (the offset is added to the checkpoint weight at load, in float32),
   also for the per-head q/k norms; four norms per layer: the attention's and the MLP's outputs are normed
@@ -9,8 +10,12 @@
 - ``layer_types`` alternate local layers (``sliding_window``) and global ones, each kind with its own rope
   (``rope_parameters["sliding_attention"]`` / ``["full_attention"]``: base and scaling).
 
-Refused before any weight is read (a ValueError naming it): attention or final logit soft-capping (Gemma 2's;
-not in the kernels yet), bidirectional attention, another activation.
+Gemma 2 differs: no q/k norms, one rope for every layer (``rope_theta``), local and global layers alternating,
+and soft-capping: of the attention scores (``attn_logit_softcapping``, in every attention kernel) and of the
+final logits (``final_logit_softcapping``: cap * tanh(logits / cap) on the float32 logits).
+
+Refused before any weight is read (a ValueError naming it): soft-capping on Gemma 3 (its configs have none),
+bidirectional attention, another activation.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ..layers.attention import AttentionMetadata
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.norm import RMSNorm
 from ..layers.partition import check_even_split, check_head_split
-from ..layers.rotary import RotaryEmbedding, RotaryStep
+from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader
 from .decoder import ArchSpec, DecoderAttention, DecoderForCausalLM, DecoderMLP, ModelDims
@@ -73,18 +78,28 @@ class Gemma3Layer(nn.Module):
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
-    @staticmethod
-    def arch_spec(hf_config, max_model_len: int) -> ArchSpec:
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(hf_config, name, None) is not None:
-                raise ValueError(f"model: {name} is not supported yet")
+    SOFTCAP = False     # Gemma 2 soft-caps; Gemma 3's configs never do
+    QK_NORM = True
+
+    @classmethod
+    def rope_of(cls, hf_config, kind: str) -> dict:
+        return _rope(hf_config, kind)
+
+    @classmethod
+    def arch_spec(cls, hf_config, max_model_len: int) -> ArchSpec:
+        if not cls.SOFTCAP:
+            for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if getattr(hf_config, name, None) is not None:
+                    raise ValueError(f"model: {name} is not supported on this architecture")
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("model: use_bidirectional_attention is not supported")
         act = getattr(hf_config, "hidden_activation", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"model: hidden_activation {act!r} is not supported (only 'gelu_pytorch_tanh')")
         types = _layer_types(hf_config)
-        return ArchSpec(qk_norm=True, sliding_window=sliding_window_of(hf_config, max_model_len),
+        softcap = getattr(hf_config, "attn_logit_softcapping", None) if cls.SOFTCAP else None
+        return ArchSpec(qk_norm=cls.QK_NORM, attn_softcap=softcap,
+                        sliding_window=sliding_window_of(hf_config, max_model_len),
                         sliding_layers=tuple(t == LOCAL for t in types), norm_offset=1.0, gelu_tanh=True,
                         attn_scale=hf_config.query_pre_attn_scalar ** -0.5,
                         qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
@@ -97,7 +112,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         check_head_split(dims.num_heads, dims.num_kv_heads, tp_size)
         check_even_split(dims.intermediate_size, tp_size, "intermediate_size")
         for kind in (LOCAL, GLOBAL):
-            RotaryEmbedding(dims.head_dim, _rope(hf_config, kind), torch.device("cpu"), max_model_len)
+            RotaryEmbedding(dims.head_dim, cls.rope_of(hf_config, kind), torch.device("cpu"), max_model_len)
 
     def __init__(self, hf_config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
                  max_model_len: int) -> None:
@@ -106,8 +121,10 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         self.dims = dims = ModelDims.from_hf(hf_config)
         self.tp = tp
         self.kinds = _layer_types(hf_config)
-        self.rotary = {kind: RotaryEmbedding(dims.head_dim, _rope(hf_config, kind), device, max_model_len)
+        self.rotary = {kind: RotaryEmbedding(dims.head_dim, self.rope_of(hf_config, kind), device, max_model_len)
                        for kind in (LOCAL, GLOBAL)}
+        final = getattr(hf_config, "final_logit_softcapping", None) if self.SOFTCAP else None
+        self.final_softcap = float(final) if final is not None else None
         self.embed_tokens = VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp, dtype, device)
         self.embed_scale = math.sqrt(dims.hidden_size)
         self.layers = nn.ModuleList(Gemma3Layer(dims, spec, tp, dtype, device, i) for i in range(dims.num_layers))
@@ -129,3 +146,19 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, ropes[self.kinds[i]], kv_cache[i], meta)
         return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden [rows, hidden] -> float32 logits [rows, vocab] on rank 0 (soft-capped on Gemma 2), None elsewhere
+        logits = self.lm_head(hidden)
+        if logits is None or self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    SOFTCAP = True
+    QK_NORM = False
+
+    @classmethod
+    def rope_of(cls, hf_config, kind: str) -> dict:
+        return rope_parameters(hf_config)    # one rope for local and global layers

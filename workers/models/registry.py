@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from .decoder import DecoderForCausalLM
-from .gemma3 import Gemma3ForCausalLM
+from .gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
@@ -22,6 +22,7 @@ MODEL_CLASSES = MappingProxyType({
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
