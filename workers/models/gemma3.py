@@ -33,17 +33,9 @@ from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader
 from .decoder import ArchSpec, DecoderAttention, DecoderForCausalLM, DecoderMLP, ModelDims
-from .llama import LAYER_TYPES, sliding_window_of
+from .llama import layer_types_of, sliding_window_of
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
-
-
-def _layer_types(cfg) -> list[str]:
-    types = list(cfg.layer_types)
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"model: layer_types {unknown} are not supported (only {', '.join(LAYER_TYPES)})")
-    return types
 
 
 def _rope(cfg, kind: str) -> dict:
@@ -96,7 +88,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         act = getattr(hf_config, "hidden_activation", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"model: hidden_activation {act!r} is not supported (only 'gelu_pytorch_tanh')")
-        types = _layer_types(hf_config)
+        types = layer_types_of(hf_config)
         softcap = getattr(hf_config, "attn_logit_softcapping", None) if cls.SOFTCAP else None
         return ArchSpec(qk_norm=cls.QK_NORM, attn_softcap=softcap,
                         sliding_window=sliding_window_of(hf_config, max_model_len),
@@ -120,7 +112,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         spec = self.arch_spec(hf_config, max_model_len)
         self.dims = dims = ModelDims.from_hf(hf_config)
         self.tp = tp
-        self.kinds = _layer_types(hf_config)
+        self.kinds = layer_types_of(hf_config)
         self.rotary = {kind: RotaryEmbedding(dims.head_dim, self.rope_of(hf_config, kind), device, max_model_len)
                        for kind in (LOCAL, GLOBAL)}
         final = getattr(hf_config, "final_logit_softcapping", None) if self.SOFTCAP else None

@@ -31,14 +31,21 @@ def qwen_sliding_layers(hf_config, max_model_len: int) -> tuple[int | None, tupl
     if not getattr(hf_config, "use_sliding_window", False):
         return None, None
     window = sliding_window_of(hf_config, max_model_len)
-    types = getattr(hf_config, "layer_types", None)
-    if types is None:
+    if getattr(hf_config, "layer_types", None) is None:
         first = getattr(hf_config, "max_window_layers", 0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(hf_config.num_hidden_layers)]
+    else:
+        types = layer_types_of(hf_config)
+    return window, tuple(t == "sliding_attention" for t in types)
+
+
+def layer_types_of(hf_config) -> list[str]:
+    """transformers' per-layer ``layer_types``; ValueError naming the kinds that are not full or sliding."""
+    types = list(hf_config.layer_types)
     unknown = sorted(set(types) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"model: layer_types {unknown} are not supported (only {', '.join(LAYER_TYPES)})")
-    return window, tuple(t == "sliding_attention" for t in types)
+    return types
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
