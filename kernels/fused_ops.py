@@ -35,6 +35,7 @@ from .fused_reference import (
     rotary_embedding_reference_,
     silu_and_mul_reference,
 )
+from .moe_triton import fused_moe_triton
 from .norm_triton import MAX_SIZE, rms_norm_triton
 from .rotary_triton import rotary_embedding_triton
 
@@ -193,8 +194,6 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, use_triton=None):
                                                                   or int(topk_ids.max()) >= experts):
         raise ValueError(f"topk_ids: expert ids must lie in [0, {experts})")   # CPU: CUDA never syncs here
     if _triton_wanted(use_triton, x.device):
-        from .moe_triton import fused_moe_triton
-
         return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids)
     return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids)
 

@@ -219,8 +219,7 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
         rows = torch.tensor([cu[i] for i in singles], device=q.device)
         idx = torch.tensor(singles, device=q.device)
         rows_out = (decode_rows or _decode_rows)(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx],
-                                                 scale, alibi_slopes, sliding_window,
-                                                 **({"logit_softcap": logit_softcap} if logit_softcap else {}))
+                                                 scale, alibi_slopes, sliding_window, logit_softcap=logit_softcap)
         result[rows] = rows_out.to(torch.float32)
     for i, nk in enumerate(k_lens):
         start, end = cu[i], cu[i + 1]

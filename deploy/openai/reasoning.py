@@ -152,12 +152,14 @@ class SplitMessage:
 
 
 class ReasoningTracker:
-    """One choice's splitter and its reasoning-token count (module docstring), fed per engine delta."""
+    """One choice's splitter and its reasoning-token count (module docstring), fed per engine delta.
+    ``keep``: also keep the pieces for ``message`` (the non-streamed response; a stream sends them on)."""
 
-    def __init__(self, start: ReasoningStart) -> None:
+    def __init__(self, start: ReasoningStart, keep: bool = True) -> None:
         self.splitter = ReasoningSplitter(start)
         self.tokens = 0
         self._undecided = 0          # tokens seen before the choice's first text decided the state
+        self._keep = keep
         self.reasoning: list[str] = []
         self.content: list[str] = []
 
@@ -175,8 +177,9 @@ class ReasoningTracker:
             self._undecided = 0
         else:
             self._undecided += num_tokens
-        self.reasoning.append(reasoning)
-        self.content.append(content)
+        if self._keep:
+            self.reasoning.append(reasoning)
+            self.content.append(content)
         return reasoning, content
 
     def message(self) -> SplitMessage:

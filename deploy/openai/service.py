@@ -353,7 +353,7 @@ class OpenAIService:
         for index in range(run.n):
             yield chat_chunk(rid, created, model, index, {"role": "assistant", "content": ""})
         tools, start = run.prepared[0].tools, run.prepared[0].reasoning
-        trackers = [None if start is None else ReasoningTracker(start) for _ in range(run.n)]
+        trackers = [None if start is None else ReasoningTracker(start, keep=False) for _ in range(run.n)]
         calls = [None if tools is None else ToolCallStream(tools, tools.parser) for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             logprobs = self.logprob_format.chat(delta.logprobs or []) if req.logprobs else None

@@ -103,9 +103,9 @@ def test_public_decode_runs_the_kernel_on_cpu(monkeypatch):
     calls = []
     kernel = cpu_decode.paged_decode_cpu
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args[0].dtype)
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setattr(cpu_decode, "paged_decode_cpu", spy)
     case, q, scale, _, _ = _case((4, 2, 64, 16, F32, (40, 1, 100), False, None), seed=5)
