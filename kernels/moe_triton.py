@@ -46,7 +46,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, weight_ptr, rows_ptr, experts_ptr,
                          num_rows, n_out, k_in, top_k, stride_a, stride_we, stride_wn, stride_out,
-                         A_BY_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         A_BY_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK_N
@@ -64,7 +64,10 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, weight_ptr, rows_ptr, experts_pt
                     mask=real[:, None] & (ks[None, :] < k_in), other=0.0)         # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None],
                     mask=(cols[None, :] < n_out) & (ks[:, None] < k_in), other=0.0)   # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(a, w)
+        if IEEE:                                 # fp32 stays fp32: tl.dot would round to TF32 on CUDA
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
     if MUL_WEIGHT:
         acc = acc * tl.load(weight_ptr + rows, mask=real, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -81,7 +84,7 @@ def _grouped_gemm(a, w, out, weights, sorted_rows, block_experts, top_k, a_by_to
     grid = (block_experts.shape[0], triton.cdiv(n_out, cfg["BLOCK_N"]))
     _grouped_gemm_kernel[grid](a, w, out, weights, sorted_rows, block_experts, out.shape[0], n_out, k_in, top_k,
                                a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_BY_TOKEN=a_by_token,
-                               MUL_WEIGHT=weights is not None, **cfg)
+                               MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32, **cfg)
 
 
 def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
