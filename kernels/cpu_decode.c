@@ -2,14 +2,16 @@
  * cache (no gather), online softmax in float32. Built and loaded by cpu_decode.py (cc -O3
  * -march=native -fopenmp); called through ctypes with raw pointers and element strides.
  *
- * Work item = a sequence (or one of its KV heads, when there are few sequences). Per KV head, its
- * visible tokens go by in chunks of whole blocks (up to 64 tokens): the chunk's K/V rows are listed
- * (bfloat16 rows converted once into an L1-sized float32 buffer), then each of the G = Hq / Hkv query
- * heads takes its scores 8 tokens at a time (8 independent FMA chains, one transposing reduction),
- * -inf outside the visible range, one online-softmax step per chunk, and acc += p @ V with acc in
- * registers. Every head's first chunk is prefetched when the item starts, the next chunk while one
- * computes. The cache misses of those rows are still about half the time (perf, bf16: the hottest
- * instructions are the conversion pass's loads; huge pages changed nothing, so not the TLB).
+ * Work item = a sequence (or one of its KV heads, when there are few sequences). Its visible tokens go
+ * by in chunks of whole blocks (up to 64 tokens per KV head's buffer): the chunk's blocks are first read
+ * end to end in address order, every KV head of the item at once (touch_blocks), which the hardware
+ * prefetchers stream at close to the memory bandwidth; then, per KV head, the chunk's K/V rows are
+ * listed (bfloat16 rows converted once into an L1-sized float32 buffer) and each of the G = Hq / Hkv
+ * query heads takes its scores 8 tokens at a time (8 independent FMA chains, one transposing
+ * reduction), -inf outside the visible range, one online-softmax step per chunk, and acc += p @ V.
+ * Reading a head's rows straight from DRAM (a third of every token's row, block after random block)
+ * ran at a third of that bandwidth, and software prefetches did not help (measured in
+ * docs/design/kernels.md).
  * Vectors are GCC vector extensions: 16 floats along head_dim (a multiple of 16), 8 along tokens
  * (block_size is a multiple of 8), so the same source compiles to AVX2 or AVX-512 by -march=native.
  *
@@ -100,24 +102,6 @@ static inline float hmax8(v8f v) {
 
 static const float zero_row[256] __attribute__((aligned(64)));
 
-/* Prefetch the K and V rows of KV heads [h_lo, h_hi) (adjacent in a token's row) in blocks [b_lo, b_hi)
- * of the sequence's table, as far as the sequence reaches. */
-static inline void prefetch_rows(const struct item_args *a, int64_t h_lo, int64_t h_hi, int64_t b_lo, int64_t b_hi,
-                                 int64_t head_bytes) {
-    for (int64_t b = b_lo; b < b_hi && b * a->block_size < a->seq_len; b++) {
-        int64_t block = a->table[b];
-        block = block < 0 ? 0 : (block >= a->num_blocks ? a->num_blocks - 1 : block);
-        for (int64_t t = 0; t < a->block_size; t++) {
-            const char *k_src = a->k + block * a->c_block + t * a->c_tok + h_lo * a->c_head;
-            const char *v_src = a->v + block * a->c_block + t * a->c_tok + h_lo * a->c_head;
-            for (int64_t off = 0; off < (h_hi - h_lo) * head_bytes; off += 64) {
-                __builtin_prefetch(k_src + off);
-                __builtin_prefetch(v_src + off);
-            }
-        }
-    }
-}
-
 /* 16-float vectors for the head_dim axis (head_dim is a multiple of 16): one AVX-512 register, two
  * AVX2 ones. The token axis keeps 8-float vectors (scores, the transposing reduction). */
 typedef float v16f __attribute__((vector_size(64)));
@@ -148,15 +132,40 @@ static inline v8f halves_sum(v16f x) {
          + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-/* One sequence, KV heads [kv_lo, kv_hi), head_dim = 16 C. Per KV head, the visible tokens go by in
- * chunks of whole blocks (up to MAX_CHUNK tokens): the chunk's K/V rows are listed as float32 rows
- * (pointers into a float32 cache, or rows converted once into a chunk buffer from bfloat16), then each
- * of the G query heads takes scores 8 tokens at a time, one online-softmax step for the whole chunk,
- * and acc += p @ V with acc in C registers. Rows past the chunk's visible ones (up to a multiple of 8)
- * point at zeros and their scores are -inf. */
+/* Load one byte of every cache line of the K and V rows of KV heads [kv_lo, kv_hi) (adjacent in a token's
+ * row) in blocks [b_lo, b_hi) of the sequence's table, as far as the sequence reaches, in address order:
+ * the lines land in the caches before the per-head passes read them. Never reads outside those rows. */
+static inline void touch_blocks(const struct item_args *a, int64_t b_lo, int64_t b_hi, int64_t head_bytes) {
+    typedef int32_t v4i __attribute__((vector_size(16)));   /* integer adds: no slow denormal floats */
+    const int64_t row_bytes = (a->kv_hi - a->kv_lo) * head_bytes;      /* a multiple of 32 */
+    v4i sink = {0, 0, 0, 0};
+    for (int64_t b = b_lo; b < b_hi && b * a->block_size < a->seq_len; b++) {
+        int64_t block = a->table[b];
+        block = block < 0 ? 0 : (block >= a->num_blocks ? a->num_blocks - 1 : block);
+        for (int64_t t = 0; t < a->block_size; t++) {
+            const char *kr = a->k + block * a->c_block + t * a->c_tok + a->kv_lo * a->c_head;
+            const char *vr = a->v + block * a->c_block + t * a->c_tok + a->kv_lo * a->c_head;
+            for (int64_t off = 0; off < row_bytes; off += 64) {   /* 16 bytes of each line */
+                v4i kx, vx;
+                memcpy(&kx, kr + off, sizeof kx);
+                memcpy(&vx, vr + off, sizeof vx);
+                sink += kx + vx;
+            }
+        }
+    }
+    __asm__ volatile("" : : "x"(sink));
+}
+
+/* One sequence, KV heads [kv_lo, kv_hi), head_dim = 16 C. The visible tokens go by in chunks of whole
+ * blocks (up to MAX_CHUNK tokens), read first by touch_blocks; per KV head the chunk's K/V rows are
+ * listed as float32 rows (pointers into a float32 cache, or rows converted once into a chunk buffer from
+ * bfloat16), then each of the G query heads takes scores 8 tokens at a time, one online-softmax step for
+ * the whole chunk, and acc += p @ V (acc, m and l kept per KV head across chunks). Rows past the chunk's
+ * visible ones (up to a multiple of 8) point at zeros and their scores are -inf. */
 static inline __attribute__((always_inline)) void decode_item(const struct item_args *a, int dtype, int64_t C) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
     const int64_t bs = a->block_size, G = a->group, D = 16 * C;
+    const int64_t H = a->kv_hi - a->kv_lo;
     const int64_t pos = a->seq_len - 1;
     const int64_t lo = (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
     int64_t chunk_blocks = (CHUNK_FLOATS / D < MAX_CHUNK ? CHUNK_FLOATS / D : MAX_CHUNK) / bs;
@@ -164,21 +173,21 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
     float kbuf[dtype == DTYPE_F32 ? 1 : chunk_blocks * bs * D] __attribute__((aligned(64)));
     float vbuf[dtype == DTYPE_F32 ? 1 : chunk_blocks * bs * D] __attribute__((aligned(64)));
     const float *krow[chunk_blocks * bs + 8], *vrow[chunk_blocks * bs + 8];
-    prefetch_rows(a, a->kv_lo, a->kv_hi, lo / bs, lo / bs + chunk_blocks, D * elem);   /* every head's first chunk */
-    for (int64_t h = a->kv_lo; h < a->kv_hi; h++) {
-        v16f acc[G][C];
-        float m[G], l[G];
+    v16f acc[H][G][C];
+    float m[H][G], l[H][G];
+    for (int64_t h = 0; h < H; h++) {
         for (int64_t r = 0; r < G; r++) {
-            for (int64_t c = 0; c < C; c++) acc[r][c] = splat16(0.0f);
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
+            for (int64_t c = 0; c < C; c++) acc[h][r][c] = splat16(0.0f);
+            m[h][r] = -INFINITY;
+            l[h][r] = 0.0f;
         }
-        for (int64_t b0 = lo / bs; a->seq_len > 0 && b0 * bs < a->seq_len; b0 += chunk_blocks) {
-            /* the next chunk's blocks are random addresses: start fetching them now, so that they
-             * arrive while this chunk computes */
-            prefetch_rows(a, h, h + 1, b0 + chunk_blocks, b0 + 2 * chunk_blocks, D * elem);
-            const int64_t first = lo > b0 * bs ? lo : b0 * bs;            /* first visible position */
-            int64_t n = 0;                                                  /* visible rows listed */
+    }
+    for (int64_t b0 = lo / bs; a->seq_len > 0 && b0 * bs < a->seq_len; b0 += chunk_blocks) {
+        touch_blocks(a, b0, b0 + chunk_blocks, D * elem);
+        const int64_t first = lo > b0 * bs ? lo : b0 * bs;
+        for (int64_t hh = 0; hh < H; hh++) {
+            const int64_t h = a->kv_lo + hh;
+            int64_t n = 0;
             for (int64_t b = b0; b < b0 + chunk_blocks && b * bs < a->seq_len; b++) {
                 int64_t block = a->table[b];
                 block = block < 0 ? 0 : (block >= a->num_blocks ? a->num_blocks - 1 : block);
@@ -205,7 +214,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
             const int64_t n8 = (n + 7) / 8 * 8;
             for (int64_t i = n; i < n8; i++) krow[i] = zero_row;
             for (int64_t r = 0; r < G; r++) {
-                const int64_t head = h * G + r;                                 /* query head */
+                const int64_t head = h * G + r;
                 v16f qv[C];
                 for (int64_t c = 0; c < C; c++) qv[c] = load16(a->q + head * a->q_head + c * 16 * elem, dtype) * splat16(a->scale);
                 v8f sc[MAX_CHUNK / 8 + 1];
@@ -213,17 +222,17 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                 for (int64_t i8 = 0; i8 < n8; i8 += 8) {
                     v16f d16[8];
                     for (int64_t i = 0; i < 8; i++) d16[i] = splat16(0.0f);
-                    for (int64_t c = 0; c < C; c++) {          /* 8 independent chains */
+                    for (int64_t c = 0; c < C; c++) {
                         for (int64_t i = 0; i < 8; i++) d16[i] += qv[c] * load16_f32((const char *)(krow[i8 + i] + c * 16));
                     }
                     v8f d[8];
                     for (int64_t i = 0; i < 8; i++) d[i] = halves_sum(d16[i]);
                     v8f s = hsum8x8(d);
                     const v8i idx = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)i8;
-                    if (a->softcap > 0.0f) {                        /* before any bias, as the references */
+                    if (a->softcap > 0.0f) {
                         for (int i = 0; i < 8; i++) s[i] = a->softcap * tanhf(s[i] / a->softcap);
                     }
-                    if (a->slopes != NULL) {                        /* key position first + idx */
+                    if (a->slopes != NULL) {
                         s += splat(a->slopes[head]) * __builtin_convertvector(idx + (int32_t)(first - pos), v8f);
                     }
                     s = select8(idx < (int32_t)n, s, splat(-INFINITY));
@@ -231,29 +240,31 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                     chunk_max = select8(s > chunk_max, s, chunk_max);
                 }
                 const float cmax = hmax8(chunk_max);
-                const float new_max = cmax > m[r] ? cmax : m[r];
-                const v8f correction = exp8(splat(m[r] - new_max));
+                const float new_max = cmax > m[hh][r] ? cmax : m[hh][r];
+                const v8f correction = exp8(splat(m[hh][r] - new_max));
                 v8f sum = splat(0.0f);
                 for (int64_t i8 = 0; i8 < n8 / 8; i8++) {
                     sc[i8] = exp8(sc[i8] - splat(new_max));
                     sum += sc[i8];
                 }
-                l[r] = l[r] * correction[0] + hsum8(sum);
-                m[r] = new_max;
+                l[hh][r] = l[hh][r] * correction[0] + hsum8(sum);
+                m[hh][r] = new_max;
                 v16f o[C];
-                for (int64_t c = 0; c < C; c++) o[c] = acc[r][c] * splat16(correction[0]);
+                for (int64_t c = 0; c < C; c++) o[c] = acc[hh][r][c] * splat16(correction[0]);
                 for (int64_t i = 0; i < n; i++) {
                     const v16f w = splat16(sc[i / 8][i % 8]);
                     for (int64_t c = 0; c < C; c++) o[c] += w * load16_f32((const char *)(vrow[i] + c * 16));
                 }
-                for (int64_t c = 0; c < C; c++) acc[r][c] = o[c];
+                for (int64_t c = 0; c < C; c++) acc[hh][r][c] = o[c];
             }
         }
+    }
+    for (int64_t hh = 0; hh < H; hh++) {
         for (int64_t r = 0; r < G; r++) {
-            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-            char *dst = a->out + (h * G + r) * a->o_head;
+            const float inv = l[hh][r] > 0.0f ? 1.0f / l[hh][r] : 0.0f;
+            char *dst = a->out + ((a->kv_lo + hh) * G + r) * a->o_head;
             for (int64_t c = 0; c < C; c++) {
-                for (int64_t i = 0; i < 16; i++) store_float(dst + (c * 16 + i) * elem, acc[r][c][i] * inv, dtype);
+                for (int64_t i = 0; i < 16; i++) store_float(dst + (c * 16 + i) * elem, acc[hh][r][c][i] * inv, dtype);
             }
         }
     }
