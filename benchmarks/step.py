@@ -132,7 +132,7 @@ class PagedrayScenario:
                               parallel=ParallelConfig(threads_per_worker=threads))
         self.worker = Worker(config)
         self.worker.init_kv_cache(num_blocks)
-        self.worker.runner.kv_cache.normal_()
+        self.worker.runner.kv_cache.data.normal_()
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()  # scattered
         self.chunk_blocks, order = order[:chunk_blocks], order[chunk_blocks:]
         new = []

@@ -12,6 +12,10 @@ Keyword-only extras beyond the fixed interface (all optional, defaults keep the 
   runs the reference on the GPU (the GPU tests' oracle).
 * ``sliding_window`` on prefill / mixed batches, so a sliding-window model sees the same mask in every
   phase (key ``j`` is visible from position ``p`` iff ``p - W < j <= p``).
+* ``k_scale`` / ``v_scale``: an 8-bit cache (``torch.int8`` or ``torch.float8_e4m3fn``) comes with one
+  float16 scale per cached row, ``[num_blocks, block_size, num_kv_heads]`` each (``kv_quant``): ``store_kv``
+  quantizes into them, the attention kernels dequantize as they load. q, key and value keep the compute
+  dtype. Required with an 8-bit cache, refused with any other.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ def _triton_wanted(use_triton: bool | None, device: torch.device) -> bool:
     return bool(use_triton)
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping, *, validate_values=None, use_triton=None) -> None:
+def store_kv(key, value, k_cache, v_cache, slot_mapping, *, validate_values=None, use_triton=None,
+             k_scale=None, v_scale=None) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] into cache slots; slot < 0 is skipped."""
     v.check_caches(k_cache, v_cache)
+    v.check_kv_scales(k_cache, k_scale, v_scale)
     v.check_heads_tensor("key", key, k_cache, num_kv_heads_match=True)
     v.check_heads_tensor("value", value, k_cache, num_kv_heads_match=True)
     if value.shape != key.shape:
@@ -48,9 +54,9 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, *, validate_values=None
     check = v.values_checked(validate_values, k_cache.device)
     v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, check)
     if _triton_wanted(use_triton, k_cache.device):
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _check_softcap(logit_softcap) -> None:
@@ -59,9 +65,11 @@ def _check_softcap(logit_softcap) -> None:
         raise ValueError(f"logit_softcap: expected None or a positive finite float, got {logit_softcap!r}")
 
 
-def _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap=None) -> None:
+def _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap=None,
+                  k_scale=None, v_scale=None) -> None:
     _check_softcap(logit_softcap)
     v.check_caches(k_cache, v_cache)
+    v.check_kv_scales(k_cache, k_scale, v_scale)
     v.check_heads_tensor("q", q, k_cache, num_kv_heads_match=False)
     v.check_scale(scale)
     v.check_alibi(alibi_slopes, q)
@@ -70,24 +78,28 @@ def _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out,
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None, sliding_window=None,
-                 out=None, *, validate_values=None, use_triton=None, logit_softcap=None):
+                 out=None, *, validate_values=None, use_triton=None, logit_softcap=None, k_scale=None, v_scale=None):
     """One query token per sequence at position seq_len - 1.
 
     q [num_seqs, num_q_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
     seq_lens [num_seqs] int32 -> out [num_seqs, num_q_heads, head_dim] (q.dtype).
     ``logit_softcap`` (Gemma 2): the scaled scores become ``softcap * tanh(score / softcap)``.
     """
-    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap)
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap, k_scale, v_scale)
     v.check_block_tables(block_tables, seq_lens, q.shape[0], q.device)
     if v.values_checked(validate_values, q.device):
         v.check_seq_len_values("seq_lens", seq_lens, block_tables, k_cache)
     run = _decode_kernel(_triton_wanted(use_triton, q.device), q, k_cache)
     return run(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window, out,
-               **_softcap_kw(logit_softcap))
+               **_extras_kw(logit_softcap, k_scale, v_scale))
 
 
-def _softcap_kw(logit_softcap) -> dict:
-    return {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
+def _extras_kw(logit_softcap, k_scale=None, v_scale=None) -> dict:
+    """The optional keywords a kernel takes: only those in use, so that every kernel keeps its defaults."""
+    extras = {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
+    if k_scale is not None:
+        extras.update(k_scale=k_scale, v_scale=v_scale)
+    return extras
 
 
 def _decode_kernel(triton_path: bool, q, k_cache):
@@ -148,7 +160,8 @@ def check_host_step_metadata(cache_shape, cache_dtype: torch.dtype, num_tokens: 
 
 
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
-                  out=None, *, sliding_window=None, validate_values=None, use_triton=None, logit_softcap=None):
+                  out=None, *, sliding_window=None, validate_values=None, use_triton=None, logit_softcap=None,
+                  k_scale=None, v_scale=None):
     """Causal varlen chunks over cached history.
 
     q [total_q, num_q_heads, head_dim]; cu_seqlens_q [num_seqs + 1] int32; seq_lens_k [num_seqs] int32
@@ -156,23 +169,24 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, s
     -> out [total_q, num_q_heads, head_dim] (q.dtype). Query i of a chunk sees keys
     [0, seq_len_k - q_len + i]. ``logit_softcap`` as ``paged_decode``'s.
     """
-    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap)
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap, k_scale, v_scale)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables,
                   v.values_checked(validate_values, q.device))
     return _prefill(_triton_wanted(use_triton, q.device), q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
-                    block_tables, scale, alibi_slopes, out, sliding_window, logit_softcap)
+                    block_tables, scale, alibi_slopes, out, sliding_window, logit_softcap, k_scale, v_scale)
 
 
 def _prefill(triton_path: bool, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
-             out, sliding_window, logit_softcap=None):
+             out, sliding_window, logit_softcap=None, k_scale=None, v_scale=None):
     """Triton on CUDA; on CPU the torch prefill reference, whose length-1 chunks go to the decode kernel."""
     if triton_path:
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                                    alibi_slopes, out, sliding_window=sliding_window, **_softcap_kw(logit_softcap))
+                                    alibi_slopes, out, sliding_window=sliding_window,
+                                    **_extras_kw(logit_softcap, k_scale, v_scale))
     return paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                    alibi_slopes, out, sliding_window=sliding_window,
                                    decode_rows=cpu_decode.paged_decode_cpu if cpu_decode.supports(q, k_cache) else None,
-                                   logit_softcap=logit_softcap)
+                                   logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
 
 
 def _is_all_decode(q, cu_seqlens_q, num_seqs: int, max_query_len, values_known: bool) -> bool:
@@ -190,10 +204,10 @@ def _is_all_decode(q, cu_seqlens_q, num_seqs: int, max_query_len, values_known: 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
                     max_query_len=None, out=None, *, sliding_window=None, validate_values=None,
-                    use_triton=None, logit_softcap=None):
+                    use_triton=None, logit_softcap=None, k_scale=None, v_scale=None):
     """Mixed batch (decode rows and prefill chunks, shapes as ``paged_prefill``): the decode kernel when
     every chunk is one token, else the prefill kernel. ``max_query_len`` (optional host int) is a hint."""
-    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap)
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap, k_scale, v_scale)
     validate = v.values_checked(validate_values, q.device)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
     _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
@@ -201,31 +215,34 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
     if _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate):
         run = _decode_kernel(triton_path, q, k_cache)
         return run(q, k_cache, v_cache, block_tables, seq_lens_k, scale, alibi_slopes, sliding_window, out,
-                   **_softcap_kw(logit_softcap))
+                   **_extras_kw(logit_softcap, k_scale, v_scale))
     return _prefill(triton_path, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
-                    out, sliding_window, logit_softcap)
+                    out, sliding_window, logit_softcap, k_scale, v_scale)
 
 
 def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables,
                         scale, *, max_query_len=None, sliding_window=None, validate_values=None, use_triton=None,
-                        logit_softcap=None):
+                        logit_softcap=None, k_scale=None, v_scale=None):
     """``store_kv(key, value, ...)`` then ``paged_attention(q, ...)`` (no ALiBi): one call where one kernel
-    does both (a decode step on CPU: the C decode kernel stores each sequence's new key / value, then reads
-    them), else the two calls. Shapes and checks as those two functions'."""
+    does both (a decode step on CPU into a full-precision cache: the C decode kernel stores each sequence's
+    new key / value, then reads them), else the two calls. Shapes and checks as those two functions'."""
     v.check_caches(k_cache, v_cache)
+    v.check_kv_scales(k_cache, k_scale, v_scale)
     v.check_heads_tensor("key", key, k_cache, num_kv_heads_match=True)
     v.check_heads_tensor("value", value, k_cache, num_kv_heads_match=True)
     if value.shape != key.shape:
         raise ValueError(f"value: shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
     triton_path = _triton_wanted(use_triton, q.device)
     validate = v.values_checked(validate_values, q.device)
-    one_call = (not triton_path and key.shape[0] == q.shape[0] and cpu_decode.supports(q, k_cache)
+    one_call = (not triton_path and k_scale is None and key.shape[0] == q.shape[0] and cpu_decode.supports(q, k_cache)
                 and _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate))
     if not one_call:
-        store_kv(key, value, k_cache, v_cache, slot_mapping, validate_values=validate, use_triton=use_triton)
+        store_kv(key, value, k_cache, v_cache, slot_mapping, validate_values=validate, use_triton=use_triton,
+                 k_scale=k_scale, v_scale=v_scale)
         return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                max_query_len=max_query_len, sliding_window=sliding_window,
-                               validate_values=validate, use_triton=use_triton, logit_softcap=logit_softcap)
+                               validate_values=validate, use_triton=use_triton, logit_softcap=logit_softcap,
+                               k_scale=k_scale, v_scale=v_scale)
     v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, validate)
     _check_common(q, k_cache, v_cache, scale, None, sliding_window, None, logit_softcap)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)

@@ -19,7 +19,10 @@
  * A sequence with seq_len <= 0 outputs zeros. Block ids are clamped into [0, num_blocks) (the
  * Python wrapper's callers check them; the clamp only keeps a bad id from reading outside the cache).
  *
- * dtype codes (q, caches and out share one): 0 = float32, 1 = bfloat16 (upper half of a float32).
+ * dtype codes: q and out share one, 0 = float32, 1 = bfloat16 (upper half of a float32); the caches have
+ * that one or an 8-bit code (kv_quant.py): 2 = int8, 3 = float8 e4m3 (fn: no infinities), each row then
+ * multiplied by its float16 scale from k_scale / v_scale ([num_blocks, block_size, num_kv_heads],
+ * contiguous) as it is converted to float32.
  * Limits (checked by the caller): head_dim <= 256 and a multiple of 16, block_size a multiple of 8
  * and <= 64, G <= 64.
  */
@@ -31,6 +34,9 @@
 #endif
 
 #include "cpu_vec.h"
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 /* exp(x) for x <= 0 or -inf (scores minus their running max): x = n ln2 + r, exp(r) by a degree-6
  * polynomial, 2^n built in the exponent bits. Relative error ~2e-7; x below -87 gives 0. */
@@ -55,6 +61,9 @@ static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+#define CACHE_I8 2
+#define CACHE_FP8 3
+
 struct item_args {
     const char *q;                       /* this sequence's query row, first head */
     int64_t q_head;                      /* head stride of q, bytes */
@@ -68,7 +77,26 @@ struct item_args {
     float softcap;                       /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
     char *out;                           /* this sequence's output row, first head */
     int64_t o_head;                      /* head stride of out, bytes */
+    const uint16_t *k_scale, *v_scale;   /* 8-bit caches: float16 scale bits per (block, slot, KV head) */
+    int64_t num_kv_heads;
 };
+
+/* float16 bits -> float32 (exact: every float16 is a float32) */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) {                                   /* zero or subnormal: man * 2^-24 */
+        v.f = (float)man * (1.0f / 16777216.0f);
+        v.u |= sign;
+    } else if (exp == 31) {
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        v.u = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    return v.f;
+}
+
+
 
 /* d[0..7] -> (sum of d[0], ..., sum of d[7]): a transposing reduction, 14 shuffles and 7 adds for
  * eight dot products (eight separate horizontal sums take about twice that). */
@@ -132,12 +160,48 @@ static inline v8f halves_sum(v16f x) {
          + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* 16 bytes at src widened to 16 int32 (sign- or zero-extended): one instruction on AVX-512, two on
+ * AVX2 (GCC's own vector conversion of bytes goes one element at a time) */
+static inline v16i widen16(const char *src, int is_signed) {
+    v16i r;
+#if defined(__AVX512F__)
+    __m128i b;
+    memcpy(&b, src, sizeof b);
+    const __m512i w = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    memcpy(&r, &w, sizeof r);
+#elif defined(__AVX2__)
+    __m128i b;
+    memcpy(&b, src, sizeof b);
+    const __m128i h = _mm_srli_si128(b, 8);
+    const __m256i lo = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    const __m256i hi = is_signed ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h);
+    memcpy(&r, &lo, sizeof lo);
+    memcpy((char *)&r + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < 16; i++) r[i] = is_signed ? (int32_t)(int8_t)src[i] : (int32_t)(uint8_t)src[i];
+#endif
+    return r;
+}
+
+/* 16 codes of an 8-bit row at src as float32, times scale. float8 e4m3fn: its exponent and mantissa
+ * bits placed at the top of a float32's (bits << 20) give 2^(e - 127) (1 + m / 8), or for e = 0 the
+ * float32 subnormal m 2^-129, so times 2^120 the float8 value, subnormals included (NaN codes never
+ * occur: the quantizer clamps to +-448). */
+static inline __attribute__((always_inline)) v16f load16_q8(const char *src, int cdtype, float scale) {
+    if (cdtype == CACHE_I8) return __builtin_convertvector(widen16(src, 1), v16f) * splat16(scale);
+    const v16i x = widen16(src, 0);
+    const v16i bits = ((x & 0x7f) << 20) | ((x & 0x80) << 24);
+    return (v16f)bits * splat16(scale * 0x1p120f);
+}
+
 /* Load one byte of every cache line of the K and V rows of KV heads [kv_lo, kv_hi) (adjacent in a token's
  * row) in blocks [b_lo, b_hi) of the sequence's table, as far as the sequence reaches, in address order:
  * the lines land in the caches before the per-head passes read them. Never reads outside those rows. */
 static inline void touch_blocks(const struct item_args *a, int64_t b_lo, int64_t b_hi, int64_t head_bytes) {
     typedef int32_t v4i __attribute__((vector_size(16)));   /* integer adds: no slow denormal floats */
-    const int64_t row_bytes = (a->kv_hi - a->kv_lo) * head_bytes;      /* a multiple of 32 */
+    const int64_t row_bytes = (a->kv_hi - a->kv_lo) * head_bytes;      /* a multiple of 16 */
     v4i sink = {0, 0, 0, 0};
     for (int64_t b = b_lo; b < b_hi && b * a->block_size < a->seq_len; b++) {
         int64_t block = a->table[b];
@@ -159,19 +223,21 @@ static inline void touch_blocks(const struct item_args *a, int64_t b_lo, int64_t
 /* One sequence, KV heads [kv_lo, kv_hi), head_dim = 16 C. The visible tokens go by in chunks of whole
  * blocks (up to MAX_CHUNK tokens), read first by touch_blocks; per KV head the chunk's K/V rows are
  * listed as float32 rows (pointers into a float32 cache, or rows converted once into a chunk buffer from
- * bfloat16), then each of the G query heads takes scores 8 tokens at a time, one online-softmax step for
+ * bfloat16 or from 8-bit codes times their row's scale), then each of the G query heads takes scores 8 tokens at a time, one online-softmax step for
  * the whole chunk, and acc += p @ V (acc, m and l kept per KV head across chunks). Rows past the chunk's
  * visible ones (up to a multiple of 8) point at zeros and their scores are -inf. */
-static inline __attribute__((always_inline)) void decode_item(const struct item_args *a, int dtype, int64_t C) {
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+static inline __attribute__((always_inline)) void decode_item(const struct item_args *a, int dtype, int cdtype,
+                                                              int64_t C) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;                            /* q and out */
+    const int64_t celem = cdtype == DTYPE_F32 ? 4 : (cdtype == DTYPE_BF16 ? 2 : 1);   /* the caches */
     const int64_t bs = a->block_size, G = a->group, D = 16 * C;
     const int64_t H = a->kv_hi - a->kv_lo;
     const int64_t pos = a->seq_len - 1;
     const int64_t lo = (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
     int64_t chunk_blocks = (CHUNK_FLOATS / D < MAX_CHUNK ? CHUNK_FLOATS / D : MAX_CHUNK) / bs;
     chunk_blocks = chunk_blocks > 0 ? chunk_blocks : 1;
-    float kbuf[dtype == DTYPE_F32 ? 1 : chunk_blocks * bs * D] __attribute__((aligned(64)));
-    float vbuf[dtype == DTYPE_F32 ? 1 : chunk_blocks * bs * D] __attribute__((aligned(64)));
+    float kbuf[cdtype == DTYPE_F32 ? 1 : chunk_blocks * bs * D] __attribute__((aligned(64)));
+    float vbuf[cdtype == DTYPE_F32 ? 1 : chunk_blocks * bs * D] __attribute__((aligned(64)));
     const float *krow[chunk_blocks * bs + 8], *vrow[chunk_blocks * bs + 8];
     v16f acc[H][G][C];
     float m[H][G], l[H][G];
@@ -183,7 +249,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
         }
     }
     for (int64_t b0 = lo / bs; a->seq_len > 0 && b0 * bs < a->seq_len; b0 += chunk_blocks) {
-        touch_blocks(a, b0, b0 + chunk_blocks, D * elem);
+        touch_blocks(a, b0, b0 + chunk_blocks, D * celem);
         const int64_t first = lo > b0 * bs ? lo : b0 * bs;
         for (int64_t hh = 0; hh < H; hh++) {
             const int64_t h = a->kv_lo + hh;
@@ -196,9 +262,21 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                 for (int64_t t = t_lo; t < t_hi; t++, n++) {
                     const char *k_src = a->k + block * a->c_block + t * a->c_tok + h * a->c_head;
                     const char *v_src = a->v + block * a->c_block + t * a->c_tok + h * a->c_head;
-                    if (dtype == DTYPE_F32) {
+                    if (cdtype == DTYPE_F32) {
                         krow[n] = (const float *)k_src;
                         vrow[n] = (const float *)v_src;
+                    } else if (cdtype != DTYPE_BF16) {
+                        const int64_t row = (block * bs + t) * a->num_kv_heads + h;
+                        const float ks = half_to_float(a->k_scale[row]), vs = half_to_float(a->v_scale[row]);
+                        float *kd = kbuf + n * D, *vd = vbuf + n * D;
+                        for (int64_t c = 0; c < C; c++) {
+                            const v16f kx = load16_q8(k_src + c * 16, cdtype, ks);
+                            const v16f vx = load16_q8(v_src + c * 16, cdtype, vs);
+                            memcpy(kd + c * 16, &kx, sizeof kx);
+                            memcpy(vd + c * 16, &vx, sizeof vx);
+                        }
+                        krow[n] = kd;
+                        vrow[n] = vd;
                     } else {
                         float *kd = kbuf + n * D, *vd = vbuf + n * D;
                         for (int64_t c = 0; c < C; c++) {
@@ -288,7 +366,8 @@ static inline void store_new(const struct item_args *a, int64_t s, const char *k
     }
 }
 
-/* q [S, Hq, D] (strides q_tok, q_head in elements); caches [NB, bs, Hkv, D] with element strides
+/* q [S, Hq, D] (strides q_tok, q_head in elements); caches [NB, bs, Hkv, D] with element strides (of
+ * cache_dtype; with an 8-bit cache_dtype, k_scale / v_scale hold each row's float16 scale)
  * (c_block, c_tok, c_head, 1); block_tables [S, max_blocks] int32 (row stride bt_row); seq_lens [S]
  * int32; slopes [Hq] float32 or NULL; window <= 0: none; out [S, Hq, D] (strides o_tok, o_head).
  * slots [S] int32 or NULL: with it, k_new [S, Hkv, D] (strides k_tok, k_head) and v_new (v_tok, v_head)
@@ -300,8 +379,10 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       const int32_t *seq_lens, float scale, const float *slopes, int64_t window,
                       int dtype, void *out, int64_t o_tok, int64_t o_head, int threads,
                       const void *k_new, int64_t k_tok, int64_t k_head,
-                      const void *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap) {
+                      const void *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap,
+                      int cache_dtype, const uint16_t *k_scale, const uint16_t *v_scale) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t celem = cache_dtype == DTYPE_F32 ? 4 : (cache_dtype == DTYPE_BF16 ? 2 : 1);
     /* a work item is one sequence with all its KV heads (each block read once, whole); with fewer
      * sequences than two per thread, one (sequence, KV head) so that every thread has work */
     const int64_t per_seq = num_seqs >= 2 * threads ? 1 : num_kv_heads;
@@ -313,23 +394,31 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
         const struct item_args a = {
             .q = (const char *)q + s * q_tok * elem, .q_head = q_head * elem,
             .k = (const char *)k_cache, .v = (const char *)v_cache,
-            .c_block = c_block * elem, .c_tok = c_tok * elem, .c_head = c_head * elem,
+            .c_block = c_block * celem, .c_tok = c_tok * celem, .c_head = c_head * celem,
             .num_blocks = num_blocks, .block_size = block_size, .head_dim = head_dim, .group = group,
             .kv_lo = kv_lo, .kv_hi = kv_lo + heads_per_item,
             .table = block_tables + s * bt_row, .seq_len = seq_lens[s], .window = window, .scale = scale,
             .slopes = slopes, .softcap = softcap, .out = (char *)out + s * o_tok * elem, .o_head = o_head * elem,
+            .k_scale = k_scale, .v_scale = v_scale, .num_kv_heads = num_kv_heads,
         };
-        if (slots != NULL) store_new(&a, s, (const char *)k_new, k_tok * elem, k_head * elem, (const char *)v_new,
-                                     v_tok * elem, v_head * elem, slots, elem);
-        /* constant dtype and head_dim / 8 at the common call sites: the compiler specialises them */
+        if (slots != NULL && cache_dtype == dtype)      /* only a full-precision cache takes new rows here */
+            store_new(&a, s, (const char *)k_new, k_tok * elem, k_head * elem, (const char *)v_new,
+                      v_tok * elem, v_head * elem, slots, elem);
+        /* constant dtypes and head_dim / 16 at the common call sites: the compiler specialises them */
+#define DECODE_ITEM(DT, CDT) do { \
+            if (head_dim == 64) decode_item(&a, DT, CDT, 4); \
+            else if (head_dim == 128) decode_item(&a, DT, CDT, 8); \
+            else decode_item(&a, DT, CDT, head_dim / 16); \
+        } while (0)
         if (dtype == DTYPE_F32) {
-            if (head_dim == 64) decode_item(&a, DTYPE_F32, 4);
-            else if (head_dim == 128) decode_item(&a, DTYPE_F32, 8);
-            else decode_item(&a, DTYPE_F32, head_dim / 16);
+            if (cache_dtype == CACHE_I8) DECODE_ITEM(DTYPE_F32, CACHE_I8);
+            else if (cache_dtype == CACHE_FP8) DECODE_ITEM(DTYPE_F32, CACHE_FP8);
+            else DECODE_ITEM(DTYPE_F32, DTYPE_F32);
         } else {
-            if (head_dim == 64) decode_item(&a, DTYPE_BF16, 4);
-            else if (head_dim == 128) decode_item(&a, DTYPE_BF16, 8);
-            else decode_item(&a, DTYPE_BF16, head_dim / 16);
+            if (cache_dtype == CACHE_I8) DECODE_ITEM(DTYPE_BF16, CACHE_I8);
+            else if (cache_dtype == CACHE_FP8) DECODE_ITEM(DTYPE_BF16, CACHE_FP8);
+            else DECODE_ITEM(DTYPE_BF16, DTYPE_BF16);
         }
+#undef DECODE_ITEM
     }
 }

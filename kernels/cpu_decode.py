@@ -20,11 +20,13 @@ from . import cpu_build
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = cpu_build.DTYPE_CODES
+CACHE_CODES = {**DTYPE_CODES, torch.int8: 2, torch.float8_e4m3fn: 3}    # 8-bit caches: cpu_decode.c
 _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _INT64, _INT64, _PTR, _PTR, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64,
              _INT64, _INT64, _PTR, _INT64, _PTR, ctypes.c_float, _PTR, _INT64, ctypes.c_int, _PTR, _INT64,
-             _INT64, ctypes.c_int, _PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, ctypes.c_float]
+             _INT64, ctypes.c_int, _PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, ctypes.c_float, ctypes.c_int,
+             _PTR, _PTR]
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -48,23 +50,29 @@ MAX_GROUP = 64
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when ``paged_decode_cpu`` takes these (validated) tensors and the kernel is built: CPU,
-    float32/bfloat16, head_dim a multiple of 16 (the kernel's vector width; other head sizes run the
-    torch reference), block_size a multiple of 8 up to 64, at most 64 query heads per KV head."""
+    float32/bfloat16 (the cache in q's dtype or 8-bit), head_dim a multiple of 16 (the kernel's vector width;
+    other head sizes run the torch reference), block_size a multiple of 8 up to 64, at most 64 query heads
+    per KV head."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and q.shape[2] % 16 == 0 and block_size % 8 == 0
+    cache_ok = k_cache.dtype == q.dtype or k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and cache_ok and q.shape[2] % 16 == 0
+            and block_size % 8 == 0
             and block_size <= MAX_BLOCK_SIZE and q.shape[1] // num_kv_heads <= MAX_GROUP and available())
 
 
 def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-                     sliding_window=None, out=None, new_kv=None, logit_softcap=None):
+                     sliding_window=None, out=None, new_kv=None, logit_softcap=None, k_scale=None, v_scale=None):
     """``paged_decode_reference``'s contract through the C kernel (arguments already validated).
 
     q [S, Hq, D] (head_dim contiguous); k/v_cache [NB, bs, Hkv, D]; block_tables [S, max_blocks] int32;
     seq_lens [S] int32 -> out [S, Hq, D] in q.dtype. ``new_kv``: (key, value [S, Hkv, D] head_dim contiguous,
     slot_mapping [S] int32 or int64): each sequence's new token, stored into the caches first (``store_kv``'s
     contract for a decode step, slot < 0 skipped), by the same call. ``logit_softcap``: Gemma 2's soft-capping
-    of the scaled scores.
+    of the scaled scores. ``k_scale`` / ``v_scale`` [NB, bs, Hkv] float16, contiguous: an 8-bit cache's row
+    scales (``kv_quant``); ``new_kv`` is then refused (the rows are quantized by ``store_kv`` first).
     """
+    if new_kv is not None and k_cache.dtype != q.dtype:
+        raise ValueError("new_kv: only a cache in q's dtype is written by the decode kernel")
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     group = num_q_heads // num_kv_heads
@@ -85,7 +93,8 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
         num_seqs, group, tables.data_ptr(), tables.stride(0), lens.data_ptr(), float(scale),
         None if slopes is None else slopes.data_ptr(), int(sliding_window or 0), DTYPE_CODES[q.dtype],
         result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads(), *_new_kv_args(new_kv, k_cache),
-        float(logit_softcap or 0.0))
+        float(logit_softcap or 0.0), CACHE_CODES[k_cache.dtype],
+        None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr())
     if out is None:
         return result
     out.copy_(result)

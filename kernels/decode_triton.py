@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tile_triton import attend_tile
+from .tile_triton import attend_tile, scale_args
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
@@ -20,12 +20,12 @@ INTERPRETER_SM_COUNT = 8   # nominal "device size" used to choose splits under T
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
     scale_log2, softcap, stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     head_dim, group_size, sliding_window, num_splits,
     BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -62,7 +62,8 @@ def _decode_kernel(
         m, l, acc = attend_tile(q, m, l, acc, n0, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, table, q_pos, slope, end,
                                 stride_kb, stride_ks, stride_vb, stride_vs, 0, scale_log2, softcap, d, d_mask,
-                                BLOCK_SIZE, True, HAS_ALIBI, False, IEEE, HAS_SOFTCAP, BLOCK_N)
+                                k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
+                                BLOCK_SIZE, True, HAS_ALIBI, False, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N)
 
     if SPLIT:
         part = (seq * (group_size * tl.num_programs(1)) + heads) * num_splits + split   # [BLOCK_G]
@@ -125,10 +126,12 @@ def decode_config(head_dim: int, group: int) -> dict:
 
 
 def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-                        sliding_window=None, out=None, *, num_splits=None, config=None, logit_softcap=None):
+                        sliding_window=None, out=None, *, num_splits=None, config=None, logit_softcap=None,
+                        k_scale=None, v_scale=None):
     """Launch the decode kernel (and the split reduce). Shapes as in ``pagedray.kernels.paged_decode``;
     ``num_splits`` overrides the automatic choice (tests use it to force the split path) and ``config``
-    overrides entries of ``decode_config`` (the benchmark's ``--sweep`` uses it)."""
+    overrides entries of ``decode_config`` (the benchmark's ``--sweep`` uses it). ``k_scale`` / ``v_scale``: an
+    8-bit cache's row scales (``kv_quant``)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -149,12 +152,14 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         alibi_slopes if alibi_slopes is not None else q, out, part_m, part_l, part_acc,
+        *scale_args(k_scale, v_scale, q),
         float(scale) * LOG2E, float(logit_softcap or 1.0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         head_dim, group, sliding_window or 0, num_splits,
         BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window is not None,
-        SPLIT=split, IEEE=q.dtype == torch.float32, HAS_SOFTCAP=logit_softcap is not None, **cfg,
+        SPLIT=split, IEEE=q.dtype == torch.float32, HAS_SOFTCAP=logit_softcap is not None,
+        QUANT=k_scale is not None, **cfg,
     )
     if split:
         _reduce_splits_kernel[(num_seqs, num_q_heads)](

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tile_triton import attend_tile
+from .tile_triton import attend_tile, scale_args
 
 LOG2E = 1.4426950408889634
 
@@ -32,11 +32,11 @@ def _find_chunk(cu_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr, alibi_ptr, out_ptr,
-    scale_log2, softcap, stride_qt, stride_qh, stride_ot, stride_oh,
+    k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, scale_log2, softcap, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_seqs, head_dim, group_size, sliding_window,
     BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)       # heavy tiles (late in a chunk) launch first
@@ -77,13 +77,15 @@ def _prefill_kernel(
             for n0 in range(0, masked_from, BLOCK_N):
                 m, l, acc = attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
                                          stride_kb, stride_ks, stride_vb, stride_vs,
-                                         sliding_window, scale_log2, softcap, d, d_mask, BLOCK_SIZE, False,
-                                         HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, BLOCK_N)
+                                         sliding_window, scale_log2, softcap, d, d_mask,
+                                         k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
+                                         BLOCK_SIZE, False, HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N)
         for n0 in range(masked_from, kv_end, BLOCK_N):
             m, l, acc = attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
                                      stride_kb, stride_ks, stride_vb, stride_vs,
-                                     sliding_window, scale_log2, softcap, d, d_mask, BLOCK_SIZE, True,
-                                     HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, BLOCK_N)
+                                     sliding_window, scale_log2, softcap, d, d_mask,
+                                     k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
+                                     BLOCK_SIZE, True, HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N)
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         o_off = q_idx.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -118,9 +120,11 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, 
 
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                         alibi_slopes=None, out=None, *, sliding_window=None, config=None, logit_softcap=None):
+                         alibi_slopes=None, out=None, *, sliding_window=None, config=None, logit_softcap=None,
+                         k_scale=None, v_scale=None):
     """Launch the prefill kernel. Shapes as in ``pagedray.kernels.paged_prefill``; ``config`` overrides
-    entries of ``prefill_config`` (the benchmark's ``--sweep`` uses it)."""
+    entries of ``prefill_config`` (the benchmark's ``--sweep`` uses it); ``k_scale`` / ``v_scale``: an 8-bit
+    cache's row scales."""
     total_q, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = seq_lens_k.shape[0]
@@ -134,12 +138,12 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_ta
     grid = (total_q // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens_k, cu_seqlens_q,
-        alibi_slopes if alibi_slopes is not None else q, out,
+        alibi_slopes if alibi_slopes is not None else q, out, *scale_args(k_scale, v_scale, q),
         float(scale) * LOG2E, float(logit_softcap or 1.0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_seqs, head_dim, group, sliding_window or 0,
         BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window is not None,
-        IEEE=q.dtype == torch.float32, HAS_SOFTCAP=logit_softcap is not None, **cfg,
+        IEEE=q.dtype == torch.float32, HAS_SOFTCAP=logit_softcap is not None, QUANT=k_scale is not None, **cfg,
     )
     return out

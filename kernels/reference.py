@@ -10,18 +10,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import quantize_rows
+
 GATHER_BUDGET_BYTES = 2 << 20
 
 
-def store_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """key/value [num_tokens, num_kv_heads, head_dim] -> cache slots; slot < 0 is skipped."""
+def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """key/value [num_tokens, num_kv_heads, head_dim] -> cache slots; slot < 0 is skipped. With scales
+    (an 8-bit cache) the rows are quantized (``kv_quant.quantize_rows``) and their scales stored too."""
     slots = slot_mapping.long()
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
+    if k_scale is not None:
+        key, k_rows = quantize_rows(key, k_cache.dtype)
+        value, v_rows = quantize_rows(value, v_cache.dtype)
+        k_scale.view(-1, k_scale.shape[2])[slots] = k_rows      # scales are allocated contiguous
+        v_scale.view(-1, v_scale.shape[2])[slots] = v_rows
     if k_cache.is_contiguous() and v_cache.is_contiguous():   # the usual case: one copy per cache
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+        # as bytes when 8-bit: torch has no index_copy_ for float8
+        raw = torch.uint8 if k_scale is not None else k_cache.dtype
+        k_cache.view(raw).view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype).view(raw))
+        v_cache.view(raw).view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype).view(raw))
         return
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
@@ -29,15 +39,22 @@ def store_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache[blocks, offsets] = value
 
 
-def _gather(cache, table, lo: int, hi: int):
+def _blocks_f32(cache, scales, ids):
+    """cache [NB, bs, Hkv, D] (scales [NB, bs, Hkv] for an 8-bit cache, else None), ids [n] long ->
+    those blocks as float32 [n, bs, Hkv, D], dequantized."""
+    g = cache.index_select(0, ids).to(torch.float32)
+    return g if scales is None else g.mul_(scales.index_select(0, ids).to(torch.float32).unsqueeze(-1))
+
+
+def _gather(cache, table, lo: int, hi: int, scales=None):
     """cache [NB, bs, Hkv, D], table [B, nb] long -> key positions [lo, hi) as [B, Hkv, hi-lo, D] fp32."""
     block_size = cache.shape[1]
     first, last = lo // block_size, (hi + block_size - 1) // block_size
     ids = table[:, first:last].clamp(0, cache.shape[0] - 1)
-    g = cache.index_select(0, ids.reshape(-1))                                    # [B*nb, bs, Hkv, D]
+    g = _blocks_f32(cache, scales, ids.reshape(-1))                               # [B*nb, bs, Hkv, D]
     g = g.view(ids.shape[0], -1, cache.shape[2], cache.shape[3])                  # [B, nb*bs, Hkv, D]
     start = lo - first * block_size
-    return g[:, start:start + hi - lo].to(torch.float32).transpose(1, 2)
+    return g[:, start:start + hi - lo].transpose(1, 2)
 
 
 def _sdpa(queries, keys, values, mask, scale, softcap):
@@ -121,7 +138,7 @@ def _length_groups(sorted_lens: list[int], bytes_per_position: int, block_size: 
 
 
 def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-                 logit_softcap=None):
+                 logit_softcap=None, k_scale=None, v_scale=None):
     """q [S, Hq, D] one query per sequence at position seq_len - 1 -> [S, Hq, D] float32.
 
     Sequences are sorted by length (so a group pads little) and cut into groups (``_length_groups``).
@@ -146,8 +163,8 @@ def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slope
         used = min(-(-sorted_lens[s1 - 1] // block_size), tables.shape[1])   # capacity is checked by the API
         ids = tables[s0:s1, :used].long().clamp_(0, num_blocks - 1).reshape(-1)       # [n * used]
         shape = (s1 - s0, used * block_size, num_kv_heads, head_dim)
-        keys = k_cache.index_select(0, ids).to(torch.float32).view(shape).transpose(1, 2)  # [n, Hkv, L, D]
-        values = v_cache.index_select(0, ids).to(torch.float32).view(shape).transpose(1, 2)
+        keys = _blocks_f32(k_cache, k_scale, ids).view(shape).transpose(1, 2)          # [n, Hkv, L, D]
+        values = _blocks_f32(v_cache, v_scale, ids).view(shape).transpose(1, 2)
         mask = _decode_mask(lens[s0:s1], shape[1], slopes, sliding_window)
         sorted_out[s0:s1] = _sdpa(queries[s0:s1], keys, values, mask, scale, logit_softcap)
     result = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out) if permuted else sorted_out
@@ -155,10 +172,10 @@ def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slope
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-                           sliding_window=None, out=None, logit_softcap=None):
+                           sliding_window=None, out=None, logit_softcap=None, k_scale=None, v_scale=None):
     """q [num_seqs, num_q_heads, head_dim] -> out [num_seqs, num_q_heads, head_dim] (q.dtype)."""
     result = _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-                          logit_softcap=logit_softcap)
+                          logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
@@ -166,7 +183,7 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, a
 
 
 def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, alibi_slopes,
-                 sliding_window, result, softcap=None):
+                 sliding_window, result, softcap=None, k_scale=None, v_scale=None):
     """q_chunk [nq, Hq, D] = the last nq positions of a sequence of seq_len_k keys; writes
     result [nq, Hq, D] float32 one query block at a time (each block's mask stays under the budget
     and only sees keys up to its last query)."""
@@ -176,7 +193,7 @@ def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, al
         # no history, no bias: plain causal attention, SDPA's is_causal (no mask tensor, no row grouping;
         # the same values, 15-55% less time at 16-256 tokens on the 2-core VM)
         table = table_row[None].long()
-        keys, values = _gather(k_cache, table, 0, nq), _gather(v_cache, table, 0, nq)       # [1, Hkv, nq, D]
+        keys, values = _gather(k_cache, table, 0, nq, k_scale), _gather(v_cache, table, 0, nq, v_scale)
         queries = q_chunk.to(torch.float32).transpose(0, 1)[None]                        # [1, Hq, nq, D]
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
                                              enable_gqa=num_kv_heads != num_q_heads)
@@ -187,7 +204,8 @@ def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, al
     first = seq_len_k - nq
     lo0 = 0 if sliding_window is None else max(0, first - sliding_window + 1)
     table = table_row[None].long()
-    keys, values = _gather(k_cache, table, lo0, seq_len_k), _gather(v_cache, table, lo0, seq_len_k)
+    keys = _gather(k_cache, table, lo0, seq_len_k, k_scale)                       # [1, Hkv, L, D]
+    values = _gather(v_cache, table, lo0, seq_len_k, v_scale)
     k_len = torch.tensor([seq_len_k], device=q_chunk.device)
     for t0 in range(0, nq, block_q):
         t1 = min(nq, t0 + block_q)
@@ -204,7 +222,7 @@ def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, al
 
 def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                             alibi_slopes=None, out=None, *, sliding_window=None, decode_rows=None,
-                            logit_softcap=None):
+                            logit_softcap=None, k_scale=None, v_scale=None):
     """q [total_q, Hq, D] holding each sequence's newest chunk -> out [total_q, Hq, D] (q.dtype).
 
     Length-1 chunks go through one batched decode pass (``decode_rows``, a function with
@@ -219,13 +237,14 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
         rows = torch.tensor([cu[i] for i in singles], device=q.device)
         idx = torch.tensor(singles, device=q.device)
         rows_out = (decode_rows or _decode_rows)(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx],
-                                                 scale, alibi_slopes, sliding_window, logit_softcap=logit_softcap)
+                                                 scale, alibi_slopes, sliding_window, logit_softcap=logit_softcap,
+                                                 k_scale=k_scale, v_scale=v_scale)
         result[rows] = rows_out.to(torch.float32)
     for i, nk in enumerate(k_lens):
         start, end = cu[i], cu[i + 1]
         if end - start > 1:
             _prefill_one(q[start:end], k_cache, v_cache, block_tables[i], nk, scale, alibi_slopes,
-                         sliding_window, result[start:end], logit_softcap)
+                         sliding_window, result[start:end], logit_softcap, k_scale, v_scale)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
@@ -234,8 +253,9 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
 
 def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                               alibi_slopes=None, max_query_len=None, out=None, *, sliding_window=None,
-                              logit_softcap=None):
+                              logit_softcap=None, k_scale=None, v_scale=None):
     """Mixed batch: the prefill reference already routes length-1 chunks through the decode pass."""
     return paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                    alibi_slopes=alibi_slopes, out=out, sliding_window=sliding_window,
-                                   logit_softcap=logit_softcap)
+                                   logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
+

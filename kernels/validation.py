@@ -21,7 +21,10 @@ import math
 
 import torch
 
+from .kv_quant import QUANTIZED, SCALE_DTYPE
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = SUPPORTED_DTYPES + QUANTIZED          # 8-bit caches carry float16 scales (kv_quant)
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
@@ -58,8 +61,8 @@ def check_caches(k_cache, v_cache) -> None:
     check_tensor("v_cache", v_cache, 4, k_cache.device)
     if v_cache.shape != k_cache.shape:
         _fail("v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
-    if k_cache.dtype not in SUPPORTED_DTYPES:
-        _fail("k_cache", f"unsupported dtype {k_cache.dtype}; expected one of {SUPPORTED_DTYPES}")
+    if k_cache.dtype not in CACHE_DTYPES:
+        _fail("k_cache", f"unsupported dtype {k_cache.dtype}; expected one of {CACHE_DTYPES}")
     if v_cache.dtype != k_cache.dtype:
         _fail("v_cache", f"dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
     head_dim = k_cache.shape[3]
@@ -73,10 +76,30 @@ def check_caches(k_cache, v_cache) -> None:
         _fail("k_cache", f"empty dimension in shape {tuple(k_cache.shape)}")
 
 
+def check_kv_scales(k_cache, k_scale, v_scale) -> None:
+    """k_scale/v_scale: float16 [num_blocks, block_size, num_kv_heads] with an 8-bit cache, None otherwise."""
+    quantized = k_cache.dtype in QUANTIZED
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not quantized:
+            if t is not None:
+                _fail(name, f"only an int8 / fp8 cache has scales; k_cache is {k_cache.dtype}")
+            continue
+        if t is None:
+            _fail(name, f"required with a {k_cache.dtype} cache (one float16 scale per cached row)")
+        check_tensor(name, t, 3, k_cache.device)
+        if tuple(t.shape) != tuple(k_cache.shape[:3]) or t.dtype != SCALE_DTYPE or not t.is_contiguous():
+            _fail(name, f"expected a contiguous {SCALE_DTYPE} tensor of shape {tuple(k_cache.shape[:3])}, got "
+                        f"{t.dtype} {tuple(t.shape)}")
+
+
 def check_heads_tensor(name: str, t, k_cache: torch.Tensor, num_kv_heads_match: bool) -> None:
-    """q/key/value/out: [tokens, heads, head_dim] matching the cache's dtype, device and head_dim."""
+    """q/key/value/out: [tokens, heads, head_dim] matching the cache's dtype (any compute dtype for an
+    8-bit cache), device and head_dim."""
     check_tensor(name, t, 3, k_cache.device)
-    if t.dtype != k_cache.dtype:
+    if k_cache.dtype in QUANTIZED:
+        if t.dtype not in SUPPORTED_DTYPES:
+            _fail(name, f"unsupported dtype {t.dtype}; expected one of {SUPPORTED_DTYPES}")
+    elif t.dtype != k_cache.dtype:
         _fail(name, f"dtype {t.dtype} differs from k_cache {k_cache.dtype}")
     if t.shape[2] != k_cache.shape[3]:
         _fail(name, f"head_dim {t.shape[2]} differs from k_cache head_dim {k_cache.shape[3]}")

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .input_batch import HostBatch, PackedShape, build_host_batch, is_decode_only, unpack
+from .kv_cache import KVCache
 from .models.decoder import DecoderForCausalLM
 from .seq_mirror import BatchedSequence
 
@@ -58,10 +59,10 @@ class CaptureReport:
 
 
 class DecodeGraphs:
-    def __init__(self, model: DecoderForCausalLM, kv_cache: torch.Tensor, block_size: int, max_num_seqs: int,
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, block_size: int, max_num_seqs: int,
                  max_model_len: int, device: torch.device) -> None:
         self.model = model
-        self.kv_cache = kv_cache          # [layers, 2, blocks, block_size, kv_heads_local, head_dim]
+        self.kv_cache = kv_cache          # workers.kv_cache.KVCache
         self.block_size = block_size
         self.device = device
         self.buckets = bucket_sizes(max_num_seqs)

@@ -1,19 +1,49 @@
-"""This rank's paged KV shard: one preallocated tensor for every layer.
+"""This rank's paged KV shard: one preallocated tensor for every layer (and, 8-bit, one of scales).
 
-Layout (fixed by the interfaces): ``kv [num_layers, 2, num_blocks, block_size, kv_heads_local, head_dim]``;
-layer l reads ``kv[l, 0]`` (K) and ``kv[l, 1]`` (V). Block ids are global, so block b on every rank
-holds the same tokens for that rank's KV heads.
+Layout (fixed by the interfaces): ``data [num_layers, 2, num_blocks, block_size, kv_heads_local, head_dim]``;
+layer l reads ``data[l, 0]`` (K) and ``data[l, 1]`` (V). Block ids are global, so block b on every rank
+holds the same tokens for that rank's KV heads. With ``kv_cache_dtype`` int8 / fp8_e4m3 the data is
+8-bit and ``scales [num_layers, 2, num_blocks, block_size, kv_heads_local]`` float16 holds each row's
+scale (``kernels.kv_quant``); a block's scales travel with it (copy-on-write copies both).
 
 Capacity (``num_blocks``) is decided outside: from ``cache.num_blocks`` when set, else from the
 configured GiB on CPU (``blocks_for_bytes``) or from free GPU memory after a profiling forward
-(``memory_profile.py``). The engine takes the minimum over ranks.
+(``memory_profile.py``). The engine takes the minimum over ranks. A block's bytes count its scales.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from ..kernels.kv_quant import SCALE_DTYPE, is_quantized
+
+
+class KVLayer(NamedTuple):
+    """One layer's caches: k / v [num_blocks, block_size, kv_heads_local, head_dim], and their row scales
+    [num_blocks, block_size, kv_heads_local] float16 when 8-bit (else None)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class KVCache:
+    data: torch.Tensor                 # [layers, 2, blocks, block_size, kv_heads_local, head_dim]
+    scales: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads_local] float16 (8-bit data)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[2]
+
+    def layer(self, index: int) -> KVLayer:
+        if self.scales is None:
+            return KVLayer(self.data[index, 0], self.data[index, 1], None, None)
+        return KVLayer(self.data[index, 0], self.data[index, 1], self.scales[index, 0], self.scales[index, 1])
 
 
 @dataclass(frozen=True)
@@ -22,21 +52,25 @@ class KVCacheSpec:
     block_size: int
     num_kv_heads: int      # on this rank
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype     # the cache's storage dtype: the model's, or int8 / float8_e4m3fn
 
     @property
     def bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+        rows = self.num_layers * 2 * self.block_size * self.num_kv_heads
+        scale = torch.empty((), dtype=SCALE_DTYPE).element_size() if is_quantized(self.dtype) else 0
+        return rows * (self.head_dim * element + scale)
 
     def blocks_for_bytes(self, num_bytes: float) -> int:
         return max(0, int(num_bytes // self.bytes_per_block))
 
-    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+    def allocate(self, num_blocks: int, device: torch.device) -> KVCache:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: must be a positive integer, got {num_blocks!r}")
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=device)
+        rows = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads)
+        data = torch.zeros(rows + (self.head_dim,), dtype=self.dtype, device=device)
+        scales = torch.zeros(rows, dtype=SCALE_DTYPE, device=device) if is_quantized(self.dtype) else None
+        return KVCache(data, scales)
 
 
 def check_block_copies(pairs: list[tuple[int, int]], num_blocks: int) -> None:
@@ -45,13 +79,16 @@ def check_block_copies(pairs: list[tuple[int, int]], num_blocks: int) -> None:
             raise ValueError(f"block_copies: pair ({src}, {dst}) is outside [0, {num_blocks})")
 
 
-def copy_blocks(kv: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-    """Copy-on-write: block src -> block dst in K and V of every layer, all pairs in one indexed copy.
+def copy_blocks(kv: KVCache, pairs: list[tuple[int, int]]) -> None:
+    """Copy-on-write: block src -> block dst in K and V of every layer (and their scales), all pairs in one
+    indexed copy per tensor.
 
     Pairs are applied as one gather then one scatter, so a dst that is also a src reads the old content.
     """
     if not pairs:
         return
-    check_block_copies(pairs, kv.shape[2])
-    index = torch.tensor(pairs, dtype=torch.long, device=kv.device)       # [pairs, 2]
-    kv[:, :, index[:, 1]] = kv[:, :, index[:, 0]]
+    check_block_copies(pairs, kv.num_blocks)
+    index = torch.tensor(pairs, dtype=torch.long, device=kv.data.device)  # [pairs, 2]
+    for t in (kv.data, kv.scales):
+        if t is not None:
+            t[:, :, index[:, 1]] = t[:, :, index[:, 0]]

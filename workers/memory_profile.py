@@ -74,7 +74,7 @@ def profile_gpu_num_blocks(model: DecoderForCausalLM, spec: KVCacheSpec, config:
     hidden = model(inputs.input_ids, inputs.positions, kv, inputs.meta)
     model.compute_logits(hidden[inputs.logits_indices])
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - kv.numel() * kv.element_size()
+    peak = torch.cuda.max_memory_allocated(device) - num_blocks * spec.bytes_per_block   # less the cache itself
     del kv, inputs, hidden
     torch.cuda.empty_cache()
     graphs = 0 if graph_rows is None else decode_graph_bytes(model, spec, graph_rows, max_model_len, device)

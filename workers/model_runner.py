@@ -26,7 +26,7 @@ from .. import kernels
 from .contract.wire import PromptLogprobs, StepPlan
 from .decode_graphs import DecodeGraphs
 from .input_batch import BatchInputs, HostBatch, build_host_batch
-from .kv_cache import check_block_copies, copy_blocks
+from .kv_cache import KVCache, check_block_copies, copy_blocks
 from .models.decoder import DecoderForCausalLM
 from .prompt_logprobs import PromptRows, compute_prompt_logprobs, plan_prompt_rows
 from .seq_mirror import BatchedSequence, SequenceMirror, SequenceState
@@ -47,13 +47,13 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderForCausalLM, kv_cache: torch.Tensor, block_size: int,
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, block_size: int,
                  device: torch.device) -> None:
         self.model = model
-        self.kv_cache = kv_cache        # [layers, 2, blocks, block_size, kv_heads_local, head_dim]
+        self.kv_cache = kv_cache        # data [layers, 2, blocks, block_size, kv_heads_local, head_dim] (+ scales)
         self.block_size = block_size
         self.device = device
-        self.mirror = SequenceMirror(block_size, num_blocks=kv_cache.shape[2])
+        self.mirror = SequenceMirror(block_size, num_blocks=kv_cache.num_blocks)
         self.decode_graphs: DecodeGraphs | None = None   # set by the worker (CUDA graphs) or a test
 
     def use_decode_graphs(self, graphs: DecodeGraphs) -> None:
@@ -79,7 +79,7 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> PreparedStep | None:
         """Steps 1-3 up to the copy: mirror update, block copies, checked host inputs (None: nothing to run)."""
-        check_block_copies(plan.block_copies, self.kv_cache.shape[2])
+        check_block_copies(plan.block_copies, self.kv_cache.num_blocks)
         batch = self.mirror.apply(plan)
         copy_blocks(self.kv_cache, plan.block_copies)
         if not batch:
@@ -94,7 +94,7 @@ class ModelRunner:
     def check_host_metadata(self, host: HostBatch) -> None:
         """Every metadata check (values included) on the host tensors, against this cache's shape."""
         meta = host.inputs.meta
-        kernels.check_host_step_metadata(self.kv_cache.shape[2:], self.kv_cache.dtype, host.shape.tokens,
+        kernels.check_host_step_metadata(self.kv_cache.data.shape[2:], self.kv_cache.data.dtype, host.shape.tokens,
                                          meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens_k,
                                          meta.block_tables, meta.max_query_len)
 

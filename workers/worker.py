@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from ..kernels import kv_quant
 from .contract.config import EngineConfig
 from .contract.wire import PENDING_TOKEN, SampledToken, StepPlan, StepResult, decode_plan, encode_result
 from .decode_graphs import CaptureReport, DecodeGraphs
@@ -78,7 +79,7 @@ class Worker:
                      self.pack_report.weight_bytes / 1e6)
         dims = self.model.dims
         self.kv_spec = KVCacheSpec(dims.num_layers, config.cache.block_size, self.model.num_local_kv_heads,
-                                   dims.head_dim, self.dtype)
+                                   dims.head_dim, kv_quant.cache_dtype(config.cache.kv_cache_dtype, self.dtype))
         self.sampler = (Sampler(seed=config.seed, eos_token_ids=model_info(model_path).eos_token_ids)
                         if self.tp.is_first else None)
         self.grammars = GrammarBook(str(config.model.tokenizer or model_path)) if self.tp.is_first else None

@@ -29,7 +29,8 @@ SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "parallel": ParallelConf
 # a value other than the default for each engine option, valid together
 NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "device": "cpu", "max_model_len": 256,
                 "block_size": 32, "kv_cache_gib": 0.5, "gpu_memory_utilization": 0.5, "num_blocks": 64,
-                "enable_prefix_caching": False, "watermark": 0.02, "tensor_parallel_size": 2, "executor": "auto",
+                "enable_prefix_caching": False, "kv_cache_dtype": "int8", "watermark": 0.02, "tensor_parallel_size": 2,
+                "executor": "auto",
                 "ray_transport": "compiled", "threads_per_worker": 1, "max_rank_restarts": 0, "max_num_seqs": 8,
                 "max_num_batched_tokens": 512, "policy": "priority", "max_queued_requests": 7,
                 "step_timeout_s": 30.0, "step_timeout_per_token_s": 0.5, "seed": 5, "stream_interval": 4,

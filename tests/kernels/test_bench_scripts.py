@@ -63,3 +63,14 @@ def test_moe_kernel_dry_run_checks_and_times_every_row(tmp_path):
     assert [r["tokens"] for r in rows] == list(DRY["tokens"])
     assert all(r["fused_ms"] > 0 and r["loop_ms"] > 0 and r["tflops"] > 0 and r["gbps"] > 0 for r in rows)
     assert all(1 <= r["experts_hit"] <= DRY["experts"] for r in rows)
+
+
+def test_kv8_kernel_dry_run_checks_and_times_every_row(tmp_path):
+    from benchmarks.kv8_kernel import DRY
+
+    report = _run_dry("benchmarks.kv8_kernel", tmp_path / "kv8.json")
+    decode = [r for r in report["rows"] if r["kind"] == "decode"]
+    caches = [DRY["dtype"], *DRY["cache_dtypes"]]
+    assert [r["cache"] for r in decode] == caches * len(DRY["batches"]) * len(DRY["contexts"])
+    assert all(r["ms"] > 0 and r["gbps"] > 0 and r["speedup_vs_16bit"] > 0 for r in decode)
+    assert [r["cache"] for r in report["rows"] if r["kind"] == "prefill"] == caches

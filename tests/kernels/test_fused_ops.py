@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from helpers.paged_kv_cases import kernel_device, seed_of
 from pagedray import kernels
 from pagedray.kernels import fused_ops
+from pagedray.workers.kv_cache import KVCache
 from pagedray.workers.layers.activation import silu_and_mul as layer_silu_and_mul
 from pagedray.workers.layers.norm import RMSNorm
 from pagedray.workers.layers.rotary import RotaryEmbedding
@@ -291,13 +292,13 @@ def test_decoder_fused_path_matches_torch_path(kind, monkeypatch):
     head_dim = model.layers[0].self_attn.head_dim
     kv_shape = (2, 2, 3, block_size, 1, head_dim)
     with torch.inference_mode():
-        expected = model(input_ids, positions, torch.zeros(kv_shape), meta)
+        expected = model(input_ids, positions, KVCache(torch.zeros(kv_shape)), meta)
         monkeypatch.setattr(fused_ops, "_triton_wanted", lambda use_triton, device: use_triton is not False)
         launches = {}
         for name in ("rms_norm_triton", "rotary_embedding_triton", "silu_and_mul_triton"):
             monkeypatch.setattr(fused_ops, name, _counting(launches, name, getattr(fused_ops, name)))
         assert model.rotary.for_step(positions, torch.float32).fused
-        got = model(input_ids, positions, torch.zeros(kv_shape), meta)
+        got = model(input_ids, positions, KVCache(torch.zeros(kv_shape)), meta)
     # per layer: two hidden norms (+ q and k norms for Qwen3), one rotary, one SiLU; plus the final norm
     layers = len(model.layers)
     assert launches == {"rms_norm_triton": layers * (4 if kind == "qwen3" else 2) + 1,

@@ -75,12 +75,12 @@ def test_plans_that_contradict_the_mirror(tiny_model_path):
         "block_ids: seq 2 has a block id outside": StepPlan(1, new_seqs=[NewSequence(2, [5], [], 0, 1, [8], GREEDY)]),
         "block_ids: seq 0 has a block id outside": StepPlan(1, running=[RunningDelta(0, 1, [-1], 4)]),
     }
-    kv_before = worker.runner.kv_cache.clone()
+    kv_before = worker.runner.kv_cache.data.clone()
     for message, plan in bad_plans.items():
         with pytest.raises(ValueError, match=message):
             worker.execute(plan)
         assert worker.num_sequences() == 1 and worker.runner.mirror.state(0).num_tokens == 3
-    assert torch.equal(worker.runner.kv_cache, kv_before)
+    assert torch.equal(worker.runner.kv_cache.data, kv_before)
     result = worker.execute(StepPlan(1, running=[RunningDelta(0, 1, [], 4)]))   # the mirror still works
     assert [s.seq_id for s in result.sampled] == [0]
 

@@ -28,9 +28,10 @@ NEW_TOKENS = 32
 TINY_PROMPTS = [[5, 17, 33, 8, 99, 120, 7], list(range(3, 40)), [200, 201, 4], list(range(60, 80))]
 
 
-def _cuda_driver(path: str, dtype: str, profile_memory: bool = False,
-                 enforce_eager: bool = False) -> tuple[Worker, PlanDriver]:
-    config = engine_config(path, device="cuda", dtype=dtype, enforce_eager=enforce_eager)
+def _cuda_driver(path: str, dtype: str, profile_memory: bool = False, enforce_eager: bool = False,
+                 kv_cache_dtype: str = "auto", device: str = "cuda") -> tuple[Worker, PlanDriver]:
+    config = engine_config(path, device=device, dtype=dtype, enforce_eager=enforce_eager,
+                           kv_cache_dtype=kv_cache_dtype)
     if profile_memory:
         config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=None,
                                                                         gpu_memory_utilization=0.3))
@@ -49,6 +50,16 @@ def test_fp32_on_cuda_matches_transformers(kind, tiny_model_path):
     assert worker.device.type == "cuda"
     assert driver.generate(TINY_PROMPTS, NEW_TOKENS) == hf_greedy_each(path, TINY_PROMPTS, NEW_TOKENS)
     assert worker.num_sequences() == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_8bit_kv_cache_on_cuda_gives_the_cpu_engines_tokens(kv_cache_dtype, tiny_model_path):
+    """fp32 with an 8-bit KV cache: the Triton store / decode / prefill (CUDA graphs included) give the
+    same greedy tokens as the CPU engine with the same cache dtype (torch quantizer, C decode kernel)."""
+    path = tiny_model_path("llama")
+    _, cuda = _cuda_driver(path, "float32", kv_cache_dtype=kv_cache_dtype)
+    _, cpu = _cuda_driver(path, "float32", kv_cache_dtype=kv_cache_dtype, device="cpu")
+    assert cuda.generate(TINY_PROMPTS, NEW_TOKENS) == cpu.generate(TINY_PROMPTS, NEW_TOKENS)
 
 
 def test_bf16_on_cuda_with_profiled_kv_cache(tiny_model_path):

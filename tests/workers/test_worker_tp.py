@@ -55,3 +55,25 @@ def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
     assert [s.output for s in tp2] == [s.output for s in tp1] == hf_greedy_each(path, PROMPTS, NEW_TOKENS)
     for seq in tp2:
         _check_logprobs(path, seq)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_tp2_with_an_8bit_kv_cache_matches_tp1(kv_cache_dtype, tiny_model_path, ray_session):
+    """Each rank quantizes its own KV heads' rows (llama: one KV head per rank): TP=2 gives TP=1's tokens,
+    and logprobs within 1e-4 of TP=1's (both 8-bit)."""
+    path = tiny_model_path("llama")
+    params = SamplingParams(temperature=0.0, logprobs=TOP_N)
+    _, local = local_driver(path, token_budget=24, max_chunk=16, kv_cache_dtype=kv_cache_dtype)
+    tp1 = local.run([local.add(p, NEW_TOKENS, params) for p in PROMPTS])
+    actors = start_ray_workers(ray_session, path, tp=2, kv_cache_dtype=kv_cache_dtype)
+    try:
+        driver = PlanDriver(ray_execute(ray_session, actors), 8, 64, token_budget=24, max_chunk=16)
+        tp2 = driver.run([driver.add(p, NEW_TOKENS, params) for p in PROMPTS])
+    finally:
+        stop_ray_workers(ray_session, actors)
+    assert [s.output for s in tp2] == [s.output for s in tp1]
+    for one, two in zip(tp1, tp2):
+        for a, b in zip(one.sampled, two.sampled):
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+            torch.testing.assert_close(torch.tensor([v for _, v in b.top_logprobs]),
+                                       torch.tensor([v for _, v in a.top_logprobs]), rtol=0, atol=1e-4)

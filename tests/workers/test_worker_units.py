@@ -12,7 +12,7 @@ from helpers.worker_setup import engine_config
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import NewSequence, StepPlan
 from pagedray.workers.input_batch import build_batch
-from pagedray.workers.kv_cache import KVCacheSpec, copy_blocks
+from pagedray.workers.kv_cache import KVCache, KVCacheSpec, copy_blocks
 from pagedray.workers.layers.partition import HeadPartition, VocabPartition
 from pagedray.workers.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedray.workers.model_info import model_info
@@ -62,7 +62,7 @@ def test_build_batch_positions_slots_and_logits_rows():
 def test_copy_blocks_reads_sources_before_writing():
     kv = torch.randn(3, 2, 5, 4, 2, 8)
     before = kv.clone()
-    copy_blocks(kv, [(1, 2), (2, 4)])       # 4 receives the OLD content of 2
+    copy_blocks(KVCache(kv), [(1, 2), (2, 4)])       # 4 receives the OLD content of 2
     assert torch.equal(kv[:, :, 2], before[:, :, 1]) and torch.equal(kv[:, :, 4], before[:, :, 2])
     assert torch.equal(kv[:, :, [0, 1, 3]], before[:, :, [0, 1, 3]])
     spec = KVCacheSpec(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
@@ -122,7 +122,7 @@ def test_reduced_precision_weights_and_cache(tiny_model_path):
         worker = Worker(engine_config(path, num_blocks=4, dtype=dtype))
         worker.init_kv_cache(4)
         assert {p.dtype for p in worker.model.parameters()} == {getattr(torch, dtype)}
-        assert worker.runner.kv_cache.dtype == getattr(torch, dtype)
+        assert worker.runner.kv_cache.data.dtype == getattr(torch, dtype)
         results[dtype] = worker.execute(plan).sampled[0]
     top32 = dict(results["float32"].top_logprobs)
     for token, logprob in results["bfloat16"].top_logprobs:
@@ -139,7 +139,7 @@ def test_cpu_capacity_from_kv_cache_gib(tiny_model_path):
     assert worker.kv_spec.bytes_per_block == 4096
     assert worker.available_kv_blocks() == int(0.001 * 2**30) // 4096 == 262
     worker.init_kv_cache(262)
-    assert tuple(worker.runner.kv_cache.shape) == (2, 2, 262, 8, 2, 16)
+    assert tuple(worker.runner.kv_cache.data.shape) == (2, 2, 262, 8, 2, 16)
 
 
 def test_a_pending_token_is_the_one_rank_0_drew_for_that_sequence_at_its_last_step(tiny_model_path):

@@ -21,6 +21,7 @@ EXECUTORS = ("auto", "local", "ray")
 RAY_TRANSPORTS = ("auto", "actor", "compiled", "socket")
 POLICIES = ("fcfs", "priority")
 BLOCK_SIZES = (8, 16, 32, 64)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")   # names of kernels.kv_quant.KV_CACHE_DTYPES, plus auto
 
 
 def option(default, help: str):
@@ -74,6 +75,8 @@ class CacheConfig:
     gpu_memory_utilization: float = option(0.90, "CUDA: fraction of the device memory for weights + activations + KV")
     num_blocks: int | None = option(None, "force an exact number of KV blocks (default: decided from memory)")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model's dtype) | int8 | fp8_e4m3 (8-bit rows, "
+                                         "each with a float16 scale: about twice the sequences per byte)")
     watermark: float = option(0.01, "fraction of KV blocks kept free when admitting (avoids instant preemption)")
 
     def validate(self) -> None:
@@ -85,6 +88,8 @@ class CacheConfig:
         _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
                  f"num_blocks: must be None or an integer >= 2, got {self.num_blocks!r}")
         _require(0 <= self.watermark < 0.5, f"watermark: must be in [0, 0.5), got {self.watermark!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ... import kernels
+from ..kv_cache import KVLayer
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,11 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window   # None: full causal attention
         self.logit_softcap = logit_softcap     # Gemma 2: scores soft-capped (kernels.paged_decode)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: KVLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # kv_layer [2, num_blocks, block_size, kv_heads_local, head_dim]
-        k_cache, v_cache = kv_layer[0], kv_layer[1]
-        return kernels.store_kv_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.cu_seqlens_q,
+        # kv_layer.k / .v [num_blocks, block_size, kv_heads_local, head_dim] (+ row scales when 8-bit)
+        return kernels.store_kv_and_attend(q, k, v, kv_layer.k, kv_layer.v, meta.slot_mapping, meta.cu_seqlens_q,
                                            meta.seq_lens_k, meta.block_tables, self.scale,
                                            max_query_len=meta.max_query_len, sliding_window=self.sliding_window,
-                                           validate_values=False, logit_softcap=self.logit_softcap)
+                                           validate_values=False, logit_softcap=self.logit_softcap,
+                                           k_scale=kv_layer.k_scale, v_scale=kv_layer.v_scale)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..kv_cache import KVCache
 from ..layers.activation import gelu_tanh_and_mul, silu_and_mul
 from ..layers.attention import AttentionMetadata, PagedAttention
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -229,14 +230,14 @@ class DecoderForCausalLM(nn.Module):
         self.norm.load(reader, "model.norm.weight")
         self.lm_head.load(reader, "lm_head.weight")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids, positions [tokens]; kv_cache [layers, 2, blocks, block_size, kv_heads_local, head_dim]
+        # input_ids, positions [tokens]; kv_cache: this rank's shard (workers.kv_cache)
         hidden = self.embed_tokens(input_ids)                                   # [tokens, hidden]
         rope = self.rotary.for_step(positions, hidden.dtype)                   # shared by every layer
         residual = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, rope, kv_cache[i], meta)
+            hidden, residual = layer(hidden, residual, rope, kv_cache.layer(i), meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

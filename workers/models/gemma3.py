@@ -25,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from ..kv_cache import KVCache
 from ..layers.attention import AttentionMetadata
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.norm import RMSNorm
@@ -129,14 +130,14 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
             layer.load(reader, f"model.layers.{i}")
         self.norm.load(reader, "model.norm.weight")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # input_ids, positions [tokens]; kv_cache [layers, 2, blocks, block_size, kv_heads_local, head_dim]
+        # input_ids, positions [tokens]; kv_cache: this rank's shard (workers.kv_cache)
         hidden = self.embed_tokens(input_ids)                                     # [tokens, hidden]
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         ropes = {kind: rotary.for_step(positions, hidden.dtype) for kind, rotary in self.rotary.items()}
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, ropes[self.kinds[i]], kv_cache[i], meta)
+            hidden = layer(hidden, ropes[self.kinds[i]], kv_cache.layer(i), meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
