@@ -10,9 +10,14 @@ and records the number of running sequences at each step.
 Workload (fixed seed): 512 requests, prompt lengths uniform in [32, 2*mean_prompt-32], max_tokens uniform
 in [16, 2*mean_output-16]; mean total length <= max_model_len / 4 by default.
 
-Both allocators run ``--rounds`` times in alternating order (``benchmarks.rounds``), like every
+A third system, ``paged 8-bit KV``, holds the same bytes in 8-bit rows (``kv_cache_dtype`` int8 / fp8_e4m3:
+a row of ``--head-dim`` codes plus its float16 scale, against ``--head-dim`` bf16 values): its block count
+is the budget's bytes over an 8-bit block's (``workers.kv_cache.KVCacheSpec``, the engine's own count).
+
+Every system runs ``--rounds`` times in alternating order (``benchmarks.rounds``), like every
 comparison script; the counts depend on lengths only, so their spread is 0 -- a non-zero spread would mean
-the simulation is not deterministic. The table shows the per-round ratio paged / contiguous.
+the simulation is not deterministic. The table shows the per-round ratios paged / contiguous and 8-bit /
+16-bit (goal of #37: 2x, within the scales' overhead).
 
 Usage: ``python -m benchmarks.kv_memory [--rounds 3] [--max-model-len 2048] [--num-blocks 2048]``
 (or ``python benchmarks/kv_memory.py ...``)
@@ -38,12 +43,13 @@ from pagedray.workers.contract.wire import SampledToken
 from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
-CONTIGUOUS, PAGED = "contiguous max_model_len", "paged"
+CONTIGUOUS, PAGED, PAGED_8BIT = "contiguous max_model_len", "paged", "paged 8-bit KV"
 METRICS = [Metric("peak_concurrent", "peak concurrent"),
            Metric("mean_concurrent_first_half", "mean concurrent (first half)"),
            Metric("mean_kv_usage_first_half", "mean KV usage (first half)"),
            Metric("preemptions", higher_is_better=False), Metric("steps", higher_is_better=False)]
-RATIOS = [Ratio(PAGED, (CONTIGUOUS,), ("peak_concurrent", "mean_concurrent_first_half"))]
+RATIOS = [Ratio(PAGED, (CONTIGUOUS,), ("peak_concurrent", "mean_concurrent_first_half")),
+          Ratio(PAGED_8BIT, (PAGED,), ("peak_concurrent", "mean_concurrent_first_half"))]
 
 
 def run_paged(lengths, block_size: int, num_blocks: int, max_model_len: int) -> dict:
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mean-prompt", type=int, default=384)
     parser.add_argument("--mean-output", type=int, default=96)
     parser.add_argument("--num-requests", type=int, default=512)
+    parser.add_argument("--head-dim", type=int, default=128, help="KV head size (sets the 8-bit row's overhead)")
     args = parser.parse_args(argv)
     rng = random.Random(0)
     lengths = [(rng.randint(32, 2 * args.mean_prompt - 32), rng.randint(16, 2 * args.mean_output - 16))
@@ -82,17 +89,30 @@ def main(argv: list[str] | None = None) -> dict:
     mean_len = statistics.mean(p + o for p, o in lengths)
     budget = args.num_blocks * args.block_size
     contiguous = budget // args.max_model_len
+    blocks_8bit = eight_bit_blocks(args.num_blocks, args.block_size, args.head_dim)
 
     def measure(system: str, _round: int) -> dict:
         if system == CONTIGUOUS:  # max_model_len slots reserved per sequence: a fixed number at once
             return {"peak_concurrent": contiguous, "mean_concurrent_first_half": contiguous}
-        return run_paged(lengths, args.block_size, args.num_blocks, args.max_model_len)
+        num_blocks = blocks_8bit if system == PAGED_8BIT else args.num_blocks
+        return run_paged(lengths, args.block_size, num_blocks, args.max_model_len)
 
     print(f"KV budget {budget} slots, max_model_len {args.max_model_len}, mean sequence length {mean_len:.0f} "
-          f"({mean_len / args.max_model_len:.2f} x max_model_len)")
-    runs = run_rounds([CONTIGUOUS, PAGED], args.rounds, measure, on_run=print_run)
+          f"({mean_len / args.max_model_len:.2f} x max_model_len); the same bytes hold {blocks_8bit} blocks "
+          f"of 8-bit rows (head_dim {args.head_dim})")
+    runs = run_rounds([CONTIGUOUS, PAGED, PAGED_8BIT], args.rounds, measure, on_run=print_run)
     return finish_rounds("kv_memory", args.out, runs, METRICS, RATIOS, vars(args),
-                         {"mean_length": mean_len, "kv_budget_slots": budget})
+                         {"mean_length": mean_len, "kv_budget_slots": budget, "blocks_8bit": blocks_8bit})
+
+
+def eight_bit_blocks(num_blocks: int, block_size: int, head_dim: int) -> int:
+    """Blocks of 8-bit rows in the bytes of ``num_blocks`` bf16 blocks (one layer, one KV head: the ratio
+    does not depend on them)."""
+    import torch
+    from pagedray.workers.kv_cache import KVCacheSpec
+
+    bf16 = KVCacheSpec(1, block_size, 1, head_dim, torch.bfloat16)
+    return KVCacheSpec(1, block_size, 1, head_dim, torch.int8).blocks_for_bytes(num_blocks * bf16.bytes_per_block)
 
 
 if __name__ == "__main__":
