@@ -7,6 +7,9 @@ cannot be sliced without loading everything): the error says to convert them.
 Every read goes through ``safe_open(...).get_slice(name)[rows/cols]`` so a rank only ever
 materialises its own shard; files are memory-mapped and opened at most once per reader.
 Errors are ``WeightLoadError`` (a ValueError) naming the folder, file or tensor.
+
+A quantized checkpoint (``quantization.py``): a read of a linear layer's ``{prefix}.weight`` returns that
+weight dequantized to float32 from the checkpoint's packed tensors, sliced the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from . import quantization as quant
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -49,8 +54,9 @@ def _weight_map(folder: Path) -> dict[str, str]:
 class CheckpointReader:
     """Slice-wise access to the tensors of one model folder; use as a context manager."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, quantization: quant.WeightQuantization | None = None) -> None:
         self.folder = Path(folder)
+        self.quantization = quantization or quant.WeightQuantization()
         if not self.folder.is_dir():
             raise WeightLoadError(f"model: {self.folder} is not a directory")
         self._weight_map = _weight_map(self.folder)
@@ -82,19 +88,77 @@ class CheckpointReader:
 
         ``expect_shape`` is the full (unsliced) shape the caller requires.
         """
+        if dim not in (None, 0, 1):
+            raise ValueError(f"dim: must be None, 0 or 1, got {dim}")
+        if self.quantization.method != "none" and name.endswith(".weight"):
+            dequantized = self._read_quantized(name, dim, start, end, expect_shape)
+            if dequantized is not None:
+                return dequantized
         view = self._slice(name)
         shape = list(view.get_shape())
-        if expect_shape is not None and shape != list(expect_shape):
-            raise WeightLoadError(f"model: tensor {name!r} has shape {shape}, expected {list(expect_shape)} "
-                                  "from config.json")
+        _check_shape(name, shape, expect_shape)
         if dim is None:
             return view[:]
         end = shape[dim] if end is None else end
         if dim == 0:
             return view[start:end]
-        if dim == 1:
-            return view[:, start:end]
-        raise ValueError(f"dim: must be None, 0 or 1, got {dim}")
+        return view[:, start:end]
+
+    def _read_quantized(self, name: str, dim, start: int, end, expect_shape) -> torch.Tensor | None:
+        """The dequantized slice of a quantized linear weight, or None when ``name`` is stored as it is."""
+        q, prefix = self.quantization, name[: -len(".weight")]
+        if q.method in ("gptq", "awq") and not self.has(name) and self.has(f"{prefix}.qweight"):
+            full = self._packed_shape(prefix)
+            _check_shape(name, full, expect_shape)
+            return self._read_packed(prefix, full, dim, start, full[dim] if dim is not None and end is None else end)
+        if q.method == "fp8" and not q.online:
+            scale = next((f"{prefix}.{s}" for s in ("weight_scale_inv", "weight_scale") if self.has(f"{prefix}.{s}")),
+                         None)
+            if scale is None:
+                return None
+            weight = quant.dequantize_fp8(q, self._slice(name)[:], self._slice(scale)[:])
+        elif q.online and quant.quantized_online(name):
+            weight = quant.round_to_8bit(self._slice(name)[:], q.method)
+        else:
+            return None
+        _check_shape(name, list(weight.shape), expect_shape)
+        if dim is None:
+            return weight
+        end = weight.shape[dim] if end is None else end
+        return weight[start:end] if dim == 0 else weight[:, start:end]
+
+    def _packed_shape(self, prefix: str) -> list[int]:
+        """[out, in] of a GPTQ / AWQ weight from its packed tensors."""
+        packed, scales = self.shape(f"{prefix}.qweight"), self.shape(f"{prefix}.scales")
+        rows = packed[0] * self.quantization.per_word if self.quantization.method == "gptq" else packed[0]
+        return [scales[1], rows]
+
+    def _read_packed(self, prefix: str, full: list[int], dim, start: int, end) -> torch.Tensor:
+        q = self.quantization
+        scales = self._slice(f"{prefix}.scales")[:]                                # [groups, out]
+        qweight = self._slice(f"{prefix}.qweight")
+        if q.method == "awq":
+            zeros = quant.awq_zeros(self._slice(f"{prefix}.qzeros")[:])
+            if dim == 1:                                    # input rows: whole rows of qweight
+                return quant.dequantize_awq(q, qweight[start:end], zeros, scales, range(start, end))
+            weight = quant.dequantize_awq(q, qweight[:], zeros, scales, range(0, full[1]))
+            return weight if dim is None else weight[start:end]
+        zeros = quant.gptq_zeros(q, self._slice(f"{prefix}.qzeros")[:])
+        g_idx = self._slice(f"{prefix}.g_idx")[:] if self.has(f"{prefix}.g_idx") else None
+        if dim == 0:                                        # output columns: not packed in qweight
+            return quant.dequantize_gptq(q, qweight[:, start:end], zeros[:, start:end], scales[:, start:end], g_idx,
+                                         range(0, full[1]))
+        if dim == 1 and start % q.per_word == 0 and end % q.per_word == 0:
+            words = qweight[start // q.per_word:end // q.per_word]
+            return quant.dequantize_gptq(q, words, zeros, scales, g_idx, range(start, end))
+        weight = quant.dequantize_gptq(q, qweight[:], zeros, scales, g_idx, range(0, full[1]))
+        return weight if dim is None else weight[:, start:end]
+
+
+def _check_shape(name: str, shape: list[int], expect_shape) -> None:
+    if expect_shape is not None and list(shape) != list(expect_shape):
+        raise WeightLoadError(f"model: tensor {name!r} has shape {list(shape)}, expected {list(expect_shape)} "
+                              "from config.json")
 
 
 def copy_into(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

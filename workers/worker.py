@@ -30,6 +30,7 @@ from .memory_profile import profile_gpu_num_blocks
 from .model_info import load_hf_config, model_info
 from .model_runner import ModelRunner, StepOutput
 from .models.registry import model_class
+from .quantization import resolve as resolve_quantization
 from .sampler import PLACEHOLDER_TOKEN, Sampler, SamplingRow
 from .tp_group import TPGroup
 from .weight_loader import CheckpointReader
@@ -65,7 +66,11 @@ class Worker:
             torch.cuda.set_device(self.device)
         elif config.model.cpu_keep_freed_memory:
             keep_freed_memory()
-        with CheckpointReader(model_path) as reader:
+        quantization = resolve_quantization(hf_config, config.model.quantization)
+        if quantization.method != "none":
+            log.info("rank %d: %s weights (%d bits), dequantized to %s when loaded", rank, quantization.method,
+                     quantization.bits, self.dtype)
+        with CheckpointReader(model_path, quantization) as reader:
             self.tp = TPGroup.join(rank, tp_size, self.device, dist_init_method)
             self.model = cls(hf_config, self.tp, self.dtype, self.device, self.max_model_len)
             self.model.load_weights(reader)

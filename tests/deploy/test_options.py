@@ -28,6 +28,7 @@ CONFIGURATION_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "conf
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "parallel": ParallelConfig, "scheduler": SchedulerConfig}
 # a value other than the default for each engine option, valid together
 NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "device": "cpu", "max_model_len": 256,
+                "quantization": "int8",
                 "block_size": 32, "kv_cache_gib": 0.5, "gpu_memory_utilization": 0.5, "num_blocks": 64,
                 "enable_prefix_caching": False, "kv_cache_dtype": "int8", "watermark": 0.02, "tensor_parallel_size": 2,
                 "executor": "auto",

@@ -20,9 +20,9 @@ def engine_config(model_path: str, tp: int = 1, num_blocks: int = 64, block_size
 
 def local_driver(model_path: str, num_blocks: int = 64, block_size: int = 8, token_budget: int = 24,
                  max_chunk: int = 16, enable_prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto") -> tuple[Worker, PlanDriver]:
+                 kv_cache_dtype: str = "auto", **model_kwargs) -> tuple[Worker, PlanDriver]:
     worker = Worker(engine_config(model_path, num_blocks=num_blocks, block_size=block_size,
-                                  kv_cache_dtype=kv_cache_dtype))
+                                  kv_cache_dtype=kv_cache_dtype, **model_kwargs))
     worker.init_kv_cache(worker.available_kv_blocks())
     driver = PlanDriver(worker.execute, block_size, num_blocks, token_budget=token_budget, max_chunk=max_chunk,
                         enable_prefix_caching=enable_prefix_caching)
@@ -30,12 +30,12 @@ def local_driver(model_path: str, num_blocks: int = 64, block_size: int = 8, tok
 
 
 def start_ray_workers(ray, model_path: str, tp: int, num_blocks: int = 64, block_size: int = 8,
-                      kv_cache_dtype: str = "auto"):
+                      kv_cache_dtype: str = "auto", **model_kwargs):
     """tp RayWorker actors joined into one gloo group, KV caches allocated; returns the actor list."""
     from pagedray.workers.ray_worker import RayWorker
 
     config = engine_config(model_path, tp=tp, num_blocks=num_blocks, block_size=block_size,
-                           kv_cache_dtype=kv_cache_dtype)
+                           kv_cache_dtype=kv_cache_dtype, **model_kwargs)
     actors = [RayWorker.options(num_cpus=1).remote(config, rank) for rank in range(tp)]
     ip, port = ray.get(actors[0].node_ip_and_free_port.remote())
     ray.get([a.init_worker.remote(f"tcp://{ip}:{port}") for a in actors])

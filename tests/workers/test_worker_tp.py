@@ -77,3 +77,29 @@ def test_tp2_with_an_8bit_kv_cache_matches_tp1(kv_cache_dtype, tiny_model_path, 
             assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
             torch.testing.assert_close(torch.tensor([v for _, v in b.top_logprobs]),
                                        torch.tensor([v for _, v in a.top_logprobs]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt, options", [("gptq", dict(group=16, desc_act=True, v2=False)), ("awq", dict(group=16)),
+                                          ("fp8", dict(block=16)), ("int8", {})])
+def test_tp2_splits_quantized_weights_as_the_dense_ones(fmt, options, tiny_model_path, ray_session, tmp_path):
+    """GPTQ (desc_act: every rank's input rows keep their groups), AWQ, block-scaled FP8 and ``quantization``
+    int8: TP=2 gives the greedy tokens of transformers on the dequantized weights, logprobs within 1e-4."""
+    from helpers.quantized_checkpoints import quantize_folder, round_rows_8bit
+
+    source = tiny_model_path("llama")
+    if fmt == "int8":
+        path, oracle = source, tmp_path / "rounded"
+        round_rows_8bit(source, oracle, "int8")
+    else:
+        path, oracle = tmp_path / "quantized", tmp_path / "dequantized"
+        quantize_folder(source, path, oracle, fmt, **options)
+    params = SamplingParams(temperature=0.0, logprobs=TOP_N)
+    actors = start_ray_workers(ray_session, str(path), tp=2, quantization="int8" if fmt == "int8" else "auto")
+    try:
+        driver = PlanDriver(ray_execute(ray_session, actors), 8, 64, token_budget=24, max_chunk=16)
+        tp2 = driver.run([driver.add(p, NEW_TOKENS, params) for p in PROMPTS])
+    finally:
+        stop_ray_workers(ray_session, actors)
+    assert [s.output for s in tp2] == hf_greedy_each(str(oracle), PROMPTS, NEW_TOKENS)
+    for seq in tp2:
+        _check_logprobs(str(oracle), seq)

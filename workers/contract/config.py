@@ -21,7 +21,8 @@ EXECUTORS = ("auto", "local", "ray")
 RAY_TRANSPORTS = ("auto", "actor", "compiled", "socket")
 POLICIES = ("fcfs", "priority")
 BLOCK_SIZES = (8, 16, 32, 64)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")   # names of kernels.kv_quant.KV_CACHE_DTYPES, plus auto
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")     # names of kernels.kv_quant.KV_CACHE_DTYPES, plus auto
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")     # workers.quantization resolves them with the checkpoint's
 
 
 def option(default, help: str):
@@ -49,6 +50,10 @@ class ModelConfig:
     cpu_packed_weights: bool = option(True, "CPU, float32/bfloat16: keep a copy of each weight packed for "
                                             "oneDNN's GEMM and multiply with it (faster linear layers; as much "
                                             "memory again as the weights)")
+    quantization: str = option("auto", "weights: auto (as the checkpoint is: full precision, or GPTQ / AWQ / FP8 "
+                                       "read from it) | none | int8 | fp8 (8 bits per weight, one scale per output "
+                                       "row, rounded at load from a full-precision checkpoint); weights are "
+                                       "dequantized to the compute dtype when loaded")
     cpu_keep_freed_memory: bool = option(True, "CPU: glibc malloc keeps freed memory for the next step instead of "
                                                "returning it to the OS (no page faults on each step's activations; "
                                                "resident memory stays at its peak)")
@@ -58,6 +63,8 @@ class ModelConfig:
                  "model: give a Hugging Face model folder or 'default'")
         _require(self.dtype in DTYPES, f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.device in DEVICES, f"device: must be one of {DEVICES}, got {self.device!r}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization: must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _require(isinstance(self.enforce_eager, bool),
                  f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         _require(isinstance(self.cpu_packed_weights, bool),

@@ -1,0 +1,119 @@
+"""Quantized weights (``workers.quantization``): GPTQ (with and without ``desc_act``, both checkpoint
+formats), AWQ and FP8 checkpoints built by the tests' own quantizer (``helpers.quantized_checkpoints``)
+from a random tiny Llama, and ``quantization`` int8 / fp8 rounding a full-precision checkpoint at load.
+Oracle: transformers running on the dequantized weights. Greedy tokens equal token for token, logprobs
+within 1e-4 (fp32, TP=1 here; TP=2 in test_worker_tp.py). Plus the unpacking on a hand-made word, and
+clear errors for formats not supported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.hf_oracle import hf_greedy_each, hf_logprobs_along
+from helpers.quantized_checkpoints import quantize_folder, round_rows_8bit
+from helpers.worker_setup import engine_config, local_driver
+from pagedray.workers import quantization as quant
+from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.worker import Worker
+
+NEW_TOKENS = 32
+PROMPTS = [[5, 17, 33, 8, 99, 120, 7], list(range(3, 40)), [200, 201, 4]]
+FORMATS = {
+    "gptq": dict(fmt="gptq", group=32, desc_act=False, v2=False),
+    "gptq-desc-act": dict(fmt="gptq", group=32, desc_act=True, v2=False),
+    "gptq-v2": dict(fmt="gptq", group=16, desc_act=True, v2=True),
+    "awq": dict(fmt="awq", group=32),
+    "fp8-per-row": dict(fmt="fp8"),
+    "fp8-blocks": dict(fmt="fp8", block=32),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_pair(tmp_path_factory):
+    """format -> (quantized folder, dequantized folder), built once per module."""
+    cache: dict[str, tuple[str, str]] = {}
+
+    def get(name: str, source: str) -> tuple[str, str]:
+        if name not in cache:
+            root = tmp_path_factory.mktemp(name)
+            spec = dict(FORMATS[name])
+            quantize_folder(source, root / "quantized", root / "dequantized", spec.pop("fmt"), **spec)
+            cache[name] = (str(root / "quantized"), str(root / "dequantized"))
+        return cache[name]
+    return get
+
+
+def _assert_same_model(path: str, oracle: str, **model_kwargs) -> None:
+    _, driver = local_driver(path, token_budget=24, max_chunk=16, **model_kwargs)
+    params = SamplingParams(temperature=0.0, logprobs=5)
+    seqs = driver.run([driver.add(p, NEW_TOKENS, params) for p in PROMPTS])
+    assert [s.output for s in seqs] == hf_greedy_each(oracle, PROMPTS, NEW_TOKENS)
+    for seq in seqs:
+        reference = hf_logprobs_along(oracle, seq.prompt, seq.output)
+        for row, sampled in zip(reference, seq.sampled):
+            ids = [token for token, _ in sampled.top_logprobs]
+            values = torch.tensor([value for _, value in sampled.top_logprobs])
+            torch.testing.assert_close(values, row[ids], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_quantized_checkpoint_equals_transformers_on_its_dequantized_weights(name, quantized_pair,
+                                                                               tiny_model_path):
+    path, oracle = quantized_pair(name, tiny_model_path("llama"))
+    assert "quantization_config" in json.loads(Path(path, "config.json").read_text())
+    _assert_same_model(path, oracle)
+
+
+def test_the_quantization_changes_the_model(quantized_pair, tiny_model_path):
+    """The dequantized weights differ from the originals enough to change transformers' greedy tokens, so
+    the equality above could not hold if the loader read or ignored them wrongly."""
+    source = tiny_model_path("llama")
+    _, oracle = quantized_pair("gptq", source)
+    assert hf_greedy_each(oracle, PROMPTS, NEW_TOKENS) != hf_greedy_each(source, PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantization_option_rounds_a_full_precision_checkpoint_at_load(method, tiny_model_path, tmp_path):
+    source = tiny_model_path("llama")
+    round_rows_8bit(source, tmp_path / "rounded", method)
+    _assert_same_model(source, str(tmp_path / "rounded"), quantization=method)
+
+
+def test_unpacking_a_hand_made_word():
+    word = torch.tensor([[0x76543210 - 2**32 + 2**31 * 2]], dtype=torch.int64)        # nibbles 0..7, low first
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    assert quant.unpack_along_rows(word, 4).flatten().tolist() == list(range(8))
+    assert quant.unpack_along_cols(word, 4).flatten().tolist() == list(range(8))
+    # AWQ: nibble k holds column AWQ_ORDER[k], so column c reads nibble AWQ_ORDER.index(c)
+    assert quant.unpack_along_cols(word, 4, quant.AWQ_ORDER).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    high = torch.tensor([[-1]], dtype=torch.int32)                                   # every nibble 15
+    assert quant.unpack_along_rows(high, 4).flatten().tolist() == [15] * 8
+    assert quant.unpack_along_rows(high, 8).flatten().tolist() == [255] * 4
+
+
+@pytest.mark.parametrize("config, option, message", [
+    ({"quant_method": "bitsandbytes"}, "auto", "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "gptq", "bits": 3}, "auto", "GPTQ with 3 bits"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "auto", "version 'gemv'"),
+    ({"quant_method": "gptq", "bits": 4}, "int8", "already quantized"),
+])
+def test_unsupported_quantizations_are_value_errors_naming_the_option(config, option, message, tiny_model_path,
+                                                                      tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path("llama"), folder)
+    data = json.loads((folder / "config.json").read_text())
+    data["quantization_config"] = config
+    (folder / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"quantization: .*{message}"):
+        Worker(engine_config(str(folder), quantization=option))
+
+
+def test_the_quantization_option_is_checked_with_the_config():
+    from pagedray.workers.contract.config import ModelConfig
+
+    with pytest.raises(ValueError, match="quantization: must be one of"):
+        ModelConfig(quantization="int4").validate()

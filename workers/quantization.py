@@ -1,0 +1,168 @@
+"""Quantized weights: GPTQ / AWQ 4- and 8-bit checkpoints, FP8 checkpoints, and int8 / fp8 computed at load.
+
+Every path ends in the same place: ``CheckpointReader.read`` returns a linear layer's weight slice
+already **dequantized** (float32), so the parallel layers load it like any full-precision weight and TP
+slices it along the same dimensions (a column-parallel layer reads output rows, a row-parallel one
+input columns; the packed tensors are sliced or read whole as their packing allows). That is the
+"exact reference" of each format: the model computes with exactly the dequantized weights, and the
+tests compare it with transformers running on those weights. What it does not give yet: the memory of
+the quantized form (weights sit in the compute dtype after loading) and a dequantize-in-the-GEMM kernel.
+
+Formats (``quantization_config.quant_method`` in config.json, or the ``quantization`` option):
+
+* ``gptq`` (AutoGPTQ / GPTQModel, bits 4 or 8): ``qweight`` int32 ``[in / (32 / bits), out]`` (packed
+  along the input: value k of a word is input row ``word * per_word + k``, lowest bits first),
+  ``qzeros`` int32 ``[groups, out / per_word]`` (packed along the output; the ``gptq`` checkpoint format
+  stores zero - 1, ``gptq_v2`` the zero), ``scales`` ``[groups, out]``, ``g_idx`` int32 ``[in]`` (input row
+  -> group; absent: ``row // group_size``; with ``desc_act`` a permutation's groups). weight[o, i] =
+  scales[g, o] * (q[i, o] - zero[g, o]) with g = g_idx[i].
+* ``awq`` (AutoAWQ GEMM, 4 bits): ``qweight`` int32 ``[in, out / 8]`` and ``qzeros`` ``[groups, out / 8]``
+  packed along the output in AWQ's interleaved order (nibble k holds column ``8 word + AWQ_ORDER[k]``),
+  ``scales`` ``[groups, out]``; weight[o, i] = scales[i // g, o] * (q[i, o] - zero[i // g, o]).
+* ``fp8`` (FP8 checkpoints): ``weight`` float8_e4m3fn ``[out, in]`` with ``weight_scale`` (one value or one
+  per output row) or ``weight_scale_inv`` per ``weight_block_size`` block; weight = fp8 value x scale.
+* ``int8`` / ``fp8`` as the ``quantization`` option on a full-precision checkpoint: every linear weight of
+  the decoder layers (not the embeddings, the LM head, the norms or a MoE router) rounded to 8 bits with
+  one scale per output row (max |row| / 127 or / 448, symmetric), computed from the whole row so that
+  every TP split gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)                     # nibble k of an AWQ word holds column 8 w + AWQ_ORDER[k]
+_LAYER_LINEAR = re.compile(r"\.layers\.\d+\..*\.weight$")
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    method: str = "none"
+    bits: int = 16
+    group_size: int = -1                 # -1: one group over all input rows
+    zeros_minus_one: bool = False        # GPTQ's original checkpoint format stores zero - 1
+    block: tuple[int, int] | None = None  # fp8 checkpoints with block-wise scales: (rows, cols)
+    online: bool = False                 # int8 / fp8 rounded at load from a full-precision checkpoint
+
+    @property
+    def per_word(self) -> int:
+        return 32 // self.bits
+
+
+def resolve(hf_config, option: str) -> WeightQuantization:
+    """The quantization of a model from its config.json and the ``quantization`` option (``auto``: what the
+    checkpoint says, else none). ValueError naming ``quantization`` for a format not supported or a
+    conflict."""
+    raw = getattr(hf_config, "quantization_config", None)
+    raw = raw if isinstance(raw, dict) or raw is None else raw.to_dict()
+    if raw is None:
+        if option in ("auto", "none"):
+            return WeightQuantization()
+        return WeightQuantization(option, bits=8, online=True)
+    method = str(raw.get("quant_method", "")).lower()
+    if option not in ("auto", method):
+        raise ValueError(f"quantization: the checkpoint is already quantized ({method!r}); got {option!r} "
+                         "(leave it 'auto')")
+    if method == "gptq":
+        bits = int(raw.get("bits", 4))
+        _check(bits in (4, 8), f"GPTQ with {bits} bits (4 and 8 are)")
+        fmt = str(raw.get("checkpoint_format", "gptq")).lower()
+        _check(fmt in ("gptq", "gptq_v2"), f"GPTQ checkpoint_format {fmt!r} (gptq and gptq_v2 are)")
+        return WeightQuantization("gptq", bits, int(raw.get("group_size", -1)), zeros_minus_one=fmt == "gptq")
+    if method == "awq":
+        bits, version = int(raw.get("bits", raw.get("w_bit", 4))), str(raw.get("version", "gemm")).lower()
+        _check(bits == 4 and version == "gemm", f"AWQ {bits}-bit version {version!r} (4-bit gemm is)")
+        _check(raw.get("zero_point", True), "AWQ without zero points")
+        return WeightQuantization("awq", 4, int(raw.get("group_size", raw.get("q_group_size", 128))))
+    if method == "fp8":
+        block = raw.get("weight_block_size")
+        return WeightQuantization("fp8", 8, block=tuple(block) if block else None)
+    raise ValueError(f"quantization: the checkpoint's quant_method {method!r} is not supported (gptq, awq and "
+                     "fp8 checkpoints are; or a full-precision checkpoint with quantization int8 / fp8)")
+
+
+def _check(ok, what: str) -> None:
+    if not ok:
+        raise ValueError(f"quantization: {what} not supported")
+
+
+def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C], each word holding 32 / bits values of consecutive rows (lowest bits first) ->
+    int32 [R * 32 / bits, C]."""
+    per_word, mask = 32 // bits, (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)                         # [per_word]
+    values = (packed[:, None, :] >> shifts[None, :, None]) & mask                  # [R, per_word, C]
+    return values.reshape(packed.shape[0] * per_word, packed.shape[1])
+
+
+def unpack_along_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [R, C] -> int32 [R, C * 32 / bits]: value k of word c is column ``c * per_word + order[k]``."""
+    per_word, mask = 32 // bits, (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed[:, :, None] >> shifts[None, None, :]) & mask                  # [R, C, per_word] by nibble
+    if order is not None:
+        values = values[:, :, torch.argsort(torch.tensor(order))]                   # by column within the word
+    return values.reshape(packed.shape[0], packed.shape[1] * per_word)
+
+
+def gptq_zeros(q: WeightQuantization, qzeros: torch.Tensor) -> torch.Tensor:
+    """qzeros int32 [groups, out / per_word] -> zero points int32 [groups, out]."""
+    return unpack_along_cols(qzeros, q.bits) + (1 if q.zeros_minus_one else 0)
+
+
+def dequantize_gptq(q: WeightQuantization, qweight, zeros, scales, g_idx, rows: range) -> torch.Tensor:
+    """qweight int32 [len(rows) / per_word, out] (the words of input rows ``rows``), zeros [groups, out]
+    (``gptq_zeros``), scales [groups, out], g_idx [in] or None -> weight [out, len(rows)] float32."""
+    codes = unpack_along_rows(qweight, q.bits)                                     # [len(rows), out]
+    in_rows = torch.arange(rows.start, rows.stop)
+    groups = g_idx[in_rows].long() if g_idx is not None else in_rows // _group(q)
+    weight_t = (codes - zeros[groups]).float() * scales[groups].float()             # [len(rows), out]
+    return weight_t.t()
+
+
+def awq_zeros(qzeros: torch.Tensor) -> torch.Tensor:
+    """qzeros int32 [groups, out / 8] -> zero points int32 [groups, out]."""
+    return unpack_along_cols(qzeros, 4, AWQ_ORDER)
+
+
+def dequantize_awq(q: WeightQuantization, qweight, zeros, scales, rows: range) -> torch.Tensor:
+    """qweight int32 [len(rows), out / 8] (input rows ``rows``), zeros [groups, out] (``awq_zeros``), scales
+    [groups, out] -> weight [out, len(rows)] float32."""
+    codes = unpack_along_cols(qweight, 4, AWQ_ORDER)                              # [len(rows), out]
+    groups = torch.arange(rows.start, rows.stop) // _group(q)
+    return ((codes - zeros[groups]).float() * scales[groups].float()).t()
+
+
+def _group(q: WeightQuantization) -> int:
+    return q.group_size if q.group_size > 0 else 1 << 62
+
+
+def dequantize_fp8(q: WeightQuantization, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """weight float8 [out, in]; scale: one value, [out] / [out, 1], or with ``q.block`` [out / br, in / bc]
+    (``weight_scale_inv``) -> float32 [out, in]."""
+    w = weight.float()
+    scale = scale.float()
+    if q.block is not None:
+        br, bc = q.block
+        return w * scale.repeat_interleave(br, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
+    return w * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))
+
+
+def round_to_8bit(weight: torch.Tensor, method: str) -> torch.Tensor:
+    """Online quantization of a full weight [out, in]: one symmetric scale per output row -> the dequantized
+    weight, float32."""
+    w = weight.float()
+    qmax = 127.0 if method == "int8" else 448.0
+    scale = (w.abs().amax(dim=1, keepdim=True) / qmax).clamp_(min=torch.finfo(torch.float32).tiny)
+    if method == "int8":
+        return torch.round(w / scale).clamp_(-127, 127) * scale
+    return (w / scale).clamp_(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
+def quantized_online(name: str) -> bool:
+    """True for the weights that ``quantization`` int8 / fp8 rounds: linear weights inside the decoder layers,
+    not a MoE router (``...mlp.gate.weight``)."""
+    return bool(_LAYER_LINEAR.search(name)) and not name.endswith(".mlp.gate.weight") and "norm" not in name
