@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_check.sh quick   # install, the -m gpu tests, an engine smoke (32 sequences)
 #   bash benchmarks/gpu_check.sh full    # install, the -m gpu tests, benchmarks.gpu_engine at its shape
 # Both then run benchmarks.moe_kernel (the fused-MoE kernel against the loop over experts) and
-# benchmarks.kv8_kernel (decode over an 8-bit KV cache against bf16).
+# benchmarks.kv8_kernel (decode over an 8-bit KV cache against bf16) and benchmarks.quant_gemm (4- and
+# 8-bit weight GEMM against dense bf16).
 #
 # Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, gpu*.json the figures.
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
@@ -50,3 +51,7 @@ echo "moe_kernel exit: $?"
 echo "== benchmarks.kv8_kernel =="
 timeout "${KV8_S:-150}" python3 -m benchmarks.kv8_kernel --out "$OUT/kv8_kernel.json"
 echo "kv8_kernel exit: $?"
+
+echo "== benchmarks.quant_gemm =="
+timeout "${QGEMM_S:-120}" python3 -m benchmarks.quant_gemm --out "$OUT/quant_gemm.json"
+echo "quant_gemm exit: $?"

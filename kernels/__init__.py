@@ -18,6 +18,8 @@ strided q/k view), ``rotary_embedding_`` (in place on q and k), ``apply_rotary``
 GEMMs on CUDA, a torch loop over experts elsewhere), dispatched the same way (on CPU, RMSNorm and
 ``apply_rotary`` are one C call each, ``cpu_fused.c``); their ``*_reference`` twins (``fused_reference``) are
 the model layers' exact torch code.
+``quant_gemm`` (``quant_gemm``): x @ W^T over GPTQ-packed 4 / 8-bit weights (Triton on CUDA, dequantize and
+multiply elsewhere).
 ``seeded_uniform(keys, vocab)`` (``seeded_uniform``): the Sampler's noise for seeded rows, a counter-based
 hash of (key, column) for a whole batch in one call; ``noise_keys`` derives the keys from (seed, position).
 Benchmarks (from a checkout): ``python -m benchmarks.kernels`` (CUDA; ``--dry-run`` checks the plumbing on CPU)
@@ -42,6 +44,7 @@ from .fused_reference import (
     rotary_embedding_reference_,
     silu_and_mul_reference,
 )
+from .quant_gemm import quant_gemm, quant_gemm_reference
 from .reference import (
     paged_attention_reference,
     paged_decode_reference,
@@ -74,6 +77,8 @@ __all__ = [
     "apply_rotary_reference",
     "rotary_embedding_reference_",
     "silu_and_mul_reference",
+    "quant_gemm",
+    "quant_gemm_reference",
     "noise_keys",
     "seeded_uniform",
     "seeded_uniform_reference",

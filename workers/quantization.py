@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.quant_gemm import unpack_along_cols, unpack_along_rows
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)                     # nibble k of an AWQ word holds column 8 w + AWQ_ORDER[k]
 _LAYER_LINEAR = re.compile(r"\.layers\.\d+\..*\.weight$")
 
@@ -87,25 +89,6 @@ def resolve(hf_config, option: str) -> WeightQuantization:
 def _check(ok, what: str) -> None:
     if not ok:
         raise ValueError(f"quantization: {what} not supported")
-
-
-def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C], each word holding 32 / bits values of consecutive rows (lowest bits first) ->
-    int32 [R * 32 / bits, C]."""
-    per_word, mask = 32 // bits, (1 << bits) - 1
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)                         # [per_word]
-    values = (packed[:, None, :] >> shifts[None, :, None]) & mask                  # [R, per_word, C]
-    return values.reshape(packed.shape[0] * per_word, packed.shape[1])
-
-
-def unpack_along_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [R, C] -> int32 [R, C * 32 / bits]: value k of word c is column ``c * per_word + order[k]``."""
-    per_word, mask = 32 // bits, (1 << bits) - 1
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    values = (packed[:, :, None] >> shifts[None, None, :]) & mask                  # [R, C, per_word] by nibble
-    if order is not None:
-        values = values[:, :, torch.argsort(torch.tensor(order))]                   # by column within the word
-    return values.reshape(packed.shape[0], packed.shape[1] * per_word)
 
 
 def gptq_zeros(q: WeightQuantization, qzeros: torch.Tensor) -> torch.Tensor:

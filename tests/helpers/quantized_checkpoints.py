@@ -22,14 +22,15 @@ from safetensors.torch import load_file, save_file
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _pack(values: torch.Tensor, dim: int, order=(0, 1, 2, 3, 4, 5, 6, 7)) -> torch.Tensor:
-    """int values in [0, 15] -> int32 words of 8 along ``dim`` (value k of a word at bits 4k is element
-    ``8 w + order[k]``)."""
+def pack_words(values: torch.Tensor, dim: int, bits: int = 4, order=None) -> torch.Tensor:
+    """int values in [0, 2^bits) -> int32 words of 32 / bits along ``dim`` (value k of a word, at bits
+    ``bits * k``, is element ``per_word * w + order[k]``)."""
+    per_word = 32 // bits
     v = values.to(torch.int64).movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]                         # [..., words, 8] by nibble
-    words = (v << (4 * torch.arange(8))).sum(-1)
+    v = v.reshape(*v.shape[:-1], -1, per_word)[..., list(order or range(per_word))]   # [..., words, per_word]
+    words = (v << (bits * torch.arange(per_word))).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words)                      # as int32 bits
-    return words.to(torch.int32).movedim(-1, dim)
+    return words.to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def _min_max_codes(w_t: torch.Tensor, groups: torch.Tensor, num_groups: int, zero_lo: int):
@@ -55,7 +56,7 @@ def gptq_tensors(weight: torch.Tensor, group: int, desc_act: bool, v2: bool, see
     g_idx[order] = (torch.arange(rows) // group).to(torch.int32)
     codes, scales, zeros = _min_max_codes(w_t, g_idx.long(), rows // group, 0 if v2 else 1)
     dequant = (codes - zeros[g_idx.long()]).float() * scales.float()[g_idx.long()]
-    tensors = {"qweight": _pack(codes, 0), "qzeros": _pack(zeros - (0 if v2 else 1), 1), "scales": scales,
+    tensors = {"qweight": pack_words(codes, 0), "qzeros": pack_words(zeros - (0 if v2 else 1), 1), "scales": scales,
                "g_idx": g_idx}
     return tensors, dequant.t().contiguous()
 
@@ -66,8 +67,9 @@ def awq_tensors(weight: torch.Tensor, group: int):
     codes, scales, zeros = _min_max_codes(w_t, groups, w_t.shape[0] // group, 0)
     dequant = (codes - zeros[groups]).float() * scales.float()[groups]
     order = (0, 2, 4, 6, 1, 3, 5, 7)
-    return ({"qweight": _pack(codes, 1, order), "qzeros": _pack(zeros, 1, order), "scales": scales},
-            dequant.t().contiguous())
+    tensors = {"qweight": pack_words(codes, 1, order=order), "qzeros": pack_words(zeros, 1, order=order),
+               "scales": scales}
+    return tensors, dequant.t().contiguous()
 
 
 def fp8_tensors(weight: torch.Tensor, block: int | None):

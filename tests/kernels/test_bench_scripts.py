@@ -74,3 +74,12 @@ def test_kv8_kernel_dry_run_checks_and_times_every_row(tmp_path):
     assert [r["cache"] for r in decode] == caches * len(DRY["batches"]) * len(DRY["contexts"])
     assert all(r["ms"] > 0 and r["gbps"] > 0 and r["speedup_vs_16bit"] > 0 for r in decode)
     assert [r["cache"] for r in report["rows"] if r["kind"] == "prefill"] == caches
+
+
+def test_quant_gemm_dry_run_checks_and_times_every_row(tmp_path):
+    from benchmarks.quant_gemm import DRY
+
+    report = _run_dry("benchmarks.quant_gemm", tmp_path / "qgemm.json")
+    rows = report["rows"]
+    assert len(rows) == len(DRY["rows"]) * len(DRY["outs"]) * len(DRY["variants"])
+    assert all(r["ms"] > 0 and r["dense_ms"] > 0 and r["tflops"] > 0 for r in rows)

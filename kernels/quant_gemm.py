@@ -1,0 +1,76 @@
+"""``quant_gemm``: x @ W^T with W held as packed integer codes (GPTQ's layout), validated and dispatched:
+Triton on CUDA (``quant_gemm_triton``), the torch reference elsewhere (dequantize, then a float32 matmul).
+
+Layout (``quant_gemm_triton``'s docstring has it in full): ``qweight`` int32 ``[K / (32 / bits), N]``, K rows
+packed lowest bits first; ``zeros`` int32 and ``scales`` ``[groups, N]``; ``g_idx`` int32 ``[K]`` (row -> group).
+weight[n, k] = (code[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]. The unpacking helpers are shared with
+the checkpoint loader (``workers.quantization``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import validation as v
+
+
+def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C], each word holding 32 / bits values of consecutive rows (lowest bits first) ->
+    int32 [R * 32 / bits, C]."""
+    per_word, mask = 32 // bits, (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)    # [per_word]
+    values = (packed[:, None, :] >> shifts[None, :, None]) & mask                  # [R, per_word, C]
+    return values.reshape(packed.shape[0] * per_word, packed.shape[1])
+
+
+def unpack_along_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [R, C] -> int32 [R, C * 32 / bits]: value k of word c is column ``c * per_word + order[k]``."""
+    per_word, mask = 32 // bits, (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    values = (packed[:, :, None] >> shifts[None, None, :]) & mask                  # [R, C, per_word] by nibble
+    if order is not None:
+        values = values[:, :, torch.argsort(torch.tensor(order))]                   # by column within the word
+    return values.reshape(packed.shape[0], packed.shape[1] * per_word)
+
+
+def quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits: int) -> torch.Tensor:
+    """The dequantized weight, cast to x's dtype as the kernel's tiles are, times x in float32 -> x.dtype."""
+    groups = g_idx.long()
+    weight_t = (unpack_along_rows(qweight, bits) - zeros[groups]).float() * scales[groups].float()   # [K, N]
+    return (x.float() @ weight_t.to(x.dtype).float()).to(x.dtype)
+
+
+def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, use_triton=None) -> torch.Tensor:
+    """x [M, K] float32 / float16 / bfloat16 -> [M, N] in x's dtype (shapes: the module docstring)."""
+    v.check_tensor("x", x, 2)
+    if x.dtype not in v.SUPPORTED_DTYPES or x.stride(1) != 1:
+        raise ValueError(f"x: expected a float32 / float16 / bfloat16 tensor with contiguous rows, got {x.dtype}")
+    if bits not in (4, 8):
+        raise ValueError(f"bits: 4 or 8, got {bits!r}")
+    k, per_word = x.shape[1], 32 // bits
+    for name, t, dtype in (("qweight", qweight, torch.int32), ("zeros", zeros, torch.int32),
+                           ("g_idx", g_idx, torch.int32)):
+        v.check_tensor(name, t, 1 if name == "g_idx" else 2, x.device)
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous {dtype} tensor, got {t.dtype}")
+    v.check_tensor("scales", scales, 2, x.device)
+    n = qweight.shape[1]
+    if qweight.shape[0] * per_word != k or g_idx.shape[0] != k:
+        raise ValueError(f"qweight / g_idx: {tuple(qweight.shape)} / {tuple(g_idx.shape)} do not cover x's {k} "
+                         f"columns at {per_word} codes per word")
+    if zeros.shape != scales.shape or zeros.shape[1] != n or not scales.is_contiguous():
+        raise ValueError(f"zeros / scales: expected [groups, {n}] each (contiguous), got {tuple(zeros.shape)} / "
+                         f"{tuple(scales.shape)}")
+    if v.values_checked(None, x.device) and k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= zeros.shape[0]):
+        raise ValueError(f"g_idx: groups must lie in [0, {zeros.shape[0]})")
+    if use_triton is None:
+        use_triton = x.device.type == "cuda"
+    if use_triton:
+        if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("use_triton: Triton on CPU tensors needs TRITON_INTERPRET=1")
+        from .quant_gemm_triton import quant_gemm_triton
+
+        return quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits)
+    return quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits)
