@@ -25,6 +25,13 @@ Formats (``quantization_config.quant_method`` in config.json, or the ``quantizat
   the decoder layers (not the embeddings, the LM head, the norms or a MoE router) rounded to 8 bits with
   one scale per output row (max |row| / 127 or / 448, symmetric), computed from the whole row so that
   every TP split gives the same numbers.
+
+On CUDA the integer formats (GPTQ, AWQ, ``quantization`` int8) stay packed instead (``keeps_packed``):
+``CheckpointReader.read_packed`` hands each linear layer its slice as a ``PackedIntWeight`` in GPTQ's
+layout (AWQ repacked, int8 codes offset by 128 with zero point 128), and the layer multiplies with
+``kernels.quant_gemm`` (the Triton GEMM that dequantizes tile by tile). The values are the dequantized
+path's; the memory is 4 or 8 bits a weight. FP8 stays dequantized everywhere, and so does every format on
+CPU (a dequantizing GEMM there would be slower than the dense one).
 """
 
 from __future__ import annotations
@@ -91,6 +98,50 @@ def _check(ok, what: str) -> None:
         raise ValueError(f"quantization: {what} not supported")
 
 
+@dataclass(frozen=True)
+class PackedIntWeight:
+    """One linear weight ``[N, K]`` (out, in) as ``kernels.quant_gemm`` takes it: qweight int32 ``[K / per_word,
+    N]``, zeros int32 and scales ``[groups, N]``, g_idx int32 ``[K]``."""
+
+    qweight: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+    bits: int
+
+    def to(self, device) -> PackedIntWeight:
+        return PackedIntWeight(self.qweight.to(device), self.zeros.to(device), self.scales.to(device),
+                               self.g_idx.to(device), self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.zeros, self.scales, self.g_idx))
+
+
+def keeps_packed(q: WeightQuantization, device: torch.device) -> bool:
+    """True when linear weights stay packed on ``device`` (integer formats on CUDA)."""
+    return device.type == "cuda" and (q.method in ("gptq", "awq") or (q.online and q.method == "int8"))
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int codes [K, N] in [0, 2^bits) -> int32 words [K / per_word, N], consecutive rows per word."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = (codes.to(torch.int64).view(-1, per_word, codes.shape[1]) << shifts[None, :, None]).sum(1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def int8_rows_packed(weight: torch.Tensor) -> PackedIntWeight:
+    """``quantization`` int8's rounding of a full weight [N, K], kept as codes: code = q + 128, zero 128, one
+    group (the same values as ``round_to_8bit``)."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_(min=torch.finfo(torch.float32).tiny)        # [N]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int64) + 128               # [N, K]
+    n, k = w.shape
+    return PackedIntWeight(pack_rows(q.t(), 8), torch.full((1, n), 128, dtype=torch.int32), scale[None, :],
+                           torch.zeros(k, dtype=torch.int32), 8)
+
+
 def gptq_zeros(q: WeightQuantization, qzeros: torch.Tensor) -> torch.Tensor:
     """qzeros int32 [groups, out / per_word] -> zero points int32 [groups, out]."""
     return unpack_along_cols(qzeros, q.bits) + (1 if q.zeros_minus_one else 0)
@@ -101,7 +152,7 @@ def dequantize_gptq(q: WeightQuantization, qweight, zeros, scales, g_idx, rows: 
     (``gptq_zeros``), scales [groups, out], g_idx [in] or None -> weight [out, len(rows)] float32."""
     codes = unpack_along_rows(qweight, q.bits)                                     # [len(rows), out]
     in_rows = torch.arange(rows.start, rows.stop)
-    groups = g_idx[in_rows].long() if g_idx is not None else in_rows // _group(q)
+    groups = g_idx[in_rows].long() if g_idx is not None else in_rows // group_of(q)
     weight_t = (codes - zeros[groups]).float() * scales[groups].float()             # [len(rows), out]
     return weight_t.t()
 
@@ -115,11 +166,12 @@ def dequantize_awq(q: WeightQuantization, qweight, zeros, scales, rows: range) -
     """qweight int32 [len(rows), out / 8] (input rows ``rows``), zeros [groups, out] (``awq_zeros``), scales
     [groups, out] -> weight [out, len(rows)] float32."""
     codes = unpack_along_cols(qweight, 4, AWQ_ORDER)                              # [len(rows), out]
-    groups = torch.arange(rows.start, rows.stop) // _group(q)
+    groups = torch.arange(rows.start, rows.stop) // group_of(q)
     return ((codes - zeros[groups]).float() * scales[groups].float()).t()
 
 
-def _group(q: WeightQuantization) -> int:
+def group_of(q: WeightQuantization) -> int:
+    """Input rows per group (all of them when the checkpoint has one group)."""
     return q.group_size if q.group_size > 0 else 1 << 62
 
 

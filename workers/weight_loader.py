@@ -54,9 +54,11 @@ def _weight_map(folder: Path) -> dict[str, str]:
 class CheckpointReader:
     """Slice-wise access to the tensors of one model folder; use as a context manager."""
 
-    def __init__(self, folder: str | Path, quantization: quant.WeightQuantization | None = None) -> None:
+    def __init__(self, folder: str | Path, quantization: quant.WeightQuantization | None = None,
+                 keep_packed: bool = False) -> None:
         self.folder = Path(folder)
         self.quantization = quantization or quant.WeightQuantization()
+        self.keep_packed = keep_packed           # read_packed answers (integer formats on CUDA)
         if not self.folder.is_dir():
             raise WeightLoadError(f"model: {self.folder} is not a directory")
         self._weight_map = _weight_map(self.folder)
@@ -127,6 +129,39 @@ class CheckpointReader:
         end = weight.shape[dim] if end is None else end
         return weight[start:end] if dim == 0 else weight[:, start:end]
 
+    def read_packed(self, name: str, dim: int, start: int, end: int, expect_shape: list[int]):
+        """A linear weight's slice (``dim`` 0: output rows, 1: input columns) as a ``PackedIntWeight`` when this
+        reader keeps integer weights packed, else None (the caller reads it dense). None too for a slice the
+        packing cannot cut (input columns not on a word boundary)."""
+        q, prefix = self.quantization, name[: -len(".weight")]
+        if not self.keep_packed:
+            return None
+        if q.online and q.method == "int8" and quant.quantized_online(name):
+            full = self._slice(name)
+            _check_shape(name, list(full.get_shape()), expect_shape)
+            packed = quant.int8_rows_packed(full[start:end] if dim == 0 else full[:])
+            return packed if dim == 0 else _cols(packed, start, end)
+        if q.method not in ("gptq", "awq") or self.has(name) or not self.has(f"{prefix}.qweight"):
+            return None
+        full = self._packed_shape(prefix)
+        _check_shape(name, full, expect_shape)
+        if dim == 1 and (start % q.per_word or end % q.per_word):
+            return None
+        scales = self._slice(f"{prefix}.scales")[:]
+        if q.method == "awq":                    # words run along the output: repack along the input
+            codes = quant.unpack_along_cols(self._slice(f"{prefix}.qweight")[:], 4, quant.AWQ_ORDER)   # [K, N]
+            g_idx = (torch.arange(full[1]) // quant.group_of(q)).to(torch.int32)
+            zeros = quant.awq_zeros(self._slice(f"{prefix}.qzeros")[:])
+            packed = quant.PackedIntWeight(quant.pack_rows(codes, 4), zeros, scales, g_idx, 4)
+        else:
+            g_name = f"{prefix}.g_idx"
+            g_idx = (self._slice(g_name)[:].to(torch.int32) if self.has(g_name)
+                     else (torch.arange(full[1]) // quant.group_of(q)).to(torch.int32))
+            packed = quant.PackedIntWeight(self._slice(f"{prefix}.qweight")[:],
+                                           quant.gptq_zeros(q, self._slice(f"{prefix}.qzeros")[:]), scales, g_idx,
+                                           q.bits)
+        return _rows(packed, start, end) if dim == 0 else _cols(packed, start, end)
+
     def _packed_shape(self, prefix: str) -> list[int]:
         """[out, in] of a GPTQ / AWQ weight from its packed tensors."""
         packed, scales = self.shape(f"{prefix}.qweight"), self.shape(f"{prefix}.scales")
@@ -153,6 +188,19 @@ class CheckpointReader:
             return quant.dequantize_gptq(q, words, zeros, scales, g_idx, range(start, end))
         weight = quant.dequantize_gptq(q, qweight[:], zeros, scales, g_idx, range(0, full[1]))
         return weight if dim is None else weight[:, start:end]
+
+
+def _rows(packed: quant.PackedIntWeight, start: int, end: int) -> quant.PackedIntWeight:
+    """Output rows [start, end) of a packed weight: its columns."""
+    return quant.PackedIntWeight(packed.qweight[:, start:end].contiguous(), packed.zeros[:, start:end].contiguous(),
+                                 packed.scales[:, start:end].contiguous(), packed.g_idx, packed.bits)
+
+
+def _cols(packed: quant.PackedIntWeight, start: int, end: int) -> quant.PackedIntWeight:
+    """Input columns [start, end) (on word boundaries) of a packed weight: its rows; every group kept."""
+    per_word = 32 // packed.bits
+    return quant.PackedIntWeight(packed.qweight[start // per_word:end // per_word].contiguous(), packed.zeros,
+                                 packed.scales, packed.g_idx[start:end].contiguous(), packed.bits)
 
 
 def _check_shape(name: str, shape: list[int], expect_shape) -> None:

@@ -30,6 +30,7 @@ from .memory_profile import profile_gpu_num_blocks
 from .model_info import load_hf_config, model_info
 from .model_runner import ModelRunner, StepOutput
 from .models.registry import model_class
+from .quantization import keeps_packed
 from .quantization import resolve as resolve_quantization
 from .sampler import PLACEHOLDER_TOKEN, Sampler, SamplingRow
 from .tp_group import TPGroup
@@ -70,7 +71,7 @@ class Worker:
         if quantization.method != "none":
             log.info("rank %d: %s weights (%d bits), dequantized to %s when loaded", rank, quantization.method,
                      quantization.bits, self.dtype)
-        with CheckpointReader(model_path, quantization) as reader:
+        with CheckpointReader(model_path, quantization, keeps_packed(quantization, self.device)) as reader:
             self.tp = TPGroup.join(rank, tp_size, self.device, dist_init_method)
             self.model = cls(hf_config, self.tp, self.dtype, self.device, self.max_model_len)
             self.model.load_weights(reader)

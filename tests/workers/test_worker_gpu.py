@@ -62,6 +62,18 @@ def test_8bit_kv_cache_on_cuda_gives_the_cpu_engines_tokens(kv_cache_dtype, tiny
     assert cuda.generate(TINY_PROMPTS, NEW_TOKENS) == cpu.generate(TINY_PROMPTS, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("fmt, options", [("gptq", dict(group=16, desc_act=True, v2=False)), ("awq", dict(group=16))])
+def test_packed_quantized_weights_on_cuda_match_transformers(fmt, options, tiny_model_path, tmp_path):
+    """GPTQ / AWQ on CUDA stay packed (kernels.quant_gemm's Triton GEMM; CUDA graphs included): fp32 greedy
+    tokens equal transformers' on the dequantized weights."""
+    from helpers.quantized_checkpoints import quantize_folder
+
+    quantize_folder(tiny_model_path("llama"), tmp_path / "q", tmp_path / "dq", fmt, **options)
+    worker, driver = _cuda_driver(str(tmp_path / "q"), "float32")
+    assert all(m.weight is None for m in worker.model.modules() if getattr(m, "quant", None) is not None)
+    assert driver.generate(TINY_PROMPTS, NEW_TOKENS) == hf_greedy_each(str(tmp_path / "dq"), TINY_PROMPTS, NEW_TOKENS)
+
+
 def test_bf16_on_cuda_with_profiled_kv_cache(tiny_model_path):
     path = tiny_model_path("llama")
     worker, driver = _cuda_driver(path, "bfloat16", profile_memory=True)

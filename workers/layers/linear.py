@@ -9,7 +9,9 @@
 
 Weights follow torch's ``[out_features, in_features]`` convention, as in HF checkpoints. On CPU in
 fp32/bf16 each layer may also hold a oneDNN-packed copy of its weight (``packed_weight``, set by
-``packed_gemm.pack_linear_weights``) that its products use.
+``packed_gemm.pack_linear_weights``) that its products use. A quantized checkpoint's integer weights on
+CUDA stay packed (``quant``: one ``PackedIntWeight`` per segment, ``workers.quantization``): the dense
+``weight`` is then dropped and the products run ``kernels.quant_gemm``, one per segment.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ... import kernels
+from ..quantization import PackedIntWeight
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader, copy_into
 from .packed_gemm import linear
@@ -48,6 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = empty_param((out_local, input_size), dtype, device)            # [out_local, in]
         self.bias = empty_param((out_local,), dtype, device) if bias else None       # [out_local]
         self.packed_weight: torch.Tensor | None = None
+        self.quant: list[PackedIntWeight] | None = None
 
     @classmethod
     def split(cls, input_size: int, output_size: int, bias: bool, tp: TPGroup, dtype, device,
@@ -80,13 +85,17 @@ class ColumnParallelLinear(nn.Module):
         """prefixes[i] names the checkpoint module of segment i (``{prefix}.weight`` / ``.bias``)."""
         if len(prefixes) != len(self.segments):
             raise ValueError(f"prefixes: expected {len(self.segments)} names, got {len(prefixes)}")
+        parts = [reader.read_packed(f"{prefix}.weight", 0, seg.start, seg.start + seg.rows,
+                                    [seg.full_rows, self.input_size]) for seg, prefix in zip(self.segments, prefixes)]
+        self._keep_packed(parts)
         offset = 0
         for seg, prefix in zip(self.segments, prefixes):
             rows = slice(offset, offset + seg.rows)
             name = f"{prefix}.weight"
-            value = reader.read(name, 0, seg.start, seg.start + seg.rows,
-                                expect_shape=[seg.full_rows, self.input_size])
-            copy_into(self.weight[rows], value, name)
+            if self.quant is None:
+                value = reader.read(name, 0, seg.start, seg.start + seg.rows,
+                                    expect_shape=[seg.full_rows, self.input_size])
+                copy_into(self.weight[rows], value, name)
             if self.bias is not None:
                 name = f"{prefix}.bias"
                 value = reader.read(name, 0, seg.start, seg.start + seg.rows, expect_shape=[seg.full_rows])
@@ -98,22 +107,35 @@ class ColumnParallelLinear(nn.Module):
         ``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]): segment i's rows start after the full
         rows of segments 0..i-1."""
         full = sum(seg.full_rows for seg in self.segments)
+        bases = [sum(s.full_rows for s in self.segments[:i]) for i in range(len(self.segments))]
+        self._keep_packed([reader.read_packed(f"{prefix}.weight", 0, base + seg.start, base + seg.start + seg.rows,
+                                              [full, self.input_size]) for seg, base in zip(self.segments, bases)])
         offset, base = 0, 0
         for seg in self.segments:
             rows = slice(offset, offset + seg.rows)
             start, end = base + seg.start, base + seg.start + seg.rows
             name = f"{prefix}.weight"
-            copy_into(self.weight[rows], reader.read(name, 0, start, end, expect_shape=[full, self.input_size]),
-                      name)
+            if self.quant is None:
+                copy_into(self.weight[rows], reader.read(name, 0, start, end, expect_shape=[full, self.input_size]),
+                          name)
             if self.bias is not None:
                 name = f"{prefix}.bias"
                 copy_into(self.bias[rows], reader.read(name, 0, start, end, expect_shape=[full]), name)
             offset += seg.rows
             base += seg.full_rows
 
+    def _keep_packed(self, parts: list[PackedIntWeight | None]) -> None:
+        """Hold the segments packed (and drop the dense weight) when the reader gave every one packed."""
+        if parts and all(part is not None for part in parts):
+            self.quant = [part.to(self.weight.device) for part in parts]
+            self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [tokens, in] -> [tokens, out_local]
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        if self.quant is None:
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        y = torch.cat([kernels.quant_gemm(x, p.qweight, p.zeros, p.scales, p.g_idx, p.bits) for p in self.quant], -1)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Module):
@@ -127,19 +149,28 @@ class RowParallelLinear(nn.Module):
         self.weight = empty_param((output_size, self.cols), dtype, device)          # [out, in_local]
         self.bias = empty_param((output_size,), dtype, device) if bias else None    # [out]
         self.packed_weight: torch.Tensor | None = None
+        self.quant: PackedIntWeight | None = None
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         start = self.tp.rank * self.cols
         name = f"{prefix}.weight"
-        value = reader.read(name, 1, start, start + self.cols, expect_shape=[self.output_size, self.input_size])
-        copy_into(self.weight, value, name)
+        packed = reader.read_packed(name, 1, start, start + self.cols, [self.output_size, self.input_size])
+        if packed is not None:
+            self.quant, self.weight = packed.to(self.weight.device), None
+        else:
+            value = reader.read(name, 1, start, start + self.cols, expect_shape=[self.output_size, self.input_size])
+            copy_into(self.weight, value, name)
         if self.bias is not None:
             name = f"{prefix}.bias"
             copy_into(self.bias, reader.read(name, expect_shape=[self.output_size]), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [tokens, in_local] -> partial [tokens, out] -> all-reduce over ranks -> [tokens, out]
-        y = linear(x, self.weight, None, self.packed_weight)
+        if self.quant is None:
+            y = linear(x, self.weight, None, self.packed_weight)
+        else:
+            p = self.quant
+            y = kernels.quant_gemm(x, p.qweight, p.zeros, p.scales, p.g_idx, p.bits)
         self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

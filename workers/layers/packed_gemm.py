@@ -58,7 +58,7 @@ def pack_linear_weights(model: nn.Module) -> PackReport:
     weight. Call once, after the weights are loaded; a later weight change needs a new call."""
     matrices = packed_bytes = weight_bytes = 0
     for module in model.modules():
-        if hasattr(module, "packed_weight"):
+        if hasattr(module, "packed_weight") and module.weight is not None:   # None: kept quantized
             module.packed_weight = pack_weight(module.weight)
             matrices += 1
             packed_bytes += module.packed_weight.numel() * module.packed_weight.element_size()
