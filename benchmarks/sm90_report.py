@@ -40,6 +40,7 @@ from pagedray.kernels import (
     moe_triton,
     norm_triton,
     prefill_triton,
+    quant_gemm_triton,
     rotary_triton,
     seeded_uniform_triton,
     store_kv_triton,
@@ -53,7 +54,8 @@ FP32_POINTERS = {"alibi_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr", "inv_f
 INT64_POINTERS = {"slot_ptr", "keys_ptr", "pos_ptr"}
 FP32_SCALARS = {"scale_log2", "eps", "scale", "softcap"}
 NOT_DIVISIBLE = {"group_size", "stride_bt", "sliding_window", "num_splits", "num_seqs", "block_size", "num_heads",
-                 "top_k", "num_rows"}
+                 "top_k", "num_rows", "stride_ss", "M"}
+KV8 = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}   # 8-bit KV
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SM90_SHARED_PER_SM = 228 * 1024
 SM90_SHARED_RESERVED = 1024
@@ -63,14 +65,17 @@ def _bin_dir() -> pathlib.Path:
     return pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def compile_sm90(kernel, data_type: str, constexprs: dict, **options):
-    """AOT-compile ``kernel`` for sm_90 with JIT-like specialisation -> triton ``CompiledKernel``."""
+def compile_sm90(kernel, data_type: str, constexprs: dict, pointers: dict | None = None, **options):
+    """AOT-compile ``kernel`` for sm_90 with JIT-like specialisation -> triton ``CompiledKernel``; ``pointers``
+    names pointer arguments of another type than the name rules give."""
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
-        if name in INT_POINTERS:
+        if name in (pointers or {}):
+            signature[name] = pointers[name]
+        elif name in INT_POINTERS:
             signature[name] = "*i32"
         elif name in FP32_POINTERS:
             signature[name] = "*fp32"
@@ -125,20 +130,37 @@ def variants() -> dict[str, tuple]:
                                             ("bf16", True, True, True), ("fp32", True, False, True)):
         cfg, options = _launch_options(decode_triton.decode_config(128, 4))
         consts = dict(BLOCK_SIZE=16, HAS_ALIBI=alibi, HAS_WINDOW=window, SPLIT=split,
-                      IEEE=data_type == "fp32", HAS_SOFTCAP=split, **cfg)   # the split variant also soft-caps
+                      IEEE=data_type == "fp32", HAS_SOFTCAP=split, QUANT=False, **cfg)   # split also soft-caps
         name = f"decode {data_type}" + (" split+alibi+window" if split else "")
         out[name] = (decode_triton._decode_kernel, data_type, consts, options)
+    cfg, options = _launch_options(decode_triton.decode_config(128, 4))
+    consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, SPLIT=False, IEEE=False, HAS_SOFTCAP=False,
+                  QUANT=True, **cfg)
+    out["decode bf16 over int8 KV"] = (decode_triton._decode_kernel, "bf16", consts, options, KV8)
     out["split reduce bf16"] = (decode_triton._reduce_splits_kernel, "bf16", dict(BLOCK_S=32, BLOCK_D=128),
                                 dict(num_warps=4))
     for data_type, group, alibi, window in (("bf16", 4, False, False), ("fp16", 4, False, False),
                                             ("bf16", 1, True, True), ("fp32", 3, True, False)):
         cfg, options = _launch_options(prefill_triton.prefill_config(128, group, DATA_TYPES[data_type], on_gpu=True))
         consts = dict(BLOCK_SIZE=16, HAS_ALIBI=alibi, HAS_WINDOW=window, IEEE=data_type == "fp32",
-                      HAS_SOFTCAP=alibi, **cfg)   # the ALiBi variants also soft-cap
+                      HAS_SOFTCAP=alibi, QUANT=False, **cfg)   # the ALiBi variants also soft-cap
         name = f"prefill {data_type} group {group}" + (" alibi+window" if alibi else "")
         out[name] = (prefill_triton._prefill_kernel, data_type, consts, options)
+    cfg, options = _launch_options(prefill_triton.prefill_config(128, 4, torch.bfloat16, on_gpu=True))
+    consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, IEEE=False, HAS_SOFTCAP=False, QUANT=True, **cfg)
+    out["prefill bf16 group 4 over int8 KV"] = (prefill_triton._prefill_kernel, "bf16", consts, options, KV8)
     store_cfg, store_options = _launch_options(store_kv_triton.store_kv_config(8, 128))
-    out["store_kv bf16"] = (store_kv_triton._store_kv_kernel, "bf16", store_cfg, store_options)
+    limits = dict(SMIN=store_kv_triton.SCALE_MIN, SMAX=store_kv_triton.SCALE_MAX)
+    out["store_kv bf16"] = (store_kv_triton._store_kv_kernel, "bf16", dict(QUANT=0, QMAX_=1.0, **limits, **store_cfg),
+                            store_options)
+    for name, quant, qmax, code in (("store_kv bf16 -> int8", 1, 127.0, "*i8"),
+                                    ("store_kv bf16 -> fp8", 2, 448.0, "*fp8e4nv")):
+        out[name] = (store_kv_triton._store_kv_kernel, "bf16", dict(QUANT=quant, QMAX_=qmax, **limits, **store_cfg),
+                     store_options, {**KV8, "k_cache_ptr": code, "v_cache_ptr": code})
+    cfg, options = _launch_options(quant_gemm_triton.quant_gemm_config(16))
+    packed = {"qw_ptr": "*i32", "zeros_ptr": "*i32", "scales_ptr": "*fp16", "gidx_ptr": "*i32"}
+    out["quant gemm 4-bit bf16 decode"] = (quant_gemm_triton._quant_gemm_kernel, "bf16",
+                                           dict(BITS=4, IEEE=False, **cfg), options, packed)
     # the element-wise kernels of the model and the sampler: the same wrapper configs at Qwen3-0.6B sizes
     for name, kernel, data_type, cfg in (
             ("silu_and_mul bf16", activation_triton._silu_and_mul_kernel, "bf16",
@@ -152,13 +174,15 @@ def variants() -> dict[str, tuple]:
         out[name] = (kernel, data_type, consts, options)
     out["rotary bf16"][3]["enable_fp_fusion"] = False      # as rotary_embedding_triton launches it
     for name, by_token, mul in (("fused moe gate_up bf16", True, False), ("fused moe down bf16", False, True)):
-        consts, options = _launch_options(dict(A_BY_TOKEN=by_token, MUL_WEIGHT=mul, **moe_triton.moe_config(256)))
+        consts, options = _launch_options(dict(A_BY_TOKEN=by_token, MUL_WEIGHT=mul, IEEE=False,
+                                               **moe_triton.moe_config(256)))
         out[name] = (moe_triton._grouped_gemm_kernel, "bf16", consts, options)
     return out
 
 
-def report_row(name: str, kernel, data_type: str, constexprs: dict, options: dict) -> dict:
-    compiled = compile_sm90(kernel, data_type, constexprs, **options)
+def report_row(name: str, kernel, data_type: str, constexprs: dict, options: dict,
+               pointers: dict | None = None) -> dict:
+    compiled = compile_sm90(kernel, data_type, constexprs, pointers, **options)
     facts = inspect_cubin(compiled.asm["cubin"])
     ops = facts.pop("opcodes")
     num_warps = options.get("num_warps", 4)
