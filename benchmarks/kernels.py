@@ -208,10 +208,16 @@ def run(cfg: dict, device: torch.device, out_path: pathlib.Path, dry_run: bool) 
         for tokens in cfg["prefill_tokens"]:
             for history in (0, tokens):
                 rows.append(bench_prefill(tokens, history, dtype_name, cfg, device, on_cuda))
-    name = torch.cuda.get_device_name(device) if on_cuda else "cpu (TRITON_INTERPRET dry run)"
-    report = dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  dry_run=dry_run, torch=torch.__version__, config=cfg, copy_gbps=copy_gbps, rows=rows)
     print_table(rows, copy_gbps)
+    return write_report(out_path, device, cfg, rows, dry_run, copy_gbps=copy_gbps)
+
+
+def write_report(out_path: pathlib.Path, device: torch.device, cfg: dict, rows: list[dict], dry_run: bool,
+                 **extra) -> dict:
+    """The GPU kernel benchmarks' JSON (device name, date, torch, config, rows, ``extra``) -> written, returned."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (TRITON_INTERPRET dry run)"
+    report = dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  dry_run=dry_run, torch=torch.__version__, config=cfg, **extra, rows=rows)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2, default=str))
     print(f"\nwrote {out_path}")

@@ -14,8 +14,6 @@ prefill row (one 4k chunk over a 4k history) shows what the dequantizing loads c
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
 import pathlib
 import sys
@@ -25,7 +23,7 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 import torch
 
-from benchmarks.kernels import bench_main, check_close, paged_kv_case, time_ms
+from benchmarks.kernels import bench_main, check_close, paged_kv_case, time_ms, write_report
 
 FULL = dict(batches=(8, 64, 256), contexts=(2048, 8192, 32768), q_heads=32, kv_heads=8, head_dim=128,
             block_size=16, dtype="bfloat16", cache_dtypes=("int8", "fp8_e4m3"), prefill=(4096, 4096))
@@ -126,13 +124,7 @@ def run(cfg: dict, device: torch.device, out_path: pathlib.Path, dry_run: bool) 
     for r in (r for r in rows if r["kind"] == "prefill"):
         print(f"prefill {r['tokens']} over {r['history']}: {r['cache']:9} {r['ms']:.3f} ms "
               f"({r['speedup_vs_16bit']:.2f}x 16-bit)")
-    name = torch.cuda.get_device_name(device) if on_cuda else "cpu (TRITON_INTERPRET dry run)"
-    report = dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  dry_run=dry_run, torch=torch.__version__, config=cfg, rows=rows)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nwrote {out_path}")
-    return report
+    return write_report(out_path, device, cfg, rows, dry_run)
 
 
 def main(argv: list[str] | None = None) -> None:

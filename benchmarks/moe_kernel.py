@@ -13,8 +13,6 @@ numbers mean nothing.
 
 from __future__ import annotations
 
-import datetime
-import json
 import pathlib
 import sys
 
@@ -23,7 +21,7 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 import torch
 
-from benchmarks.kernels import bench_main, time_ms
+from benchmarks.kernels import bench_main, time_ms, write_report
 
 FULL = dict(experts=128, top_k=8, hidden=2048, inter=768, tokens=(1, 16, 64, 256, 1024, 4096), dtype="bfloat16")
 DRY = dict(experts=6, top_k=2, hidden=32, inter=16, tokens=(3, 20), dtype="float16")
@@ -56,17 +54,11 @@ def bench(tokens: int, cfg: dict, device: torch.device, on_cuda: bool) -> dict:
 def run(cfg: dict, device: torch.device, out_path: pathlib.Path, dry_run: bool) -> dict:
     on_cuda = device.type == "cuda"
     rows = [bench(tokens, cfg, device, on_cuda) for tokens in cfg["tokens"]]
-    name = torch.cuda.get_device_name(device) if on_cuda else "cpu (TRITON_INTERPRET dry run)"
-    report = dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  dry_run=dry_run, torch=torch.__version__, config=cfg, rows=rows)
     print(f"{'tokens':>6} {'hit':>4} {'fused ms':>9} {'loop ms':>9} {'TFLOP/s':>8} {'GB/s':>8} {'x loop':>7}")
     for r in rows:
         print(f"{r['tokens']:>6} {r['experts_hit']:>4} {r['fused_ms']:>9.3f} {r['loop_ms']:>9.3f} {r['tflops']:>8.1f} "
               f"{r['gbps']:>8.0f} {r['speedup']:>7.2f}")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nwrote {out_path}")
-    return report
+    return write_report(out_path, device, cfg, rows, dry_run)
 
 
 def main(argv: list[str] | None = None) -> None:

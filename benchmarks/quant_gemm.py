@@ -14,8 +14,6 @@ throughput; at decode sizes (M <= 16) a weight-bound GEMM reading 4x fewer bytes
 
 from __future__ import annotations
 
-import datetime
-import json
 import pathlib
 import sys
 
@@ -24,7 +22,7 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 import torch
 
-from benchmarks.kernels import bench_main, check_close, time_ms
+from benchmarks.kernels import bench_main, check_close, time_ms, write_report
 
 FULL = dict(rows=(1, 16, 64, 256, 1024), k=4096, outs=(4096, 14336), variants=((4, 128), (8, 4096)),
             dtype="bfloat16")
@@ -73,13 +71,7 @@ def run(cfg: dict, device: torch.device, out_path: pathlib.Path, dry_run: bool) 
     for r in rows:
         print(f"{r['bits']:>4} {r['group']:>6} {r['n']:>6} {r['m']:>5} {r['ms']:>9.4f} {r['dense_ms']:>9.4f} "
               f"{r['tflops']:>8.2f} {r['weight_gbps']:>8.1f} {r['speedup_vs_dense']:>7.2f}x")
-    name = torch.cuda.get_device_name(device) if on_cuda else "cpu (TRITON_INTERPRET dry run)"
-    report = dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  dry_run=dry_run, torch=torch.__version__, config=cfg, rows=rows)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nwrote {out_path}")
-    return report
+    return write_report(out_path, device, cfg, rows, dry_run)
 
 
 def main(argv: list[str] | None = None) -> None:
