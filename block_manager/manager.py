@@ -16,7 +16,10 @@ Invariants (``check_invariants`` asserts them, together with the pool's):
   hashed only by a later ``allocate_slots`` that is given that token: ``num_hashed <= num_slots //
   block_size``;
 - freeing every sequence returns the pool to all-free with ref counts 0; cached keys stay findable
-  until their block is handed out again.
+  until their block is handed out again;
+- ``truncate`` (speculative decoding's rollback) only gives back slots past the hashed blocks, so a
+  rejected token is never in the prefix cache, and copies a shared partial last block before it is
+  written again.
 
 Decisions: docs/design/block_manager.md, ``pagedray.block_manager.manager``.
 """
@@ -235,6 +238,41 @@ class BlockManager:
         self._seqs[child_id] = _SeqBlocks(table, parent.num_slots, parent.num_hashed, parent.last_key,
                                           parent.next_hash_at)
         self._recently_freed.pop(child_id, None)
+        return copies
+
+    def truncate(self, seq_id: Hashable, num_slots: int) -> list[tuple[int, int]]:
+        """Roll ``seq_id`` back to its first ``num_slots`` slots (speculative tokens the target model rejected);
+        return the (src, dst) block copies the workers must apply first.
+
+        The slots given back must not reach into the hashed blocks (a block is hashed only once its tokens
+        are accepted: speculative slots are reserved as ``pending_tokens``), so the prefix cache never holds
+        a rejected token. Blocks past the new last one are released; a new last block that is partial and
+        shared with a forked sequence (ref count > 1) is copied into a private block first (copy-on-write),
+        so the sharer keeps its content. Raises ValueError (``num_slots``) or CannotAllocateError for that
+        copy; either leaves everything as it was.
+        """
+        seq = self._get(seq_id)
+        _require_count("num_slots", num_slots)
+        bs = self.block_size
+        if num_slots > seq.num_slots:
+            raise ValueError(f"num_slots: {num_slots} is more than the {seq.num_slots} slots of sequence {seq_id!r}")
+        hashed = min(seq.num_hashed * bs, seq.num_slots) if self.enable_prefix_caching else 0
+        if num_slots < hashed:
+            raise ValueError(f"num_slots: {num_slots} would cut into the {seq.num_hashed} hashed (accepted) blocks "
+                             f"of sequence {seq_id!r}")
+        keep = -(-num_slots // bs)
+        copies: list[tuple[int, int]] = []
+        if num_slots % bs and self.pool.ref_count(seq.table[keep - 1]) > 1:
+            if self.pool.num_free_blocks < 1:
+                self._no_room(1, seq_id)
+            dst = self.pool.allocate(1)[0]
+            copies.append((seq.table[keep - 1], dst))
+            self.pool.release(seq.table[keep - 1])
+            seq.table[keep - 1] = dst
+        for block_id in reversed(seq.table[keep:]):
+            self.pool.release(block_id)
+        del seq.table[keep:]
+        seq.num_slots = num_slots
         return copies
 
     def free(self, seq_id: Hashable) -> None:

@@ -282,3 +282,32 @@ def test_a_pending_slot_is_reserved_now_and_its_block_hashed_once_its_token_is_k
         manager.can_allocate("s", tokens, 1, pending_tokens=-1)
     manager.free("s")
     assert manager.num_free_blocks == 8
+
+
+def test_truncate_gives_back_draft_slots_and_their_blocks():
+    """Speculative decoding's rollback: 6 drafts reserved as pending after 10 known tokens, 2 accepted."""
+    bm = BlockManager(4, 16, enable_prefix_caching=True)
+    tokens = list(range(10))
+    bm.allocate_slots("s", tokens, 10)
+    bm.allocate_slots("s", tokens, 6, pending_tokens=6)                 # slots 10..15: drafts
+    assert bm.num_slots("s") == 16 and len(bm.block_table("s")) == 4
+    free_before = bm.num_free_blocks
+    assert bm.truncate("s", 12) == []
+    assert bm.num_slots("s") == 12 and len(bm.block_table("s")) == 3 and bm.num_free_blocks == free_before + 1
+    bm.allocate_slots("s", tokens + [50, 51], 0)                         # accepted drafts are known now: hashed
+    assert bm.num_cached_prefix_tokens(tokens + [50, 51, 7]) == 12
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("num_slots, message", [(17, "is more than"), (3, "would cut into the 2 hashed"),
+                                                (-1, "must be an integer")])
+def test_truncate_refuses_what_it_cannot_do_and_changes_nothing(num_slots, message):
+    bm = BlockManager(4, 16, enable_prefix_caching=True)
+    bm.allocate_slots("s", list(range(10)), 10)
+    bm.allocate_slots("s", list(range(10)), 6, pending_tokens=6)
+    table = bm.block_table("s")
+    with pytest.raises(ValueError, match=f"num_slots: .*{message}"):
+        bm.truncate("s", num_slots)
+    assert bm.block_table("s") == table and bm.num_slots("s") == 16
+    with pytest.raises(UnknownSequenceError):
+        bm.truncate("nobody", 0)

@@ -1,4 +1,5 @@
-"""Property test: random interleavings of admit / append / fork / free.
+"""Property test: random interleavings of admit / append / fork / free / speculate (draft slots reserved as
+pending, written, then truncated back to an accepted prefix) and refused truncations into hashed blocks.
 
 The model keeps each live sequence's tokens and slot count, plus a simulated KV store: slot ->
 token written when slots are reserved (and block copies applied as the workers would).
@@ -31,6 +32,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}
         self.slots: dict[int, int] = {}
         self.kv: dict[int, tuple] = {}
+        self.drafts: dict[int, int] = {}          # sequence -> its slot count before its pending drafts
         self.next_id = 0
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -54,11 +56,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 else:
                     self.kv.pop(dst * BLOCK_SIZE + offset, None)
 
-    def allocate_or_expect_failure(self, seq_id, tokens, num_new):
-        expected_ok = self.bm.can_allocate(seq_id, tokens, num_new)
+    def allocate_or_expect_failure(self, seq_id, tokens, num_new, pending=0):
+        expected_ok = self.bm.can_allocate(seq_id, tokens, num_new, pending_tokens=pending)
         before = self.snapshot()
         try:
-            alloc = self.bm.allocate_slots(seq_id, tokens, num_new)
+            alloc = self.bm.allocate_slots(seq_id, tokens, num_new, pending_tokens=pending)
         except CannotAllocateError:
             assert not expected_ok, "can_allocate said yes but allocate_slots failed"
             assert self.snapshot() == before, "a failed allocate_slots changed state"
@@ -86,10 +88,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens[seq_id], self.slots[seq_id] = list(prompt), hit + num_new
         self.write(seq_id, hit, hit + num_new)  # the hit part must already hold our tokens (invariant)
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: [s for s in self.tokens if s not in self.drafts])
     @rule(data=st.data(), more=TOKENS, chunk=st.integers(1, 9))
     def append(self, data, more, chunk):
-        seq_id = data.draw(st.sampled_from(self.live()))
+        seq_id = data.draw(st.sampled_from([s for s in self.live() if s not in self.drafts]))
         tokens = self.tokens[seq_id] + more
         num_new = min(chunk, len(tokens) - self.slots[seq_id])
         table_before = self.bm.block_table(seq_id)
@@ -127,6 +129,60 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(seq_id)
         for table in (self.tokens, self.slots):
             del table[seq_id]
+        self.drafts.pop(seq_id, None)
+
+    def undrafted(self):
+        return [s for s in self.live() if s not in self.drafts and self.slots[s] == len(self.tokens[s])]
+
+    @precondition(lambda self: self.undrafted())
+    @rule(data=st.data(), drafts=st.lists(st.integers(0, 2), min_size=1, max_size=6))
+    def draft(self, data, drafts):
+        """Reserve slots for draft tokens (pending: never hashed) and write them; ``verify`` decides later."""
+        seq_id = data.draw(st.sampled_from(self.undrafted()))
+        start, tokens = self.slots[seq_id], self.tokens[seq_id]
+        keys_before = set(self.bm.pool.cached_keys())
+        if self.allocate_or_expect_failure(seq_id, tokens, len(drafts), pending=len(drafts)) is None:
+            return
+        table = self.bm.block_table(seq_id)
+        for key in set(self.bm.pool.cached_keys()) - keys_before:
+            assert self.bm.pool.lookup(key) in table[:start // BLOCK_SIZE], "a draft token reached the cache"
+        self.tokens[seq_id], self.slots[seq_id] = tokens + drafts, start + len(drafts)
+        self.write(seq_id, start, start + len(drafts))
+        self.drafts[seq_id] = start
+
+    @precondition(lambda self: self.drafts)
+    @rule(data=st.data())
+    def verify(self, data):
+        """Keep a random prefix of a sequence's drafts (the accepted ones) and truncate the rest away; a fork
+        taken since shares the drafted blocks, so a partial last block must be copied, not written in place."""
+        seq_id = data.draw(st.sampled_from(sorted(self.drafts)))
+        start = self.drafts.pop(seq_id)
+        accepted = data.draw(st.integers(0, self.slots[seq_id] - start))
+        before = self.snapshot()
+        try:
+            copies = self.bm.truncate(seq_id, start + accepted)
+        except CannotAllocateError:
+            assert self.snapshot() == before, "a failed truncate changed state"
+            return                      # no block for the copy-on-write: every draft kept (as accepted)
+        self.apply_copies(copies)
+        self.tokens[seq_id] = self.tokens[seq_id][:start + accepted]
+        self.slots[seq_id] = start + accepted
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def truncate_into_hashed_blocks_is_refused(self, data):
+        seq_id = data.draw(st.sampled_from(self.live()))
+        hashed = self.bm._seqs[seq_id].num_hashed * BLOCK_SIZE
+        if hashed == 0:
+            return
+        before = self.snapshot()
+        try:
+            self.bm.truncate(seq_id, hashed - 1)
+        except ValueError as exc:
+            assert "num_slots" in str(exc)
+        else:
+            raise AssertionError("truncate cut into hashed blocks")
+        assert self.snapshot() == before
 
     # -- checks -----------------------------------------------------------------------------------
     @invariant()
