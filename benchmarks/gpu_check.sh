@@ -10,8 +10,10 @@
 #
 # Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, gpu*.json the figures.
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
-# first when present. TEST_S and BENCH_S bound the two stages in seconds, so that a stage that hangs
-# or crawls still leaves the other's output.
+# first when present. TEST_S, BENCH_S, MOE_S, KV8_S and QGEMM_S bound the stages in seconds, so that a
+# stage that hangs or crawls still leaves the others' output. STAGES picks stages (default all of
+# "tests engine moe kv8 qgemm", about 12 minutes: more than one 10-minute call of a lent GPU allows, so
+# split them, e.g. STAGES="tests kv8 qgemm" then STAGES="engine moe").
 set -u
 mode=${1:-quick}
 OUT=${OUT:-gpu_out}
@@ -28,14 +30,19 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
 git log -1 --format='commit %h %s' 2>/dev/null || true
+stages=" ${STAGES:-tests engine moe kv8 qgemm} "
+wanted() { [[ "$stages" == *" $1 "* ]]; }
 
+if wanted tests; then
 echo "== -m gpu tests =="
 parallel=()    # pytest-xdist where the image has it: Triton compiles the kernel variants on the CPU cores
 python3 -c "import xdist" 2>/dev/null && parallel=(-n "$(( $(nproc) > 8 ? 8 : $(nproc) ))")
 timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu "${parallel[@]}" --timeout 150 -rfEs \
     ${TESTS:-tests/kernels tests/workers/test_worker_gpu.py}
 echo "tests exit: $?"
+fi
 
+if wanted engine; then
 echo "== benchmarks.gpu_engine ($mode) =="
 if [ "$mode" = quick ]; then
     timeout "${BENCH_S:-200}" python3 -m benchmarks.gpu_engine --num-seqs 32 --skip-hf --out "$OUT/gpu.json"
@@ -43,15 +50,22 @@ else
     timeout "${BENCH_S:-420}" python3 -m benchmarks.gpu_engine --hf-max-s 30 --out "$OUT/gpu.json"
 fi
 echo "gpu_engine exit: $?"
+fi
 
+if wanted moe; then
 echo "== benchmarks.moe_kernel =="
 timeout "${MOE_S:-120}" python3 -m benchmarks.moe_kernel --out "$OUT/moe_kernel.json"
 echo "moe_kernel exit: $?"
+fi
 
+if wanted kv8; then
 echo "== benchmarks.kv8_kernel =="
 timeout "${KV8_S:-150}" python3 -m benchmarks.kv8_kernel --out "$OUT/kv8_kernel.json"
 echo "kv8_kernel exit: $?"
+fi
 
+if wanted qgemm; then
 echo "== benchmarks.quant_gemm =="
 timeout "${QGEMM_S:-120}" python3 -m benchmarks.quant_gemm --out "$OUT/quant_gemm.json"
 echo "quant_gemm exit: $?"
+fi
