@@ -109,6 +109,22 @@ def test_packed_layers_run_the_triton_gemm_under_the_interpreter(quantized_pair,
     assert [s.output for s in seqs] == hf_greedy_each(oracle, PROMPTS, 6) and calls
 
 
+@pytest.mark.parametrize("fmt, options", [("gptq", dict(group=16, desc_act=True, v2=False)), ("awq", dict(group=16))])
+def test_quantized_moe_experts_load_dequantized(fmt, options, tiny_model_path, tmp_path):
+    """Qwen3-MoE with quantized experts (``mlp.experts.N.*_proj``) next to a full-precision router and a dense
+    layer: the experts' weights go through the same reader, so the model equals transformers on them."""
+    quantize_folder(tiny_model_path("qwen3-moe"), tmp_path / "q", tmp_path / "dq", fmt, **options)
+    assert any(".experts.0.down_proj.qweight" in name for name in _tensor_names(tmp_path / "q"))
+    _assert_same_model(str(tmp_path / "q"), str(tmp_path / "dq"))
+
+
+def _tensor_names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        return list(handle.keys())
+
+
 def test_the_quantization_changes_the_model(quantized_pair, tiny_model_path):
     """The dequantized weights differ from the originals enough to change transformers' greedy tokens, so
     the equality above could not hold if the loader read or ignored them wrongly."""
