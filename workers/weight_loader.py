@@ -134,7 +134,7 @@ class CheckpointReader:
         reader keeps integer weights packed, else None (the caller reads it dense). None too for a slice the
         packing cannot cut (input columns not on a word boundary)."""
         q, prefix = self.quantization, name[: -len(".weight")]
-        if not self.keep_packed:
+        if not self.keep_packed or (dim == 1 and (start % q.per_word or end % q.per_word)):
             return None
         if q.online and q.method == "int8" and quant.quantized_online(name):
             full = self._slice(name)
@@ -145,8 +145,6 @@ class CheckpointReader:
             return None
         full = self._packed_shape(prefix)
         _check_shape(name, full, expect_shape)
-        if dim == 1 and (start % q.per_word or end % q.per_word):
-            return None
         scales = self._slice(f"{prefix}.scales")[:]
         if q.method == "awq":                    # words run along the output: repack along the input
             codes = quant.unpack_along_cols(self._slice(f"{prefix}.qweight")[:], 4, quant.AWQ_ORDER)   # [K, N]

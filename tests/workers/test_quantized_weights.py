@@ -16,8 +16,10 @@ import torch
 from helpers.hf_oracle import hf_greedy_each, hf_logprobs_along
 from helpers.quantized_checkpoints import quantize_folder, round_rows_8bit
 from helpers.worker_setup import engine_config, local_driver
+from pagedray.kernels import quant_gemm_reference
 from pagedray.workers import quantization as quant
 from pagedray.workers.contract.sampling_params import SamplingParams
+from pagedray.workers.model_info import load_hf_config
 from pagedray.workers.worker import Worker
 
 NEW_TOKENS = 32
@@ -174,3 +176,19 @@ def test_the_quantization_option_is_checked_with_the_config():
 
     with pytest.raises(ValueError, match="quantization: must be one of"):
         ModelConfig(quantization="int4").validate()
+
+
+def test_read_packed_slices_on_word_boundaries_only(quantized_pair, tiny_model_path):
+    """A column range that splits a packed word is read dense instead (None from read_packed); an aligned one
+    gives the same weight as the dense read."""
+    from pagedray.workers.weight_loader import CheckpointReader
+
+    path, _ = quantized_pair("gptq", tiny_model_path("llama"))
+    q = quant.resolve(load_hf_config(path), "auto")
+    name, shape = "model.layers.0.mlp.down_proj.weight", [64, 96]
+    with CheckpointReader(path, q, keep_packed=True) as reader:
+        assert reader.read_packed(name, 1, 4, 52, shape) is None
+        packed = reader.read_packed(name, 1, 48, 96, shape)
+        dense = reader.read(name, 1, 48, 96, shape)
+    rebuilt = quant_gemm_reference(torch.eye(48), packed.qweight, packed.zeros, packed.scales, packed.g_idx, 4)
+    torch.testing.assert_close(rebuilt, dense.t(), rtol=0, atol=1e-6)          # x = I: the weight itself
