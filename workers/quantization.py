@@ -19,8 +19,9 @@ Formats (``quantization_config.quant_method`` in config.json, or the ``quantizat
 * ``awq`` (AutoAWQ GEMM, 4 bits): ``qweight`` int32 ``[in, out / 8]`` and ``qzeros`` ``[groups, out / 8]``
   packed along the output in AWQ's interleaved order (nibble k holds column ``8 word + AWQ_ORDER[k]``),
   ``scales`` ``[groups, out]``; weight[o, i] = scales[i // g, o] * (q[i, o] - zero[i // g, o]).
-* ``fp8`` (FP8 checkpoints): ``weight`` float8_e4m3fn ``[out, in]`` with ``weight_scale`` (one value or one
-  per output row) or ``weight_scale_inv`` per ``weight_block_size`` block; weight = fp8 value x scale.
+* ``fp8`` (FP8 checkpoints, and ``compressed-tensors`` ones whose weights are float 8-bit, as llm-compressor
+  writes them): ``weight`` float8_e4m3fn ``[out, in]`` with ``weight_scale`` (one value or one per output
+  row) or ``weight_scale_inv`` per ``weight_block_size`` block; weight = fp8 value x scale.
 * ``int8`` / ``fp8`` as the ``quantization`` option on a full-precision checkpoint: every linear weight of
   the decoder layers (not the embeddings, the LM head, the norms or a MoE router) rounded to 8 bits with
   one scale per output row (max |row| / 127 or / 448, symmetric), computed from the whole row so that
@@ -89,8 +90,14 @@ def resolve(hf_config, option: str) -> WeightQuantization:
     if method == "fp8":
         block = raw.get("weight_block_size")
         return WeightQuantization("fp8", 8, block=tuple(block) if block else None)
-    raise ValueError(f"quantization: the checkpoint's quant_method {method!r} is not supported (gptq, awq and "
-                     "fp8 checkpoints are; or a full-precision checkpoint with quantization int8 / fp8)")
+    if method == "compressed-tensors":
+        weights = [group.get("weights") or {} for group in (raw.get("config_groups") or {}).values()]
+        fp8 = weights and all(w.get("type") == "float" and int(w.get("num_bits", 0)) == 8 for w in weights)
+        _check(fp8, f"compressed-tensors format {raw.get('format')!r} other than float 8-bit weights")
+        return WeightQuantization("fp8", 8)
+    raise ValueError(f"quantization: the checkpoint's quant_method {method!r} is not supported (gptq, awq, fp8 and "
+                     "float 8-bit compressed-tensors checkpoints are; or a full-precision checkpoint with "
+                     "quantization int8 / fp8)")
 
 
 def _check(ok, what: str) -> None:

@@ -125,6 +125,11 @@ def quantize_folder(source: str, quantized: Path, dequantized: Path, fmt: str, *
     elif fmt == "awq":
         config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": kwargs["group"],
                                          "zero_point": True, "version": "gemm"}
+    elif kwargs.get("compressed_tensors"):           # llm-compressor's FP8 (per output channel, dynamic inputs)
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+                                         "ignore": ["lm_head"]}
     else:
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
         if kwargs.get("block"):

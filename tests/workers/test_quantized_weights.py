@@ -31,6 +31,7 @@ FORMATS = {
     "awq": dict(fmt="awq", group=32),
     "fp8-per-row": dict(fmt="fp8"),
     "fp8-blocks": dict(fmt="fp8", block=32),
+    "compressed-tensors-fp8": dict(fmt="fp8", compressed_tensors=True),
 }
 
 
@@ -158,6 +159,8 @@ def test_unpacking_a_hand_made_word():
     ({"quant_method": "bitsandbytes"}, "auto", "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "gptq", "bits": 3}, "auto", "GPTQ with 3 bits"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "auto", "version 'gemv'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}, "auto", "'pack-quantized'"),
     ({"quant_method": "gptq", "bits": 4}, "int8", "already quantized"),
 ])
 def test_unsupported_quantizations_are_value_errors_naming_the_option(config, option, message, tiny_model_path,
