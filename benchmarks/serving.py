@@ -79,7 +79,7 @@ from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
 PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-async)?(-sock)?(?:-t(\d+))?"
-                             r"(-bf16|-fp32)?")
+                             r"(-kv8)?(-bf16|-fp32)?")
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
 # (label, path in a loadtest summary, higher is better)
 CLOSED_ROWS = (("completed", ("completed",), True), ("failed", ("failed",), False),
@@ -177,7 +177,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
     ``pagedray-tp1-local`` (the model in the engine's own process); ``-ei`` adds ``--engine-in-ingress`` and
     ``-sep`` ``--no-engine-in-ingress`` (the engine in a deployment of its own between the ingress and the
     workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned setting), ``-async`` adds
-    ``--async-scheduling``, ``-sock`` ``--ray-transport socket`` and ``-tK`` ``--threads-per-worker K``; a final
+    ``--async-scheduling``, ``-sock`` ``--ray-transport socket``, ``-tK`` ``--threads-per-worker K`` and ``-kv8``
+    ``--kv-cache-dtype int8`` (tuned settings); a final
     ``-bf16`` or ``-fp32`` names the dtype (without one: pagedray's default, ``auto``: bfloat16 on a CPU with
     AMX or AVX512-BF16, else float32)."""
     specs = []
@@ -191,7 +192,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
             specs.append(SystemSpec(name, command, model_path))
         elif PAGEDRAY_SYSTEM.fullmatch(name):
             match = PAGEDRAY_SYSTEM.fullmatch(name)
-            tp, in_process, layout, stream_interval, async_scheduling, socket_transport, threads, dtype = match.groups()
+            tp, in_process, layout, stream_interval, async_scheduling, socket_transport, threads, kv8, dtype = \
+                match.groups()
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
                        "--tensor-parallel-size", tp, "--device", args.device, "--host", "127.0.0.1",
                        "--port", str(port)]
@@ -209,6 +211,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                 command += ["--ray-transport", "socket"]
             if threads:
                 command += ["--threads-per-worker", threads]
+            if kv8:
+                command += ["--kv-cache-dtype", "int8"]
             specs.append(SystemSpec(name, command, None, int(tp)))
         elif name in vllm_cpu.SYSTEMS:
             specs.append(SystemSpec(name, vllm_cpu.command(name, model_path, port), None,

@@ -40,6 +40,8 @@ def test_the_peer_runs_at_its_defaults_and_the_tuned_peer_only_on_request():
     assert "--engine-in-ingress" in in_ingress.command and "--executor" not in in_ingress.command
     assert in_ingress.command[in_ingress.command.index("--stream-interval") + 1] == "4"
     assert "--dtype" not in in_ingress.command                      # pagedray's default: dtype auto
+    (kv8,) = system_specs(["pagedray-tp1-kv8"], "/models/m", 18000, args)
+    assert kv8.command[-2:] == ["--kv-cache-dtype", "int8"]
     bf16, fp32 = system_specs(["pagedray-tp1-bf16", "pagedray-tp1-fp32"], "/models/m", 18000, args)
     assert bf16.command[bf16.command.index("--dtype") + 1] == "bfloat16"
     assert fp32.command[fp32.command.index("--dtype") + 1] == "float32"
