@@ -224,8 +224,9 @@ def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlen
                         scale, *, max_query_len=None, sliding_window=None, validate_values=None, use_triton=None,
                         logit_softcap=None, k_scale=None, v_scale=None):
     """``store_kv(key, value, ...)`` then ``paged_attention(q, ...)`` (no ALiBi): one call where one kernel
-    does both (a decode step on CPU into a full-precision cache: the C decode kernel stores each sequence's
-    new key / value, then reads them), else the two calls. Shapes and checks as those two functions'."""
+    does both (a decode step on CPU into a cache in q's dtype or of int8 rows: the C decode kernel stores each
+    sequence's new key / value, quantized for int8, then reads them), else the two calls. Shapes and checks as
+    those two functions'."""
     v.check_caches(k_cache, v_cache)
     v.check_kv_scales(k_cache, k_scale, v_scale)
     v.check_heads_tensor("key", key, k_cache, num_kv_heads_match=True)
@@ -234,7 +235,8 @@ def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlen
         raise ValueError(f"value: shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
     triton_path = _triton_wanted(use_triton, q.device)
     validate = v.values_checked(validate_values, q.device)
-    one_call = (not triton_path and k_scale is None and key.shape[0] == q.shape[0] and cpu_decode.supports(q, k_cache)
+    one_call = (not triton_path and key.shape[0] == q.shape[0] and key.dtype == q.dtype
+                and cpu_decode.supports(q, k_cache) and cpu_decode.stores_rows_into(k_cache)
                 and _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate))
     if not one_call:
         store_kv(key, value, k_cache, v_cache, slot_mapping, validate_values=validate, use_triton=use_triton,
@@ -244,10 +246,11 @@ def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlen
                                validate_values=validate, use_triton=use_triton, logit_softcap=logit_softcap,
                                k_scale=k_scale, v_scale=v_scale)
     v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, validate)
-    _check_common(q, k_cache, v_cache, scale, None, sliding_window, None, logit_softcap)
+    _check_common(q, k_cache, v_cache, scale, None, sliding_window, None, logit_softcap, k_scale, v_scale)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
     _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
     slots = slot_mapping if slot_mapping.dtype == torch.int32 else slot_mapping.to(torch.int32)   # held by the call
     return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens_k, scale, None, sliding_window,
-                                       new_kv=(key, value, slots.contiguous()), logit_softcap=logit_softcap)
+                                       new_kv=(key, value, slots.contiguous()), logit_softcap=logit_softcap,
+                                       k_scale=k_scale, v_scale=v_scale)
 

@@ -352,17 +352,70 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
  * negative): the store_kv of a decode step, done by the work item that then reads them. The slot is in a
  * block of this sequence that no other sequence reads at that position (the engine never shares a block
  * a sequence still writes), so items running in parallel never race on it. */
+#if defined(__F16C__)
+/* float32 -> float16 bits, rounded to nearest even (IEEE, as torch's .to(float16)) */
+static inline uint16_t float_to_half(float x) { return (uint16_t)_cvtss_sh(x, 0); }
+#endif
+
+/* One row (head_dim values of q's dtype at src) quantized to int8 as kv_quant.quantize_rows does: scale =
+ * clamp(float16(max |x| / 127), 2^-24, 65504), code = clamp(floor(x / scale + 0.5), -127, 127); the scale's
+ * float16 bits to *scale_bits. IEEE float32 division and addition (no -ffast-math): the same codes. */
+static inline void quantize_row_i8(const char *src, int dtype, int64_t D, int8_t *dst, uint16_t *scale_bits) {
+#if defined(__F16C__)
+    float x[256];
+    float amax = 0.0f;
+    for (int64_t i = 0; i < D; i++) {
+        if (dtype == DTYPE_F32) {
+            x[i] = ((const float *)src)[i];
+        } else {
+            const union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)src)[i] << 16};
+            x[i] = v.f;
+        }
+        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    }
+    uint16_t h = float_to_half(amax / 127.0f);
+    h = (h & 0x7fffu) > 0x7bffu ? 0x7bffu : h;       /* inf (or beyond 65504) -> 65504 */
+    h = (h & 0x7fffu) == 0 ? 0x0001u : h;             /* 0 -> 2^-24 */
+    const float scale = half_to_float(h);
+    for (int64_t i = 0; i < D; i++) {
+        float q = floorf(x[i] / scale + 0.5f);
+        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+        dst[i] = (int8_t)q;
+    }
+    *scale_bits = h;
+#else
+    (void)src; (void)dtype; (void)D; (void)dst; (void)scale_bits;
+#endif
+}
+
+/* 1 when this build quantizes int8 rows in store_new (it needs F16C for the float16 scale) */
+int stores_int8_rows(void) {
+#if defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static inline void store_new(const struct item_args *a, int64_t s, const char *k_new, int64_t k_tok, int64_t k_head,
                              const char *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots,
-                             int64_t elem) {
+                             int64_t elem, int dtype, int cache_dtype) {
     const int64_t slot = slots[s];
     if (slot < 0) return;
     const int64_t block = slot / a->block_size, offset = slot % a->block_size;
     if (block >= a->num_blocks) return;                 /* checked by the caller; never write outside */
     for (int64_t h = a->kv_lo; h < a->kv_hi; h++) {
         const int64_t dst = block * a->c_block + offset * a->c_tok + h * a->c_head;
-        memcpy((char *)a->k + dst, k_new + s * k_tok + h * k_head, a->head_dim * elem);
-        memcpy((char *)a->v + dst, v_new + s * v_tok + h * v_head, a->head_dim * elem);
+        if (cache_dtype == CACHE_I8) {                  /* element strides of an int8 cache are bytes */
+            const int64_t row = slot * a->num_kv_heads + h;
+            quantize_row_i8(k_new + s * k_tok + h * k_head, dtype, a->head_dim, (int8_t *)a->k + dst,
+                            (uint16_t *)a->k_scale + row);
+            quantize_row_i8(v_new + s * v_tok + h * v_head, dtype, a->head_dim, (int8_t *)a->v + dst,
+                            (uint16_t *)a->v_scale + row);
+        } else {
+            memcpy((char *)a->k + dst, k_new + s * k_tok + h * k_head, a->head_dim * elem);
+            memcpy((char *)a->v + dst, v_new + s * v_tok + h * v_head, a->head_dim * elem);
+        }
     }
 }
 
@@ -401,9 +454,9 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
             .slopes = slopes, .softcap = softcap, .out = (char *)out + s * o_tok * elem, .o_head = o_head * elem,
             .k_scale = k_scale, .v_scale = v_scale, .num_kv_heads = num_kv_heads,
         };
-        if (slots != NULL && cache_dtype == dtype)      /* only a full-precision cache takes new rows here */
+        if (slots != NULL && (cache_dtype == dtype || cache_dtype == CACHE_I8))   /* not fp8: store_kv does it */
             store_new(&a, s, (const char *)k_new, k_tok * elem, k_head * elem, (const char *)v_new,
-                      v_tok * elem, v_head * elem, slots, elem);
+                      v_tok * elem, v_head * elem, slots, elem, dtype, cache_dtype);
         /* constant dtypes and head_dim / 16 at the common call sites: the compiler specialises them */
 #define DECODE_ITEM(DT, CDT) do { \
             if (head_dim == 64) decode_item(&a, DT, CDT, 4); \

@@ -32,11 +32,22 @@ _ARGTYPES = [_PTR, _INT64, _INT64, _PTR, _PTR, _INT64, _INT64, _INT64, _INT64, _
 def _declare(library: ctypes.CDLL) -> None:
     library.paged_decode_cpu.argtypes = _ARGTYPES
     library.paged_decode_cpu.restype = None
+    library.stores_int8_rows.argtypes = []
+    library.stores_int8_rows.restype = ctypes.c_int
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return cpu_build.load(SOURCE, _declare, "CPU decode kernel", "decode attention runs the torch reference")
+
+
+def stores_rows_into(k_cache: torch.Tensor) -> bool:
+    """True when the kernel's ``new_kv`` can write into this cache: one in q's dtype, or int8 rows (quantized
+    in C exactly as ``kv_quant.quantize_rows``; the build needs F16C for the float16 scale). float8 rows are
+    stored by ``store_kv``."""
+    if k_cache.dtype == torch.int8:
+        return available() and bool(_library().stores_int8_rows())
+    return k_cache.dtype in DTYPE_CODES
 
 
 def available() -> bool:
@@ -71,8 +82,9 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
     of the scaled scores. ``k_scale`` / ``v_scale`` [NB, bs, Hkv] float16, contiguous: an 8-bit cache's row
     scales (``kv_quant``); ``new_kv`` is then refused (the rows are quantized by ``store_kv`` first).
     """
-    if new_kv is not None and k_cache.dtype != q.dtype:
-        raise ValueError("new_kv: only a cache in q's dtype is written by the decode kernel")
+    if new_kv is not None and k_cache.dtype != q.dtype and not (k_cache.dtype == torch.int8 and k_scale is not None
+                                                                 and stores_rows_into(k_cache)):
+        raise ValueError("new_kv: the decode kernel writes a cache in q's dtype or int8 rows (with their scales)")
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     group = num_q_heads // num_kv_heads
@@ -107,7 +119,8 @@ def _new_kv_args(new_kv, k_cache) -> tuple:
     if new_kv is None:
         return None, 0, 0, None, 0, 0, None
     key, value, slots = new_kv
-    if key.stride(2) != 1 or value.stride(2) != 1 or key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+    want = key.dtype if k_cache.dtype == torch.int8 else k_cache.dtype     # int8: rows quantized from q's dtype
+    if key.stride(2) != 1 or value.stride(2) != 1 or key.dtype != want or value.dtype != want:
         raise ValueError("new_kv: key and value must have the cache's dtype and a contiguous head_dim")
     if slots.dtype != torch.int32 or not slots.is_contiguous():
         raise ValueError("new_kv: slot_mapping must be contiguous int32 (the model runner's are)")
