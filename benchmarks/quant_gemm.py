@@ -43,15 +43,13 @@ def packed_weight(k: int, n: int, bits: int, group: int, device, gen):
 
 def bench_one(m: int, n: int, bits: int, group: int, cfg: dict, device, on_cuda: bool) -> dict:
     from pagedray import kernels
-    from pagedray.kernels.quant_gemm import unpack_along_rows
+    from pagedray.kernels.quant_gemm import dequantize_packed
 
     gen = torch.Generator().manual_seed(m * 31 + n + bits)
     dtype = getattr(torch, cfg["dtype"])
     qweight, zeros, scales, g_idx = packed_weight(cfg["k"], n, bits, group, device, gen)
     x = torch.randn(m, cfg["k"], generator=gen).to(dtype).to(device)
-    groups = g_idx.long()
-    dense = ((unpack_along_rows(qweight, bits) - zeros[groups]).float() * scales[groups].float()).t().to(dtype)
-    dense = dense.contiguous()                                                       # [N, K], as F.linear takes it
+    dense = dequantize_packed(qweight, zeros, scales, g_idx, bits).t().to(dtype).contiguous()   # [N, K] for F.linear
     check_close(kernels.quant_gemm(x[:4], qweight, zeros, scales, g_idx, bits, use_triton=True),
                 kernels.quant_gemm_reference(x[:4], qweight, zeros, scales, g_idx, bits), f"quant_gemm m={m} n={n}")
     ms = time_ms(lambda: kernels.quant_gemm(x, qweight, zeros, scales, g_idx, bits, use_triton=True), on_cuda)

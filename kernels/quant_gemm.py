@@ -35,10 +35,15 @@ def unpack_along_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | 
     return values.reshape(packed.shape[0], packed.shape[1] * per_word)
 
 
+def dequantize_packed(qweight, zeros, scales, g_idx, bits: int) -> torch.Tensor:
+    """The packed weight as float32 W^T [K, N] (the checkpoint loader's dense path and the reference's)."""
+    groups = g_idx.long()
+    return (unpack_along_rows(qweight, bits) - zeros[groups]).float() * scales[groups].float()
+
+
 def quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits: int) -> torch.Tensor:
     """The dequantized weight, cast to x's dtype as the kernel's tiles are, times x in float32 -> x.dtype."""
-    groups = g_idx.long()
-    weight_t = (unpack_along_rows(qweight, bits) - zeros[groups]).float() * scales[groups].float()   # [K, N]
+    weight_t = dequantize_packed(qweight, zeros, scales, g_idx, bits)                            # [K, N]
     return (x.float() @ weight_t.to(x.dtype).float()).to(x.dtype)
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.quant_gemm import unpack_along_cols, unpack_along_rows
+from ..kernels.quant_gemm import unpack_along_cols
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)                     # nibble k of an AWQ word holds column 8 w + AWQ_ORDER[k]
 _LAYER_LINEAR = re.compile(r"\.layers\.\d+\..*\.weight$")
@@ -154,27 +154,9 @@ def gptq_zeros(q: WeightQuantization, qzeros: torch.Tensor) -> torch.Tensor:
     return unpack_along_cols(qzeros, q.bits) + (1 if q.zeros_minus_one else 0)
 
 
-def dequantize_gptq(q: WeightQuantization, qweight, zeros, scales, g_idx, rows: range) -> torch.Tensor:
-    """qweight int32 [len(rows) / per_word, out] (the words of input rows ``rows``), zeros [groups, out]
-    (``gptq_zeros``), scales [groups, out], g_idx [in] or None -> weight [out, len(rows)] float32."""
-    codes = unpack_along_rows(qweight, q.bits)                                     # [len(rows), out]
-    in_rows = torch.arange(rows.start, rows.stop)
-    groups = g_idx[in_rows].long() if g_idx is not None else in_rows // group_of(q)
-    weight_t = (codes - zeros[groups]).float() * scales[groups].float()             # [len(rows), out]
-    return weight_t.t()
-
-
 def awq_zeros(qzeros: torch.Tensor) -> torch.Tensor:
     """qzeros int32 [groups, out / 8] -> zero points int32 [groups, out]."""
     return unpack_along_cols(qzeros, 4, AWQ_ORDER)
-
-
-def dequantize_awq(q: WeightQuantization, qweight, zeros, scales, rows: range) -> torch.Tensor:
-    """qweight int32 [len(rows), out / 8] (input rows ``rows``), zeros [groups, out] (``awq_zeros``), scales
-    [groups, out] -> weight [out, len(rows)] float32."""
-    codes = unpack_along_cols(qweight, 4, AWQ_ORDER)                              # [len(rows), out]
-    groups = torch.arange(rows.start, rows.stop) // group_of(q)
-    return ((codes - zeros[groups]).float() * scales[groups].float()).t()
 
 
 def group_of(q: WeightQuantization) -> int:

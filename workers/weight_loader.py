@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..kernels.quant_gemm import dequantize_packed
 from . import quantization as quant
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -112,7 +113,12 @@ class CheckpointReader:
         if q.method in ("gptq", "awq") and not self.has(name) and self.has(f"{prefix}.qweight"):
             full = self._packed_shape(prefix)
             _check_shape(name, full, expect_shape)
-            return self._read_packed(prefix, full, dim, start, full[dim] if dim is not None and end is None else end)
+            end = full[dim] if dim is not None and end is None else end
+            packed = self._packed_slice(prefix, full, dim, start, end)
+            if packed is not None:
+                return dequantize_packed(*_fields(packed)).t()
+            weight = dequantize_packed(*_fields(self._packed_slice(prefix, full, None, 0, None))).t()   # [out, in]
+            return weight[:, start:end]                     # input columns that split a packed word
         if q.method == "fp8" and not q.online:
             scale = next((f"{prefix}.{s}" for s in ("weight_scale_inv", "weight_scale") if self.has(f"{prefix}.{s}")),
                          None)
@@ -145,20 +151,7 @@ class CheckpointReader:
             return None
         full = self._packed_shape(prefix)
         _check_shape(name, full, expect_shape)
-        scales = self._slice(f"{prefix}.scales")[:]
-        if q.method == "awq":                    # words run along the output: repack along the input
-            codes = quant.unpack_along_cols(self._slice(f"{prefix}.qweight")[:], 4, quant.AWQ_ORDER)   # [K, N]
-            g_idx = (torch.arange(full[1]) // quant.group_of(q)).to(torch.int32)
-            zeros = quant.awq_zeros(self._slice(f"{prefix}.qzeros")[:])
-            packed = quant.PackedIntWeight(quant.pack_rows(codes, 4), zeros, scales, g_idx, 4)
-        else:
-            g_name = f"{prefix}.g_idx"
-            g_idx = (self._slice(g_name)[:].to(torch.int32) if self.has(g_name)
-                     else (torch.arange(full[1]) // quant.group_of(q)).to(torch.int32))
-            packed = quant.PackedIntWeight(self._slice(f"{prefix}.qweight")[:],
-                                           quant.gptq_zeros(q, self._slice(f"{prefix}.qzeros")[:]), scales, g_idx,
-                                           q.bits)
-        return _rows(packed, start, end) if dim == 0 else _cols(packed, start, end)
+        return self._packed_slice(prefix, full, dim, start, end)
 
     def _packed_shape(self, prefix: str) -> list[int]:
         """[out, in] of a GPTQ / AWQ weight from its packed tensors."""
@@ -166,32 +159,41 @@ class CheckpointReader:
         rows = packed[0] * self.quantization.per_word if self.quantization.method == "gptq" else packed[0]
         return [scales[1], rows]
 
-    def _read_packed(self, prefix: str, full: list[int], dim, start: int, end) -> torch.Tensor:
+    def _packed_slice(self, prefix: str, full: list[int], dim, start: int, end) -> quant.PackedIntWeight | None:
+        """A GPTQ / AWQ weight's slice (``dim`` 0: output rows, 1: input columns, None: all) in GPTQ's layout,
+        reading only its rows of ``qweight`` for an input-column slice; None when that slice splits a word."""
         q = self.quantization
-        scales = self._slice(f"{prefix}.scales")[:]                                # [groups, out]
-        qweight = self._slice(f"{prefix}.qweight")
-        if q.method == "awq":
+        if dim == 1 and (start % q.per_word or end % q.per_word):
+            return None
+        rows = slice(start, end) if dim == 1 else slice(0, full[1])                # input rows of the slice
+        qweight, scales = self._slice(f"{prefix}.qweight"), self._slice(f"{prefix}.scales")[:]
+        if q.method == "awq":                    # words run along the output: repack along the input
+            codes = quant.unpack_along_cols(qweight[rows], 4, quant.AWQ_ORDER)    # [rows, out]
+            g_idx = (torch.arange(rows.start, rows.stop) // quant.group_of(q)).to(torch.int32)
             zeros = quant.awq_zeros(self._slice(f"{prefix}.qzeros")[:])
-            if dim == 1:                                    # input rows: whole rows of qweight
-                return quant.dequantize_awq(q, qweight[start:end], zeros, scales, range(start, end))
-            weight = quant.dequantize_awq(q, qweight[:], zeros, scales, range(0, full[1]))
-            return weight if dim is None else weight[start:end]
+            packed = quant.PackedIntWeight(quant.pack_rows(codes, 4), zeros, scales, g_idx, 4)
+            return _rows(packed, start, end) if dim == 0 else packed
+        g_name = f"{prefix}.g_idx"
+        g_idx = (self._slice(g_name)[:].to(torch.int32) if self.has(g_name)
+                 else (torch.arange(full[1]) // quant.group_of(q)).to(torch.int32))
         zeros = quant.gptq_zeros(q, self._slice(f"{prefix}.qzeros")[:])
-        g_idx = self._slice(f"{prefix}.g_idx")[:] if self.has(f"{prefix}.g_idx") else None
-        if dim == 0:                                        # output columns: not packed in qweight
-            return quant.dequantize_gptq(q, qweight[:, start:end], zeros[:, start:end], scales[:, start:end], g_idx,
-                                         range(0, full[1]))
-        if dim == 1 and start % q.per_word == 0 and end % q.per_word == 0:
-            words = qweight[start // q.per_word:end // q.per_word]
-            return quant.dequantize_gptq(q, words, zeros, scales, g_idx, range(start, end))
-        weight = quant.dequantize_gptq(q, qweight[:], zeros, scales, g_idx, range(0, full[1]))
-        return weight if dim is None else weight[:, start:end]
+        if dim == 0:                             # output columns: not packed in qweight
+            return _rows(quant.PackedIntWeight(qweight[:, start:end], zeros, scales, g_idx, q.bits), start, end,
+                         qweight_sliced=True)
+        words = slice(rows.start // q.per_word, rows.stop // q.per_word)
+        return quant.PackedIntWeight(qweight[words].contiguous(), zeros, scales, g_idx[rows].contiguous(), q.bits)
 
 
-def _rows(packed: quant.PackedIntWeight, start: int, end: int) -> quant.PackedIntWeight:
-    """Output rows [start, end) of a packed weight: its columns."""
-    return quant.PackedIntWeight(packed.qweight[:, start:end].contiguous(), packed.zeros[:, start:end].contiguous(),
+def _rows(packed: quant.PackedIntWeight, start: int, end: int, qweight_sliced: bool = False) -> quant.PackedIntWeight:
+    """Output rows [start, end) of a packed weight: its columns (``qweight_sliced``: its qweight holds them
+    already, read so from the checkpoint)."""
+    qweight = packed.qweight if qweight_sliced else packed.qweight[:, start:end]
+    return quant.PackedIntWeight(qweight.contiguous(), packed.zeros[:, start:end].contiguous(),
                                  packed.scales[:, start:end].contiguous(), packed.g_idx, packed.bits)
+
+
+def _fields(packed: quant.PackedIntWeight) -> tuple:
+    return packed.qweight, packed.zeros, packed.scales, packed.g_idx, packed.bits
 
 
 def _cols(packed: quant.PackedIntWeight, start: int, end: int) -> quant.PackedIntWeight:

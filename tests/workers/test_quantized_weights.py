@@ -17,6 +17,7 @@ from helpers.hf_oracle import hf_greedy_each, hf_logprobs_along
 from helpers.quantized_checkpoints import quantize_folder, round_rows_8bit
 from helpers.worker_setup import engine_config, local_driver
 from pagedray.kernels import quant_gemm_reference
+from pagedray.kernels.quant_gemm import unpack_along_cols, unpack_along_rows
 from pagedray.workers import quantization as quant
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.model_info import load_hf_config
@@ -146,13 +147,13 @@ def test_quantization_option_rounds_a_full_precision_checkpoint_at_load(method, 
 def test_unpacking_a_hand_made_word():
     word = torch.tensor([[0x76543210 - 2**32 + 2**31 * 2]], dtype=torch.int64)        # nibbles 0..7, low first
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-    assert quant.unpack_along_rows(word, 4).flatten().tolist() == list(range(8))
-    assert quant.unpack_along_cols(word, 4).flatten().tolist() == list(range(8))
+    assert unpack_along_rows(word, 4).flatten().tolist() == list(range(8))
+    assert unpack_along_cols(word, 4).flatten().tolist() == list(range(8))
     # AWQ: nibble k holds column AWQ_ORDER[k], so column c reads nibble AWQ_ORDER.index(c)
-    assert quant.unpack_along_cols(word, 4, quant.AWQ_ORDER).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert unpack_along_cols(word, 4, quant.AWQ_ORDER).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
     high = torch.tensor([[-1]], dtype=torch.int32)                                   # every nibble 15
-    assert quant.unpack_along_rows(high, 4).flatten().tolist() == [15] * 8
-    assert quant.unpack_along_rows(high, 8).flatten().tolist() == [255] * 4
+    assert unpack_along_rows(high, 4).flatten().tolist() == [15] * 8
+    assert unpack_along_rows(high, 8).flatten().tolist() == [255] * 4
 
 
 @pytest.mark.parametrize("config, option, message", [
