@@ -42,15 +42,20 @@ def _triton_wanted(use_triton: bool | None, device: torch.device) -> bool:
     return bool(use_triton)
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping, *, validate_values=None, use_triton=None,
-             k_scale=None, v_scale=None) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_dim] into cache slots; slot < 0 is skipped."""
+def _check_new_rows(key, value, k_cache, v_cache, k_scale, v_scale) -> None:
+    """The caches (and an 8-bit cache's scales) and the key / value rows to store into them."""
     v.check_caches(k_cache, v_cache)
     v.check_kv_scales(k_cache, k_scale, v_scale)
     v.check_heads_tensor("key", key, k_cache, num_kv_heads_match=True)
     v.check_heads_tensor("value", value, k_cache, num_kv_heads_match=True)
     if value.shape != key.shape:
         raise ValueError(f"value: shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping, *, validate_values=None, use_triton=None,
+             k_scale=None, v_scale=None) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into cache slots; slot < 0 is skipped."""
+    _check_new_rows(key, value, k_cache, v_cache, k_scale, v_scale)
     check = v.values_checked(validate_values, k_cache.device)
     v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, check)
     if _triton_wanted(use_triton, k_cache.device):
@@ -227,12 +232,7 @@ def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlen
     does both (a decode step on CPU into a cache in q's dtype or of int8 rows: the C decode kernel stores each
     sequence's new key / value, quantized for int8, then reads them), else the two calls. Shapes and checks as
     those two functions'."""
-    v.check_caches(k_cache, v_cache)
-    v.check_kv_scales(k_cache, k_scale, v_scale)
-    v.check_heads_tensor("key", key, k_cache, num_kv_heads_match=True)
-    v.check_heads_tensor("value", value, k_cache, num_kv_heads_match=True)
-    if value.shape != key.shape:
-        raise ValueError(f"value: shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    _check_new_rows(key, value, k_cache, v_cache, k_scale, v_scale)
     triton_path = _triton_wanted(use_triton, q.device)
     validate = v.values_checked(validate_values, q.device)
     one_call = (not triton_path and key.shape[0] == q.shape[0] and key.dtype == q.dtype

@@ -46,8 +46,14 @@ def stores_rows_into(k_cache: torch.Tensor) -> bool:
     in C exactly as ``kv_quant.quantize_rows``; the build needs F16C for the float16 scale). float8 rows are
     stored by ``store_kv``."""
     if k_cache.dtype == torch.int8:
-        return available() and bool(_library().stores_int8_rows())
+        return _stores_int8_rows()
     return k_cache.dtype in DTYPE_CODES
+
+
+@functools.lru_cache(maxsize=1)
+def _stores_int8_rows() -> bool:
+    """Asked once (a ctypes call per layer and step would be on the decode hot path)."""
+    return available() and bool(_library().stores_int8_rows())
 
 
 def available() -> bool:
