@@ -1,7 +1,8 @@
-"""oneDNN-packed CPU weights (``layers/packed_gemm.py``): the packed product agrees with ``F.linear`` on
+"""Packed CPU weights (``layers/packed_gemm.py``): oneDNN's packed product agrees with ``F.linear`` on
 random inputs at every row count (bit for bit in bf16), every linear layer and the LM head get a
-packed copy in fp32 and bf16, and greedy tokens of a batch that takes the packed path still equal
-transformers'."""
+packed copy in fp32 and bf16 (pair-packed for ``kernels.cpu_gemm`` where the CPU has AVX512-BF16,
+tests/kernels/test_cpu_gemm.py checks its products), and greedy tokens of a batch that takes the
+packed path still equal transformers'."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from helpers.hf_oracle import hf_greedy_each
 from helpers.worker_setup import engine_config
 from pagedray.cluster import LLM, SamplingParams
+from pagedray.kernels import cpu_gemm
 from pagedray.workers.contract.config import ModelConfig
 from pagedray.workers.layers import packed_gemm
 from pagedray.workers.layers.embedding import ParallelLMHead
@@ -51,7 +53,8 @@ def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bia
 
 @needs_onednn_bf16
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_bf16_product_equals_f_linear(with_bias, torch_threads):
+def test_packed_bf16_product_equals_f_linear(with_bias, torch_threads, monkeypatch):
+    monkeypatch.setattr(packed_gemm.cpu_gemm, "available", lambda: False)   # oneDNN's copy, not the C GEMM's
     gen = torch.Generator().manual_seed(7)
     weight = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()          # [out, in]
     bias = torch.randn(960, generator=gen).bfloat16() if with_bias else None
@@ -90,7 +93,9 @@ def test_worker_packs_every_linear_layer_and_the_lm_head(kind, dtype, tiny_model
     assert report.matrices == len(layers)
     assert report.weight_bytes == sum(m.weight.numel() * m.weight.element_size() for m in layers)
     assert report.packed_bytes >= report.weight_bytes
-    assert all(m.packed_weight.dtype == getattr(torch, dtype) for m in layers)
+    pair_packed = dtype == "bfloat16" and cpu_gemm.available()
+    assert all(isinstance(m.packed_weight, cpu_gemm.PairPackedWeight) == pair_packed for m in layers)
+    assert all(getattr(m.packed_weight, "data", m.packed_weight).dtype == getattr(torch, dtype) for m in layers)
 
 
 def test_packing_off_by_option_without_onednn_or_in_fp16(tiny_model_path, monkeypatch):

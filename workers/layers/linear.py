@@ -25,7 +25,7 @@ from ... import kernels
 from ..quantization import PackedIntWeight
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader, copy_into
-from .packed_gemm import linear
+from .packed_gemm import PackedWeight, linear
 from .partition import HeadPartition, check_even_split
 
 
@@ -51,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
         out_local = sum(s.rows for s in self.segments)
         self.weight = empty_param((out_local, input_size), dtype, device)            # [out_local, in]
         self.bias = empty_param((out_local,), dtype, device) if bias else None       # [out_local]
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
         self.quant: list[PackedIntWeight] | None = None
 
     @classmethod
@@ -148,7 +148,7 @@ class RowParallelLinear(nn.Module):
         self.cols = check_even_split(input_size, tp.world_size, name)
         self.weight = empty_param((output_size, self.cols), dtype, device)          # [out, in_local]
         self.bias = empty_param((output_size,), dtype, device) if bias else None    # [out]
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
         self.quant: PackedIntWeight | None = None
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
