@@ -1,97 +1,142 @@
-/* bfloat16 GEMM for the CPU linear layers: y [m, n] = x [m, k] @ W [n, k]^T (+ bias), float32 sums.
+/* GEMM for the CPU linear layers: y [m, n] = x [m, k] @ W [n, k]^T (+ bias), float32 or bfloat16,
+ * float32 sums.
  *
- * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU); elsewhere the library
- * has just gemm_bf16_supported(), which answers 0, and the layers keep oneDNN's packed product.
+ * Built where the compiler targets AVX-512 (-march=native on such a CPU): float32 needs AVX512F,
+ * bfloat16 AVX512-BF16. gemm_supported(dtype) says which; elsewhere the library has only that function,
+ * which answers 0, and the layers keep oneDNN's packed product.
  *
- * Weight layout ("pair-packed"), written once at load by pack_bf16_pairs:
- *   P [ceil(n / 16)][k / 2][16][2]: tile t holds output columns 16t .. 16t+15; for each pair of input
- *   columns (2j, 2j+1) the 16 columns' two weights lie side by side, which is the operand layout of
- *   vdpbf16ps. Columns past n are zero. k must be even (the caller checks).
- * One vdpbf16ps then adds, for one row of x, the products of one input pair with 16 output columns:
- *   acc[row] (16 x f32) += x[row, 2j:2j+2] (broadcast) . P[t][j] (16 x 2 bf16).
+ * Weight layout, written once at load by pack_weight ("tile-packed"): 64 bytes per step of k:
+ *   float32:  P [ceil(n / 16)][k][16]          tile t holds output columns 16t .. 16t+15;
+ *   bfloat16: P [ceil(n / 16)][k / 2][16][2]   for each pair of input columns (2j, 2j+1) the 16 columns'
+ *             two weights side by side, the operand layout of vdpbf16ps (k must be even).
+ * Columns past n are zero. One instruction then adds, for one row of x, one step of k into 16 sums:
+ *   float32:  acc[row] += x[row, j] (broadcast) * P[t][j]                      (vfmadd231ps)
+ *   bfloat16: acc[row] += x[row, 2j] * P[t][j][:, 0] + x[row, 2j+1] * P[t][j][:, 1]   (vdpbf16ps)
  *
  * Why not oneDNN: at decode sizes (m = 1..64 rows) the product is a stream over the whole weight, and
- * oneDNN read it at ~27 GB/s where this loop, with each tile's weights prefetched 4 KB ahead, reads at
- * ~40 GB/s (docs/design/kernels.md: the measurements). Rows up to 16 share one pass over a tile (one
- * weight load feeds 16 products); more rows go in blocks of 12 rows over two tiles, so the weights of
- * a tile pair are loaded from memory once and from cache for the later blocks.
+ * oneDNN read bf16 weights at ~27 GB/s where this loop, with each tile's weights prefetched 4 KB ahead,
+ * reads at ~40 GB/s (docs/design/kernels.md: the measurements). Rows up to 16 share one pass over a
+ * tile (one weight load feeds 16 products); more rows go in blocks of 12 rows over two tiles, so the
+ * weights of a tile pair are loaded from memory once and from cache for the later blocks.
  *
- * Sums are float32 in k order (pairs added inside vdpbf16ps), rounded to bfloat16 once at the end,
- * nearest even, as torch rounds. */
+ * Sums are float32 in k order (bfloat16: the two products of a pair added inside vdpbf16ps); bfloat16
+ * outputs are rounded once at the end, nearest even, as torch rounds. */
 #include <stdint.h>
 
-#ifdef __AVX512BF16__
+#define DTYPE_F32 0             /* the dtype codes of cpu_build.DTYPE_CODES */
+#define DTYPE_BF16 1
+
+#ifdef __AVX512F__
 #include <immintrin.h>
 #include <omp.h>
 
 #define TILE 16                 /* output columns per tile: one zmm of float32 sums */
-#define PREFETCH_PAIRS 64       /* prefetch distance in input pairs: 64 * 64 bytes = 4 KB ahead */
+#define STEP_BYTES 64           /* one tile's weights for one step of k */
+#define PREFETCH_STEPS 64       /* prefetch distance: 64 steps * 64 bytes = 4 KB ahead */
 #define BLOCK_ROWS 12           /* rows per block when m > 16 (12 rows x 2 tiles = 24 accumulators) */
 
-int gemm_bf16_supported(void) { return 1; }
+#ifdef __AVX512BF16__
+#define HAS_BF16 1
+#else
+#define HAS_BF16 0
+#endif
 
-/* w [n, k] row-major bfloat16 bits -> p (pair-packed, above); k even */
-void pack_bf16_pairs(const uint16_t *w, int64_t n, int64_t k, uint16_t *p, int threads) {
-    const int64_t pairs = k / 2, tiles = (n + TILE - 1) / TILE;
+int gemm_supported(int dtype) { return dtype == DTYPE_F32 || (dtype == DTYPE_BF16 && HAS_BF16); }
+
+/* steps of k per tile: k (float32) or k / 2 (bfloat16 pairs) */
+static inline int64_t steps_of(int64_t k, int dtype) { return dtype == DTYPE_BF16 ? k / 2 : k; }
+
+/* w [n, k] row-major (float32, or bfloat16 bits with k even) -> p (tile-packed, above) */
+void pack_weight(const void *w, int64_t n, int64_t k, void *p, int dtype, int threads) {
+    const int64_t steps = steps_of(k, dtype), tiles = (n + TILE - 1) / TILE;
+    const int per_step = dtype == DTYPE_BF16 ? 2 : 1;       /* input columns per step */
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++)
-        for (int64_t j = 0; j < pairs; j++)
-            for (int64_t c = 0; c < TILE; c++) {
-                const int64_t row = t * TILE + c;
-                uint16_t *dst = p + ((t * pairs + j) * TILE + c) * 2;
-                dst[0] = row < n ? w[row * k + 2 * j] : 0;
-                dst[1] = row < n ? w[row * k + 2 * j + 1] : 0;
-            }
+        for (int64_t j = 0; j < steps; j++)
+            for (int64_t c = 0; c < TILE; c++)
+                for (int e = 0; e < per_step; e++) {
+                    const int64_t row = t * TILE + c, src = row * k + per_step * j + e;
+                    const int64_t dst = ((t * steps + j) * TILE + c) * per_step + e;
+                    if (dtype == DTYPE_BF16)
+                        ((uint16_t *)p)[dst] = row < n ? ((const uint16_t *)w)[src] : 0;
+                    else
+                        ((float *)p)[dst] = row < n ? ((const float *)w)[src] : 0.0f;
+                }
 }
 
-/* 16 bfloat16 at src (the first `mask` lanes) as float32 */
-static inline __m512 widen16(const uint16_t *src, __mmask16 mask) {
+/* 16 values at src (the first `mask` lanes; float32 or bfloat16) as float32 */
+static inline __m512 load16(const void *src, __mmask16 mask, int dtype) {
+    if (dtype == DTYPE_F32) return _mm512_maskz_loadu_ps(mask, src);
     const __m256i h = _mm256_maskz_loadu_epi16(mask, src);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* rows x (tiles * 16) outputs: x rows as 32-bit input pairs (row stride xs pairs), tile 0 at pt and
- * tile 1 (tiles == 2) right after it; columns = output columns left from this tile on (may be < 16) */
+/* 16 float32 stored at dst (the first `mask` lanes) as dtype */
+static inline void store16(void *dst, __mmask16 mask, __m512 v, int dtype) {
+    if (dtype == DTYPE_F32) {
+        _mm512_mask_storeu_ps(dst, mask, v);
+        return;
+    }
+#if HAS_BF16
+    _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
+#endif
+}
+
+/* acc += one step of k: x's 4 bytes (a float32, or a bfloat16 pair) times the tile's 64 bytes */
+static inline __m512 madd(__m512 acc, uint32_t x, __m512i w, int dtype) {
+#if HAS_BF16
+    if (dtype == DTYPE_BF16) return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x), (__m512bh)w);
+#endif
+    union { uint32_t u; float f; } v = {.u = x};
+    return _mm512_fmadd_ps(_mm512_set1_ps(v.f), _mm512_castsi512_ps(w), acc);
+}
+
+/* rows x (tiles * 16) outputs. x: rows of 4-byte steps (row stride xs steps); tile 0 at pt and tile 1
+ * (tiles == 2) right after it; columns = output columns left from this tile on (may be < 16);
+ * bias and y element pointers of dtype (element size `size`) */
 static inline __attribute__((always_inline)) void block(
-        const uint32_t *x, int64_t xs, const int rows, const int tiles, int64_t pairs, const uint16_t *pt,
-        const uint16_t *bias, uint16_t *y, int64_t ys, int64_t columns) {
+        const uint32_t *x, int64_t xs, const int rows, const int tiles, int64_t steps, const char *pt,
+        const char *bias, char *y, int64_t ys, int64_t columns, const int dtype) {
+    const int size = dtype == DTYPE_BF16 ? 2 : 4;
     __m512 acc[16][2];
     #pragma GCC unroll 16
     for (int i = 0; i < rows; i++)
         #pragma GCC unroll 2
         for (int t = 0; t < tiles; t++) acc[i][t] = _mm512_setzero_ps();
-    const uint16_t *pt1 = pt + pairs * TILE * 2;
-    for (int64_t j = 0; j < pairs; j++) {
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pt + j * TILE * 2);
-        _mm_prefetch((const char *)(pt + (j + PREFETCH_PAIRS) * TILE * 2), _MM_HINT_T0);
-        __m512bh w1 = w0;
+    const char *pt1 = pt + steps * STEP_BYTES;
+    for (int64_t j = 0; j < steps; j++) {
+        const __m512i w0 = _mm512_loadu_si512(pt + j * STEP_BYTES);
+        _mm_prefetch(pt + (j + PREFETCH_STEPS) * STEP_BYTES, _MM_HINT_T0);
+        __m512i w1 = w0;
         if (tiles == 2) {
-            w1 = (__m512bh)_mm512_loadu_si512(pt1 + j * TILE * 2);
-            _mm_prefetch((const char *)(pt1 + (j + PREFETCH_PAIRS) * TILE * 2), _MM_HINT_T0);
+            w1 = _mm512_loadu_si512(pt1 + j * STEP_BYTES);
+            _mm_prefetch(pt1 + (j + PREFETCH_STEPS) * STEP_BYTES, _MM_HINT_T0);
         }
         #pragma GCC unroll 16
         for (int i = 0; i < rows; i++) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[i * xs + j]);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
-            if (tiles == 2) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
+            const uint32_t a = x[i * xs + j];
+            acc[i][0] = madd(acc[i][0], a, w0, dtype);
+            if (tiles == 2) acc[i][1] = madd(acc[i][1], a, w1, dtype);
         }
     }
     #pragma GCC unroll 2
     for (int t = 0; t < tiles; t++) {
         const int64_t left = columns - TILE * t;
         const __mmask16 mask = left >= TILE ? 0xffff : (__mmask16)((1u << left) - 1);
-        const __m512 b = bias ? widen16(bias + TILE * t, mask) : _mm512_setzero_ps();
+        const __m512 b = bias ? load16(bias + TILE * t * size, mask, dtype) : _mm512_setzero_ps();
         #pragma GCC unroll 16
         for (int i = 0; i < rows; i++)
-            _mm256_mask_storeu_epi16(y + i * ys + TILE * t, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][t], b)));
+            store16(y + (i * ys + TILE * t) * size, mask, _mm512_add_ps(acc[i][t], b), dtype);
     }
 }
 
-#define ROWS_CASE(R) case R: block(x, xs, R, 1, pairs, pt, bias, y, ys, columns); break;
-/* rows (1..16) x one tile, the row count a constant in each instance */
-static void one_tile(const uint32_t *x, int64_t xs, int rows, int64_t pairs, const uint16_t *pt,
-                     const uint16_t *bias, uint16_t *y, int64_t ys, int64_t columns) {
+#define ROWS_CASE(R) case R: \
+    if (dtype == DTYPE_BF16) block(x, xs, R, 1, steps, pt, bias, y, ys, columns, DTYPE_BF16); \
+    else block(x, xs, R, 1, steps, pt, bias, y, ys, columns, DTYPE_F32); \
+    break;
+/* rows (1..16) x one tile, the row count and dtype constants in each instance */
+static void one_tile(const uint32_t *x, int64_t xs, int rows, int64_t steps, const char *pt, const char *bias,
+                     char *y, int64_t ys, int64_t columns, int dtype) {
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
         ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12) ROWS_CASE(13) ROWS_CASE(14)
@@ -99,17 +144,27 @@ static void one_tile(const uint32_t *x, int64_t xs, int rows, int64_t pairs, con
     }
 }
 
-/* x [m, k] bfloat16 (row stride x_stride elements, k even); p pair-packed W [n, k]; bias [n] or NULL;
- * y [m, n] (row stride y_stride) */
-void gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *p, int64_t n,
-               const uint16_t *bias, uint16_t *y, int64_t y_stride, int threads) {
-    const int64_t pairs = k / 2, tiles = (n + TILE - 1) / TILE, xs = x_stride / 2;
+static void two_tiles(const uint32_t *x, int64_t xs, int64_t steps, const char *pt, const char *bias,
+                      char *y, int64_t ys, int64_t columns, int dtype) {
+    if (dtype == DTYPE_BF16) block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_BF16);
+    else block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_F32);
+}
+
+/* x [m, k] of dtype (row stride x_stride elements; bfloat16: k even); p tile-packed W [n, k]; bias [n]
+ * or NULL; y [m, n] (row stride y_stride). x rows are read 4 bytes at a time (a float32, a bf16 pair). */
+void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, int64_t n, const void *bias,
+          void *y, int64_t y_stride, int dtype, int threads) {
+    const int size = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t steps = steps_of(k, dtype), tiles = (n + TILE - 1) / TILE, xs = x_stride * size / 4;
+    const int64_t tile_bytes = steps * STEP_BYTES;
     const uint32_t *x32 = (const uint32_t *)x;
+    const char *pc = (const char *)p, *bc = (const char *)bias;
+    char *yc = (char *)y;
     if (m <= 16) {
         #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t t = 0; t < tiles; t++)
-            one_tile(x32, xs, (int)m, pairs, p + t * pairs * TILE * 2, bias ? bias + t * TILE : 0,
-                     y + t * TILE, y_stride, n - t * TILE);
+            one_tile(x32, xs, (int)m, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
+                     yc + t * TILE * size, y_stride, n - t * TILE, dtype);
         return;
     }
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -117,20 +172,21 @@ void gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const 
         const int64_t t = 2 * q;
         for (int64_t r = 0; r < m; r += BLOCK_ROWS) {
             const int64_t rows = m - r < BLOCK_ROWS ? m - r : BLOCK_ROWS;
+            char *yr = yc + r * y_stride * size;
             if (t + 1 < tiles && rows == BLOCK_ROWS) {
-                block(x32 + r * xs, xs, BLOCK_ROWS, 2, pairs, p + t * pairs * TILE * 2, bias ? bias + t * TILE : 0,
-                      y + r * y_stride + t * TILE, y_stride, n - t * TILE);
+                two_tiles(x32 + r * xs, xs, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
+                          yr + t * TILE * size, y_stride, n - t * TILE, dtype);
                 continue;
             }
             for (int64_t u = t; u < t + 2 && u < tiles; u++)
-                one_tile(x32 + r * xs, xs, (int)rows, pairs, p + u * pairs * TILE * 2, bias ? bias + u * TILE : 0,
-                         y + r * y_stride + u * TILE, y_stride, n - u * TILE);
+                one_tile(x32 + r * xs, xs, (int)rows, steps, pc + u * tile_bytes, bc ? bc + u * TILE * size : 0,
+                         yr + u * TILE * size, y_stride, n - u * TILE, dtype);
         }
     }
 }
 
 #else
 
-int gemm_bf16_supported(void) { return 0; }
+int gemm_supported(int dtype) { (void)dtype; return 0; }
 
 #endif

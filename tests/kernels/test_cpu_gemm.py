@@ -1,7 +1,8 @@
-"""The bfloat16 CPU GEMM in C (``kernels/cpu_gemm.c``) against a float64 product on random inputs:
-every row count the kernel treats differently (1..16 rows in one pass, blocks of 12 over tile pairs,
-their tails), output widths that end inside a tile, bias, 1 and 2 threads, strided and 3-D inputs; the
-packed layout element by element; the argument checks; the layer's choice between it and oneDNN."""
+"""The CPU GEMM in C (``kernels/cpu_gemm.c``), float32 and bfloat16, against a float64 product on random
+inputs: every row count the kernel treats differently (1..16 rows in one pass, blocks of 12 over tile
+pairs, their tails), output widths that end inside a tile, bias, 1 and 2 threads, strided, misaligned
+and 3-D inputs; the packed layouts element by element; the argument checks; the layers' choice between
+it and oneDNN."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 from pagedray.kernels import cpu_gemm
 from pagedray.workers.layers import packed_gemm
 
-needs_gemm = pytest.mark.skipif(not cpu_gemm.available(), reason="this CPU or compiler has no AVX512-BF16")
+F32, BF16 = torch.float32, torch.bfloat16
+needs_gemm = pytest.mark.skipif(not cpu_gemm.available(F32), reason="this CPU or compiler has no AVX-512")
+needs_bf16 = pytest.mark.skipif(not cpu_gemm.available(BF16), reason="this CPU or compiler has no AVX512-BF16")
+DTYPES = [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16", marks=needs_bf16)]
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -22,85 +26,104 @@ def torch_threads(request):
 
 
 def _assert_product(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """y (bf16) is the float64 product rounded once to bf16, up to float32 summation error: each element
-    within half a bf16 step of the exact value plus k float32 roundings of |x| @ |w|^T; and 99% of
-    the elements are exactly the rounded exact value (a layout or pairing mistake moves far more)."""
+    """y is the float64 product up to float32 summation error (k roundings of |x| @ |w|^T) and, in
+    bfloat16, one final rounding (half a bf16 step), a bound a misplaced weight exceeds by orders of
+    magnitude; in bf16 also 99% of the elements exactly the exact value rounded."""
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())     # [rows, out]
     k = x.shape[-1]
-    bound = exact.abs() * 2 ** -8 + k * 2 ** -23 * (x.double().abs() @ weight.double().abs().T) + 1e-30
-    assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+    final = 2 ** -8 if y.dtype == BF16 else 2 ** -24
+    bound = exact.abs() * final + k * 2 ** -23 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    assert y.dtype == x.dtype and y.shape == exact.shape
     assert ((y.double() - exact).abs() <= bound).all()
-    assert (y == exact.to(torch.bfloat16)).double().mean() >= 0.99
+    assert y.dtype == F32 or (y == exact.to(y.dtype)).double().mean() >= 0.99
 
 
-@needs_gemm
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (251, 64), (40, 2), (3, 30)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_product_matches_float64(out_features, in_features, with_bias, torch_threads):
+def test_product_matches_float64(dtype, out_features, in_features, with_bias, torch_threads):
     gen = torch.Generator().manual_seed(out_features * 7 + in_features)
-    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()   # [out, in]
-    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None    # [out]
-    packed = cpu_gemm.pack_bf16(weight)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)   # [out, in]
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None    # [out]
+    packed = cpu_gemm.pack(weight)
     for rows in (1, 2, 7, 15, 16, 17, 24, 25, 36, 100):
-        x = torch.randn(rows, in_features, generator=gen).bfloat16()                    # [rows, in]
-        _assert_product(cpu_gemm.linear_bf16(x, packed, bias), x, weight, bias)
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)                    # [rows, in]
+        _assert_product(cpu_gemm.linear(x, packed, bias), x, weight, bias)
 
 
 @needs_gemm
-def test_strided_3d_and_misaligned_inputs():
+def test_float32_odd_width_and_close_to_f_linear():
+    gen = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(33, 31, generator=gen), torch.randn(9, 31, generator=gen)   # odd k: fine in fp32
+    y = cpu_gemm.linear(x, cpu_gemm.pack(weight))
+    _assert_product(y, x, weight, None)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, weight), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_3d_and_misaligned_inputs(dtype):
     gen = torch.Generator().manual_seed(3)
-    weight = (torch.randn(70, 96, generator=gen) * 0.1).bfloat16()
-    packed = cpu_gemm.pack_bf16(weight)
-    wide = torch.randn(19, 2 * 96 + 1, generator=gen).bfloat16()
+    weight = (torch.randn(70, 96, generator=gen) * 0.1).to(dtype)
+    packed = cpu_gemm.pack(weight)
+    wide = torch.randn(19, 2 * 96 + 1, generator=gen).to(dtype)
     for x in (wide[:, :96], wide[:, 1:97], wide[:, ::2][:, :96]):           # row stride, odd offset, column stride
-        _assert_product(cpu_gemm.linear_bf16(x, packed), x, weight, None)
-    x = torch.randn(2, 5, 96, generator=gen).bfloat16()                      # [batch, tokens, in]
-    y = cpu_gemm.linear_bf16(x, packed)
+        _assert_product(cpu_gemm.linear(x, packed), x, weight, None)
+    x = torch.randn(2, 5, 96, generator=gen).to(dtype)                       # [batch, tokens, in]
+    y = cpu_gemm.linear(x, packed)
     assert y.shape == (2, 5, 70)
     _assert_product(y.reshape(10, 70), x.reshape(10, 96), weight, None)
-    assert cpu_gemm.linear_bf16(torch.empty(0, 96, dtype=torch.bfloat16), packed).shape == (0, 70)
+    assert cpu_gemm.linear(torch.empty(0, 96, dtype=dtype), packed).shape == (0, 70)
 
 
 @needs_gemm
-def test_packed_layout_pairs_inputs_per_sixteen_outputs():
-    weight = torch.arange(20 * 6, dtype=torch.float32).reshape(20, 6).bfloat16()   # exact in bf16
-    packed = cpu_gemm.pack_bf16(weight)
-    assert packed.data.shape == (2, 3, 16, 2) and (packed.out_features, packed.in_features) == (20, 6)
+def test_packed_layouts_group_sixteen_outputs_per_step():
+    weight = torch.arange(20 * 6, dtype=torch.float32).reshape(20, 6)       # exact in bf16 too
+    pairs, singles = cpu_gemm.pack(weight.bfloat16()) if cpu_gemm.available(BF16) else None, cpu_gemm.pack(weight)
+    assert singles.data.shape == (2, 6, 16) and (singles.out_features, singles.in_features) == (20, 6)
+    if pairs is not None:
+        assert pairs.data.shape == (2, 3, 16, 2)
     for t in range(2):
-        for j in range(3):
-            for c in range(16):
-                for e in range(2):
-                    row = 16 * t + c
-                    expected = weight[row, 2 * j + e] if row < 20 else 0
-                    assert packed.data[t, j, c, e] == expected
+        for c in range(16):
+            row = 16 * t + c
+            for col in range(6):
+                expected = weight[row, col] if row < 20 else 0
+                assert singles.data[t, col, c] == expected
+                assert pairs is None or pairs.data[t, col // 2, c, col % 2] == expected
 
 
 @needs_gemm
 def test_bad_arguments_are_named():
-    weight = torch.randn(8, 6).bfloat16()
-    packed = cpu_gemm.pack_bf16(weight)
+    weight = torch.randn(8, 6)
+    packed = cpu_gemm.pack(weight)
     with pytest.raises(ValueError, match="^weight"):
-        cpu_gemm.pack_bf16(torch.randn(8, 5).bfloat16())           # odd number of inputs
+        cpu_gemm.pack(torch.randn(8, 6, dtype=torch.float64))
     with pytest.raises(ValueError, match="^weight"):
-        cpu_gemm.pack_bf16(torch.randn(8, 6))                      # float32
+        cpu_gemm.pack(torch.randn(8))
     with pytest.raises(ValueError, match="^x"):
-        cpu_gemm.linear_bf16(torch.randn(2, 6), packed)
+        cpu_gemm.linear(torch.randn(2, 6).bfloat16(), packed)     # dtype other than the weight's
     with pytest.raises(ValueError, match="^x: last dimension 4"):
-        cpu_gemm.linear_bf16(torch.randn(2, 4).bfloat16(), packed)
+        cpu_gemm.linear(torch.randn(2, 4), packed)
     with pytest.raises(ValueError, match="^bias"):
-        cpu_gemm.linear_bf16(torch.randn(2, 6).bfloat16(), packed, torch.randn(7).bfloat16())
+        cpu_gemm.linear(torch.randn(2, 6), packed, torch.randn(7))
     with pytest.raises(ValueError, match="^packed"):
-        cpu_gemm.linear_bf16(torch.randn(2, 6).bfloat16(), weight)
+        cpu_gemm.linear(torch.randn(2, 6), weight)
+
+
+@needs_bf16
+def test_bf16_weight_with_odd_inputs_is_refused():
+    with pytest.raises(ValueError, match="^weight"):
+        cpu_gemm.pack(torch.randn(8, 5).bfloat16())
 
 
 @needs_gemm
-def test_layers_pair_pack_bf16_and_keep_onednn_for_fp32(monkeypatch):
+def test_layers_tile_pack_where_the_gemm_runs_else_keep_onednn(monkeypatch):
     weight = torch.randn(48, 32)
-    assert isinstance(packed_gemm.pack_weight(weight.bfloat16()), cpu_gemm.PairPackedWeight)
-    assert isinstance(packed_gemm.pack_weight(weight), torch.Tensor)                      # oneDNN's copy
-    assert isinstance(packed_gemm.pack_weight(torch.randn(48, 33).bfloat16()), torch.Tensor)   # odd inputs
-    x = torch.randn(5, 32).bfloat16()
-    _assert_product(packed_gemm.linear(x, weight.bfloat16(), None, packed_gemm.pack_weight(weight.bfloat16())),
-                    x, weight.bfloat16(), None)
-    monkeypatch.setattr(cpu_gemm, "available", lambda: False)                             # no AVX512-BF16
+    assert isinstance(packed_gemm.pack_weight(weight), cpu_gemm.TilePackedWeight)
+    if cpu_gemm.available(BF16):
+        assert isinstance(packed_gemm.pack_weight(weight.bfloat16()), cpu_gemm.TilePackedWeight)
+        assert isinstance(packed_gemm.pack_weight(torch.randn(48, 33).bfloat16()), torch.Tensor)   # oneDNN's
+    x = torch.randn(5, 32)
+    _assert_product(packed_gemm.linear(x, weight, None, packed_gemm.pack_weight(weight)), x, weight, None)
+    monkeypatch.setattr(cpu_gemm, "available", lambda dtype: False)                   # no AVX-512
+    assert isinstance(packed_gemm.pack_weight(weight), torch.Tensor)
     assert isinstance(packed_gemm.pack_weight(weight.bfloat16()), torch.Tensor)

@@ -1,6 +1,6 @@
 """Packed CPU weights (``layers/packed_gemm.py``): oneDNN's packed product agrees with ``F.linear`` on
 random inputs at every row count (bit for bit in bf16), every linear layer and the LM head get a
-packed copy in fp32 and bf16 (pair-packed for ``kernels.cpu_gemm`` where the CPU has AVX512-BF16,
+packed copy in fp32 and bf16 (tile-packed for ``kernels.cpu_gemm`` where the CPU has AVX-512,
 tests/kernels/test_cpu_gemm.py checks its products), and greedy tokens of a batch that takes the
 packed path still equal transformers'."""
 
@@ -36,11 +36,18 @@ def torch_threads(request):
 @needs_onednn
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (251, 64), (3072, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bias, torch_threads):
+@pytest.mark.parametrize("packing", ["c_gemm", "onednn"])
+def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bias, packing, torch_threads,
+                                             monkeypatch):
+    if packing == "onednn":
+        monkeypatch.setattr(packed_gemm.cpu_gemm, "available", lambda dtype: False)
+    elif not cpu_gemm.available(torch.float32):
+        pytest.skip("this CPU or compiler has no AVX-512 for kernels.cpu_gemm")
     gen = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05      # [out, in]
     bias = torch.randn(out_features, generator=gen) if with_bias else None    # [out]
     packed = pack_weight(weight)
+    assert isinstance(packed, cpu_gemm.TilePackedWeight) == (packing == "c_gemm")
     for rows in (1, 3, 16, 17, 64, 300):
         x = torch.randn(rows, in_features, generator=gen)                       # [rows, in]
         torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias))
@@ -54,7 +61,7 @@ def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bia
 @needs_onednn_bf16
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_bf16_product_equals_f_linear(with_bias, torch_threads, monkeypatch):
-    monkeypatch.setattr(packed_gemm.cpu_gemm, "available", lambda: False)   # oneDNN's copy, not the C GEMM's
+    monkeypatch.setattr(packed_gemm.cpu_gemm, "available", lambda dtype: False)   # oneDNN's copy, not the C GEMM's
     gen = torch.Generator().manual_seed(7)
     weight = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()          # [out, in]
     bias = torch.randn(960, generator=gen).bfloat16() if with_bias else None
@@ -93,8 +100,8 @@ def test_worker_packs_every_linear_layer_and_the_lm_head(kind, dtype, tiny_model
     assert report.matrices == len(layers)
     assert report.weight_bytes == sum(m.weight.numel() * m.weight.element_size() for m in layers)
     assert report.packed_bytes >= report.weight_bytes
-    pair_packed = dtype == "bfloat16" and cpu_gemm.available()
-    assert all(isinstance(m.packed_weight, cpu_gemm.PairPackedWeight) == pair_packed for m in layers)
+    tile_packed = cpu_gemm.available(getattr(torch, dtype))
+    assert all(isinstance(m.packed_weight, cpu_gemm.TilePackedWeight) == tile_packed for m in layers)
     assert all(getattr(m.packed_weight, "data", m.packed_weight).dtype == getattr(torch, dtype) for m in layers)
 
 

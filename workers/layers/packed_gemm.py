@@ -5,7 +5,7 @@ the whole weight out on every call. Packing each weight once at load time into o
 layout (``torch.ops.mkldnn._reorder_linear_weight``, no batch-size hint, so one packed copy serves
 every row count) and multiplying with ``torch.ops.mkldnn._linear_pointwise`` removes that.
 
-bfloat16 weights on a CPU with AVX512-BF16 are pair-packed for ``kernels.cpu_gemm`` instead (its C loop
+bfloat16 weights on a CPU with AVX512-BF16 are tile-packed for ``kernels.cpu_gemm`` instead (its C loop
 streams the weights ~1.5x faster than oneDNN at decode sizes and was no slower up to 1,024 rows,
 docs/design/kernels.md); the layer holds one packed copy either way.
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from pagedray.kernels import cpu_gemm
 
-PackedWeight = torch.Tensor | cpu_gemm.PairPackedWeight     # oneDNN's opaque copy, or pair-packed bf16
+PackedWeight = torch.Tensor | cpu_gemm.TilePackedWeight     # oneDNN's opaque copy, or tile-packed bf16
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -37,21 +37,21 @@ def packed_gemm_available(dtype: torch.dtype) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    """weight [out, in] fp32/bf16 on CPU -> its pair-packed copy (bf16 where ``cpu_gemm`` runs) or
+    """weight [out, in] fp32/bf16 on CPU -> its tile-packed copy (bf16 where ``cpu_gemm`` runs) or
     oneDNN's packed copy (opaque mkldnn tensor, [out, in])."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
         raise ValueError(f"weight: packing needs a 2-D float32 or bfloat16 CPU tensor, got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
     if cpu_gemm.packable(weight):
-        return cpu_gemm.pack_bf16(weight)
+        return cpu_gemm.pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     """x [..., in] -> [..., out]: the packed product when the layer has a packed weight, else F.linear."""
-    if isinstance(packed, cpu_gemm.PairPackedWeight):
-        return cpu_gemm.linear_bf16(x, packed, bias)
+    if isinstance(packed, cpu_gemm.TilePackedWeight):
+        return cpu_gemm.linear(x, packed, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -74,7 +74,7 @@ def pack_linear_weights(model: nn.Module) -> PackReport:
         if hasattr(module, "packed_weight") and module.weight is not None:   # None: kept quantized
             module.packed_weight = pack_weight(module.weight)
             packed = module.packed_weight
-            data = packed.data if isinstance(packed, cpu_gemm.PairPackedWeight) else packed
+            data = packed.data if isinstance(packed, cpu_gemm.TilePackedWeight) else packed
             matrices += 1
             packed_bytes += data.numel() * data.element_size()
             weight_bytes += module.weight.numel() * module.weight.element_size()
