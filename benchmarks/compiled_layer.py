@@ -5,7 +5,8 @@ half of each layer (o_proj -> residual add + RMSNorm -> merged gate/up -> SiLU *
 decode batch of ``--rows`` tokens, SmolLM2-135M's shapes, random weights, every layer its own weights
 (so they come from DRAM, as in a real step). Systems:
 
-- ``eager``: what the worker runs: oneDNN-packed linear layers (``layers/packed_gemm.py``), the
+- ``eager``: what the worker runs: packed linear layers (``layers/packed_gemm.py``; oneDNN's when the
+  result below was measured, the C GEMM of ``kernels.cpu_gemm`` since), the
   residual add + RMSNorm in one C call and SiLU * up as torch ops (``pagedray.kernels``' CPU path).
 - ``compiled``: the same module under ``torch.compile(dynamic=True)``; the packed product is a
   registered custom op so the graph has no break (dynamo cannot hand inductor the opaque oneDNN

@@ -48,8 +48,8 @@ class ModelConfig:
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs "
                                         "captured at start-up (one per batch-size bucket; TP=1 only)")
     cpu_packed_weights: bool = option(True, "CPU, float32/bfloat16: keep a copy of each weight packed for "
-                                            "oneDNN's GEMM and multiply with it (faster linear layers; as much "
-                                            "memory again as the weights)")
+                                            "pagedray's C GEMM (AVX-512) or oneDNN's and multiply with it (faster "
+                                            "linear layers; as much memory again as the weights)")
     quantization: str = option("auto", "weights: auto (as the checkpoint is: full precision, or GPTQ / AWQ / FP8 "
                                        "read from it) | none | int8 | fp8 (8 bits per weight, one scale per output "
                                        "row, rounded at load from a full-precision checkpoint); dequantized to the "
