@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from pagedray.kernels import cpu_gemm
+from torch import nn
 
 PackedWeight = torch.Tensor | cpu_gemm.TilePackedWeight     # oneDNN's opaque copy, or tile-packed bf16
 
