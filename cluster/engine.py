@@ -276,6 +276,7 @@ class Engine:
     def stats(self) -> EngineStats:
         bm_stats = self.block_manager.stats()
         sched = self.scheduler
+        spec = sched.speculation
         query_before, hit_before = self._prefix_totals_before
         query, hit = query_before + bm_stats.prefix_query_tokens, hit_before + bm_stats.prefix_hit_tokens
         return EngineStats(
@@ -297,6 +298,12 @@ class Engine:
             queue_time_buckets=sched.queue_time.cumulative(),
             queue_time_sum_s=sched.queue_time.sum_s,
             queue_time_count=sched.queue_time.count,
+            spec_decode_num_drafts_total=spec.num_drafts,
+            spec_decode_num_draft_tokens_total=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(
+                (i, proposed, accepted) for i, (proposed, accepted)
+                in enumerate(zip(spec.proposed_per_position, spec.accepted_per_position))),
         )
 
     def shutdown(self) -> None:

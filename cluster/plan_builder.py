@@ -6,9 +6,13 @@ scheduled after admission / re-admission / fork, and a ``RunningDelta`` (only th
 the one token sampled since) afterwards. Released sequences are dropped from that memory and listed
 in ``released_seq_ids`` of the next plan (the workers drop their mirrors before anything else).
 
-A running sequence's step needs its tokens up to ``start + num_tokens``; the one token the mirror
-lacks is sent by id when the engine knows it, else as ``PENDING_TOKEN`` (async scheduling: the
-previous step, still running, samples it; the worker appends its own draw).
+A running sequence's step needs its tokens up to ``start + num_tokens`` (its drafts aside); the one
+token the mirror lacks is sent by id when the engine knows it, else as ``PENDING_TOKEN`` (async
+scheduling: the previous step, still running, samples it; the worker appends its own draw). After a
+speculative step the mirror lacks the accepted drafts too: they go first, as ``accepted_token_ids``.
+A step's drafts travel as ``draft_token_ids``; the mirror never holds them as tokens. The blocks of
+rejected drafts were given back: ``num_kept_blocks`` cuts the workers' block table first (the
+scheduler's ``kept_blocks``), and ``new_block_ids`` continue from there.
 
 Invariant: ``known`` holds exactly the sequence ids the workers mirror after the last built plan.
 """
@@ -26,6 +30,7 @@ from .scheduler_output import SchedulerOutput
 class _Mirror:
     num_blocks: int
     num_tokens: int
+    cut: int | None = None     # the workers' table must be cut to this many blocks (speculative rollback)
 
 
 class PlanBuilder:
@@ -40,6 +45,11 @@ class PlanBuilder:
     def build(self, out: SchedulerOutput) -> StepPlan:
         released = [seq_id for seq_id in out.released_seq_ids if self._known.pop(seq_id, None) is not None]
         plan = StepPlan(step_id=out.step_id, released_seq_ids=released, block_copies=list(out.block_copies))
+        for seq_id, kept in out.kept_blocks.items():       # told with the sequence's next delta
+            mirror = self._known.get(seq_id)
+            if mirror is not None and kept < mirror.num_blocks:
+                mirror.num_blocks = kept
+                mirror.cut = kept if mirror.cut is None else min(mirror.cut, kept)
         for sched in out.scheduled:
             seq = sched.seq
             table = self._block_manager.block_table(seq.seq_id)
@@ -53,22 +63,27 @@ class PlanBuilder:
                     num_scheduled_tokens=sched.num_tokens,
                     block_ids=table,
                     sampling_params=seq.params,
+                    draft_token_ids=list(sched.draft_token_ids),
                 ))
                 self._known[seq.seq_id] = _Mirror(num_blocks=len(table), num_tokens=seq.num_tokens)
                 continue
-            needed = sched.start + sched.num_tokens
+            needed = sched.start + sched.num_tokens - len(sched.draft_token_ids)
             missing = needed - mirror.num_tokens   # <= 0 inside a prefill the workers hold in full
-            if missing > 1:
-                raise RuntimeError(f"sequence {seq.seq_id} has {missing} tokens unknown to the workers")
-            new_token = None
-            if missing == 1:
+            new_token, accepted = None, []
+            if missing >= 1:
                 position = mirror.num_tokens
-                new_token = seq.token_ids[position] if position < seq.num_tokens else PENDING_TOKEN
+                if needed - 1 > seq.num_tokens:   # only the very last of them may be the pending token
+                    raise RuntimeError(f"sequence {seq.seq_id} has {missing} tokens unknown to the workers")
+                accepted = list(seq.token_ids[position:needed - 1])
+                new_token = seq.token_ids[needed - 1] if needed <= seq.num_tokens else PENDING_TOKEN
             plan.running.append(RunningDelta(
                 seq_id=seq.seq_id,
                 num_scheduled_tokens=sched.num_tokens,
                 new_block_ids=table[mirror.num_blocks:],
                 new_token_id=new_token,
+                accepted_token_ids=accepted,
+                draft_token_ids=list(sched.draft_token_ids),
+                num_kept_blocks=mirror.cut,
             ))
             self._known[seq.seq_id] = _Mirror(num_blocks=len(table), num_tokens=max(mirror.num_tokens, needed))
         return plan

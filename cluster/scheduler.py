@@ -40,6 +40,15 @@ A sequence whose pending token ends it by length (``max_tokens``, ``max_model_le
 ahead. The synchronous engine applies each result before the next ``schedule``, so there both counts
 are 0 at scheduling time.
 
+Speculative decoding (``num_speculative_tokens`` > 0; cluster/speculation.py): a decode of a request
+that allows it (``params.speculative``, no grammar) also schedules up to that many draft tokens from the
+proposer, bounded by the step's token budget, ``max_tokens`` and ``max_model_len``; their slots are
+reserved as pending (never hashed). ``update`` takes the accepted drafts plus the step's own token
+(several SampledTokens of one sequence, in position order), gives the rejected drafts' slots back
+(``BlockManager.truncate``; a copy-on-write that truncation needs goes into the next step's
+``block_copies``, the blocks the workers may keep into its ``kept_blocks``) and applies the stop rules
+token by token (tokens after a stop are dropped).
+
 Invariant: every sequence in ``running`` is registered with the BlockManager and holds exactly
 ``num_scheduled_through`` (computed + in flight) slots; waiting and finished sequences hold none.
 """
@@ -49,6 +58,7 @@ from __future__ import annotations
 import collections
 import time
 
+from pagedray.block_manager import CannotAllocateError
 from pagedray.workers.contract.config import SchedulerConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import PromptLogprobs, SampledToken
@@ -56,6 +66,7 @@ from pagedray.workers.contract.wire import PromptLogprobs, SampledToken
 from .outputs import QueueFullError
 from .request import FinishReason, Request, Sequence, SequenceStatus
 from .scheduler_output import ScheduledSequence, SchedulerOutput
+from .speculation import NgramProposer, Proposer, SpeculationStats
 from .stats import QueueTimeHistogram
 
 
@@ -78,6 +89,11 @@ class Scheduler:
         self._next_arrival = 0
         self._next_step_id = 0
         self._released: list[int] = []
+        self._block_copies: list[tuple[int, int]] = []    # from speculative rollbacks, for the next step
+        self._kept_blocks: dict[int, int] = {}             # SchedulerOutput.kept_blocks, for the next step
+        self.proposer: Proposer | None = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                                          if config.num_speculative_tokens else None)
+        self.speculation = SpeculationStats()
 
     # -- intake -------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -159,8 +175,9 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(step_id=self._next_step_id, released_seq_ids=self._released)
-        self._released = []
+        out = SchedulerOutput(step_id=self._next_step_id, released_seq_ids=self._released,
+                              block_copies=self._block_copies, kept_blocks=self._kept_blocks)
+        self._released, self._block_copies, self._kept_blocks = [], [], {}
         self._next_step_id += 1
         self._fork_ready_parents(out)
         self.running.sort(key=self._key)
@@ -175,9 +192,10 @@ class Scheduler:
                     continue
                 if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                     continue
-                num = min(left, budget)
-                if self._reserve(seq, num, scheduled, out):
-                    self._schedule_tokens(seq, num, out)
+                drafts = self._drafts(seq, budget) if decode_phase else []
+                num = min(left, budget) + len(drafts)
+                if self._reserve(seq, num, scheduled, out, len(drafts)):
+                    self._schedule_tokens(seq, num, out, drafts)
                     scheduled.add(seq.seq_id)
                     budget -= num
         if not out.preempted:
@@ -191,39 +209,57 @@ class Scheduler:
             return 0
         return seq.computable_tokens()
 
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Speculative tokens for a decoding ``seq``: none when speculation is off or the request opts out
+        or has a grammar; at most what the budget, ``max_tokens`` and ``max_model_len`` leave after the
+        step's own token."""
+        params = seq.request.params
+        if self.proposer is None or not params.speculative or params.grammar is not None or seq.num_pending:
+            return []
+        room = min(self.config.num_speculative_tokens, budget - 1, params.max_tokens - len(seq.output_token_ids) - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+
     @staticmethod
-    def _schedule_tokens(seq: Sequence, num: int, out: SchedulerOutput) -> None:
-        """Adds ``num`` tokens of ``seq`` (slots already reserved) to the step."""
+    def _schedule_tokens(seq: Sequence, num: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
+        """Adds ``num`` tokens of ``seq`` (slots already reserved; the last ``len(drafts)`` are drafts) to
+        the step."""
         start = seq.num_scheduled_through
-        samples = start + num == seq.num_tokens + seq.num_pending
+        samples = start + num - len(drafts) == seq.num_tokens + seq.num_pending
         seq.num_in_flight += num
         seq.num_pending += samples
-        out.scheduled.append(ScheduledSequence(seq, num, start, samples, seq.num_preemptions))
+        out.scheduled.append(ScheduledSequence(seq, num, start, samples, seq.num_preemptions, tuple(drafts)))
 
-    def _reserve(self, seq: Sequence, num: int, scheduled: set[int], out: SchedulerOutput) -> bool:
-        """Gets slots for ``num`` more tokens of a running sequence, preempting as needed.
+    def _reserve(self, seq: Sequence, num: int, scheduled: set[int], out: SchedulerOutput,
+                 num_drafts: int = 0) -> bool:
+        """Gets slots for ``num`` more tokens of a running sequence (the last ``num_drafts`` of them
+        speculative: pending, never hashed), preempting as needed.
 
         Returns False when ``seq`` itself had to be preempted."""
         bm = self.block_manager
-        while not bm.can_allocate(seq.seq_id, seq.token_ids, num, pending_tokens=seq.num_pending):
+        pending = seq.num_pending + num_drafts
+        while not bm.can_allocate(seq.seq_id, seq.token_ids, num, pending_tokens=pending):
             victims = [s for s in self.running if s.seq_id not in scheduled]
             victim = max(victims, key=self._key)
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        bm.allocate_slots(seq.seq_id, seq.token_ids, num, pending_tokens=seq.num_pending)
+        bm.allocate_slots(seq.seq_id, seq.token_ids, num, pending_tokens=pending)
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput | None) -> None:
+        """Frees ``seq``'s blocks and puts it back at the front of the waiting queue (``out``: the step
+        being built; None between steps, from ``update``)."""
         self.block_manager.free(seq.seq_id)
         self.running.remove(seq)
-        out.released_seq_ids.append(seq.seq_id)
+        (self._released if out is None else out.released_seq_ids).append(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.reset_computed()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+        if out is not None:
+            out.preempted.append(seq)
 
     def _next_waiting(self) -> Sequence:
         if self.config.policy == "priority":
@@ -316,27 +352,63 @@ class Scheduler:
                 if entry.seq_id not in scheduled:
                     raise RuntimeError(f"step {out.step_id}: prompt logprobs for unscheduled sequence {entry.seq_id}")
                 scheduled[entry.seq_id].request.record_prompt_logprobs(entry)
-        by_seq = {s.seq_id: s for s in sampled}
+        by_seq: dict[int, list[SampledToken]] = {}
+        for token in sampled:
+            by_seq.setdefault(token.seq_id, []).append(token)
         touched: dict[str, Request] = {}
         for sched in out.scheduled:
             seq = sched.seq
             if seq.is_finished or sched.epoch != seq.num_preemptions:   # finished, or preempted since
                 continue
             seq.num_in_flight -= sched.num_tokens
-            seq.num_computed_tokens += sched.num_tokens
             self.num_computed_tokens += sched.num_tokens
             if not sched.samples:
+                seq.num_computed_tokens += sched.num_tokens
                 continue
             seq.num_pending -= 1
-            token = by_seq.get(seq.seq_id)
-            if token is None:
+            tokens = by_seq.get(seq.seq_id)
+            if not tokens:
                 raise RuntimeError(f"step {out.step_id}: no sampled token for sequence {seq.seq_id}")
-            if token.error is not None:
-                self._fail_request(seq, token.error)
-            else:
+            accepted = self._accepted(out.step_id, sched, tokens)
+            seq.num_computed_tokens += sched.num_tokens - len(sched.draft_token_ids) + accepted
+            if sched.draft_token_ids:
+                self.speculation.record(len(sched.draft_token_ids), accepted)
+                self._roll_back(seq)
+            for token in tokens:
+                if token.error is not None:
+                    self._fail_request(seq, token.error)
+                    break
                 self._append_token(seq, token)
+                if seq.is_finished:
+                    break
             touched[seq.request.request_id] = seq.request
         return list(touched.values())
+
+    @staticmethod
+    def _accepted(step_id: int, sched: ScheduledSequence, tokens: list[SampledToken]) -> int:
+        """How many drafts the sampled ``tokens`` of one sequence accept: all but the last token, each equal
+        to the draft at its position (RuntimeError for a result that says otherwise)."""
+        accepted = len(tokens) - 1
+        drafts = sched.draft_token_ids
+        if accepted > len(drafts) or any(t.token_id != d for t, d in zip(tokens[:accepted], drafts)):
+            raise RuntimeError(f"step {step_id}: sequence {sched.seq.seq_id} got {len(tokens)} tokens that do not "
+                               f"extend its {len(drafts)} drafts")
+        return accepted
+
+    def _roll_back(self, seq: Sequence) -> None:
+        """Gives the slots of rejected drafts back: ``seq`` keeps ``num_scheduled_through`` slots. When the
+        copy-on-write that may need finds no free block, ``seq`` is preempted instead (it recomputes)."""
+        bm = self.block_manager
+        before = len(bm.block_table(seq.seq_id))
+        try:
+            copies = bm.truncate(seq.seq_id, seq.num_scheduled_through)
+        except CannotAllocateError:
+            self._preempt(seq, None)
+            return
+        kept = len(bm.block_table(seq.seq_id)) - len(copies)      # a copied last block changed its id
+        if kept < before:
+            self._kept_blocks[seq.seq_id] = kept
+        self._block_copies += copies
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> None:
         seq.append_token(token.token_id)
@@ -400,6 +472,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
         self.running = []
         self._released = []
+        self._block_copies, self._kept_blocks = [], {}
         old = self.block_manager
         old.check_invariants()
         if old.num_free_blocks != old.num_blocks:

@@ -13,13 +13,17 @@ class ScheduledSequence:
 
     ``samples``: after this step every token of the sequence (pending ones included) is computed, so
     the worker samples one. ``epoch``: the sequence's preemption count when scheduled; a result that
-    arrives after a later preemption is stale (async scheduling) and is dropped."""
+    arrives after a later preemption is stale (async scheduling) and is dropped.
+    ``draft_token_ids``: speculative tokens (cluster/speculation.py) computed after the sequence's own
+    last token; they are the last ``len(draft_token_ids)`` of ``num_tokens``, and the worker samples at
+    each of them too."""
 
     seq: Sequence
     num_tokens: int
     start: int = 0
     samples: bool = False
     epoch: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -29,8 +33,12 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     # sequences that left the running set since the previous output (finished, aborted, preempted)
     released_seq_ids: list[int] = field(default_factory=list)
-    # copy-on-write block copies (src, dst) from forks made for this step
+    # copy-on-write block copies (src, dst) from forks made for this step (and speculative rollbacks since
+    # the previous one)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # speculative rollbacks since the previous output: seq_id -> how many of its blocks (from the start of its
+    # table) are unchanged since the workers last saw it; the rest were given back or copied
+    kept_blocks: dict[int, int] = field(default_factory=dict)
     # sequences preempted while building this step (already counted and requeued)
     preempted: list[Sequence] = field(default_factory=list)
 

@@ -57,6 +57,10 @@ class EngineStats:
     queue_time_buckets: tuple = ()     # QueueTimeHistogram.cumulative(): ((le seconds, count), ...)
     queue_time_sum_s: float = 0.0
     queue_time_count: int = 0
+    spec_decode_num_drafts_total: int = 0          # decode steps of a sequence that carried drafts
+    spec_decode_num_draft_tokens_total: int = 0    # draft tokens proposed
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_per_position: tuple = ()  # ((position, proposed, accepted), ...)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from .kv_quant import quantize_rows
 
 GATHER_BUDGET_BYTES = 2 << 20
+SHORT_CHUNK = 16   # paged_prefill_reference: chunks up to this long run as decode rows when a decode pass is given
 
 
 def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -227,22 +228,32 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
 
     Length-1 chunks go through one batched decode pass (``decode_rows``, a function with
     ``_decode_rows``' arguments and result shape; default ``_decode_rows``, the compiled CPU kernel on
-    the CPU path); longer chunks are done per sequence.
+    the CPU path). With a ``decode_rows`` given, chunks of at most ``SHORT_CHUNK`` tokens (a speculative
+    step's own token and its drafts) join that pass too, one row per token, each attending up to its own
+    position (causal). Longer chunks are done per sequence.
     """
     result = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q.tolist()
     k_lens = seq_lens_k.tolist()
-    singles = [i for i in range(len(k_lens)) if cu[i + 1] - cu[i] == 1]
-    if singles:
-        rows = torch.tensor([cu[i] for i in singles], device=q.device)
-        idx = torch.tensor(singles, device=q.device)
-        rows_out = (decode_rows or _decode_rows)(q[rows], k_cache, v_cache, block_tables[idx], seq_lens_k[idx],
+    short = SHORT_CHUNK if decode_rows is not None else 1
+    rows, seqs, lens = [], [], []
+    for i, nk in enumerate(k_lens):
+        length = cu[i + 1] - cu[i]
+        if 1 <= length <= short:
+            rows += range(cu[i], cu[i + 1])
+            seqs += [i] * length
+            lens += range(nk - length + 1, nk + 1)       # token t of the chunk sees positions up to its own
+    if rows:
+        rows_t = torch.tensor(rows, device=q.device)
+        idx = torch.tensor(seqs, device=q.device)
+        row_lens = torch.tensor(lens, dtype=seq_lens_k.dtype, device=q.device)
+        rows_out = (decode_rows or _decode_rows)(q[rows_t], k_cache, v_cache, block_tables[idx], row_lens,
                                                  scale, alibi_slopes, sliding_window, logit_softcap=logit_softcap,
                                                  k_scale=k_scale, v_scale=v_scale)
-        result[rows] = rows_out.to(torch.float32)
+        result[rows_t] = rows_out.to(torch.float32)
     for i, nk in enumerate(k_lens):
         start, end = cu[i], cu[i + 1]
-        if end - start > 1:
+        if end - start > short:
             _prefill_one(q[start:end], k_cache, v_cache, block_tables[i], nk, scale, alibi_slopes,
                          sliding_window, result[start:end], logit_softcap, k_scale, v_scale)
     if out is None:

@@ -11,7 +11,9 @@ slot ids) is computed with a handful of vectorised torch ops on CPU:
     position     = arange(tokens) - cu_q[seq_of_token] + computed[seq_of_token]
     slot         = block_tables[seq_of_token, position // B] * B + position % B
 
-Logits are needed only at the last scheduled token of each sequence that samples.
+Logits are needed only at the last scheduled token of each sequence that samples, and, for a
+sequence with speculative drafts (its last scheduled tokens), at its own last token and at every
+draft: one row each, in position order (``row_drafts`` says which drafts precede a row's position).
 
 Host first, one copy (``HostBatch``): every input is int32 and lives in ONE host tensor (pinned when
 the target is CUDA), in the order of ``FIELDS``; the runner checks the attention metadata on these host
@@ -43,8 +45,9 @@ class BatchInputs:
     input_ids: torch.Tensor        # [tokens] int32
     positions: torch.Tensor        # [tokens] int32
     meta: AttentionMetadata
-    logits_indices: torch.Tensor   # [sampling rows] int32: index of each sampler's last token
-    sampling_seqs: list[SequenceState]
+    logits_indices: torch.Tensor   # [sampling rows] int32: index of each sampling row's token
+    sampling_seqs: list[SequenceState]       # one per sampling row (a sequence with drafts: one per position)
+    row_drafts: tuple[tuple[int, ...], ...] = ()   # per row: the drafts before its position (() if none)
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class PackedShape:
 
 
 def unpack(packed: torch.Tensor, shape: PackedShape, max_query_len: int,
-           sampling_seqs: list[SequenceState]) -> BatchInputs:
+           sampling_seqs: list[SequenceState], row_drafts: tuple[tuple[int, ...], ...] = ()) -> BatchInputs:
     """Views of one packed int32 tensor (host or device) as the step's inputs."""
     parts = dict(zip(FIELDS, packed[:shape.size].split(shape.lengths())))
     meta = AttentionMetadata(
@@ -76,7 +79,8 @@ def unpack(packed: torch.Tensor, shape: PackedShape, max_query_len: int,
         block_tables=parts["block_tables"].view(shape.seqs, shape.width),
         max_query_len=max_query_len,
     )
-    return BatchInputs(parts["input_ids"], parts["positions"], meta, parts["logits_indices"], sampling_seqs)
+    return BatchInputs(parts["input_ids"], parts["positions"], meta, parts["logits_indices"], sampling_seqs,
+                       row_drafts)
 
 
 @dataclass(frozen=True)
@@ -86,15 +90,16 @@ class HostBatch:
     max_query_len: int
     sampling_seqs: list[SequenceState]
     num_real_rows: int                  # sequences of the plan (rows past them are padding)
+    row_drafts: tuple[tuple[int, ...], ...] = ()   # BatchInputs.row_drafts
 
     @property
     def inputs(self) -> BatchInputs:
         """The host tensors (what the runner checks before the copy)."""
-        return unpack(self.packed, self.shape, self.max_query_len, self.sampling_seqs)
+        return unpack(self.packed, self.shape, self.max_query_len, self.sampling_seqs, self.row_drafts)
 
     def to_device(self, device: torch.device) -> BatchInputs:
         packed = self.packed if device.type == "cpu" else self.packed.to(device, non_blocking=True)
-        return unpack(packed, self.shape, self.max_query_len, self.sampling_seqs)
+        return unpack(packed, self.shape, self.max_query_len, self.sampling_seqs, self.row_drafts)
 
 
 def is_decode_only(batch: list[BatchedSequence]) -> bool:
@@ -113,7 +118,8 @@ def build_host_batch(batch: list[BatchedSequence], block_size: int, pin_memory: 
     computed, q_lens, tables, sampling = [], [], [], []
     for item in batch:
         state, start = item.state, item.state.num_computed_tokens
-        input_ids += state.token_slice(start, start + item.num_scheduled_tokens)
+        input_ids += state.token_slice(start, start + item.num_own_tokens)
+        input_ids += item.draft_token_ids
         computed.append(start)
         q_lens.append(item.num_scheduled_tokens)
         tables.append(state.block_ids)
@@ -147,15 +153,32 @@ def build_host_batch(batch: list[BatchedSequence], block_size: int, pin_memory: 
     if num_pad:
         slots[len(batch):] = -1
     last_token = cu_seqlens_q[1:] - 1                                         # [seqs]
-    if rows is None:
-        logits_indices = last_token[torch.tensor(sampling, dtype=torch.bool)]
-    else:
+    sampling_seqs, row_drafts = [item.state for item, s in zip(batch, sampling) if s], ()
+    if rows is not None:
         logits_indices = last_token                                           # decode buckets sample every row
+    elif any(item.draft_token_ids for item in batch):
+        logits_indices, sampling_seqs, row_drafts = _speculative_rows(batch, last_token)
+    else:
+        logits_indices = last_token[torch.tensor(sampling, dtype=torch.bool)]
     shape = PackedShape(num_tokens, len(q_lens), logits_indices.shape[0], width)
     packed = torch.empty(shape.size, dtype=torch.int32, pin_memory=pin_memory)
     torch.cat([torch.tensor(input_ids, dtype=torch.int32), positions, slots, computed_t + q_lens_t, cu_seqlens_q,
                logits_indices, block_tables.flatten()], out=packed)
-    return HostBatch(packed, shape, max(q_lens), [item.state for item, s in zip(batch, sampling) if s], len(batch))
+    return HostBatch(packed, shape, max(q_lens), sampling_seqs, len(batch), row_drafts)
+
+
+def _speculative_rows(batch: list[BatchedSequence], last_token: torch.Tensor):
+    """(logits indices [rows], the sequence of each row, the drafts before each row's position) for a
+    batch where some sampling sequence has drafts: k drafts give k + 1 rows, its last k + 1 tokens."""
+    indices, seqs, drafts = [], [], []
+    for item, last in zip(batch, last_token.tolist()):
+        if not item.samples:
+            continue
+        k = len(item.draft_token_ids)
+        indices += range(last - k, last + 1)
+        seqs += [item.state] * (k + 1)
+        drafts += [item.draft_token_ids[:i] for i in range(k + 1)]
+    return torch.tensor(indices, dtype=torch.int32), seqs, tuple(drafts)
 
 
 def build_batch(batch: list[BatchedSequence], block_size: int, device: torch.device) -> BatchInputs:

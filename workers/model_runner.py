@@ -37,6 +37,7 @@ class StepOutput:
     logits: torch.Tensor | None            # [rows, vocab] float32 on rank 0; None elsewhere or without rows
     sampling_seqs: list[SequenceState]     # one per logits row, in batch order
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)   # rank 0 only
+    row_drafts: tuple[tuple[int, ...], ...] = ()   # per logits row: drafts before its position (input_batch)
 
 
 @dataclass(frozen=True)
@@ -107,4 +108,4 @@ class ModelRunner:
         if inputs.sampling_seqs:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])                 # [rows, vocab]
         prompt = compute_prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else []
-        return StepOutput(logits, inputs.sampling_seqs, prompt)
+        return StepOutput(logits, inputs.sampling_seqs, prompt, inputs.row_drafts)

@@ -6,11 +6,15 @@ the sampling params. The scheduler decides; the mirror only follows:
 
 1. ``released_seq_ids`` are dropped first (ids the mirror does not hold are ignored: a sequence
    may be released before it ever reached the workers).
-2. Running deltas append their ``new_token_id`` (the token sampled last step) and extend the block
-   table; new sequences are registered in full.
+2. Running deltas append their ``accepted_token_ids`` (drafts accepted last step: their K/V are in the
+   cache, so they count as computed) and their ``new_token_id`` (the token sampled last step) and extend
+   the block table; new sequences are registered in full. ``draft_token_ids`` are this step's speculative
+   tokens: inputs after the sequence's own scheduled tokens, never appended to the mirror.
+   ``num_kept_blocks`` cuts the block table before ``new_block_ids`` extend it.
 3. The batch order is ``plan.running`` then ``plan.new_seqs``; a sequence with 0 scheduled tokens is
    updated but not part of the forward.
-4. After the forward, ``mark_computed`` advances ``num_computed_tokens`` by the scheduled tokens.
+4. After the forward, ``mark_computed`` advances ``num_computed_tokens`` by the scheduled tokens that
+   are not drafts.
 
 A plan that contradicts the mirror (unknown running id, a new id that is already mirrored, more
 scheduled tokens than known tokens, a block table too short for them, a block id outside the KV
@@ -55,14 +59,21 @@ class BatchedSequence:
     engine side's ``cluster.scheduler_output.ScheduledSequence`` is what the scheduler decided)."""
 
     state: SequenceState
-    num_scheduled_tokens: int
-    # every known token is computed after this step: the sequence samples its next token
+    num_scheduled_tokens: int          # drafts included
+    # every known token is computed after this step: the sequence samples its next token (and, with
+    # drafts, one at each draft's position too)
     samples: bool
+    draft_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, state: SequenceState, num_scheduled_tokens: int) -> BatchedSequence:
-        done = state.num_computed_tokens + num_scheduled_tokens == state.num_tokens
-        return cls(state, num_scheduled_tokens, done)
+    def of(cls, state: SequenceState, num_scheduled_tokens: int, drafts: tuple[int, ...] = ()) -> BatchedSequence:
+        done = state.num_computed_tokens + num_scheduled_tokens - len(drafts) == state.num_tokens
+        return cls(state, num_scheduled_tokens, done, drafts)
+
+    @property
+    def num_own_tokens(self) -> int:
+        """Scheduled tokens that are the sequence's own (not drafts)."""
+        return self.num_scheduled_tokens - len(self.draft_token_ids)
 
 
 def _check_fits(seq_id: int, computed: int, scheduled: int, num_tokens: int, num_blocks: int,
@@ -103,19 +114,36 @@ class SequenceMirror:
             state = self._seqs.get(delta.seq_id)
             if delta.seq_id not in alive or state is None:
                 raise ValueError(f"running: seq {delta.seq_id} is not mirrored by this worker")
-            num_tokens = state.num_tokens + (delta.new_token_id is not None)
+            accepted, drafts = len(delta.accepted_token_ids), len(delta.draft_token_ids)
+            if accepted and state.num_computed_tokens != state.num_tokens:
+                raise ValueError(f"accepted_token_ids: seq {delta.seq_id} was not decoding (it has "
+                                 f"{state.num_tokens - state.num_computed_tokens} uncomputed tokens)")
+            known = state.num_tokens + accepted + (delta.new_token_id is not None)
+            if drafts and state.num_computed_tokens + accepted + delta.num_scheduled_tokens - drafts != known:
+                raise ValueError(f"draft_token_ids: seq {delta.seq_id} has {drafts} drafts, which must follow its "
+                                 f"last known token, but num_scheduled_tokens={delta.num_scheduled_tokens} stops "
+                                 "elsewhere")
+            num_tokens = known + drafts
+            kept = len(state.block_ids) if delta.num_kept_blocks is None else delta.num_kept_blocks
+            if not isinstance(kept, int) or not 0 <= kept <= len(state.block_ids):
+                raise ValueError(f"num_kept_blocks: seq {delta.seq_id} holds {len(state.block_ids)} blocks, "
+                                 f"cannot keep {delta.num_kept_blocks!r}")
             _check_block_ids(delta.seq_id, delta.new_block_ids, self.num_blocks)
-            _check_fits(delta.seq_id, state.num_computed_tokens, delta.num_scheduled_tokens, num_tokens,
-                        len(state.block_ids) + len(delta.new_block_ids), self.block_size)
+            _check_fits(delta.seq_id, state.num_computed_tokens + accepted, delta.num_scheduled_tokens, num_tokens,
+                        kept + len(delta.new_block_ids), self.block_size)
         seen = set()
         for new in plan.new_seqs:
             if new.seq_id in alive or new.seq_id in seen:
                 raise ValueError(f"new_seqs: seq {new.seq_id} is already mirrored by this worker")
             seen.add(new.seq_id)
             _check_block_ids(new.seq_id, new.block_ids, self.num_blocks)
-            _check_fits(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens,
-                        len(new.prompt_token_ids) + len(new.output_token_ids), len(new.block_ids),
-                        self.block_size)
+            known, drafts = len(new.prompt_token_ids) + len(new.output_token_ids), len(new.draft_token_ids)
+            if drafts and new.num_computed_tokens + new.num_scheduled_tokens - drafts != known:
+                raise ValueError(f"draft_token_ids: seq {new.seq_id} has {drafts} drafts, which must follow its "
+                                 f"last known token, but num_scheduled_tokens={new.num_scheduled_tokens} stops "
+                                 "elsewhere")
+            _check_fits(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens, known + drafts,
+                        len(new.block_ids), self.block_size)
 
     def apply(self, plan: StepPlan) -> list[BatchedSequence]:
         """Validate, then update the mirror; returns the forward's sequences in batch order."""
@@ -125,20 +153,25 @@ class SequenceMirror:
         batch = []
         for delta in plan.running:
             state = self._seqs[delta.seq_id]
+            if delta.accepted_token_ids:
+                state.output_token_ids.extend(delta.accepted_token_ids)
+                state.num_computed_tokens += len(delta.accepted_token_ids)
             if delta.new_token_id is not None:
                 state.output_token_ids.append(delta.new_token_id)
+            if delta.num_kept_blocks is not None:
+                del state.block_ids[delta.num_kept_blocks:]
             state.block_ids.extend(delta.new_block_ids)
             if delta.num_scheduled_tokens:
-                batch.append(BatchedSequence.of(state, delta.num_scheduled_tokens))
+                batch.append(BatchedSequence.of(state, delta.num_scheduled_tokens, tuple(delta.draft_token_ids)))
         for new in plan.new_seqs:
             state = SequenceState(new.seq_id, list(new.prompt_token_ids), list(new.output_token_ids),
                                   new.num_computed_tokens, list(new.block_ids), new.sampling_params)
             self._seqs[new.seq_id] = state
             if new.num_scheduled_tokens:
-                batch.append(BatchedSequence.of(state, new.num_scheduled_tokens))
+                batch.append(BatchedSequence.of(state, new.num_scheduled_tokens, tuple(new.draft_token_ids)))
         return batch
 
     @staticmethod
     def mark_computed(batch: list[BatchedSequence]) -> None:
         for item in batch:
-            item.state.num_computed_tokens += item.num_scheduled_tokens
+            item.state.num_computed_tokens += item.num_own_tokens

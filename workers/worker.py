@@ -33,6 +33,7 @@ from .models.registry import model_class
 from .quantization import keeps_packed
 from .quantization import resolve as resolve_quantization
 from .sampler import PLACEHOLDER_TOKEN, Sampler, SamplingRow
+from .speculative import verify
 from .tp_group import TPGroup
 from .weight_loader import CheckpointReader
 
@@ -126,7 +127,7 @@ class Worker:
             return None
         self.grammars.release(plan.released_seq_ids)
         step = self.runner.prepare(plan)
-        rows = [] if step is None else _sampling_rows(step.host.sampling_seqs)
+        rows = [] if step is None else _sampling_rows(step.host.sampling_seqs, step.host.row_drafts)
         masks = self.grammars.submit(rows)   # grammar masks on their own thread while the forward runs
         try:
             output = self.runner.run(step)
@@ -163,7 +164,7 @@ class Worker:
         grammar, non-finite logits) carries ``error``: it ends its own request, never the step."""
         if output.logits is None:
             return []
-        rows = _sampling_rows(output.sampling_seqs) if rows is None else rows
+        rows = _sampling_rows(output.sampling_seqs, output.row_drafts) if rows is None else rows
         grammar_masks = masks.result() if masks is not None else self.grammars.compute(rows)
         sampled = self.sampler(self.grammars.apply(output.logits, grammar_masks), rows)
         failures = dict(grammar_masks.failures) if grammar_masks is not None else {}
@@ -171,7 +172,7 @@ class Worker:
                                               skip=frozenset(failures) | _failed(sampled)))
         for i, message in failures.items():
             sampled[i] = SampledToken(sampled[i].seq_id, PLACEHOLDER_TOKEN, error=message)
-        return sampled
+        return verify(sampled, output.row_drafts)
 
     def execute_bytes(self, data: bytes) -> bytes | None:
         result = self.execute(decode_plan(data))
@@ -191,8 +192,12 @@ class Worker:
         self.tp.destroy()
 
 
-def _sampling_rows(seqs) -> list[SamplingRow]:
-    return [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids) for s in seqs]
+def _sampling_rows(seqs, row_drafts: tuple[tuple[int, ...], ...] = ()) -> list[SamplingRow]:
+    """One SamplingRow per logits row; a row after speculative drafts sees them as output tokens."""
+    if not row_drafts:
+        return [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids) for s in seqs]
+    return [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids + list(drafts) if drafts
+                        else s.output_token_ids) for s, drafts in zip(seqs, row_drafts)]
 
 
 def _failed(sampled: list[SampledToken]) -> frozenset[int]:

@@ -35,7 +35,14 @@ ENGINE_SERIES = (
     ("pagedray:engine_steps", "Model steps the engine has run.", "num_steps_total", "counter"),
     ("pagedray:computed_tokens", "Tokens run through the model (prefill chunks + decodes).",
      "num_computed_tokens_total", "counter"),
+    ("pagedray:spec_decode_num_drafts", "Decode steps of a sequence that carried speculative tokens.",
+     "spec_decode_num_drafts_total", "counter"),
+    ("pagedray:spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+     "spec_decode_num_draft_tokens_total", "counter"),
+    ("pagedray:spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+     "spec_decode_num_accepted_tokens_total", "counter"),
 )
+SPEC_POSITION_SERIES = "pagedray:spec_decode_num_accepted_tokens_per_pos"
 HEALTHY_SERIES = "pagedray:engine_healthy"
 QUEUE_TIME_SERIES = "pagedray:request_queue_time_seconds"
 REQUEST_SERIES = ("pagedray:requests", "pagedray:prompt_tokens", "pagedray:generation_tokens",
@@ -82,6 +89,13 @@ class EngineStatsCollector:
                 buckets = [(repr(float(le)), n) for le, n in state.stats.queue_time_buckets] + [("+Inf", count)]
                 queue_time.add_metric([self._model_name, state.replica], buckets, state.stats.queue_time_sum_s)
         yield queue_time
+        per_position = CounterMetricFamily(SPEC_POSITION_SERIES, "Speculative tokens accepted at each draft "
+                                           "position (0: the first draft of a step).",
+                                           labels=(*ENGINE_LABELS, "position"))
+        for state in self._states:
+            for position, _, accepted in getattr(state.stats, "spec_decode_accepted_per_position", ()):
+                per_position.add_metric([self._model_name, state.replica, str(position)], float(accepted))
+        yield per_position
         healthy = GaugeMetricFamily(HEALTHY_SERIES, "1 when the engine replica is healthy, else 0.",
                                     labels=ENGINE_LABELS)
         for state in self._states:

@@ -46,6 +46,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: Int64 = 0
     logit_bias: dict[str, float] | None = None
+    speculative: bool = True     # pagedray: false opts out of the server's speculative decoding
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

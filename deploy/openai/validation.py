@@ -224,7 +224,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
     fields = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
               "prompt_logprobs": prompt_logprobs,
               "stop_token_ids": tuple(req.stop_token_ids or ()), "min_tokens": req.min_tokens,
-              "logit_bias": logit_bias_pairs(req.logit_bias, vocab_size), "grammar": grammar}
+              "logit_bias": logit_bias_pairs(req.logit_bias, vocab_size), "grammar": grammar,
+              "speculative": req.speculative}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):
         value = getattr(req, name)

@@ -392,7 +392,7 @@ def test_sampling_fields_reach_the_engine_unchanged(client_and_engine, tokenizer
     body = {"prompt": [11, 22, 33], "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
             "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "seed": 7,
             "stop_token_ids": [99], "ignore_eos": True, "n": 2, "logprobs": 2, "min_tokens": 2,
-            "logit_bias": {"50": -100, "7": 2.5}}
+            "logit_bias": {"50": -100, "7": 2.5}, "speculative": False}
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     _, prompt_ids, params = engine.calls[-1]
@@ -401,7 +401,11 @@ def test_sampling_fields_reach_the_engine_unchanged(client_and_engine, tokenizer
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.min_p) == (3, 0.7, 0.9, 5, 0.05)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
     assert (params.seed, params.stop_token_ids, params.ignore_eos, params.n, params.logprobs) == (7, (99,), True, 2, 2)
-    assert (params.min_tokens, params.logit_bias) == (2, ((50, -100.0), (7, 2.5)))
+    assert (params.min_tokens, params.logit_bias, params.speculative) == (2, ((50, -100.0), (7, 2.5)), False)
+    client.post("/v1/completions", json={"prompt": [11], "max_tokens": 1})
+    assert engine.calls[-1][2].speculative is True                       # the default: speculation allowed
+    bad = client.post("/v1/completions", json={"prompt": [11], "max_tokens": 1, "speculative": "no"})
+    assert bad.status_code == 400 and "speculative" in bad.text
 
 
 def test_chat_prompt_is_the_rendered_template(client_and_engine, tokenizer):

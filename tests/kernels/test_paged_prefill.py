@@ -20,7 +20,8 @@ from helpers.paged_kv_cases import (
     nan_like,
     seed_of,
 )
-from pagedray.kernels import paged_prefill, paged_prefill_reference
+from pagedray.kernels import cpu_decode, paged_prefill, paged_prefill_reference
+from pagedray.kernels.reference import SHORT_CHUNK
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ def _run_prefill(spec: PrefillSpec, impl: str, seed: int) -> None:
     args = (q, case.k_cache, case.v_cache, cu, case.seq_lens, case.block_tables, scale, slopes, out)
     if impl == "reference":
         result = paged_prefill_reference(*args, sliding_window=spec.window)
+    elif impl == "reference_decode_rows":   # the CPU path: short chunks as rows of the C decode kernel
+        result = paged_prefill_reference(*args, sliding_window=spec.window, decode_rows=cpu_decode.paged_decode_cpu)
     else:
         result = paged_prefill(*args, sliding_window=spec.window, use_triton=True, validate_values=True)
     assert result is out
@@ -94,6 +97,22 @@ def _spec_id(s: PrefillSpec) -> str:
 @pytest.mark.parametrize("spec", CPU_SPECS, ids=_spec_id)
 def test_prefill_matches_dense_oracle(spec, impl):
     _run_prefill(spec, impl, seed=seed_of(spec, impl))
+
+
+# chunks of 1..SHORT_CHUNK tokens with history (speculative steps), mixed with a longer one
+SHORT_SPECS = [
+    PrefillSpec(9, 3, 64, 16, F32, ((37, 5), (0, 1), (100, 2), (3, 40), (15, SHORT_CHUNK))),
+    PrefillSpec(8, 2, 128, 8, BF16, ((250, 4), (7, 9), (1, 3))),
+    PrefillSpec(4, 4, 64, 32, F32, ((60, 6), (20, 2)), window=24),
+]
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler to build cpu_decode.c")
+@pytest.mark.parametrize("spec", SHORT_SPECS, ids=_spec_id)
+def test_short_chunks_as_decode_rows_match_dense_oracle(spec):
+    q = torch.empty((1, spec.q_heads, spec.head_dim), dtype=spec.dtype)
+    assert cpu_decode.supports(q, torch.empty((1, spec.block_size, spec.kv_heads, spec.head_dim), dtype=spec.dtype))
+    _run_prefill(spec, "reference_decode_rows", seed=seed_of(spec))
 
 
 @pytest.mark.gpu

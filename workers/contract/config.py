@@ -146,6 +146,12 @@ class SchedulerConfig:
                                              "(HTTP 429)")
     async_scheduling: bool = option(False, "schedule step N+1 while step N runs (one step queued ahead of the "
                                            "workers; outputs unchanged); TP=1 only")
+    num_speculative_tokens: int = option(0, "speculative decoding: tokens proposed per decode step by prompt "
+                                            "lookup (n-gram) and verified in the same forward (0: off; outputs "
+                                            "unchanged; not with async_scheduling)")
+    prompt_lookup_min: int = option(2, "speculative decoding: the shortest suffix (in tokens) matched against "
+                                       "the sequence's earlier tokens")
+    prompt_lookup_max: int = option(4, "speculative decoding: the longest suffix matched (tried first)")
 
     def validate(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs!r}")
@@ -156,6 +162,16 @@ class SchedulerConfig:
                  f"max_queued_requests: must be >= 1, got {self.max_queued_requests!r}")
         _require(isinstance(self.async_scheduling, bool),
                  f"async_scheduling: must be true or false, got {self.async_scheduling!r}")
+        _require(type(self.num_speculative_tokens) is int and 0 <= self.num_speculative_tokens <= 16,   # noqa: E721
+                 f"num_speculative_tokens: must be an integer in [0, 16], got {self.num_speculative_tokens!r}")
+        _require(type(self.prompt_lookup_min) is int and self.prompt_lookup_min >= 1,   # noqa: E721
+                 f"prompt_lookup_min: must be an integer >= 1, got {self.prompt_lookup_min!r}")
+        _require(type(self.prompt_lookup_max) is int and self.prompt_lookup_max >= self.prompt_lookup_min,  # noqa: E721
+                 f"prompt_lookup_max: must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), got "
+                 f"{self.prompt_lookup_max!r}")
+        _require(not (self.num_speculative_tokens and self.async_scheduling),
+                 "num_speculative_tokens: speculative decoding needs async_scheduling off (a step's accepted "
+                 "tokens decide the next step's inputs)")
 
 
 @dataclass(frozen=True)

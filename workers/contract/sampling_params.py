@@ -23,6 +23,8 @@ Conventions (settled here, shared by the Sampler and the scheduler):
   filters (the OpenAI definition; bias in [-100, 100]). Logprobs stay those of the raw logits.
 - ``grammar``: an llguidance grammar; rank 0 masks every token it does not allow next
   (workers/grammar.py).
+- ``speculative``: False opts this request out of speculative decoding (the engine's
+  ``num_speculative_tokens``); its output is the same either way.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     grammar: str | None = None   # an llguidance grammar (JSON text): workers/grammar.py
+    speculative: bool = True     # False: never propose speculative tokens for this request
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -117,6 +120,7 @@ class SamplingParams:
         self._normalise_logit_bias()
         _check(self.grammar is None or (isinstance(self.grammar, str) and 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS),
                "grammar", f"must be None or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+        _check(isinstance(self.speculative, bool), "speculative", f"must be a bool, got {self.speculative!r}")
 
     def _normalise_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -20,7 +20,14 @@ in the cache), ``block_ids`` and the sampling params.
   ``PENDING_TOKEN`` (-1) stands for the token that the immediately preceding plan sampled for this
   sequence, which the engine does not know yet (async scheduling, TP=1): the sampling rank
   appends the token it drew itself.
-  ``new_block_ids`` extend the block table.
+  ``new_block_ids`` extend the block table, after it is cut to its first ``num_kept_blocks`` blocks when
+  that is set (blocks given back after rejected drafts, or a last block replaced by its copy).
+  ``accepted_token_ids``: drafts of the previous step that
+  were accepted (their K/V are in the cache already): append them, and count them as computed, before
+  ``new_token_id``. ``draft_token_ids``: speculative tokens computed this step after the sequence's own
+  tokens (the last ``len(draft_token_ids)`` of ``num_scheduled_tokens``); they are not appended, and a
+  sampling sequence samples at each of their positions as well (cluster/speculation.py). A
+  ``NewSequence`` may carry drafts too (a forked sample's first decode).
 - In both, ``num_scheduled_tokens`` tokens are computed this step, starting at
   ``num_computed_tokens``: the tokens ``token_ids[num_computed : num_computed + num_scheduled]``.
   A sequence samples a token when, after this step, every known token is computed.
@@ -29,7 +36,8 @@ in the cache), ``block_ids`` and the sampling params.
 - ``block_copies``: (src, dst) block pairs to copy in every layer's K and V before the forward
   (copy-on-write at fork/truncate).
 
-A result carries one ``SampledToken`` per sampling sequence, in batch order (a row rank 0 could not
+A result carries one ``SampledToken`` per sampling sequence, in batch order; a sequence with drafts
+has one per accepted draft first, then the step's own token, in position order (a row rank 0 could not
 sample carries ``error`` instead of a real token: the failure is that request's, not the step's), and one
 ``PromptLogprobs`` per sequence that asked for prompt logprobs and computed prompt positions this step.
 """
@@ -60,6 +68,7 @@ class NewSequence:
     num_scheduled_tokens: int
     block_ids: list[int]
     sampling_params: SamplingParams
+    draft_token_ids: list[int] = field(default_factory=list)   # as RunningDelta's
 
     @property
     def token_ids(self) -> list[int]:
@@ -72,6 +81,9 @@ class RunningDelta:
     num_scheduled_tokens: int
     new_block_ids: list[int] = field(default_factory=list)
     new_token_id: int | None = None
+    accepted_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_kept_blocks: int | None = None
 
 
 @dataclass
