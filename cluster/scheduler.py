@@ -91,6 +91,7 @@ class Scheduler:
         self._released: list[int] = []
         self._block_copies: list[tuple[int, int]] = []    # from speculative rollbacks, for the next step
         self._kept_blocks: dict[int, int] = {}             # SchedulerOutput.kept_blocks, for the next step
+        # prompt lookup by default; the engine replaces it with a DraftModelProposer for speculative_model
         self.proposer: Proposer | None = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                                           if config.num_speculative_tokens else None)
         self.speculation = SpeculationStats()
@@ -183,6 +184,7 @@ class Scheduler:
         self.running.sort(key=self._key)
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        proposals = self._proposals()
         for decode_phase in (True, False):
             for seq in list(self.running):
                 if budget == 0:
@@ -192,7 +194,7 @@ class Scheduler:
                     continue
                 if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                     continue
-                drafts = self._drafts(seq, budget) if decode_phase else []
+                drafts = proposals.get(seq.seq_id, [])[:budget - 1] if decode_phase else []
                 num = min(left, budget) + len(drafts)
                 if self._reserve(seq, num, scheduled, out, len(drafts)):
                     self._schedule_tokens(seq, num, out, drafts)
@@ -209,16 +211,26 @@ class Scheduler:
             return 0
         return seq.computable_tokens()
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Speculative tokens for a decoding ``seq``: none when speculation is off or the request opts out
-        or has a grammar; at most what the budget, ``max_tokens`` and ``max_model_len`` leave after the
-        step's own token."""
-        params = seq.request.params
-        if self.proposer is None or not params.speculative or params.grammar is not None or seq.num_pending:
-            return []
-        room = min(self.config.num_speculative_tokens, budget - 1, params.max_tokens - len(seq.output_token_ids) - 1,
-                   self.max_model_len - seq.num_tokens - 1)
-        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+    def _proposals(self) -> dict[int, list[int]]:
+        """Speculative tokens for the running sequences about to decode, from one proposer call: none when
+        speculation is off or a request opts out or has a grammar; at most what ``max_tokens`` and
+        ``max_model_len`` leave after the step's own token (the step's budget cuts them later)."""
+        if self.proposer is None:
+            return {}
+        wanted, requests = [], []
+        for seq in self.running:
+            params = seq.request.params
+            if (seq.status is not SequenceStatus.RUNNING or not params.speculative or params.grammar is not None
+                    or seq.num_pending or self._computable(seq) != 1):
+                continue
+            room = min(self.config.num_speculative_tokens, params.max_tokens - len(seq.output_token_ids) - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                wanted.append(seq.seq_id)
+                requests.append((seq.token_ids, room))
+        if not requests:
+            return {}
+        return dict(zip(wanted, self.proposer.propose_batch(requests)))
 
     @staticmethod
     def _schedule_tokens(seq: Sequence, num: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:

@@ -14,24 +14,33 @@ the emitted tokens are the tokens plain decoding emits, given the same noise. Fo
 proposal (n-gram) this is also rejection sampling's distribution: a draft d is kept with probability
 p(d) and a rejected position yields a draw from p without d, renormalised.
 
-``NgramProposer`` (prompt lookup, as vLLM's ``ngram`` method): the longest suffix of the sequence's
-tokens, ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens long, is looked up among the
-earlier tokens (prompt and output); the latest earlier occurrence wins, and the tokens that followed
-it are the proposal. A draft-model proposer (a small model on the same ranks) would implement the same
-``propose`` on the worker side; it is not built (docs/limitations.md).
+Proposers (``Proposer.propose_batch``: one call per step for every decoding sequence that may speculate):
+
+- ``NgramProposer`` (prompt lookup, as vLLM's ``ngram`` method): the longest suffix of the sequence's
+  tokens, ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens long, is looked up among the
+  earlier tokens (prompt and output); the latest earlier occurrence wins, and the tokens that followed
+  it are the proposal.
+- ``DraftModelProposer`` (``speculative_model``): a small model with the target's vocabulary runs greedily
+  in an ``Engine`` of its own, in the engine's process (in-process executor, its own paged KV cache with
+  prefix caching, so each step recomputes only the tokens since the sequence's last full block). Its
+  proposals are one token with certainty, so verification by equality is rejection sampling there too.
+  Not on the TP ranks: on a GPU server the draft model runs where the engine runs (docs/limitations.md).
 """
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+log = logging.getLogger(__name__)
+
 
 class Proposer(Protocol):
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` draft tokens to follow ``token_ids`` (may be none)."""
+    def propose_batch(self, requests: list[tuple[Sequence[int], int]]) -> list[list[int]]:
+        """Per (token ids, max tokens) request: up to that many draft tokens to follow them (may be none)."""
 
 
 class NgramProposer:
@@ -61,6 +70,66 @@ class NgramProposer:
                     return list(token_ids[start:start + max_tokens])
                 end = at + len(needle) - 1
         return []
+
+    def propose_batch(self, requests: list[tuple[Sequence[int], int]]) -> list[list[int]]:
+        return [self.propose(token_ids, max_tokens) for token_ids, max_tokens in requests]
+
+
+class DraftModelProposer:
+    """Greedy drafts from a small model with the target's vocabulary, in an in-process ``Engine`` of its own."""
+
+    def __init__(self, model: str, dtype: str, device: str, target_vocab_size: int, max_num_seqs: int,
+                 block_size: int = 16, num_blocks: int = 2048) -> None:
+        from pagedray.workers.contract.config import (
+            CacheConfig,
+            EngineConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+        )
+
+        from .engine import Engine  # here: engine -> scheduler -> this module
+
+        config = EngineConfig(model=ModelConfig(model=model, dtype=dtype, device=device),
+                              cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                              parallel=ParallelConfig(executor="local"),
+                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+        self.engine = Engine(config)
+        vocab = self.engine.model_info.vocab_size
+        if vocab > target_vocab_size:
+            self.engine.shutdown()
+            raise ValueError(f"speculative_model: its vocabulary ({vocab} tokens) is larger than the target "
+                             f"model's ({target_vocab_size}); the draft model must share the target's tokenizer")
+        self._next_id = 0
+
+    def propose_batch(self, requests: list[tuple[Sequence[int], int]]) -> list[list[int]]:
+        from pagedray.workers.contract.sampling_params import SamplingParams
+
+        engine, ids = self.engine, {}
+        drafts: list[list[int]] = [[] for _ in requests]
+        if engine.is_dead:
+            return drafts                  # speculation stops; the target engine goes on without it
+        try:
+            for i, (token_ids, max_tokens) in enumerate(requests):
+                if max_tokens <= 0 or len(token_ids) + max_tokens >= engine.max_model_len:
+                    continue
+                request_id = f"draft-{self._next_id}"
+                self._next_id += 1
+                engine.add_request(request_id, list(token_ids),
+                                   SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+                ids[request_id] = i
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id in ids and out.error is None:
+                        drafts[ids[out.request_id]].extend(out.outputs[0].token_ids)
+        except Exception:  # noqa: BLE001 - a failing draft model must not take the target engine down
+            log.exception("speculative_model failed; no drafts from it from now on")
+            engine.fail(RuntimeError("the draft model failed"))
+            return [[] for _ in requests]
+        return drafts
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
 
 @dataclass

@@ -45,6 +45,7 @@ def test_ngram_proposer_follows_the_latest_longest_match():
     assert proposer.propose([1, 2, 1, 2], 0) == [] and proposer.propose([1, 2], 3) == []
     assert proposer.propose([5, 256, 1, 256], 2) == []                      # byte-level matches are not tokens
     assert NgramProposer(1, 1).propose([4, 8, 4], 2) == [8, 4]
+    assert proposer.propose_batch([([1, 2, 3, 1, 2], 2), ([9], 2)]) == [[3, 1], []]
     with pytest.raises(ValueError, match="min_n"):
         NgramProposer(3, 2)
 
@@ -59,6 +60,10 @@ def test_options_are_validated():
         EngineConfig(scheduler=SchedulerConfig(num_speculative_tokens=2, async_scheduling=True))
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative="no")
+    with pytest.raises(ValueError, match="num_speculative_tokens: set it above 0 to use speculative_model"):
+        SchedulerConfig(speculative_model="/models/draft").validate()
+    with pytest.raises(ValueError, match="speculative_model"):
+        SchedulerConfig(num_speculative_tokens=2, speculative_model="").validate()
 
 
 def test_stats_count_per_position():
@@ -172,6 +177,9 @@ class ScriptedProposer:
     def __init__(self, prompts: list[list[int]], outputs: list[list[int]], vocab: int = 512) -> None:
         self.script = [(list(p), list(o)) for p, o in zip(prompts, outputs)]
         self.vocab = vocab
+
+    def propose_batch(self, requests):
+        return [self.propose(token_ids, max_tokens) for token_ids, max_tokens in requests]
 
     def propose(self, token_ids, max_tokens):
         for prompt, output in self.script:
@@ -300,3 +308,62 @@ def test_tp2_on_ray_with_speculation_matches_local(ray_session, tiny_llama_path)
                             tensor_parallel_size=2)
     assert _tokens(spec) == _tokens(plain)
     assert stats.spec_decode_num_accepted_tokens_total > 0
+
+
+# -- a draft model --------------------------------------------------------------------------------------------
+def _save_llama(folder, vocab_size: int, layers: int, seed: int) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         initializer_range=0.3, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def draft_model_path(tmp_path_factory):
+    """A smaller Llama with the tiny Llama's 512-token vocabulary and weights of its own (one layer)."""
+    return _save_llama(tmp_path_factory.mktemp("draft-llama"), 512, 1, seed=99)
+
+
+def test_draft_model_proposals_keep_greedy_and_seeded_output_exact(tiny_llama_path, draft_model_path, tiny_hf_model):
+    """A different small model proposes (its greedy tokens); acceptance is low, exactness holds, across
+    preemptions and a chunked budget; the draft engine's requests all finish and free their blocks."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain, _ = _generate(tiny_llama_path, REPEATING, greedy)
+    tight = dict(num_blocks=14, max_num_batched_tokens=16, max_num_seqs=4)
+    draft_kwargs = dict(num_speculative_tokens=3, speculative_model=draft_model_path)
+    with LLM(tiny_llama_path, **{**ENGINE, **tight}, **draft_kwargs) as llm:
+        results = llm.generate(REPEATING, greedy, use_tqdm=False)
+        draft = llm.engine.draft_proposer.engine
+        stats = llm.engine.stats()
+        assert draft.model_path != llm.engine.model_path and not draft.has_unfinished_requests()
+        assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
+    assert _tokens(results) == _tokens(plain)
+    assert [t[0] for t in _tokens(results)] == [hf_greedy(tiny_hf_model, p, 16) for p in REPEATING]
+    assert stats.spec_decode_num_draft_tokens_total > 0 and stats.num_preemptions_total > 0
+    seeded = [SamplingParams(temperature=0.9, seed=3 + i, max_tokens=12, ignore_eos=True)
+              for i in range(len(REPEATING))]
+    plain, _ = _generate(tiny_llama_path, REPEATING, seeded)
+    spec, _ = _generate(tiny_llama_path, REPEATING, seeded, **draft_kwargs)
+    assert _tokens(spec) == _tokens(plain)
+
+
+def test_the_target_as_its_own_draft_model_accepts_every_greedy_draft(tiny_llama_path):
+    """Drafting with the target model itself: every greedy draft is what the target samples (up to
+    float rounding between batch shapes), so most steps emit k + 1 tokens."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain, plain_stats = _generate(tiny_llama_path, REPEATING, params)
+    spec, stats = _generate(tiny_llama_path, REPEATING, params, num_speculative_tokens=4,
+                            speculative_model=tiny_llama_path)
+    assert _tokens(spec) == _tokens(plain)
+    assert stats.spec_decode_num_accepted_tokens_total >= 0.9 * stats.spec_decode_num_draft_tokens_total
+    assert stats.num_steps_total < plain_stats.num_steps_total / 2
+
+
+def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_llama_path, tmp_path):
+    wide = _save_llama(tmp_path / "wide", 1024, 1, seed=5)
+    with pytest.raises(ValueError, match="speculative_model: its vocabulary"):
+        LLM(tiny_llama_path, **ENGINE, num_speculative_tokens=2, speculative_model=wide)

@@ -5,6 +5,7 @@ metric names the app exports."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import pathlib
 import re
@@ -65,6 +66,9 @@ def test_every_replica_gets_its_own_labelled_series():
     for seconds in (0.004, 0.3, 0.3, 500.0):
         queue.observe(seconds)
     waited = stats(queue_time_buckets=queue.cumulative(), queue_time_sum_s=queue.sum_s, queue_time_count=queue.count)
+    waited = dataclasses.replace(waited, spec_decode_num_drafts_total=4, spec_decode_num_draft_tokens_total=12,
+                                 spec_decode_num_accepted_tokens_total=7,
+                                 spec_decode_accepted_per_position=((0, 4, 4), (1, 4, 2), (2, 4, 1)))
     metrics = ServerMetrics("smol")
     metrics.engine.update([ReplicaState("a", waited), ReplicaState("b", stats(num_running=5, kv_usage=0.9),
                                                                     healthy=False, reason="rank 1 died")])
@@ -83,6 +87,12 @@ def test_every_replica_gets_its_own_labelled_series():
     assert 'pagedray:computed_tokens_total{model_name="smol",replica="a"} 42.0' in text
     assert 'pagedray:engine_healthy{model_name="smol",replica="a"} 1.0' in text
     assert 'pagedray:engine_healthy{model_name="smol",replica="b"} 0.0' in text
+    assert 'pagedray:spec_decode_num_draft_tokens_total{model_name="smol",replica="a"} 12.0' in text
+    assert 'pagedray:spec_decode_num_accepted_tokens_total{model_name="smol",replica="a"} 7.0' in text
+    assert 'pagedray:spec_decode_num_drafts_total{model_name="smol",replica="a"} 4.0' in text
+    per_position = ('pagedray:spec_decode_num_accepted_tokens_per_pos_total{model_name="smol",position="%d",'
+                    'replica="a"} %s')
+    assert per_position % (0, "4.0") in text and per_position % (2, "1.0") in text
     metrics.record_outcome("chat", "stop")
     assert 'pagedray:requests_total{endpoint="chat",model_name="smol",outcome="stop"} 1.0' in metrics.render().decode()
 

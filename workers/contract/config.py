@@ -152,6 +152,9 @@ class SchedulerConfig:
     prompt_lookup_min: int = option(2, "speculative decoding: the shortest suffix (in tokens) matched against "
                                        "the sequence's earlier tokens")
     prompt_lookup_max: int = option(4, "speculative decoding: the longest suffix matched (tried first)")
+    speculative_model: str | None = option(None, "speculative decoding: a small model folder with the target's "
+                                                 "vocabulary that proposes the drafts (greedy, in the engine's "
+                                                 "process) instead of prompt lookup")
 
     def validate(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs!r}")
@@ -169,6 +172,10 @@ class SchedulerConfig:
         _require(type(self.prompt_lookup_max) is int and self.prompt_lookup_max >= self.prompt_lookup_min,  # noqa: E721
                  f"prompt_lookup_max: must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), got "
                  f"{self.prompt_lookup_max!r}")
+        _require(self.speculative_model is None or (isinstance(self.speculative_model, str) and self.speculative_model),
+                 f"speculative_model: must be a model folder or None, got {self.speculative_model!r}")
+        _require(self.speculative_model is None or self.num_speculative_tokens > 0,
+                 "num_speculative_tokens: set it above 0 to use speculative_model")
         _require(not (self.num_speculative_tokens and self.async_scheduling),
                  "num_speculative_tokens: speculative decoding needs async_scheduling off (a step's accepted "
                  "tokens decide the next step's inputs)")
