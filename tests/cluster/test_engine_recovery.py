@@ -7,16 +7,24 @@ import pytest
 from helpers.fake_executor import FakeExecutor, RecoverableFakeExecutor
 from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE, Engine
 from pagedray.cluster.outputs import EngineDeadError
-from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 PROMPTS = {"a": [10, 11, 12, 13, 14, 15, 16, 17, 18, 19], "b": [40, 41], "c": list(range(100, 130))}
 
 
-def _engine(path, executor, max_rank_restarts=3):
+def _engine(path, executor, max_rank_restarts=3, num_speculative_tokens=0):
     config = EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(block_size=8, num_blocks=32),
-                          parallel=ParallelConfig(max_rank_restarts=max_rank_restarts))
+                          parallel=ParallelConfig(max_rank_restarts=max_rank_restarts),
+                          scheduler=SchedulerConfig(num_speculative_tokens=num_speculative_tokens))
     return Engine(config, executor=executor)
+
+
+class CountingProposer:
+    """Proposes what the fake model samples (each token + 1), with every third draft wrong."""
+
+    def propose_batch(self, requests):
+        return [[(tokens[-1] + 1 + i) % 512 + (i == 2) for i in range(room)] for tokens, room in requests]
 
 
 def _run(engine, max_tokens=12):
@@ -48,6 +56,24 @@ def test_rank_failures_are_recovered_and_outputs_match_undisturbed_run(tiny_llam
     assert tokens == expected and errors == []
     assert set(reasons.values()) == {"length"} and len(reasons) == 4
     assert fake.num_rebuilds == len(fail_at_steps) == engine.stats().num_rank_restarts_total
+    assert fake.mirror == {}
+    _assert_idle_and_clean(engine)
+
+
+@pytest.mark.parametrize("fail_at_steps", [(2,), (1, 4)])
+def test_recovery_with_speculative_decoding_keeps_the_outputs(tiny_llama_path, fail_at_steps):
+    """Drafts in flight when a rank fails: the re-queued sequences recompute and continue speculating,
+    the outputs equal the undisturbed run's, no block or mirror is left."""
+    expected, _, _ = _run(_engine(tiny_llama_path, FakeExecutor(32)))
+    fake = RecoverableFakeExecutor(32, fail_at_steps=fail_at_steps)
+    engine = _engine(tiny_llama_path, fake, num_speculative_tokens=3)
+    engine.scheduler.proposer = CountingProposer()
+    tokens, _, errors = _run(engine)
+    stats = engine.stats()
+    assert tokens == expected and errors == []
+    assert fake.num_rebuilds == len(fail_at_steps)
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    assert any(delta.accepted_token_ids for plan in fake.plans for delta in plan.running)
     assert fake.mirror == {}
     _assert_idle_and_clean(engine)
 

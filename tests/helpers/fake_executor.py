@@ -1,7 +1,9 @@
 """TEST DOUBLE of the Executor protocol (never used outside tests).
 
 It mirrors sequences from the plans exactly as the wire contract says (tokens, computed counts,
-released ids) and "samples" a deterministic token: (last known token + 1) % vocab. It can be told to
+released ids, accepted speculative drafts) and "samples" a deterministic token: (last known token + 1) %
+vocab; a sequence with drafts gets the tokens a model with that rule would keep (each draft equal to its
+predecessor + 1 is accepted, the first one that is not is replaced). It can be told to
 fail at a given step, to check that failures end requests with finish_reason "error". ``submit`` runs
 the step at once and ``wait`` hands back its result (or raises its failure), in submission order, as a
 real executor does; a ``PENDING_TOKEN`` delta takes the token this executor sampled at its last step.
@@ -44,25 +46,34 @@ class FakeExecutor:
         batch = []
         for delta in plan.running:
             state = self.mirror[delta.seq_id]
+            state[0] += delta.accepted_token_ids                 # drafts kept last step: computed already
+            state[1] += len(delta.accepted_token_ids)
             token = delta.new_token_id
             if token == PENDING_TOKEN:
                 assert delta.seq_id in self.last_sampled, f"seq {delta.seq_id}: PENDING without a last sample"
                 token = self.last_sampled[delta.seq_id]
             if token is not None:
                 state[0].append(token)
-            batch.append((delta.seq_id, delta.num_scheduled_tokens))
+            batch.append((delta.seq_id, delta.num_scheduled_tokens, delta.draft_token_ids))
         for new in plan.new_seqs:
             assert new.seq_id not in self.mirror, f"seq {new.seq_id} sent in full twice"
             self.mirror[new.seq_id] = [new.prompt_token_ids + new.output_token_ids, new.num_computed_tokens]
-            batch.append((new.seq_id, new.num_scheduled_tokens))
+            batch.append((new.seq_id, new.num_scheduled_tokens, new.draft_token_ids))
         sampled = []
-        for seq_id, num in batch:
+        for seq_id, num, drafts in batch:
             state = self.mirror[seq_id]
-            state[1] += num
+            state[1] += num - len(drafts)
             assert state[1] <= len(state[0]), "scheduled past the known tokens"
             if state[1] == len(state[0]):
-                sampled.append(SampledToken(seq_id, (state[0][-1] + 1) % self.vocab))
-        self.last_sampled = {token.seq_id: token.token_id for token in sampled}
+                last = state[0][-1]
+                for draft in drafts:                              # verification, as workers/speculative.py
+                    sampled.append(SampledToken(seq_id, (last + 1) % self.vocab))
+                    if draft != (last + 1) % self.vocab:
+                        break
+                    last = draft
+                else:
+                    sampled.append(SampledToken(seq_id, (last + 1) % self.vocab))
+        self.last_sampled = {token.seq_id: token.token_id for token in sampled}   # the last of each sequence
         return StepResult(step_id=plan.step_id, sampled=sampled)
 
     def check_health(self):
