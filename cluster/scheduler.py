@@ -41,7 +41,7 @@ ahead. The synchronous engine applies each result before the next ``schedule``, 
 are 0 at scheduling time.
 
 Speculative decoding (``num_speculative_tokens`` > 0; cluster/speculation.py): a decode of a request
-that allows it (``params.speculative``, no grammar) also schedules up to that many draft tokens from the
+that allows it (``params.speculative``) also schedules up to that many draft tokens from the
 proposer, bounded by the step's token budget, ``max_tokens`` and ``max_model_len``; their slots are
 reserved as pending (never hashed). ``update`` takes the accepted drafts plus the step's own token
 (several SampledTokens of one sequence, in position order), gives the rejected drafts' slots back
@@ -213,15 +213,15 @@ class Scheduler:
 
     def _proposals(self) -> dict[int, list[int]]:
         """Speculative tokens for the running sequences about to decode, from one proposer call: none when
-        speculation is off or a request opts out or has a grammar; at most what ``max_tokens`` and
+        speculation is off or a request opts out; at most what ``max_tokens`` and
         ``max_model_len`` leave after the step's own token (the step's budget cuts them later)."""
         if self.proposer is None:
             return {}
         wanted, requests = [], []
         for seq in self.running:
             params = seq.request.params
-            if (seq.status is not SequenceStatus.RUNNING or not params.speculative or params.grammar is not None
-                    or seq.num_pending or self._computable(seq) != 1):
+            if (seq.status is not SequenceStatus.RUNNING or not params.speculative or seq.num_pending
+                    or self._computable(seq) != 1):
                 continue
             room = min(self.config.num_speculative_tokens, params.max_tokens - len(seq.output_token_ids) - 1,
                        self.max_model_len - seq.num_tokens - 1)

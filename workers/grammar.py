@@ -8,7 +8,9 @@ computed its first mask under the same limits before admitting the request). Eac
    plan is applied and before the forward: llguidance drops the GIL while it builds a matcher or a
    mask, so the masks are computed while the forward runs (vLLM and SGLang overlap them the same way);
 2. ``apply(logits, masks)`` sets every token a row's grammar does not allow next to -inf;
-3. after the Sampler, ``advance(rows, token_ids)`` feeds the sampled tokens to the matchers.
+3. after the Sampler, ``advance(rows, token_ids)`` feeds the sampled tokens to the matchers (with
+   speculative drafts: the tokens the sequence keeps; a row's mask is computed after its drafts, which
+   are fed and rolled back, ``SamplingRow.num_drafts``).
 
 When a grammar is complete it allows only the tokenizer's EOS, which the scheduler's EOS rule turns
 into finish_reason "stop".
@@ -124,9 +126,15 @@ class GrammarBook:
         for j, i in enumerate(wanted):
             row = rows[i]
             try:
-                matcher = self._matcher(row.seq_id, row.params.grammar, row.output_token_ids)
+                committed = len(row.output_token_ids) - row.num_drafts
+                matcher = self._matcher(row.seq_id, row.params.grammar, row.output_token_ids[:committed])
                 if not matcher.is_error():
+                    # a row after speculative drafts: the mask after the ones the grammar allows (a forbidden
+                    # draft is masked at its own row, so the rows after it are discarded anyway)
+                    fed = matcher.try_consume_tokens(row.output_token_ids[committed:]) if row.num_drafts else 0
                     llguidance.torch.fill_next_token_bitmask(matcher, bitmask, j)
+                    if fed:
+                        matcher.rollback(fed)
                 error = matcher.get_error() if matcher.is_error() else ""
             except Exception as exc:  # noqa: BLE001 - an API-level failure is still this row's alone
                 error = f"{type(exc).__name__}: {exc}"

@@ -72,6 +72,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    num_drafts: int = 0     # the last output tokens that are speculative drafts (workers/speculative.py)
 
 
 def _has_penalty(params: SamplingParams) -> bool:

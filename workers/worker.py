@@ -33,7 +33,7 @@ from .models.registry import model_class
 from .quantization import keeps_packed
 from .quantization import resolve as resolve_quantization
 from .sampler import PLACEHOLDER_TOKEN, Sampler, SamplingRow
-from .speculative import verify
+from .speculative import cut_after_errors, verify
 from .tp_group import TPGroup
 from .weight_loader import CheckpointReader
 
@@ -167,12 +167,15 @@ class Worker:
         rows = _sampling_rows(output.sampling_seqs, output.row_drafts) if rows is None else rows
         grammar_masks = masks.result() if masks is not None else self.grammars.compute(rows)
         sampled = self.sampler(self.grammars.apply(output.logits, grammar_masks), rows)
-        failures = dict(grammar_masks.failures) if grammar_masks is not None else {}
-        failures.update(self.grammars.advance(rows, [token.token_id for token in sampled],
-                                              skip=frozenset(failures) | _failed(sampled)))
-        for i, message in failures.items():
+        for i, message in (grammar_masks.failures if grammar_masks is not None else {}).items():
             sampled[i] = SampledToken(sampled[i].seq_id, PLACEHOLDER_TOKEN, error=message)
-        return verify(sampled, output.row_drafts)
+        kept_rows = verify(sampled, output.row_drafts)            # every row when nothing was speculated
+        kept = [sampled[i] for i in kept_rows]
+        refused = self.grammars.advance([rows[i] for i in kept_rows], [token.token_id for token in kept],
+                                        skip=_failed(kept))
+        for k, message in refused.items():
+            kept[k] = SampledToken(kept[k].seq_id, PLACEHOLDER_TOKEN, error=message)
+        return cut_after_errors(kept) if refused else kept
 
     def execute_bytes(self, data: bytes) -> bytes | None:
         result = self.execute(decode_plan(data))
@@ -197,7 +200,7 @@ def _sampling_rows(seqs, row_drafts: tuple[tuple[int, ...], ...] = ()) -> list[S
     if not row_drafts:
         return [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids) for s in seqs]
     return [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids + list(drafts) if drafts
-                        else s.output_token_ids) for s, drafts in zip(seqs, row_drafts)]
+                        else s.output_token_ids, len(drafts)) for s, drafts in zip(seqs, row_drafts)]
 
 
 def _failed(sampled: list[SampledToken]) -> frozenset[int]:

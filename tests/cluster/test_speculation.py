@@ -26,7 +26,7 @@ from pagedray.workers.contract.wire import NewSequence, RunningDelta, SampledTok
 from pagedray.workers.input_batch import build_host_batch
 from pagedray.workers.sampler import Sampler, SamplingRow
 from pagedray.workers.seq_mirror import SequenceMirror
-from pagedray.workers.speculative import verify
+from pagedray.workers.speculative import cut_after_errors, verify
 from pagedray.workers.worker import _sampling_rows
 
 REPEATING = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41],
@@ -84,11 +84,12 @@ def test_verify_keeps_accepted_drafts_and_the_first_differing_token():
                _token(2, 50),                                                 # seq 2: no drafts
                _token(3, 7), _token(3, 8)]                                    # seq 3: draft 7, all accepted
     drafts = ((), (10,), (10, 11), (10, 11, 12), (), (), (7,))
-    kept = verify(sampled, drafts)
+    kept = [sampled[i] for i in verify(sampled, drafts)]
     assert [(t.seq_id, t.token_id) for t in kept] == [(1, 10), (1, 11), (1, 99), (2, 50), (3, 7), (3, 8)]
-    failed = verify([_token(4, 0, error="bad"), _token(4, 5)], ((), (5,)))
-    assert [t.error for t in failed] == ["bad"]                               # a failed row ends the sequence
-    assert verify(sampled[:1], ()) == sampled[:1]
+    assert verify([_token(4, 0, error="bad"), _token(4, 5)], ((), (5,))) == [0]   # a failed row ends it
+    assert verify(sampled[:2], ()) == [0, 1]
+    assert cut_after_errors([_token(1, 3), _token(1, 0, error="x"), _token(1, 4), _token(2, 5)]) == [
+        _token(1, 3), _token(1, 0, error="x"), _token(2, 5)]
     with pytest.raises(ValueError, match="row_drafts"):
         verify(sampled, ((),))
 
@@ -99,6 +100,7 @@ def test_rows_after_drafts_see_them_as_output_tokens():
 
     rows = _sampling_rows([State, State, State], ((), (7,), (7, 8)))
     assert [r.output_token_ids for r in rows] == [[3], [3, 7], [3, 7, 8]]
+    assert [r.num_drafts for r in rows] == [0, 1, 2]
     assert State.output_token_ids == [3]
 
 
@@ -115,7 +117,8 @@ def test_verification_keeps_the_target_distribution():
     counts, accepted = torch.zeros(8), 0
     for _ in range(draws):
         rows = [SamplingRow(1, params, [0], []), SamplingRow(1, params, [0], [draft])]
-        kept = verify(sampler(logits, rows), ((), (draft,)))
+        sampled = sampler(logits, rows)
+        kept = [sampled[i] for i in verify(sampled, ((), (draft,)))]
         counts[kept[0].token_id] += 1
         accepted += len(kept) == 2
     expected = probs * draws
@@ -367,3 +370,49 @@ def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_llama_path, tmp_
     wide = _save_llama(tmp_path / "wide", 1024, 1, seed=5)
     with pytest.raises(ValueError, match="speculative_model: its vocabulary"):
         LLM(tiny_llama_path, **ENGINE, num_speculative_tokens=2, speculative_model=wide)
+
+
+# -- structured output ----------------------------------------------------------------------------------------
+def test_grammar_masks_after_drafts_and_rollback(default_model_path):
+    """Row j of a speculating grammar sequence is masked as the grammar stands after its drafts; the drafts
+    are rolled back (the matcher keeps its committed state); a forbidden draft leaves later rows masked by
+    the state before it (no failure: verification discards those rows)."""
+    from pagedray.deploy.openai.structured_output import _regex_grammar
+    from pagedray.workers.grammar import GrammarBook
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    grammar = _regex_grammar("(ab|cd)+!")
+    params = SamplingParams(grammar=grammar)
+    ab, cd = tokenizer.encode("ab", add_special_tokens=False), tokenizer.encode("cd", add_special_tokens=False)
+    bang = tokenizer.encode("!", add_special_tokens=False)
+    committed, drafts = ab, cd + bang
+    logits = torch.randn(len(drafts) + 1, len(tokenizer), generator=torch.Generator().manual_seed(4))
+    book = GrammarBook(default_model_path)
+    rows = [SamplingRow(5, params, [1], committed + drafts[:j], j) for j in range(len(drafts) + 1)]
+    masked = book.mask(logits, rows)
+    for j in range(len(drafts) + 1):
+        fresh = GrammarBook(default_model_path).mask(logits[j:j + 1], [SamplingRow(9, params, [1],
+                                                                                    committed + drafts[:j])])
+        assert torch.equal(torch.isfinite(masked[j]), torch.isfinite(fresh[0]))
+    assert book._tracked[5].consumed == len(committed)                    # drafts were rolled back
+    forbidden = [tokenizer.encode("x", add_special_tokens=False)[0]]
+    rows = [SamplingRow(5, params, [1], committed + forbidden[:j], j) for j in range(2)]
+    masks = book.compute(rows)
+    assert masks.failures == {} and bool(torch.isfinite(book.apply(logits[:2], masks)[1]).any())
+
+
+def test_structured_output_with_speculation_keeps_output_and_grammar(default_model_path):
+    from pagedray.deploy.openai.structured_output import _regex_grammar
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    prompt = tokenizer("Copy the list: red, green, blue, red, green, blue, red, green, blue,").input_ids
+    params = SamplingParams(temperature=0, max_tokens=40, grammar=_regex_grammar("( (red|green|blue),){6}"))
+    plain, _ = _generate(default_model_path, [prompt], params, num_blocks=64, block_size=16)
+    spec, stats = _generate(default_model_path, [prompt], params, num_blocks=64, block_size=16,
+                            num_speculative_tokens=4)
+    assert _tokens(spec) == _tokens(plain)
+    text = tokenizer.decode(spec[0].outputs[0].token_ids, skip_special_tokens=True)
+    assert text.count(",") == 6 and set(text.replace(",", " ").split()) <= {"red", "green", "blue"}
+    assert stats.spec_decode_num_accepted_tokens_total > 0
