@@ -60,6 +60,14 @@ def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     return target
 
 
+def declare(library: ctypes.CDLL, signatures: dict[str, list], restype=None) -> None:
+    """Sets each named function's argument types (``signatures``: name -> ctypes argtypes) and return type."""
+    for name, argtypes in signatures.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = restype
+
+
 def load(source: pathlib.Path, declare: Callable[[ctypes.CDLL], None], what: str,
          fallback: str) -> ctypes.CDLL | None:
     """The compiled ``source`` with its functions' signatures set by ``declare``, or None when kernels

@@ -34,9 +34,7 @@ _SIGNATURES = {
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    for name, argtypes in _SIGNATURES.items():
-        getattr(library, name).argtypes = argtypes
-        getattr(library, name).restype = None
+    cpu_build.declare(library, _SIGNATURES)
 
 
 @functools.lru_cache(maxsize=1)

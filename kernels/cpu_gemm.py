@@ -43,10 +43,8 @@ class TilePackedWeight(NamedTuple):
 def _declare(library: ctypes.CDLL) -> None:
     library.gemm_supported.restype = _INT
     library.gemm_supported.argtypes = [_INT]
-    if library.gemm_supported(DTYPE_CODES[torch.float32]):
-        for name, argtypes in _SIGNATURES.items():
-            getattr(library, name).argtypes = argtypes
-            getattr(library, name).restype = None
+    if library.gemm_supported(DTYPE_CODES[torch.float32]):   # else the library has no other function
+        cpu_build.declare(library, _SIGNATURES)
 
 
 @functools.lru_cache(maxsize=1)

@@ -17,14 +17,6 @@ needs_bf16 = pytest.mark.skipif(not cpu_gemm.available(BF16), reason="this CPU o
 DTYPES = [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16", marks=needs_bf16)]
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def torch_threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _assert_product(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """y is the float64 product up to float32 summation error (k roundings of |x| @ |w|^T) and, in
     bfloat16, one final rounding (half a bf16 step), a bound a misplaced weight exceeds by orders of

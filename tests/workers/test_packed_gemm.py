@@ -25,14 +25,6 @@ needs_onednn_bf16 = pytest.mark.skipif(not packed_gemm_available(torch.bfloat16)
                                        reason="oneDNN has no bf16 GEMM on this CPU")
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def torch_threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @needs_onednn
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (251, 64), (3072, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
