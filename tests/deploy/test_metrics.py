@@ -55,8 +55,9 @@ def stats(**overrides) -> EngineStats:
 
 def exported_names() -> set[str]:
     metrics = ServerMetrics("m")
-    metrics.engine.update([ReplicaState("r1", stats())])
-    metrics.record_outcome("completions", "stop")   # a labelled counter has no sample before its first use
+    # per-position acceptance has a sample once a speculative step ran, as a labelled counter after its first use
+    metrics.engine.update([ReplicaState("r1", stats(spec_decode_accepted_per_position=((0, 2, 1),)))])
+    metrics.record_outcome("completions", "stop")
     text = metrics.render().decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
