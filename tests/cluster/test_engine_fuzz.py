@@ -53,25 +53,38 @@ def tiny_smol_path(tmp_path_factory, default_model_path):
     return str(path)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+class RepeatProposer:
+    """Speculative decoding in the fuzzer: proposes the last token again (accepted under a +100 logit_bias,
+    or when the random model repeats itself; masked by grammars; rejected otherwise)."""
+
+    def propose_batch(self, requests):
+        return [[token_ids[-1]] * room for token_ids, room in requests]
+
+
+@pytest.fixture(scope="module", params=["sync", "async_scheduling", "speculative"])
 def engine(request, tiny_smol_path):
     config = build_engine_config(tiny_smol_path, dtype="float32", block_size=8, num_blocks=96, max_num_seqs=8,
-                                 threads_per_worker=1, async_scheduling=request.param)
+                                 threads_per_worker=1, async_scheduling=request.param == "async_scheduling",
+                                 num_speculative_tokens=3 if request.param == "speculative" else 0)
     engine = Engine(config)
+    if request.param == "speculative":
+        engine.scheduler.proposer = RepeatProposer()
     _poison_rows(engine)
     yield engine
     engine.shutdown()
 
 
 def _poison_rows(engine: Engine) -> None:
-    """Rank 0's logits turn NaN for rows whose params carry the POISON stop id, after POISON_AFTER tokens."""
+    """Rank 0's logits turn NaN for rows whose params carry the POISON stop id, after POISON_AFTER tokens
+    (a row after speculative drafts counts them)."""
     runner = engine.executor.worker.runner
     run = runner.run
 
     def poisoned_run(step):
         output = run(step)
+        drafts = output.row_drafts or ((),) * len(output.sampling_seqs)
         rows = [i for i, seq in enumerate(output.sampling_seqs)
-                if POISON in seq.params.stop_token_ids and len(seq.output_token_ids) >= POISON_AFTER]
+                if POISON in seq.params.stop_token_ids and len(seq.output_token_ids) + len(drafts[i]) >= POISON_AFTER]
         if not rows:
             return output
         logits = output.logits.clone()   # [rows, vocab]; an inference tensor cannot be written in place
@@ -170,6 +183,7 @@ def test_no_request_kills_the_engine_and_every_block_comes_back(engine, specs):
                 _assert_follows(spec["grammar"], tokenizer.decode(sample, skip_special_tokens=True), reasons)
     engine.step()   # the release-only step
     stats = engine.stats()
+    event(f"speculative tokens accepted: {stats.spec_decode_num_accepted_tokens_total > 0}")
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_blocks == stats.num_blocks
     engine.block_manager.check_invariants()
@@ -184,6 +198,18 @@ def _assert_follows(kind: str, text: str, reasons: set) -> None:
         assert text in ("yes", "no"), text
     else:
         assert json.loads(text).keys() == {"a"}, text
+
+
+def test_the_speculating_engine_proposed_and_accepted_drafts(engine):
+    """The fuzzed engine with speculation really speculated (a +100 logit_bias makes repeats certain)."""
+    if not isinstance(engine.scheduler.proposer, RepeatProposer):
+        pytest.skip("the engine runs without speculative decoding")
+    engine.add_request("repeat", engine.tokenizer.encode("x"),
+                       SamplingParams(temperature=0, max_tokens=9, logit_bias=((5, 100.0),), ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert stats.spec_decode_num_accepted_tokens_total >= 6 and not engine.is_dead
 
 
 def test_a_too_complex_grammar_fails_its_request_and_the_engine_serves_the_next(engine):
