@@ -42,8 +42,9 @@ are 0 at scheduling time.
 
 Speculative decoding (``num_speculative_tokens`` > 0; cluster/speculation.py): a decode of a request
 that allows it (``params.speculative``) also schedules up to that many draft tokens from the
-proposer, bounded by the step's token budget, ``max_tokens`` and ``max_model_len``; their slots are
-reserved as pending (never hashed). ``update`` takes the accepted drafts plus the step's own token
+proposer, bounded by the step's token budget, ``max_tokens`` and ``max_model_len``, and dropped when
+their blocks are not free (drafts never cause a preemption); their slots are reserved as pending
+(never hashed). ``update`` takes the accepted drafts plus the step's own token
 (several SampledTokens of one sequence, in position order), gives the rejected drafts' slots back
 (``BlockManager.truncate``; a copy-on-write that truncation needs goes into the next step's
 ``block_copies``, the blocks the workers may keep into its ``kept_blocks``) and applies the stop rules
@@ -195,6 +196,9 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                     continue
                 drafts = proposals.get(seq.seq_id, [])[:budget - 1] if decode_phase else []
+                if drafts and not self.block_manager.can_allocate(seq.seq_id, seq.token_ids, 1 + len(drafts),
+                                                                  pending_tokens=seq.num_pending + len(drafts)):
+                    drafts = []       # drafts never preempt anyone: without room the step decodes plainly
                 num = min(left, budget) + len(drafts)
                 if self._reserve(seq, num, scheduled, out, len(drafts)):
                     self._schedule_tokens(seq, num, out, drafts)
