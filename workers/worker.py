@@ -169,10 +169,11 @@ class Worker:
         sampled = self.sampler(self.grammars.apply(output.logits, grammar_masks), rows)
         for i, message in (grammar_masks.failures if grammar_masks is not None else {}).items():
             sampled[i] = SampledToken(sampled[i].seq_id, PLACEHOLDER_TOKEN, error=message)
-        kept_rows = verify(sampled, output.row_drafts)            # every row when nothing was speculated
-        kept = [sampled[i] for i in kept_rows]
-        refused = self.grammars.advance([rows[i] for i in kept_rows], [token.token_id for token in kept],
-                                        skip=_failed(kept))
+        kept, kept_rows = sampled, rows
+        if output.row_drafts:                                      # a step with speculative drafts
+            indices = verify(sampled, output.row_drafts)
+            kept, kept_rows = [sampled[i] for i in indices], [rows[i] for i in indices]
+        refused = self.grammars.advance(kept_rows, [token.token_id for token in kept], skip=_failed(kept))
         for k, message in refused.items():
             kept[k] = SampledToken(kept[k].seq_id, PLACEHOLDER_TOKEN, error=message)
         return cut_after_errors(kept) if refused else kept
