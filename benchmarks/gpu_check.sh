@@ -6,14 +6,14 @@
 #   bash benchmarks/gpu_check.sh full    # install, the -m gpu tests, benchmarks.gpu_engine at its shape
 # Both then run benchmarks.moe_kernel (the fused-MoE kernel against the loop over experts) and
 # benchmarks.kv8_kernel (decode over an 8-bit KV cache against bf16) and benchmarks.quant_gemm (4- and
-# 8-bit weight GEMM against dense bf16).
+# 8-bit weight GEMM against dense bf16), and benchmarks.spec_decode (n-gram speculation on or off).
 #
 # Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, gpu*.json the figures.
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
-# first when present. TEST_S, BENCH_S, MOE_S, KV8_S and QGEMM_S bound the stages in seconds, so that a
-# stage that hangs or crawls still leaves the others' output. STAGES picks stages (default all of
-# "tests engine moe kv8 qgemm", about 12 minutes: more than one 10-minute call of a lent GPU allows, so
-# split them, e.g. STAGES="tests kv8 qgemm" then STAGES="engine moe").
+# first when present. TEST_S, BENCH_S, MOE_S, KV8_S, QGEMM_S and SPEC_S bound the stages in seconds, so
+# that a stage that hangs or crawls still leaves the others' output. STAGES picks stages (default all of
+# "tests engine moe kv8 qgemm spec", about 14 minutes: more than one 10-minute call of a lent GPU allows,
+# so split them, e.g. STAGES="tests kv8 qgemm" then STAGES="engine moe spec").
 set -u
 mode=${1:-quick}
 OUT=${OUT:-gpu_out}
@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
 git log -1 --format='commit %h %s' 2>/dev/null || true
-stages=" ${STAGES:-tests engine moe kv8 qgemm} "
+stages=" ${STAGES:-tests engine moe kv8 qgemm spec} "
 wanted() { [[ "$stages" == *" $1 "* ]]; }
 
 if wanted tests; then
@@ -68,4 +68,10 @@ if wanted qgemm; then
 echo "== benchmarks.quant_gemm =="
 timeout "${QGEMM_S:-120}" python3 -m benchmarks.quant_gemm --out "$OUT/quant_gemm.json"
 echo "quant_gemm exit: $?"
+fi
+
+if wanted spec; then
+echo "== benchmarks.spec_decode =="
+timeout "${SPEC_S:-150}" python3 -m benchmarks.spec_decode --rounds 2 --max-tokens 64 --out "$OUT/spec_decode.json"
+echo "spec_decode exit: $?"
 fi

@@ -5,17 +5,19 @@ rewrite a function with one change, fix a typo in a list, continue a repetitive 
 template of the default SmolLM2-135M-Instruct), greedy, up to ``--max-tokens`` tokens (EOS ends a request
 early), at batch 1 (each task alone, one after the other) and at batch 8 (eight requests together: the
 tasks in turn). Systems: ``off`` (``num_speculative_tokens=0``) and ``ngram`` (``--k`` drafts per step,
-prompt lookup 2-4 tokens), each an in-process ``LLM`` at the default dtype, driven step by step so
-that every request's tokens are timed as they come out.
+prompt lookup 2-4 tokens), plus ``draft`` with ``--draft-model FOLDER`` (``--k`` greedy drafts per step
+from that model on the rank, ``speculative_model``), each an in-process ``LLM`` at the default dtype,
+driven step by step so that every request's tokens are timed as they come out.
 
 Metrics per system and batch size: TPOT (ms per output token after the first, mean over requests),
 output tok/s, acceptance (accepted / proposed drafts) and drafts accepted per step that carried drafts
 (a sequence's step then emits that many tokens plus its own). Ratio:
-ngram / off TPOT per round (lower is better), median [min-max] over ``--rounds`` interleaved rounds.
+ngram / off (and draft / off) TPOT per round (lower is better), median [min-max] over ``--rounds``
+interleaved rounds.
 Greedy output is the same with and without speculation in float32; in bfloat16 a different batch shape
 can break a near-tie, so the script reports the fraction of identical outputs.
 
-    python -m benchmarks.spec_decode [--rounds 3] [--k 4] [--max-tokens 128] [--dtype auto]
+    python -m benchmarks.spec_decode [--rounds 3] [--k 4] [--max-tokens 128] [--dtype auto] [--draft-model DIR]
 """
 
 from __future__ import annotations
@@ -121,12 +123,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the ngram system")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--draft-model", default=None,
+                        help="also run the system 'draft': this model folder drafts (see benchmarks.draft_models)")
     args = parser.parse_args(argv)
     from pagedray.cluster import LLM
     from transformers import AutoTokenizer
 
-    engines = {system: LLM("default", dtype=args.dtype, num_speculative_tokens=args.k if system == "ngram" else 0,
-                           num_blocks=1024, max_num_seqs=16) for system in SYSTEMS}
+    systems = SYSTEMS + (("draft",) if args.draft_model else ())
+    engines = {system: LLM("default", dtype=args.dtype, num_speculative_tokens=0 if system == "off" else args.k,
+                           speculative_model=args.draft_model if system == "draft" else None,
+                           num_blocks=1024, max_num_seqs=16) for system in systems}
     tokenizer = AutoTokenizer.from_pretrained(engines["off"].engine.model_path)
     prompts = prompts_of(tokenizer)
     for llm in engines.values():                     # warm-up, outside the timing
@@ -139,18 +145,20 @@ def main(argv: list[str] | None = None) -> dict:
         return values
 
     try:
-        runs = run_rounds(SYSTEMS, args.rounds, run, on_run=print_run)
+        runs = run_rounds(systems, args.rounds, run, on_run=print_run)
     finally:
         for llm in engines.values():
             llm.shutdown()
-    same = [texts[("ngram", r)][key] == texts[("off", r)][key]
-            for r in range(args.rounds) for key in texts[("off", r)]]
+    same = [texts[(system, r)][key] == texts[("off", r)][key]
+            for system in systems[1:] for r in range(args.rounds) for key in texts[("off", r)]]
     metrics = _metrics()
-    ratios = [Ratio("ngram", ("off",), tuple(f"tpot_ms_b{b}" for b in BATCHES) + tuple(f"tok_s_b{b}" for b in BATCHES),
-                    "ngram / off")]
+    keys = tuple(f"tpot_ms_b{b}" for b in BATCHES) + tuple(f"tok_s_b{b}" for b in BATCHES)
+    ratios = [Ratio(system, ("off",), keys, f"{system} / off") for system in systems[1:]]
     report = finish_rounds("spec_decode", args.out, runs, metrics, ratios, vars(args),
                            {"dtype": engines["off"].engine.dtype, "identical_outputs": sum(same) / len(same)})
     print(f"identical outputs with and without speculation: {sum(same)} of {len(same)}")
+    if args.draft_model:
+        print_ratio(report, "draft / off", "tpot_ms_b1", "TPOT at batch 1, draft / off", "< 1")
     print_ratio(report, "ngram / off", "tpot_ms_b1", "TPOT at batch 1, ngram / off", "<= 0.667 (1.5x lower)")
     return report
 

@@ -28,7 +28,6 @@ from .plan_builder import PlanBuilder
 from .request import FinishReason
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
-from .speculation import DraftModelProposer
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -60,12 +59,6 @@ class Engine:
         self.max_model_len = self._effective_max_model_len()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    eos_token_ids=frozenset(self.model_info.eos_token_ids))
-        self.draft_proposer: DraftModelProposer | None = None
-        if config.scheduler.speculative_model is not None:
-            self.draft_proposer = DraftModelProposer(
-                str(resolve_model_path(config.scheduler.speculative_model)), self.dtype, config.model.device,
-                self.model_info.vocab_size, config.scheduler.max_num_seqs, block_size=cache.block_size)
-            self.scheduler.proposer = self.draft_proposer
         self.plan_builder = PlanBuilder(self.block_manager)
         self.output_builder = OutputBuilder()
         self._pending: list[RequestOutput] = []
@@ -314,6 +307,4 @@ class Engine:
         )
 
     def shutdown(self) -> None:
-        if self.draft_proposer is not None:
-            self.draft_proposer.shutdown()
         self.executor.shutdown()

@@ -42,7 +42,8 @@ are 0 at scheduling time.
 
 Speculative decoding (``num_speculative_tokens`` > 0; cluster/speculation.py): a decode of a request
 that allows it (``params.speculative``) also schedules up to that many draft tokens from the
-proposer, bounded by the step's token budget, ``max_tokens`` and ``max_model_len``, and dropped when
+proposer (with a draft model on the ranks: that many ``MODEL_DRAFT`` slots that the ranks fill in),
+bounded by the step's token budget, ``max_tokens`` and ``max_model_len``, and dropped when
 their blocks are not free (drafts never cause a preemption); their slots are reserved as pending
 (never hashed). ``update`` takes the accepted drafts plus the step's own token
 (several SampledTokens of one sequence, in position order), gives the rejected drafts' slots back
@@ -62,12 +63,12 @@ import time
 from pagedray.block_manager import CannotAllocateError
 from pagedray.workers.contract.config import SchedulerConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.contract.wire import PromptLogprobs, SampledToken
+from pagedray.workers.contract.wire import MODEL_DRAFT, PromptLogprobs, SampledToken
 
 from .outputs import QueueFullError
 from .request import FinishReason, Request, Sequence, SequenceStatus
 from .scheduler_output import ScheduledSequence, SchedulerOutput
-from .speculation import NgramProposer, Proposer, SpeculationStats
+from .speculation import NgramProposer, Proposer, RankDraftSlots, SpeculationStats
 from .stats import QueueTimeHistogram
 
 
@@ -92,9 +93,10 @@ class Scheduler:
         self._released: list[int] = []
         self._block_copies: list[tuple[int, int]] = []    # from speculative rollbacks, for the next step
         self._kept_blocks: dict[int, int] = {}             # SchedulerOutput.kept_blocks, for the next step
-        # prompt lookup by default; the engine replaces it with a DraftModelProposer for speculative_model
-        self.proposer: Proposer | None = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-                                          if config.num_speculative_tokens else None)
+        self.proposer: Proposer | None = None     # prompt lookup, or slots for the ranks' draft model
+        if config.num_speculative_tokens:
+            self.proposer = (RankDraftSlots() if config.speculative_model is not None
+                             else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
         self.speculation = SpeculationStats()
 
     # -- intake -------------------------------------------------------------------------------
@@ -403,10 +405,12 @@ class Scheduler:
     @staticmethod
     def _accepted(step_id: int, sched: ScheduledSequence, tokens: list[SampledToken]) -> int:
         """How many drafts the sampled ``tokens`` of one sequence accept: all but the last token, each equal
-        to the draft at its position (RuntimeError for a result that says otherwise)."""
+        to the draft at its position (a ``MODEL_DRAFT`` placeholder: whatever the ranks' draft model
+        proposed; RuntimeError for a result that says otherwise)."""
         accepted = len(tokens) - 1
         drafts = sched.draft_token_ids
-        if accepted > len(drafts) or any(t.token_id != d for t, d in zip(tokens[:accepted], drafts)):
+        if accepted > len(drafts) or any(t.token_id != d and d != MODEL_DRAFT
+                                         for t, d in zip(tokens[:accepted], drafts)):
             raise RuntimeError(f"step {step_id}: sequence {sched.seq.seq_id} got {len(tokens)} tokens that do not "
                                f"extend its {len(drafts)} drafts")
         return accepted

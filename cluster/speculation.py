@@ -20,22 +20,21 @@ Proposers (``Proposer.propose_batch``: one call per step for every decoding sequ
   tokens, ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens long, is looked up among the
   earlier tokens (prompt and output); the latest earlier occurrence wins, and the tokens that followed
   it are the proposal.
-- ``DraftModelProposer`` (``speculative_model``): a small model with the target's vocabulary runs greedily
-  in an ``Engine`` of its own, in the engine's process (in-process executor, its own paged KV cache with
-  prefix caching, so each step recomputes only the tokens since the sequence's last full block). Its
-  proposals are one token with certainty, so verification by equality is rejection sampling there too.
-  Not on the TP ranks: on a GPU server the draft model runs where the engine runs (docs/limitations.md).
+- ``RankDraftSlots`` (``speculative_model``): a small model with the target's vocabulary, sharded over the
+  same TP ranks with a paged KV cache of its own under the same block ids, drafts greedily in the step
+  itself, before the target forward (workers/draft_model.py); the engine reserves k slots per sequence
+  (``MODEL_DRAFT`` placeholders) and learns the accepted drafts from the sampled tokens. Its proposals are
+  one token with certainty, so verification by equality is rejection sampling there too.
 """
 
 from __future__ import annotations
 
-import logging
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-log = logging.getLogger(__name__)
+from pagedray.workers.contract.wire import MODEL_DRAFT
 
 
 class Proposer(Protocol):
@@ -75,61 +74,12 @@ class NgramProposer:
         return [self.propose(token_ids, max_tokens) for token_ids, max_tokens in requests]
 
 
-class DraftModelProposer:
-    """Greedy drafts from a small model with the target's vocabulary, in an in-process ``Engine`` of its own."""
-
-    def __init__(self, model: str, dtype: str, device: str, target_vocab_size: int, max_num_seqs: int,
-                 block_size: int = 16, num_blocks: int = 2048) -> None:
-        from pagedray.workers.contract.config import (
-            CacheConfig,
-            EngineConfig,
-            ModelConfig,
-            ParallelConfig,
-            SchedulerConfig,
-        )
-
-        from .engine import Engine  # here: engine -> scheduler -> this module
-
-        config = EngineConfig(model=ModelConfig(model=model, dtype=dtype, device=device),
-                              cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-                              parallel=ParallelConfig(executor="local"),
-                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
-        self.engine = Engine(config)
-        vocab = self.engine.model_info.vocab_size
-        if vocab > target_vocab_size:
-            self.engine.shutdown()
-            raise ValueError(f"speculative_model: its vocabulary ({vocab} tokens) is larger than the target "
-                             f"model's ({target_vocab_size}); the draft model must share the target's tokenizer")
-        self._next_id = 0
+class RankDraftSlots:
+    """``speculative_model``: the draft model runs on the TP ranks within the step (workers/draft_model.py);
+    the scheduler only reserves the slots, with ``MODEL_DRAFT`` placeholders that the ranks fill in."""
 
     def propose_batch(self, requests: list[tuple[Sequence[int], int]]) -> list[list[int]]:
-        from pagedray.workers.contract.sampling_params import SamplingParams
-
-        engine, ids = self.engine, {}
-        drafts: list[list[int]] = [[] for _ in requests]
-        if engine.is_dead:
-            return drafts                  # speculation stops; the target engine goes on without it
-        try:
-            for i, (token_ids, max_tokens) in enumerate(requests):
-                if max_tokens <= 0 or len(token_ids) + max_tokens >= engine.max_model_len:
-                    continue
-                request_id = f"draft-{self._next_id}"
-                self._next_id += 1
-                engine.add_request(request_id, list(token_ids),
-                                   SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-                ids[request_id] = i
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.request_id in ids and out.error is None:
-                        drafts[ids[out.request_id]].extend(out.outputs[0].token_ids)
-        except Exception:  # noqa: BLE001 - a failing draft model must not take the target engine down
-            log.exception("speculative_model failed; no drafts from it from now on")
-            engine.fail(RuntimeError("the draft model failed"))
-            return [[] for _ in requests]
-        return drafts
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+        return [[MODEL_DRAFT] * max_tokens for _, max_tokens in requests]
 
 
 @dataclass

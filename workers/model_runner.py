@@ -2,7 +2,8 @@
 
 Order of a step (every rank runs the same steps on the same plan, so collectives line up):
 1. the mirror validates the plan, drops released ids and applies deltas / new sequences;
-2. copy-on-write block copies are applied to every layer's K and V;
+2. copy-on-write block copies are applied to every layer's K and V; with a draft model
+   (``draft_model.py``) the same copies go to its cache, and it fills the step's draft placeholders;
 3. the inputs are built on the host in one int32 tensor (``input_batch.build_host_batch``), their
    attention metadata is checked there once (``kernels.check_step_metadata`` on CPU tensors: no device
    sync; the layers then skip the per-call value checks), and one copy moves them to the device;
@@ -19,6 +20,7 @@ Sampling is not done here: ``Worker`` hands ``StepOutput`` to the Sampler on ran
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +32,9 @@ from .kv_cache import KVCache, check_block_copies, copy_blocks
 from .models.decoder import DecoderForCausalLM
 from .prompt_logprobs import PromptRows, compute_prompt_logprobs, plan_prompt_rows
 from .seq_mirror import BatchedSequence, SequenceMirror, SequenceState
+
+if TYPE_CHECKING:
+    from .draft_model import DraftModel  # it runs its own ModelRunner
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,13 @@ class PreparedStep:
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, drafter: DraftModel | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache        # data [layers, 2, blocks, block_size, kv_heads_local, head_dim] (+ scales)
         self.block_size = block_size
         self.device = device
-        self.mirror = SequenceMirror(block_size, num_blocks=kv_cache.num_blocks)
+        self.drafter = drafter          # speculative_model: fills MODEL_DRAFT placeholders in ``prepare``
+        self.mirror = SequenceMirror(block_size, num_blocks=kv_cache.num_blocks, model_drafts=drafter is not None)
         self.decode_graphs: DecodeGraphs | None = None   # set by the worker (CUDA graphs) or a test
 
     def use_decode_graphs(self, graphs: DecodeGraphs) -> None:
@@ -83,6 +89,9 @@ class ModelRunner:
         check_block_copies(plan.block_copies, self.kv_cache.num_blocks)
         batch = self.mirror.apply(plan)
         copy_blocks(self.kv_cache, plan.block_copies)
+        if self.drafter is not None:
+            self.drafter.apply_plan_bookkeeping(plan.released_seq_ids, plan.block_copies)
+            batch = self.drafter.propose(batch)
         if not batch:
             return None
         bucket = None if self.decode_graphs is None else self.decode_graphs.bucket_for(batch)

@@ -9,7 +9,8 @@ the sampling params. The scheduler decides; the mirror only follows:
 2. Running deltas append their ``accepted_token_ids`` (drafts accepted last step: their K/V are in the
    cache, so they count as computed) and their ``new_token_id`` (the token sampled last step) and extend
    the block table; new sequences are registered in full. ``draft_token_ids`` are this step's speculative
-   tokens: inputs after the sequence's own scheduled tokens, never appended to the mirror.
+   tokens: inputs after the sequence's own scheduled tokens, never appended to the mirror
+   (``MODEL_DRAFT`` placeholders only where the worker has a draft model, which fills them in).
    ``num_kept_blocks`` cuts the block table before ``new_block_ids`` extend it.
 3. The batch order is ``plan.running`` then ``plan.new_seqs``; a sequence with 0 scheduled tokens is
    updated but not part of the forward.
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .contract.sampling_params import SamplingParams
-from .contract.wire import StepPlan
+from .contract.wire import MODEL_DRAFT, StepPlan
 
 
 @dataclass
@@ -88,15 +89,26 @@ def _check_fits(seq_id: int, computed: int, scheduled: int, num_tokens: int, num
                          f"{computed + scheduled} tokens")
 
 
+def _check_drafts(seq_id: int, drafts: list[int], model_drafts: bool) -> None:
+    """Drafts are token ids, or ``MODEL_DRAFT`` placeholders (all of them) on a worker with a draft model."""
+    placeholders = sum(d == MODEL_DRAFT for d in drafts)
+    if placeholders and not model_drafts:
+        raise ValueError(f"draft_token_ids: seq {seq_id} asks for drafts of a draft model, which this worker "
+                         "does not have (speculative_model)")
+    if placeholders not in (0, len(drafts)):
+        raise ValueError(f"draft_token_ids: seq {seq_id} mixes MODEL_DRAFT placeholders with token ids")
+
+
 def _check_block_ids(seq_id: int, block_ids: list[int], num_blocks: int | None) -> None:
     if num_blocks is not None and block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
         raise ValueError(f"block_ids: seq {seq_id} has a block id outside the KV cache [0, {num_blocks})")
 
 
 class SequenceMirror:
-    def __init__(self, block_size: int, num_blocks: int | None = None) -> None:
+    def __init__(self, block_size: int, num_blocks: int | None = None, model_drafts: bool = False) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks    # size of the KV cache, for the block-id range check (None: skip)
+        self.model_drafts = model_drafts   # MODEL_DRAFT placeholders allowed (the worker has a draft model)
         self._seqs: dict[int, SequenceState] = {}
 
     def __len__(self) -> int:
@@ -115,6 +127,7 @@ class SequenceMirror:
             if delta.seq_id not in alive or state is None:
                 raise ValueError(f"running: seq {delta.seq_id} is not mirrored by this worker")
             accepted, drafts = len(delta.accepted_token_ids), len(delta.draft_token_ids)
+            _check_drafts(delta.seq_id, delta.draft_token_ids, self.model_drafts)
             if accepted and state.num_computed_tokens != state.num_tokens:
                 raise ValueError(f"accepted_token_ids: seq {delta.seq_id} was not decoding (it has "
                                  f"{state.num_tokens - state.num_computed_tokens} uncomputed tokens)")
@@ -138,6 +151,7 @@ class SequenceMirror:
             seen.add(new.seq_id)
             _check_block_ids(new.seq_id, new.block_ids, self.num_blocks)
             known, drafts = len(new.prompt_token_ids) + len(new.output_token_ids), len(new.draft_token_ids)
+            _check_drafts(new.seq_id, new.draft_token_ids, self.model_drafts)
             if drafts and new.num_computed_tokens + new.num_scheduled_tokens - drafts != known:
                 raise ValueError(f"draft_token_ids: seq {new.seq_id} has {drafts} drafts, which must follow its "
                                  f"last known token, but num_scheduled_tokens={new.num_scheduled_tokens} stops "

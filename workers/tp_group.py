@@ -7,6 +7,7 @@ so the communication of a step can be read off the layer code:
 - ``all_reduce``: sum over ranks, in place (row-parallel linear, vocab-parallel embedding).
 - ``gather_to_first``: concatenate per-rank shards along the last dim on rank 0 only (LM head);
   other ranks get None.
+- ``broadcast_from_first``: rank 0's tensor on every rank (the draft model's tokens: ``draft_model.py``).
 
 With one rank every collective is the identity and torch.distributed is never initialised.
 Backend: gloo on CPU, NCCL on CUDA (``backend_for``).
@@ -71,6 +72,12 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
         dist.gather(x, gather_list=parts, dst=0)
         return torch.cat(parts, dim=-1) if self.is_first else None
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank (in place; the others pass a tensor of the same shape and dtype)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=0)
+        return x
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -21,21 +21,20 @@ from .contract.config import EngineConfig
 from .contract.wire import PENDING_TOKEN, SampledToken, StepPlan, StepResult, decode_plan, encode_result
 from .decode_graphs import CaptureReport, DecodeGraphs
 from .default_model import resolve_model_path
+from .draft_model import DraftModel
 from .dtype_choice import resolve_dtype
 from .grammar import GrammarBook
 from .host_memory import keep_freed_memory
 from .kv_cache import KVCacheSpec
-from .layers.packed_gemm import PackReport, pack_linear_weights, packed_gemm_available
+from .layers.packed_gemm import PackReport
 from .memory_profile import profile_gpu_num_blocks
 from .model_info import load_hf_config, model_info
+from .model_loading import load_model, pack_for_cpu
 from .model_runner import ModelRunner, StepOutput
 from .models.registry import model_class
-from .quantization import keeps_packed
-from .quantization import resolve as resolve_quantization
 from .sampler import PLACEHOLDER_TOKEN, Sampler, SamplingRow
 from .speculative import cut_after_errors, verify
 from .tp_group import TPGroup
-from .weight_loader import CheckpointReader
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +67,22 @@ class Worker:
             torch.cuda.set_device(self.device)
         elif config.model.cpu_keep_freed_memory:
             keep_freed_memory()
-        quantization = resolve_quantization(hf_config, config.model.quantization)
+        self.model, self.tp, quantization = load_model(
+            model_path, hf_config, config.model.quantization, self.dtype, self.device, self.max_model_len,
+            lambda: TPGroup.join(rank, tp_size, self.device, dist_init_method))
         if quantization.method != "none":
             log.info("rank %d: %s weights (%d bits), dequantized to %s when loaded", rank, quantization.method,
                      quantization.bits, self.dtype)
-        with CheckpointReader(model_path, quantization, keeps_packed(quantization, self.device)) as reader:
-            self.tp = TPGroup.join(rank, tp_size, self.device, dist_init_method)
-            self.model = cls(hf_config, self.tp, self.dtype, self.device, self.max_model_len)
-            self.model.load_weights(reader)
-        self.model.eval()
-        self.pack_report: PackReport | None = None
-        if (config.model.cpu_packed_weights and self.device.type == "cpu"
-                and packed_gemm_available(self.dtype)):
-            self.pack_report = pack_linear_weights(self.model)
+        self.pack_report: PackReport | None = pack_for_cpu(self.model, config.model.cpu_packed_weights, self.dtype,
+                                                           self.device)
+        if self.pack_report is not None:
             log.info("rank %d: %d weight matrices packed for oneDNN (%.0f MB of packed copies next to %.0f MB "
                      "of weights)", rank, self.pack_report.matrices, self.pack_report.packed_bytes / 1e6,
                      self.pack_report.weight_bytes / 1e6)
+        self.drafter: DraftModel | None = None
+        if config.scheduler.speculative_model is not None:
+            self.drafter = DraftModel(config.scheduler.speculative_model, config, self.model,
+                                      self.tp, self.dtype, self.device, self.max_model_len)
         dims = self.model.dims
         self.kv_spec = KVCacheSpec(dims.num_layers, config.cache.block_size, self.model.num_local_kv_heads,
                                    dims.head_dim, kv_quant.cache_dtype(config.cache.kv_cache_dtype, self.dtype))
@@ -100,18 +99,26 @@ class Worker:
                 and self.config.parallel.tensor_parallel_size == 1)
 
     def available_kv_blocks(self) -> int:
-        """KV blocks this rank can hold (collective on GPU with TP > 1: call on every rank)."""
+        """KV blocks this rank can hold (collective on GPU with TP > 1: call on every rank). With a draft
+        model a block id holds K/V in both caches, so the memory is shared out in proportion."""
         if self.config.cache.num_blocks is not None:
             return self.config.cache.num_blocks
         if self.device.type == "cpu":
-            return self.kv_spec.blocks_for_bytes(self.config.cache.kv_cache_gib * 2**30)
-        graph_rows = self.config.scheduler.max_num_seqs if self.uses_decode_graphs else None
-        return profile_gpu_num_blocks(self.model, self.kv_spec, self.config, self.max_model_len, self.device,
-                                      graph_rows)
+            blocks = self.kv_spec.blocks_for_bytes(self.config.cache.kv_cache_gib * 2**30)
+        else:
+            graph_rows = self.config.scheduler.max_num_seqs if self.uses_decode_graphs else None
+            blocks = profile_gpu_num_blocks(self.model, self.kv_spec, self.config, self.max_model_len, self.device,
+                                            graph_rows)
+        if self.drafter is None:
+            return blocks
+        own = self.kv_spec.bytes_per_block
+        return blocks * own // (own + self.drafter.kv_spec.bytes_per_block)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         kv_cache = self.kv_spec.allocate(num_blocks, self.device)
-        self.runner = ModelRunner(self.model, kv_cache, self.config.cache.block_size, self.device)
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks)
+        self.runner = ModelRunner(self.model, kv_cache, self.config.cache.block_size, self.device, self.drafter)
         if self.uses_decode_graphs:
             graphs = DecodeGraphs(self.model, kv_cache, self.config.cache.block_size,
                                   self.config.scheduler.max_num_seqs, self.max_model_len, self.device)
@@ -186,9 +193,9 @@ class Worker:
         return 0 if self.runner is None else len(self.runner.mirror)
 
     def shutdown(self) -> None:
-        """Releases the KV cache and the decode graphs (the runner holds both), so a new engine in the
+        """Releases the KV caches and the decode graphs (the runners hold them), so a new engine in the
         same process can profile the device memory again."""
-        self.runner = None
+        self.runner = self.drafter = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self.grammars is not None:

@@ -41,3 +41,23 @@ def test_spec_decode_measurement_reports_every_metric(tmp_path):
     assert set(values) == {metric.key for metric in spec_decode._metrics()}
     assert all(values[f"tpot_ms_b{b}"] > 0 and 0 <= values[f"acceptance_b{b}"] <= 1 for b in spec_decode.BATCHES)
     assert len(outputs) == len(prompts) + 8 and all(len(tokens) >= 1 for tokens in outputs.values())
+
+
+def test_draft_models_copy_keeps_the_chosen_layers_renumbered(tmp_path):
+    from helpers.hf_oracle import load_hf_model
+    from helpers.tiny_models import save_tiny_llama
+
+    from benchmarks.draft_models import layers_copy, parse_layers
+
+    source = save_tiny_llama(tmp_path / "tiny")
+    original = load_hf_model(source)
+    copy = load_hf_model(str(layers_copy(source, [1], tmp_path / "draft")))
+    assert copy.config.num_hidden_layers == 1 and original.config.num_hidden_layers == 2
+    for name, tensor in copy.state_dict().items():
+        assert torch.equal(tensor, original.state_dict()[name.replace("layers.0.", "layers.1.")]), name
+    whole = load_hf_model(str(layers_copy(source, [0, 1], tmp_path / "whole")))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(whole(ids).logits, original(ids).logits)
+    assert parse_layers("0-2,5") == [0, 1, 2, 5]
+    with pytest.raises(ValueError, match="keep"):
+        layers_copy(source, [1, 0], tmp_path / "bad")

@@ -61,11 +61,14 @@ class RepeatProposer:
         return [[token_ids[-1]] * room for token_ids, room in requests]
 
 
-@pytest.fixture(scope="module", params=["sync", "async_scheduling", "speculative"])
+@pytest.fixture(scope="module", params=["sync", "async_scheduling", "speculative", "draft_model"])
 def engine(request, tiny_smol_path):
+    """``draft_model``: the model drafts for itself on the rank (greedy drafts; accepted where the target
+    samples greedily without a bias, masked by grammars and poisoned rows like any other)."""
     config = build_engine_config(tiny_smol_path, dtype="float32", block_size=8, num_blocks=96, max_num_seqs=8,
                                  threads_per_worker=1, async_scheduling=request.param == "async_scheduling",
-                                 num_speculative_tokens=3 if request.param == "speculative" else 0)
+                                 num_speculative_tokens=3 if request.param in ("speculative", "draft_model") else 0,
+                                 speculative_model=tiny_smol_path if request.param == "draft_model" else None)
     engine = Engine(config)
     if request.param == "speculative":
         engine.scheduler.proposer = RepeatProposer()
@@ -201,11 +204,13 @@ def _assert_follows(kind: str, text: str, reasons: set) -> None:
 
 
 def test_the_speculating_engine_proposed_and_accepted_drafts(engine):
-    """The fuzzed engine with speculation really speculated (a +100 logit_bias makes repeats certain)."""
-    if not isinstance(engine.scheduler.proposer, RepeatProposer):
+    """The fuzzed engine with speculation really speculated (a +100 logit_bias makes repeats certain; the
+    model drafting for itself is right about its own greedy tokens)."""
+    if engine.scheduler.proposer is None:
         pytest.skip("the engine runs without speculative decoding")
+    bias = ((5, 100.0),) if isinstance(engine.scheduler.proposer, RepeatProposer) else ()
     engine.add_request("repeat", engine.tokenizer.encode("x"),
-                       SamplingParams(temperature=0, max_tokens=9, logit_bias=((5, 100.0),), ignore_eos=True))
+                       SamplingParams(temperature=0, max_tokens=9, logit_bias=bias, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.stats()

@@ -19,7 +19,10 @@ import math
 import pytest
 import torch
 from helpers.hf_oracle import hf_greedy, hf_greedy_each
-from pagedray.cluster import LLM, SamplingParams
+from helpers.speculation_runs import REPEATING
+from helpers.speculation_runs import generate as _generate
+from helpers.speculation_runs import tokens as _tokens
+from pagedray.cluster import SamplingParams
 from pagedray.cluster.speculation import NgramProposer, SpeculationStats
 from pagedray.workers.contract.config import EngineConfig, SchedulerConfig
 from pagedray.workers.contract.wire import NewSequence, RunningDelta, SampledToken, StepPlan, decode_plan, encode_plan
@@ -28,10 +31,6 @@ from pagedray.workers.sampler import Sampler, SamplingRow
 from pagedray.workers.seq_mirror import SequenceMirror
 from pagedray.workers.speculative import cut_after_errors, verify
 from pagedray.workers.worker import _sampling_rows
-
-REPEATING = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41],
-             [3, 3, 3, 3, 3, 3, 3, 3], [100 + (i % 7) for i in range(30)]]
-ENGINE = dict(dtype="float32", block_size=8, num_blocks=128, threads_per_worker=1)
 
 
 # -- the proposer ---------------------------------------------------------------------------------------------
@@ -194,24 +193,6 @@ class ScriptedProposer:
         return []
 
 
-def _generate(path, prompts, params, proposer=None, **engine):
-    with LLM(path, **{**ENGINE, **engine}) as llm:
-        if proposer is not None:
-            llm.engine.scheduler.proposer = proposer
-        results = llm.generate(prompts, params, use_tqdm=False)
-        bm, stats = llm.engine.block_manager, llm.engine.stats()
-        bm.check_invariants()
-        assert bm.num_free_blocks == bm.num_blocks                   # no block outlives its request
-        executor = llm.engine.executor
-        mirrored = executor.num_sequences() if hasattr(executor, "num_sequences") else executor.worker.num_sequences()
-        assert mirrored in (0, [0, 0])                               # every worker mirror released
-    return results, stats
-
-
-def _tokens(results):
-    return [[choice.token_ids for choice in r.outputs] for r in results]
-
-
 def test_greedy_with_speculation_equals_without_and_transformers(tiny_llama_path, tiny_hf_model):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain, plain_stats = _generate(tiny_llama_path, REPEATING, params)
@@ -311,65 +292,6 @@ def test_tp2_on_ray_with_speculation_matches_local(ray_session, tiny_llama_path)
                             tensor_parallel_size=2)
     assert _tokens(spec) == _tokens(plain)
     assert stats.spec_decode_num_accepted_tokens_total > 0
-
-
-# -- a draft model --------------------------------------------------------------------------------------------
-def _save_llama(folder, vocab_size: int, layers: int, seed: int) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         initializer_range=0.3, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def draft_model_path(tmp_path_factory):
-    """A smaller Llama with the tiny Llama's 512-token vocabulary and weights of its own (one layer)."""
-    return _save_llama(tmp_path_factory.mktemp("draft-llama"), 512, 1, seed=99)
-
-
-def test_draft_model_proposals_keep_greedy_and_seeded_output_exact(tiny_llama_path, draft_model_path, tiny_hf_model):
-    """A different small model proposes (its greedy tokens); acceptance is low, exactness holds, across
-    preemptions and a chunked budget; the draft engine's requests all finish and free their blocks."""
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain, _ = _generate(tiny_llama_path, REPEATING, greedy)
-    tight = dict(num_blocks=14, max_num_batched_tokens=16, max_num_seqs=4)
-    draft_kwargs = dict(num_speculative_tokens=3, speculative_model=draft_model_path)
-    with LLM(tiny_llama_path, **{**ENGINE, **tight}, **draft_kwargs) as llm:
-        results = llm.generate(REPEATING, greedy, use_tqdm=False)
-        draft = llm.engine.draft_proposer.engine
-        stats = llm.engine.stats()
-        assert draft.model_path != llm.engine.model_path and not draft.has_unfinished_requests()
-        assert draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
-    assert _tokens(results) == _tokens(plain)
-    assert [t[0] for t in _tokens(results)] == [hf_greedy(tiny_hf_model, p, 16) for p in REPEATING]
-    assert stats.spec_decode_num_draft_tokens_total > 0 and stats.num_preemptions_total > 0
-    seeded = [SamplingParams(temperature=0.9, seed=3 + i, max_tokens=12, ignore_eos=True)
-              for i in range(len(REPEATING))]
-    plain, _ = _generate(tiny_llama_path, REPEATING, seeded)
-    spec, _ = _generate(tiny_llama_path, REPEATING, seeded, **draft_kwargs)
-    assert _tokens(spec) == _tokens(plain)
-
-
-def test_the_target_as_its_own_draft_model_accepts_every_greedy_draft(tiny_llama_path):
-    """Drafting with the target model itself: every greedy draft is what the target samples (up to
-    float rounding between batch shapes), so most steps emit k + 1 tokens."""
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    plain, plain_stats = _generate(tiny_llama_path, REPEATING, params)
-    spec, stats = _generate(tiny_llama_path, REPEATING, params, num_speculative_tokens=4,
-                            speculative_model=tiny_llama_path)
-    assert _tokens(spec) == _tokens(plain)
-    assert stats.spec_decode_num_accepted_tokens_total >= 0.9 * stats.spec_decode_num_draft_tokens_total
-    assert stats.num_steps_total < plain_stats.num_steps_total / 2
-
-
-def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_llama_path, tmp_path):
-    wide = _save_llama(tmp_path / "wide", 1024, 1, seed=5)
-    with pytest.raises(ValueError, match="speculative_model: its vocabulary"):
-        LLM(tiny_llama_path, **ENGINE, num_speculative_tokens=2, speculative_model=wide)
 
 
 # -- structured output ----------------------------------------------------------------------------------------

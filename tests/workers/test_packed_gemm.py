@@ -102,7 +102,7 @@ def test_packing_off_by_option_without_onednn_or_in_fp16(tiny_model_path, monkey
     assert worker.pack_report is None and all(m.packed_weight is None for m in _packable(worker))
     worker = Worker(engine_config(tiny_model_path("llama"), dtype="float16"))
     assert worker.pack_report is None and all(m.packed_weight is None for m in _packable(worker))
-    monkeypatch.setattr("pagedray.workers.worker.packed_gemm_available", lambda dtype: False)
+    monkeypatch.setattr("pagedray.workers.model_loading.packed_gemm_available", lambda dtype: False)
     worker = Worker(engine_config(tiny_model_path("llama")))
     assert worker.pack_report is None and all(m.packed_weight is None for m in _packable(worker))
     with pytest.raises(ValueError, match="cpu_packed_weights"):

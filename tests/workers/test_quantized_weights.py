@@ -79,9 +79,9 @@ def test_packed_weights_give_the_dequantized_models_tokens(name, quantized_pair,
     its rank's packed weight (no dense copy) and multiplies with ``kernels.quant_gemm``; the model is still
     the dequantized one, in under 35% of the fp32 weight bytes (this tiny model's zero points, scales and
     group indices included: 23-30%)."""
-    import pagedray.workers.worker as worker_module
+    import pagedray.workers.model_loading as loading_module
 
-    monkeypatch.setattr(worker_module, "keeps_packed", lambda q, device: q.method != "none")
+    monkeypatch.setattr(loading_module, "keeps_packed", lambda q, device: q.method != "none")
     source = tiny_model_path("llama")
     if name == "int8":
         path, oracle, options = source, str(tmp_path / "rounded"), {"quantization": "int8"}
@@ -100,10 +100,10 @@ def test_packed_weights_give_the_dequantized_models_tokens(name, quantized_pair,
 def test_packed_layers_run_the_triton_gemm_under_the_interpreter(quantized_pair, tiny_model_path, monkeypatch):
     import functools
 
-    import pagedray.workers.worker as worker_module
+    import pagedray.workers.model_loading as loading_module
     from pagedray import kernels
 
-    monkeypatch.setattr(worker_module, "keeps_packed", lambda q, device: True)
+    monkeypatch.setattr(loading_module, "keeps_packed", lambda q, device: True)
     calls = []
     triton_gemm = functools.partial(kernels.quant_gemm, use_triton=True)
     monkeypatch.setattr(kernels, "quant_gemm", lambda *a, **k: calls.append(1) or triton_gemm(*a, **k))

@@ -125,3 +125,24 @@ def test_graphs_with_preemption_and_prefix_hits_match_eager(dtype, tiny_model_pa
     eager, _ = generate(enforce_eager=True)
     assert replayed == eager
     assert stats.num_preemptions_total > 0 and stats.prefix_hit_rate > 0
+
+
+@pytest.mark.parametrize("draft", [None, "qwen3", "llama"])
+def test_speculative_decoding_on_cuda_matches_transformers(draft, tiny_model_path):
+    """n-gram drafts (None) and a draft model on the rank: another architecture with the same vocabulary
+    (qwen3) or the target itself (llama: nearly every draft accepted), decode graphs on, fp32."""
+    path = tiny_model_path("llama")
+    prompts = TINY_PROMPTS + [[5, 6, 7, 8] * 4, [9, 10] * 6]
+    options = {"speculative_model": tiny_model_path(draft)} if draft else {}
+    llm = LLM(path, device="cuda", dtype="float32", block_size=8, num_blocks=48, max_num_seqs=8,
+              num_speculative_tokens=3, **options)
+    try:
+        results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                               use_tqdm=False)
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    assert [r.outputs[0].token_ids for r in results] == hf_greedy_each(path, prompts, NEW_TOKENS)
+    assert stats.spec_decode_num_draft_tokens_total > 0
+    if draft == "llama":
+        assert stats.spec_decode_num_accepted_tokens_total > 0.9 * stats.spec_decode_num_draft_tokens_total

@@ -153,8 +153,9 @@ class SchedulerConfig:
                                        "the sequence's earlier tokens")
     prompt_lookup_max: int = option(4, "speculative decoding: the longest suffix matched (tried first)")
     speculative_model: str | None = option(None, "speculative decoding: a small model folder with the target's "
-                                                 "vocabulary that proposes the drafts (greedy, in the engine's "
-                                                 "process) instead of prompt lookup")
+                                                 "vocabulary that proposes the drafts instead of prompt lookup "
+                                                 "(greedy, sharded over the same TP ranks, its own paged KV "
+                                                 "cache under the same block ids)")
 
     def validate(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs!r}")

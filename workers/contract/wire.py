@@ -27,7 +27,10 @@ in the cache), ``block_ids`` and the sampling params.
   ``new_token_id``. ``draft_token_ids``: speculative tokens computed this step after the sequence's own
   tokens (the last ``len(draft_token_ids)`` of ``num_scheduled_tokens``); they are not appended, and a
   sampling sequence samples at each of their positions as well (cluster/speculation.py). A
-  ``NewSequence`` may carry drafts too (a forked sample's first decode).
+  ``NewSequence`` may carry drafts too (a forked sample's first decode). With a draft model on the
+  ranks (``speculative_model``) the drafts are ``MODEL_DRAFT`` (-2) placeholders, all of a sequence's or
+  none: each rank's draft model fills them in before the forward (the engine learns the accepted ones
+  from the result, as ever).
 - In both, ``num_scheduled_tokens`` tokens are computed this step, starting at
   ``num_computed_tokens``: the tokens ``token_ids[num_computed : num_computed + num_scheduled]``.
   A sequence samples a token when, after this step, every known token is computed.
@@ -53,6 +56,7 @@ from .sampling_params import SamplingParams
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 PENDING_TOKEN = -1   # RunningDelta.new_token_id: "the token you sampled for it at the previous step"
+MODEL_DRAFT = -2     # in draft_token_ids: "a draft your draft model proposes in this step" (workers/draft_model.py)
 
 
 class WireError(ValueError):

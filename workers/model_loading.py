@@ -1,0 +1,40 @@
+"""Loading one model's shard on a rank: checkpoint -> parallel layers -> (CPU) packed weights.
+
+Used for the target model (``Worker``) and for the draft model of speculative decoding
+(``draft_model.DraftModel``), so both read, shard, quantize and pack their weights the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .layers.packed_gemm import PackReport, pack_linear_weights, packed_gemm_available
+from .models.decoder import DecoderForCausalLM
+from .models.registry import model_class
+from .quantization import WeightQuantization, keeps_packed
+from .quantization import resolve as resolve_quantization
+from .tp_group import TPGroup
+from .weight_loader import CheckpointReader
+
+
+def load_model(model_path: str, hf_config, quantization_option: str, dtype: torch.dtype, device: torch.device,
+               max_model_len: int, join_tp: Callable[[], TPGroup]
+               ) -> tuple[DecoderForCausalLM, TPGroup, WeightQuantization]:
+    """This rank's shard of the model at ``model_path``, in eval mode. ``join_tp`` is called once the
+    checkpoint is open (a rank with a broken checkpoint fails before the other ranks wait for it)."""
+    quantization = resolve_quantization(hf_config, quantization_option)
+    with CheckpointReader(model_path, quantization, keeps_packed(quantization, device)) as reader:
+        tp = join_tp()
+        model = model_class(hf_config)(hf_config, tp, dtype, device, max_model_len)
+        model.load_weights(reader)
+    return model.eval(), tp, quantization
+
+
+def pack_for_cpu(model: DecoderForCausalLM, enabled: bool, dtype: torch.dtype, device: torch.device
+                 ) -> PackReport | None:
+    """Packs the linear weights for the CPU GEMM (``cpu_packed_weights``) where that pays; None otherwise."""
+    if enabled and device.type == "cpu" and packed_gemm_available(dtype):
+        return pack_linear_weights(model)
+    return None
