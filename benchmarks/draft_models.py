@@ -31,7 +31,7 @@ def layers_copy(model_path: str | Path, keep: list[int], out_dir: str | Path | N
     config = json.loads((source / "config.json").read_text())
     if not keep or sorted(set(keep)) != keep or not 0 <= keep[0] <= keep[-1] < config["num_hidden_layers"]:
         raise ValueError(f"keep: ascending layer indices in [0, {config['num_hidden_layers']}), got {keep}")
-    tag = "-".join(map(str, keep))
+    tag = ",".join(f"{a}-{b}" if a != b else str(a) for a, b in _runs(keep))
     out = Path(out_dir) if out_dir is not None else CACHE / f"{source.name}-layers-{tag}"
     if (out / "model.safetensors").is_file():
         return out
@@ -65,6 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     from pagedray.workers.default_model import resolve_model_path
 
     print(layers_copy(resolve_model_path(args.model), parse_layers(args.layers)))
+
+
+def _runs(keep: list[int]) -> list[tuple[int, int]]:
+    """[0, 1, 2, 5] -> [(0, 2), (5, 5)]."""
+    runs: list[tuple[int, int]] = []
+    for i in keep:
+        runs = runs[:-1] + [(runs[-1][0], i)] if runs and runs[-1][1] == i - 1 else runs + [(i, i)]
+    return runs
 
 
 def parse_layers(text: str) -> list[int]:

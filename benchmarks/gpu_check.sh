@@ -72,6 +72,6 @@ fi
 
 if wanted spec; then
 echo "== benchmarks.spec_decode =="
-timeout "${SPEC_S:-150}" python3 -m benchmarks.spec_decode --rounds 2 --max-tokens 64 --out "$OUT/spec_decode.json"
+timeout "${SPEC_S:-150}" python3 -m benchmarks.spec_decode --rounds 3 --max-tokens 64 --out "$OUT/spec_decode.json"
 echo "spec_decode exit: $?"
 fi
