@@ -20,10 +20,16 @@ logger = logging.getLogger(__name__)
 
 
 @pytest.mark.timeout(300)
-def test_tp2_rank_sigkilled_mid_decode_is_rebuilt_and_outputs_match_undisturbed_run(ray_session, tiny_llama_path):
+@pytest.mark.parametrize("draft", [False, True])
+def test_tp2_rank_sigkilled_mid_decode_is_rebuilt_and_outputs_match_undisturbed_run(ray_session, tiny_llama_path,
+                                                                                     draft):
+    """``draft``: the model drafts for itself on the ranks (speculative_model): the rebuilt ranks load the
+    draft model again and recompute its cache with the target's."""
     ray = ray_session
     expected = undisturbed_tokens(tiny_llama_path)
-    llm = LLM(tiny_llama_path, tensor_parallel_size=2, step_timeout_s=30.0, **ENGINE_KWARGS)   # float32 in there
+    speculation = dict(num_speculative_tokens=3, speculative_model=tiny_llama_path) if draft else {}
+    llm = LLM(tiny_llama_path, tensor_parallel_size=2, step_timeout_s=30.0, **ENGINE_KWARGS,   # float32 in there
+              **speculation)
     engine, executor = llm.engine, llm.engine.executor
     old_actors, old_group = list(executor.actors), executor.placement.placement_group
     pid = executor.rank_pids[1]
@@ -46,6 +52,8 @@ def test_tp2_rank_sigkilled_mid_decode_is_rebuilt_and_outputs_match_undisturbed_
         assert bm.num_free_blocks == bm.num_blocks and bm.sequence_ids() == []
         assert executor.num_sequences() == [0, 0]
         engine.check_health()
+        if draft:
+            assert engine.stats().spec_decode_num_accepted_tokens_total > 0
     finally:
         llm.shutdown()
     assert ray.util.placement_group_table(new_group)["state"] == "REMOVED"
