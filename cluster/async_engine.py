@@ -50,6 +50,7 @@ class AddCommand:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    resume_tokens: list[int]
 
 
 @dataclass(frozen=True)
@@ -86,17 +87,19 @@ class AsyncEngine:
 
     # -- intake -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, resume_tokens: list[int] = ()) -> AsyncIterator[RequestOutput]:
+        """The request's output deltas (``resume_tokens``: ``Engine.add_request``)."""
         self._check_accepting()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        self.engine.validate_request(prompt_token_ids, params, priority)
+        self.engine.validate_request(prompt_token_ids, params, priority, resume_tokens)
         limit = self.config.scheduler.max_queued_requests
         with self._lock:
             if self._stats.num_waiting + self._pending_adds >= limit:
                 raise QueueFullError(f"{limit} requests are waiting (max_queued_requests); retry later")
             self._pending_adds += 1
-            self._commands.append(AddCommand(request_id, list(prompt_token_ids), params, priority))
+            self._commands.append(AddCommand(request_id, list(prompt_token_ids), params, priority,
+                                             list(resume_tokens)))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._num_samples[request_id] = params.n
@@ -190,7 +193,7 @@ class AsyncEngine:
         for request_id, queue in self._streams.items():
             n = self._num_samples.get(request_id, 1)
             queue.put_nowait(RequestOutput(
-                request_id=request_id, finished=True, error=message,
+                request_id=request_id, finished=True, error=message, engine_failed=True,
                 outputs=[CompletionOutput(index=i, finish_reason="error") for i in range(n)]))
         self._streams.clear()
 
@@ -216,7 +219,8 @@ class AsyncEngine:
                     self._pending_adds -= 1
                 try:
                     self.engine.add_validated_request(command.request_id, command.prompt_token_ids,
-                                                      command.params, command.priority)   # validated at intake
+                                                      command.params, command.priority,   # validated at intake
+                                                      command.resume_tokens)
                 except (ValueError, QueueFullError, EngineDeadError) as exc:
                     errors.append((command.request_id, exc))
             else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedray.block_manager import BlockManager
 from pagedray.workers.contract.config import EngineConfig
@@ -86,39 +86,44 @@ class Engine:
         return AutoTokenizer.from_pretrained(self.config.model.tokenizer or str(self.model_path))
 
     # -- intake -------------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                         resume_tokens: list[int] = ()) -> None:
         """Argument-only checks (safe from any thread): ValueError, or EngineDeadError when dead."""
         self._raise_if_dead()
-        self.scheduler.validate_request(prompt_token_ids, params, priority)
+        self.scheduler.validate_request(prompt_token_ids, params, priority, resume_tokens)
         vocab = self.model_info.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)
-                    or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token {bad!r} is not an id in [0, {vocab})")
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("resume_tokens", resume_tokens)):
+            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token {bad!r} is not an id in [0, {vocab})")
         biased = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if biased is not None:
             raise ValueError(f"logit_bias: token {biased} is not an id in [0, {vocab})")
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      priority: int = 0) -> None:
+                      priority: int = 0, resume_tokens: list[int] = ()) -> None:
         """Raises ValueError / QueueFullError / EngineDeadError for a request add_request would refuse."""
-        self.validate_request(prompt_token_ids, params, priority)
+        self.validate_request(prompt_token_ids, params, priority, resume_tokens)
         self.scheduler.check_admission(request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        self.validate_request(prompt_token_ids, params, priority)
-        self.add_validated_request(request_id, prompt_token_ids, params, priority)
+                    priority: int = 0, resume_tokens: list[int] = ()) -> None:
+        """Admits a request. ``resume_tokens`` (n=1 only): the output a run elsewhere already produced
+        (a stream's continuation after its replica was lost): the sequence starts with them as output,
+        computed with the prompt and not streamed again, so sampling goes on at the next position as that
+        run would have (greedy and seeded draws depend on the position, penalties see them)."""
+        self.validate_request(prompt_token_ids, params, priority, resume_tokens)
+        self.add_validated_request(request_id, prompt_token_ids, params, priority, resume_tokens)
 
     def add_validated_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              priority: int = 0) -> None:
+                              priority: int = 0, resume_tokens: list[int] = ()) -> None:
         """``add_request`` for arguments that already passed ``validate_request`` (the AsyncEngine and
         ``LLM`` validate at intake, so each request is validated once): the admission checks (a live
         engine, the id, the queue) and the enqueue. ``params`` is immutable and the prompt a private
         copy, so what was validated is what runs."""
         self._raise_if_dead()
         self.scheduler.check_admission(request_id)
-        self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority)
+        self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority, resume_tokens)
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.abort(request_id, FinishReason.ABORT)
@@ -258,7 +263,7 @@ class Engine:
         failed = self.scheduler.abort_all(FinishReason.ERROR)
         self.plan_builder.forget_all()
         self._num_finished += len(failed)
-        return [self.output_builder.make(r, error=message) for r in failed]
+        return [replace(self.output_builder.make(r, error=message), engine_failed=True) for r in failed]
 
     def _raise_if_dead(self) -> None:
         if self._dead is not None:

@@ -4,6 +4,7 @@ Each call to ``make(request)`` returns the tokens of every sample produced since
 for that request (a sample with nothing new and not newly finished is left out). The first output of
 a request carries the prompt token ids (and their logprobs, when asked for); the output in which
 every sample has finished carries ``finished=True`` and is the last one (the builder then forgets the request).
+A resumed sequence (``Sequence.num_resumed``) streams from its first token generated here.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class OutputBuilder:
         return list(request.prompt_logprobs or [None] * len(request.prompt_token_ids))
 
     def _completion(self, seq: Sequence, streamed: dict[int, int]) -> CompletionOutput | None:
-        start = streamed.get(seq.index, 0)
+        start = streamed.get(seq.index, seq.num_resumed)
         new_tokens = seq.output_token_ids[start:]
         newly_finished = seq.is_finished and seq.seq_id not in self._finish_reported
         if not new_tokens and not newly_finished:
@@ -61,7 +62,7 @@ class OutputBuilder:
         if seq.request.params.logprobs is not None:
             logprobs = [TokenLogprob(token_id=s.token_id, logprob=s.logprob if s.logprob is not None else 0.0,
                                      top_logprobs=list(s.top_logprobs or []))
-                        for s in seq.output_logprobs[start:]]
+                        for s in seq.output_logprobs[start - seq.num_resumed:]]
         return CompletionOutput(
             index=seq.index,
             token_ids=new_tokens,

@@ -46,6 +46,9 @@ class RequestOutput:
     # with the prompt token ids when the request asked for prompt logprobs: one entry per prompt
     # token, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # the request ended with ``error`` because its engine failed (dead, stalled), not through anything of
+    # its own: another replica may continue it (deploy/serve/failover.py)
+    engine_failed: bool = False
 
 
 def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:

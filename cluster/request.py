@@ -59,8 +59,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # logprobs of the sampled tokens (only filled when the request asked for them)
+    # logprobs of the sampled tokens (only filled when the request asked for them), from output token
+    # ``num_resumed`` on
     output_logprobs: list = field(default_factory=list)
+    # output tokens the request had produced elsewhere before it was resumed here (a failover's
+    # continuation): computed like a prompt's, never streamed again, no logprobs
+    num_resumed: int = 0
     num_in_flight: int = 0           # tokens scheduled in steps not applied yet
     num_pending: int = 0             # tokens those steps sample (ids not known yet)
 

@@ -100,7 +100,8 @@ class Scheduler:
         self.speculation = SpeculationStats()
 
     # -- intake -------------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                         resume_tokens: list[int] = ()) -> None:
         """Checks that depend only on the arguments and the config (no queue state); ValueError."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
@@ -113,6 +114,8 @@ class Scheduler:
                              f"room for output within max_model_len={self.max_model_len}; shorten the prompt")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
+        if resume_tokens:
+            _check_resume(prompt_token_ids, params, resume_tokens, self.max_model_len)
 
     def check_admission(self, request_id: str) -> None:
         """The checks that depend on the queue state: ValueError (bad or duplicate id) / QueueFullError."""
@@ -125,31 +128,33 @@ class Scheduler:
                                  f"{self.config.max_queued_requests}); retry later")
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      priority: int = 0) -> None:
+                      priority: int = 0, resume_tokens: list[int] = ()) -> None:
         """Raises ValueError / QueueFullError for a request that cannot be admitted; changes nothing."""
-        self.validate_request(prompt_token_ids, params, priority)
+        self.validate_request(prompt_token_ids, params, priority, resume_tokens)
         self.check_admission(request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> Request:
-        self.check_request(request_id, prompt_token_ids, params, priority)
-        return self.enqueue(request_id, prompt_token_ids, params, priority)
+                    priority: int = 0, resume_tokens: list[int] = ()) -> Request:
+        self.check_request(request_id, prompt_token_ids, params, priority, resume_tokens)
+        return self.enqueue(request_id, prompt_token_ids, params, priority, resume_tokens)
 
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                priority: int = 0) -> Request:
-        """Adds a request that passed ``check_request`` (the engine validates once, then enqueues)."""
+                priority: int = 0, resume_tokens: list[int] = ()) -> Request:
+        """Adds a request that passed ``check_request`` (the engine validates once, then enqueues).
+        ``resume_tokens``: output tokens the request produced elsewhere (a continuation, ``Engine.add_request``)."""
         request = Request(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids],
                           params=params, arrival=self._next_arrival, priority=priority,
                           num_unforked=params.n - 1)
         self._next_arrival += 1
         self.num_prompt_tokens += len(request.prompt_token_ids)
-        request.sequences.append(self._new_sequence(request, 0))
+        request.sequences.append(self._new_sequence(request, 0, [int(t) for t in resume_tokens]))
         self.requests[request_id] = request
         self.waiting.append(request.sequences[0])
         return request
 
-    def _new_sequence(self, request: Request, index: int) -> Sequence:
-        seq = Sequence(seq_id=self._next_seq_id, request=request, index=index)
+    def _new_sequence(self, request: Request, index: int, resume_tokens: list[int] = ()) -> Sequence:
+        seq = Sequence(seq_id=self._next_seq_id, request=request, index=index, output_token_ids=list(resume_tokens),
+                       num_resumed=len(resume_tokens))
         self._next_seq_id += 1
         return seq
 
@@ -503,3 +508,17 @@ class Scheduler:
 
     def abort_all(self, reason: FinishReason) -> list[Request]:
         return [r for r in (self.abort(rid, reason) for rid in list(self.requests)) if r is not None]
+
+
+def _check_resume(prompt_token_ids: list[int], params: SamplingParams, resume_tokens: list[int],
+                  max_model_len: int) -> None:
+    """A continuation's output so far must leave room for one more token, for one sample."""
+    if not isinstance(resume_tokens, (list, tuple)):
+        raise ValueError(f"resume_tokens: must be a list of token ids, got {type(resume_tokens).__name__}")
+    if params.n != 1:
+        raise ValueError(f"resume_tokens: a continuation resumes one sample (n=1), got n={params.n}")
+    if len(resume_tokens) >= params.max_tokens:
+        raise ValueError(f"resume_tokens: {len(resume_tokens)} tokens already reach max_tokens={params.max_tokens}")
+    if len(prompt_token_ids) + len(resume_tokens) >= max_model_len:
+        raise ValueError(f"resume_tokens: the prompt and {len(resume_tokens)} resumed tokens leave no room within "
+                         f"max_model_len={max_model_len}")

@@ -45,6 +45,7 @@ ENGINE_SERIES = (
 SPEC_POSITION_SERIES = "pagedray:spec_decode_num_accepted_tokens_per_pos"
 HEALTHY_SERIES = "pagedray:engine_healthy"
 QUEUE_TIME_SERIES = "pagedray:request_queue_time_seconds"
+FAILOVER_SERIES = "pagedray:request_failovers"
 REQUEST_SERIES = ("pagedray:requests", "pagedray:prompt_tokens", "pagedray:generation_tokens",
                   "pagedray:time_to_first_token_seconds", "pagedray:inter_token_latency_seconds",
                   "pagedray:e2e_request_latency_seconds")
@@ -123,6 +124,9 @@ class ServerMetrics:
                                      buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
         self.e2e = Histogram(e2e, "Arrival to last token.", ["model_name"], buckets=LATENCY_BUCKETS,
                              registry=self.registry).labels(model_name)
+        self.failovers = Counter(FAILOVER_SERIES, "Requests continued on another engine replica after theirs was "
+                                 "lost (deploy/serve/failover.py).", ["model_name"],
+                                 registry=self.registry).labels(model_name)
         self.engine = EngineStatsCollector(model_name)
         self.registry.register(self.engine)
 

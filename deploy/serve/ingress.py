@@ -32,7 +32,8 @@ HTTP API takes; results are the same JSON objects, as dicts::
 
 Layouts (``engine_in_ingress``, app.py): with several engine replicas (or autoscaling) the engine runs
 in its own deployment and this replica reaches it through a DeploymentHandle (``HandleEngineClient``:
-one Ray stream per request, one item per output). With one replica (by default) this replica holds
+one Ray stream per request, one item per output; ``FailoverEngineClient`` continues a stream on another
+replica when its replica is lost). With one replica (by default) this replica holds
 the engine itself
 (``ServedEngine``; the TP workers stay Ray actors in this replica's placement group): outputs reach
 the HTTP responses through asyncio, and ``check_health`` / ``__del__`` act for the engine as the engine
@@ -69,6 +70,7 @@ from ..openai.service import OpenAIService
 from ..openai.validation import ModelLimits
 from ..routing.router import replica_summaries
 from .engine_deployment import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S
+from .failover import FailoverEngineClient
 from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
 from .served_engine import DrainReport, ModelMeta, ServedEngine
@@ -106,8 +108,10 @@ class HandleEngineClient:
         replica, stats = await self._handle.replica_stats.remote()
         return [ReplicaState(replica, stats)]
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator:
-        response = self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params)
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params,
+                       resume_tokens: list[int] = ()) -> AsyncIterator:
+        response = self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params,
+                                                                     list(resume_tokens))
         exhausted = False
         try:
             async for output in response:
@@ -159,8 +163,9 @@ class OpenAIIngress:
         if isinstance(engine, EngineConfig):
             self._served = ServedEngine(engine)
             meta, client = self._served.model_meta(), self._served
-        else:
-            meta, client = await engine.model_meta.remote(), HandleEngineClient(engine)
+        else:           # streams continue on another replica when theirs is lost (failover.py)
+            meta = await engine.model_meta.remote()
+            client = FailoverEngineClient(HandleEngineClient(engine), on_failover=lambda: self._metrics.failovers.inc())
         name, aliases = served_names(model, meta, served_model_name)
         tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)
         limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len,
@@ -168,8 +173,8 @@ class OpenAIIngress:
                              sequences_in_flight=max(1, meta.max_num_seqs // 2))
         self._engine, self._limits_meta = engine, meta
         self._client = client
-        self._service = OpenAIService(client, tokenizer, limits, ServerMetrics(name), reasoning_parser,
-                                      tool_call_parser)
+        self._metrics = ServerMetrics(name)
+        self._service = OpenAIService(client, tokenizer, limits, self._metrics, reasoning_parser, tool_call_parser)
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
 

@@ -63,11 +63,11 @@ class ServedEngine:
         self._closed = False
         self._engine = AsyncEngine(config)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       resume_tokens: list[int] = ()) -> AsyncIterator[RequestOutput]:
         # an async generator function, not a method returning AsyncEngine's generator: Serve runs a
         # plain method in its thread pool and streams only what a generator function yields
-        async for output in self._engine.generate(request_id, prompt_token_ids, params):
+        async for output in self._engine.generate(request_id, prompt_token_ids, params, resume_tokens=resume_tokens):
             yield output
 
     async def abort(self, request_id: str) -> bool:

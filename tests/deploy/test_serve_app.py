@@ -452,15 +452,23 @@ def _is_single_new_replica(old: list[str]) -> bool:
     return len(names) == 1 and names != old
 
 
+def _failovers(http) -> float:
+    """``pagedray:request_failovers_total`` from /metrics."""
+    line = next(line for line in http.get("/metrics").text.splitlines()
+                if line.startswith("pagedray:request_failovers_total"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def _created_placement_group_ids() -> set[str]:
     import ray
 
     return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
 
 
-def test_dead_engine_replica_fails_requests_cleanly_and_serve_replaces_it(app, http):
+def test_dead_engine_replica_mid_stream_continues_on_its_replacement(app, http):
     """Runs after the rank-death test: kills the engine replica actor (the central actor) mid-stream.
-    The stream must end with an SSE error event and [DONE] within 10 s; Serve brings a new replica up;
+    The ingress continues the stream as a continuation once Serve has replaced the replica (the only one):
+    the client sees one stream with exactly the undisturbed text, and /metrics counts the failover;
     afterwards exactly one TP worker and no extra placement group are left, and the app answers again."""
     import time
 
@@ -469,16 +477,18 @@ def test_dead_engine_replica_fails_requests_cleanly_and_serve_replaces_it(app, h
     replicas = _alive_engine_replica_names()
     assert len(replicas) == 1, replicas
     groups_before = _created_placement_group_ids()
-    body = {"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
-    with http.stream("POST", "/v1/completions", json=body) as response:
+    body = {"prompt": PROMPTS[1], "max_tokens": 160, "ignore_eos": True, "temperature": 0}
+    expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    failovers_before = _failovers(http)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert first.startswith("data: {")
         ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True)
-        rest = "\n\n".join(line for line in lines if line.startswith("data: "))
-    events = parse_sse(rest)
-    assert events[-1] == "[DONE]"
-    assert any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+        events = parse_sse("\n\n".join([first] + [line for line in lines if line.startswith("data: ")]))
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == expected
+    assert _failovers(http) == failovers_before + 1
 
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

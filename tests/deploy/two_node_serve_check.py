@@ -4,10 +4,12 @@ proxy and the ingress; two nodes of 2 CPUs, each fitting one replica's placement
 is removed. Prints one JSON line with what the test checks (test_multinode_slow.py).
 
 Steps: deploy ``deploy/serve/serve.yaml``'s app (its args, with a small KV cache and 2 replicas) through
-``serve.run``; a shared-prefix workload (the cached tokens each request reports); two long streams
-in flight (one per replica: the router sends the second to the less-loaded one); remove the node of
-one replica; read both streams to their end; wait (hang guard) until Serve runs 1 engine replica; send
-new requests.
+``serve.run``; a shared-prefix workload (the cached tokens each request reports); each long request of
+``LONG`` once without streaming (its undisturbed text), then all four as streams in flight (greedy and
+seeded, completions and chat; two per replica: the router sends each to the less-loaded one); remove the
+node of one replica; read the streams to their end (the ingress continues the lost ones on the other
+replica: deploy/serve/failover.py); wait (hang guard) until Serve runs 1 engine replica; send new
+requests.
 
 The ingress replica asks for no CPU, so Ray may place it on either replica's node. The node removed is
 the engine replica's node that does not hold the ingress, and Serve's HTTP proxy runs on the head only:
@@ -30,13 +32,25 @@ from ray.cluster_utils import Cluster
 SHARED = ("You are a careful assistant for a small bakery. Answer in one short sentence, name the product, "
           "give its price in euros and never invent products that are not on the menu of the day. ")
 HANG_GUARD_S = 300.0
+LONG = [("/v1/completions", {"prompt": "Count to a thousand:", "temperature": 0}),
+        ("/v1/completions", {"prompt": "List every animal you know:", "temperature": 0.9, "seed": 3}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Describe a forest."}], "temperature": 0}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Write a poem."}], "temperature": 0.8,
+                                  "seed": 7})]
 
 
-def stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
+def text_of(choice: dict) -> str:
+    """A choice's text: a completion's text, a chat message's content, or a chunk's delta content."""
+    if "text" in choice:
+        return choice["text"] or ""
+    return (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+
+
+def stream(url: str, path: str, body: dict, out: dict, started: threading.Event) -> None:
     events = []
     try:
         with httpx.Client(base_url=url, timeout=HANG_GUARD_S, trust_env=False) as client:
-            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            with client.stream("POST", path, json={**body, "stream": True}) as response:
                 out["status"] = response.status_code
                 for line in response.iter_lines():
                     if line.startswith("data: "):
@@ -49,8 +63,16 @@ def stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
     out["error_event"] = any(e.startswith('{"error"') for e in events)
     chunks = [json.loads(e) for e in events if e.startswith('{"id"')]
     out["chunks"] = len(chunks)
+    out["text"] = "".join(text_of(c["choices"][0]) for c in chunks if c["choices"])
     reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     out["finish_reason"] = reasons[-1] if reasons else None
+
+
+def failovers(client: httpx.Client) -> float:
+    """``pagedray:request_failovers_total`` of the ingress."""
+    line = next(line for line in client.get("/metrics").text.splitlines()
+                if line.startswith("pagedray:request_failovers_total"))
+    return float(line.rsplit(" ", 1)[1])
 
 
 def replica_nodes(app: str) -> dict[str, int]:
@@ -107,11 +129,14 @@ def main(model_path: str) -> None:
                 .json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                 for q in ("Bread?", "Cake?", "Tea?", "Pies?")]
 
-        long_body = {"max_tokens": 300, "ignore_eos": True, "temperature": 0}
-        outs = [{}, {}]
-        starts = [threading.Event(), threading.Event()]
-        threads = [threading.Thread(target=stream, args=(url, {**long_body, "prompt": p}, out, ev), daemon=True)
-                   for p, out, ev in zip(("Count to a thousand:", "List every animal you know:"), outs, starts)]
+        bodies = [(path, {**body, "max_tokens": 200, "ignore_eos": True}) for path, body in LONG]
+        with httpx.Client(base_url=url, timeout=HANG_GUARD_S, trust_env=False) as client:
+            result["expected"] = [text_of(client.post(path, json=body).json()["choices"][0]) for path, body in bodies]
+            result["failovers_before"] = failovers(client)
+        outs = [{} for _ in bodies]
+        starts = [threading.Event() for _ in bodies]
+        threads = [threading.Thread(target=stream, args=(url, path, body, out, ev), daemon=True)
+                   for (path, body), out, ev in zip(bodies, outs, starts)]
         for thread, started in zip(threads, starts):
             thread.start()
             assert started.wait(HANG_GUARD_S)
@@ -131,6 +156,7 @@ def main(model_path: str) -> None:
             result["after_statuses"] = [
                 client.post("/v1/completions", json={"prompt": f"Say {i}:", "max_tokens": 2}).status_code
                 for i in range(5)]
+            result["failovers_after"] = failovers(client)
         serve.delete(app_spec["name"])
     finally:
         serve.shutdown()

@@ -1,0 +1,151 @@
+"""Streams that survive a lost engine replica: the ingress continues them on another replica.
+
+``FailoverEngineClient`` wraps the ingress's client of the engine deployment (``HandleEngineClient``;
+several replicas, or autoscaling). When the replica serving a request is lost mid-stream (its actor
+died or its node went away: ``RayActorError``; its engine died: ``EngineDeadError`` or an output marked
+``engine_failed``), the request is submitted again, as a continuation, through the same handle (Serve
+routes it to a live replica): the prompt, the sampling parameters, and per sample the output tokens
+already streamed (``resume_tokens``: ``Engine.add_request``). The new replica computes them with the prompt
+and samples on from the next position, so greedy and seeded samples continue token for token as the lost
+run would have (seeded draws depend on (seed, position); penalties and grammars see the resumed tokens).
+Everything above this client (detokenizer, stop strings, tool and reasoning parsers, usage) sees one
+stream: continuation outputs carry no prompt fields, and usage counts the prompt once.
+
+- ``n > 1``: each unfinished sample continues as a request of its own (n=1, its sibling seed ``seed + i``),
+  merged back under its index.
+- Bounded: at most ``MAX_FAILOVERS`` continuations per request, the k-th after ``BACKOFF_S[k-1]`` seconds
+  (the first at once: Serve's router drops a replica whose actor died at the first failed call), each
+  placed within ``PLACEMENT_TIMEOUT_S`` (with one replica, the continuation waits for Serve to replace it).
+  A request that cannot be placed ends as before: the error reaches the stream (an SSE error event).
+- Never for a request's own failure (an ``error`` from its grammar or its logits, a 4xx): that would
+  fail again the same way.
+- Unseeded sampling continues too, but not reproducibly (it never was).
+
+``pagedray:request_failovers_total`` counts continuations (``on_failover``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import replace
+
+from pagedray.cluster.outputs import CompletionOutput, EngineDeadError, RequestOutput
+from pagedray.cluster.request import sibling_seed
+from pagedray.workers.contract.sampling_params import SamplingParams
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
+
+from ..openai.streaming import merge_streams
+
+MAX_FAILOVERS = 3
+BACKOFF_S = (0.0, 1.0, 4.0)
+# a continuation's first output must come within this (Serve may be starting the replica that takes it)
+PLACEMENT_TIMEOUT_S = 180.0
+REPLICA_LOST = (RayActorError, ReplicaUnavailableError, EngineDeadError)
+
+
+class NotPlaced(EngineDeadError):
+    """No replica took a continuation within the placement timeout: the request ends (not retried)."""
+
+
+class ReplicaLost(Exception):
+    """An output said the engine failed under the request (``RequestOutput.engine_failed``)."""
+
+
+class FailoverEngineClient:
+    def __init__(self, inner, on_failover: Callable[[], None] = lambda: None, max_failovers: int = MAX_FAILOVERS,
+                 sleep: Callable[[float], object] = asyncio.sleep,
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+        self._inner = inner
+        self._placement_timeout_s = placement_timeout_s
+        self._on_failover = on_failover
+        self._max_failovers = max_failovers
+        self._sleep = sleep
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       ) -> AsyncIterator[RequestOutput]:
+        produced: list[list[int]] = [[] for _ in range(params.n)]     # per sample: tokens streamed so far
+        done = [False] * params.n
+        cached, failovers = 0, 0
+        stream = self._inner.generate(request_id, prompt_token_ids, params)
+        while True:
+            try:
+                async with aclosing(stream) as outputs:
+                    async for out in outputs:
+                        lost = out.engine_failed and failovers < self._max_failovers
+                        if lost:             # its tokens are real; its "error" finish is the replica's
+                            out = replace(out, outputs=[replace(c, finish_reason=None) for c in out.outputs
+                                                        if c.token_ids], error=None, finished=False,
+                                          engine_failed=False)
+                        if failovers:        # the prompt was reported once, by the first replica
+                            out = replace(out, prompt_token_ids=None, prompt_logprobs=None,
+                                          num_cached_prompt_tokens=cached)
+                        cached = out.num_cached_prompt_tokens
+                        for completion in out.outputs:
+                            produced[completion.index] += completion.token_ids
+                            done[completion.index] |= completion.finish_reason is not None
+                        if failovers:
+                            out = replace(out, finished=all(done))
+                        if out.outputs or out.finished or out.error is not None:
+                            yield out
+                        if lost:
+                            raise ReplicaLost("the engine failed under the request")
+                return
+            except (*REPLICA_LOST, ReplicaLost) as exc:
+                if failovers >= self._max_failovers or all(done) or isinstance(exc, NotPlaced):
+                    raise
+            failovers += 1
+            self._on_failover()
+            await self._sleep(BACKOFF_S[min(failovers, len(BACKOFF_S)) - 1])
+            stream = _placed_within(self._continuation(f"{request_id}:failover{failovers}", prompt_token_ids, params,
+                                                       produced, done), self._placement_timeout_s)
+
+    def _continuation(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      produced: list[list[int]], done: list[bool]) -> AsyncIterator[RequestOutput]:
+        """One stream of the unfinished samples' continuations, under their own indices."""
+        if params.n == 1:
+            return self._inner.generate(request_id, prompt_token_ids, params, resume_tokens=produced[0])
+        streams, indices = [], []
+        for i in range(params.n):
+            if not done[i]:
+                seed = None if params.seed is None else sibling_seed(params.seed, i)
+                streams.append(self._inner.generate(f"{request_id}:{i}", prompt_token_ids,
+                                                    replace(params, n=1, seed=seed), resume_tokens=produced[i]))
+                indices.append(i)
+        return _merged(streams, indices)
+
+    # the rest is the inner client's
+    async def stats(self):
+        return await self._inner.stats()
+
+    async def replica_states(self) -> list:
+        return await self._inner.replica_states()
+
+    async def check_ready(self) -> None:
+        await self._inner.check_ready()
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]], indices: list[int]) -> AsyncIterator[RequestOutput]:
+    """Per-sample continuation streams as one: each output's sample 0 renamed to its original index."""
+    async for which, out in merge_streams(streams):
+        yield replace(out, outputs=[CompletionOutput(indices[which], c.token_ids, c.logprobs, c.finish_reason)
+                                    for c in out.outputs])
+
+
+async def _placed_within(stream: AsyncIterator[RequestOutput], timeout_s: float) -> AsyncIterator[RequestOutput]:
+    """``stream``, whose first output must come within ``timeout_s`` (EngineDeadError otherwise: the
+    request cannot be placed, and ends)."""
+    async with aclosing(stream) as outputs:
+        iterator = aiter(outputs)
+        try:
+            first = await asyncio.wait_for(anext(iterator), timeout_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise NotPlaced(f"engine dead: no engine replica took the request's continuation within "
+                                  f"{timeout_s:.0f} s") from None
+        yield first
+        async for out in iterator:
+            yield out
