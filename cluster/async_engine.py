@@ -191,11 +191,15 @@ class AsyncEngine:
         self._stalled = EngineDeadError(message)
         self._pool.submit(self.engine.fail, self._stalled)   # runs once the stalled step returns
         for request_id, queue in self._streams.items():
-            n = self._num_samples.get(request_id, 1)
-            queue.put_nowait(RequestOutput(
-                request_id=request_id, finished=True, error=message, engine_failed=True,
-                outputs=[CompletionOutput(index=i, finish_reason="error") for i in range(n)]))
+            queue.put_nowait(self._failed_output(request_id, message))
         self._streams.clear()
+
+    def _failed_output(self, request_id: str, message: str) -> RequestOutput:
+        """The last output of a request that ends through no fault of its own (``engine_failed``: the
+        ingress may continue it on another replica)."""
+        n = self._num_samples.get(request_id, 1)
+        return RequestOutput(request_id=request_id, finished=True, error=message, engine_failed=True,
+                             outputs=[CompletionOutput(index=i, finish_reason="error") for i in range(n)])
 
     def _step_burst(self, loop: asyncio.AbstractEventLoop) -> None:
         """Runs on the step thread: steps back to back while there is work, handing each step's outputs
@@ -306,16 +310,23 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def drain(self, timeout_s: float) -> int:
+    async def drain(self, timeout_s: float, hand_over: bool = False) -> int:
         """Refuse new requests, wait up to ``timeout_s`` for the in-flight ones, abort the rest; returns
-        how many were aborted."""
+        how many were aborted. ``hand_over``: the rest end with an ``engine_failed`` output instead of
+        finish_reason "abort", so that the ingress continues them on another replica (a replica that
+        Serve removes: deploy/serve/failover.py)."""
         self._draining = True
         deadline = self._clock() + timeout_s
         while self._streams and self._clock() < deadline:
             await asyncio.sleep(0.05)
         unfinished = list(self._streams)
         for request_id in unfinished:
-            await self.abort(request_id)
+            if hand_over:
+                self._streams.pop(request_id).put_nowait(
+                    self._failed_output(request_id, "engine dead: the engine replica was shut down"))
+                self._push(AbortCommand(request_id))
+            else:
+                await self.abort(request_id)
         while self._streams and self._loop_task is not None and not self._loop_task.done():
             await asyncio.sleep(0.01)
         await self._wait_idle(max(0.0, deadline - self._clock()) + 5.0)

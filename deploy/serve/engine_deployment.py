@@ -38,7 +38,8 @@ Draining (``served_engine.py`` holds the state; the same with ``engine_in_ingres
   its ongoing calls (the streams in flight) and force-kills it after ``graceful_shutdown_timeout_s``
   (= ``graceful_shutdown_s``; the ingress gets ``SHUTDOWN_MARGIN_S`` more, so that it outlives the
   engine and can end a stream cut by that kill with an SSE error event). Then it calls ``__del__``,
-  which aborts whatever is left and stops the TP workers. During ``serve delete`` the Serve proxy
+  which hands whatever is left over (each stream ends as a lost replica's would, and the ingress
+  continues it on another replica: ``failover.py``) and stops the TP workers. During ``serve delete`` the Serve proxy
   drops the route at once: new HTTP requests get the proxy's 404 while the ones in flight finish.
   For 503s and a clean cut at a deadline, call ``drain`` before deleting.
 """
@@ -102,7 +103,8 @@ class EngineDeployment(ServedEngine):
         return await self.routing_stats(replica_id(), self._prefix_summary_blocks)
 
     async def __del__(self) -> None:
-        # Serve calls this once the ongoing calls are done (or its wait was cut short): abort the rest.
-        # A replica whose constructor failed has no engine: nothing to stop (and no noise in the log).
+        # Serve calls this once the ongoing calls are done (or its wait was cut short): hand the rest over
+        # (the ingress continues them on another replica). A replica whose constructor failed has no
+        # engine: nothing to stop (and no noise in the log).
         if getattr(self, "_engine", None) is not None:
-            await self.close()
+            await self.close(hand_over=True)

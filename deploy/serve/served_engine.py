@@ -126,11 +126,13 @@ class ServedEngine:
                          vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
                          dtype=engine.dtype, max_num_seqs=self._config.scheduler.max_num_seqs)
 
-    async def close(self) -> None:
+    async def close(self, hand_over: bool = False) -> None:
+        """Stops the engine; the requests still in flight are aborted, or (``hand_over``) end as the
+        requests of a lost replica, which an ingress with failover continues elsewhere."""
         if self._closed:
             return
         self._closed, self._draining = True, True
         try:
-            await self._engine.drain(0.0)
+            await self._engine.drain(0.0, hand_over=hand_over)
         finally:
             self._engine.shutdown()

@@ -234,6 +234,34 @@ def test_drain_aborts_what_is_still_running_at_the_timeout(tiny_llama_path):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_a_hand_over_drain_ends_streams_as_a_lost_replicas(tiny_llama_path):
+    """``drain(0, hand_over=True)`` (a replica Serve removes): the stream still running ends with an output
+    marked ``engine_failed`` (the ingress continues it elsewhere, deploy/serve/failover.py), not "abort";
+    its sequence is aborted in the engine and every block comes back."""
+    clock = FakeClock()
+    fake = PacedFakeExecutor(64, clock, step_s=1.0)
+    fake.hold_at = clock() + 3                           # the 4th step waits: "long" is surely in flight
+    engine = _engine(tiny_llama_path, fake, clock=clock)
+
+    async def main():
+        long = asyncio.create_task(_consume(engine, "long", [7], 200))
+        fake.gate.set()
+        await asyncio.to_thread(fake.holding.wait, 60)
+        drain = asyncio.create_task(engine.drain(timeout_s=0, hand_over=True))
+        tokens, outs = await long                        # ended by the hand-over, the step still held
+        fake.release.set()
+        return await drain, tokens, outs
+    try:
+        handed_over, tokens, outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    last = outs[-1]
+    assert handed_over == 1 and last.engine_failed and last.error.startswith("engine dead")
+    assert [c.finish_reason for c in last.outputs] == ["error"] and 1 <= len(tokens) < 200
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_steps_run_back_to_back_while_the_event_loop_is_busy(tiny_llama_path):
     """The step thread does not wait for the event loop between steps: with the loop blocked right after
     the first output arrives, the later steps still run (the executor sees step 3, which needs step 2's

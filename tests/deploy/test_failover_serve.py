@@ -1,7 +1,9 @@
 """Stream failover on a real Serve app with two engine replicas (one node): four streams run (greedy and
 seeded; completions and chat), one engine replica's actor is killed while they stream, and every stream
 still ends with exactly the text of an undisturbed run: the ingress continued the lost ones on the other
-replica (deploy/serve/failover.py). /metrics counts the failovers (``pagedray:request_failovers_total``)."""
+replica (deploy/serve/failover.py). /metrics counts the failovers (``pagedray:request_failovers_total``).
+Then a redeploy to one replica while streams run: the replicas Serve removes stop after
+``graceful_shutdown_s`` (1 s here, shorter than the streams), and their streams too finish exactly."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ MAX_TOKENS = 120
 
 @pytest.fixture(scope="module")
 def app(ray_session, default_model_path):
-    running = start_app(default_model_path, num_replicas=2, executor="local")
+    running = start_app(default_model_path, num_replicas=2, executor="local", graceful_shutdown_s=1.0)
     yield running
     stop_app(running)
 
@@ -64,9 +66,17 @@ def _failovers(http) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app):
+def _engine_replicas() -> list[str]:
     import ray
 
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and "PagedEngine" in a["name"])
+
+
+def _streams_survive(app, disrupt, count_failovers: bool = True) -> None:
+    """Undisturbed texts first; then the four requests as streams, ``disrupt()`` once each has started;
+    every stream must end with its undisturbed text, and (``count_failovers``) the ingress must have
+    counted a failover."""
     http = httpx.Client(base_url=app.url, headers=AUTH, timeout=600, trust_env=False)
     bodies = [(path, {**body, "max_tokens": MAX_TOKENS, "ignore_eos": True}) for path, body in REQUESTS]
     expected = []
@@ -75,20 +85,51 @@ def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app):
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         expected.append(choice["text"] if path == "/v1/completions" else choice["message"]["content"])
-    replicas = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a["namespace"] == "serve" and "PagedEngine" in a["name"])
-    assert len(replicas) == 2, replicas
     before = _failovers(http)
     outs = [{} for _ in bodies]
     started = [threading.Event() for _ in bodies]
     threads = [_stream(app.url, path, body, started[i], outs[i]) for i, (path, body) in enumerate(bodies)]
     for event in started:
         assert event.wait(300), "a stream did not start"
-    ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True)
+    disrupt()
     for thread in threads:
         thread.join(600)
     for (path, _), out, text in zip(bodies, outs, expected):
         events = out["events"]
         assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
         assert _text(path, events) == text
-    assert _failovers(http) > before
+    if count_failovers:
+        assert _failovers(http) > before
+
+
+def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app):
+    import ray
+
+    replicas = _engine_replicas()
+    assert len(replicas) == 2, replicas
+    _streams_survive(app, lambda: ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True))
+
+
+def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_path):
+    """``serve.run`` with ``num_replicas: 1`` replaces every replica (a new app version), the ingress too:
+    the old engine replicas stop after ``graceful_shutdown_s`` (1 s, shorter than the streams), and the old
+    ingress, alive for its own longer grace, continues their streams on the new replica. (Measured: Serve
+    kills the old replica before its ``__del__`` runs, so the ingress sees the actor die; the test passes
+    with or without ``close(hand_over=True)``, which covers the other order and is checked in
+    test_async_engine.py. The old ingress' failover count goes with it: the new one starts at 0.)"""
+    import time
+
+    from helpers.serve_fixtures import APP_ARGS, APP_NAME
+    from pagedray.deploy.serve.app import build_app
+    from ray import serve
+
+    deadline = time.monotonic() + 300                 # hang guard: Serve replaced the killed replica
+    while len(_engine_replicas()) != 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(_engine_replicas()) == 2
+    args = {"model": default_model_path, **APP_ARGS, "num_replicas": 1, "executor": "local",
+            "graceful_shutdown_s": 1.0}
+    old = _engine_replicas()
+    _streams_survive(app, lambda: serve.run(build_app(args), name=APP_NAME, route_prefix="/"),
+                     count_failovers=False)
+    assert len(_engine_replicas()) == 1 and not set(_engine_replicas()) & set(old)
