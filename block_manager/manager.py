@@ -81,6 +81,7 @@ class BlockManager:
         self._recently_freed_cap = max(1024, num_blocks)
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
+        self._prefix_hits: dict[BlockKey, int] = {}   # deepest block a prefix hit reused -> hits (hot_prefixes)
 
     # -- prefix lookup ----------------------------------------------------------------------------
     def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], BlockKey | None]:
@@ -105,6 +106,39 @@ class BlockManager:
         the same hashes for a prompt's blocks."""
         _require_count("limit", limit)
         return self.pool.cached_key_hashes(limit) if self.enable_prefix_caching else []
+
+    def _count_hit(self, key: BlockKey) -> None:
+        hits = self._prefix_hits
+        hits[key] = hits.get(key, 0) + 1
+        if len(hits) > 4 * self.num_blocks:       # bounded: forget the keys whose blocks were evicted
+            self._prefix_hits = {k: n for k, n in hits.items() if self.pool.lookup(k) is not None}
+
+    def hot_prefixes(self, max_tokens: int) -> list[list[int]]:
+        """Token ids of the cached prefixes that prefix hits reused most, most hits first, at most
+        ``max_tokens`` tokens in all: each runs from the first token to the end of the deepest block a
+        hit reused (whole blocks); among equally reused ones the longest first, and a prefix inside one
+        already chosen is left out. For warming another replica's cache (deploy/serve/warm_up.py)."""
+        _require_count("max_tokens", max_tokens)
+        chains = []
+        for key, hits in self._prefix_hits.items():
+            if self.pool.lookup(key) is None:
+                continue                           # evicted since
+            chain, node = [], key
+            while node is not None:
+                chain.append(node)
+                node = node.parent
+            chains.append((hits, chain[::-1]))
+        chains.sort(key=lambda item: (-item[0], -len(item[1])))   # most hits, then the longest
+        covered: set[BlockKey] = set()
+        prefixes, used = [], 0
+        for _, chain in chains:
+            tokens = [t for block in chain for t in block.token_ids]
+            if chain[-1] in covered or used + len(tokens) > max_tokens:
+                continue
+            prefixes.append(tokens)
+            used += len(tokens)
+            covered.update(chain)
+        return prefixes
 
     def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens covered by the longest run of cached full blocks, always < len(token_ids)."""
@@ -196,6 +230,8 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._prefix_query_tokens += len(token_ids)
             self._prefix_hit_tokens += num_hit * bs
+            if last_key is not None:
+                self._count_hit(last_key)
         if total >= next_hash_at:
             self._hash_full_blocks(seq, token_ids)
         return Allocation(num_hit * bs, list(table))

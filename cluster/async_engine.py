@@ -288,6 +288,11 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.engine.block_manager.cached_prefix_hashes, limit)
 
+    async def hot_prefixes(self, max_tokens: int) -> list[list[int]]:
+        """``BlockManager.hot_prefixes`` read on the step thread (between steps)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.engine.block_manager.hot_prefixes, max_tokens)
+
     @property
     def model_path(self) -> str:
         return str(self.engine.model_path)

@@ -55,6 +55,7 @@ from ..routing.router import PREFIX_SUMMARY_BLOCKS
 from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
 from .served_engine import ServedEngine, replica_id
+from .warm_up import warm_from_peers
 
 ENGINE_DEPLOYMENT_NAME = "PagedEngine"
 # Serve calls ``check_health`` this often and replaces a replica after 3 failures in a row (Serve's
@@ -79,12 +80,16 @@ def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool
 class EngineDeployment(ServedEngine):
     """ServedEngine's methods are what the ingress calls (``generate``, ``abort``, ``stats``, ``check_ready``,
     ``drain``, ``model_meta``); this class adds Serve's hooks and the per-replica calls.
-    ``prefix_summary_blocks``: cached prefix-block hashes per routing summary (0: none, no router reads them)."""
+    ``prefix_summary_blocks``: cached prefix-block hashes per routing summary (0: none, no router reads them).
+    ``warm_prefix_tokens``: prefill up to this many tokens of a running replica's hottest prefixes before
+    taking traffic (``warm_up.py``; 0: off)."""
 
-    def __init__(self, config, prefix_summary_blocks: int = PREFIX_SUMMARY_BLOCKS) -> None:
+    async def __init__(self, config, prefix_summary_blocks: int = PREFIX_SUMMARY_BLOCKS,
+                       warm_prefix_tokens: int = 0) -> None:
         bind_replica_grpc_to_loopback()   # before Serve starts the replica's gRPC server (loopback nodes)
         super().__init__(config)
         self._prefix_summary_blocks = prefix_summary_blocks
+        self.warm_report = await warm_from_peers(self, warm_prefix_tokens)
 
     def process_id(self) -> int:
         """The replica's pid (memory checks from tests and benchmarks on the same machine)."""
@@ -94,6 +99,10 @@ class EngineDeployment(ServedEngine):
         """(this replica's Serve id, its EngineStats): per-replica figures for the ingress' /metrics with one
         replica, benchmarks and tools (a call reaches whichever replica the router picks)."""
         return replica_id(), await self.stats()
+
+    def warm_up_report(self) -> tuple[str, dict]:
+        """(this replica's Serve id, what its warm-up did: prefixes, tokens, seconds, why it was skipped)."""
+        return replica_id(), self.warm_report
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """For Serve's custom autoscaling policies (``autoscaling.kv_pressure_policy``)."""

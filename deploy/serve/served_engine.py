@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -118,6 +119,21 @@ class ServedEngine:
         hashes = await self._engine.cached_prefix_hashes(max_blocks) if max_blocks else []
         return {"replica": replica, "prefix_hashes": hashes, "stats": stats.to_dict(), "healthy": healthy,
                 "reason": reason}
+
+    async def hot_prefixes(self, max_tokens: int) -> list[list[int]]:
+        """The prefixes this replica's prefix hits reused most, within ``max_tokens`` tokens (``warm_up.py``)."""
+        return await self._engine.hot_prefixes(max_tokens)
+
+    async def warm_up(self, prefixes: list[list[int]]) -> int:
+        """Prefills ``prefixes`` (one token generated each, thrown away) so that they sit in this replica's
+        prefix cache; returns the prompt tokens run."""
+        async def prefill(i: int, tokens: list[int]) -> None:
+            async for _ in self._engine.generate(f"warm-up-{i}", tokens, SamplingParams(max_tokens=1, temperature=0)):
+                pass
+
+        usable = [p for p in prefixes if 0 < len(p) < self._engine.max_model_len]
+        await asyncio.gather(*(prefill(i, p) for i, p in enumerate(usable)))
+        return sum(len(p) for p in usable)
 
     def model_meta(self) -> ModelMeta:
         engine = self._engine
