@@ -6,7 +6,7 @@ whether its text changes (deploy/serve/failover.py).
 Starts a local Ray instance and the Serve app with two engine replicas (in-process model, fp32, the
 engine in a deployment of its own). Each round: the undisturbed text of ``--streams`` requests (greedy
 and seeded, one after the other), then the same requests as concurrent streams; once every stream has
-sent its first token, one engine replica's actor is killed (``ray.kill``: the process dies at once);
+sent its first token, one engine replica's process gets SIGKILL (the pid a ``process_id`` call returns);
 every stream is read to its end; then the app is given time to replace the replica (hang guard only).
 Per stream: whether its text equals the undisturbed one, and the time from the kill to its next token.
 The streams the kill moved are those ``pagedray:request_failovers_total`` counts; their pause is the
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import signal
 import socket
 import statistics
 import sys
@@ -85,8 +87,6 @@ def _engine_replicas() -> list[str]:
 
 
 def run_round(url: str, bodies: list[dict]) -> dict:
-    import ray
-
     with httpx.Client(base_url=url, timeout=HANG_GUARD_S, trust_env=False) as client:
         expected = [client.post("/v1/completions", json=body).json()["choices"][0]["text"] for body in bodies]
         before = _failovers(client)
@@ -95,8 +95,11 @@ def run_round(url: str, bodies: list[dict]) -> dict:
         threads = [_stream(url, body, out, event) for body, out, event in zip(bodies, outs, started)]
         for event in started:
             event.wait(HANG_GUARD_S)
+        from ray import serve
+
+        pid = serve.get_deployment_handle("PagedEngine", APP_NAME).process_id.remote().result()
         killed_at = time.monotonic()
-        ray.kill(ray.get_actor(_engine_replicas()[0], namespace="serve"), no_restart=True)
+        os.kill(pid, signal.SIGKILL)
         for thread in threads:
             thread.join(HANG_GUARD_S)
         moved = int(_failovers(client) - before)
