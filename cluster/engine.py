@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, replace
 
 from pagedray.block_manager import BlockManager
@@ -65,6 +66,7 @@ class Engine:
         self._dead: BaseException | None = None
         self._num_steps = 0
         self._num_finished = 0
+        self._warm_up_ids: set[str] = set()     # internal requests re-prefilling hot prefixes (_queue_warm_up)
         self.num_rank_restarts = 0
         self.recovering = False                 # True while the TP group is being rebuilt (step thread)
         self.last_recovery_s: float | None = None   # duration of the last rebuild + reset
@@ -191,6 +193,10 @@ class Engine:
     def _outputs_of(self, touched: list) -> list[RequestOutput]:
         outputs = []
         for request in touched:
+            if request.request_id in self._warm_up_ids:   # internal: nobody waits for its output
+                if request.is_finished:
+                    self._warm_up_ids.discard(request.request_id)
+                continue
             if request.is_finished:
                 self._num_finished += 1
             outputs.append(self.output_builder.make(request))
@@ -224,6 +230,7 @@ class Engine:
             return RuntimeError(f"{exc} (max_rank_restarts={limit} rebuilds already used)")
         self.num_rank_restarts += 1
         started = time.monotonic()
+        hot = self.block_manager.hot_prefixes(self.config.cache.warm_prefix_tokens)   # the lost cache's
         requeued = self.scheduler.reset_after_kv_loss(self._fresh_block_manager())
         self.block_manager = self.scheduler.block_manager
         self.plan_builder = PlanBuilder(self.block_manager)
@@ -238,7 +245,18 @@ class Engine:
             self.recovering = False
         self.last_recovery_s = time.monotonic() - started
         logger.warning("TP group rebuilt in %.2f s", self.last_recovery_s)
+        self._queue_warm_up(hot)
         return None
+
+    def _queue_warm_up(self, prefixes: list[list[int]]) -> None:
+        """Internal requests that prefill ``prefixes`` again (one token each, never streamed), queued after the
+        re-queued sequences: the requests after a rebuild find the prefixes they kept reusing cached."""
+        params = SamplingParams(max_tokens=1, temperature=0)
+        for tokens in prefixes:
+            if len(tokens) < self.max_model_len:
+                request_id = f"pagedray-warm-up-{uuid.uuid4().hex}"
+                self.scheduler.enqueue(request_id, tokens, params)
+                self._warm_up_ids.add(request_id)
 
     def _fresh_block_manager(self) -> BlockManager:
         old = self.block_manager
@@ -260,7 +278,8 @@ class Engine:
         self._dead = exc
         logger.error("the engine is dead: %s: %s", type(exc).__name__, exc, exc_info=exc)
         message = ENGINE_DEAD_MESSAGE
-        failed = self.scheduler.abort_all(FinishReason.ERROR)
+        failed = [r for r in self.scheduler.abort_all(FinishReason.ERROR) if r.request_id not in self._warm_up_ids]
+        self._warm_up_ids.clear()
         self.plan_builder.forget_all()
         self._num_finished += len(failed)
         return [replace(self.output_builder.make(r, error=message), engine_failed=True) for r in failed]

@@ -46,8 +46,6 @@ def parse_args(args: dict | None) -> BaseModel:
     if parsed.tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
         raise ValueError(f"tool_call_parser: must be one of auto, {', '.join(TOOL_CALL_PARSERS)}, "
                          f"got {parsed.tool_call_parser!r}")
-    if parsed.warm_prefix_tokens < 0:
-        raise ValueError(f"warm_prefix_tokens: must be >= 0, got {parsed.warm_prefix_tokens}")
     if parsed.router_max_imbalance < 0:
         raise ValueError(f"router_max_imbalance: must be >= 0, got {parsed.router_max_imbalance}")
     if parsed.engine_in_ingress is True and parsed.request_router == "cache_aware":
@@ -134,8 +132,7 @@ def build_app(args: dict | None = None) -> Application:
     routing = router_config(parsed, most_replicas, config.cache.block_size)
     summary_blocks = PREFIX_SUMMARY_BLOCKS if routing else 0   # Serve's own router reads no prefix summary
     engine = EngineDeployment.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
-                                      **routing).bind(config, prefix_summary_blocks=summary_blocks,
-                                                      warm_prefix_tokens=parsed.warm_prefix_tokens)
+                                      **routing).bind(config, prefix_summary_blocks=summary_blocks)
     return OpenAIIngress.options(max_ongoing_requests=in_flight * most_replicas,
                                  graceful_shutdown_timeout_s=parsed.graceful_shutdown_s + SHUTDOWN_MARGIN_S).bind(
         engine, **ingress_args)

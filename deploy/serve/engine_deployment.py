@@ -81,15 +81,14 @@ class EngineDeployment(ServedEngine):
     """ServedEngine's methods are what the ingress calls (``generate``, ``abort``, ``stats``, ``check_ready``,
     ``drain``, ``model_meta``); this class adds Serve's hooks and the per-replica calls.
     ``prefix_summary_blocks``: cached prefix-block hashes per routing summary (0: none, no router reads them).
-    ``warm_prefix_tokens``: prefill up to this many tokens of a running replica's hottest prefixes before
-    taking traffic (``warm_up.py``; 0: off)."""
+    Before taking traffic the replica prefills up to ``cache.warm_prefix_tokens`` tokens of a running
+    replica's most reused prefixes (``warm_up.py``)."""
 
-    async def __init__(self, config, prefix_summary_blocks: int = PREFIX_SUMMARY_BLOCKS,
-                       warm_prefix_tokens: int = 0) -> None:
+    async def __init__(self, config, prefix_summary_blocks: int = PREFIX_SUMMARY_BLOCKS) -> None:
         bind_replica_grpc_to_loopback()   # before Serve starts the replica's gRPC server (loopback nodes)
         super().__init__(config)
         self._prefix_summary_blocks = prefix_summary_blocks
-        self.warm_report = await warm_from_peers(self, warm_prefix_tokens)
+        self.warm_report = await warm_from_peers(self, config.cache.warm_prefix_tokens)
 
     def process_id(self) -> int:
         """The replica's pid (memory checks from tests and benchmarks on the same machine)."""

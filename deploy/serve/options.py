@@ -56,9 +56,6 @@ SERVE_OPTIONS = (
     Option("max_body_bytes", "request body limit (413 above it)", kind=int, default=DEFAULT_MAX_BODY_BYTES),
     Option("graceful_shutdown_s", "on shutdown, how long in-flight requests may finish", kind=float,
            default=GRACEFUL_SHUTDOWN_S),
-    Option("warm_prefix_tokens", "a new engine replica prefills up to this many tokens of a running replica's "
-           "most reused prefixes before it takes traffic (deploy/serve/warm_up.py; 0: off)", kind=int,
-           default=8192),
     Option("engine_in_ingress", "run the engine (scheduler, KV block allocator) in the ingress replica: one "
            "process and one Ray stream per request fewer; TP workers stay Ray actors (app.py). Unset: on when "
            "the app has one replica (no autoscaling_config, request_router not cache_aware)", kind=bool,

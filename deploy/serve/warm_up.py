@@ -3,7 +3,7 @@
 When Serve starts an engine replica while others run (autoscaling up, a replaced replica, a rolling
 update), the new replica asks the deployment, through its own handle (Serve routes the call to a running
 replica: this one is not running yet), for the prefixes whose prefix hits that replica reused most
-(``BlockManager.hot_prefixes``, at most ``warm_prefix_tokens`` tokens), and prefills them (one token each,
+(``BlockManager.hot_prefixes``, at most ``cache.warm_prefix_tokens`` tokens), and prefills them (one token each,
 thrown away) before its constructor returns. Its first requests then hit the prefix cache as the older
 replicas' do, and the cache-aware router, which routes by cached prefixes, sends them work at once.
 

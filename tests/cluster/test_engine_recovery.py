@@ -150,3 +150,32 @@ def test_async_engine_reports_unhealthy_while_rebuilding_and_streams_resume(tiny
         _assert_idle_and_clean(engine.engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("warm_prefix_tokens", [8192, 0])
+def test_a_rebuilt_group_prefills_the_prefixes_the_lost_cache_reused(tiny_llama_path, warm_prefix_tokens):
+    """After a rebuild the engine re-prefills, as internal requests whose outputs nobody sees, the prefixes
+    its prefix hits reused most before: a request after the rebuild finds its shared prefix cached
+    (with ``warm_prefix_tokens`` 0 it recomputes it)."""
+    config = EngineConfig(model=ModelConfig(model=tiny_llama_path),
+                          cache=CacheConfig(block_size=8, num_blocks=32, warm_prefix_tokens=warm_prefix_tokens))
+    fake = RecoverableFakeExecutor(32)
+    engine = Engine(config, executor=fake)
+    shared = list(range(200, 216))                             # two full blocks
+    params = SamplingParams(temperature=0, max_tokens=3)
+
+    def run(requests):
+        seen = {}
+        for rid, prompt in requests.items():
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen.setdefault(out.request_id, out.num_cached_prompt_tokens)
+        return seen
+
+    run({f"history-{i}": shared + [i, i + 1] for i in range(3)})   # 2 prefix hits on the shared blocks
+    fake.fail_at_steps = {len(fake.plans) + 1}                   # the rank dies during the next request
+    assert set(run({"unrelated": [7, 8, 9]})) == {"unrelated"}    # no warm-up output reaches a caller
+    assert fake.num_rebuilds == 1 and engine._warm_up_ids == set()
+    assert run({"after": shared + [50, 51]}) == {"after": 16 if warm_prefix_tokens else 0}
+    _assert_idle_and_clean(engine)

@@ -195,15 +195,11 @@ def test_the_cache_aware_router_is_used_where_there_is_a_choice_of_replicas():
         config = engine_router({**args, "block_size": 32, "router_max_imbalance": 3})
         assert config.get_request_router_class() is CacheAwareRouter, args
         assert config.request_router_kwargs == {"block_size": 32, "max_imbalance": 3}
-        assert engine(args).init_kwargs == {"prefix_summary_blocks": PREFIX_SUMMARY_BLOCKS,
-                                            "warm_prefix_tokens": 8192}, args
+        assert engine(args).init_kwargs == {"prefix_summary_blocks": PREFIX_SUMMARY_BLOCKS}, args
     assert engine_router({"num_replicas": 2, "request_router": "serve"}).request_router_class == default_router
     # Serve's router reads no prefix summary: its replicas build none
     for args in ({"num_replicas": 2, "request_router": "serve"}, {"engine_in_ingress": False}):
-        assert engine(args).init_kwargs == {"prefix_summary_blocks": 0, "warm_prefix_tokens": 8192}, args
-    assert engine({"engine_in_ingress": False, "warm_prefix_tokens": 0}).init_kwargs["warm_prefix_tokens"] == 0
-    with pytest.raises(ValueError, match="warm_prefix_tokens"):
-        build_app({"warm_prefix_tokens": -1})
+        assert engine(args).init_kwargs == {"prefix_summary_blocks": 0}, args
 
 
 def test_engine_in_ingress_gives_the_ingress_the_engines_replicas_and_placement():

@@ -1,5 +1,5 @@
 """Stream failover on a real Serve app with two engine replicas (one node): four streams run (greedy and
-seeded; completions and chat), one engine replica's actor is killed while they stream, and every stream
+seeded; completions and chat), one engine replica's process is SIGKILLed while they stream, and every stream
 still ends with exactly the text of an undisturbed run: the ingress continued the lost ones on the other
 replica (deploy/serve/failover.py). /metrics counts the failovers (``pagedray:request_failovers_total``).
 Then a redeploy to one replica while streams run: the replicas Serve removes stop after
@@ -103,11 +103,13 @@ def _streams_survive(app, disrupt, count_failovers: bool = True) -> None:
 
 
 def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app):
-    import ray
+    """SIGKILL of one engine replica's process (the replica a ``process_id`` call reaches)."""
+    import os
+    import signal
 
-    replicas = _engine_replicas()
-    assert len(replicas) == 2, replicas
-    _streams_survive(app, lambda: ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True))
+    assert len(_engine_replicas()) == 2
+    pid = app.engine_handle().process_id.remote().result()
+    _streams_survive(app, lambda: os.kill(pid, signal.SIGKILL))
 
 
 def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_path):

@@ -85,6 +85,9 @@ class CacheConfig:
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model's dtype) | int8 | fp8_e4m3 (8-bit rows, "
                                          "each with a float16 scale: about twice the sequences per byte)")
     watermark: float = option(0.01, "fraction of KV blocks kept free when admitting (avoids instant preemption)")
+    warm_prefix_tokens: int = option(8192, "prefix-cache warm-up, in tokens of the most reused prefixes: a new "
+                                           "engine replica prefills a running one's before taking traffic, a "
+                                           "rebuilt TP group its own from before (0: off)")
 
     def validate(self) -> None:
         _require(self.block_size in BLOCK_SIZES,
@@ -95,6 +98,8 @@ class CacheConfig:
         _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
                  f"num_blocks: must be None or an integer >= 2, got {self.num_blocks!r}")
         _require(0 <= self.watermark < 0.5, f"watermark: must be in [0, 0.5), got {self.watermark!r}")
+        _require(type(self.warm_prefix_tokens) is int and self.warm_prefix_tokens >= 0,   # noqa: E721
+                 f"warm_prefix_tokens: must be an integer >= 0, got {self.warm_prefix_tokens!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
