@@ -11,8 +11,7 @@ import threading
 
 import httpx
 import pytest
-from helpers.serve_fixtures import API_KEY, start_app, stop_app
-from pagedray.deploy.openai.sse import parse_sse
+from helpers.serve_fixtures import API_KEY, start_app, stop_app, stream_in_thread
 
 pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
@@ -43,23 +42,6 @@ def _text(path: str, events: list) -> str:
     return "".join(parts)
 
 
-def _stream(url: str, path: str, body: dict, started: threading.Event, out: dict) -> threading.Thread:
-    def run() -> None:
-        with httpx.Client(base_url=url, headers=AUTH, timeout=600, trust_env=False) as client:
-            with client.stream("POST", path, json={**body, "stream": True}) as response:
-                lines = []
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line)
-                        started.set()
-        out["events"] = parse_sse("\n\n".join(lines))
-        started.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 def _failovers(http) -> float:
     line = next(line for line in http.get("/metrics").text.splitlines()
                 if line.startswith("pagedray:request_failovers_total"))
@@ -88,7 +70,7 @@ def _streams_survive(app, disrupt, count_failovers: bool = True) -> None:
     before = _failovers(http)
     outs = [{} for _ in bodies]
     started = [threading.Event() for _ in bodies]
-    threads = [_stream(app.url, path, body, started[i], outs[i]) for i, (path, body) in enumerate(bodies)]
+    threads = [stream_in_thread(app.url, body, started[i], outs[i], path) for i, (path, body) in enumerate(bodies)]
     for event in started:
         assert event.wait(300), "a stream did not start"
     disrupt()

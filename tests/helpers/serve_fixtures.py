@@ -75,14 +75,15 @@ def stop_app(app: RunningApp) -> None:
     serve.shutdown()
 
 
-def stream_in_thread(url: str, body: dict, started: threading.Event, out: dict) -> threading.Thread:
-    """POST ``body`` with ``stream: true`` in a thread; ``started`` is set at the first event;
+def stream_in_thread(url: str, body: dict, started: threading.Event, out: dict,
+                     path: str = "/v1/completions") -> threading.Thread:
+    """POST ``body`` with ``stream: true`` to ``path`` in a thread; ``started`` is set at the first event;
     ``out`` gets ``status`` and the parsed ``events``."""
     auth = {"Authorization": f"Bearer {API_KEY}"}
 
     def run() -> None:
         with httpx.Client(base_url=url, headers=auth, timeout=300, trust_env=False) as client:
-            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            with client.stream("POST", path, json={**body, "stream": True}) as response:
                 out["status"] = response.status_code
                 lines = []
                 for line in response.iter_lines():
