@@ -8,6 +8,10 @@ Decisions: docs/design/block_manager.md, ``pagedray.block_manager.prefix_key``.
 
 from __future__ import annotations
 
+# the first block's parent in the chained hash: a fixed int, since hash(None) is an address on Python 3.11
+# (it differs between processes, and a router in another process compares these hashes)
+ROOT_HASH = 0x5EED
+
 
 class BlockKey:
     """Identity of the contents of one full block together with its whole prefix.
@@ -20,7 +24,7 @@ class BlockKey:
     def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...]) -> None:
         self.parent = parent
         self.token_ids = token_ids
-        self._hash = hash((None if parent is None else parent._hash, token_ids))
+        self._hash = hash((ROOT_HASH if parent is None else parent._hash, token_ids))
 
     def __hash__(self) -> int:
         return self._hash

@@ -60,6 +60,33 @@ class AbortCommand:
     request_id: str
 
 
+@dataclass
+class ReadCommand:
+    """Event loop -> step thread: call ``read`` between two steps (it reads the engine's state) and settle
+    ``future`` with its result on the event loop."""
+
+    read: Callable[[], object]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def run(self) -> None:
+        try:
+            result = self.read()
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            self.loop.call_soon_threadsafe(_settle, self.future, None, exc)
+        else:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, None)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():           # the caller went away
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
 STALL_GRACE_FACTOR = 2.0     # the watchdog ends the streams after this many step limits
 WATCHDOG_POLL_S = 0.05
 
@@ -130,7 +157,18 @@ class AsyncEngine:
         self._push(AbortCommand(request_id))
         return True
 
-    def _push(self, command: AbortCommand) -> None:
+    async def _between_steps(self, read: Callable[[], object]):
+        """``read()`` on the step thread between two steps, also while steps run back to back under load."""
+        if self._closed:
+            raise EngineDeadError("the engine has been shut down")
+        self._raise_if_loop_failed()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._push(ReadCommand(read, future, loop))
+        self._ensure_loop()
+        return await future
+
+    def _push(self, command: AbortCommand | ReadCommand) -> None:
         with self._lock:
             self._commands.append(command)
         if self._wake is not None and not self._closed:
@@ -227,6 +265,8 @@ class AsyncEngine:
                                                       command.resume_tokens)
                 except (ValueError, QueueFullError, EngineDeadError) as exc:
                     errors.append((command.request_id, exc))
+            elif isinstance(command, ReadCommand):
+                command.run()
             else:
                 self.engine.abort(command.request_id)
         outputs = []
@@ -285,13 +325,11 @@ class AsyncEngine:
 
     async def cached_prefix_hashes(self, limit: int) -> list[int]:
         """``BlockManager.cached_prefix_hashes`` read on the step thread (between steps, never during one)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.engine.block_manager.cached_prefix_hashes, limit)
+        return await self._between_steps(lambda: self.engine.block_manager.cached_prefix_hashes(limit))
 
     async def hot_prefixes(self, max_tokens: int) -> list[list[int]]:
         """``BlockManager.hot_prefixes`` read on the step thread (between steps)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.engine.block_manager.hot_prefixes, max_tokens)
+        return await self._between_steps(lambda: self.engine.block_manager.hot_prefixes(max_tokens))
 
     @property
     def model_path(self) -> str:

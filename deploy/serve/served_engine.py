@@ -132,7 +132,9 @@ class ServedEngine:
                 pass
 
         usable = [p for p in prefixes if 0 < len(p) < self._engine.max_model_len]
-        await asyncio.gather(*(prefill(i, p) for i, p in enumerate(usable)))
+        batch = max(1, min(self._config.scheduler.max_queued_requests, self._config.scheduler.max_num_seqs))
+        for start in range(0, len(usable), batch):     # within the admission queue's bound
+            await asyncio.gather(*(prefill(start + i, p) for i, p in enumerate(usable[start:start + batch])))
         return sum(len(p) for p in usable)
 
     def model_meta(self) -> ModelMeta:

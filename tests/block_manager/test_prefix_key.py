@@ -49,3 +49,18 @@ def test_equality_of_very_long_chains_is_iterative():
     long_a, long_b = chain(20_000), chain(20_000)  # deeper than the recursion limit
     assert long_a is not long_b and long_a == long_b
     assert long_a.depth() == 20_000
+
+
+def test_block_hashes_are_the_same_in_another_process():
+    """A router compares a prompt's block hashes with those an engine replica reports from another process:
+    they must not depend on the process (hash(None) is an address on Python 3.11; the chain's root was it,
+    so no reported summary ever matched a router's prompt)."""
+    import subprocess
+    import sys
+
+    from pagedray.block_manager import prefix_block_hashes
+
+    tokens = list(range(40, 88))
+    code = "from pagedray.block_manager import prefix_block_hashes; print(prefix_block_hashes(list(range(40, 88)), 16))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert other.strip() == str(prefix_block_hashes(tokens, 16))

@@ -262,6 +262,37 @@ def test_a_hand_over_drain_ends_streams_as_a_lost_replicas(tiny_llama_path):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_reads_of_the_engine_state_run_between_steps_of_a_burst(tiny_llama_path):
+    """``hot_prefixes`` / ``cached_prefix_hashes`` (the warm-up's and the router's reads) run on the step
+    thread between two steps, also while steps run back to back: a read pushed during a held step runs at
+    the next step boundary, with the long request still running (a read that waited for the burst to end
+    timed out under load: the warm-up of a replica that scaled up read nothing)."""
+    clock = FakeClock()
+    fake = PacedFakeExecutor(64, clock, step_s=1.0)
+    fake.hold_at = clock() + 3
+    engine = _engine(tiny_llama_path, fake, clock=clock)
+    seen = []
+
+    async def main():
+        long = asyncio.create_task(_consume(engine, "long", [7] * 20, 200))
+        fake.gate.set()
+        await asyncio.to_thread(fake.holding.wait, 60)
+        read = asyncio.create_task(engine._between_steps(
+            lambda: seen.append((len(fake.plans), engine.engine.has_unfinished_requests()))))
+        await asyncio.sleep(0)
+        fake.release.set()
+        await read
+        hot = await engine.hot_prefixes(64)
+        await long
+        return hot
+
+    try:
+        hot = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert seen == [(4, True)] and hot == []
+
+
 def test_steps_run_back_to_back_while_the_event_loop_is_busy(tiny_llama_path):
     """The step thread does not wait for the event loop between steps: with the loop blocked right after
     the first output arrives, the later steps still run (the executor sees step 3, which needs step 2's

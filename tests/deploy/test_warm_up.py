@@ -15,7 +15,7 @@ import pytest
 from helpers.tiny_models import save_tiny_llama
 from pagedray.block_manager import BlockManager
 from pagedray.deploy.serve.served_engine import ServedEngine
-from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 from benchmarks.routing import workload
@@ -53,18 +53,19 @@ def test_a_warmed_replica_hits_its_first_requests_like_the_old_one(tmp_path, def
     prompts = [[t % 500 for t in prompt] for prompt in workload(tokenizer, 96, seed=3)]   # tiny vocab: 512
     config = EngineConfig(model=ModelConfig(model=path, dtype="float32"),
                           cache=CacheConfig(block_size=16, num_blocks=256),
-                          parallel=ParallelConfig(executor="local", threads_per_worker=1))
+                          parallel=ParallelConfig(executor="local", threads_per_worker=1),
+                          scheduler=SchedulerConfig(max_queued_requests=3))   # the warm-up keeps within it
     params = SamplingParams(max_tokens=1, temperature=0)
 
     async def serve(engine: ServedEngine, batch: list[list[int]], tag: str) -> float:
-        """Runs ``batch`` (8 at a time); the prefix hit rate of those requests."""
+        """Runs ``batch`` (3 at a time); the prefix hit rate of those requests."""
         before = await engine.stats()
         async def one(i, prompt):
             async for _ in engine.generate(f"{tag}-{i}", prompt, params):
                 pass
 
-        for start in range(0, len(batch), 8):
-            await asyncio.gather(*(one(start + i, p) for i, p in enumerate(batch[start:start + 8])))
+        for start in range(0, len(batch), 3):
+            await asyncio.gather(*(one(start + i, p) for i, p in enumerate(batch[start:start + 3])))
         after = await engine.stats()
         return ((after.prefix_hit_tokens_total - before.prefix_hit_tokens_total)
                 / (after.prefix_query_tokens_total - before.prefix_query_tokens_total))
