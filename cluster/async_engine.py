@@ -8,7 +8,9 @@ outputs back to the loop, which puts them on the per-request asyncio queues.
 
 The step loop is an asyncio task: it sleeps on an Event while there is no work; while there is, the
 step thread runs steps back to back by itself (``_step_burst``) and posts each step's outputs to the
-loop, so a busy event loop (HTTP, streaming) never holds up the next step.
+loop, so a busy event loop (HTTP, streaming) never holds up the next step. Reads of the engine's state
+(``cached_prefix_hashes``, ``hot_prefixes``) travel the same command deque (``ReadCommand``): they run
+between two steps, also in the middle of a burst.
 
 Decisions: docs/design/cluster.md, ``pagedray.cluster.async_engine``.
 """
