@@ -11,8 +11,10 @@ run would have (seeded draws depend on (seed, position); penalties and grammars 
 Everything above this client (detokenizer, stop strings, tool and reasoning parsers, usage) sees one
 stream: continuation outputs carry no prompt fields, and usage counts the prompt once.
 
-- ``n > 1``: each unfinished sample continues as a request of its own (n=1, its sibling seed ``seed + i``),
-  merged back under its index.
+- ``n = 1`` only. A request with ``n > 1`` is not continued: its stream ends with the error as before. (Each
+  sample as an n=1 continuation with its sibling seed, merged back under its index, was exact in process
+  but hung through Serve in a live probe, SIGKILL of a replica under three n=2 streams, until the
+  placement timeout; not understood yet, so it is off.)
 - Bounded: at most ``MAX_FAILOVERS`` continuations per request, the k-th after ``BACKOFF_S[k-1]`` seconds
   (the first at once: Serve's router drops a replica whose actor died at the first failed call), each
   placed within ``PLACEMENT_TIMEOUT_S`` (with one replica, the continuation waits for Serve to replace it).
@@ -31,13 +33,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
-from pagedray.cluster.outputs import CompletionOutput, EngineDeadError, RequestOutput
-from pagedray.cluster.request import sibling_seed
+from pagedray.cluster.outputs import EngineDeadError, RequestOutput
 from pagedray.workers.contract.sampling_params import SamplingParams
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
-
-from ..openai.streaming import merge_streams
 
 MAX_FAILOVERS = 3
 BACKOFF_S = (0.0, 1.0, 4.0)
@@ -74,7 +73,7 @@ class FailoverEngineClient:
             try:
                 async with aclosing(stream) as outputs:
                     async for out in outputs:
-                        lost = out.engine_failed and failovers < self._max_failovers
+                        lost = out.engine_failed and failovers < self._max_failovers and params.n == 1
                         if lost:             # its tokens are real; its "error" finish is the replica's
                             out = replace(out, outputs=[replace(c, finish_reason=None) for c in out.outputs
                                                         if c.token_ids], error=None, finished=False,
@@ -94,27 +93,14 @@ class FailoverEngineClient:
                             raise ReplicaLost("the engine failed under the request")
                 return
             except (*REPLICA_LOST, ReplicaLost) as exc:
-                if failovers >= self._max_failovers or all(done) or isinstance(exc, NotPlaced):
+                if failovers >= self._max_failovers or all(done) or params.n > 1 or isinstance(exc, NotPlaced):
                     raise
             failovers += 1
             self._on_failover()
             await self._sleep(BACKOFF_S[min(failovers, len(BACKOFF_S)) - 1])
-            stream = _placed_within(self._continuation(f"{request_id}:failover{failovers}", prompt_token_ids, params,
-                                                       produced, done), self._placement_timeout_s)
-
-    def _continuation(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      produced: list[list[int]], done: list[bool]) -> AsyncIterator[RequestOutput]:
-        """One stream of the unfinished samples' continuations, under their own indices."""
-        if params.n == 1:
-            return self._inner.generate(request_id, prompt_token_ids, params, resume_tokens=produced[0])
-        streams, indices = [], []
-        for i in range(params.n):
-            if not done[i]:
-                seed = None if params.seed is None else sibling_seed(params.seed, i)
-                streams.append(self._inner.generate(f"{request_id}:{i}", prompt_token_ids,
-                                                    replace(params, n=1, seed=seed), resume_tokens=produced[i]))
-                indices.append(i)
-        return _merged(streams, indices)
+            continuation = self._inner.generate(f"{request_id}:failover{failovers}", prompt_token_ids, params,
+                                                resume_tokens=produced[0])
+            stream = _placed_within(continuation, self._placement_timeout_s)
 
     # the rest is the inner client's
     async def stats(self):
@@ -125,13 +111,6 @@ class FailoverEngineClient:
 
     async def check_ready(self) -> None:
         await self._inner.check_ready()
-
-
-async def _merged(streams: list[AsyncIterator[RequestOutput]], indices: list[int]) -> AsyncIterator[RequestOutput]:
-    """Per-sample continuation streams as one: each output's sample 0 renamed to its original index."""
-    async for which, out in merge_streams(streams):
-        yield replace(out, outputs=[CompletionOutput(indices[which], c.token_ids, c.logprobs, c.finish_reason)
-                                    for c in out.outputs])
 
 
 async def _placed_within(stream: AsyncIterator[RequestOutput], timeout_s: float) -> AsyncIterator[RequestOutput]:
