@@ -31,7 +31,11 @@ import time
 if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
+# the /metrics reader is test-support code, kept beside the tests that use it
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+
 import httpx
+from helpers.serve_fixtures import failovers_total
 
 from benchmarks.common import print_table, write_json
 
@@ -73,12 +77,6 @@ def _stream(url: str, body: dict, out: dict, started: threading.Event) -> thread
     return thread
 
 
-def _failovers(client: httpx.Client) -> float:
-    line = next(line for line in client.get("/metrics").text.splitlines()
-                if line.startswith("pagedray:request_failovers_total"))
-    return float(line.rsplit(" ", 1)[1])
-
-
 def _engine_replicas() -> list[str]:
     import ray
 
@@ -89,7 +87,7 @@ def _engine_replicas() -> list[str]:
 def run_round(url: str, bodies: list[dict]) -> dict:
     with httpx.Client(base_url=url, timeout=HANG_GUARD_S, trust_env=False) as client:
         expected = [client.post("/v1/completions", json=body).json()["choices"][0]["text"] for body in bodies]
-        before = _failovers(client)
+        before = failovers_total(client)
         outs = [{} for _ in bodies]
         started = [threading.Event() for _ in bodies]
         threads = [_stream(url, body, out, event) for body, out, event in zip(bodies, outs, started)]
@@ -102,7 +100,7 @@ def run_round(url: str, bodies: list[dict]) -> dict:
         os.kill(pid, signal.SIGKILL)
         for thread in threads:
             thread.join(HANG_GUARD_S)
-        moved = int(_failovers(client) - before)
+        moved = int(failovers_total(client) - before)
         pauses = sorted((next((t for t in out["times"] if t > killed_at), float("nan")) - killed_at
                          for out in outs), reverse=True)
         deadline = time.monotonic() + HANG_GUARD_S      # Serve replaces the replica before the next round

@@ -63,17 +63,23 @@ class FailoverEngineClient:
         self._max_failovers = max_failovers
         self._sleep = sleep
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       ) -> AsyncIterator[RequestOutput]:
-        produced: list[list[int]] = [[] for _ in range(params.n)]     # per sample: tokens streamed so far
-        done = [False] * params.n
-        cached, failovers = 0, 0
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 ) -> AsyncIterator[RequestOutput]:
+        if params.n > 1:                       # not continued (module docstring): the inner stream as it is
+            return self._inner.generate(request_id, prompt_token_ids, params)
+        return self._continued(request_id, prompt_token_ids, params)
+
+    async def _continued(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         ) -> AsyncIterator[RequestOutput]:
+        """One sample's stream, continued on another replica (at most ``max_failovers`` times) when lost."""
+        produced: list[int] = []                # the tokens streamed so far
+        done, cached, failovers = False, 0, 0
         stream = self._inner.generate(request_id, prompt_token_ids, params)
         while True:
             try:
                 async with aclosing(stream) as outputs:
                     async for out in outputs:
-                        lost = out.engine_failed and failovers < self._max_failovers and params.n == 1
+                        lost = out.engine_failed and failovers < self._max_failovers
                         if lost:             # its tokens are real; its "error" finish is the replica's
                             out = replace(out, outputs=[replace(c, finish_reason=None) for c in out.outputs
                                                         if c.token_ids], error=None, finished=False,
@@ -83,23 +89,21 @@ class FailoverEngineClient:
                                           num_cached_prompt_tokens=cached)
                         cached = out.num_cached_prompt_tokens
                         for completion in out.outputs:
-                            produced[completion.index] += completion.token_ids
-                            done[completion.index] |= completion.finish_reason is not None
-                        if failovers:
-                            out = replace(out, finished=all(done))
+                            produced += completion.token_ids
+                            done |= completion.finish_reason is not None
                         if out.outputs or out.finished or out.error is not None:
                             yield out
                         if lost:
                             raise ReplicaLost("the engine failed under the request")
                 return
             except (*REPLICA_LOST, ReplicaLost) as exc:
-                if failovers >= self._max_failovers or all(done) or params.n > 1 or isinstance(exc, NotPlaced):
+                if failovers >= self._max_failovers or done or isinstance(exc, NotPlaced):
                     raise
             failovers += 1
             self._on_failover()
             await self._sleep(BACKOFF_S[min(failovers, len(BACKOFF_S)) - 1])
             continuation = self._inner.generate(f"{request_id}:failover{failovers}", prompt_token_ids, params,
-                                                resume_tokens=produced[0])
+                                                resume_tokens=produced)
             stream = _placed_within(continuation, self._placement_timeout_s)
 
     # the rest is the inner client's

@@ -11,7 +11,7 @@ import threading
 
 import httpx
 import pytest
-from helpers.serve_fixtures import API_KEY, start_app, stop_app, stream_in_thread
+from helpers.serve_fixtures import API_KEY, failovers_total, start_app, stop_app, stream_in_thread
 
 pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
@@ -42,12 +42,6 @@ def _text(path: str, events: list) -> str:
     return "".join(parts)
 
 
-def _failovers(http) -> float:
-    line = next(line for line in http.get("/metrics").text.splitlines()
-                if line.startswith("pagedray:request_failovers_total"))
-    return float(line.rsplit(" ", 1)[1])
-
-
 def _engine_replicas() -> list[str]:
     import ray
 
@@ -67,7 +61,7 @@ def _streams_survive(app, disrupt, count_failovers: bool = True) -> None:
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         expected.append(choice["text"] if path == "/v1/completions" else choice["message"]["content"])
-    before = _failovers(http)
+    before = failovers_total(http)
     outs = [{} for _ in bodies]
     started = [threading.Event() for _ in bodies]
     threads = [stream_in_thread(app.url, body, started[i], outs[i], path) for i, (path, body) in enumerate(bodies)]
@@ -81,7 +75,7 @@ def _streams_survive(app, disrupt, count_failovers: bool = True) -> None:
         assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
         assert _text(path, events) == text
     if count_failovers:
-        assert _failovers(http) > before
+        assert failovers_total(http) > before
 
 
 def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app):

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from helpers.bad_requests import assert_openai_error, bad_request_cases, send
-from helpers.serve_fixtures import API_KEY, start_app, stop_app
+from helpers.serve_fixtures import API_KEY, failovers_total, start_app, stop_app
 from pagedray.deploy.openai.errors import APIError
 from pagedray.deploy.openai.sse import parse_sse
 
@@ -452,13 +452,6 @@ def _is_single_new_replica(old: list[str]) -> bool:
     return len(names) == 1 and names != old
 
 
-def _failovers(http) -> float:
-    """``pagedray:request_failovers_total`` from /metrics."""
-    line = next(line for line in http.get("/metrics").text.splitlines()
-                if line.startswith("pagedray:request_failovers_total"))
-    return float(line.rsplit(" ", 1)[1])
-
-
 def _created_placement_group_ids() -> set[str]:
     import ray
 
@@ -479,7 +472,7 @@ def test_dead_engine_replica_mid_stream_continues_on_its_replacement(app, http):
     groups_before = _created_placement_group_ids()
     body = {"prompt": PROMPTS[1], "max_tokens": 160, "ignore_eos": True, "temperature": 0}
     expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    failovers_before = _failovers(http)
+    failovers_before = failovers_total(http)
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
@@ -488,7 +481,7 @@ def test_dead_engine_replica_mid_stream_continues_on_its_replacement(app, http):
         events = parse_sse("\n\n".join([first] + [line for line in lines if line.startswith("data: ")]))
     assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == expected
-    assert _failovers(http) == failovers_before + 1
+    assert failovers_total(http) == failovers_before + 1
 
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

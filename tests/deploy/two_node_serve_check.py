@@ -26,6 +26,9 @@ import time
 import httpx
 import ray
 import yaml
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # tests/: the helpers
+from helpers.serve_fixtures import failovers_total  # noqa: E402
 from pagedray.deploy.cli.main import free_port
 from ray.cluster_utils import Cluster
 
@@ -66,13 +69,6 @@ def stream(url: str, path: str, body: dict, out: dict, started: threading.Event)
     out["text"] = "".join(text_of(c["choices"][0]) for c in chunks if c["choices"])
     reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     out["finish_reason"] = reasons[-1] if reasons else None
-
-
-def failovers(client: httpx.Client) -> float:
-    """``pagedray:request_failovers_total`` of the ingress."""
-    line = next(line for line in client.get("/metrics").text.splitlines()
-                if line.startswith("pagedray:request_failovers_total"))
-    return float(line.rsplit(" ", 1)[1])
 
 
 def replica_nodes(app: str) -> dict[str, int]:
@@ -132,7 +128,7 @@ def main(model_path: str) -> None:
         bodies = [(path, {**body, "max_tokens": 200, "ignore_eos": True}) for path, body in LONG]
         with httpx.Client(base_url=url, timeout=HANG_GUARD_S, trust_env=False) as client:
             result["expected"] = [text_of(client.post(path, json=body).json()["choices"][0]) for path, body in bodies]
-            result["failovers_before"] = failovers(client)
+            result["failovers_before"] = failovers_total(client)
         outs = [{} for _ in bodies]
         starts = [threading.Event() for _ in bodies]
         threads = [threading.Thread(target=stream, args=(url, path, body, out, ev), daemon=True)
@@ -156,7 +152,7 @@ def main(model_path: str) -> None:
             result["after_statuses"] = [
                 client.post("/v1/completions", json={"prompt": f"Say {i}:", "max_tokens": 2}).status_code
                 for i in range(5)]
-            result["failovers_after"] = failovers(client)
+            result["failovers_after"] = failovers_total(client)
         serve.delete(app_spec["name"])
     finally:
         serve.shutdown()

@@ -75,6 +75,13 @@ def stop_app(app: RunningApp) -> None:
     serve.shutdown()
 
 
+def failovers_total(client: httpx.Client) -> float:
+    """The ingress's ``pagedray:request_failovers_total`` from /metrics (``client``: its base URL set)."""
+    line = next(line for line in client.get("/metrics").text.splitlines()
+                if line.startswith("pagedray:request_failovers_total"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def stream_in_thread(url: str, body: dict, started: threading.Event, out: dict,
                      path: str = "/v1/completions") -> threading.Thread:
     """POST ``body`` with ``stream: true`` to ``path`` in a thread; ``started`` is set at the first event;
