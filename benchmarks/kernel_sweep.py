@@ -12,6 +12,9 @@ so the defaults can be set from measurements. Writes JSON (device, date, every r
   so ``BLOCK_M = BLOCK_Q * group`` rows) x ``BLOCK_N`` x ``num_warps`` x ``num_stages``. Metric: TFLOP/s.
 * Each configuration is first checked against the torch reference on a small slice; one that fails to
   compile (e.g. too much shared memory) or disagrees is recorded with its error and not timed.
+* ``--cache-dtype int8|fp8_e4m3``: decode over an 8-bit copy of the cache (``kernels.store_kv``'s codes and
+  row scales, as ``benchmarks.kv8_kernel``), bytes counted at 1 per element plus the scales;
+  ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the run (issue #37's goal shape alone).
 * ``--dry-run``: tiny shapes and a two-entry grid through the Triton interpreter on CPU (plumbing only).
 """
 
@@ -88,19 +91,30 @@ def _decode_shape(spec: dict, batch: int, context: int, device, on_cuda: bool, c
     q = torch.randn((batch, hq, spec["head_dim"]), dtype=dtype, device=device, generator=gen)   # [B, Hq, D]
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     scale, few, out = 1.0 / math.sqrt(spec["head_dim"]), min(batch, 2), torch.empty_like(q)
+    nbytes, scales = decode_bytes(q, context, hkv, spec["head_dim"]), {}
+    if spec.get("cache_dtype"):
+        from pagedray.kernels.kv_quant import KV_CACHE_DTYPES
+
+        from benchmarks.kv8_kernel import quantized_copy, read_bytes
+
+        cache_dtype = KV_CACHE_DTYPES[spec["cache_dtype"]]
+        k_cache, v_cache, k_scale, v_scale = quantized_copy(k_cache, v_cache, cache_dtype)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        nbytes = read_bytes(batch, context, dict(kv_heads=hkv, head_dim=spec["head_dim"]), cache_dtype, q)
     args, small = (k_cache, v_cache, tables, lens, scale), (k_cache, v_cache, tables[:few], lens[:few], scale)
-    reference = paged_decode_reference(q[:few], *small)
-    nbytes = decode_bytes(q, context, hkv, spec["head_dim"])
+    reference = paged_decode_reference(q[:few], *small, **scales)
     rows = []
     for config, splits in decode_variants(spec):
         result = _try_config(
-            lambda c=config, n=splits: paged_decode_triton(q[:few], *small, config=c, num_splits=n), reference,
-            lambda c=config, n=splits: paged_decode_triton(q, *args, out=out, config=c, num_splits=n), on_cuda,
-            f"decode {config} splits={splits}")
+            lambda c=config, n=splits: paged_decode_triton(q[:few], *small, config=c, num_splits=n, **scales),
+            reference,
+            lambda c=config, n=splits: paged_decode_triton(q, *args, out=out, config=c, num_splits=n, **scales),
+            on_cuda, f"decode {config} splits={splits}")
         if "ms" in result:
             result["pct_of_copy"] = 100.0 * nbytes / (result["ms"] * 1e-3) / 1e9 / copy_gbps
         name = config or ("default" if splits is None else f"default, num_splits={splits}")
-        rows.append(dict(kind="decode", shape=f"b{batch} ctx{context}", config=name, **result))
+        rows.append(dict(kind="decode", shape=f"b{batch} ctx{context}", cache=spec.get("cache_dtype") or spec["dtype"],
+                         config=name, **result))
     return rows
 
 
@@ -141,7 +155,7 @@ def sweep(spec: dict, device, on_cuda: bool, copy_gbps: float) -> list[dict]:
         rows += _decode_shape(spec, batch, context, device, on_cuda, copy_gbps)
         if on_cuda:
             torch.cuda.empty_cache()
-    for tokens, history in spec["prefill_shapes"]:
+    for tokens, history in () if spec.get("decode_only") else spec["prefill_shapes"]:
         rows += _prefill_shape(spec, tokens, history, device, on_cuda)
     return rows
 
@@ -172,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET=1")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON output path")
+    parser.add_argument("--cache-dtype", choices=("int8", "fp8_e4m3"), default=None,
+                        help="decode over an 8-bit copy of the cache")
+    parser.add_argument("--decode-shapes", default=None, help="batch x context list, e.g. 64x8192,256x2048")
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill shapes")
     args = parser.parse_args(argv)
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":   # triton reads it at kernel definition
         env = dict(os.environ, TRITON_INTERPRET="1")
@@ -180,7 +198,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("needs a CUDA GPU (use --dry-run to check the script on CPU)")
     on_cuda = not args.dry_run
     device = torch.device("cuda" if on_cuda else "cpu")
-    spec = GPU if on_cuda else DRY
+    spec = dict(GPU if on_cuda else DRY, cache_dtype=args.cache_dtype, decode_only=args.decode_only)
+    if args.decode_shapes:
+        shapes = args.decode_shapes.split(",")
+        spec["decode_shapes"] = tuple(tuple(int(v) for v in shape.split("x")) for shape in shapes)
     copy_gbps = copy_bandwidth_gbps(device, on_cuda)
     rows = sweep(spec, device, on_cuda, copy_gbps)
     print_tables(rows, copy_gbps)

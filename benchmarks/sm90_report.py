@@ -133,7 +133,7 @@ def variants() -> dict[str, tuple]:
                       IEEE=data_type == "fp32", HAS_SOFTCAP=split, QUANT=False, **cfg)   # split also soft-caps
         name = f"decode {data_type}" + (" split+alibi+window" if split else "")
         out[name] = (decode_triton._decode_kernel, data_type, consts, options)
-    cfg, options = _launch_options(decode_triton.decode_config(128, 4))
+    cfg, options = _launch_options(decode_triton.decode_config(128, 4, quantized=True))
     consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, SPLIT=False, IEEE=False, HAS_SOFTCAP=False,
                   QUANT=True, **cfg)
     out["decode bf16 over int8 KV"] = (decode_triton._decode_kernel, "bf16", consts, options, KV8)
@@ -157,10 +157,19 @@ def variants() -> dict[str, tuple]:
                                     ("store_kv bf16 -> fp8", 2, 448.0, "*fp8e4nv")):
         out[name] = (store_kv_triton._store_kv_kernel, "bf16", dict(QUANT=quant, QMAX_=qmax, **limits, **store_cfg),
                      store_options, {**KV8, "k_cache_ptr": code, "v_cache_ptr": code})
-    cfg, options = _launch_options(quant_gemm_triton.quant_gemm_config(16))
     packed = {"qw_ptr": "*i32", "zeros_ptr": "*i32", "scales_ptr": "*fp16", "gidx_ptr": "*i32"}
-    out["quant gemm 4-bit bf16 decode"] = (quant_gemm_triton._quant_gemm_kernel, "bf16",
-                                           dict(BITS=4, IEEE=False, **cfg), options, packed)
+    for rows in (1, 64):     # the tiled kernel at decode sizes, the dequantizing one above DENSE_ABOVE_ROWS
+        cfg = quant_gemm_triton.quant_gemm_config(rows, 4096, 4096, 128, 4, torch.device("cpu"))
+        dense = cfg.pop("dense")
+        cfg.pop("SPLIT_K", None)
+        cfg, options = _launch_options(cfg)
+        if dense:
+            out["quant gemm 4-bit dequantize bf16"] = (quant_gemm_triton._dequant_kernel, "bf16",
+                                                       dict(BITS=4, **cfg), options, packed)
+        else:
+            out["quant gemm 4-bit bf16 decode"] = (quant_gemm_triton._quant_gemm_kernel, "bf16",
+                                                   dict(BITS=4, IEEE=False, HAS_PERM=True, **cfg), options,
+                                                   {**packed, "perm_ptr": "*i32"})
     # the element-wise kernels of the model and the sampler: the same wrapper configs at Qwen3-0.6B sizes
     for name, kernel, data_type, cfg in (
             ("silu_and_mul bf16", activation_triton._silu_and_mul_kernel, "bf16",

@@ -117,12 +117,14 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return max(1, min(wanted, by_context, MAX_SPLITS))
 
 
-def decode_config(head_dim: int, group: int) -> dict:
+def decode_config(head_dim: int, group: int, quantized: bool = False) -> dict:
     """Launch constants of the decode kernel: ``BLOCK_G`` query-head rows (padded to 16 for ``tl.dot``),
     ``BLOCK_N`` keys per tile, ``BLOCK_D`` >= head_dim, warps and software-pipelining stages.
-    (sm_90 bf16 at head_dim 128: 103 registers, 38 KB shared, 4 programs per SM; see ``benchmarks/sm90_report.py``.)"""
-    return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=2)
+    (sm_90 bf16 at head_dim 128: 103 registers, 38 KB shared, 4 programs per SM; see ``benchmarks/sm90_report.py``.)
+    An 8-bit cache (``quantized``) takes 32-key tiles in 3 stages: on an H100 at batch 64, 8k context that ran
+    1.37x the 64-key, 2-stage tiles (``benchmarks.kernel_sweep --cache-dtype int8``, docs/gpu.md)."""
+    return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32 if quantized else 64,
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=3 if quantized else 2)
 
 
 def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
@@ -148,7 +150,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(part_shape + ((head_dim,) if split else ()), dtype=torch.float32,
                            device=q.device)
-    cfg = {**decode_config(head_dim, group), **(config or {})}
+    cfg = {**decode_config(head_dim, group, k_scale is not None), **(config or {})}
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         alibi_slopes if alibi_slopes is not None else q, out, part_m, part_l, part_acc,

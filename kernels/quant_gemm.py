@@ -2,9 +2,12 @@
 Triton on CUDA (``quant_gemm_triton``), the torch reference elsewhere (dequantize, then a float32 matmul).
 
 Layout (``quant_gemm_triton``'s docstring has it in full): ``qweight`` int32 ``[K / (32 / bits), N]``, K rows
-packed lowest bits first; ``zeros`` int32 and ``scales`` ``[groups, N]``; ``g_idx`` int32 ``[K]`` (row -> group).
-weight[n, k] = (code[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]. The unpacking helpers are shared with
-the checkpoint loader (``workers.quantization``).
+packed lowest bits first; ``zeros`` int32 and ``scales`` ``[groups, N]``; ``g_idx`` int32 ``[K]`` (row -> group);
+``perm`` int32 ``[K]`` or None (row k multiplies x's column ``perm[k]``).
+weight row k = (code[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n], times x[:, perm[k]].
+``group_rows`` is the load-time step that makes the fast path apply: it sorts an activation-order weight's rows
+by group (recording ``perm``) and reports ``group_size`` when ``g_idx[k] == k // group_size``. The unpacking and
+packing helpers are shared with the checkpoint loader (``workers.quantization``).
 """
 
 from __future__ import annotations
@@ -35,20 +38,60 @@ def unpack_along_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | 
     return values.reshape(packed.shape[0], packed.shape[1] * per_word)
 
 
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int codes [K, N] in [0, 2^bits) -> int32 words [K / per_word, N], consecutive rows per word."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = (codes.to(torch.int64).view(-1, per_word, codes.shape[1]) << shifts[None, :, None]).sum(1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def uniform_group_size(g_idx: torch.Tensor) -> int:
+    """G > 0 when ``g_idx[k] == k // G`` for every row (the last group may be short), else 0."""
+    k = g_idx.numel()
+    if k == 0 or int(g_idx[0]) != 0:
+        return 0
+    size = int((g_idx == 0).sum())
+    rows = torch.arange(k, device=g_idx.device)
+    return size if bool((g_idx.long() == rows // size).all()) else 0
+
+
+def group_rows(qweight, zeros, scales, g_idx, bits: int):
+    """Load-time layout for the fast kernel path -> (qweight, zeros, scales, g_idx, perm, group_size).
+
+    Rows are sorted by group (stable; ``perm`` int32 [K] maps each new row to its x column, None when the order
+    is already sorted), and groups no row uses at the front are dropped (a tensor-parallel slice of a weight
+    starts at its first row's group), so that ``group_size`` is G > 0 when ``g_idx[k] == k // G``. An
+    activation-order weight's slice whose groups are uneven keeps ``group_size`` 0 (every row reads its group)."""
+    groups = g_idx.long()
+    perm = None
+    if groups.numel() > 1 and not bool((groups[1:] >= groups[:-1]).all()):
+        order = torch.argsort(groups, stable=True)
+        qweight = pack_rows(unpack_along_rows(qweight, bits)[order], bits)
+        groups, perm = groups[order], order.to(torch.int32)
+    first = int(groups[0]) if groups.numel() else 0
+    zeros, scales, g_idx = zeros[first:].contiguous(), scales[first:].contiguous(), (groups - first).to(torch.int32)
+    return qweight, zeros, scales, g_idx, perm, uniform_group_size(g_idx)
+
+
 def dequantize_packed(qweight, zeros, scales, g_idx, bits: int) -> torch.Tensor:
     """The packed weight as float32 W^T [K, N] (the checkpoint loader's dense path and the reference's)."""
     groups = g_idx.long()
     return (unpack_along_rows(qweight, bits) - zeros[groups]).float() * scales[groups].float()
 
 
-def quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits: int) -> torch.Tensor:
-    """The dequantized weight, cast to x's dtype as the kernel's tiles are, times x in float32 -> x.dtype."""
+def quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits: int, perm=None) -> torch.Tensor:
+    """The dequantized weight, cast to x's dtype as the kernel's tiles are, times x (columns ``perm``) in
+    float32 -> x.dtype."""
     weight_t = dequantize_packed(qweight, zeros, scales, g_idx, bits)                            # [K, N]
+    x = x if perm is None else x[:, perm.long()]
     return (x.float() @ weight_t.to(x.dtype).float()).to(x.dtype)
 
 
-def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, use_triton=None) -> torch.Tensor:
-    """x [M, K] float32 / float16 / bfloat16 -> [M, N] in x's dtype (shapes: the module docstring)."""
+def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, perm=None, group_size: int = 0,
+               use_triton=None) -> torch.Tensor:
+    """x [M, K] float32 / float16 / bfloat16 -> [M, N] in x's dtype (shapes: the module docstring).
+    ``group_size`` > 0 promises ``g_idx[k] == k // group_size`` (``group_rows`` finds it)."""
     v.check_tensor("x", x, 2)
     if x.dtype not in v.SUPPORTED_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x: expected a float32 / float16 / bfloat16 tensor with contiguous rows, got {x.dtype}")
@@ -68,8 +111,19 @@ def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, use_triton=None) 
     if zeros.shape != scales.shape or zeros.shape[1] != n or not scales.is_contiguous():
         raise ValueError(f"zeros / scales: expected [groups, {n}] each (contiguous), got {tuple(zeros.shape)} / "
                          f"{tuple(scales.shape)}")
-    if v.values_checked(None, x.device) and k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= zeros.shape[0]):
-        raise ValueError(f"g_idx: groups must lie in [0, {zeros.shape[0]})")
+    if perm is not None:
+        v.check_tensor("perm", perm, 1, x.device)
+        if perm.dtype != torch.int32 or perm.shape[0] != k:
+            raise ValueError(f"perm: expected int32 [{k}], got {perm.dtype} {tuple(perm.shape)}")
+    if not isinstance(group_size, int) or group_size < 0:
+        raise ValueError(f"group_size: expected an int >= 0, got {group_size!r}")
+    if v.values_checked(None, x.device) and k:
+        if int(g_idx.min()) < 0 or int(g_idx.max()) >= zeros.shape[0]:
+            raise ValueError(f"g_idx: groups must lie in [0, {zeros.shape[0]})")
+        if group_size and uniform_group_size(g_idx) != group_size and not (group_size >= k and not g_idx.any()):
+            raise ValueError(f"group_size: g_idx is not row // {group_size}")
+        if perm is not None and not torch.equal(torch.sort(perm.long()).values, torch.arange(k)):
+            raise ValueError(f"perm: expected a permutation of 0..{k - 1}")
     if use_triton is None:
         use_triton = x.device.type == "cuda"
     if use_triton:
@@ -77,5 +131,5 @@ def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, use_triton=None) 
             raise ValueError("use_triton: Triton on CPU tensors needs TRITON_INTERPRET=1")
         from .quant_gemm_triton import quant_gemm_triton
 
-        return quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits)
-    return quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits)
+        return quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits, perm, group_size)
+    return quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits, perm)

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.quant_gemm import unpack_along_cols
+from .. import kernels
+from ..kernels.quant_gemm import group_rows, pack_rows, unpack_along_cols
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)                     # nibble k of an AWQ word holds column 8 w + AWQ_ORDER[k]
 _LAYER_LINEAR = re.compile(r"\.layers\.\d+\..*\.weight$")
@@ -108,34 +109,43 @@ def _check(ok, what: str) -> None:
 @dataclass(frozen=True)
 class PackedIntWeight:
     """One linear weight ``[N, K]`` (out, in) as ``kernels.quant_gemm`` takes it: qweight int32 ``[K / per_word,
-    N]``, zeros int32 and scales ``[groups, N]``, g_idx int32 ``[K]``."""
+    N]``, zeros int32 and scales ``[groups, N]``, g_idx int32 ``[K]``; after ``grouped`` also ``perm`` (int32
+    ``[K]`` or None: row k multiplies input column ``perm[k]``) and ``group_size`` (> 0: ``g_idx[k] == k //
+    group_size``, the kernel's fast path)."""
 
     qweight: torch.Tensor
     zeros: torch.Tensor
     scales: torch.Tensor
     g_idx: torch.Tensor
     bits: int
+    perm: torch.Tensor | None = None
+    group_size: int = 0
+
+    def grouped(self) -> PackedIntWeight:
+        """The same weight with its rows sorted by group (``kernels.quant_gemm.group_rows``), as layers hold it."""
+        qweight, zeros, scales, g_idx, perm, group_size = group_rows(self.qweight, self.zeros, self.scales,
+                                                                     self.g_idx, self.bits)
+        return PackedIntWeight(qweight, zeros, scales, g_idx, self.bits, perm, group_size)
 
     def to(self, device) -> PackedIntWeight:
         return PackedIntWeight(self.qweight.to(device), self.zeros.to(device), self.scales.to(device),
-                               self.g_idx.to(device), self.bits)
+                               self.g_idx.to(device), self.bits, None if self.perm is None else self.perm.to(device),
+                               self.group_size)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, K] -> x @ W^T [tokens, N] (``kernels.quant_gemm``)."""
+        return kernels.quant_gemm(x, self.qweight, self.zeros, self.scales, self.g_idx, self.bits, perm=self.perm,
+                                  group_size=self.group_size)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.zeros, self.scales, self.g_idx))
+        tensors = (self.qweight, self.zeros, self.scales, self.g_idx) + (() if self.perm is None else (self.perm,))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def keeps_packed(q: WeightQuantization, device: torch.device) -> bool:
     """True when linear weights stay packed on ``device`` (integer formats on CUDA)."""
     return device.type == "cuda" and (q.method in ("gptq", "awq") or (q.online and q.method == "int8"))
-
-
-def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int codes [K, N] in [0, 2^bits) -> int32 words [K / per_word, N], consecutive rows per word."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    words = (codes.to(torch.int64).view(-1, per_word, codes.shape[1]) << shifts[None, :, None]).sum(1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def int8_rows_packed(weight: torch.Tensor) -> PackedIntWeight:

@@ -1,7 +1,8 @@
 """``kernels.quant_gemm``: the Triton GEMM over GPTQ-packed weights (under ``TRITON_INTERPRET=1`` on CPU)
 and its torch reference, both against x @ W^T with W built from the codes directly (packed by the tests'
 own packer, ``helpers.quantized_checkpoints``): 4 and 8 bits, activation-order groups (a permuted g_idx),
-sizes that fill no tile, float32 and float16 inputs, codes and zero points over their whole range."""
+sizes that fill no tile, float32 and float16 inputs, codes and zero points over their whole range; every
+kernel path (per-row groups, one group per K slice after ``group_rows``, split K, dequantize-then-matmul)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from helpers.paged_kv_cases import kernel_device, seed_of
 from helpers.quantized_checkpoints import pack_words
 from pagedray import kernels
+from pagedray.kernels.quant_gemm import group_rows
 
 
 def _case(m: int, k: int, n: int, bits: int, group: int, act_order: bool, dtype, seed: int):
@@ -48,6 +50,49 @@ def test_quant_gemm_equals_x_times_the_dequantized_weight(path, m, k, n, bits, g
     torch.testing.assert_close(got.float().cpu() / scale, want / scale, rtol=0, atol=tolerance)
 
 
+# (rows, slice of the weight's input rows or None, kernel config or None for the default)
+PATHS = [
+    (5, None, dict(dense=False, GROUPED=True, BLOCK_M=16, BLOCK_N=32, BLOCK_KW=16, SPLIT_K=1)),
+    (5, None, dict(dense=False, GROUPED=True, BLOCK_M=16, BLOCK_N=32, BLOCK_KW=16, SPLIT_K=3)),
+    (20, None, dict(dense=False, GROUPED=False, BLOCK_M=16, BLOCK_N=32, BLOCK_KW=16, SPLIT_K=2)),
+    (7, None, dict(dense=True, GROUPED=True, BLOCK_N=32, BLOCK_KW=16)),
+    (7, None, dict(dense=True, GROUPED=False, BLOCK_N=32, BLOCK_KW=16)),
+    (3, None, None),
+    (3, (128, 384), None),            # a tensor-parallel slice: starts at group 1, uneven groups under act order
+]
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("rows, rows_slice, config", PATHS)
+def test_every_kernel_path_after_group_rows_equals_the_dequantized_product(rows, rows_slice, config, act_order):
+    """group_rows' layout (rows sorted by group, perm, group_size) through each path of the Triton kernel."""
+    k, n, bits, group = 512, 40, 4, 128                 # 4-bit slices are 128 rows: 4 slices, 4 groups
+    args, want = _case(rows, k, n, bits, group, act_order, torch.float32, seed_of("qgemm-paths", rows, act_order))
+    x, qweight, zeros, scales, g_idx = args
+    if rows_slice is not None:
+        lo, hi = rows_slice
+        x, qweight, g_idx = x[:, lo:hi].contiguous(), qweight[lo // 8:hi // 8].contiguous(), g_idx[lo:hi].contiguous()
+        want = kernels.quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits)
+    qweight, zeros, scales, g_idx, perm, group_size = group_rows(qweight, zeros, scales, g_idx, bits)
+    assert (perm is not None) == act_order
+    assert group_size == (0 if act_order and rows_slice else group)
+    got = kernels.quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits, perm)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+    if config is not None and config["GROUPED"] and not group_size:
+        pytest.skip("a grouped config needs uniform groups")     # not reached: PATHS' grouped rows are uniform
+    from pagedray.kernels.quant_gemm_triton import quant_gemm_triton
+    got = quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits, perm, group_size, config)
+    scale = want.abs().max()
+    torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=1e-4)
+
+
+def test_group_rows_keeps_a_sorted_weight_and_finds_one_group():
+    """An 8-bit weight with one group (quantization int8) keeps its rows, and its group spans all of them."""
+    args, _ = _case(2, 48, 16, 8, 48, False, torch.float32, 3)
+    qweight, zeros, scales, g_idx, perm, group_size = group_rows(*args[1:], 8)
+    assert perm is None and group_size == 48 and torch.equal(qweight, args[1])
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda a: [a[0].to(torch.int32), *a[1:]], "x: expected a float32"),
     (lambda a: [a[0], a[1][:-1], *a[2:]], "qweight / g_idx"),
@@ -61,10 +106,33 @@ def test_bad_quant_gemm_arguments_are_value_errors_naming_them(change, message):
         kernels.quant_gemm(*[t.cpu() for t in change(args)], 4)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(group_size=16), "group_size: g_idx is not row // 16"),
+    (dict(group_size=-1), "group_size: expected an int >= 0"),
+    (dict(perm=torch.arange(63, dtype=torch.int32)), "perm: expected int32 \\[64\\]"),
+    (dict(perm=torch.zeros(64, dtype=torch.int32)), "perm: expected a permutation"),
+])
+def test_bad_layout_arguments_are_value_errors_naming_them(options, message):
+    args, _ = _case(3, 64, 16, 4, 32, False, torch.float32, 1)
+    with pytest.raises(ValueError, match=message):
+        kernels.quant_gemm(*[t.cpu() for t in args], 4, **options)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quant_gemm_at_model_size_gpu(bits):
-    args, want = _case(300, 1024, 768, bits, 128, True, torch.bfloat16, seed_of("qgemm-gpu", bits))
-    got = kernels.quant_gemm(*args, bits)
+@pytest.mark.parametrize("rows", [1, 16, 100, 300])
+def test_quant_gemm_at_model_size_gpu(bits, rows):
+    """Each path at its default config on CUDA (split K at decode sizes, dequantize-then-matmul at 300 rows),
+    on the group_rows layout of an activation-order weight; float32 rows must also repeat bit for bit."""
+    args, want = _case(rows, 1024, 768, bits, 128, True, torch.bfloat16, seed_of("qgemm-gpu", bits, rows))
+    x, *weight = args
+    qweight, zeros, scales, g_idx, perm, group_size = group_rows(*[t.cpu() for t in weight], bits)
+    layout = [t.cuda() for t in (qweight, zeros, scales, g_idx)]
+    got = kernels.quant_gemm(x, *layout, bits, perm=perm.cuda(), group_size=group_size)
     scale = want.abs().max()
     torch.testing.assert_close(got.float().cpu() / scale, want / scale, rtol=0, atol=2e-2)
+    x32 = x.float()
+    first = kernels.quant_gemm(x32, *layout, bits, perm=perm.cuda(), group_size=group_size)
+    assert torch.equal(first, kernels.quant_gemm(x32, *layout, bits, perm=perm.cuda(), group_size=group_size))
+    want32 = kernels.quant_gemm_reference(x32.cpu(), qweight, zeros, scales, g_idx, bits, perm)
+    torch.testing.assert_close(first.cpu() / scale, want32 / scale, rtol=0, atol=1e-4)

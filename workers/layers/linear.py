@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ... import kernels
 from ..quantization import PackedIntWeight
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader, copy_into
@@ -127,14 +126,14 @@ class ColumnParallelLinear(nn.Module):
     def _keep_packed(self, parts: list[PackedIntWeight | None]) -> None:
         """Hold the segments packed (and drop the dense weight) when the reader gave every one packed."""
         if parts and all(part is not None for part in parts):
-            self.quant = [part.to(self.weight.device) for part in parts]
+            self.quant = [part.grouped().to(self.weight.device) for part in parts]
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [tokens, in] -> [tokens, out_local]
         if self.quant is None:
             return linear(x, self.weight, self.bias, self.packed_weight)
-        y = torch.cat([kernels.quant_gemm(x, p.qweight, p.zeros, p.scales, p.g_idx, p.bits) for p in self.quant], -1)
+        y = torch.cat([part.matmul(x) for part in self.quant], -1)
         return y if self.bias is None else y + self.bias
 
 
@@ -156,7 +155,7 @@ class RowParallelLinear(nn.Module):
         name = f"{prefix}.weight"
         packed = reader.read_packed(name, 1, start, start + self.cols, [self.output_size, self.input_size])
         if packed is not None:
-            self.quant, self.weight = packed.to(self.weight.device), None
+            self.quant, self.weight = packed.grouped().to(self.weight.device), None
         else:
             value = reader.read(name, 1, start, start + self.cols, expect_shape=[self.output_size, self.input_size])
             copy_into(self.weight, value, name)
@@ -169,8 +168,7 @@ class RowParallelLinear(nn.Module):
         if self.quant is None:
             y = linear(x, self.weight, None, self.packed_weight)
         else:
-            p = self.quant
-            y = kernels.quant_gemm(x, p.qweight, p.zeros, p.scales, p.g_idx, p.bits)
+            y = self.quant.matmul(x)
         self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
