@@ -78,10 +78,25 @@ def test_packed_weights_give_the_dequantized_models_tokens(name, quantized_pair,
     """What CUDA does with integer formats (``keeps_packed``), forced on CPU: every decoder linear layer holds
     its rank's packed weight (no dense copy) and multiplies with ``kernels.quant_gemm``; the model is still
     the dequantized one, in under 35% of the fp32 weight bytes (this tiny model's zero points, scales and
-    group indices included: 23-30%)."""
+    group indices included: 23-30%). No dense copy is allocated at any point: the layers' weights are meta
+    tensors until their load finds them packed."""
     import pagedray.workers.model_loading as loading_module
+    from pagedray.workers.layers import linear as linear_module
+    from pagedray.workers.models.decoder import DecoderForCausalLM
 
     monkeypatch.setattr(loading_module, "keeps_packed", lambda q, device: q.method != "none")
+    dense_allocations, load_weights = [], DecoderForCausalLM.load_weights
+    allocate = linear_module.allocate_dense
+    monkeypatch.setattr(linear_module, "allocate_dense",
+                        lambda layer: dense_allocations.append(layer) or allocate(layer))
+
+    def load_checking_meta(model, reader):
+        linears = [m for m in model.modules() if isinstance(m, (linear_module.ColumnParallelLinear,
+                                                                linear_module.RowParallelLinear))]
+        assert len(linears) == 2 * 4 and all(m.weight.is_meta for m in linears)
+        return load_weights(model, reader)
+
+    monkeypatch.setattr(DecoderForCausalLM, "load_weights", load_checking_meta)
     source = tiny_model_path("llama")
     if name == "int8":
         path, oracle, options = source, str(tmp_path / "rounded"), {"quantization": "int8"}
@@ -91,6 +106,7 @@ def test_packed_weights_give_the_dequantized_models_tokens(name, quantized_pair,
     worker, _ = local_driver(path, **options)
     linears = [m for m in worker.model.modules() if hasattr(m, "quant") and m.quant is not None]
     assert len(linears) == 2 * 4 and all(m.weight is None for m in linears)   # qkv, o, gate_up, down per layer
+    assert dense_allocations == []
     parts = [p for m in linears for p in (m.quant if isinstance(m.quant, list) else [m.quant])]
     dense = sum(p.qweight.shape[0] * (32 // p.bits) * p.qweight.shape[1] * 4 for p in parts)
     assert sum(p.nbytes for p in parts) < 0.35 * dense

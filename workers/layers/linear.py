@@ -11,7 +11,11 @@ Weights follow torch's ``[out_features, in_features]`` convention, as in HF chec
 fp32/bf16 each layer may also hold a oneDNN-packed copy of its weight (``packed_weight``, set by
 ``packed_gemm.pack_linear_weights``) that its products use. A quantized checkpoint's integer weights on
 CUDA stay packed (``quant``: one ``PackedIntWeight`` per segment, ``workers.quantization``): the dense
-``weight`` is then dropped and the products run ``kernels.quant_gemm``, one per segment.
+``weight`` is then never allocated and the products run ``kernels.quant_gemm``, one per segment.
+
+A layer's dense ``weight`` is a meta tensor until ``load`` (``allocate_dense``): it is allocated on the
+layer's device only when the checkpoint gives it dense, so a packed model never holds, even briefly, the
+16-bit copy of its linear weights that it exists to avoid.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ def empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def allocate_dense(layer: nn.Module) -> None:
+    """Replace the layer's meta ``weight`` with real storage on ``layer.device`` (once)."""
+    if layer.weight.is_meta:
+        layer.weight = empty_param(tuple(layer.weight.shape), layer.weight.dtype, layer.device)
+
+
 @dataclass(frozen=True)
 class Segment:
     """Rows ``[start, start + rows)`` of a checkpoint tensor with ``full_rows`` output rows."""
@@ -48,7 +58,8 @@ class ColumnParallelLinear(nn.Module):
         self.input_size = input_size
         self.segments = list(segments)
         out_local = sum(s.rows for s in self.segments)
-        self.weight = empty_param((out_local, input_size), dtype, device)            # [out_local, in]
+        self.device = device
+        self.weight = empty_param((out_local, input_size), dtype, torch.device("meta"))   # [out_local, in]
         self.bias = empty_param((out_local,), dtype, device) if bias else None       # [out_local]
         self.packed_weight: PackedWeight | None = None
         self.quant: list[PackedIntWeight] | None = None
@@ -87,6 +98,8 @@ class ColumnParallelLinear(nn.Module):
         parts = [reader.read_packed(f"{prefix}.weight", 0, seg.start, seg.start + seg.rows,
                                     [seg.full_rows, self.input_size]) for seg, prefix in zip(self.segments, prefixes)]
         self._keep_packed(parts)
+        if self.quant is None:
+            allocate_dense(self)
         offset = 0
         for seg, prefix in zip(self.segments, prefixes):
             rows = slice(offset, offset + seg.rows)
@@ -109,6 +122,8 @@ class ColumnParallelLinear(nn.Module):
         bases = [sum(s.full_rows for s in self.segments[:i]) for i in range(len(self.segments))]
         self._keep_packed([reader.read_packed(f"{prefix}.weight", 0, base + seg.start, base + seg.start + seg.rows,
                                               [full, self.input_size]) for seg, base in zip(self.segments, bases)])
+        if self.quant is None:
+            allocate_dense(self)
         offset, base = 0, 0
         for seg in self.segments:
             rows = slice(offset, offset + seg.rows)
@@ -126,7 +141,7 @@ class ColumnParallelLinear(nn.Module):
     def _keep_packed(self, parts: list[PackedIntWeight | None]) -> None:
         """Hold the segments packed (and drop the dense weight) when the reader gave every one packed."""
         if parts and all(part is not None for part in parts):
-            self.quant = [part.grouped().to(self.weight.device) for part in parts]
+            self.quant = [part.grouped().to(self.device) for part in parts]
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +160,8 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.cols = check_even_split(input_size, tp.world_size, name)
-        self.weight = empty_param((output_size, self.cols), dtype, device)          # [out, in_local]
+        self.device = device
+        self.weight = empty_param((output_size, self.cols), dtype, torch.device("meta"))   # [out, in_local]
         self.bias = empty_param((output_size,), dtype, device) if bias else None    # [out]
         self.packed_weight: PackedWeight | None = None
         self.quant: PackedIntWeight | None = None
@@ -155,8 +171,9 @@ class RowParallelLinear(nn.Module):
         name = f"{prefix}.weight"
         packed = reader.read_packed(name, 1, start, start + self.cols, [self.output_size, self.input_size])
         if packed is not None:
-            self.quant, self.weight = packed.grouped().to(self.weight.device), None
+            self.quant, self.weight = packed.grouped().to(self.device), None
         else:
+            allocate_dense(self)
             value = reader.read(name, 1, start, start + self.cols, expect_shape=[self.output_size, self.input_size])
             copy_into(self.weight, value, name)
         if self.bias is not None:
