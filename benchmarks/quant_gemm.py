@@ -6,14 +6,15 @@ against a dense bf16 ``F.linear`` over the same weight dequantized.
 Shapes: x [M, 4096] bf16 at M in {1, 16, 64, 256, 1024} times W^T [4096, N] for N = 4096 (attention
 projections) and 14336 (a Llama-3-8B MLP), 4 bits in groups of 128 with activation order (a permuted
 g_idx, laid out by ``group_rows`` as the loader does) and 8 bits with one group. Per row: ms of the default
-dispatch, of dense bf16, of each path forced (``fused``: the tiled kernel at its default tiles; ``dequant``:
-dequantize once, then cuBLAS), and at M <= 64 the best of a sweep of column tiles x K splits; TFLOP/s and
-weight bytes read per second (codes + zeros + scales) of the default, and its speed-up over dense bf16
-(whose weight is 4x / 2x the bytes). On CUDA every timing replays a CUDA graph of the call (as the engine's
-decode does), so Python launch overhead is not counted on either side. Each configuration is first checked
-against the torch reference. ``--dry-run``: tiny shapes on CPU through the Triton interpreter (float16, no
-graphs, no sweep), numbers meaningless. Goal (#37): report the 4-bit GEMM throughput; at decode sizes
-(M <= 16) a weight-bound GEMM reading 4x fewer bytes should beat dense bf16.
+dispatch, of dense bf16, of each path forced (``fused``: the tiled kernel at its default tiles;
+``dequant``: dequantize once, then cuBLAS), and at M <= 64 a sweep of column tiles x K splits (every
+timing in the JSON, the best printed); TFLOP/s and weight bytes read per second (codes + zeros + scales)
+of the default, and its speed-up over dense bf16 (whose weight is 4x / 2x the bytes). On CUDA every timing
+replays a CUDA graph of the call (as the engine's decode does), so Python launch overhead is not counted
+on either side. Each configuration is first checked against the torch reference. ``--dry-run``: tiny
+shapes on CPU through the Triton interpreter (float16, no graphs, no sweep), numbers meaningless. Goal
+(#37): report the 4-bit GEMM throughput; at decode sizes (M <= 16) a weight-bound GEMM reading 4x fewer
+bytes should beat dense bf16.
 """
 
 from __future__ import annotations
@@ -98,17 +99,18 @@ def bench_one(m: int, n: int, bits: int, group: int, cfg: dict, device, on_cuda:
         check_close(run_with(config)(), want, f"quant_gemm {name} m={m} n={n} bits={bits}")
         timed[name] = graph_ms(run_with(config), on_cuda)
     dense_ms = graph_ms(lambda: torch.nn.functional.linear(x_dense, dense), on_cuda)
-    best = None
+    best, swept = None, []
     if on_cuda and m <= 64:
         for config in sweep(m, n, k, group_size, bits):
             ms = graph_ms(run_with(config), on_cuda, rep=25)
+            swept.append(dict(BLOCK_N=config["BLOCK_N"], SPLIT_K=config["SPLIT_K"], ms=ms))
             if best is None or ms < best[0]:
                 best = (ms, config)
         check_close(run_with(best[1])(), want, f"quant_gemm best m={m} n={n} bits={bits}")
     nbytes = qweight.numel() * 4 + zeros.numel() * 4 + scales.numel() * 2
     ms = timed["ms"]
     return dict(m=m, n=n, k=k, bits=bits, group=group, config=default, **timed, dense_ms=dense_ms,
-                best_ms=None if best is None else best[0], best_config=None if best is None else best[1],
+                best_ms=None if best is None else best[0], best_config=None if best is None else best[1], swept=swept,
                 tflops=2 * m * n * k / (ms * 1e-3) / 1e12, weight_gbps=nbytes / (ms * 1e-3) / 1e9,
                 speedup_vs_dense=dense_ms / ms)
 
