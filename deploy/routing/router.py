@@ -22,6 +22,18 @@ matches) and picks:
 
 Other calls (stats, health, drain, model_meta) go to any replica as with Serve's default router.
 
+Invariants of the routing loop (Serve runs it; issue #39):
+- A replica found with room for one pending request goes to the oldest pending request (``FIFOMixin``, as in
+  Serve's default router), not to the pending request with the same Serve internal request id (the base
+  class). The ingress sends several ``generate`` calls for one HTTP request (the prompts of a batch, one
+  continuation per sample of a lost ``n > 1`` request): Serve gives them all that request's id and indexes
+  one pending request per id, so exact matching never fulfils the second one, and its routing task loops
+  for ever, without yielding when the replica's queue length is cached (the router thread of the ingress
+  then starves every other call). Requests pending at the same moment are few (a burst), so the prefix
+  choice made for one of them rarely goes to another.
+- A request that no chosen replica can take backs off between rounds (``should_backoff``, Serve's sleep),
+  instead of probing the replicas in a tight loop.
+
 Decisions: docs/design/deploy.md, ``pagedray.deploy.routing.router``.
 """
 
@@ -32,7 +44,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from pagedray.block_manager import prefix_block_hashes
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from . import registry as router_registry
 
@@ -127,8 +139,8 @@ def replica_summaries(app_name: str, deployment_name: str) -> list[dict] | None:
     return summaries or None
 
 
-class CacheAwareRouter(RequestRouter):
-    """Serve request router for the engine deployment (see the module docstring)."""
+class CacheAwareRouter(FIFOMixin, RequestRouter):
+    """Serve request router for the engine deployment (see the module docstring, its invariants too)."""
 
     def initialize_state(self, *, block_size: int, max_imbalance: int) -> None:
         router_registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
@@ -154,6 +166,8 @@ class CacheAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if pending_request is not None:   # no room on what this returns: Serve sleeps before the next round
+            pending_request.routing_context.should_backoff = True
         prompt = generate_prompt(pending_request)
         if prompt is None or len(candidate_replicas) < 2:
             return [candidate_replicas]

@@ -11,19 +11,22 @@ run would have (seeded draws depend on (seed, position); penalties and grammars 
 Everything above this client (detokenizer, stop strings, tool and reasoning parsers, usage) sees one
 stream: continuation outputs carry no prompt fields, and usage counts the prompt once.
 
-- ``n = 1`` only. A request with ``n > 1`` is not continued: its stream ends with the error as before. (Each
-  sample as an n=1 continuation with its sibling seed, merged back under its index, was exact in process
-  but hung through Serve in a live probe, SIGKILL of a replica under three n=2 streams, until the
-  placement timeout; not understood yet, so it is off.)
+- ``n > 1``: each unfinished sample continues as a request of its own (n=1, its sibling seed ``seed + i``,
+  its own tokens as ``resume_tokens``), merged back under its index; a sample that had finished is not sent
+  again. Through Serve these are several ``generate`` calls of one ingress request at once: the engine
+  deployment's router must place each of them (``routing/router.py``: FIFO fulfilment; Serve's exact
+  matching by request id left the second one unplaced and spinning, issue #39).
 - Bounded: at most ``MAX_FAILOVERS`` continuations per request, the k-th after ``BACKOFF_S[k-1]`` seconds
   (the first at once: Serve's router drops a replica whose actor died at the first failed call), each
-  placed within ``PLACEMENT_TIMEOUT_S`` (with one replica, the continuation waits for Serve to replace it).
+  sample's continuation placed within ``PLACEMENT_TIMEOUT_S`` (with one replica, it waits for Serve to
+  replace it).
   A request that cannot be placed ends as before: the error reaches the stream (an SSE error event).
 - Never for a request's own failure (an ``error`` from its grammar or its logits, a 4xx): that would
   fail again the same way.
 - Unseeded sampling continues too, but not reproducibly (it never was).
 
-``pagedray:request_failovers_total`` counts continuations (``on_failover``).
+``pagedray:request_failovers_total`` counts failovers (``on_failover``): one per request and lost replica,
+whatever its n.
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
-from pagedray.cluster.outputs import EngineDeadError, RequestOutput
+from pagedray.cluster.outputs import CompletionOutput, EngineDeadError, RequestOutput
+from pagedray.cluster.request import sibling_seed
 from pagedray.workers.contract.sampling_params import SamplingParams
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
+
+from ..openai.streaming import merge_streams
 
 MAX_FAILOVERS = 3
 BACKOFF_S = (0.0, 1.0, 4.0)
@@ -63,17 +69,16 @@ class FailoverEngineClient:
         self._max_failovers = max_failovers
         self._sleep = sleep
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 ) -> AsyncIterator[RequestOutput]:
-        if params.n > 1:                       # not continued (module docstring): the inner stream as it is
-            return self._inner.generate(request_id, prompt_token_ids, params)
-        return self._continued(request_id, prompt_token_ids, params)
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as one stream, its lost parts continued (at most ``max_failovers`` times).
 
-    async def _continued(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                         ) -> AsyncIterator[RequestOutput]:
-        """One sample's stream, continued on another replica (at most ``max_failovers`` times) when lost."""
-        produced: list[int] = []                # the tokens streamed so far
-        done, cached, failovers = False, 0, 0
+        Invariants: each sample's tokens reach the caller once and in order (``produced[i]`` is exactly what
+        was yielded for sample i); each sample's finish is yielded once; the prompt fields come from the
+        first replica only; an output is ``finished`` only once every sample is done."""
+        produced: list[list[int]] = [[] for _ in range(params.n)]     # per sample: tokens streamed so far
+        done = [False] * params.n
+        cached, failovers = 0, 0
         stream = self._inner.generate(request_id, prompt_token_ids, params)
         while True:
             try:
@@ -89,22 +94,39 @@ class FailoverEngineClient:
                                           num_cached_prompt_tokens=cached)
                         cached = out.num_cached_prompt_tokens
                         for completion in out.outputs:
-                            produced += completion.token_ids
-                            done |= completion.finish_reason is not None
+                            produced[completion.index] += completion.token_ids
+                            done[completion.index] |= completion.finish_reason is not None
+                        if failovers:        # each continuation finishes its own sample only
+                            out = replace(out, finished=all(done))
                         if out.outputs or out.finished or out.error is not None:
                             yield out
                         if lost:
                             raise ReplicaLost("the engine failed under the request")
                 return
             except (*REPLICA_LOST, ReplicaLost) as exc:
-                if failovers >= self._max_failovers or done or isinstance(exc, NotPlaced):
+                if failovers >= self._max_failovers or all(done) or isinstance(exc, NotPlaced):
                     raise
             failovers += 1
             self._on_failover()
             await self._sleep(BACKOFF_S[min(failovers, len(BACKOFF_S)) - 1])
-            continuation = self._inner.generate(f"{request_id}:failover{failovers}", prompt_token_ids, params,
-                                                resume_tokens=produced)
-            stream = _placed_within(continuation, self._placement_timeout_s)
+            stream = self._continuation(f"{request_id}:failover{failovers}", prompt_token_ids, params, produced, done)
+
+    def _continuation(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      produced: list[list[int]], done: list[bool]) -> AsyncIterator[RequestOutput]:
+        """One stream of the unfinished samples' continuations, under their own indices; each of them must
+        be placed within the placement timeout."""
+        if params.n == 1:
+            return _placed_within(self._inner.generate(request_id, prompt_token_ids, params,
+                                                       resume_tokens=produced[0]), self._placement_timeout_s)
+        streams, indices = [], []
+        for i in range(params.n):
+            if not done[i]:
+                seed = None if params.seed is None else sibling_seed(params.seed, i)
+                sample = self._inner.generate(f"{request_id}:{i}", prompt_token_ids, replace(params, n=1, seed=seed),
+                                              resume_tokens=produced[i])
+                streams.append(_placed_within(sample, self._placement_timeout_s))
+                indices.append(i)
+        return _merged(streams, indices)
 
     # the rest is the inner client's
     async def stats(self):
@@ -115,6 +137,13 @@ class FailoverEngineClient:
 
     async def check_ready(self) -> None:
         await self._inner.check_ready()
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]], indices: list[int]) -> AsyncIterator[RequestOutput]:
+    """Per-sample continuation streams as one: each output's sample 0 renamed to its original index."""
+    async for which, out in merge_streams(streams):
+        yield replace(out, outputs=[CompletionOutput(indices[which], c.token_ids, c.logprobs, c.finish_reason)
+                                    for c in out.outputs])
 
 
 async def _placed_within(stream: AsyncIterator[RequestOutput], timeout_s: float) -> AsyncIterator[RequestOutput]:

@@ -1,8 +1,8 @@
 """``FailoverEngineClient`` over fake engine replicas whose tokens depend only on (seed, position), as the
 real engine's greedy and seeded draws do: a stream whose replica dies (actor error) or whose engine fails
 (an ``engine_failed`` output) goes on through a continuation (the prompt, the tokens already streamed as
-``resume_tokens``) and the caller sees the undisturbed run's tokens, the prompt once, finished once; a
-request with several samples is not continued. Failovers are bounded, a request's
+``resume_tokens``, one n=1 request per unfinished sample with its sibling seed) and the caller sees the
+undisturbed run's tokens, the prompt once, each sample finished once. Failovers are bounded, a request's
 own error is never retried, and the count reaches /metrics (``pagedray:request_failovers_total``)."""
 
 from __future__ import annotations
@@ -101,13 +101,30 @@ def test_a_lost_stream_continues_with_the_undisturbed_tokens(death):
     assert 'pagedray:request_failovers_total{model_name="m"} 1.0' in metrics.render().decode()
 
 
-def test_a_request_with_several_samples_is_not_continued():
-    """n > 1 is not failed over (see failover.py): the lost replica's error reaches the caller, as before."""
+def test_each_unfinished_sample_continues_with_its_own_seed():
+    params = SamplingParams(temperature=0.8, seed=11, n=3, max_tokens=10)
+    replicas = FakeReplicas([(4, "engine"), (2, "actor")])    # the first continuation is lost too
+    client, _ = _client(replicas)
+    tokens, finishes, prompts = _collect(client, params)
+    assert tokens == {i: [token(11, i, p) for p in range(10)] for i in range(3)}
+    assert finishes == {i: ["length"] for i in range(3)} and prompts == 1
+    continuations = replicas.calls[1:]
+    assert [(c[0], c[2].n, c[2].seed, len(c[3])) for c in continuations[:3]] == [
+        ("req:failover1:0", 1, 11, 4), ("req:failover1:1", 1, 12, 4), ("req:failover1:2", 1, 13, 4)]
+    # sample 0's continuation died after 2 tokens: the second failover resumes it from 6 tokens
+    assert ("req:failover2:0", 6) in [(c[0], len(c[3])) for c in continuations[3:]]
+
+
+def test_only_the_last_output_of_a_continued_request_says_finished():
+    """Each per-sample continuation ends its own stream finished; the merged stream is finished once, at the end."""
     replicas = FakeReplicas([(3, "actor")])
     client, _ = _client(replicas)
-    with pytest.raises(ActorDiedError):
-        _collect(client, SamplingParams(temperature=0.8, seed=11, n=3, max_tokens=10))
-    assert len(replicas.calls) == 1
+
+    async def flags():
+        return [out.finished async for out in client.generate("req", PROMPT, SamplingParams(seed=4, n=2, max_tokens=6))]
+
+    finished = asyncio.run(flags())
+    assert finished[-1] and not any(finished[:-1])
 
 
 def test_failovers_are_bounded_and_the_last_error_reaches_the_caller():

@@ -2,12 +2,16 @@
 seeded; completions and chat), one engine replica's process is SIGKILLed while they stream, and every stream
 still ends with exactly the text of an undisturbed run: the ingress continued the lost ones on the other
 replica (deploy/serve/failover.py). /metrics counts the failovers (``pagedray:request_failovers_total``).
-Then a redeploy to one replica while streams run: the replicas Serve removes stop after
-``graceful_shutdown_s`` (1 s here, shorter than the streams), and their streams too finish exactly."""
+The same with two n=3 streams, one on each replica: each sample of the lost one continues with its own seed
+and tokens, and every sample's text is the undisturbed one. Then a redeploy to one replica while streams
+run: the replicas Serve removes stop after ``graceful_shutdown_s`` (1 s here, shorter than the streams), and
+their streams too finish exactly."""
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -24,6 +28,7 @@ REQUESTS = [
                               "seed": 9}),
 ]
 MAX_TOKENS = 120
+SAMPLES_MAX_TOKENS = 240  # the n=3 streams run on while the second one is routed and the kill is sent
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +36,12 @@ def app(ray_session, default_model_path):
     running = start_app(default_model_path, num_replicas=2, executor="local", graceful_shutdown_s=1.0)
     yield running
     stop_app(running)
+
+
+@pytest.fixture(scope="module")
+def first_replicas(app) -> list[str]:
+    """The engine replicas the app started with (every test that kills one asks for this before it does)."""
+    return _engine_replicas()
 
 
 def _text(path: str, events: list) -> str:
@@ -47,6 +58,36 @@ def _engine_replicas() -> list[str]:
 
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["namespace"] == "serve" and "PagedEngine" in a["name"])
+
+
+def _running_engine_replicas() -> int:
+    from helpers.serve_fixtures import APP_NAME
+    from ray import serve
+
+    return serve.status().applications[APP_NAME].deployments["PagedEngine"].replica_states.get("RUNNING", 0)
+
+
+def _wait_for_two_engine_replicas(http) -> None:
+    """Until Serve runs two engine replicas (it replaces a killed one) and the ingress routes to both: its
+    /metrics, which come from its router's replica summaries, name each of them."""
+    deadline = time.monotonic() + 300                 # hang guard
+    while time.monotonic() < deadline:
+        names = _engine_replicas()
+        ids = {name.rsplit("#", 1)[-1] for name in names}
+        seen = set(re.findall(r'pagedray:num_requests_running\{[^}]*replica="([^"]+)"', http.get("/metrics").text))
+        if _running_engine_replicas() == 2 and len(ids) == 2 and ids <= seen:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"two engine replicas did not come up: {_engine_replicas()}")
+
+
+def _sample_texts(events: list) -> dict[int, str]:
+    """{choice index: its text} of a completion stream."""
+    texts: dict[int, str] = {}
+    for event in events:
+        for choice in event.get("choices", []) if isinstance(event, dict) else []:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts
 
 
 def _streams_survive(app, disrupt, count_failovers: bool = True) -> None:
@@ -78,7 +119,7 @@ def _streams_survive(app, disrupt, count_failovers: bool = True) -> None:
         assert failovers_total(http) > before
 
 
-def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app):
+def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app, first_replicas):
     """SIGKILL of one engine replica's process (the replica a ``process_id`` call reaches)."""
     import os
     import signal
@@ -88,28 +129,62 @@ def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app):
     _streams_survive(app, lambda: os.kill(pid, signal.SIGKILL))
 
 
-def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_path):
+def test_each_sample_of_a_killed_replicas_stream_continues_exactly(app, first_replicas):
+    """Two n=3 completion streams (seeded; greedy), one on each engine replica: their prompts are shorter than
+    one KV block, so the router sends the second to the less loaded replica (routing/router.py). SIGKILL of
+    one replica's process (the replica a ``process_id`` call reaches): the ingress continues each sample of the
+    stream it served as an n=1 request with that sample's seed and tokens, three calls at once from one
+    ingress request. Before the router's FIFO fulfilment, calls that were pending together left all but one
+    unplaced (issue #39); three make that overlap likely (n=2 did not always show it). The survivor then
+    holds 6 sequences, 4 running and 2 waiting (``max_num_seqs`` 4). Both streams end with every sample's
+    undisturbed text, and one failover is counted (one request, whatever its n)."""
+    import os
+    import signal
+
+    http = httpx.Client(base_url=app.url, headers=AUTH, timeout=600, trust_env=False)
+    _wait_for_two_engine_replicas(http)
+    bodies = [{"prompt": "Once upon a time", "temperature": 0.9, "seed": 5, "top_p": 0.95},
+              {"prompt": "The sea is", "temperature": 0}]
+    bodies = [{**body, "n": 3, "max_tokens": SAMPLES_MAX_TOKENS, "ignore_eos": True} for body in bodies]
+    expected = []
+    for body in bodies:
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        expected.append({c["index"]: c["text"] for c in response.json()["choices"]})
+    assert len(set(expected[0].values())) == 3         # seeded: sample i draws with seed + i
+    before = failovers_total(http)
+    outs = [{} for _ in bodies]
+    started = [threading.Event() for _ in bodies]
+    threads = []
+    for body, out, event in zip(bodies, outs, started):   # the second is routed while the first runs
+        threads.append(stream_in_thread(app.url, body, event, out))
+        assert event.wait(300), "a stream did not start"
+    os.kill(app.engine_handle().process_id.remote().result(), signal.SIGKILL)
+    for thread in threads:
+        thread.join(600)
+    for out, texts in zip(outs, expected):
+        events = out["events"]
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+        assert _sample_texts(events) == texts
+    assert failovers_total(http) == before + 1
+
+
+def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_path, first_replicas):
     """``serve.run`` with ``num_replicas: 1`` replaces every replica (a new app version), the ingress too:
     the old engine replicas stop after ``graceful_shutdown_s`` (1 s, shorter than the streams), and the old
     ingress, alive for its own longer grace, continues their streams on the new replica. (Measured: Serve
     kills the old replica before its ``__del__`` runs, so the ingress sees the actor die; the test passes
     with or without ``close(hand_over=True)``, which covers the other order and is checked in
     test_async_engine.py. The old ingress' failover count goes with it: the new one starts at 0.)"""
-    import time
-
     from helpers.serve_fixtures import APP_ARGS, APP_NAME
     from pagedray.deploy.serve.app import build_app
     from ray import serve
 
-    def running() -> int:
-        deployment = serve.status().applications[APP_NAME].deployments["PagedEngine"]
-        return deployment.replica_states.get("RUNNING", 0)
-
-    deadline = time.monotonic() + 300                 # hang guard: Serve replaced the killed replica
-    while running() != 2 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 300                 # hang guard: Serve replaced the killed replicas
+    while _running_engine_replicas() != 2 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert running() == 2
-    # the replacement started while the other replica ran: it asked that one for its hot prefixes and
+    assert _running_engine_replicas() == 2
+    # a replacement started while another replica ran: it asked that one for its hot prefixes and
     # prefilled them before taking traffic (deploy/serve/warm_up.py; what it gives: test_warm_up.py); the
     # replicas that started with the app had nobody to ask
     reports = {}
@@ -118,7 +193,10 @@ def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_pat
         reports[replica] = report
         if len(reports) == 2:
             break
-    assert sorted(r["skipped"] is None for r in reports.values()) == [False, True], reports
+    first = {name.rsplit("#", 1)[-1] for name in first_replicas}
+    assert len(reports) == 2 and set(reports) != first, reports
+    for replica, report in reports.items():
+        assert (report["skipped"] is None) == (replica not in first), reports
     args = {"model": default_model_path, **APP_ARGS, "num_replicas": 1, "executor": "local",
             "graceful_shutdown_s": 1.0}
     old = _engine_replicas()

@@ -1,10 +1,12 @@
 """Cache-aware routing (deploy/routing/router.py): the block-hash contract between router and engine, the choice
-rule, and the router class driven with stand-in replicas (no Ray cluster: the class runs in-process)."""
+rule, and the router class driven with stand-in replicas (no Ray cluster: the class runs in-process), also
+inside Serve's own routing loop (calls that share Serve's request id are all placed)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 from pagedray.block_manager import BlockManager, prefix_block_hashes
@@ -121,6 +123,7 @@ class FakeRequest:
     args: list
     metadata: FakeMetadata
     kwargs: dict = field(default_factory=dict)
+    routing_context: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(should_backoff=False))
 
 
 @dataclass
@@ -139,10 +142,11 @@ def test_only_generate_calls_carry_a_prompt():
     assert generate_prompt(None) is None
 
 
-def make_router() -> CacheAwareRouter:
+def make_router(**options) -> CacheAwareRouter:
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    router = CacheAwareRouter(DeploymentID(name="PagedEngine", app_name="test"), DeploymentHandleSource.UNKNOWN)
+    router = CacheAwareRouter(DeploymentID(name="PagedEngine", app_name="test"), DeploymentHandleSource.UNKNOWN,
+                              **options)
     router.initialize_state(block_size=BS, max_imbalance=2)
     return router
 
@@ -169,6 +173,53 @@ def test_the_router_follows_reported_caches_and_its_own_sends_and_respects_load(
         assert await router.choose_replicas([a, b], FakeRequest([], FakeMetadata("stats"))) == [[a, b]]
         router.on_replica_actor_died("a")
         assert await router.choose_replicas([a, b], generate_call(fresh)) == [[a, b]]
+
+    asyncio.run(scenario())
+
+
+def test_a_generate_call_asks_serve_to_back_off_when_no_chosen_replica_has_room():
+    """Else a request that no replica can take yet is retried in a tight loop on the router's thread."""
+    async def scenario():
+        router = make_router()
+        a = FakeReplica("a", {"stats": {"num_running": 0, "num_waiting": 0}, "prefix_hashes": []})
+        call = generate_call([1, 2, 3])
+        await router.choose_replicas([a], call)
+        assert call.routing_context.should_backoff
+
+    asyncio.run(scenario())
+
+
+@dataclass
+class RoutableReplica:
+    """What Serve's routing loop asks of a replica: its id, its bound, its queue length (always room)."""
+
+    replica_id: str
+    routing_stats: dict = field(default_factory=lambda: {"stats": {"num_running": 0, "num_waiting": 0}})
+    max_ongoing_requests: int = 8
+    is_cross_language: bool = False
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def test_every_generate_call_of_one_ingress_request_is_placed():
+    """Serve gives the handle calls made while serving one HTTP request that request's internal id, and keeps
+    one pending request per id in its index. The ingress makes several such calls at once (a batch's prompts,
+    one continuation per sample of a lost n > 1 request: issue #39): each must get a replica. Serve's exact
+    matching by id left the second one unplaced, its routing task looping (the router takes the FIFO mixin)."""
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    async def scenario():
+        router = make_router(use_replica_queue_len_cache=False)     # each round probes: the loop yields
+        replica = RoutableReplica("a")
+        router.update_replicas([replica])
+        calls = [PendingRequest(args=[f"req:failover1:{i}", [7, 8, 9], None], kwargs={},
+                                metadata=RequestMetadata(request_id="req", internal_request_id="one-http-request",
+                                                         call_method="generate", is_streaming=True))
+                 for i in range(3)]
+        placed = asyncio.gather(*(router._choose_replica_for_request(call) for call in calls))
+        assert await asyncio.wait_for(placed, 30) == [replica] * 3      # hang guard: unplaced calls wait forever
 
     asyncio.run(scenario())
 
