@@ -19,7 +19,9 @@ stream: continuation outputs carry no prompt fields, and usage counts the prompt
 - Bounded: at most ``MAX_FAILOVERS`` continuations per request, the k-th after ``BACKOFF_S[k-1]`` seconds
   (the first at once: Serve's router drops a replica whose actor died at the first failed call), each
   sample's continuation placed within ``PLACEMENT_TIMEOUT_S`` (with one replica, it waits for Serve to
-  replace it).
+  replace it). A continuation refused before its first output because the replica's admission queue is
+  full (``QueueFullError``) or it is draining is sent again every ``REFUSED_RETRY_S`` within that time: the
+  survivors of a lost replica may be full for a moment, and the stream must not be lost for it.
   A request that cannot be placed ends as before: the error reaches the stream (an SSE error event).
 - Never for a request's own failure (an ``error`` from its grammar or its logits, a 4xx): that would
   fail again the same way.
@@ -36,7 +38,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
-from pagedray.cluster.outputs import CompletionOutput, EngineDeadError, RequestOutput
+from pagedray.cluster.outputs import (
+    CompletionOutput,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+    RequestOutput,
+)
 from pagedray.cluster.request import sibling_seed
 from pagedray.workers.contract.sampling_params import SamplingParams
 from ray.exceptions import RayActorError
@@ -46,6 +54,8 @@ from ..openai.streaming import merge_streams
 
 MAX_FAILOVERS = 3
 BACKOFF_S = (0.0, 1.0, 4.0)
+# a continuation that a full admission queue or a draining replica refuses is sent again after this
+REFUSED_RETRY_S = 0.5
 # a continuation's first output must come within this (Serve may be starting the replica that takes it)
 PLACEMENT_TIMEOUT_S = 180.0
 REPLICA_LOST = (RayActorError, ReplicaUnavailableError, EngineDeadError)
@@ -115,16 +125,18 @@ class FailoverEngineClient:
                       produced: list[list[int]], done: list[bool]) -> AsyncIterator[RequestOutput]:
         """One stream of the unfinished samples' continuations, under their own indices; each of them must
         be placed within the placement timeout."""
+        def placed(rid: str, sample_params: SamplingParams, tokens: list[int]) -> AsyncIterator[RequestOutput]:
+            return _placed_within(lambda: self._inner.generate(rid, prompt_token_ids, sample_params,
+                                                               resume_tokens=tokens),
+                                  self._placement_timeout_s, self._sleep)
+
         if params.n == 1:
-            return _placed_within(self._inner.generate(request_id, prompt_token_ids, params,
-                                                       resume_tokens=produced[0]), self._placement_timeout_s)
+            return placed(request_id, params, produced[0])
         streams, indices = [], []
         for i in range(params.n):
             if not done[i]:
                 seed = None if params.seed is None else sibling_seed(params.seed, i)
-                sample = self._inner.generate(f"{request_id}:{i}", prompt_token_ids, replace(params, n=1, seed=seed),
-                                              resume_tokens=produced[i])
-                streams.append(_placed_within(sample, self._placement_timeout_s))
+                streams.append(placed(f"{request_id}:{i}", replace(params, n=1, seed=seed), produced[i]))
                 indices.append(i)
         return _merged(streams, indices)
 
@@ -146,18 +158,30 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]], indices: list[int
                                     for c in out.outputs])
 
 
-async def _placed_within(stream: AsyncIterator[RequestOutput], timeout_s: float) -> AsyncIterator[RequestOutput]:
-    """``stream``, whose first output must come within ``timeout_s`` (EngineDeadError otherwise: the
-    request cannot be placed, and ends)."""
-    async with aclosing(stream) as outputs:
-        iterator = aiter(outputs)
-        try:
-            first = await asyncio.wait_for(anext(iterator), timeout_s)
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            raise NotPlaced(f"engine dead: no engine replica took the request's continuation within "
-                                  f"{timeout_s:.0f} s") from None
-        yield first
-        async for out in iterator:
-            yield out
+async def _placed_within(make_stream: Callable[[], AsyncIterator[RequestOutput]], timeout_s: float,
+                         sleep: Callable[[float], object]) -> AsyncIterator[RequestOutput]:
+    """The stream ``make_stream()`` starts, whose first output must come within ``timeout_s`` (NotPlaced
+    otherwise: the request cannot be placed, and ends). A refusal before that first output (a full
+    admission queue, a draining replica) starts it again after ``REFUSED_RETRY_S``, within the same time."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        async with aclosing(make_stream()) as outputs:
+            iterator = aiter(outputs)
+            try:
+                first = await asyncio.wait_for(anext(iterator), max(0.0, deadline - loop.time()))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise NotPlaced(f"engine dead: no engine replica took the request's continuation within "
+                                f"{timeout_s:.0f} s") from None
+            except (QueueFullError, EngineDrainingError) as exc:
+                if loop.time() + REFUSED_RETRY_S >= deadline:
+                    raise NotPlaced(f"engine dead: every engine replica refused the request's continuation for "
+                                    f"{timeout_s:.0f} s ({exc})") from None
+            else:
+                yield first
+                async for out in iterator:
+                    yield out
+                return
+        await sleep(REFUSED_RETRY_S)

@@ -12,9 +12,15 @@ from dataclasses import dataclass, field
 
 import pytest
 from pagedray.cluster import SamplingParams
-from pagedray.cluster.outputs import CompletionOutput, EngineDeadError, RequestOutput
+from pagedray.cluster.outputs import (
+    CompletionOutput,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+    RequestOutput,
+)
 from pagedray.deploy.openai.metrics import ServerMetrics
-from pagedray.deploy.serve.failover import BACKOFF_S, MAX_FAILOVERS, FailoverEngineClient
+from pagedray.deploy.serve.failover import BACKOFF_S, MAX_FAILOVERS, REFUSED_RETRY_S, FailoverEngineClient
 from ray.exceptions import ActorDiedError
 
 PROMPT = [5, 6, 7]
@@ -44,6 +50,10 @@ class FakeReplicas:
                     raise ActorDiedError()
                 if death == "dead-at-intake":
                     raise EngineDeadError("engine dead: a step failed")
+                if death == "queue-full":
+                    raise QueueFullError("64 requests are waiting (max_queued_requests); retry later")
+                if death == "draining":
+                    raise EngineDrainingError("the engine is draining")
                 yield RequestOutput(request_id, [CompletionOutput(i, [], None, "error") for i in range(params.n)],
                                     finished=True, error="engine dead: a step failed", engine_failed=True)
                 return
@@ -125,6 +135,32 @@ def test_only_the_last_output_of_a_continued_request_says_finished():
 
     finished = asyncio.run(flags())
     assert finished[-1] and not any(finished[:-1])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_continuation_the_survivors_refuse_for_a_moment_is_sent_again(n):
+    """The survivors' admission queues are full (then one drains) when the continuation comes: it is sent
+    again every REFUSED_RETRY_S until a replica takes it, and the stream stays exact (no extra failover)."""
+    params = SamplingParams(temperature=0.7, seed=3, n=n, max_tokens=7)
+    refusals = [(0, "queue-full"), (0, "draining")] if n == 1 else [(0, "queue-full")]
+    replicas = FakeReplicas([(3, "actor")] + refusals)
+    metrics = ServerMetrics("m")
+    client, sleeps = _client(replicas, metrics)
+    tokens, finishes, prompts = _collect(client, params)
+    assert tokens == {i: [token(3, i, p) for p in range(7)] for i in range(n)} and prompts == 1
+    assert finishes == {i: ["length"] for i in range(n)}
+    assert sleeps == [BACKOFF_S[0]] + [REFUSED_RETRY_S] * len(refusals)
+    first_continuation = "req:failover1" if n == 1 else "req:failover1:0"
+    assert [c[0] for c in replicas.calls[1:]].count(first_continuation) == len(refusals) + 1
+    assert 'pagedray:request_failovers_total{model_name="m"} 1.0' in metrics.render().decode()
+
+
+def test_a_continuation_refused_past_the_placement_timeout_ends_the_request():
+    replicas = FakeReplicas([(2, "actor")] + [(0, "queue-full")] * 3)
+    client = FailoverEngineClient(replicas, placement_timeout_s=REFUSED_RETRY_S / 2)
+    with pytest.raises(EngineDeadError, match="every engine replica refused the request's continuation"):
+        _collect(client, SamplingParams(max_tokens=4))
+    assert [c[0] for c in replicas.calls] == ["req", "req:failover1"]
 
 
 def test_failovers_are_bounded_and_the_last_error_reaches_the_caller():
