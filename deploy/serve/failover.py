@@ -50,6 +50,7 @@ from pagedray.workers.contract.sampling_params import SamplingParams
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
+from ..openai.errors import engine_error_message
 from ..openai.streaming import merge_streams
 
 MAX_FAILOVERS = 3
@@ -178,7 +179,7 @@ async def _placed_within(make_stream: Callable[[], AsyncIterator[RequestOutput]]
             except (QueueFullError, EngineDrainingError) as exc:
                 if loop.time() + REFUSED_RETRY_S >= deadline:
                     raise NotPlaced(f"engine dead: every engine replica refused the request's continuation for "
-                                    f"{timeout_s:.0f} s ({exc})") from None
+                                    f"{timeout_s:.0f} s ({engine_error_message(exc)})") from None
             else:
                 yield first
                 async for out in iterator:
