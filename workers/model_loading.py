@@ -29,6 +29,9 @@ def load_model(model_path: str, hf_config, quantization_option: str, dtype: torc
         tp = join_tp()
         model = model_class(hf_config)(hf_config, tp, dtype, device, max_model_len)
         model.load_weights(reader)
+    unloaded = [name for name, param in model.named_parameters() if param.is_meta]
+    if unloaded:   # a meta weight would compute garbage, not fail (F.linear accepts one)
+        raise RuntimeError(f"model: parameters left unloaded: {', '.join(unloaded[:4])}")
     return model.eval(), tp, quantization
 
 

@@ -256,8 +256,13 @@ def _tiny_decoder(kind: str):
     else:                 # llama3 rope scaling
         config = LlamaConfig(**common, num_key_value_heads=1, rope_scaling=dict(LLAMA3, rope_theta=10000.0))
         cls = LlamaForCausalLM
+    from pagedray.workers.layers.linear import ColumnParallelLinear, RowParallelLinear, allocate_dense
+
     cpu = torch.device("cpu")
     model = cls(config, TPGroup.single(cpu), torch.float32, cpu, max_model_len=64)
+    for layer in model.modules():    # linear weights are allocated by their load, which this model skips
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            allocate_dense(layer)
     gen = torch.Generator().manual_seed(seed_of("decoder", kind))
     with torch.no_grad():
         for p in model.parameters():

@@ -53,6 +53,16 @@ def test_missing_tensor(tmp_path):
         Worker(engine_config(path))
 
 
+def test_a_layer_whose_load_skips_its_weight_fails_the_load(tiny_model_path, monkeypatch):
+    """Linear weights are meta tensors until loaded, and F.linear would compute garbage from one: a load that
+    leaves any parameter unloaded fails, naming it."""
+    from pagedray.workers.layers.linear import RowParallelLinear
+
+    monkeypatch.setattr(RowParallelLinear, "load", lambda self, reader, prefix: None)
+    with pytest.raises(RuntimeError, match="parameters left unloaded: .*o_proj.weight"):
+        Worker(engine_config(tiny_model_path("llama")))
+
+
 def test_tensor_parallel_size_that_does_not_fit_the_heads(tiny_model_path):
     path = tiny_model_path("llama")          # 4 query heads, 2 KV heads
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
