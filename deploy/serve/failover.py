@@ -127,8 +127,9 @@ class FailoverEngineClient:
         """One stream of the unfinished samples' continuations, under their own indices; each of them must
         be placed within the placement timeout."""
         def placed(rid: str, sample_params: SamplingParams, tokens: list[int]) -> AsyncIterator[RequestOutput]:
+            resume = list(tokens)        # a snapshot: ``produced`` keeps growing as the continuation streams
             return _placed_within(lambda: self._inner.generate(rid, prompt_token_ids, sample_params,
-                                                               resume_tokens=tokens),
+                                                               resume_tokens=resume),
                                   self._placement_timeout_s, self._sleep)
 
         if params.n == 1:

@@ -98,8 +98,6 @@ class ColumnParallelLinear(nn.Module):
         parts = [reader.read_packed(f"{prefix}.weight", 0, seg.start, seg.start + seg.rows,
                                     [seg.full_rows, self.input_size]) for seg, prefix in zip(self.segments, prefixes)]
         self._keep_packed(parts)
-        if self.quant is None:
-            allocate_dense(self)
         offset = 0
         for seg, prefix in zip(self.segments, prefixes):
             rows = slice(offset, offset + seg.rows)
@@ -122,8 +120,6 @@ class ColumnParallelLinear(nn.Module):
         bases = [sum(s.full_rows for s in self.segments[:i]) for i in range(len(self.segments))]
         self._keep_packed([reader.read_packed(f"{prefix}.weight", 0, base + seg.start, base + seg.start + seg.rows,
                                               [full, self.input_size]) for seg, base in zip(self.segments, bases)])
-        if self.quant is None:
-            allocate_dense(self)
         offset, base = 0, 0
         for seg in self.segments:
             rows = slice(offset, offset + seg.rows)
@@ -139,10 +135,13 @@ class ColumnParallelLinear(nn.Module):
             base += seg.full_rows
 
     def _keep_packed(self, parts: list[PackedIntWeight | None]) -> None:
-        """Hold the segments packed (and drop the dense weight) when the reader gave every one packed."""
+        """Hold the segments packed (the dense weight never allocated) when the reader gave every one packed;
+        else allocate the dense weight the load then fills."""
         if parts and all(part is not None for part in parts):
             self.quant = [part.grouped().to(self.device) for part in parts]
             self.weight = None
+        else:
+            allocate_dense(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [tokens, in] -> [tokens, out_local]
