@@ -347,3 +347,115 @@ def test_a_request_is_validated_once_on_its_way_in(tiny_llama_path, monkeypatch)
     finally:
         engine.shutdown()
     assert tokens == [12, 13, 14] and len(calls) == 2          # one per request, the refused one included
+
+
+class HeldSleep:
+    """TEST DOUBLE of ``asyncio.sleep`` for the idle batch wait: each call is recorded; the first ``hold``
+    calls block until the test releases them (no wall-clock window to race), later ones return at once."""
+
+    def __init__(self, hold: int = 1000) -> None:
+        self.calls: list[float] = []
+        self.hold = hold
+        self.entered = asyncio.Event()
+        self._release = asyncio.Event()
+
+    async def __call__(self, seconds: float) -> None:
+        self.calls.append(seconds)
+        if len(self.calls) > self.hold:
+            return
+        self.entered.set()
+        await self._release.wait()
+        self._release.clear()
+
+    async def next_pause(self) -> None:
+        await asyncio.wait_for(self.entered.wait(), timeout=60)
+        self.entered.clear()
+
+    def release(self) -> None:
+        self._release.set()
+
+
+def _waiting_engine(path, fake, sleep: HeldSleep, wait_ms: float) -> AsyncEngine:
+    config = EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(block_size=8, num_blocks=64),
+                          idle_batch_wait_ms=wait_ms)
+    return AsyncEngine(config, executor=fake, sleep=sleep)
+
+
+def test_idle_engine_lets_a_burst_arrive_before_its_first_step(tiny_llama_path):
+    """Requests that arrive while an idle engine waits go into its first step together; the wait ends after
+    a window with no new arrival (here: the second window), and a running engine never waits."""
+    fake, sleep = FakeExecutor(64), HeldSleep(hold=2)
+    engine = _waiting_engine(tiny_llama_path, fake, sleep, 4.0)
+
+    async def main():
+        first = asyncio.create_task(_consume(engine, "a", [10, 11], 3))
+        await sleep.next_pause()                         # the engine is waiting; nothing has stepped
+        assert fake.plans == []
+        others = [asyncio.create_task(_consume(engine, rid, [20 + i], 3)) for i, rid in enumerate("bc")]
+        await asyncio.sleep(0)                           # b and c are queued during the first window
+        sleep.release()
+        await sleep.next_pause()                         # new arrivals: one more window
+        assert fake.plans == []
+        sleep.release()                                  # a quiet window: the first step starts
+        results = await asyncio.gather(first, *others)
+        await engine._wait_idle(60)                      # the step loop is back to waiting for work
+        late = await _consume(engine, "d", [30], 2)      # idle again: one (unheld) window
+        return results, late
+    try:
+        results, late = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert sleep.calls == [0.004, 0.004, 0.004]          # a, a + b + c, then d alone; none while running
+    assert len(fake.plans[0].new_seqs) == 3              # a, b and c prefilled in one step
+    assert [tokens for tokens, _ in results] == [[12, 13, 14], [21, 22, 23], [22, 23, 24]]
+    assert late[0] == [31, 32]
+
+
+def test_idle_batch_wait_stops_after_four_windows_and_zero_turns_it_off(tiny_llama_path):
+    """Arrivals in every window: the engine steps after the fourth anyway; with 0 it never pauses."""
+    fake, sleep = FakeExecutor(64), HeldSleep()
+    engine = _waiting_engine(tiny_llama_path, fake, sleep, 2.0)
+
+    async def main():
+        tasks = [asyncio.create_task(_consume(engine, "r0", [10], 2))]
+        for i in range(1, 5):
+            await sleep.next_pause()
+            tasks.append(asyncio.create_task(_consume(engine, f"r{i}", [10 + i], 2)))
+            await asyncio.sleep(0)
+            sleep.release()
+        return await asyncio.gather(*tasks)
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(sleep.calls) == 4                         # capped: r4 arrived in the fourth window
+    assert len(fake.plans[0].new_seqs) == 5
+    assert [tokens for tokens, _ in results] == [[11 + i, 12 + i] for i in range(5)]
+
+    fake, sleep = FakeExecutor(64), HeldSleep()
+    engine = _waiting_engine(tiny_llama_path, fake, sleep, 0)
+    try:
+        tokens, _ = asyncio.run(_consume(engine, "a", [10], 2))
+    finally:
+        engine.shutdown()
+    assert tokens == [11, 12] and sleep.calls == []
+
+
+def test_running_engine_does_not_wait_for_more_arrivals(tiny_llama_path):
+    """A request that arrives while a step runs joins the next step with no pause."""
+    fake, sleep = GatedFakeExecutor(64), HeldSleep(hold=0)
+    engine = _waiting_engine(tiny_llama_path, fake, sleep, 4.0)
+
+    async def main():
+        first = asyncio.create_task(_consume(engine, "a", [10, 11], 3))
+        await asyncio.to_thread(fake.entered.wait, 60)   # step 0 (a alone) is blocked inside execute
+        second = asyncio.create_task(_consume(engine, "b", [20], 2))
+        await asyncio.sleep(0)
+        fake.gate.set()
+        return await asyncio.gather(first, second)
+    try:
+        (tokens_a, _), (tokens_b, _) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert sleep.calls == [0.004]                        # a's, from idle; none for b
+    assert tokens_a == [12, 13, 14] and tokens_b == [21, 22]

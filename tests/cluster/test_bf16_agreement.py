@@ -14,7 +14,7 @@ forward over the prefix preferred pagedray's token to the one its incremental ``
 Since the linear layers run ``kernels.cpu_gemm`` (2026-11-26, 16 other prompts x 32 tokens): 9 prompts
 equal throughout and 368 of 512 positions before the first divergence, oneDNN's products 10 and 383
 in the same run. The margin is signed: when short prompts began to run through the C decode kernel
-(``reference.SHORT_CHUNK``), "Q: What is 12 times 7?" followed transformers for 19 tokens and then
+(``reference.ROW_CHUNK_MAX``, then 16), "Q: What is 12 times 7?" followed transformers for 19 tokens and then
 took <|im_end|>, which transformers' full forward over that prefix prefers by 4.75 (log-probability
 -0.016 against -4.77) while its incremental ``generate`` took the newline.
 """

@@ -35,6 +35,7 @@ NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "
                 "ray_transport": "compiled", "threads_per_worker": 1, "max_rank_restarts": 0, "max_num_seqs": 8,
                 "max_num_batched_tokens": 512, "policy": "priority", "max_queued_requests": 7,
                 "step_timeout_s": 30.0, "step_timeout_per_token_s": 0.5, "seed": 5, "stream_interval": 4,
+                "idle_batch_wait_ms": 7.5,
                 "enforce_eager": True, "cpu_packed_weights": False, "cpu_keep_freed_memory": False,
                 "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5,
                 "speculative_model": "/models/draft", "warm_prefix_tokens": 0}

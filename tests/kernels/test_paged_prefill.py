@@ -21,7 +21,7 @@ from helpers.paged_kv_cases import (
     seed_of,
 )
 from pagedray.kernels import cpu_decode, paged_prefill, paged_prefill_reference
-from pagedray.kernels.reference import SHORT_CHUNK
+from pagedray.kernels.reference import ROW_CHUNK_MAX
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,15 @@ def test_prefill_matches_dense_oracle(spec, impl):
     _run_prefill(spec, impl, seed=seed_of(spec, impl))
 
 
-# chunks of 1..SHORT_CHUNK tokens with history (speculative steps), mixed with a longer one
+# chunks of 1..ROW_CHUNK_MAX tokens, with and without history (speculative steps, prompts, chunked
+# prefill): all of them decode rows of one call; the last spec mixes rows with a chunk longer than that
 SHORT_SPECS = [
-    PrefillSpec(9, 3, 64, 16, F32, ((37, 5), (0, 1), (100, 2), (3, 40), (15, SHORT_CHUNK))),
+    PrefillSpec(9, 3, 64, 16, F32, ((37, 5), (0, 1), (100, 2), (3, 40), (15, ROW_CHUNK_MAX))),
     PrefillSpec(8, 2, 128, 8, BF16, ((250, 4), (7, 9), (1, 3))),
     PrefillSpec(4, 4, 64, 32, F32, ((60, 6), (20, 2)), window=24),
+    PrefillSpec(4, 2, 96, 8, BF16, ((50, 13), (3, 1), (100, 0), (0, 117)), alibi=True),
+    PrefillSpec(6, 2, 64, 16, F32, ((0, 45), (0, 18), (9, 93)), window=20),
+    PrefillSpec(4, 2, 64, 16, F32, ((0, ROW_CHUNK_MAX + 3), (20, 7), (0, 30))),
 ]
 
 

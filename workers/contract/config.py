@@ -201,6 +201,10 @@ class EngineConfig:
     stream_interval: int = option(1, "serving streams send a request's new tokens every this many steps "
                                      "(its first and last output at once); more steps per message cost the "
                                      "front end less CPU and make streams burstier")
+    idle_batch_wait_ms: float = option(3.0, "an idle serving engine that receives a request starts its first "
+                                            "step once no other request has arrived for this long (at most 4x "
+                                            "this in all), so a burst of arrivals is prefilled in one step "
+                                            "(0: start at once)")
 
     def __post_init__(self) -> None:
         self.model.validate()
@@ -212,6 +216,9 @@ class EngineConfig:
                  f"step_timeout_per_token_s: must be >= 0, got {self.step_timeout_per_token_s!r}")
         _require(type(self.stream_interval) is int and self.stream_interval >= 1,   # noqa: E721
                  f"stream_interval: must be an integer >= 1, got {self.stream_interval!r}")
+        _require(isinstance(self.idle_batch_wait_ms, (int, float)) and not isinstance(self.idle_batch_wait_ms, bool)
+                 and 0 <= self.idle_batch_wait_ms <= 1000,
+                 f"idle_batch_wait_ms: must be a number of milliseconds in [0, 1000], got {self.idle_batch_wait_ms!r}")
         _require(not self.scheduler.async_scheduling or self.parallel.tensor_parallel_size == 1,
                  "async_scheduling: needs tensor_parallel_size 1 (the ranks would need the sampled ids of the "
                  f"step still running), got tensor_parallel_size={self.parallel.tensor_parallel_size}")
