@@ -123,11 +123,11 @@ class PagedrayScenario:
     """A Worker holding ``ctx`` decode sequences (random KV history) and optionally a prefill stream."""
 
     def __init__(self, model: str, ctx: list[int], prefill: bool, threads: int, max_steps: int,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", enforce_eager: bool = False) -> None:
         per_seq = [-(-(n + max_steps + 1) // BLOCK_SIZE) for n in ctx]
         chunk_blocks = -(-PREFILL_CHUNK // BLOCK_SIZE)
         num_blocks = sum(per_seq) + chunk_blocks
-        config = EngineConfig(model=ModelConfig(model=model, dtype=dtype),
+        config = EngineConfig(model=ModelConfig(model=model, dtype=dtype, enforce_eager=enforce_eager),
                               cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
                               parallel=ParallelConfig(threads_per_worker=threads))
         self.worker = Worker(config)
@@ -212,7 +212,7 @@ class HFScenario:
 
 
 def run_scenario(name: str, model: str, hf_model, ctx: list[int], prefill: bool, args) -> dict:
-    ours = PagedrayScenario(model, ctx, prefill, args.threads, args.steps + 2, args.dtype)
+    ours = PagedrayScenario(model, ctx, prefill, args.threads, args.steps + 2, args.dtype, args.enforce_eager)
     peer = HFScenario(hf_model, ctx, prefill)
     times = PhaseTimes()
     for _ in range(2):                     # warm-up
@@ -265,6 +265,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="both sides compute in this dtype")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="decode steps layer by layer (the attention column is 0 on the one-call CPU decode path, "
+                             "whose layers run inside one C call)")
     parser.add_argument("--json", default="benchmarks/results/step.json")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -274,6 +277,7 @@ def main() -> None:
     print_table(rows)
     with open(args.json, "w") as out:
         json.dump({"model": args.model, "threads": args.threads, "steps": args.steps, "dtype": args.dtype,
+                   "enforce_eager": args.enforce_eager,
                    "environment": environment(),
                    "unit": "ms per step (median)", "rows": rows}, out, indent=2)
 

@@ -38,25 +38,6 @@
 #include <immintrin.h>
 #endif
 
-/* exp(x) for x <= 0 or -inf (scores minus their running max): x = n ln2 + r, exp(r) by a degree-6
- * polynomial, 2^n built in the exponent bits. Relative error ~2e-7; x below -87 gives 0. */
-static inline v8f exp8(v8f x) {
-    const v8i tiny = x < splat(-87.0f);
-    const v8f xc = select8(tiny, splat(-87.0f), x);
-    const v8i n = __builtin_convertvector(xc * splat(1.44269504088896341f) - splat(0.5f), v8i);
-    const v8f nf = __builtin_convertvector(n, v8f);
-    const v8f r = xc - nf * splat(0.693145751953125f) - nf * splat(1.428606765330187e-06f);
-    v8f p = splat(1.0f / 720.0f);
-    p = p * r + splat(1.0f / 120.0f);
-    p = p * r + splat(1.0f / 24.0f);
-    p = p * r + splat(1.0f / 6.0f);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    const v8f two_n = (v8f)((n + 127) << 23);
-    return select8(tiny, splat(0.0f), p * two_n);
-}
-
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }

@@ -1,12 +1,13 @@
-/* Two of the decoder's small ops for the CPU, one call each instead of 4-9 torch ops: RMSNorm (with
- * the residual add) and rotate-half rotary. Built and loaded by cpu_fused.py; called through
+/* Three of the decoder's small ops for the CPU, one call each instead of 3-9 torch ops: RMSNorm (with
+ * the residual add), rotate-half rotary and SiLU(gate) * up. Built and loaded by cpu_fused.py; called through
  * ctypes with raw pointers and element strides.
  *
  * Numerics follow fused_reference.py op for op: every op that torch runs on a bfloat16 tensor rounds
  * its result to bfloat16 here too (rnd), and no multiply-add is contracted into an FMA (the functions
  * are compiled with fp-contract=off), so a product or sum rounds exactly as torch's does. What differs
  * from torch: the order of the RMSNorm's sum of squares, so a float32 RMSNorm can differ in the last
- * bit (its 1 / sqrt moves by an ulp); after a bfloat16 rounding it did not in the tests.
+ * bit (its 1 / sqrt moves by an ulp); after a bfloat16 rounding it did not in the tests. SiLU's exp is
+ * exp8 (cpu_vec.h, relative error ~2e-7), not torch's: a float32 SiLU can differ by an ulp or two.
  *
  * dtype codes: 0 = float32, 1 = bfloat16 (upper half of a float32). Row strides are in elements; the
  * last dim of every tensor is contiguous.
@@ -120,6 +121,100 @@ void rotary_rows(const void *x, int64_t x_tok, const void *cos, const void *sign
                 const float b = rnd(load1(xr, src, dtype) * load1(s, i, dtype), dtype);
                 store1(o, i, a + b, dtype);
             }
+        }
+    }
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* exp(x) for 16 x <= 0: exp8's algorithm with explicit FMAs, x below -87 gives 0 */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 nf = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i n = _mm512_cvtps_epi32(nf);
+    const __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, two_n);
+}
+
+static inline __m512 load16_at(const char *base, int64_t i, int dtype) {
+    if (dtype == DTYPE_F32) return _mm512_loadu_ps(base + i * 4);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(base + i * 2));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* bfloat16 rounding as to_bf16 (nearest even; a NaN stays a quiet NaN), as float32 values */
+static inline __m512 rnd16(__m512 x, int dtype) {
+    if (dtype == DTYPE_F32) return x;
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i bits = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void store16_at(char *base, int64_t i, __m512 x, int dtype) {
+    if (dtype == DTYPE_F32) {
+        _mm512_storeu_ps(base + i * 4, x);
+        return;
+    }
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rnd16(x, dtype)), 16));
+    _mm256_storeu_si256((__m256i *)(base + i * 2), h);
+}
+#endif
+
+/* gate_up [rows, 2 * inter] (row stride gu_row; gate first, then up) -> out [rows, inter] (row stride o_row):
+ * out = rnd(rnd(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) in float32 as torch's F.silu, then the
+ * product as torch's mul (bfloat16: each result rounded). exp8 takes exp(-|g|) <= 1, so a negative g goes
+ * as g * e / (1 + e), the same value. */
+void silu_mul_rows(const void *gate_up, int64_t gu_row, void *out, int64_t o_row, int64_t rows, int64_t inter,
+                   int dtype, int threads) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+#ifdef __AVX512F__
+    const int64_t vec16 = inter / 16 * 16;
+#else
+    const int64_t vec16 = 0;
+#endif
+    const int64_t vec = vec16 + (inter - vec16) / 8 * 8;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * inter >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *g = (const char *)gate_up + r * gu_row * elem, *u = g + inter * elem;
+        char *o = (char *)out + r * o_row * elem;
+#ifdef __AVX512F__
+        for (int64_t i = 0; i < vec16; i += 16) {
+            const __m512 x = load16_at(g, i, dtype);
+            const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 abs_x = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x),
+                                                                      _mm512_set1_epi32(0x7fffffff)));
+            const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), abs_x));   /* exp(-|x|) */
+            const __m512 num = _mm512_mask_mul_ps(x, negative, x, e);
+            const __m512 silu = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            store16_at(o, i, _mm512_mul_ps(rnd16(silu, dtype), load16_at(u, i, dtype)), dtype);
+        }
+#endif
+        for (int64_t i = vec16; i < vec; i += 8) {
+            const v8f x = load8_at(g, i, dtype);
+            const v8i negative = x < splat(0.0f);
+            const v8f e = exp8(select8(negative, x, -x));                 /* exp(-|x|) */
+            const v8f silu = select8(negative, x * e, x) / (splat(1.0f) + e);
+            store8(o, i, rnd8(silu, dtype) * load8_at(u, i, dtype), dtype);
+        }
+        for (int64_t i = vec; i < inter; i++) {
+            const float x = load1(g, i, dtype), e = expf(x < 0.0f ? x : -x);
+            const float silu = (x < 0.0f ? x * e : x) / (1.0f + e);
+            store1(o, i, rnd(silu, dtype) * load1(u, i, dtype), dtype);
         }
     }
 }

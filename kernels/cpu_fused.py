@@ -30,6 +30,7 @@ _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 _SIGNATURES = {
     "rms_norm_rows": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _F32, _INT, _INT],
     "rotary_rows": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _INT],
+    "silu_mul_rows": [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT],
 }
 
 
@@ -84,4 +85,18 @@ def apply_rotary_cpu(x, cos, signed_sin):
     signed_sin = signed_sin.contiguous()
     _library().rotary_rows(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(),
                            tokens, heads, head_dim, DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def supports_silu_and_mul(gate_up: torch.Tensor) -> bool:
+    """gate_up [rows, 2 * inter] float32 / bfloat16 on CPU, last dim contiguous."""
+    return _rows_ok(gate_up) and _library() is not None
+
+
+def silu_and_mul_cpu(gate_up):
+    """gate_up [rows, 2 * inter] -> silu(gate) * up [rows, inter] (a new contiguous tensor)."""
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    _library().silu_mul_rows(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, width // 2,
+                             DTYPE_CODES[gate_up.dtype], torch.get_num_threads())
     return out

@@ -1,6 +1,6 @@
 /* What the CPU C kernels (cpu_decode.c, cpu_fused.c) share: the dtype codes, 8-float vectors (GCC
- * vector extensions: AVX2 or AVX-512 code by -march=native), and float32 <-> bfloat16 as torch does
- * it (bfloat16 = the upper half of a float32; rounding to nearest even, NaN stays NaN).
+ * vector extensions: AVX2 or AVX-512 code by -march=native), float32 <-> bfloat16 as torch does
+ * it (bfloat16 = the upper half of a float32; rounding to nearest even, NaN stays NaN) and exp8.
  * cpu_build.py hashes this header with each source, so a change here rebuilds both. */
 #ifndef PAGEDRAY_CPU_VEC_H
 #define PAGEDRAY_CPU_VEC_H
@@ -57,6 +57,26 @@ static inline void store_float(char *dst, float x, int dtype) {
     }
     const uint16_t h = to_bf16(x);
     memcpy(dst, &h, sizeof h);
+}
+
+/* exp(x) for x <= 0 or -inf (cpu_decode.c: scores minus their running max; cpu_fused.c: silu's
+ * exp(-|x|)): x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n built in the exponent bits. Relative
+ * error ~2e-7; x below -87 gives 0. */
+static inline v8f exp8(v8f x) {
+    const v8i tiny = x < splat(-87.0f);
+    const v8f xc = select8(tiny, splat(-87.0f), x);
+    const v8i n = __builtin_convertvector(xc * splat(1.44269504088896341f) - splat(0.5f), v8i);
+    const v8f nf = __builtin_convertvector(n, v8f);
+    const v8f r = xc - nf * splat(0.693145751953125f) - nf * splat(1.428606765330187e-06f);
+    v8f p = splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    const v8f two_n = (v8f)((n + 127) << 23);
+    return select8(tiny, splat(0.0f), p * two_n);
 }
 
 #endif

@@ -12,7 +12,8 @@ torch reference (CPU, bit-identical to the layers' original code; see ``fused_re
 ``use_triton`` works as in ``api``: ``None`` = Triton for CUDA tensors, the CPU path for CPU tensors;
 ``True`` on CPU tensors needs ``TRITON_INTERPRET=1``. The CPU path of ``rms_norm`` and ``apply_rotary``
 is ``cpu_fused.c`` (one C call, op for op the reference's arithmetic) for float32/bfloat16 in the
-layouts it takes, else the torch reference; ``silu_and_mul`` runs its reference. The checks read
+layouts it takes, else the torch reference; ``silu_and_mul`` too (its exp is not torch's: a float32
+result may differ from the reference by an ulp or two). The checks read
 metadata only (ranks, shapes, dtypes, devices, strides, eps), never tensor contents, so the CUDA path
 never syncs with the host and can be captured in a CUDA graph. Every check raises ``ValueError``
 starting with the argument's name.
@@ -147,6 +148,8 @@ def silu_and_mul(gate_up, *, use_triton=None):
     if gate_up.shape[1] % 2 != 0:
         raise ValueError(f"gate_up: last dim {gate_up.shape[1]} must be even (gate and up halves)")
     if not _triton_wanted(use_triton, gate_up.device):
+        if cpu_fused.supports_silu_and_mul(gate_up):
+            return cpu_fused.silu_and_mul_cpu(gate_up)
         return silu_and_mul_reference(gate_up)
     out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
     silu_and_mul_triton(gate_up, out)

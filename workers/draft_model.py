@@ -62,7 +62,7 @@ class DraftModel:
         if vocab > target_vocab:
             raise ValueError(f"speculative_model: its vocabulary ({vocab} tokens) is larger than the target "
                              f"model's ({target_vocab}); the draft model must share the target's tokenizer")
-        pack_for_cpu(self.model, config.model.cpu_packed_weights, dtype, device)
+        pack_for_cpu(self.model, config.model.cpu_packed_weights, dtype, device, config.model.enforce_eager)
         dims = self.model.dims
         self.kv_spec = KVCacheSpec(dims.num_layers, config.cache.block_size, self.model.num_local_kv_heads,
                                    dims.head_dim, kv_quant.cache_dtype(config.cache.kv_cache_dtype, dtype))

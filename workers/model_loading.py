@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .layers.packed_gemm import PackReport, pack_linear_weights, packed_gemm_available
+from .models import cpu_decode_layers
 from .models.decoder import DecoderForCausalLM
 from .models.registry import model_class
 from .quantization import WeightQuantization, keeps_packed
@@ -35,9 +36,13 @@ def load_model(model_path: str, hf_config, quantization_option: str, dtype: torc
     return model.eval(), tp, quantization
 
 
-def pack_for_cpu(model: DecoderForCausalLM, enabled: bool, dtype: torch.dtype, device: torch.device
-                 ) -> PackReport | None:
-    """Packs the linear weights for the CPU GEMM (``cpu_packed_weights``) where that pays; None otherwise."""
-    if enabled and device.type == "cpu" and packed_gemm_available(dtype):
-        return pack_linear_weights(model)
-    return None
+def pack_for_cpu(model: DecoderForCausalLM, enabled: bool, dtype: torch.dtype, device: torch.device,
+                 enforce_eager: bool = False) -> PackReport | None:
+    """Packs the linear weights for the CPU GEMM (``cpu_packed_weights``) where that pays, and gives the
+    model its one-call decode path where it qualifies (``models/cpu_decode_layers.py``; not with
+    ``enforce_eager``). The pack report, or None when nothing was packed."""
+    if not (enabled and device.type == "cpu" and packed_gemm_available(dtype)):
+        return None
+    report = pack_linear_weights(model)
+    model.cpu_decode = cpu_decode_layers.build(model, enabled=not enforce_eager)
+    return report

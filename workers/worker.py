@@ -74,7 +74,7 @@ class Worker:
             log.info("rank %d: %s weights (%d bits), dequantized to %s when loaded", rank, quantization.method,
                      quantization.bits, self.dtype)
         self.pack_report: PackReport | None = pack_for_cpu(self.model, config.model.cpu_packed_weights, self.dtype,
-                                                           self.device)
+                                                           self.device, config.model.enforce_eager)
         if self.pack_report is not None:
             log.info("rank %d: %d weight matrices packed for oneDNN (%.0f MB of packed copies next to %.0f MB "
                      "of weights)", rank, self.pack_report.matrices, self.pack_report.packed_bytes / 1e6,

@@ -1,6 +1,7 @@
-"""The CPU C versions of RMSNorm and rotary (``kernels/cpu_fused.c``) against their torch references
-(``fused_reference``) on random inputs: bit for bit in bfloat16 and for rotary, within the last bit for a
-float32 RMSNorm (its sum of squares runs in another order); the dispatch in ``fused_ops``; the fallback."""
+"""The CPU C versions of RMSNorm, rotary and SiLU * up (``kernels/cpu_fused.c``) against their torch
+references (``fused_reference``) on random inputs: bit for bit in bfloat16 and for rotary, within the last
+bit for a float32 RMSNorm (its sum of squares runs in another order), within a few ulps for a float32 SiLU
+(its own exp) and one bfloat16 ulp for a bfloat16 one; the dispatch in ``fused_ops``; the fallback."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import logging
 import pytest
 import torch
 from pagedray.kernels import cpu_build, cpu_fused, fused_ops
-from pagedray.kernels.fused_reference import apply_rotary_reference, rms_norm_reference, rotary_cos_sin
+from pagedray.kernels.fused_reference import (
+    apply_rotary_reference,
+    rms_norm_reference,
+    rotary_cos_sin,
+    silu_and_mul_reference,
+)
 
 F32, BF16 = torch.float32, torch.bfloat16
 needs_library = pytest.mark.skipif(cpu_fused._library() is None, reason="no C compiler to build cpu_fused.c")
@@ -69,9 +75,27 @@ def test_rotary_equals_reference_on_a_qkv_slice(dtype, tokens, q_heads, kv_heads
     assert got.is_contiguous() and torch.equal(got, apply_rotary_reference(x, cos, signed_sin))
 
 
+@needs_library
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows,inter", [(2, 1536), (16, 1536), (64, 1536), (5, 13)])   # 64 x 1536: threaded
+def test_silu_and_mul_matches_reference(dtype, rows, inter):
+    gen = torch.Generator().manual_seed(rows * 7 + inter)
+    gate_up = torch.cat([_rows(gen, rows, inter, dtype, 4.0), _rows(gen, rows, inter, dtype, 1.0)], dim=1)
+    gate_up[0, :4] = torch.tensor([-100.0, -87.5, 0.0, 60.0])   # exp underflow, zero, a large gate
+    got, expected = cpu_fused.silu_and_mul_cpu(gate_up), silu_and_mul_reference(gate_up)
+    if dtype == F32:
+        torch.testing.assert_close(got, expected, rtol=2 ** -20, atol=1e-30)
+    else:   # silu rounds to bfloat16 before the product: an ulp there, after rounding rarely one here
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-30)
+        assert (got[1:] != expected[1:]).float().mean() < 0.01        # the random rows
+    strided = torch.zeros(rows, 2 * inter + 6, dtype=dtype)
+    strided[:, :2 * inter] = gate_up
+    assert torch.equal(cpu_fused.silu_and_mul_cpu(strided[:, :2 * inter]), got)   # row stride != width
+
+
 def test_fused_ops_dispatch_to_c_where_it_takes_the_layout(monkeypatch):
     calls = []
-    for name in ("rms_norm_cpu", "apply_rotary_cpu"):
+    for name in ("rms_norm_cpu", "apply_rotary_cpu", "silu_and_mul_cpu"):
         original = getattr(cpu_fused, name)
         monkeypatch.setattr(cpu_fused, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
     gen = torch.Generator().manual_seed(3)
@@ -82,7 +106,9 @@ def test_fused_ops_dispatch_to_c_where_it_takes_the_layout(monkeypatch):
     qk = torch.randn(4, 3, 64, generator=gen)
     cos, signed_sin = rotary_cos_sin(torch.arange(4), torch.rand(32, generator=gen), F32)
     fused_ops.apply_rotary(qk, cos, signed_sin)
-    expected = ["rms_norm_cpu", "apply_rotary_cpu"] if cpu_fused._library() is not None else []
+    fused_ops.silu_and_mul(x)
+    fused_ops.silu_and_mul(x.half())                                           # fp16: the reference
+    expected = ["rms_norm_cpu", "apply_rotary_cpu", "silu_and_mul_cpu"] if cpu_fused._library() is not None else []
     assert calls == expected
     with pytest.raises(ValueError, match="cos: expected shape"):
         fused_ops.apply_rotary(qk, cos[:2], signed_sin)

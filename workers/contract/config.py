@@ -45,8 +45,10 @@ class ModelConfig:
     device: str = option("auto", "auto | cpu | cuda")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's max_position_embeddings)")
     tokenizer: str | None = option(None, "a separate tokenizer folder (default: the model folder)")
-    enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs "
-                                        "captured at start-up (one per batch-size bucket; TP=1 only)")
+    enforce_eager: bool = option(False, "run decode steps layer by layer: on CUDA instead of replaying the CUDA "
+                                        "graphs captured at start-up (one per batch-size bucket; TP=1 only), on "
+                                        "CPU instead of the one C call over every layer (TP=1, dense Llama-style "
+                                        "models)")
     cpu_packed_weights: bool = option(True, "CPU, float32/bfloat16: keep a copy of each weight packed for "
                                             "pagedray's C GEMM (AVX-512) or oneDNN's and multiply with it (faster "
                                             "linear layers; as much memory again as the weights)")

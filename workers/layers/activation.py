@@ -1,7 +1,8 @@
 """Gated activations for the merged gate/up projection (elementwise: no communication).
 
-``silu_and_mul``: ``kernels.silu_and_mul``, the fused Triton kernel on CUDA tensors, ``F.silu(gate) * up``
-(the original code, bit-identical) on CPU tensors. ``gelu_tanh_and_mul`` (Gemma's ``gelu_pytorch_tanh``):
+``silu_and_mul``: ``kernels.silu_and_mul``, the fused Triton kernel on CUDA tensors, one C call
+(``cpu_fused.c``: ``F.silu(gate) * up``'s arithmetic with its own exp, within an ulp or two) on CPU
+tensors. ``gelu_tanh_and_mul`` (Gemma's ``gelu_pytorch_tanh``):
 ``F.gelu(gate, approximate="tanh") * up``, torch on every device.
 """
 

@@ -37,6 +37,7 @@ from ..layers.partition import HeadPartition, check_even_split, check_head_split
 from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader
+from .cpu_decode_layers import CpuDecodeLayers
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(dims, spec, tp, dtype, device, i) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=dims.tie_word_embeddings)
+        self.cpu_decode: CpuDecodeLayers | None = None   # set when the weights are packed (model_loading)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -235,9 +237,12 @@ class DecoderForCausalLM(nn.Module):
         # input_ids, positions [tokens]; kv_cache: this rank's shard (workers.kv_cache)
         hidden = self.embed_tokens(input_ids)                                   # [tokens, hidden]
         rope = self.rotary.for_step(positions, hidden.dtype)                   # shared by every layer
-        residual = None
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, rope, kv_cache.layer(i), meta)
+        if self.cpu_decode is not None and self.cpu_decode.takes(kv_cache, hidden, meta):
+            hidden, residual = self.cpu_decode.run(hidden, rope, kv_cache, meta)   # the same, in one C call
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                hidden, residual = layer(hidden, residual, rope, kv_cache.layer(i), meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,99 @@
+/* A decode step's dense decoder layers on CPU in one call (TP = 1), so that the ~10 Python-level calls of
+ * each layer (checks, allocations, ctypes, nn.Module dispatch: ~100 us a layer on the 2-core VM, a sixth
+ * of a float32 decode step of SmolLM2) become one. Built and loaded by cpu_layers.py.
+ *
+ * Nothing is computed here: every op is a call to the function the Python path calls (cpu_gemm.c's gemm,
+ * cpu_fused.c's rms_norm_rows / rotary_rows / silu_mul_rows, cpu_decode.c's paged_decode_cpu), through
+ * pointers into those libraries, with the arguments the Python path passes (strides included), so a step
+ * gives bit for bit the Python path's result. Per layer, as workers/models/decoder.py:
+ *
+ *   layer 0:  residual = hidden;                  normed = norm(hidden)
+ *   layer i:  normed, residual = norm(hidden + residual)
+ *   qkv = normed @ Wqkv^T (+ bias)                [rows, (Hq + 2 Hkv) D]
+ *   qk = rotary(qkv[:, :Hq + Hkv])                [rows, Hq + Hkv, D]
+ *   attn = decode(q = qk[:, :Hq]; stores k = qk[:, Hq:], v = qkv[:, Hq + Hkv:] first)   [rows, Hq, D]
+ *   normed, residual = norm(attn @ Wo^T + residual)
+ *   hidden = silu_mul(normed @ Wgu^T (+ bias)) @ Wdown^T
+ *
+ * Returns the last layer's hidden and the residual stream (the final norm stays in Python). */
+#include <stdint.h>
+#include <string.h>
+
+typedef void (*gemm_fn)(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, int64_t n,
+                        const void *bias, void *y, int64_t y_stride, int dtype, int threads);
+typedef void (*norm_fn)(const void *x, int64_t x_row, const void *residual, int64_t r_row, const void *weight,
+                        void *out, int64_t o_row, void *new_residual, int64_t n_row, int64_t rows, int64_t size,
+                        float eps, int dtype, int threads);
+typedef void (*rotary_fn)(const void *x, int64_t x_tok, const void *cos, const void *signed_sin, void *out,
+                          int64_t tokens, int64_t heads, int64_t head_dim, int dtype, int threads);
+typedef void (*silu_fn)(const void *gate_up, int64_t gu_row, void *out, int64_t o_row, int64_t rows, int64_t inter,
+                        int dtype, int threads);
+typedef void (*decode_fn)(const void *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache,
+                          int64_t c_block, int64_t c_tok, int64_t c_head, int64_t num_blocks, int64_t block_size,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t num_seqs, int64_t group,
+                          const int32_t *block_tables, int64_t bt_row, const int32_t *seq_lens, float scale,
+                          const float *slopes, int64_t window, int dtype, void *out, int64_t o_tok, int64_t o_head,
+                          int threads, const void *k_new, int64_t k_tok, int64_t k_head, const void *v_new,
+                          int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap, int cache_dtype,
+                          const uint16_t *k_scale, const uint16_t *v_scale);
+
+struct kernel_table {            /* the other libraries' functions (cpu_layers.py fills it once) */
+    gemm_fn gemm;
+    norm_fn norm;
+    rotary_fn rotary;
+    silu_fn silu;
+    decode_fn decode;
+};
+
+struct layer_args {              /* one layer: tile-packed weights, optional qkv bias, norms, its caches */
+    const void *input_norm, *post_norm;
+    const void *qkv, *qkv_bias, *o, *gate_up, *down;
+    void *k_cache, *v_cache;     /* [num_blocks, block_size, Hkv, D], the step's dtype */
+    int64_t window;              /* sliding window (0: none) */
+    float scale;
+};
+
+struct step_args {
+    int64_t rows, hidden, num_heads, num_kv_heads, head_dim, inter;
+    float eps;
+    int dtype, threads;
+    int64_t num_blocks, block_size, c_block, c_tok, c_head;   /* cache geometry (element strides) */
+    const int32_t *block_tables, *seq_lens, *slots;
+    int64_t bt_row;
+    const void *cos, *signed_sin;                             /* [rows, 1, D] */
+    /* buffers, contiguous, the step's dtype; hidden_buf in: the embeddings, out: the last layer's output */
+    void *hidden_buf, *residual, *spare_residual, *normed, *qkv, *qk, *attn, *o, *gate_up, *act;
+};
+
+void decode_layers(const struct kernel_table *k, const struct layer_args *layers, int64_t num_layers,
+                   const struct step_args *s) {
+    const int64_t elem = s->dtype == 0 ? 4 : 2;
+    const int64_t rows = s->rows, H = s->hidden, D = s->head_dim, Hq = s->num_heads, Hkv = s->num_kv_heads;
+    const int64_t qkv_width = (Hq + 2 * Hkv) * D, qk_width = (Hq + Hkv) * D, I = s->inter;
+    const int dt = s->dtype, th = s->threads;
+    char *residual = s->residual, *spare = s->spare_residual;
+    memcpy(residual, s->hidden_buf, (size_t)(rows * H * elem));          /* layer 0: residual = hidden */
+    for (int64_t i = 0; i < num_layers; i++) {
+        const struct layer_args *l = &layers[i];
+        if (i == 0) {
+            k->norm(s->hidden_buf, H, NULL, 0, l->input_norm, s->normed, H, NULL, 0, rows, H, s->eps, dt, th);
+        } else {
+            k->norm(s->hidden_buf, H, residual, H, l->input_norm, s->normed, H, spare, H, rows, H, s->eps, dt, th);
+            char *t = residual; residual = spare; spare = t;
+        }
+        k->gemm(s->normed, H, rows, H, l->qkv, qkv_width, l->qkv_bias, s->qkv, qkv_width, dt, th);
+        k->rotary(s->qkv, qkv_width, s->cos, s->signed_sin, s->qk, rows, Hq + Hkv, D, dt, th);
+        k->decode(s->qk, qk_width, D, l->k_cache, l->v_cache, s->c_block, s->c_tok, s->c_head, s->num_blocks,
+                  s->block_size, Hkv, D, rows, Hq / Hkv, s->block_tables, s->bt_row, s->seq_lens, l->scale, NULL,
+                  l->window, dt, s->attn, Hq * D, D, th,
+                  (const char *)s->qk + Hq * D * elem, qk_width, D,
+                  (const char *)s->qkv + qk_width * elem, qkv_width, D, s->slots, 0.0f, dt, NULL, NULL);
+        k->gemm(s->attn, Hq * D, rows, Hq * D, l->o, H, NULL, s->o, H, dt, th);
+        k->norm(s->o, H, residual, H, l->post_norm, s->normed, H, spare, H, rows, H, s->eps, dt, th);
+        { char *t = residual; residual = spare; spare = t; }
+        k->gemm(s->normed, H, rows, H, l->gate_up, 2 * I, NULL, s->gate_up, 2 * I, dt, th);
+        k->silu(s->gate_up, 2 * I, s->act, I, rows, I, dt, th);
+        k->gemm(s->act, I, rows, I, l->down, H, NULL, s->hidden_buf, H, dt, th);
+    }
+    if (residual != (char *)s->residual) memcpy(s->residual, residual, (size_t)(rows * H * elem));
+}

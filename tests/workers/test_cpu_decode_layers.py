@@ -1,0 +1,92 @@
+"""The one-call CPU decode path (``workers/models/cpu_decode_layers.py`` over ``kernels/cpu_layers.c``):
+every step's logits bit for bit those of the layer-by-layer path (``enforce_eager``), on the families
+that take it, with prefill chunks, mixed steps and pure decode steps; the families and caches that do
+not take it fall back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers.worker_setup import local_driver
+from pagedray.kernels import cpu_layers
+
+needs_layers = pytest.mark.skipif(not cpu_layers.available(torch.float32),
+                                  reason="the CPU C kernels are not built here (no compiler or no AVX-512)")
+PROMPT_LENGTHS = (5, 17, 30, 9)
+
+
+def _run(path: str, enforce_eager: bool, dtype: str, threads: int = 1, **kwargs):
+    """(tokens per prompt, logits of every step, one-call runs, the worker) for a fixed set of prompts."""
+    worker, driver = local_driver(path, token_budget=24, max_chunk=16, dtype=dtype, enforce_eager=enforce_eager,
+                                  **kwargs)
+    logits, calls = [], []
+    run = worker.runner.run
+
+    def recording_run(step):
+        output = run(step)
+        logits.append(None if output.logits is None else output.logits.clone())
+        return output
+    worker.runner.run = recording_run
+    one_call = worker.model.cpu_decode
+    if one_call is not None:
+        inner = one_call.run
+
+        def counting_run(*args):
+            calls.append(args[0].shape[0])
+            return inner(*args)
+        one_call.run = counting_run
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in PROMPT_LENGTHS]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)     # what each C call is handed (the worker's own setting is 1)
+    try:
+        tokens = driver.generate(prompts, 12)
+    finally:
+        torch.set_num_threads(before)
+    return tokens, logits, calls, worker
+
+
+@needs_layers
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral-window", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_decode_equals_the_layer_by_layer_path_bit_for_bit(kind, dtype, tiny_model_path):
+    if dtype == "bfloat16" and not cpu_layers.available(torch.bfloat16):
+        pytest.skip("no AVX512-BF16 here: the bf16 GEMM is oneDNN's")
+    path = tiny_model_path(kind)
+    eager_tokens, eager_logits, eager_calls, eager = _run(path, True, dtype)
+    tokens, logits, calls, worker = _run(path, False, dtype)
+    assert eager.model.cpu_decode is None and eager_calls == []
+    assert worker.model.cpu_decode is not None
+    assert tokens == eager_tokens
+    assert len(logits) == len(eager_logits)
+    for step, (got, want) in enumerate(zip(logits, eager_logits)):
+        assert (got is None) == (want is None), step
+        assert got is None or torch.equal(got, want), f"step {step}: max diff {(got - want).abs().max()}"
+    # pure decode steps of 4, 3, 2 and 1 sequences ran through the one call; prefill and mixed steps did not
+    assert len(calls) >= 12 and max(calls) == len(PROMPT_LENGTHS) and min(calls) == 1
+
+
+@needs_layers
+def test_one_call_decode_with_two_threads(tiny_model_path):
+    path = tiny_model_path("llama")
+    eager_tokens, eager_logits, _, _ = _run(path, True, "float32", threads=2)
+    tokens, logits, calls, _ = _run(path, False, "float32", threads=2)
+    assert tokens == eager_tokens and calls
+    assert all(g is None and w is None or torch.equal(g, w) for g, w in zip(logits, eager_logits))
+
+
+@needs_layers
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "qwen3-moe"])
+def test_families_outside_the_path_keep_the_layer_loop(kind, tiny_model_path):
+    """q/k norm, Gemma's own forward, experts: no one-call path."""
+    worker, _ = local_driver(tiny_model_path(kind), dtype="float32")
+    assert worker.model.cpu_decode is None
+
+
+@needs_layers
+def test_an_8bit_cache_falls_back_to_the_layer_loop(tiny_model_path):
+    """The one-call path needs a cache in the model's dtype: with int8 KV every step runs layer by layer."""
+    _, _, calls, worker = _run(tiny_model_path("llama"), False, "float32", kv_cache_dtype="int8")
+    assert worker.model.cpu_decode is not None and calls == []

@@ -1,0 +1,114 @@
+"""The one-call CPU decode path of ``DecoderForCausalLM`` (``kernels/cpu_layers.c``): which models take
+it, and the per-step arguments.
+
+A decode step (every sequence schedules one token) of a qualifying model runs all its decoder layers in
+one C call that makes, op for op, the calls the layer-by-layer path makes (bit for bit the same hidden
+states); the embedding, the rotary tables and the final norm stay in Python. Why: at decode sizes the
+Python around each layer's ~10 small calls (checks, allocations, ctypes, module dispatch) cost ~100 us a
+layer on the 2-core VM, 3 ms of a ~26 ms float32 SmolLM2 step at batch 16 (measured in
+docs/design/workers.md).
+
+Qualifies (checked once, when the weights are packed): CPU, TP = 1, float32 / bfloat16 with the C
+libraries built, every layer a ``DecoderLayer`` with a SiLU MLP (no experts), no q/k norm, no attention
+soft-capping, no bias but the qkv projection's, every linear weight tile-packed for ``cpu_gemm``, and the
+model's own ``forward`` (Gemma's differs). Per step: a KV cache in the model's dtype (not 8-bit) and a
+block size the decode kernel takes. ``enforce_eager`` turns the path off (the layer-by-layer path, whose
+modules forward hooks can see, as CUDA's eager steps).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from pagedray.kernels import cpu_decode, cpu_gemm, cpu_layers
+
+from ..kv_cache import KVCache
+from ..layers.activation import silu_and_mul
+from ..layers.attention import AttentionMetadata
+from ..layers.rotary import RotaryStep
+
+
+class CpuDecodeLayers:
+    """Built by ``build`` for a qualifying model; ``run`` takes a decode step's embeddings."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        first = model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.inter = model.layers[0].mlp.down_proj.cols
+        self.eps = float(model.layers[0].input_layernorm.eps)
+        self._layers: ctypes.Array | None = None
+        self._cache_key: tuple | None = None
+
+    def takes(self, kv_cache: KVCache, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """True for a decode step (one token per sequence) over a cache this path can use."""
+        data = kv_cache.data
+        return (meta.max_query_len == 1 and hidden.shape[0] == meta.seq_lens_k.shape[0]
+                and kv_cache.scales is None and data.dtype == hidden.dtype
+                and cpu_decode.supports(hidden.new_empty((1, self.num_heads, self.head_dim)), data[0, 0]))
+
+    def _layer_args(self, kv_cache: KVCache) -> ctypes.Array:
+        """One ``LayerArgs`` per layer (rebuilt when the cache is a new one)."""
+        key = (kv_cache.data.data_ptr(), tuple(kv_cache.data.shape), tuple(kv_cache.data.stride()))
+        if self._cache_key != key:
+            array = (cpu_layers.LayerArgs * len(self.model.layers))()
+            for i, layer in enumerate(self.model.layers):
+                attn, mlp, kv = layer.self_attn, layer.mlp, kv_cache.layer(i)
+                bias = attn.qkv_proj.bias
+                array[i] = cpu_layers.LayerArgs(
+                    layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                    attn.qkv_proj.packed_weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
+                    attn.o_proj.packed_weight.data.data_ptr(), mlp.gate_up_proj.packed_weight.data.data_ptr(),
+                    mlp.down_proj.packed_weight.data.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
+                    int(attn.attn.sliding_window or 0), float(attn.attn.scale))
+            self._layers, self._cache_key = array, key
+        return self._layers
+
+    def run(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: KVCache, meta: AttentionMetadata
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [rows, hidden] (the embeddings, overwritten) -> (the last layer's output, the residual
+        stream), both [rows, hidden], as the layer loop of ``DecoderForCausalLM.forward`` returns them."""
+        rows, size = hidden.shape
+        hq, hkv, d, inter = self.num_heads, self.num_kv_heads, self.head_dim, self.inter
+
+        def buffer(width: int) -> torch.Tensor:
+            return torch.empty((rows, width), dtype=hidden.dtype)
+        bufs = [buffer(w) for w in (size, size, size, (hq + 2 * hkv) * d, (hq + hkv) * d, hq * d, size,
+                                    2 * inter, inter)]
+        residual = bufs[0]
+        k_cache = kv_cache.data[0, 0]
+        tables, lens, slots = meta.block_tables, meta.seq_lens_k, meta.slot_mapping
+        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+        step = cpu_layers.StepArgs(
+            rows, size, hq, hkv, d, inter, self.eps, cpu_layers.DTYPE_CODES[hidden.dtype], torch.get_num_threads(),
+            k_cache.shape[0], k_cache.shape[1], *k_cache.stride()[:3],
+            tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), tables.stride(0), cos.data_ptr(), sin.data_ptr(),
+            hidden.data_ptr(), *(b.data_ptr() for b in bufs))
+        cpu_layers.decode_layers(self._layer_args(kv_cache), step)
+        return hidden, residual
+
+
+def _layer_qualifies(layer, dtype: torch.dtype) -> bool:
+    from .decoder import DecoderLayer, DecoderMLP
+
+    if type(layer) is not DecoderLayer or type(layer.mlp) is not DecoderMLP or layer.mlp.act is not silu_and_mul:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return (attn.q_norm is None and attn.attn.logit_softcap is None and attn.head_dim % 16 == 0
+            and attn.o_proj.bias is None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
+            and all(isinstance(lin.packed_weight, cpu_gemm.TilePackedWeight) and lin.packed_weight.data.dtype == dtype
+                    for lin in linears))
+
+
+def build(model, enabled: bool) -> CpuDecodeLayers | None:
+    """The one-call path for ``model`` (weights loaded and packed), or None where it does not qualify."""
+    from .decoder import DecoderForCausalLM
+
+    dtype = model.embed_tokens.weight.dtype
+    if (not enabled or type(model).forward is not DecoderForCausalLM.forward or model.tp.world_size != 1
+            or model.embed_tokens.weight.device.type != "cpu" or not cpu_layers.available(dtype)
+            or not all(_layer_qualifies(layer, dtype) for layer in model.layers)):
+        return None
+    return CpuDecodeLayers(model)
