@@ -11,7 +11,9 @@ timing does not depend on them, so no long prefill is needed to set a scenario u
 One pagedray step is timed in the phases of ``Worker.execute``:
 ``prepare`` (mirror update + input tensors, ``ModelRunner.prepare``), ``forward`` (model + LM head at
 the sampling rows, ``ModelRunner.forward``; includes ``attention``, which is the time spent inside
-the ``PagedAttention`` modules, measured with forward hooks) and ``sampler`` (greedy rows).
+the ``PagedAttention`` modules, measured with forward hooks: 0 for the ``decode-B`` rows on the
+one-call CPU decode path, whose layers run inside one C call; ``--enforce-eager`` runs them layer by
+layer) and ``sampler`` (greedy rows).
 The peer is ``transformers`` ``AutoModelForCausalLM`` (sdpa attention) on the same weights and
 threads: one decode forward over the batch left-padded to its longest context with a ``DynamicCache``
 (the ``generate`` inner step), plus, for ``mixed``, a separate forward of the prefill chunk

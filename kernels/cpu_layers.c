@@ -1,5 +1,5 @@
 /* A decode step's dense decoder layers on CPU in one call (TP = 1), so that the ~10 Python-level calls of
- * each layer (checks, allocations, ctypes, nn.Module dispatch: ~100 us a layer on the 2-core VM, a sixth
+ * each layer (checks, allocations, ctypes, nn.Module dispatch: ~170 us a layer on the 2-core VM, a fifth
  * of a float32 decode step of SmolLM2) become one. Built and loaded by cpu_layers.py.
  *
  * Nothing is computed here: every op is a call to the function the Python path calls (cpu_gemm.c's gemm,

@@ -49,7 +49,7 @@ def _run(path: str, enforce_eager: bool, dtype: str, threads: int = 1, **kwargs)
 
 
 @needs_layers
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral-window", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2-window", "mistral-window", "phi3", "phi3-longrope"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_call_decode_equals_the_layer_by_layer_path_bit_for_bit(kind, dtype, tiny_model_path):
     if dtype == "bfloat16" and not cpu_layers.available(torch.bfloat16):

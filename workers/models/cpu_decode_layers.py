@@ -4,8 +4,8 @@ it, and the per-step arguments.
 A decode step (every sequence schedules one token) of a qualifying model runs all its decoder layers in
 one C call that makes, op for op, the calls the layer-by-layer path makes (bit for bit the same hidden
 states); the embedding, the rotary tables and the final norm stay in Python. Why: at decode sizes the
-Python around each layer's ~10 small calls (checks, allocations, ctypes, module dispatch) cost ~100 us a
-layer on the 2-core VM, 3 ms of a ~26 ms float32 SmolLM2 step at batch 16 (measured in
+Python around each layer's ~10 small calls (checks, allocations, ctypes, module dispatch) cost ~160-180 us a
+layer on the 2-core VM, 5-6 ms of a 25 ms float32 SmolLM2 step at batch 16 (measured in
 docs/design/workers.md).
 
 Qualifies (checked once, when the weights are packed): CPU, TP = 1, float32 / bfloat16 with the C
