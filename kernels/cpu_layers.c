@@ -48,7 +48,8 @@ struct kernel_table {            /* the other libraries' functions (cpu_layers.p
 struct layer_args {              /* one layer: tile-packed weights, optional qkv bias, norms, its caches */
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *gate_up, *down;
-    void *k_cache, *v_cache;     /* [num_blocks, block_size, Hkv, D], the step's dtype */
+    void *k_cache, *v_cache;     /* [num_blocks, block_size, Hkv, D], the step's dtype or int8 rows */
+    const uint16_t *k_scale, *v_scale;   /* int8 rows: their float16 scales [num_blocks, block_size, Hkv]; else NULL */
     int64_t window;              /* sliding window (0: none) */
     float scale;
 };
@@ -56,7 +57,7 @@ struct layer_args {              /* one layer: tile-packed weights, optional qkv
 struct step_args {
     int64_t rows, hidden, num_heads, num_kv_heads, head_dim, inter;
     float eps;
-    int dtype, threads;
+    int dtype, threads, cache_dtype;   /* cache_dtype: cpu_decode.CACHE_CODES (the step's dtype or 2 = int8) */
     int64_t num_blocks, block_size, c_block, c_tok, c_head;   /* cache geometry (element strides) */
     const int32_t *block_tables, *seq_lens, *slots;
     int64_t bt_row;
@@ -87,7 +88,8 @@ void decode_layers(const struct kernel_table *k, const struct layer_args *layers
                   s->block_size, Hkv, D, rows, Hq / Hkv, s->block_tables, s->bt_row, s->seq_lens, l->scale, NULL,
                   l->window, dt, s->attn, Hq * D, D, th,
                   (const char *)s->qk + Hq * D * elem, qk_width, D,
-                  (const char *)s->qkv + qk_width * elem, qkv_width, D, s->slots, 0.0f, dt, NULL, NULL);
+                  (const char *)s->qkv + qk_width * elem, qkv_width, D, s->slots, 0.0f, s->cache_dtype,
+                  l->k_scale, l->v_scale);
         k->gemm(s->attn, Hq * D, rows, Hq * D, l->o, H, NULL, s->o, H, dt, th);
         k->norm(s->o, H, residual, H, l->post_norm, s->normed, H, spare, H, rows, H, s->eps, dt, th);
         { char *t = residual; residual = spare; spare = t; }

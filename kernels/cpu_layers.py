@@ -29,12 +29,13 @@ class KernelTable(ctypes.Structure):
 
 class LayerArgs(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("gate_up", _P),
-                ("down", _P), ("k_cache", _P), ("v_cache", _P), ("window", _I64), ("scale", _F32)]
+                ("down", _P), ("k_cache", _P), ("v_cache", _P), ("k_scale", _P), ("v_scale", _P), ("window", _I64),
+                ("scale", _F32)]
 
 
 class StepArgs(ctypes.Structure):
     _fields_ = [("rows", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
-                ("inter", _I64), ("eps", _F32), ("dtype", _INT), ("threads", _INT),
+                ("inter", _I64), ("eps", _F32), ("dtype", _INT), ("threads", _INT), ("cache_dtype", _INT),
                 ("num_blocks", _I64), ("block_size", _I64), ("c_block", _I64), ("c_tok", _I64), ("c_head", _I64),
                 ("block_tables", _P), ("seq_lens", _P), ("slots", _P), ("bt_row", _I64),
                 ("cos", _P), ("signed_sin", _P),

@@ -1,7 +1,7 @@
 """The one-call CPU decode path (``workers/models/cpu_decode_layers.py`` over ``kernels/cpu_layers.c``):
 every step's logits bit for bit those of the layer-by-layer path (``enforce_eager``), on the families
-that take it, with prefill chunks, mixed steps and pure decode steps; the families and caches that do
-not take it fall back."""
+that take it, with prefill chunks, mixed steps and pure decode steps, also over an int8 KV cache; the
+families and caches that do not take it fall back."""
 
 from __future__ import annotations
 
@@ -86,7 +86,13 @@ def test_families_outside_the_path_keep_the_layer_loop(kind, tiny_model_path):
 
 
 @needs_layers
-def test_an_8bit_cache_falls_back_to_the_layer_loop(tiny_model_path):
-    """The one-call path needs a cache in the model's dtype: with int8 KV every step runs layer by layer."""
-    _, _, calls, worker = _run(tiny_model_path("llama"), False, "float32", kv_cache_dtype="int8")
+def test_an_int8_cache_takes_the_one_call_and_a_float8_one_the_layer_loop(tiny_model_path):
+    """int8 rows are quantized by the decode kernel as it stores them, on both paths alike: bit for bit
+    equal; float8 rows are stored by torch, so a float8 cache keeps the layer loop."""
+    path = tiny_model_path("llama")
+    eager_tokens, eager_logits, _, _ = _run(path, True, "float32", kv_cache_dtype="int8")
+    tokens, logits, calls, _ = _run(path, False, "float32", kv_cache_dtype="int8")
+    assert tokens == eager_tokens and len(calls) >= 12
+    assert all(g is None and w is None or torch.equal(g, w) for g, w in zip(logits, eager_logits))
+    _, _, calls, worker = _run(path, False, "float32", kv_cache_dtype="fp8_e4m3")
     assert worker.model.cpu_decode is not None and calls == []

@@ -11,9 +11,9 @@ docs/design/workers.md).
 Qualifies (checked once, when the weights are packed): CPU, TP = 1, float32 / bfloat16 with the C
 libraries built, every layer a ``DecoderLayer`` with a SiLU MLP (no experts), no q/k norm, no attention
 soft-capping, no bias but the qkv projection's, every linear weight tile-packed for ``cpu_gemm``, and the
-model's own ``forward`` (Gemma's differs). Per step: a KV cache in the model's dtype (not 8-bit) and a
-block size the decode kernel takes. ``enforce_eager`` turns the path off (the layer-by-layer path, whose
-modules forward hooks can see, as CUDA's eager steps).
+model's own ``forward`` (Gemma's differs). Per step: a KV cache in the model's dtype or of int8 rows (not
+float8) and a block size the decode kernel takes. ``enforce_eager`` turns the path off (the layer-by-layer
+path, whose modules forward hooks can see, as CUDA's eager steps).
 """
 
 from __future__ import annotations
@@ -42,15 +42,23 @@ class CpuDecodeLayers:
         self._cache_key: tuple | None = None
 
     def takes(self, kv_cache: KVCache, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """True for a decode step (one token per sequence) over a cache this path can use."""
+        """True for a decode step (one token per sequence) over a cache this path can use: in the model's
+        dtype, or of int8 rows that the decode kernel quantizes as it stores them (as the layer loop's
+        ``store_kv_and_attend`` then does too; float8 rows are stored by torch)."""
         data = kv_cache.data
-        return (meta.max_query_len == 1 and hidden.shape[0] == meta.seq_lens_k.shape[0]
-                and kv_cache.scales is None and data.dtype == hidden.dtype
+        if data.dtype == hidden.dtype:
+            cache_ok = kv_cache.scales is None
+        else:
+            cache_ok = (data.dtype == torch.int8 and kv_cache.scales is not None
+                        and cpu_decode.stores_rows_into(data[0, 0]))
+        return (meta.max_query_len == 1 and hidden.shape[0] == meta.seq_lens_k.shape[0] and cache_ok
                 and cpu_decode.supports(hidden.new_empty((1, self.num_heads, self.head_dim)), data[0, 0]))
 
     def _layer_args(self, kv_cache: KVCache) -> ctypes.Array:
         """One ``LayerArgs`` per layer (rebuilt when the cache is a new one)."""
-        key = (kv_cache.data.data_ptr(), tuple(kv_cache.data.shape), tuple(kv_cache.data.stride()))
+        scales = kv_cache.scales
+        key = (kv_cache.data.data_ptr(), tuple(kv_cache.data.shape), tuple(kv_cache.data.stride()),
+               None if scales is None else (scales.data_ptr(), tuple(scales.shape), tuple(scales.stride())))
         if self._cache_key != key:
             array = (cpu_layers.LayerArgs * len(self.model.layers))()
             for i, layer in enumerate(self.model.layers):
@@ -61,6 +69,8 @@ class CpuDecodeLayers:
                     attn.qkv_proj.packed_weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
                     attn.o_proj.packed_weight.data.data_ptr(), mlp.gate_up_proj.packed_weight.data.data_ptr(),
                     mlp.down_proj.packed_weight.data.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
+                    None if kv.k_scale is None else kv.k_scale.data_ptr(),
+                    None if kv.v_scale is None else kv.v_scale.data_ptr(),
                     int(attn.attn.sliding_window or 0), float(attn.attn.scale))
             self._layers, self._cache_key = array, key
         return self._layers
@@ -82,6 +92,7 @@ class CpuDecodeLayers:
         cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
         step = cpu_layers.StepArgs(
             rows, size, hq, hkv, d, inter, self.eps, cpu_layers.DTYPE_CODES[hidden.dtype], torch.get_num_threads(),
+            cpu_decode.CACHE_CODES[kv_cache.data.dtype],
             k_cache.shape[0], k_cache.shape[1], *k_cache.stride()[:3],
             tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), tables.stride(0), cos.data_ptr(), sin.data_ptr(),
             hidden.data_ptr(), *(b.data_ptr() for b in bufs))
