@@ -42,38 +42,43 @@ class CpuDecodeLayers:
         self._cache_key: tuple | None = None
 
     def takes(self, kv_cache: KVCache, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """True for a decode step (one token per sequence) over a cache this path can use: in the model's
-        dtype, or of int8 rows that the decode kernel quantizes as it stores them (as the layer loop's
-        ``store_kv_and_attend`` then does too; float8 rows are stored by torch)."""
-        data = kv_cache.data
-        if data.dtype == hidden.dtype:
-            cache_ok = kv_cache.scales is None
+        """True for a decode step (one token per sequence) over a cache this path can use (``_prepare``)."""
+        return (meta.max_query_len == 1 and hidden.shape[0] == meta.seq_lens_k.shape[0]
+                and self._prepare(kv_cache, hidden.dtype) is not None)
+
+    def _prepare(self, kv_cache: KVCache, dtype: torch.dtype) -> ctypes.Array | None:
+        """One ``LayerArgs`` per layer, or None for a cache this path cannot use; decided and built once per
+        cache (a new cache tensor is a new key). Usable: a cache in the model's dtype, or of int8 rows that
+        the decode kernel quantizes as it stores them (as the layer loop's ``store_kv_and_attend`` then does
+        too; float8 rows are stored by torch), in a layout the decode kernel takes."""
+        data, scales = kv_cache.data, kv_cache.scales
+        key = (data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.dtype, dtype,
+               None if scales is None else (scales.data_ptr(), tuple(scales.shape), tuple(scales.stride())))
+        if self._cache_key == key:
+            return self._layers
+        if data.dtype == dtype:
+            usable = scales is None
         else:
-            cache_ok = (data.dtype == torch.int8 and kv_cache.scales is not None
-                        and cpu_decode.stores_rows_into(data[0, 0]))
-        return (meta.max_query_len == 1 and hidden.shape[0] == meta.seq_lens_k.shape[0] and cache_ok
-                and cpu_decode.supports(hidden.new_empty((1, self.num_heads, self.head_dim)), data[0, 0]))
+            usable = data.dtype == torch.int8 and scales is not None and cpu_decode.stores_rows_into(data[0, 0])
+        usable = usable and cpu_decode.supports(torch.empty((1, self.num_heads, self.head_dim), dtype=dtype),
+                                                data[0, 0])
+        self._layers, self._cache_key = (self._layer_args(kv_cache) if usable else None), key
+        return self._layers
 
     def _layer_args(self, kv_cache: KVCache) -> ctypes.Array:
-        """One ``LayerArgs`` per layer (rebuilt when the cache is a new one)."""
-        scales = kv_cache.scales
-        key = (kv_cache.data.data_ptr(), tuple(kv_cache.data.shape), tuple(kv_cache.data.stride()),
-               None if scales is None else (scales.data_ptr(), tuple(scales.shape), tuple(scales.stride())))
-        if self._cache_key != key:
-            array = (cpu_layers.LayerArgs * len(self.model.layers))()
-            for i, layer in enumerate(self.model.layers):
-                attn, mlp, kv = layer.self_attn, layer.mlp, kv_cache.layer(i)
-                bias = attn.qkv_proj.bias
-                array[i] = cpu_layers.LayerArgs(
-                    layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                    attn.qkv_proj.packed_weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
-                    attn.o_proj.packed_weight.data.data_ptr(), mlp.gate_up_proj.packed_weight.data.data_ptr(),
-                    mlp.down_proj.packed_weight.data.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
-                    None if kv.k_scale is None else kv.k_scale.data_ptr(),
-                    None if kv.v_scale is None else kv.v_scale.data_ptr(),
-                    int(attn.attn.sliding_window or 0), float(attn.attn.scale))
-            self._layers, self._cache_key = array, key
-        return self._layers
+        array = (cpu_layers.LayerArgs * len(self.model.layers))()
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp, kv = layer.self_attn, layer.mlp, kv_cache.layer(i)
+            bias = attn.qkv_proj.bias
+            array[i] = cpu_layers.LayerArgs(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                attn.qkv_proj.packed_weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
+                attn.o_proj.packed_weight.data.data_ptr(), mlp.gate_up_proj.packed_weight.data.data_ptr(),
+                mlp.down_proj.packed_weight.data.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
+                None if kv.k_scale is None else kv.k_scale.data_ptr(),
+                None if kv.v_scale is None else kv.v_scale.data_ptr(),
+                int(attn.attn.sliding_window or 0), float(attn.attn.scale))
+        return array
 
     def run(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: KVCache, meta: AttentionMetadata
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +101,7 @@ class CpuDecodeLayers:
             k_cache.shape[0], k_cache.shape[1], *k_cache.stride()[:3],
             tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), tables.stride(0), cos.data_ptr(), sin.data_ptr(),
             hidden.data_ptr(), *(b.data_ptr() for b in bufs))
-        cpu_layers.decode_layers(self._layer_args(kv_cache), step)
+        cpu_layers.decode_layers(self._prepare(kv_cache, hidden.dtype), step)   # takes() said it is not None
         return hidden, residual
 
 

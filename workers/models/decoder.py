@@ -22,6 +22,7 @@ Nothing in the forward reads tensor values on the host, so it can be captured in
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,7 +38,9 @@ from ..layers.partition import HeadPartition, check_even_split, check_head_split
 from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader
-from .cpu_decode_layers import CpuDecodeLayers
+
+if TYPE_CHECKING:
+    from .cpu_decode_layers import CpuDecodeLayers  # set by model_loading.pack_for_cpu
 
 
 @dataclass(frozen=True)
