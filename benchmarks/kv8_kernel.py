@@ -115,12 +115,14 @@ def bench_prefill(cfg: dict, device, on_cuda: bool) -> list[dict]:
 
 def run(cfg: dict, device: torch.device, out_path: pathlib.Path, dry_run: bool) -> dict:
     on_cuda = device.type == "cuda"
-    rows = [r for b in cfg["batches"] for c in cfg["contexts"] for r in bench_decode(b, c, cfg, device, on_cuda)]
-    rows += bench_prefill(cfg, device, on_cuda)
     print(f"{'cache':9} {'batch':>6} {'context':>8} {'ms':>9} {'ktok/s':>10} {'GB/s':>8} {'x 16-bit':>9}")
-    for r in (r for r in rows if r["kind"] == "decode"):
-        print(f"{r['cache']:9} {r['batch']:>6} {r['context']:>8} {r['ms']:>9.4f} {r['ktok_per_s']:>10.0f} "
-              f"{r['gbps']:>8.1f} {r['speedup_vs_16bit']:>8.2f}x")
+    rows = []
+    for batch, context in ((b, c) for b in cfg["batches"] for c in cfg["contexts"]):
+        rows += bench_decode(batch, context, cfg, device, on_cuda)
+        for r in rows[-1 - len(cfg["cache_dtypes"]):]:                 # printed as measured: a cut run keeps them
+            print(f"{r['cache']:9} {r['batch']:>6} {r['context']:>8} {r['ms']:>9.4f} {r['ktok_per_s']:>10.0f} "
+                  f"{r['gbps']:>8.1f} {r['speedup_vs_16bit']:>8.2f}x", flush=True)
+    rows += bench_prefill(cfg, device, on_cuda)
     for r in (r for r in rows if r["kind"] == "prefill"):
         print(f"prefill {r['tokens']} over {r['history']}: {r['cache']:9} {r['ms']:.3f} ms "
               f"({r['speedup_vs_16bit']:.2f}x 16-bit)")

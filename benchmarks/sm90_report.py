@@ -137,6 +137,8 @@ def variants() -> dict[str, tuple]:
     consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, SPLIT=False, IEEE=False, HAS_SOFTCAP=False,
                   QUANT=True, **cfg)
     out["decode bf16 over int8 KV"] = (decode_triton._decode_kernel, "bf16", consts, options, KV8)
+    out["decode bf16 over fp8 KV"] = (decode_triton._decode_kernel, "bf16", consts, options,
+                                      {**KV8, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"})
     out["split reduce bf16"] = (decode_triton._reduce_splits_kernel, "bf16", dict(BLOCK_S=32, BLOCK_D=128),
                                 dict(num_warps=4))
     for data_type, group, alibi, window in (("bf16", 4, False, False), ("fp16", 4, False, False),
@@ -158,18 +160,19 @@ def variants() -> dict[str, tuple]:
         out[name] = (store_kv_triton._store_kv_kernel, "bf16", dict(QUANT=quant, QMAX_=qmax, **limits, **store_cfg),
                      store_options, {**KV8, "k_cache_ptr": code, "v_cache_ptr": code})
     packed = {"qw_ptr": "*i32", "zeros_ptr": "*i32", "scales_ptr": "*fp16", "gidx_ptr": "*i32"}
-    for rows in (1, 64):     # the tiled kernel at decode sizes, the dequantizing one above DENSE_ABOVE_ROWS
-        cfg = quant_gemm_triton.quant_gemm_config(rows, 4096, 4096, 128, 4, torch.device("cpu"))
+    for rows, float8 in ((1, False), (64, False), (1, True)):   # tiled at decode sizes, dequantizing above
+        cfg = quant_gemm_triton.quant_gemm_config(rows, 4096, 4096, 128, 8 if float8 else 4, torch.device("cpu"))
         dense = cfg.pop("dense")
         cfg.pop("SPLIT_K", None)
         cfg, options = _launch_options(cfg)
         if dense:
             out["quant gemm 4-bit dequantize bf16"] = (quant_gemm_triton._dequant_kernel, "bf16",
-                                                       dict(BITS=4, **cfg), options, packed)
+                                                       dict(BITS=4, FLOAT8=False, **cfg), options, packed)
         else:
-            out["quant gemm 4-bit bf16 decode"] = (quant_gemm_triton._quant_gemm_kernel, "bf16",
-                                                   dict(BITS=4, IEEE=False, HAS_PERM=True, **cfg), options,
-                                                   {**packed, "perm_ptr": "*i32"})
+            name = "quant gemm fp8 bf16 decode" if float8 else "quant gemm 4-bit bf16 decode"
+            out[name] = (quant_gemm_triton._quant_gemm_kernel, "bf16",
+                         dict(BITS=8 if float8 else 4, IEEE=False, HAS_PERM=not float8, FLOAT8=float8, **cfg),
+                         options, {**packed, "perm_ptr": "*i32", "scales_ptr": "*fp32" if float8 else "*fp16"})
     # the element-wise kernels of the model and the sampler: the same wrapper configs at Qwen3-0.6B sizes
     for name, kernel, data_type, cfg in (
             ("silu_and_mul bf16", activation_triton._silu_and_mul_kernel, "bf16",

@@ -5,6 +5,8 @@ Layout (``quant_gemm_triton``'s docstring has it in full): ``qweight`` int32 ``[
 packed lowest bits first; ``zeros`` int32 and ``scales`` ``[groups, N]``; ``g_idx`` int32 ``[K]`` (row -> group);
 ``perm`` int32 ``[K]`` or None (row k multiplies x's column ``perm[k]``).
 weight row k = (code[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n], times x[:, perm[k]].
+``float8`` (8 bits only): a code is a float8 e4m3fn bit pattern, weight row k = e4m3(code[k, n]) *
+scales[g_idx[k], n], and the zero points are not read (FP8 checkpoints and ``quantization`` fp8).
 ``group_rows`` is the load-time step that makes the fast path apply: it sorts an activation-order weight's rows
 by group (recording ``perm``) and reports ``group_size`` when ``g_idx[k] == k // group_size``. The unpacking and
 packing helpers are shared with the checkpoint loader (``workers.quantization``).
@@ -74,21 +76,24 @@ def group_rows(qweight, zeros, scales, g_idx, bits: int):
     return qweight, zeros, scales, g_idx, perm, uniform_group_size(g_idx)
 
 
-def dequantize_packed(qweight, zeros, scales, g_idx, bits: int) -> torch.Tensor:
+def dequantize_packed(qweight, zeros, scales, g_idx, bits: int, float8: bool = False) -> torch.Tensor:
     """The packed weight as float32 W^T [K, N] (the checkpoint loader's dense path and the reference's)."""
     groups = g_idx.long()
-    return (unpack_along_rows(qweight, bits) - zeros[groups]).float() * scales[groups].float()
+    codes = unpack_along_rows(qweight, bits)
+    if float8:
+        return codes.to(torch.uint8).view(torch.float8_e4m3fn).float() * scales[groups].float()
+    return (codes - zeros[groups]).float() * scales[groups].float()
 
 
-def quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits: int, perm=None) -> torch.Tensor:
+def quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits: int, perm=None, float8: bool = False) -> torch.Tensor:
     """The dequantized weight, cast to x's dtype as the kernel's tiles are, times x (columns ``perm``) in
     float32 -> x.dtype."""
-    weight_t = dequantize_packed(qweight, zeros, scales, g_idx, bits)                            # [K, N]
+    weight_t = dequantize_packed(qweight, zeros, scales, g_idx, bits, float8)                    # [K, N]
     x = x if perm is None else x[:, perm.long()]
     return (x.float() @ weight_t.to(x.dtype).float()).to(x.dtype)
 
 
-def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, perm=None, group_size: int = 0,
+def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, perm=None, group_size: int = 0, float8: bool = False,
                use_triton=None) -> torch.Tensor:
     """x [M, K] float32 / float16 / bfloat16 -> [M, N] in x's dtype (shapes: the module docstring).
     ``group_size`` > 0 promises ``g_idx[k] == k // group_size`` (``group_rows`` finds it)."""
@@ -97,6 +102,8 @@ def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, perm=None, group_
         raise ValueError(f"x: expected a float32 / float16 / bfloat16 tensor with contiguous rows, got {x.dtype}")
     if bits not in (4, 8):
         raise ValueError(f"bits: 4 or 8, got {bits!r}")
+    if float8 and bits != 8:
+        raise ValueError(f"float8: float8 codes are 8 bits, got bits={bits}")
     k, per_word = x.shape[1], 32 // bits
     for name, t, dtype in (("qweight", qweight, torch.int32), ("zeros", zeros, torch.int32),
                            ("g_idx", g_idx, torch.int32)):
@@ -131,5 +138,5 @@ def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, perm=None, group_
             raise ValueError("use_triton: Triton on CPU tensors needs TRITON_INTERPRET=1")
         from .quant_gemm_triton import quant_gemm_triton
 
-        return quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits, perm, group_size)
-    return quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits, perm)
+        return quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits, perm, group_size, float8=float8)
+    return quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits, perm, float8)

@@ -9,6 +9,8 @@ activation-order checkpoint's rows by group at load and records the permutation 
 A K slice is ``BLOCK_KW`` word rows (``BLOCK_KW * per_word`` weight rows): its words are loaded once
 (``_word_tile``), then for each position j within a word the rows ``word * per_word + j`` are unpacked,
 their zero points subtracted and their scales applied in float32 (``_group_params``), cast to x's dtype.
+With ``FLOAT8`` (8-bit codes that are float8 e4m3 bit patterns: FP8 checkpoints and ``quantization`` fp8) a
+code's value is its e4m3 number (``_e4m3_to_f32``, exact) times the scale, and the zero points are not read.
 
 * ``_quant_gemm_kernel`` (decode-sized M): a program owns a ``[BLOCK_M, BLOCK_N]`` output tile and one of
   ``SPLIT_K`` consecutive ranges of K slices, accumulating ``tl.dot`` in float32 (IEEE products for float32
@@ -43,6 +45,23 @@ def _word_tile(qw_ptr, rw, rn, num_words, n_mask, stride_qk):
 
 
 @triton.jit
+def _e4m3_to_f32(codes):
+    """int32 codes in [0, 256), float8 e4m3fn bit patterns -> their values as float32, exactly: the sign and
+    the 7 exponent / mantissa bits placed into a float16 (exponent bias 15 against e4m3's 7) times 2^8, which
+    keeps e4m3's subnormals exact (float16 subnormals are not flushed)."""
+    half = ((codes & 0x80) << 8) | ((codes & 0x7F) << 7)
+    return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _dequantize(codes, zeros, scales, FLOAT8: tl.constexpr):
+    """Codes (int32) with their group's zero points and float32 scales -> float32 weights."""
+    if FLOAT8:
+        return _e4m3_to_f32(codes) * scales
+    return (codes - zeros).to(tl.float32) * scales
+
+
+@triton.jit
 def _group_params(zeros_ptr, scales_ptr, gidx_ptr, rk, rn, k0, group_size, k_mask, n_mask, stride_zg, stride_sg,
                   GROUPED: tl.constexpr):
     """Zero points and scales (float32) for rows ``rk``: one row [1, BLOCK_N] when the slice lies in one group
@@ -63,7 +82,7 @@ def _group_params(zeros_ptr, scales_ptr, gidx_ptr, rk, rn, k0, group_size, k_mas
 def _quant_gemm_kernel(x_ptr, perm_ptr, qw_ptr, zeros_ptr, scales_ptr, gidx_ptr, out_ptr, M, N, K, group_size,
                        slices_per_split, stride_xm, stride_qk, stride_zg, stride_sg, stride_os, stride_om,
                        BITS: tl.constexpr, IEEE: tl.constexpr, GROUPED: tl.constexpr, HAS_PERM: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+                       FLOAT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     """A K slice is BLOCK_KW word rows (BLOCK_KW * PER_WORD weight rows): the words are loaded once, then for
     each position j in the word the rows ``word * PER_WORD + j`` are unpacked and multiplied with x's matching
     columns (strided loads of the small x)."""
@@ -96,7 +115,7 @@ def _quant_gemm_kernel(x_ptr, perm_ptr, qw_ptr, zeros_ptr, scales_ptr, gidx_ptr,
             x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + cols[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)       # [BLOCK_M, BLOCK_KW]
             codes = (words >> (j * BITS)) & MASK
-            w = ((codes - zeros).to(tl.float32) * scales).to(x_ptr.dtype.element_ty)   # [BLOCK_KW, BLOCK_N]
+            w = _dequantize(codes, zeros, scales, FLOAT8).to(x_ptr.dtype.element_ty)    # [BLOCK_KW, BLOCK_N]
             if IEEE:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
@@ -107,7 +126,7 @@ def _quant_gemm_kernel(x_ptr, perm_ptr, qw_ptr, zeros_ptr, scales_ptr, gidx_ptr,
 
 @triton.jit
 def _dequant_kernel(qw_ptr, zeros_ptr, scales_ptr, gidx_ptr, out_ptr, N, K, group_size, stride_qk, stride_zg,
-                    stride_sg, stride_ok, BITS: tl.constexpr, GROUPED: tl.constexpr,
+                    stride_sg, stride_ok, BITS: tl.constexpr, GROUPED: tl.constexpr, FLOAT8: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     """W^T [K, N] in out's dtype, BLOCK_KW word rows x BLOCK_N columns per program."""
     PER_WORD: tl.constexpr = 32 // BITS
@@ -122,32 +141,38 @@ def _dequant_kernel(qw_ptr, zeros_ptr, scales_ptr, gidx_ptr, out_ptr, N, K, grou
         k_mask = rk < K
         zeros, scales = _group_params(zeros_ptr, scales_ptr, gidx_ptr, rk, rn, k0, group_size, k_mask, n_mask,
                                       stride_zg, stride_sg, GROUPED)
-        w = ((((words >> (j * BITS)) & MASK) - zeros).to(tl.float32) * scales).to(out_ptr.dtype.element_ty)
+        w = _dequantize((words >> (j * BITS)) & MASK, zeros, scales, FLOAT8).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rk[:, None].to(tl.int64) * stride_ok + rn[None, :], w,
                  mask=k_mask[:, None] & n_mask[None, :])
 
 
 @functools.lru_cache(maxsize=None)
 def _num_programs_wanted(device: torch.device) -> int:
-    """Two programs per SM on CUDA; a small fixed number under the interpreter (so tests split K)."""
+    """Three programs per SM on CUDA; a small fixed number under the interpreter (so tests split K)."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 3 * torch.cuda.get_device_properties(device).multi_processor_count
     return 8
+
+
+WIDE_COLUMNS_FROM = 8192     # N from which a program owns 256 output columns (else 128)
 
 
 def quant_gemm_config(m: int, n: int, k: int, group_size: int, bits: int, device: torch.device,
                       dense_above: int | None = None) -> dict:
     """Tiles and path for x [m, k] @ W^T [k, n]: ``dense`` above ``dense_above`` rows (default
-    ``DENSE_ABOVE_ROWS[bits]``); else 16 / 32 / 64-row tiles, 64 columns, K slices of 16 word rows
-    (``GROUPED`` when ``group_size`` is a multiple of the slice's weight rows), and K split in powers of two
-    until the grid has ``_num_programs_wanted`` programs (each range keeping at least two slices)."""
+    ``DENSE_ABOVE_ROWS[bits]``); else 16 / 32 / 64-row tiles, 128 columns (256 from ``WIDE_COLUMNS_FROM``), K
+    slices of 16 word rows (``GROUPED`` when ``group_size`` is a multiple of the slice's weight rows), and K
+    split in powers of two until the grid has ``_num_programs_wanted`` programs (each range keeping at least
+    two slices). Set from the H100 sweep of every column tile x split (docs/gpu.md): at K 4096 and M 1 / 16
+    this rule's setting ran within 9% of the best of 24 in each of 12 cases (4-bit, 8-bit, FP8 x N 4096 /
+    14336), where 64 columns and two programs per SM ran up to 1.66x slower."""
     block_kw = 16                                             # tl.dot's smallest K
     slice_rows = block_kw * (32 // bits)
     grouped = group_size > 0 and group_size % slice_rows == 0
     if m > (DENSE_ABOVE_ROWS[bits] if dense_above is None else dense_above):
         return dict(dense=True, GROUPED=grouped, BLOCK_N=64, BLOCK_KW=block_kw)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
+    block_n = 256 if n >= WIDE_COLUMNS_FROM else 128
     tiles, slices, split = triton.cdiv(m, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, slice_rows), 1
     while tiles * split < _num_programs_wanted(device) and slices // (split * 2) >= 2:
         split *= 2
@@ -156,8 +181,9 @@ def quant_gemm_config(m: int, n: int, k: int, group_size: int, bits: int, device
 
 
 def quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits: int, perm=None, group_size: int = 0,
-                      config: dict | None = None) -> torch.Tensor:
-    """x [M, K] (contiguous rows) -> [M, N] in x.dtype; the packed weight as the module docstring says.
+                      config: dict | None = None, float8: bool = False) -> torch.Tensor:
+    """x [M, K] (contiguous rows) -> [M, N] in x.dtype; the packed weight as the module docstring says
+    (``float8``: the 8-bit codes are e4m3 bit patterns).
     ``config`` overrides ``quant_gemm_config`` (tests and the benchmark's sweep)."""
     m, k = x.shape
     n = qweight.shape[1]
@@ -169,7 +195,8 @@ def quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits: int, perm=None, gr
         weight_t = torch.empty((k, n), dtype=x.dtype, device=x.device)                  # [K, N]
         grid = (triton.cdiv(k, slice_rows), triton.cdiv(n, cfg["BLOCK_N"]))
         _dequant_kernel[grid](qweight, zeros, scales, g_idx, weight_t, n, k, group_size, qweight.stride(0),
-                              zeros.stride(0), scales.stride(0), weight_t.stride(0), BITS=bits, **cfg)
+                              zeros.stride(0), scales.stride(0), weight_t.stride(0), BITS=bits, FLOAT8=float8,
+                              **cfg)
         return (x if perm is None else x.index_select(1, perm)) @ weight_t
     split = cfg.pop("SPLIT_K")
     out = (torch.empty((m, n), dtype=x.dtype, device=x.device) if split == 1
@@ -179,5 +206,5 @@ def quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits: int, perm=None, gr
     _quant_gemm_kernel[grid](x, qweight if perm is None else perm, qweight, zeros, scales, g_idx, out, m, n, k,
                              group_size, slices_per_split, x.stride(0), qweight.stride(0), zeros.stride(0),
                              scales.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), BITS=bits,
-                             IEEE=x.dtype == torch.float32, HAS_PERM=perm is not None, **cfg)
+                             IEEE=x.dtype == torch.float32, HAS_PERM=perm is not None, FLOAT8=float8, **cfg)
     return out if split == 1 else out.sum(0).to(x.dtype)

@@ -13,7 +13,10 @@ With ``QUANT`` (an 8-bit cache, ``kv_quant``) the codes go into the products as 
 float8 e4m3 values are exact in bf16 / fp16 / fp32) and the row scales (``ks_base`` / ``vs_base``, strides
 ``stride_sb`` per block and ``stride_ss`` per slot) multiply what is smaller: a key's scale its column of
 scores, a value's scale its column of probabilities before ``p @ V``. Scaling the ``[BLOCK_N, D]`` tiles
-instead (dequantize first) ran at half the bf16 kernel's speed on an H200 (docs/gpu.md).
+instead (dequantize first) ran at half the bf16 kernel's speed on an H200 (docs/gpu.md). With float16
+queries the scaled probabilities are divided by the tile's largest value scale, which then multiplies the
+tile's ``p @ V``: rows of small values (scales near float16's smallest) would otherwise round p x scale to
+float16 subnormals (bf16 has float32's range and needs no such step).
 """
 
 import triton
@@ -61,13 +64,18 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
                 mask=kv_mask, other=0.0)
+    v_max = 1.0
     if QUANT:
         v = v.to(q.dtype)
-        p = p * tl.load(vs_base + blk * stride_sb + off * stride_ss, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        v_scale = tl.load(vs_base + blk * stride_sb + off * stride_ss, mask=n_mask, other=0.0).to(tl.float32)
+        if q.dtype == tl.float16:     # float16's range: p x scale in [0, 1] of the tile's largest scale
+            v_max = tl.maximum(tl.max(v_scale, 0), 2.0 ** -24)
+            v_scale = v_scale / v_max
+        p = p * v_scale[None, :]
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v) * v_max
     return m_new, l, acc
 
 

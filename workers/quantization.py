@@ -27,18 +27,20 @@ Formats (``quantization_config.quant_method`` in config.json, or the ``quantizat
   one scale per output row (max |row| / 127 or / 448, symmetric), computed from the whole row so that
   every TP split gives the same numbers.
 
-On CUDA the integer formats (GPTQ, AWQ, ``quantization`` int8) stay packed instead (``keeps_packed``):
-``CheckpointReader.read_packed`` hands each linear layer its slice as a ``PackedIntWeight`` in GPTQ's
-layout (AWQ repacked, int8 codes offset by 128 with zero point 128), and the layer multiplies with
-``kernels.quant_gemm`` (the Triton GEMM that dequantizes tile by tile). The values are the dequantized
-path's; the memory is 4 or 8 bits a weight. FP8 stays dequantized everywhere, and so does every format on
-CPU (a dequantizing GEMM there would be slower than the dense one).
+On CUDA every format stays packed instead (``keeps_packed``): ``CheckpointReader.read_packed`` hands each
+linear layer its slice as a ``PackedIntWeight`` in GPTQ's layout (AWQ repacked, int8 codes offset by 128
+with zero point 128, FP8 values as their e4m3 bytes with ``float8`` set: per-row scales as one group,
+block scales as groups of the block's input columns), and the layer multiplies with ``kernels.quant_gemm``
+(the Triton GEMM that dequantizes tile by tile). The values are the dequantized path's; the memory is 4 or
+8 bits a weight. FP8 is weight-only: activations stay in the compute dtype (no FP8 tensor-core GEMM, which
+would round them to 8 bits too). On CPU every format is dequantized at load (a dequantizing GEMM there
+would be slower than the dense one).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -120,22 +122,24 @@ class PackedIntWeight:
     bits: int
     perm: torch.Tensor | None = None
     group_size: int = 0
+    float8: bool = False                 # 8-bit codes that are e4m3 bit patterns (zeros unused)
 
     def grouped(self) -> PackedIntWeight:
         """The same weight with its rows sorted by group (``kernels.quant_gemm.group_rows``), as layers hold it."""
         qweight, zeros, scales, g_idx, perm, group_size = group_rows(self.qweight, self.zeros, self.scales,
                                                                      self.g_idx, self.bits)
-        return PackedIntWeight(qweight, zeros, scales, g_idx, self.bits, perm, group_size)
+        return replace(self, qweight=qweight, zeros=zeros, scales=scales, g_idx=g_idx, perm=perm,
+                       group_size=group_size)
 
     def to(self, device) -> PackedIntWeight:
-        return PackedIntWeight(self.qweight.to(device), self.zeros.to(device), self.scales.to(device),
-                               self.g_idx.to(device), self.bits, None if self.perm is None else self.perm.to(device),
-                               self.group_size)
+        return replace(self, qweight=self.qweight.to(device), zeros=self.zeros.to(device),
+                       scales=self.scales.to(device), g_idx=self.g_idx.to(device),
+                       perm=None if self.perm is None else self.perm.to(device))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, K] -> x @ W^T [tokens, N] (``kernels.quant_gemm``)."""
         return kernels.quant_gemm(x, self.qweight, self.zeros, self.scales, self.g_idx, self.bits, perm=self.perm,
-                                  group_size=self.group_size)
+                                  group_size=self.group_size, float8=self.float8)
 
     @property
     def nbytes(self) -> int:
@@ -144,19 +148,53 @@ class PackedIntWeight:
 
 
 def keeps_packed(q: WeightQuantization, device: torch.device) -> bool:
-    """True when linear weights stay packed on ``device`` (integer formats on CUDA)."""
-    return device.type == "cuda" and (q.method in ("gptq", "awq") or (q.online and q.method == "int8"))
+    """True when linear weights stay packed on ``device`` (every format on CUDA)."""
+    return device.type == "cuda" and q.method in ("gptq", "awq", "int8", "fp8")
 
 
-def int8_rows_packed(weight: torch.Tensor) -> PackedIntWeight:
-    """``quantization`` int8's rounding of a full weight [N, K], kept as codes: code = q + 128, zero 128, one
-    group (the same values as ``round_to_8bit``)."""
+def _round_rows(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantization`` int8 / fp8 of a full weight [N, K]: one symmetric scale per output row (max |row| / 127
+    or / 448) -> (values [N, K]: integers in [-127, 127] as float32, or float8_e4m3fn; scales float32 [N])."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_(min=torch.finfo(torch.float32).tiny)        # [N]
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int64) + 128               # [N, K]
-    n, k = w.shape
-    return PackedIntWeight(pack_rows(q.t(), 8), torch.full((1, n), 128, dtype=torch.int32), scale[None, :],
+    scale = (w.abs().amax(dim=1) / (127.0 if method == "int8" else 448.0)).clamp_(min=torch.finfo(torch.float32).tiny)
+    if method == "int8":
+        return torch.round(w / scale[:, None]).clamp_(-127, 127), scale
+    return (w / scale[:, None]).clamp_(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def rows_packed(weight: torch.Tensor, method: str) -> PackedIntWeight:
+    """``quantization`` int8 / fp8's rounding of a full weight [N, K] kept as codes, one group (the same values
+    as ``round_to_8bit``): int8 code = q + 128 with zero point 128; fp8 the e4m3 bytes."""
+    values, scale = _round_rows(weight, method)
+    n, k = values.shape
+    if method == "fp8":
+        return fp8_rows(values, scale[None, :], torch.zeros(k, dtype=torch.int32))
+    codes = values.to(torch.int64) + 128                                                       # [N, K]
+    return PackedIntWeight(pack_rows(codes.t(), 8), torch.full((1, n), 128, dtype=torch.int32), scale[None, :],
                            torch.zeros(k, dtype=torch.int32), 8)
+
+
+def fp8_rows(weight: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> PackedIntWeight:
+    """float8_e4m3fn weight [N, K] with float scales [groups, N] and g_idx [K] -> its packed form (``float8``)."""
+    codes = weight.contiguous().view(torch.uint8).t().to(torch.int32)                         # [K, N]
+    scales = scales.float().contiguous()
+    return PackedIntWeight(pack_rows(codes, 8), torch.zeros(scales.shape, dtype=torch.int32), scales,
+                           g_idx.to(torch.int32).contiguous(), 8, float8=True)
+
+
+def fp8_checkpoint_packed(q: WeightQuantization, weight: torch.Tensor, scale: torch.Tensor, rows: range,
+                          cols: range) -> PackedIntWeight:
+    """An FP8 checkpoint weight's slice ``weight`` (output rows ``rows`` x input columns ``cols``, float8) with
+    the checkpoint's whole scale tensor (as ``dequantize_fp8`` takes it) -> packed: per-row or per-tensor scales
+    as one group; ``q.block`` (br, bc) scales as groups of bc input columns (scales[g, n] = scale[n // br, g])."""
+    scale = scale.float()
+    if q.block is not None:
+        br, bc = q.block
+        scales = scale[torch.arange(rows.start, rows.stop) // br].t()                      # [K groups, N]
+        return fp8_rows(weight, scales, torch.arange(cols.start, cols.stop) // bc)
+    per_row = scale.reshape(-1)
+    per_row = per_row[rows.start:rows.stop] if per_row.numel() > 1 else per_row.expand(len(rows))
+    return fp8_rows(weight, per_row[None, :], torch.zeros(len(cols), dtype=torch.int32))
 
 
 def gptq_zeros(q: WeightQuantization, qzeros: torch.Tensor) -> torch.Tensor:
@@ -188,12 +226,8 @@ def dequantize_fp8(q: WeightQuantization, weight: torch.Tensor, scale: torch.Ten
 def round_to_8bit(weight: torch.Tensor, method: str) -> torch.Tensor:
     """Online quantization of a full weight [out, in]: one symmetric scale per output row -> the dequantized
     weight, float32."""
-    w = weight.float()
-    qmax = 127.0 if method == "int8" else 448.0
-    scale = (w.abs().amax(dim=1, keepdim=True) / qmax).clamp_(min=torch.finfo(torch.float32).tiny)
-    if method == "int8":
-        return torch.round(w / scale).clamp_(-127, 127) * scale
-    return (w / scale).clamp_(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    values, scale = _round_rows(weight, method)
+    return values.float() * scale[:, None]
 
 
 def quantized_online(name: str) -> bool:

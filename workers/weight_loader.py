@@ -15,6 +15,7 @@ weight dequantized to float32 from the checkpoint's packed tensors, sliced the s
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -120,8 +121,7 @@ class CheckpointReader:
             weight = dequantize_packed(*_fields(self._packed_slice(prefix, full, None, 0, None))).t()   # [out, in]
             return weight[:, start:end]                     # input columns that split a packed word
         if q.method == "fp8" and not q.online:
-            scale = next((f"{prefix}.{s}" for s in ("weight_scale_inv", "weight_scale") if self.has(f"{prefix}.{s}")),
-                         None)
+            scale = self._fp8_scale(prefix)
             if scale is None:
                 return None
             weight = quant.dequantize_fp8(q, self._slice(name)[:], self._slice(scale)[:])
@@ -135,6 +135,11 @@ class CheckpointReader:
         end = weight.shape[dim] if end is None else end
         return weight[start:end] if dim == 0 else weight[:, start:end]
 
+    def _fp8_scale(self, prefix: str) -> str | None:
+        """The name of an FP8 weight's scale tensor, or None for a weight stored in full precision."""
+        return next((f"{prefix}.{s}" for s in ("weight_scale_inv", "weight_scale") if self.has(f"{prefix}.{s}")),
+                    None)
+
     def read_packed(self, name: str, dim: int, start: int, end: int, expect_shape: list[int]):
         """A linear weight's slice (``dim`` 0: output rows, 1: input columns) as a ``PackedIntWeight`` when this
         reader keeps integer weights packed, else None (the caller reads it dense). None too for a slice the
@@ -142,11 +147,21 @@ class CheckpointReader:
         q, prefix = self.quantization, name[: -len(".weight")]
         if not self.keep_packed or (dim == 1 and (start % q.per_word or end % q.per_word)):
             return None
-        if q.online and q.method == "int8" and quant.quantized_online(name):
+        if q.online and quant.quantized_online(name):
             full = self._slice(name)
             _check_shape(name, list(full.get_shape()), expect_shape)
-            packed = quant.int8_rows_packed(full[start:end] if dim == 0 else full[:])
+            packed = quant.rows_packed(full[start:end] if dim == 0 else full[:], q.method)
             return packed if dim == 0 else _cols(packed, start, end)
+        if q.method == "fp8" and not q.online:
+            scale = self._fp8_scale(prefix)
+            if scale is None:
+                return None
+            full = self._slice(name)
+            shape = list(full.get_shape())
+            _check_shape(name, shape, expect_shape)
+            rows, cols = (range(start, end), range(shape[1])) if dim == 0 else (range(shape[0]), range(start, end))
+            weight = full[start:end] if dim == 0 else full[:, start:end]
+            return quant.fp8_checkpoint_packed(q, weight, self._slice(scale)[:], rows, cols)
         if q.method not in ("gptq", "awq") or self.has(name) or not self.has(f"{prefix}.qweight"):
             return None
         full = self._packed_shape(prefix)
@@ -188,8 +203,8 @@ def _rows(packed: quant.PackedIntWeight, start: int, end: int, qweight_sliced: b
     """Output rows [start, end) of a packed weight: its columns (``qweight_sliced``: its qweight holds them
     already, read so from the checkpoint)."""
     qweight = packed.qweight if qweight_sliced else packed.qweight[:, start:end]
-    return quant.PackedIntWeight(qweight.contiguous(), packed.zeros[:, start:end].contiguous(),
-                                 packed.scales[:, start:end].contiguous(), packed.g_idx, packed.bits)
+    return replace(packed, qweight=qweight.contiguous(), zeros=packed.zeros[:, start:end].contiguous(),
+                   scales=packed.scales[:, start:end].contiguous())
 
 
 def _fields(packed: quant.PackedIntWeight) -> tuple:
@@ -199,8 +214,8 @@ def _fields(packed: quant.PackedIntWeight) -> tuple:
 def _cols(packed: quant.PackedIntWeight, start: int, end: int) -> quant.PackedIntWeight:
     """Input columns [start, end) (on word boundaries) of a packed weight: its rows; every group kept."""
     per_word = 32 // packed.bits
-    return quant.PackedIntWeight(packed.qweight[start // per_word:end // per_word].contiguous(), packed.zeros,
-                                 packed.scales, packed.g_idx[start:end].contiguous(), packed.bits)
+    return replace(packed, qweight=packed.qweight[start // per_word:end // per_word].contiguous(),
+                   g_idx=packed.g_idx[start:end].contiguous())
 
 
 def _check_shape(name: str, shape: list[int], expect_shape) -> None:

@@ -21,6 +21,7 @@ from pagedray.workers.kv_cache import KVCache, copy_blocks
 INT8, FP8 = torch.int8, torch.float8_e4m3fn
 CACHE_DTYPES = [INT8, FP8]
 TOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}   # vs the oracle on dequantized rows
+RELATIVE_TOL = {torch.float16: 4e-3, torch.bfloat16: 1.6e-2}             # 16 / 4 units of 2^-12 / 2^-8 (p rounded)
 
 
 def _rows(gen, n: int, d: int) -> torch.Tensor:
@@ -50,14 +51,17 @@ def test_quantize_rows_scales_and_error_bounds(dtype):
     assert torch.equal(back[20], torch.zeros(64)) and scales[20].item() == SCALE_MIN
 
 
-def _quantized_case(seq_lens, kv_heads, head_dim, block_size, cache_dtype, seed):
-    """A paged case whose cache holds every row (junk included) 8-bit, plus the logical rows dequantized."""
+def _quantized_case(seq_lens, kv_heads, head_dim, block_size, cache_dtype, seed, magnitude=1.0):
+    """A paged case whose cache holds every row (junk included) 8-bit, plus the logical rows dequantized;
+    ``magnitude`` multiplies the rows before they are quantized."""
     gen = torch.Generator().manual_seed(seed)
     case = make_paged_case(gen, seq_lens, kv_heads, head_dim, block_size, torch.float32, torch.device("cpu"))
+    case.k_cache.mul_(magnitude)
+    case.v_cache.mul_(magnitude)
     k8, ks = quantize_rows(case.k_cache, cache_dtype)
     v8, vs = quantize_rows(case.v_cache, cache_dtype)
-    keys = [dequantize_rows(*quantize_rows(k, cache_dtype)) for k in case.keys]
-    values = [dequantize_rows(*quantize_rows(v, cache_dtype)) for v in case.values]
+    keys = [dequantize_rows(*quantize_rows(k * magnitude, cache_dtype)) for k in case.keys]
+    values = [dequantize_rows(*quantize_rows(v * magnitude, cache_dtype)) for v in case.values]
     return case, (k8, v8, ks, vs), keys, values
 
 
@@ -101,6 +105,28 @@ def test_decode_over_an_8bit_cache_matches_the_oracle(path, spec, cache_dtype):
         want = dense_attention(q[i:i + 1], keys[i], values[i], scale, sliding_window=window)[0]
         err = (out[i].double().cpu() - want).abs().max().item()
         assert err < TOL[q_dtype], f"sequence {i} (len {n}): error {err:.2e}"
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("magnitude", [1e-4, 30.0])
+def test_triton_decode_over_8bit_rows_of_any_magnitude(magnitude, cache_dtype, q_dtype):
+    """16-bit queries over an 8-bit cache: rows of tiny and of large values, query rows from 1e-3 to 1e3 in one
+    call, stay within the query dtype's relative error of the oracle (with float16 queries the probabilities
+    times the value scales are taken relative to the tile's largest scale: without it, tiny rows fail)."""
+    lens, hq, hkv, d = (9, 40, 77), 8, 2, 64
+    case, (k8, v8, ks, vs), keys, values = _quantized_case(list(lens), hkv, d, 16, cache_dtype,
+                                                           seed_of("kv8-f16", magnitude, str(cache_dtype)), magnitude)
+    gen = torch.Generator().manual_seed(8)
+    q = (torch.randn(len(lens), hq, d, generator=gen) * torch.logspace(-3, 3, hq)[None, :, None]).to(q_dtype)
+    device = kernel_device()
+    k8, v8, ks, vs, tables, seq_lens, qd = _to(device, k8, v8, ks, vs, case.block_tables, case.seq_lens, q)
+    out = kernels.paged_decode(qd, k8, v8, tables, seq_lens, 0.125, use_triton=True, k_scale=ks, v_scale=vs)
+    for i in range(len(lens)):
+        want = dense_attention(q[i:i + 1], keys[i], values[i], 0.125)[0]
+        err = (out[i].double().cpu() - want).abs().amax(-1) / want.abs().amax(-1)      # [heads] relative
+        assert err.max().item() < RELATIVE_TOL[q_dtype], f"sequence {i}: relative errors {err.tolist()}"
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["int8", "fp8"])

@@ -86,6 +86,47 @@ def test_every_kernel_path_after_group_rows_equals_the_dequantized_product(rows,
     torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=1e-4)
 
 
+def _float8_case(m: int, k: int, n: int, group: int, dtype, seed: int):
+    """8-bit codes that are every float8 e4m3fn bit pattern but NaN (subnormals, +-0, 448 included), grouped
+    scales -> (x, qweight, zeros, scales, g_idx), x @ W^T in float32."""
+    gen = torch.Generator().manual_seed(seed)
+    patterns = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F])
+    codes = patterns[torch.randint(0, len(patterns), (k, n), generator=gen)]
+    codes.view(-1)[: len(patterns)] = patterns                                            # each pattern at least once
+    scales = (torch.rand(k // group, n, generator=gen) * 0.01 + 0.001).float()
+    g_idx = torch.arange(k) // group
+    weight_t = codes.to(torch.uint8).view(torch.float8_e4m3fn).float() * scales[g_idx]   # [K, N]
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    zeros = torch.zeros(k // group, n, dtype=torch.int32)
+    args = [t.to(kernel_device()) for t in (x, pack_words(codes, 0, 8), zeros, scales, g_idx.to(torch.int32))]
+    return args, x.float() @ weight_t.to(dtype).float()
+
+
+@pytest.mark.parametrize("rows, config", [
+    (3, None),
+    (20, None),
+    (5, dict(dense=False, GROUPED=True, BLOCK_M=16, BLOCK_N=32, BLOCK_KW=16, SPLIT_K=2)),
+    (5, dict(dense=False, GROUPED=False, BLOCK_M=16, BLOCK_N=32, BLOCK_KW=16, SPLIT_K=1)),
+    (7, dict(dense=True, GROUPED=True, BLOCK_N=32, BLOCK_KW=16)),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_float8_codes_equal_x_times_the_e4m3_weight(rows, config, dtype):
+    """``float8``: codes are e4m3 bit patterns (the kernel decodes them with integer ops and a float16, the
+    reference through torch's float8 dtype), scaled per group; zero points are not read."""
+    from pagedray.kernels.quant_gemm_triton import quant_gemm_triton
+
+    args, want = _float8_case(rows, 256, 40, 64, dtype, seed_of("qgemm-fp8", rows, str(dtype)))
+    args[2].fill_(99)                                                  # not read
+    scale = want.abs().max()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    ref = kernels.quant_gemm(*args, 8, float8=True, use_triton=False)
+    torch.testing.assert_close(ref.float().cpu() / scale, want / scale, rtol=0, atol=tolerance)
+    got = (kernels.quant_gemm(*args, 8, group_size=64, float8=True, use_triton=True) if config is None
+           else quant_gemm_triton(*args, 8, None, 64, config, float8=True))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float().cpu() / scale, want / scale, rtol=0, atol=tolerance)
+
+
 def test_group_rows_keeps_a_sorted_weight_and_finds_one_group():
     """An 8-bit weight with one group (quantization int8) keeps its rows, and its group spans all of them."""
     args, _ = _case(2, 48, 16, 8, 48, False, torch.float32, 3)
@@ -104,6 +145,12 @@ def test_bad_quant_gemm_arguments_are_value_errors_naming_them(change, message):
     args, _ = _case(3, 64, 16, 4, 32, False, torch.float32, 1)
     with pytest.raises(ValueError, match=message):
         kernels.quant_gemm(*[t.cpu() for t in change(args)], 4)
+
+
+def test_float8_needs_8bit_codes():
+    args, _ = _case(3, 64, 16, 4, 32, False, torch.float32, 1)
+    with pytest.raises(ValueError, match="float8: float8 codes are 8 bits"):
+        kernels.quant_gemm(*[t.cpu() for t in args], 4, float8=True)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -136,3 +183,18 @@ def test_quant_gemm_at_model_size_gpu(bits, rows):
     assert torch.equal(first, kernels.quant_gemm(x32, *layout, bits, perm=perm.cuda(), group_size=group_size))
     want32 = kernels.quant_gemm_reference(x32.cpu(), qweight, zeros, scales, g_idx, bits, perm)
     torch.testing.assert_close(first.cpu() / scale, want32 / scale, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_float8_gemm_at_model_size_gpu(rows):
+    """float8 codes on CUDA at each path's default config (bf16 rows; float32 rows against the reference)."""
+    args, want = _float8_case(rows, 1024, 768, 128, torch.bfloat16, seed_of("qgemm-fp8-gpu", rows))
+    x, *weight = args
+    got = kernels.quant_gemm(x, *weight, 8, group_size=128, float8=True)
+    scale = want.abs().max()
+    torch.testing.assert_close(got.float().cpu() / scale, want / scale, rtol=0, atol=2e-2)
+    x32 = x.float()
+    got32 = kernels.quant_gemm(x32, *weight, 8, group_size=128, float8=True)
+    want32 = kernels.quant_gemm_reference(x32.cpu(), *[t.cpu() for t in weight], 8, float8=True)
+    torch.testing.assert_close(got32.cpu() / scale, want32 / scale, rtol=0, atol=1e-4)

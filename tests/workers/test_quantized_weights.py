@@ -72,7 +72,8 @@ def test_quantized_checkpoint_equals_transformers_on_its_dequantized_weights(nam
     _assert_same_model(path, oracle)
 
 
-@pytest.mark.parametrize("name", ["gptq-desc-act", "gptq-v2", "awq", "int8"])
+@pytest.mark.parametrize("name", ["gptq-desc-act", "gptq-v2", "awq", "int8", "fp8", "fp8-per-row", "fp8-blocks",
+                                  "compressed-tensors-fp8"])
 def test_packed_weights_give_the_dequantized_models_tokens(name, quantized_pair, tiny_model_path, monkeypatch,
                                                            tmp_path):
     """What CUDA does with integer formats (``keeps_packed``), forced on CPU: every decoder linear layer holds
@@ -98,9 +99,9 @@ def test_packed_weights_give_the_dequantized_models_tokens(name, quantized_pair,
 
     monkeypatch.setattr(DecoderForCausalLM, "load_weights", load_checking_meta)
     source = tiny_model_path("llama")
-    if name == "int8":
-        path, oracle, options = source, str(tmp_path / "rounded"), {"quantization": "int8"}
-        round_rows_8bit(source, tmp_path / "rounded", "int8")
+    if name in ("int8", "fp8"):
+        path, oracle, options = source, str(tmp_path / "rounded"), {"quantization": name}
+        round_rows_8bit(source, tmp_path / "rounded", name)
     else:
         (path, oracle), options = quantized_pair(name, source), {}
     worker, _ = local_driver(path, **options)
@@ -113,7 +114,8 @@ def test_packed_weights_give_the_dequantized_models_tokens(name, quantized_pair,
     _assert_same_model(path, oracle, **options)
 
 
-def test_packed_layers_run_the_triton_gemm_under_the_interpreter(quantized_pair, tiny_model_path, monkeypatch):
+@pytest.mark.parametrize("name", ["awq", "fp8-blocks"])
+def test_packed_layers_run_the_triton_gemm_under_the_interpreter(name, quantized_pair, tiny_model_path, monkeypatch):
     import functools
 
     import pagedray.workers.model_loading as loading_module
@@ -123,7 +125,7 @@ def test_packed_layers_run_the_triton_gemm_under_the_interpreter(quantized_pair,
     calls = []
     triton_gemm = functools.partial(kernels.quant_gemm, use_triton=True)
     monkeypatch.setattr(kernels, "quant_gemm", lambda *a, **k: calls.append(1) or triton_gemm(*a, **k))
-    path, oracle = quantized_pair("awq", tiny_model_path("llama"))
+    path, oracle = quantized_pair(name, tiny_model_path("llama"))
     _, driver = local_driver(path, token_budget=24, max_chunk=16)
     seqs = driver.run([driver.add(p, 6, SamplingParams(temperature=0.0)) for p in PROMPTS])
     assert [s.output for s in seqs] == hf_greedy_each(oracle, PROMPTS, 6) and calls
@@ -212,3 +214,24 @@ def test_read_packed_slices_on_word_boundaries_only(quantized_pair, tiny_model_p
         dense = reader.read(name, 1, 48, 96, shape)
     rebuilt = quant_gemm_reference(torch.eye(48), packed.qweight, packed.zeros, packed.scales, packed.g_idx, 4)
     torch.testing.assert_close(rebuilt, dense.t(), rtol=0, atol=1e-6)          # x = I: the weight itself
+
+
+@pytest.mark.parametrize("name", ["fp8-per-row", "fp8-blocks", "compressed-tensors-fp8"])
+def test_read_packed_fp8_slices_equal_the_dense_reads(name, quantized_pair, tiny_model_path):
+    """An FP8 weight read packed (its e4m3 bytes, per-row scales as one group, block scales as groups of the
+    block's input columns) holds exactly the dense read's values, for output-row and input-column slices that
+    cut through scale blocks."""
+    from pagedray.workers.weight_loader import CheckpointReader
+
+    path, _ = quantized_pair(name, tiny_model_path("llama"))
+    q = quant.resolve(load_hf_config(path), "auto")
+    weight, shape = "model.layers.1.mlp.down_proj.weight", [64, 96]
+    with CheckpointReader(path, q, keep_packed=True) as reader:
+        for dim, start, end in ((0, 8, 56), (1, 20, 84), (0, 0, 64)):
+            packed = reader.read_packed(weight, dim, start, end, shape).grouped()
+            assert packed.float8 and packed.bits == 8
+            dense = reader.read(weight, dim, start, end, shape)                      # [rows, cols] float32
+            cols = dense.shape[1]
+            rebuilt = quant_gemm_reference(torch.eye(cols), packed.qweight, packed.zeros, packed.scales,
+                                           packed.g_idx, 8, packed.perm, float8=True)   # x = I: W^T itself
+            assert torch.equal(rebuilt, dense.t()), (dim, start, end)

@@ -62,10 +62,11 @@ def test_8bit_kv_cache_on_cuda_gives_the_cpu_engines_tokens(kv_cache_dtype, tiny
     assert cuda.generate(TINY_PROMPTS, NEW_TOKENS) == cpu.generate(TINY_PROMPTS, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("fmt, options", [("gptq", dict(group=16, desc_act=True, v2=False)), ("awq", dict(group=16))])
+@pytest.mark.parametrize("fmt, options", [("gptq", dict(group=16, desc_act=True, v2=False)), ("awq", dict(group=16)),
+                                          ("fp8", dict(block=32)), ("fp8", dict(compressed_tensors=True))])
 def test_packed_quantized_weights_on_cuda_match_transformers(fmt, options, tiny_model_path, tmp_path):
-    """GPTQ / AWQ on CUDA stay packed (kernels.quant_gemm's Triton GEMM; CUDA graphs included): fp32 greedy
-    tokens equal transformers' on the dequantized weights."""
+    """GPTQ / AWQ / FP8 on CUDA stay packed (kernels.quant_gemm's Triton GEMM; CUDA graphs included): fp32
+    greedy tokens equal transformers' on the dequantized weights."""
     from helpers.quantized_checkpoints import quantize_folder
 
     quantize_folder(tiny_model_path("llama"), tmp_path / "q", tmp_path / "dq", fmt, **options)
