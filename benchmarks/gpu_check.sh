@@ -75,7 +75,7 @@ fi
 
 if wanted qgemm; then
 echo "== benchmarks.quant_gemm =="
-timeout "${QGEMM_S:-120}" python3 -m benchmarks.quant_gemm --out "$OUT/quant_gemm.json"
+timeout "${QGEMM_S:-180}" python3 -m benchmarks.quant_gemm --out "$OUT/quant_gemm.json"
 echo "quant_gemm exit: $?"
 fi
 

@@ -55,7 +55,7 @@ class ModelConfig:
     quantization: str = option("auto", "weights: auto (as the checkpoint is: full precision, or GPTQ / AWQ / FP8 "
                                        "read from it) | none | int8 | fp8 (8 bits per weight, one scale per output "
                                        "row, rounded at load from a full-precision checkpoint); dequantized to the "
-                                       "compute dtype when loaded, except GPTQ / AWQ / int8 on CUDA (kept packed)")
+                                       "compute dtype when loaded on CPU; kept packed on CUDA")
     cpu_keep_freed_memory: bool = option(True, "CPU: glibc malloc keeps freed memory for the next step instead of "
                                                "returning it to the OS (no page faults on each step's activations; "
                                                "resident memory stays at its peak)")

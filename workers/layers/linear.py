@@ -9,7 +9,7 @@
 
 Weights follow torch's ``[out_features, in_features]`` convention, as in HF checkpoints. On CPU in
 fp32/bf16 each layer may also hold a oneDNN-packed copy of its weight (``packed_weight``, set by
-``packed_gemm.pack_linear_weights``) that its products use. A quantized checkpoint's integer weights on
+``packed_gemm.pack_linear_weights``) that its products use. A quantized checkpoint's weights on
 CUDA stay packed (``quant``: one ``PackedIntWeight`` per segment, ``workers.quantization``): the dense
 ``weight`` is then never allocated and the products run ``kernels.quant_gemm``, one per segment.
 
