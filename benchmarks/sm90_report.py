@@ -52,7 +52,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_q_ptr", "rows_ptr", "experts_ptr"}
 FP32_POINTERS = {"alibi_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr", "inv_freq_ptr"}
 INT64_POINTERS = {"slot_ptr", "keys_ptr", "pos_ptr"}
-FP32_SCALARS = {"scale_log2", "eps", "scale", "softcap"}
+FP32_SCALARS = {"scale_log2", "eps", "scale", "softcap", "k_static", "v_static"}
 NOT_DIVISIBLE = {"group_size", "stride_bt", "sliding_window", "num_splits", "num_seqs", "block_size", "num_heads",
                  "top_k", "num_rows", "stride_ss", "M"}
 KV8 = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}   # 8-bit KV
@@ -153,11 +153,12 @@ def variants() -> dict[str, tuple]:
     out["prefill bf16 group 4 over int8 KV"] = (prefill_triton._prefill_kernel, "bf16", consts, options, KV8)
     store_cfg, store_options = _launch_options(store_kv_triton.store_kv_config(8, 128))
     limits = dict(SMIN=store_kv_triton.SCALE_MIN, SMAX=store_kv_triton.SCALE_MAX)
-    out["store_kv bf16"] = (store_kv_triton._store_kv_kernel, "bf16", dict(QUANT=0, QMAX_=1.0, **limits, **store_cfg),
-                            store_options)
+    out["store_kv bf16"] = (store_kv_triton._store_kv_kernel, "bf16",
+                            dict(QUANT=0, QMAX_=1.0, STATIC=False, **limits, **store_cfg), store_options)
     for name, quant, qmax, code in (("store_kv bf16 -> int8", 1, 127.0, "*i8"),
                                     ("store_kv bf16 -> fp8", 2, 448.0, "*fp8e4nv")):
-        out[name] = (store_kv_triton._store_kv_kernel, "bf16", dict(QUANT=quant, QMAX_=qmax, **limits, **store_cfg),
+        out[name] = (store_kv_triton._store_kv_kernel, "bf16",
+                     dict(QUANT=quant, QMAX_=qmax, STATIC=False, **limits, **store_cfg),
                      store_options, {**KV8, "k_cache_ptr": code, "v_cache_ptr": code})
     packed = {"qw_ptr": "*i32", "zeros_ptr": "*i32", "scales_ptr": "*fp16", "gidx_ptr": "*i32"}
     for rows, float8 in ((1, False), (64, False), (1, True)):   # tiled at decode sizes, dequantizing above

@@ -53,15 +53,17 @@ def _check_new_rows(key, value, k_cache, v_cache, k_scale, v_scale) -> None:
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping, *, validate_values=None, use_triton=None,
-             k_scale=None, v_scale=None) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_dim] into cache slots; slot < 0 is skipped."""
+             k_scale=None, v_scale=None, static_scales=None) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into cache slots; slot < 0 is skipped.
+    ``static_scales`` (k, v): a checkpoint's scales for a float8 cache's rows (``kv_quant``)."""
     _check_new_rows(key, value, k_cache, v_cache, k_scale, v_scale)
+    v.check_static_scales(static_scales, k_cache)
     check = v.values_checked(validate_values, k_cache.device)
     v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, check)
     if _triton_wanted(use_triton, k_cache.device):
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, static_scales)
     else:
-        store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, static_scales)
 
 
 def _check_softcap(logit_softcap) -> None:
@@ -227,12 +229,13 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
 
 def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables,
                         scale, *, max_query_len=None, sliding_window=None, validate_values=None, use_triton=None,
-                        logit_softcap=None, k_scale=None, v_scale=None):
+                        logit_softcap=None, k_scale=None, v_scale=None, static_scales=None):
     """``store_kv(key, value, ...)`` then ``paged_attention(q, ...)`` (no ALiBi): one call where one kernel
     does both (a decode step on CPU into a cache in q's dtype or of int8 rows: the C decode kernel stores each
     sequence's new key / value, quantized for int8, then reads them), else the two calls. Shapes and checks as
-    those two functions'."""
+    those two functions' (``static_scales``: ``store_kv``'s)."""
     _check_new_rows(key, value, k_cache, v_cache, k_scale, v_scale)
+    v.check_static_scales(static_scales, k_cache)
     triton_path = _triton_wanted(use_triton, q.device)
     validate = v.values_checked(validate_values, q.device)
     one_call = (not triton_path and key.shape[0] == q.shape[0] and key.dtype == q.dtype
@@ -240,7 +243,7 @@ def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlen
                 and _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate))
     if not one_call:
         store_kv(key, value, k_cache, v_cache, slot_mapping, validate_values=validate, use_triton=use_triton,
-                 k_scale=k_scale, v_scale=v_scale)
+                 k_scale=k_scale, v_scale=v_scale, static_scales=static_scales)
         return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                max_query_len=max_query_len, sliding_window=sliding_window,
                                validate_values=validate, use_triton=use_triton, logit_softcap=logit_softcap,

@@ -14,6 +14,13 @@ in float32 from the row's compute dtype. Why per row and not per tensor (vLLM's 
 a row never saturates, nothing is calibrated, and a copied or prefix-shared block carries its scales
 with it (copy-on-write copies the scale tensor's block too). The cost is 2 bytes per row: a row of 64
 (128) values takes 66 (130) bytes against 128 (256) in bfloat16, 1.94x (1.97x) the rows per byte.
+
+Checkpoint scales (``static_scale``): a checkpoint calibrated for an FP8 KV cache carries one scale per
+layer for K and one for V (``self_attn.k_scale`` / ``v_scale``, as llm-compressor writes them and vLLM
+reads them). With ``fp8_e4m3`` the rows of such a layer are stored with that scale instead of their own
+(``code = float8_e4m3fn(clamp(x / s, -448, 448))``, values beyond 448 s saturate), so the model computes
+with the numbers it was calibrated with; the scale, rounded to float16, is still written per row, so every
+reader of the cache is unchanged. An int8 cache ignores them (they are calibrated for e4m3's range).
 """
 
 from __future__ import annotations
@@ -41,10 +48,19 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[name]
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] (any float dtype) -> (codes [..., head_dim] of ``dtype``, scales [...] float16)."""
+def static_scale(value: float) -> float:
+    """A checkpoint's KV scale as the cache stores it: rounded to float16, within [SCALE_MIN, SCALE_MAX]."""
+    return float(torch.tensor(value, dtype=SCALE_DTYPE).clamp_(SCALE_MIN, SCALE_MAX))
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] (any float dtype) -> (codes [..., head_dim] of ``dtype``, scales [...] float16).
+    ``scale``: a checkpoint's scale (``static_scale``'s value) for every row instead of each row's own."""
     xf = x.to(torch.float32)
-    scale = (xf.abs().amax(dim=-1) / QMAX[dtype]).to(SCALE_DTYPE).clamp_(SCALE_MIN, SCALE_MAX)
+    if scale is not None:
+        scale = torch.full(xf.shape[:-1], scale, dtype=SCALE_DTYPE, device=x.device)
+    else:
+        scale = (xf.abs().amax(dim=-1) / QMAX[dtype]).to(SCALE_DTYPE).clamp_(SCALE_MIN, SCALE_MAX)
     y = xf / scale.to(torch.float32).unsqueeze(-1)
     if dtype == torch.int8:
         return torch.floor(y + 0.5).clamp_(-127.0, 127.0).to(torch.int8), scale

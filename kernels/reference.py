@@ -20,16 +20,19 @@ GATHER_BUDGET_BYTES = 2 << 20
 ROW_CHUNK_MAX = 1024
 
 
-def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
+                       static_scales=None) -> None:
     """key/value [num_tokens, num_kv_heads, head_dim] -> cache slots; slot < 0 is skipped. With scales
-    (an 8-bit cache) the rows are quantized (``kv_quant.quantize_rows``) and their scales stored too."""
+    (an 8-bit cache) the rows are quantized (``kv_quant.quantize_rows``, with ``static_scales`` (k, v) a
+    checkpoint's scales) and their scales stored too."""
     slots = slot_mapping.long()
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
     if k_scale is not None:
-        key, k_rows = quantize_rows(key, k_cache.dtype)
-        value, v_rows = quantize_rows(value, v_cache.dtype)
+        k_static, v_static = static_scales or (None, None)
+        key, k_rows = quantize_rows(key, k_cache.dtype, k_static)
+        value, v_rows = quantize_rows(value, v_cache.dtype, v_static)
         k_scale.view(-1, k_scale.shape[2])[slots] = k_rows      # scales are allocated contiguous
         v_scale.view(-1, v_scale.shape[2])[slots] = v_rows
     if k_cache.is_contiguous() and v_cache.is_contiguous():   # the usual case: one copy per cache

@@ -92,6 +92,17 @@ def check_kv_scales(k_cache, k_scale, v_scale) -> None:
                         f"{t.dtype} {tuple(t.shape)}")
 
 
+def check_static_scales(static_scales, k_cache) -> None:
+    """static_scales: None, or (k, v) positive finite floats for a float8 cache (a checkpoint's KV scales)."""
+    if static_scales is None:
+        return
+    if k_cache.dtype != torch.float8_e4m3fn:
+        _fail("static_scales", f"only a float8_e4m3fn cache takes a checkpoint's scales; k_cache is {k_cache.dtype}")
+    if (not isinstance(static_scales, tuple) or len(static_scales) != 2
+            or not all(isinstance(s, float) and math.isfinite(s) and s > 0 for s in static_scales)):
+        _fail("static_scales", f"expected (k_scale, v_scale), two positive finite floats, got {static_scales!r}")
+
+
 def check_heads_tensor(name: str, t, k_cache: torch.Tensor, num_kv_heads_match: bool) -> None:
     """q/key/value/out: [tokens, heads, head_dim] matching the cache's dtype (any compute dtype for an
     8-bit cache), device and head_dim."""

@@ -102,7 +102,7 @@ class CheckpointReader:
         shape = list(view.get_shape())
         _check_shape(name, shape, expect_shape)
         if dim is None:
-            return view[:]
+            return view[:] if shape else self._handles[self._weight_map[name]].get_tensor(name)   # 0-d: no slicing
         end = shape[dim] if end is None else end
         if dim == 0:
             return view[start:end]

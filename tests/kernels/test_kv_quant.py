@@ -14,7 +14,7 @@ import torch
 from helpers.paged_kv_cases import dense_attention, kernel_device, make_paged_case, seed_of
 from pagedray import kernels
 from pagedray.kernels import cpu_decode
-from pagedray.kernels.kv_quant import QMAX, SCALE_MIN, dequantize_rows, quantize_rows
+from pagedray.kernels.kv_quant import QMAX, SCALE_MIN, dequantize_rows, quantize_rows, static_scale
 from pagedray.kernels.reference import paged_decode_reference, paged_prefill_reference
 from pagedray.workers.kv_cache import KVCache, copy_blocks
 
@@ -169,6 +169,50 @@ def test_store_kv_writes_codes_and_scales_only_at_its_slots(cache_dtype):
     untouched[2, 1] = untouched[5, 0] = False
     for now, then in zip((k8, v8, ks, vs), before):
         assert torch.equal(now[untouched].view(torch.uint8), then[untouched].view(torch.uint8))
+
+
+@pytest.mark.parametrize("path", ["reference", "triton", pytest.param("triton-gpu", marks=pytest.mark.gpu)])
+def test_checkpoint_scales_quantize_every_fp8_row_with_them(path):
+    """``static_scales``: each row's codes are e4m3(x / s) with s the checkpoint's scale (rounded to float16),
+    saturating at 448 s, and every stored row's scale is s; slots < 0 and other slots are untouched."""
+    gen = torch.Generator().manual_seed(9)
+    key, value = torch.randn(5, 2, 32, generator=gen), torch.randn(5, 2, 32, generator=gen) * 40
+    key[1, 0, 3] = 1e4                                                  # beyond 448 x s: saturates
+    s_k, s_v = static_scale(0.0123), static_scale(0.37)
+    assert s_k != 0.0123 and s_k == float(torch.tensor(0.0123).half())
+    slots = torch.tensor([3, 17, -1, 40, 8], dtype=torch.int32)
+    device = kernel_device() if path.startswith("triton") else torch.device("cpu")
+    k8, v8 = torch.zeros(6, 8, 2, 32, dtype=FP8), torch.zeros(6, 8, 2, 32, dtype=FP8)
+    ks, vs = torch.zeros(6, 8, 2, dtype=torch.float16), torch.zeros(6, 8, 2, dtype=torch.float16)
+    k8, v8, ks, vs, kd, vd, sd = _to(device, k8, v8, ks, vs, key, value, slots)
+    kernels.store_kv(kd, vd, k8, v8, sd, k_scale=ks, v_scale=vs, static_scales=(s_k, s_v),
+                     use_triton=path.startswith("triton"))
+    k8, v8, ks, vs = (t.cpu() for t in (k8, v8, ks, vs))
+    written = torch.zeros(6 * 8, dtype=torch.bool)
+    written[[3, 17, 40, 8]] = True
+    for row, slot in ((0, 3), (1, 17), (3, 40), (4, 8)):
+        b, o = divmod(slot, 8)
+        assert (ks[b, o] == s_k).all() and (vs[b, o] == s_v).all()
+        for got, x, s in ((k8[b, o], key[row], s_k), (v8[b, o], value[row], s_v)):
+            want = (x / s).clamp(-448, 448).to(FP8).float()
+            exact = got.float() == want
+            if device.type == "cpu" and path == "triton":    # the interpreter's float8 encoding (test below)
+                exact |= (want != 0) & (torch.frexp(want).mantissa.abs() == 0.5) & (got.float() == want / 2)
+            assert exact.all()
+    assert k8[2, 1, 0, 3].float() == 448.0
+    assert not ks.view(-1, 2)[~written].any() and not k8.view(-1, 2, 32)[~written].float().any()
+
+
+def test_checkpoint_scales_are_checked():
+    k8, ks = torch.zeros(2, 8, 1, 16, dtype=FP8), torch.zeros(2, 8, 1, dtype=torch.float16)
+    rows, slots = torch.randn(1, 1, 16), torch.tensor([0], dtype=torch.int32)
+    for bad in ((0.0, 1.0), (1.0,), (float("inf"), 1.0), [1.0, 1.0], (1, 1.0)):
+        with pytest.raises(ValueError, match="static_scales: expected"):
+            kernels.store_kv(rows, rows, k8, k8.clone(), slots, k_scale=ks, v_scale=ks.clone(), static_scales=bad)
+    i8, is8 = torch.zeros(2, 8, 1, 16, dtype=INT8), torch.zeros(2, 8, 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="static_scales: only a float8_e4m3fn cache"):
+        kernels.store_kv(rows, rows, i8, i8.clone(), slots, k_scale=is8, v_scale=is8.clone(), static_scales=(1.0, 1.0))
+    assert not k8.float().any() and not ks.any()                     # nothing written by a refused call
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["int8", "fp8"])

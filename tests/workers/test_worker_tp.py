@@ -57,11 +57,18 @@ def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
         _check_logprobs(path, seq)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-def test_tp2_with_an_8bit_kv_cache_matches_tp1(kv_cache_dtype, tiny_model_path, ray_session):
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e4m3 with checkpoint scales"])
+def test_tp2_with_an_8bit_kv_cache_matches_tp1(kv_cache_dtype, tiny_model_path, ray_session, tmp_path):
     """Each rank quantizes its own KV heads' rows (llama: one KV head per rank): TP=2 gives TP=1's tokens,
-    and logprobs within 1e-4 of TP=1's (both 8-bit)."""
+    and logprobs within 1e-4 of TP=1's (both 8-bit). With checkpoint scales every rank reads the same
+    per-layer scales (test_checkpoint_kv_scales.py)."""
     path = tiny_model_path("llama")
+    if kv_cache_dtype.endswith("scales"):
+        from test_checkpoint_kv_scales import _with_scales
+
+        scales = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.02 * (i + 1))
+                  for i in range(2) for kv in ("k", "v")}
+        path, kv_cache_dtype = _with_scales(path, tmp_path / "model", scales), "fp8_e4m3"
     params = SamplingParams(temperature=0.0, logprobs=TOP_N)
     _, local = local_driver(path, token_budget=24, max_chunk=16, kv_cache_dtype=kv_cache_dtype)
     tp1 = local.run([local.add(p, NEW_TOKENS, params) for p in PROMPTS])

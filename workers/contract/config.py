@@ -85,7 +85,8 @@ class CacheConfig:
     num_blocks: int | None = option(None, "force an exact number of KV blocks (default: decided from memory)")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model's dtype) | int8 | fp8_e4m3 (8-bit rows, "
-                                         "each with a float16 scale: about twice the sequences per byte)")
+                                         "each with a float16 scale: about twice the sequences per byte; fp8_e4m3 "
+                                         "takes a checkpoint's k_scale / v_scale where present)")
     watermark: float = option(0.01, "fraction of KV blocks kept free when admitting (avoids instant preemption)")
     warm_prefix_tokens: int = option(8192, "prefix-cache warm-up, in tokens of the most reused prefixes: a new "
                                            "engine replica prefills a running one's before taking traffic, a "

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ... import kernels
+from ...kernels.kv_quant import static_scale
 from ..kv_cache import KVLayer
 
 
@@ -48,12 +49,32 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window   # None: full causal attention
         self.logit_softcap = logit_softcap     # Gemma 2: scores soft-capped (kernels.paged_decode)
+        self.checkpoint_kv_scales: tuple[float, float] | None = None   # (k, v) for a float8 cache (load_kv_scales)
+
+    def load_kv_scales(self, reader, prefix: str) -> None:
+        """A checkpoint calibrated for an FP8 KV cache: ``{prefix}.k_scale`` and ``.v_scale`` (or one
+        ``.kv_scale`` for both), one value each, kept as ``kv_quant.static_scale`` rounds them; a float8 cache
+        then stores this layer's rows with them (``kernels.kv_quant``). Absent: rows take their own scales."""
+        names = [f"{prefix}.k_scale", f"{prefix}.v_scale"]
+        if not all(reader.has(name) for name in names):
+            names = [f"{prefix}.kv_scale"] * 2
+            if not reader.has(names[0]):
+                return
+        values = []
+        for name in names:
+            value = reader.read(name).float().reshape(-1)
+            if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
+                raise ValueError(f"model: KV scale {name!r} must be one positive finite value, got "
+                                 f"{value[:4].tolist()}")
+            values.append(static_scale(float(value)))
+        self.checkpoint_kv_scales = (values[0], values[1])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: KVLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
         # kv_layer.k / .v [num_blocks, block_size, kv_heads_local, head_dim] (+ row scales when 8-bit)
+        static = self.checkpoint_kv_scales if kv_layer.k.dtype == torch.float8_e4m3fn else None
         return kernels.store_kv_and_attend(q, k, v, kv_layer.k, kv_layer.v, meta.slot_mapping, meta.cu_seqlens_q,
                                            meta.seq_lens_k, meta.block_tables, self.scale,
                                            max_query_len=meta.max_query_len, sliding_window=self.sliding_window,
                                            validate_values=False, logit_softcap=self.logit_softcap,
-                                           k_scale=kv_layer.k_scale, v_scale=kv_layer.v_scale)
+                                           k_scale=kv_layer.k_scale, v_scale=kv_layer.v_scale, static_scales=static)

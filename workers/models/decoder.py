@@ -115,6 +115,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             self.q_norm.load(reader, f"{prefix}.q_norm.weight")
             self.k_norm.load(reader, f"{prefix}.k_norm.weight")
+        self.attn.load_kv_scales(reader, prefix)
 
     def forward(self, hidden, rope: RotaryStep, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         # hidden [tokens, hidden] -> [tokens, hidden]; q, k, v are views of the fused projection
