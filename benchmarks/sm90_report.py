@@ -190,6 +190,11 @@ def variants() -> dict[str, tuple]:
         consts, options = _launch_options(dict(A_BY_TOKEN=by_token, MUL_WEIGHT=mul, IEEE=False,
                                                **moe_triton.moe_config(256)))
         out[name] = (moe_triton._grouped_gemm_kernel, "bf16", consts, options)
+    cfg = moe_triton.moe_config(256)
+    consts = dict(BITS=4, FLOAT8=False, GROUPED=True, A_BY_TOKEN=True, MUL_WEIGHT=False, IEEE=False,
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=16)
+    out["fused moe gate_up packed 4-bit bf16"] = (moe_triton._grouped_packed_gemm_kernel, "bf16", consts,
+                                                  dict(num_warps=4), packed)
     return out
 
 

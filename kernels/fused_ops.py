@@ -38,6 +38,7 @@ from .fused_reference import (
 )
 from .moe_triton import fused_moe_triton
 from .norm_triton import MAX_SIZE, rms_norm_triton
+from .quant_gemm import PackedExperts, check_packed_experts
 from .rotary_triton import rotary_embedding_triton
 
 
@@ -173,11 +174,16 @@ def apply_rotary(x, cos, signed_sin):
 
 def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, use_triton=None):
     """Mixture-of-experts MLP over the picked experts: x [T, H]; gate_up [E, 2I, H] (gate rows, then up);
-    down [E, H, I]; topk_weights [T, k] in x's dtype; topk_ids [T, k] int32/int64 in [0, E) ->
-    [T, H] = sum over the picks of weight * down(silu(gate) * up). Triton on CUDA (``moe_triton``: grouped
-    GEMMs over the rows sorted by expert), the torch loop over experts elsewhere (``fused_moe_reference``)."""
+    down [E, H, I] (or both ``quant_gemm.PackedExperts``: packed experts); topk_weights [T, k] in x's dtype;
+    topk_ids [T, k] int32/int64 in [0, E) -> [T, H] = sum over the picks of weight * down(silu(gate) * up).
+    Triton on CUDA (``moe_triton``: grouped GEMMs over the rows sorted by expert), the torch loop over experts
+    elsewhere (``fused_moe_reference``; packed experts dequantized first)."""
     _check_rows("x", x, (2,))
+    packed = isinstance(gate_up, PackedExperts)
     for name, w in (("gate_up", gate_up), ("down", down)):
+        if packed:
+            check_packed_experts(name, w, x.device)
+            continue
         _check_rows(name, w, (3,), x.device)
         if w.dtype != x.dtype:
             raise ValueError(f"{name}: dtype {w.dtype} differs from x {x.dtype}")
@@ -198,5 +204,7 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, use_triton=None):
         raise ValueError(f"topk_ids: expert ids must lie in [0, {experts})")   # CPU: CUDA never syncs here
     if _triton_wanted(use_triton, x.device):
         return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids)
+    if packed:                                   # the reference: the same values, dequantized
+        gate_up, down = gate_up.dequantized(x.dtype), down.dequantized(x.dtype)
     return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids)
 

@@ -10,6 +10,11 @@ computes, for one block of rows and ``BLOCK_N`` output columns, ``a[row] @ w[exp
 token's row of x for the first GEMM, the routed row itself for the second), accumulating in float32; with
 ``MUL_WEIGHT`` each row is scaled by its top-k weight. The caller sums the ``top_k`` rows of each token.
 
+Packed experts (``quant_gemm.PackedExperts``: a GPTQ / AWQ / int8 / FP8 checkpoint's experts on CUDA):
+``_grouped_packed_gemm_kernel`` is the same grouped GEMM whose weight tile is unpacked and dequantized from
+the expert's words as ``quant_gemm_triton``'s kernel does (the same helpers: each word loaded once, one
+``tl.dot`` per position in the word), so the experts stay 4 or 8 bits a weight in memory.
+
 Decisions: docs/design/kernels.md, ``pagedray.kernels.moe_triton``.
 """
 
@@ -18,6 +23,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .quant_gemm import PackedExperts
+from .quant_gemm_triton import _dequantize, _group_params, _word_tile
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -74,6 +82,54 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, weight_ptr, rows_ptr, experts_pt
              mask=real[:, None] & (cols[None, :] < n_out))
 
 
+@triton.jit
+def _grouped_packed_gemm_kernel(a_ptr, qw_ptr, zeros_ptr, scales_ptr, gidx_ptr, out_ptr, weight_ptr, rows_ptr,
+                                experts_ptr, num_rows, n_out, k_in, top_k, group_size, stride_a, stride_qe, stride_qk,
+                                stride_ze, stride_zg, stride_se, stride_sg, stride_out,
+                                BITS: tl.constexpr, FLOAT8: tl.constexpr, GROUPED: tl.constexpr,
+                                A_BY_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """``_grouped_gemm_kernel`` over packed experts: K slices of BLOCK_KW word rows (BLOCK_KW * 32 / BITS
+    weight rows); with ``GROUPED`` a slice lies in one group (one row of zero points and scales)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    block = tl.program_id(0)
+    expert = tl.load(experts_ptr + block).to(tl.int64)
+    if expert < 0:                                   # a block past the last expert's rows
+        return
+    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)   # [BLOCK_M] routed rows
+    real = rows < num_rows
+    a_rows = rows // top_k if A_BY_TOKEN else rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                      # [BLOCK_N]
+    n_mask = cols < n_out
+    qw, zp, sp = qw_ptr + expert * stride_qe, zeros_ptr + expert * stride_ze, scales_ptr + expert * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, tl.cdiv(k_in, BLOCK_KW * PER_WORD)):
+        k0 = s * BLOCK_KW * PER_WORD
+        rw = s * BLOCK_KW + tl.arange(0, BLOCK_KW)                                  # [BLOCK_KW] word rows
+        words = _word_tile(qw, rw, cols, k_in // PER_WORD, n_mask, stride_qk)      # [BLOCK_KW, BLOCK_N]
+        if GROUPED:
+            zeros, scales = _group_params(zp, sp, gidx_ptr, rw, cols, k0, group_size, rw >= 0, n_mask, stride_zg,
+                                          stride_sg, GROUPED)
+        for j in tl.static_range(PER_WORD):
+            rk = rw * PER_WORD + j                                                  # [BLOCK_KW] weight rows
+            k_mask = rk < k_in
+            if not GROUPED:
+                zeros, scales = _group_params(zp, sp, gidx_ptr, rk, cols, k0, group_size, k_mask, n_mask, stride_zg,
+                                              stride_sg, GROUPED)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_a + rk[None, :], mask=real[:, None] & k_mask[None, :],
+                        other=0.0)                                                  # [BLOCK_M, BLOCK_KW]
+            w = _dequantize((words >> (j * BITS)) & MASK, zeros, scales, FLOAT8).to(a_ptr.dtype.element_ty)
+            if IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + rows, mask=real, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=real[:, None] & n_mask[None, :])
+
+
 def moe_config(tokens: int) -> dict:
     """Row blocks of 16 at decode sizes, 64 for long prefill steps."""
     return dict(BLOCK_M=16 if tokens <= 64 else 64, BLOCK_N=64, BLOCK_K=32)
@@ -82,14 +138,25 @@ def moe_config(tokens: int) -> dict:
 def _grouped_gemm(a, w, out, weights, sorted_rows, block_experts, top_k, a_by_token, cfg) -> None:
     n_out, k_in = w.shape[1], w.shape[2]
     grid = (block_experts.shape[0], triton.cdiv(n_out, cfg["BLOCK_N"]))
+    if isinstance(w, PackedExperts):
+        block_kw = 16                                                        # tl.dot's smallest K
+        grouped = w.group_size % (block_kw * (32 // w.bits)) == 0
+        _grouped_packed_gemm_kernel[grid](
+            a, w.qweight, w.zeros, w.scales, w.g_idx, out, weights, sorted_rows, block_experts, out.shape[0], n_out,
+            k_in, top_k, w.group_size, a.stride(0), w.qweight.stride(0), w.qweight.stride(1), w.zeros.stride(0),
+            w.zeros.stride(1), w.scales.stride(0), w.scales.stride(1), out.stride(0), BITS=w.bits, FLOAT8=w.float8,
+            GROUPED=grouped, A_BY_TOKEN=a_by_token, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=block_kw)
+        return
     _grouped_gemm_kernel[grid](a, w, out, weights, sorted_rows, block_experts, out.shape[0], n_out, k_in, top_k,
                                a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_BY_TOKEN=a_by_token,
                                MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32, **cfg)
 
 
 def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
-    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights [T, k]; topk_ids [T, k] -> [T, H] (x.dtype):
-    sum over the k picks of weight * down(silu(gate) * up) (``fused_reference.fused_moe_reference``)."""
+    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I] (tensors, or both ``PackedExperts`` of those shapes);
+    topk_weights [T, k]; topk_ids [T, k] -> [T, H] (x.dtype): sum over the k picks of weight *
+    down(silu(gate) * up) (``fused_reference.fused_moe_reference``)."""
     tokens, top_k = topk_ids.shape
     num_experts, two_inter, _ = gate_up.shape
     cfg = moe_config(tokens)

@@ -15,6 +15,7 @@ packing helpers are shared with the checkpoint loader (``workers.quantization``)
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -140,3 +141,50 @@ def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, perm=None, group_
 
         return quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits, perm, group_size, float8=float8)
     return quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits, perm, float8)
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """Every expert's weight ``[E, N, K]`` (out, in) packed as ``quant_gemm`` takes one: qweight int32
+    ``[E, K / per_word, N]``, zeros int32 and scales ``[E, groups, N]``, and one ``g_idx`` int32 ``[K]`` for all
+    experts, ``g_idx[k] == k // group_size`` (uniform groups: activation-order experts are not packed)."""
+
+    qweight: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+    bits: int
+    group_size: int
+    float8: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, words, n = self.qweight.shape
+        return experts, n, words * (32 // self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.zeros, self.scales, self.g_idx))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The experts' weights ``[E, N, K]`` in ``dtype`` (the values the packed kernel computes with)."""
+        return torch.stack([dequantize_packed(q, z, s, self.g_idx, self.bits, self.float8).t()
+                            for q, z, s in zip(self.qweight, self.zeros, self.scales)]).to(dtype)
+
+
+def check_packed_experts(name: str, p: PackedExperts, device: torch.device) -> None:
+    """ValueError naming ``name`` unless ``p`` is a consistent ``PackedExperts`` on ``device``."""
+    if not isinstance(p, PackedExperts):
+        raise ValueError(f"{name}: expected a PackedExperts, got {type(p).__name__}")
+    experts, n, k = p.shape
+    for field, t, dims, dtype in (("qweight", p.qweight, 3, torch.int32), ("zeros", p.zeros, 3, torch.int32),
+                                  ("scales", p.scales, 3, None), ("g_idx", p.g_idx, 1, torch.int32)):
+        v.check_tensor(f"{name}.{field}", t, dims, device)
+        if (dtype is not None and t.dtype != dtype) or not t.is_contiguous():
+            raise ValueError(f"{name}.{field}: expected a contiguous {dtype or 'float'} tensor, got {t.dtype}")
+    groups = p.zeros.shape[1]
+    if (p.bits not in (4, 8) or (p.float8 and p.bits != 8) or p.g_idx.shape[0] != k or p.group_size < 1
+            or tuple(p.zeros.shape) != (experts, groups, n) or p.scales.shape != p.zeros.shape
+            or groups != -(-k // p.group_size)):
+        raise ValueError(f"{name}: inconsistent packed experts (bits {p.bits}, qweight {tuple(p.qweight.shape)}, "
+                         f"zeros / scales {tuple(p.zeros.shape)} / {tuple(p.scales.shape)}, group_size {p.group_size})")

@@ -60,6 +60,7 @@ def test_store_kv_moves_16_byte_vectors(rows):
     assert row["wide_loads"] >= 2 and row["wide_stores"] >= 2, row
 
 
-@pytest.mark.parametrize("name", ["fused moe gate_up bf16", "fused moe down bf16"])
+@pytest.mark.parametrize("name", ["fused moe gate_up bf16", "fused moe down bf16",
+                                  "fused moe gate_up packed 4-bit bf16"])
 def test_fused_moe_uses_tensor_cores(rows, name):
     assert rows[name]["hgmma"] + rows[name]["hmma"] > 0, rows[name]

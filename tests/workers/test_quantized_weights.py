@@ -140,6 +140,54 @@ def test_quantized_moe_experts_load_dequantized(fmt, options, tiny_model_path, t
     _assert_same_model(str(tmp_path / "q"), str(tmp_path / "dq"))
 
 
+@pytest.mark.parametrize("fmt, options, packed", [
+    ("gptq", dict(group=16, desc_act=False, v2=False), True), ("awq", dict(group=16), True),
+    ("fp8", dict(), True), ("fp8", dict(block=16), True), ("int8", dict(), True),
+    ("gptq", dict(group=16, desc_act=True, v2=False), False),      # activation order: experts load dequantized
+])
+def test_packed_moe_experts_give_the_dequantized_models_tokens(fmt, options, packed, tiny_model_path, tmp_path,
+                                                                monkeypatch):
+    """What CUDA does with a quantized MoE (``keeps_packed``), forced on CPU: every MoE layer holds its experts
+    packed (``PackedExperts``; the 16-bit expert tensors never allocated) when their groups are uniform, and the
+    model is still the dequantized one (greedy tokens equal, logprobs within 1e-4)."""
+    import pagedray.workers.model_loading as loading_module
+    from pagedray.workers.layers.moe import SparseMoE
+
+    monkeypatch.setattr(loading_module, "keeps_packed", lambda q, device: q.method != "none")
+    source, options_out = tiny_model_path("qwen3-moe"), {}
+    if fmt == "int8":
+        path, oracle, options_out = source, str(tmp_path / "dq"), {"quantization": "int8"}
+        round_rows_8bit(source, tmp_path / "dq", "int8")
+    else:
+        quantize_folder(source, tmp_path / "q", tmp_path / "dq", fmt, **options)
+        path, oracle = str(tmp_path / "q"), str(tmp_path / "dq")
+    worker, _ = local_driver(path, **options_out)
+    moes = [m for m in worker.model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all((m.packed is not None) == packed for m in moes)
+    if packed:
+        assert all(m.gate_up is None and m.down is None for m in moes)
+        bits = moes[0].packed[0].bits
+        dense_bytes = sum(4 * m.spec.num_experts * 3 * m.rows * m.hidden_size for m in moes)
+        assert sum(p.nbytes for m in moes for p in m.packed) < (0.3 if bits == 4 else 0.45) * dense_bytes
+    _assert_same_model(path, oracle, **options_out)
+
+
+def test_packed_moe_runs_the_triton_kernel_under_the_interpreter(tiny_model_path, tmp_path, monkeypatch):
+    import functools
+
+    import pagedray.workers.model_loading as loading_module
+    from pagedray import kernels
+
+    monkeypatch.setattr(loading_module, "keeps_packed", lambda q, device: True)
+    calls = []
+    triton_moe = functools.partial(kernels.fused_moe, use_triton=True)
+    monkeypatch.setattr(kernels, "fused_moe", lambda *a, **k: calls.append(1) or triton_moe(*a, **k))
+    quantize_folder(tiny_model_path("qwen3-moe"), tmp_path / "q", tmp_path / "dq", "awq", group=16)
+    _, driver = local_driver(str(tmp_path / "q"), token_budget=24, max_chunk=16)
+    seqs = driver.run([driver.add(p, 6, SamplingParams(temperature=0.0)) for p in PROMPTS])
+    assert [s.output for s in seqs] == hf_greedy_each(str(tmp_path / "dq"), PROMPTS, 6) and calls
+
+
 def _tensor_names(folder: Path) -> list[str]:
     from safetensors import safe_open
 

@@ -75,6 +75,19 @@ def test_packed_quantized_weights_on_cuda_match_transformers(fmt, options, tiny_
     assert driver.generate(TINY_PROMPTS, NEW_TOKENS) == hf_greedy_each(str(tmp_path / "dq"), TINY_PROMPTS, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("fmt, options", [("awq", dict(group=16)), ("fp8", dict(block=16))])
+def test_packed_moe_experts_on_cuda_match_transformers(fmt, options, tiny_model_path, tmp_path):
+    """A quantized Qwen3-MoE on CUDA keeps its experts packed (the packed fused-MoE kernel; CUDA graphs
+    included): fp32 greedy tokens equal transformers' on the dequantized weights."""
+    from helpers.quantized_checkpoints import quantize_folder
+    from pagedray.workers.layers.moe import SparseMoE
+
+    quantize_folder(tiny_model_path("qwen3-moe"), tmp_path / "q", tmp_path / "dq", fmt, **options)
+    worker, driver = _cuda_driver(str(tmp_path / "q"), "float32")
+    assert all(m.packed is not None for m in worker.model.modules() if isinstance(m, SparseMoE))
+    assert driver.generate(TINY_PROMPTS, NEW_TOKENS) == hf_greedy_each(str(tmp_path / "dq"), TINY_PROMPTS, NEW_TOKENS)
+
+
 def test_bf16_on_cuda_with_profiled_kv_cache(tiny_model_path):
     path = tiny_model_path("llama")
     worker, driver = _cuda_driver(path, "bfloat16", profile_memory=True)

@@ -1,0 +1,95 @@
+"""``kernels.fused_moe`` over packed experts (``quant_gemm.PackedExperts``: 4-bit groups, 8-bit codes with zero
+points, float8 codes): the Triton kernel (``_grouped_packed_gemm_kernel``, the interpreter on CPU) against the
+loop over experts on the dequantized weights, and the reference path against the same loop on weights
+dequantized by hand from the codes (not through ``dequantize_packed``). Groups that fill a K slice (one row of
+scales per slice) and groups that do not (each row's group read); experts that get no token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.paged_kv_cases import kernel_device, seed_of
+from helpers.quantized_checkpoints import pack_words
+from pagedray import kernels
+from pagedray.kernels.quant_gemm import PackedExperts
+
+
+def _packed(experts: int, n: int, k: int, bits: int, group: int, float8: bool, gen):
+    """Random packed experts of weight [E, N, K] -> (PackedExperts on the kernel device, float32 [E, N, K] built
+    from the codes directly)."""
+    top = (1 << bits) - 1
+    codes = torch.randint(0, top + 1, (experts, k, n), generator=gen)
+    if float8:
+        codes = torch.where(codes & 0x7F == 0x7F, codes - 1, codes)                        # no NaN
+    groups = -(-k // group)
+    zeros = torch.randint(0, top + 1, (experts, groups, n), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(experts, groups, n, generator=gen) * 0.02 + 0.002).half()
+    g_idx = torch.arange(k) // group
+    if float8:
+        values = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    else:
+        values = (codes - zeros[:, g_idx]).float()
+    dense = (values * scales.float()[:, g_idx]).transpose(1, 2).contiguous()                  # [E, N, K]
+    qweight = torch.stack([pack_words(c, 0, bits) for c in codes])
+    device = kernel_device()
+    packed = PackedExperts(qweight.to(device), zeros.to(device), scales.to(device), g_idx.to(torch.int32).to(device),
+                           bits, group, float8)
+    return packed, dense
+
+
+@pytest.mark.parametrize("bits, group, float8, hidden, inter", [
+    (4, 32, False, 64, 48),          # groups smaller than a K slice (128 rows): each row's group
+    (4, 128, False, 128, 128),       # one group per K slice
+    (8, 64, False, 64, 64),          # 8-bit codes, one group per K slice (64 rows)
+    (8, 64, True, 64, 32),           # float8 codes, per-channel-like groups
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_experts_match_the_loop_on_their_dequantized_weights(bits, group, float8, hidden, inter, dtype):
+    gen = torch.Generator().manual_seed(seed_of("moe-packed", bits, group, float8, str(dtype)))
+    experts, tokens, top_k = 5, 11, 2
+    gate_up, gate_up_dense = _packed(experts, 2 * inter, hidden, bits, min(group, hidden), float8, gen)
+    down, down_dense = _packed(experts, hidden, inter, bits, min(group, inter), float8, gen)
+    device = kernel_device()
+    x = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(dtype).to(device)
+    logits = torch.randn(tokens, experts, generator=gen) + torch.tensor([0, 0, float("-inf"), 0, 0])  # expert 2: none
+    weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    weights, ids = weights.to(dtype).to(device), ids.to(device)
+    want = kernels.fused_moe(x, gate_up_dense.to(dtype).to(device), down_dense.to(dtype).to(device), weights, ids,
+                             use_triton=False).float()
+    assert want.abs().max() > 0.01
+    tolerance = (1e-4 if dtype == torch.float32 else 2e-2) * want.abs().max().item()
+    for use_triton in (False, True):
+        got = kernels.fused_moe(x, gate_up, down, weights, ids, use_triton=use_triton)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=tolerance)
+
+
+def test_packed_and_dense_experts_do_not_mix_and_bad_packs_are_named():
+    gen = torch.Generator().manual_seed(3)
+    gate_up, dense = _packed(3, 32, 16, 8, 16, False, gen)
+    down, _ = _packed(3, 16, 16, 8, 16, False, gen)
+    x = torch.randn(4, 16).to(kernel_device())
+    ids = torch.zeros(4, 1, dtype=torch.int64, device=x.device)
+    weights = torch.ones(4, 1, device=x.device)
+    with pytest.raises(ValueError, match="down: expected a PackedExperts"):
+        kernels.fused_moe(x, gate_up, dense.to(x.device), weights, ids)
+    bad = PackedExperts(gate_up.qweight, gate_up.zeros, gate_up.scales, gate_up.g_idx, 8, 5)
+    with pytest.raises(ValueError, match="gate_up: inconsistent packed experts"):
+        kernels.fused_moe(x, bad, down, weights, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, group, float8", [(4, 128, False), (8, 512, False), (8, 512, True)])
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_packed_experts_on_cuda_match_the_loop(bits, group, float8, tokens):
+    """bf16 at a Qwen3-MoE-like width (16 experts, top-8, H 512, I 256): decode and prefill row blocks."""
+    gen = torch.Generator().manual_seed(seed_of("moe-packed-gpu", bits, float8, tokens))
+    gate_up, gate_up_dense = _packed(16, 512, 512, bits, group, float8, gen)
+    down, down_dense = _packed(16, 512, 256, bits, min(group, 256), float8, gen)
+    x = (torch.randn(tokens, 512, generator=gen) * 0.5).bfloat16().cuda()
+    weights, ids = torch.topk(torch.randn(tokens, 16, generator=gen).softmax(-1), 8, dim=-1)
+    weights, ids = weights.bfloat16().cuda(), ids.cuda()
+    want = kernels.fused_moe(x.float(), gate_up_dense.cuda(), down_dense.cuda(), weights.float(), ids,
+                             use_triton=False)
+    got = kernels.fused_moe(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=3e-2 * want.abs().max().item())
