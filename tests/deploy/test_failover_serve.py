@@ -185,8 +185,9 @@ def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_pat
         time.sleep(0.5)
     assert _running_engine_replicas() == 2
     # a replacement started while another replica ran: it asked that one for its hot prefixes and
-    # prefilled them before taking traffic (deploy/serve/warm_up.py; what it gives: test_warm_up.py); the
-    # replicas that started with the app had nobody to ask
+    # prefilled them before taking traffic (deploy/serve/warm_up.py; what it gives: test_warm_up.py). A
+    # replica that started with the app may or may not have found the other one up (on a loaded machine
+    # the two start apart), so only the replacements are checked
     reports = {}
     for _ in range(64):
         replica, report = app.engine_handle().warm_up_report.remote().result()
@@ -196,7 +197,7 @@ def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_pat
     first = {name.rsplit("#", 1)[-1] for name in first_replicas}
     assert len(reports) == 2 and set(reports) != first, reports
     for replica, report in reports.items():
-        assert (report["skipped"] is None) == (replica not in first), reports
+        assert replica in first or report["skipped"] is None, reports
     args = {"model": default_model_path, **APP_ARGS, "num_replicas": 1, "executor": "local",
             "graceful_shutdown_s": 1.0}
     old = _engine_replicas()
