@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_check.sh quick   # install, the -m gpu tests, an engine smoke (32 sequences)
 #   bash benchmarks/gpu_check.sh full    # install, the -m gpu tests, benchmarks.gpu_engine at its shape
-# Both then run benchmarks.moe_kernel (the fused-MoE kernel against the loop over experts) and
+# Both then run benchmarks.moe_kernel (the fused-MoE kernel against the loop over experts, and 4-bit packed
+# experts against bf16 ones) and
 # benchmarks.kv8_kernel (decode over an 8-bit KV cache against bf16) and benchmarks.quant_gemm (4- and
 # 8-bit weight GEMM against dense bf16), and benchmarks.spec_decode (n-gram speculation on or off).
 #
