@@ -52,6 +52,23 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
+def _dot_add(acc, a, w, IEEE: tl.constexpr):
+    """acc + a @ w in float32; float32 inputs stay float32 (tl.dot would round them to TF32 on CUDA)."""
+    if IEEE:
+        return acc + tl.dot(a, w, input_precision="ieee")
+    return acc + tl.dot(a, w)
+
+
+@triton.jit
+def _store_rows(acc, out_ptr, weight_ptr, rows, real, cols, n_mask, stride_out, MUL_WEIGHT: tl.constexpr):
+    """The routed rows' outputs [BLOCK_M, BLOCK_N] (times each row's top-k weight with ``MUL_WEIGHT``)."""
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + rows, mask=real, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=real[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, weight_ptr, rows_ptr, experts_ptr,
                          num_rows, n_out, k_in, top_k, stride_a, stride_we, stride_wn, stride_out,
                          A_BY_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
@@ -72,14 +89,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, weight_ptr, rows_ptr, experts_pt
                     mask=real[:, None] & (ks[None, :] < k_in), other=0.0)         # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None],
                     mask=(cols[None, :] < n_out) & (ks[:, None] < k_in), other=0.0)   # [BLOCK_K, BLOCK_N]
-        if IEEE:                                 # fp32 stays fp32: tl.dot would round to TF32 on CUDA
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
-    if MUL_WEIGHT:
-        acc = acc * tl.load(weight_ptr + rows, mask=real, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=real[:, None] & (cols[None, :] < n_out))
+        acc = _dot_add(acc, a, w, IEEE)
+    _store_rows(acc, out_ptr, weight_ptr, rows, real, cols, cols < n_out, stride_out, MUL_WEIGHT)
 
 
 @triton.jit
@@ -120,14 +131,8 @@ def _grouped_packed_gemm_kernel(a_ptr, qw_ptr, zeros_ptr, scales_ptr, gidx_ptr, 
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + rk[None, :], mask=real[:, None] & k_mask[None, :],
                         other=0.0)                                                  # [BLOCK_M, BLOCK_KW]
             w = _dequantize((words >> (j * BITS)) & MASK, zeros, scales, FLOAT8).to(a_ptr.dtype.element_ty)
-            if IEEE:
-                acc += tl.dot(a, w, input_precision="ieee")
-            else:
-                acc += tl.dot(a, w)
-    if MUL_WEIGHT:
-        acc = acc * tl.load(weight_ptr + rows, mask=real, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=real[:, None] & n_mask[None, :])
+            acc = _dot_add(acc, a, w, IEEE)
+    _store_rows(acc, out_ptr, weight_ptr, rows, real, cols, n_mask, stride_out, MUL_WEIGHT)
 
 
 def moe_config(tokens: int) -> dict:
