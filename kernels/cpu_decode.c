@@ -369,8 +369,66 @@ static inline void quantize_row_i8(const char *src, int dtype, int64_t D, int8_t
 #endif
 }
 
-/* 1 when this build quantizes int8 rows in store_new (it needs F16C for the float16 scale) */
-int stores_int8_rows(void) {
+/* float32 -> float8 e4m3fn bits, rounded to nearest even, as torch's .to(torch.float8_e4m3fn) computes it
+ * (c10's fp8_e4m3fn_from_fp32_value: subnormals by one IEEE float addition, normals by integer rounding);
+ * |x| <= 448 here (the quantizer clamps first), so no NaN is made. */
+static inline uint8_t float_to_e4m3(float x) {
+    union { float f; uint32_t u; } v = {.f = x};
+    const uint32_t sign = v.u & 0x80000000u;
+    v.u ^= sign;
+    uint8_t result;
+    if (v.u >= (1087u << 20)) {                         /* >= 480: NaN, as torch (not reached) */
+        result = 0x7f;
+    } else if (v.u < (121u << 23)) {                    /* below 2^-6: a subnormal or zero */
+        const union { uint32_t u; float f; } mask = {.u = 141u << 23};
+        v.f = v.f + mask.f;
+        result = (uint8_t)(v.u - mask.u);
+    } else {
+        const uint32_t mant_odd = (v.u >> 20) & 1u;
+        v.u += ((uint32_t)(7 - 127) << 23) + 0x7ffffu;
+        v.u += mant_odd;
+        result = (uint8_t)(v.u >> 20);
+    }
+    return result | (uint8_t)(sign >> 24);
+}
+
+/* One row quantized to float8 e4m3fn as kv_quant.quantize_rows does: scale = clamp(float16(max |x| / 448),
+ * 2^-24, 65504), or the checkpoint's (static_bits, float16 bits; 0: none); code = e4m3(clamp(x / scale,
+ * -448, 448)); the scale's float16 bits to *scale_bits. */
+static inline void quantize_row_fp8(const char *src, int dtype, int64_t D, uint8_t *dst, uint16_t *scale_bits,
+                                    uint16_t static_bits) {
+#if defined(__F16C__)
+    float x[256];
+    float amax = 0.0f;
+    for (int64_t i = 0; i < D; i++) {
+        if (dtype == DTYPE_F32) {
+            x[i] = ((const float *)src)[i];
+        } else {
+            const union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)src)[i] << 16};
+            x[i] = v.f;
+        }
+        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    }
+    uint16_t h = static_bits;
+    if (h == 0) {
+        h = float_to_half(amax / 448.0f);
+        h = (h & 0x7fffu) > 0x7bffu ? 0x7bffu : h;     /* inf (or beyond 65504) -> 65504 */
+        h = (h & 0x7fffu) == 0 ? 0x0001u : h;           /* 0 -> 2^-24 */
+    }
+    const float scale = half_to_float(h);
+    for (int64_t i = 0; i < D; i++) {
+        float y = x[i] / scale;
+        y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
+        dst[i] = float_to_e4m3(y);
+    }
+    *scale_bits = h;
+#else
+    (void)src; (void)dtype; (void)D; (void)dst; (void)scale_bits; (void)static_bits;
+#endif
+}
+
+/* 1 when this build quantizes 8-bit rows in store_new (it needs F16C for the float16 scale) */
+int stores_8bit_rows(void) {
 #if defined(__F16C__)
     return 1;
 #else
@@ -380,7 +438,7 @@ int stores_int8_rows(void) {
 
 static inline void store_new(const struct item_args *a, int64_t s, const char *k_new, int64_t k_tok, int64_t k_head,
                              const char *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots,
-                             int64_t elem, int dtype, int cache_dtype) {
+                             int64_t elem, int dtype, int cache_dtype, uint16_t k_static, uint16_t v_static) {
     const int64_t slot = slots[s];
     if (slot < 0) return;
     const int64_t block = slot / a->block_size, offset = slot % a->block_size;
@@ -393,6 +451,12 @@ static inline void store_new(const struct item_args *a, int64_t s, const char *k
                             (uint16_t *)a->k_scale + row);
             quantize_row_i8(v_new + s * v_tok + h * v_head, dtype, a->head_dim, (int8_t *)a->v + dst,
                             (uint16_t *)a->v_scale + row);
+        } else if (cache_dtype == CACHE_FP8) {
+            const int64_t row = slot * a->num_kv_heads + h;
+            quantize_row_fp8(k_new + s * k_tok + h * k_head, dtype, a->head_dim, (uint8_t *)a->k + dst,
+                             (uint16_t *)a->k_scale + row, k_static);
+            quantize_row_fp8(v_new + s * v_tok + h * v_head, dtype, a->head_dim, (uint8_t *)a->v + dst,
+                             (uint16_t *)a->v_scale + row, v_static);
         } else {
             memcpy((char *)a->k + dst, k_new + s * k_tok + h * k_head, a->head_dim * elem);
             memcpy((char *)a->v + dst, v_new + s * v_tok + h * v_head, a->head_dim * elem);
@@ -405,7 +469,8 @@ static inline void store_new(const struct item_args *a, int64_t s, const char *k
  * (c_block, c_tok, c_head, 1); block_tables [S, max_blocks] int32 (row stride bt_row); seq_lens [S]
  * int32; slopes [Hq] float32 or NULL; window <= 0: none; out [S, Hq, D] (strides o_tok, o_head).
  * slots [S] int32 or NULL: with it, k_new [S, Hkv, D] (strides k_tok, k_head) and v_new (v_tok, v_head)
- * are stored into the caches first (store_new). softcap > 0: the scaled scores are soft-capped (Gemma 2). */
+ * are stored into the caches first (store_new; a float8 cache's rows with the checkpoint's scales k_static /
+ * v_static, float16 bits, when not 0). softcap > 0: the scaled scores are soft-capped (Gemma 2). */
 void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       const void *k_cache, const void *v_cache, int64_t c_block, int64_t c_tok, int64_t c_head,
                       int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
@@ -414,7 +479,8 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       int dtype, void *out, int64_t o_tok, int64_t o_head, int threads,
                       const void *k_new, int64_t k_tok, int64_t k_head,
                       const void *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap,
-                      int cache_dtype, const uint16_t *k_scale, const uint16_t *v_scale) {
+                      int cache_dtype, const uint16_t *k_scale, const uint16_t *v_scale, uint16_t k_static,
+                      uint16_t v_static) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
     const int64_t celem = cache_dtype == DTYPE_F32 ? 4 : (cache_dtype == DTYPE_BF16 ? 2 : 1);
     /* a work item is one sequence with all its KV heads (each block read once, whole); with fewer
@@ -435,9 +501,9 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
             .slopes = slopes, .softcap = softcap, .out = (char *)out + s * o_tok * elem, .o_head = o_head * elem,
             .k_scale = k_scale, .v_scale = v_scale, .num_kv_heads = num_kv_heads,
         };
-        if (slots != NULL && (cache_dtype == dtype || cache_dtype == CACHE_I8))   /* not fp8: store_kv does it */
+        if (slots != NULL)
             store_new(&a, s, (const char *)k_new, k_tok * elem, k_head * elem, (const char *)v_new,
-                      v_tok * elem, v_head * elem, slots, elem, dtype, cache_dtype);
+                      v_tok * elem, v_head * elem, slots, elem, dtype, cache_dtype, k_static, v_static);
         /* constant dtypes and head_dim / 16 at the common call sites: the compiler specialises them */
 #define DECODE_ITEM(DT, CDT) do { \
             if (head_dim == 64) decode_item(&a, DT, CDT, 4); \

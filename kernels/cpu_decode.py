@@ -26,14 +26,14 @@ _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _INT64, _INT64, _PTR, _PTR, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64,
              _INT64, _INT64, _PTR, _INT64, _PTR, ctypes.c_float, _PTR, _INT64, ctypes.c_int, _PTR, _INT64,
              _INT64, ctypes.c_int, _PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, ctypes.c_float, ctypes.c_int,
-             _PTR, _PTR]
+             _PTR, _PTR, ctypes.c_uint16, ctypes.c_uint16]
 
 
 def _declare(library: ctypes.CDLL) -> None:
     library.paged_decode_cpu.argtypes = _ARGTYPES
     library.paged_decode_cpu.restype = None
-    library.stores_int8_rows.argtypes = []
-    library.stores_int8_rows.restype = ctypes.c_int
+    library.stores_8bit_rows.argtypes = []
+    library.stores_8bit_rows.restype = ctypes.c_int
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,18 +42,26 @@ def _library() -> ctypes.CDLL | None:
 
 
 def stores_rows_into(k_cache: torch.Tensor) -> bool:
-    """True when the kernel's ``new_kv`` can write into this cache: one in q's dtype, or int8 rows (quantized
-    in C exactly as ``kv_quant.quantize_rows``; the build needs F16C for the float16 scale). float8 rows are
-    stored by ``store_kv``."""
-    if k_cache.dtype == torch.int8:
-        return _stores_int8_rows()
+    """True when the kernel's ``new_kv`` can write into this cache: one in q's dtype, or 8-bit rows (int8 or
+    float8, quantized in C exactly as ``kv_quant.quantize_rows``; the build needs F16C for the float16 scale)."""
+    if k_cache.dtype in (torch.int8, torch.float8_e4m3fn):
+        return _stores_8bit_rows()
     return k_cache.dtype in DTYPE_CODES
 
 
 @functools.lru_cache(maxsize=1)
-def _stores_int8_rows() -> bool:
+def _stores_8bit_rows() -> bool:
     """Asked once (a ctypes call per layer and step would be on the decode hot path)."""
-    return available() and bool(_library().stores_int8_rows())
+    return available() and bool(_library().stores_8bit_rows())
+
+
+def static_scale_bits(static_scales) -> tuple[int, int]:
+    """A checkpoint's (k, v) KV scales (``kv_quant.static_scale`` values) as the kernel takes them: float16
+    bits, (0, 0) for none (each row's own scale)."""
+    if static_scales is None:
+        return 0, 0
+    bits = torch.tensor(static_scales, dtype=torch.float16).view(torch.int16).tolist()
+    return bits[0] & 0xFFFF, bits[1] & 0xFFFF
 
 
 def available() -> bool:
@@ -78,7 +86,8 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-                     sliding_window=None, out=None, new_kv=None, logit_softcap=None, k_scale=None, v_scale=None):
+                     sliding_window=None, out=None, new_kv=None, logit_softcap=None, k_scale=None, v_scale=None,
+                     static_scales=None):
     """``paged_decode_reference``'s contract through the C kernel (arguments already validated).
 
     q [S, Hq, D] (head_dim contiguous); k/v_cache [NB, bs, Hkv, D]; block_tables [S, max_blocks] int32;
@@ -86,11 +95,13 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
     slot_mapping [S] int32 or int64): each sequence's new token, stored into the caches first (``store_kv``'s
     contract for a decode step, slot < 0 skipped), by the same call. ``logit_softcap``: Gemma 2's soft-capping
     of the scaled scores. ``k_scale`` / ``v_scale`` [NB, bs, Hkv] float16, contiguous: an 8-bit cache's row
-    scales (``kv_quant``); ``new_kv`` is then refused (the rows are quantized by ``store_kv`` first).
+    scales (``kv_quant``), into which ``new_kv``'s rows are quantized; ``static_scales``: a float8 cache's
+    checkpoint scales (``kv_quant``) for them.
     """
-    if new_kv is not None and k_cache.dtype != q.dtype and not (k_cache.dtype == torch.int8 and k_scale is not None
+    quantized = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    if new_kv is not None and k_cache.dtype != q.dtype and not (quantized and k_scale is not None
                                                                  and stores_rows_into(k_cache)):
-        raise ValueError("new_kv: the decode kernel writes a cache in q's dtype or int8 rows (with their scales)")
+        raise ValueError("new_kv: the decode kernel writes a cache in q's dtype or 8-bit rows (with their scales)")
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     group = num_q_heads // num_kv_heads
@@ -112,7 +123,8 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
         None if slopes is None else slopes.data_ptr(), int(sliding_window or 0), DTYPE_CODES[q.dtype],
         result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads(), *_new_kv_args(new_kv, k_cache),
         float(logit_softcap or 0.0), CACHE_CODES[k_cache.dtype],
-        None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr())
+        None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
+        *static_scale_bits(static_scales))
     if out is None:
         return result
     out.copy_(result)
@@ -125,7 +137,8 @@ def _new_kv_args(new_kv, k_cache) -> tuple:
     if new_kv is None:
         return None, 0, 0, None, 0, 0, None
     key, value, slots = new_kv
-    want = key.dtype if k_cache.dtype == torch.int8 else k_cache.dtype     # int8: rows quantized from q's dtype
+    quantized = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    want = key.dtype if quantized else k_cache.dtype                       # 8-bit: rows quantized from q's dtype
     if key.stride(2) != 1 or value.stride(2) != 1 or key.dtype != want or value.dtype != want:
         raise ValueError("new_kv: key and value must have the cache's dtype and a contiguous head_dim")
     if slots.dtype != torch.int32 or not slots.is_contiguous():

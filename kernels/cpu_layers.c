@@ -35,7 +35,7 @@ typedef void (*decode_fn)(const void *q, int64_t q_tok, int64_t q_head, const vo
                           const float *slopes, int64_t window, int dtype, void *out, int64_t o_tok, int64_t o_head,
                           int threads, const void *k_new, int64_t k_tok, int64_t k_head, const void *v_new,
                           int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap, int cache_dtype,
-                          const uint16_t *k_scale, const uint16_t *v_scale);
+                          const uint16_t *k_scale, const uint16_t *v_scale, uint16_t k_static, uint16_t v_static);
 
 struct kernel_table {            /* the other libraries' functions (cpu_layers.py fills it once) */
     gemm_fn gemm;
@@ -48,16 +48,17 @@ struct kernel_table {            /* the other libraries' functions (cpu_layers.p
 struct layer_args {              /* one layer: tile-packed weights, optional qkv bias, norms, its caches */
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *gate_up, *down;
-    void *k_cache, *v_cache;     /* [num_blocks, block_size, Hkv, D], the step's dtype or int8 rows */
-    const uint16_t *k_scale, *v_scale;   /* int8 rows: their float16 scales [num_blocks, block_size, Hkv]; else NULL */
+    void *k_cache, *v_cache;     /* [num_blocks, block_size, Hkv, D], the step's dtype or 8-bit rows */
+    const uint16_t *k_scale, *v_scale;   /* 8-bit rows: their float16 scales [num_blocks, block_size, Hkv]; else NULL */
     int64_t window;              /* sliding window (0: none) */
     float scale;
+    uint16_t k_static, v_static; /* a float8 cache's checkpoint scales, float16 bits (0: each row its own) */
 };
 
 struct step_args {
     int64_t rows, hidden, num_heads, num_kv_heads, head_dim, inter;
     float eps;
-    int dtype, threads, cache_dtype;   /* cache_dtype: cpu_decode.CACHE_CODES (the step's dtype or 2 = int8) */
+    int dtype, threads, cache_dtype;   /* cache_dtype: cpu_decode.CACHE_CODES (the step's dtype, 2 = int8, 3 = fp8) */
     int64_t num_blocks, block_size, c_block, c_tok, c_head;   /* cache geometry (element strides) */
     const int32_t *block_tables, *seq_lens, *slots;
     int64_t bt_row;
@@ -89,7 +90,7 @@ void decode_layers(const struct kernel_table *k, const struct layer_args *layers
                   l->window, dt, s->attn, Hq * D, D, th,
                   (const char *)s->qk + Hq * D * elem, qk_width, D,
                   (const char *)s->qkv + qk_width * elem, qkv_width, D, s->slots, 0.0f, s->cache_dtype,
-                  l->k_scale, l->v_scale);
+                  l->k_scale, l->v_scale, l->k_static, l->v_static);
         k->gemm(s->attn, Hq * D, rows, Hq * D, l->o, H, NULL, s->o, H, dt, th);
         k->norm(s->o, H, residual, H, l->post_norm, s->normed, H, spare, H, rows, H, s->eps, dt, th);
         { char *t = residual; residual = spare; spare = t; }

@@ -30,7 +30,7 @@ class KernelTable(ctypes.Structure):
 class LayerArgs(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("gate_up", _P),
                 ("down", _P), ("k_cache", _P), ("v_cache", _P), ("k_scale", _P), ("v_scale", _P), ("window", _I64),
-                ("scale", _F32)]
+                ("scale", _F32), ("k_static", ctypes.c_uint16), ("v_static", ctypes.c_uint16)]
 
 
 class StepArgs(ctypes.Structure):

@@ -42,6 +42,8 @@ def test_the_peer_runs_at_its_defaults_and_the_tuned_peer_only_on_request():
     assert "--dtype" not in in_ingress.command                      # pagedray's default: dtype auto
     (kv8,) = system_specs(["pagedray-tp1-kv8"], "/models/m", 18000, args)
     assert kv8.command[-2:] == ["--kv-cache-dtype", "int8"]
+    (kvfp8,) = system_specs(["pagedray-tp1-kvfp8"], "/models/m", 18000, args)
+    assert kvfp8.command[-2:] == ["--kv-cache-dtype", "fp8_e4m3"]
     bf16, fp32 = system_specs(["pagedray-tp1-bf16", "pagedray-tp1-fp32"], "/models/m", 18000, args)
     assert bf16.command[bf16.command.index("--dtype") + 1] == "bfloat16"
     assert fp32.command[fp32.command.index("--dtype") + 1] == "float32"

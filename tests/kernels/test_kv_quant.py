@@ -303,36 +303,44 @@ def test_store_and_attend_in_one_call_equals_the_two_calls_with_8bit():
     assert torch.equal(results[0][2], results[1][2])
 
 
+@pytest.mark.parametrize("cache_dtype, static", [(INT8, None), (FP8, None), (FP8, (0.037, 0.2))],
+                         ids=["int8", "fp8", "fp8-checkpoint-scales"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_the_c_kernel_quantizes_new_int8_rows_as_torch_does(dtype):
-    """A CPU decode step into an int8 cache quantizes each sequence's new rows inside the C call: the same
+def test_the_c_kernel_quantizes_new_8bit_rows_as_torch_does(dtype, cache_dtype, static):
+    """A CPU decode step into an 8-bit cache quantizes each sequence's new rows inside the C call: the same
     codes and scales, bit for bit, as ``store_kv``'s torch quantizer, over rows from 1e-3 to 1e3 in magnitude,
-    an all-zero row and one whose scale overflows float16."""
-    if not cpu_decode.available() or not cpu_decode.stores_rows_into(torch.zeros(1, dtype=INT8)):
-        pytest.skip("the C kernel cannot quantize int8 rows on this machine")
+    an all-zero row and one whose scale overflows float16 (float8: every e4m3 rounding case, subnormals and
+    ties to even included, and with a checkpoint's scales the saturated rows)."""
+    if not cpu_decode.available() or not cpu_decode.stores_rows_into(torch.zeros(1, dtype=cache_dtype)):
+        pytest.skip("the C kernel cannot quantize 8-bit rows on this machine")
     gen = torch.Generator().manual_seed(15)
     n, bs = 40, 8
     key = _rows(gen, n * 2, 64).view(n, 2, 64)
-    key[3, 1] = 1e7                                                     # max / 127 beyond float16: scale 65504
+    key[3, 1] = 1e8                                                     # max / QMAX beyond float16: scale 65504
+    key[5, 0] = torch.tensor([(m / 8) * 2.0 ** e for e in range(-9, -5) for m in range(16)], dtype=torch.float32)
     key, value = key.to(dtype), (torch.randn(n, 2, 64, generator=gen) * 5).to(dtype)
     q = torch.randn(n, 4, 64, generator=gen).to(dtype)
     tables = torch.arange(n, dtype=torch.int32).view(n, 1)
     lens = torch.full((n,), 3, dtype=torch.int32)
     slots = (tables[:, 0] * bs + 2).to(torch.int32)
     cu = torch.arange(n + 1, dtype=torch.int32)
+    static = None if static is None else tuple(static_scale(s) for s in static)
     results = []
     for one_call in (True, False):
-        k8, v8 = torch.zeros(n, bs, 2, 64, dtype=INT8), torch.zeros(n, bs, 2, 64, dtype=INT8)
+        k8, v8 = torch.zeros(n, bs, 2, 64, dtype=cache_dtype), torch.zeros(n, bs, 2, 64, dtype=cache_dtype)
         ks, vs = torch.zeros(n, bs, 2, dtype=torch.float16), torch.zeros(n, bs, 2, dtype=torch.float16)
         if one_call:
             kernels.store_kv_and_attend(q, key, value, k8, v8, slots, cu, lens, tables, 0.125, max_query_len=1,
-                                        k_scale=ks, v_scale=vs)
+                                        k_scale=ks, v_scale=vs, static_scales=static)
         else:
-            kernels.store_kv(key, value, k8, v8, slots, k_scale=ks, v_scale=vs)
-        results.append((k8, v8, ks, vs))
+            kernels.store_kv(key, value, k8, v8, slots, k_scale=ks, v_scale=vs, static_scales=static)
+        results.append((k8.view(torch.uint8), v8.view(torch.uint8), ks, vs))
     for c, t in zip(*results):
         assert torch.equal(c, t)
-    assert results[0][2][3, 2, 1].item() == 65504.0 and results[0][2].min() >= 0
+    if static is None:
+        assert results[0][2][3, 2, 1].item() == 65504.0 and results[0][2].min() >= 0
+    else:
+        assert (results[0][2][:, 2] == static[0]).all() and (results[0][3][:, 2] == static[1]).all()
 
 
 def test_copy_on_write_copies_the_scales_with_the_codes():

@@ -86,13 +86,23 @@ def test_families_outside_the_path_keep_the_layer_loop(kind, tiny_model_path):
 
 
 @needs_layers
-def test_an_int8_cache_takes_the_one_call_and_a_float8_one_the_layer_loop(tiny_model_path):
-    """int8 rows are quantized by the decode kernel as it stores them, on both paths alike: bit for bit
-    equal; float8 rows are stored by torch, so a float8 cache keeps the layer loop."""
+@pytest.mark.parametrize("kv_cache_dtype, scaled", [("int8", False), ("fp8_e4m3", False), ("fp8_e4m3", True)],
+                         ids=["int8", "fp8", "fp8-checkpoint-scales"])
+def test_an_8bit_cache_takes_the_one_call(kv_cache_dtype, scaled, tiny_model_path, tmp_path):
+    """8-bit rows are quantized by the decode kernel as it stores them, on both paths alike (a float8 cache
+    with the checkpoint's per-layer scales where it has them): every step's logits bit for bit equal."""
     path = tiny_model_path("llama")
-    eager_tokens, eager_logits, _, _ = _run(path, True, "float32", kv_cache_dtype="int8")
-    tokens, logits, calls, _ = _run(path, False, "float32", kv_cache_dtype="int8")
+    if scaled:
+        from pagedray.kernels.kv_quant import static_scale
+        from test_checkpoint_kv_scales import _with_scales
+
+        scales = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.03 * (i + 1)) for i in range(2)
+                  for kv in ("k", "v")}
+        path = _with_scales(path, tmp_path / "model", scales)
+    eager_tokens, eager_logits, _, _ = _run(path, True, "float32", kv_cache_dtype=kv_cache_dtype)
+    tokens, logits, calls, worker = _run(path, False, "float32", kv_cache_dtype=kv_cache_dtype)
     assert tokens == eager_tokens and len(calls) >= 12
     assert all(g is None and w is None or torch.equal(g, w) for g, w in zip(logits, eager_logits))
-    _, _, calls, worker = _run(path, False, "float32", kv_cache_dtype="fp8_e4m3")
-    assert worker.model.cpu_decode is not None and calls == []
+    if scaled:
+        written = worker.runner.kv_cache.scales[0, 0].flatten()
+        assert written.gt(0).sum() > 50 and (written[written > 0].float() == static_scale(0.03)).all()

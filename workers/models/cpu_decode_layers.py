@@ -11,7 +11,7 @@ docs/design/workers.md).
 Qualifies (checked once, when the weights are packed): CPU, TP = 1, float32 / bfloat16 with the C
 libraries built, every layer a ``DecoderLayer`` with a SiLU MLP (no experts), no q/k norm, no attention
 soft-capping, no bias but the qkv projection's, every linear weight tile-packed for ``cpu_gemm``, and the
-model's own ``forward`` (Gemma's differs). Per step: a KV cache in the model's dtype or of int8 rows (not
+model's own ``forward`` (Gemma's differs). Per step: a KV cache in the model's dtype or of 8-bit rows (int8 or
 float8) and a block size the decode kernel takes. ``enforce_eager`` turns the path off (the layer-by-layer
 path, whose modules forward hooks can see, as CUDA's eager steps).
 """
@@ -48,9 +48,9 @@ class CpuDecodeLayers:
 
     def _prepare(self, kv_cache: KVCache, dtype: torch.dtype) -> ctypes.Array | None:
         """One ``LayerArgs`` per layer, or None for a cache this path cannot use; decided and built once per
-        cache (a new cache tensor is a new key). Usable: a cache in the model's dtype, or of int8 rows that
+        cache (a new cache tensor is a new key). Usable: a cache in the model's dtype, or of 8-bit rows that
         the decode kernel quantizes as it stores them (as the layer loop's ``store_kv_and_attend`` then does
-        too; float8 rows are stored by torch), in a layout the decode kernel takes."""
+        too, with a layer's checkpoint scales for float8), in a layout the decode kernel takes."""
         data, scales = kv_cache.data, kv_cache.scales
         key = (data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.dtype, dtype,
                None if scales is None else (scales.data_ptr(), tuple(scales.shape), tuple(scales.stride())))
@@ -59,7 +59,8 @@ class CpuDecodeLayers:
         if data.dtype == dtype:
             usable = scales is None
         else:
-            usable = data.dtype == torch.int8 and scales is not None and cpu_decode.stores_rows_into(data[0, 0])
+            usable = (data.dtype in (torch.int8, torch.float8_e4m3fn) and scales is not None
+                      and cpu_decode.stores_rows_into(data[0, 0]))
         usable = usable and cpu_decode.supports(torch.empty((1, self.num_heads, self.head_dim), dtype=dtype),
                                                 data[0, 0])
         self._layers, self._cache_key = (self._layer_args(kv_cache) if usable else None), key
@@ -77,7 +78,9 @@ class CpuDecodeLayers:
                 mlp.down_proj.packed_weight.data.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
                 None if kv.k_scale is None else kv.k_scale.data_ptr(),
                 None if kv.v_scale is None else kv.v_scale.data_ptr(),
-                int(attn.attn.sliding_window or 0), float(attn.attn.scale))
+                int(attn.attn.sliding_window or 0), float(attn.attn.scale),
+                *cpu_decode.static_scale_bits(attn.attn.checkpoint_kv_scales if kv.k.dtype == torch.float8_e4m3fn
+                                              else None))
         return array
 
     def run(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: KVCache, meta: AttentionMetadata
