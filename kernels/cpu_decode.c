@@ -338,12 +338,12 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
 static inline uint16_t float_to_half(float x) { return (uint16_t)_cvtss_sh(x, 0); }
 #endif
 
-/* One row (head_dim values of q's dtype at src) quantized to int8 as kv_quant.quantize_rows does: scale =
- * clamp(float16(max |x| / 127), 2^-24, 65504), code = clamp(floor(x / scale + 0.5), -127, 127); the scale's
- * float16 bits to *scale_bits. IEEE float32 division and addition (no -ffast-math): the same codes. */
-static inline void quantize_row_i8(const char *src, int dtype, int64_t D, int8_t *dst, uint16_t *scale_bits) {
 #if defined(__F16C__)
-    float x[256];
+/* One row (head_dim values of q's dtype at src) as float32 into x -> the float16 bits of its scale as
+ * kv_quant.quantize_rows computes it: clamp(float16(max |x| / qmax), 2^-24, 65504), or static_bits (a
+ * checkpoint's scale) when not 0. IEEE float32 division (no -ffast-math): the same scales as torch. */
+static inline uint16_t load_row_scale(const char *src, int dtype, int64_t D, float *x, float qmax,
+                                      uint16_t static_bits) {
     float amax = 0.0f;
     for (int64_t i = 0; i < D; i++) {
         if (dtype == DTYPE_F32) {
@@ -354,9 +354,19 @@ static inline void quantize_row_i8(const char *src, int dtype, int64_t D, int8_t
         }
         amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     }
-    uint16_t h = float_to_half(amax / 127.0f);
+    if (static_bits != 0) return static_bits;
+    uint16_t h = float_to_half(amax / qmax);
     h = (h & 0x7fffu) > 0x7bffu ? 0x7bffu : h;       /* inf (or beyond 65504) -> 65504 */
-    h = (h & 0x7fffu) == 0 ? 0x0001u : h;             /* 0 -> 2^-24 */
+    return (h & 0x7fffu) == 0 ? 0x0001u : h;          /* 0 -> 2^-24 */
+}
+#endif
+
+/* One row quantized to int8 as kv_quant.quantize_rows does: code = clamp(floor(x / scale + 0.5), -127, 127);
+ * the scale's float16 bits to *scale_bits. IEEE float32 division and addition: the same codes. */
+static inline void quantize_row_i8(const char *src, int dtype, int64_t D, int8_t *dst, uint16_t *scale_bits) {
+#if defined(__F16C__)
+    float x[256];
+    const uint16_t h = load_row_scale(src, dtype, D, x, 127.0f, 0);
     const float scale = half_to_float(h);
     for (int64_t i = 0; i < D; i++) {
         float q = floorf(x[i] / scale + 0.5f);
@@ -392,29 +402,14 @@ static inline uint8_t float_to_e4m3(float x) {
     return result | (uint8_t)(sign >> 24);
 }
 
-/* One row quantized to float8 e4m3fn as kv_quant.quantize_rows does: scale = clamp(float16(max |x| / 448),
- * 2^-24, 65504), or the checkpoint's (static_bits, float16 bits; 0: none); code = e4m3(clamp(x / scale,
- * -448, 448)); the scale's float16 bits to *scale_bits. */
+/* One row quantized to float8 e4m3fn as kv_quant.quantize_rows does: scale as load_row_scale's (qmax 448, or
+ * the checkpoint's: static_bits, 0 for none), code = e4m3(clamp(x / scale, -448, 448)); the scale's float16
+ * bits to *scale_bits. */
 static inline void quantize_row_fp8(const char *src, int dtype, int64_t D, uint8_t *dst, uint16_t *scale_bits,
                                     uint16_t static_bits) {
 #if defined(__F16C__)
     float x[256];
-    float amax = 0.0f;
-    for (int64_t i = 0; i < D; i++) {
-        if (dtype == DTYPE_F32) {
-            x[i] = ((const float *)src)[i];
-        } else {
-            const union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)src)[i] << 16};
-            x[i] = v.f;
-        }
-        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    }
-    uint16_t h = static_bits;
-    if (h == 0) {
-        h = float_to_half(amax / 448.0f);
-        h = (h & 0x7fffu) > 0x7bffu ? 0x7bffu : h;     /* inf (or beyond 65504) -> 65504 */
-        h = (h & 0x7fffu) == 0 ? 0x0001u : h;           /* 0 -> 2^-24 */
-    }
+    const uint16_t h = load_row_scale(src, dtype, D, x, 448.0f, static_bits);
     const float scale = half_to_float(h);
     for (int64_t i = 0; i < D; i++) {
         float y = x[i] / scale;
