@@ -55,9 +55,10 @@ def _stores_8bit_rows() -> bool:
     return available() and bool(_library().stores_8bit_rows())
 
 
+@functools.lru_cache(maxsize=None)
 def static_scale_bits(static_scales) -> tuple[int, int]:
     """A checkpoint's (k, v) KV scales (``kv_quant.static_scale`` values) as the kernel takes them: float16
-    bits, (0, 0) for none (each row's own scale)."""
+    bits, (0, 0) for none (each row's own scale). Cached: a layer's pair is asked for on every decode call."""
     if static_scales is None:
         return 0, 0
     bits = torch.tensor(static_scales, dtype=torch.float16).view(torch.int16).tolist()
