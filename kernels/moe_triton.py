@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .quant_gemm import PackedExperts
-from .quant_gemm_triton import _dequantize, _group_params, _word_tile
+from .quant_gemm_triton import _dequantize, _group_params, _unpack_in_order, _word_tile
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -99,9 +99,12 @@ def _grouped_packed_gemm_kernel(a_ptr, qw_ptr, zeros_ptr, scales_ptr, gidx_ptr, 
                                 stride_ze, stride_zg, stride_se, stride_sg, stride_out,
                                 BITS: tl.constexpr, FLOAT8: tl.constexpr, GROUPED: tl.constexpr,
                                 A_BY_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+                                WIDE: tl.constexpr, LOG2_PER_WORD: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     """``_grouped_gemm_kernel`` over packed experts: K slices of BLOCK_KW word rows (BLOCK_KW * 32 / BITS
-    weight rows); with ``GROUPED`` a slice lies in one group (one row of zero points and scales)."""
+    weight rows); with ``GROUPED`` a slice lies in one group (one row of zero points and scales). With
+    ``WIDE`` a slice is unpacked in row order and multiplied in one ``tl.dot`` (large row blocks), else one
+    ``tl.dot`` per position in the word (x's columns strided by PER_WORD)."""
     PER_WORD: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     block = tl.program_id(0)
@@ -119,25 +122,45 @@ def _grouped_packed_gemm_kernel(a_ptr, qw_ptr, zeros_ptr, scales_ptr, gidx_ptr, 
         k0 = s * BLOCK_KW * PER_WORD
         rw = s * BLOCK_KW + tl.arange(0, BLOCK_KW)                                  # [BLOCK_KW] word rows
         words = _word_tile(qw, rw, cols, k_in // PER_WORD, n_mask, stride_qk)      # [BLOCK_KW, BLOCK_N]
-        if GROUPED:
-            zeros, scales = _group_params(zp, sp, gidx_ptr, rw, cols, k0, group_size, rw >= 0, n_mask, stride_zg,
-                                          stride_sg, GROUPED)
-        for j in tl.static_range(PER_WORD):
-            rk = rw * PER_WORD + j                                                  # [BLOCK_KW] weight rows
+        if WIDE:
+            rk = k0 + tl.arange(0, BLOCK_KW * PER_WORD)                              # [BLOCK_K] weight rows
             k_mask = rk < k_in
-            if not GROUPED:
-                zeros, scales = _group_params(zp, sp, gidx_ptr, rk, cols, k0, group_size, k_mask, n_mask, stride_zg,
-                                              stride_sg, GROUPED)
+            zeros, scales = _group_params(zp, sp, gidx_ptr, rk, cols, k0, group_size, k_mask, n_mask, stride_zg,
+                                          stride_sg, GROUPED)
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + rk[None, :], mask=real[:, None] & k_mask[None, :],
-                        other=0.0)                                                  # [BLOCK_M, BLOCK_KW]
-            w = _dequantize((words >> (j * BITS)) & MASK, zeros, scales, FLOAT8).to(a_ptr.dtype.element_ty)
-            acc = _dot_add(acc, a, w, IEEE)
+                        other=0.0)                                                  # [BLOCK_M, BLOCK_K]
+            codes = _unpack_in_order(words, BITS, LOG2_PER_WORD)                    # [BLOCK_K, BLOCK_N]
+            acc = _dot_add(acc, a, _dequantize(codes, zeros, scales, FLOAT8).to(a_ptr.dtype.element_ty), IEEE)
+        else:
+            if GROUPED:
+                zeros, scales = _group_params(zp, sp, gidx_ptr, rw, cols, k0, group_size, rw >= 0, n_mask, stride_zg,
+                                              stride_sg, GROUPED)
+            for j in tl.static_range(PER_WORD):
+                rk = rw * PER_WORD + j                                                  # [BLOCK_KW] weight rows
+                k_mask = rk < k_in
+                if not GROUPED:
+                    zeros, scales = _group_params(zp, sp, gidx_ptr, rk, cols, k0, group_size, k_mask, n_mask, stride_zg,
+                                                  stride_sg, GROUPED)
+                a = tl.load(a_ptr + a_rows[:, None] * stride_a + rk[None, :], mask=real[:, None] & k_mask[None, :],
+                            other=0.0)                                                  # [BLOCK_M, BLOCK_KW]
+                w = _dequantize((words >> (j * BITS)) & MASK, zeros, scales, FLOAT8).to(a_ptr.dtype.element_ty)
+                acc = _dot_add(acc, a, w, IEEE)
     _store_rows(acc, out_ptr, weight_ptr, rows, real, cols, n_mask, stride_out, MUL_WEIGHT)
 
 
-def moe_config(tokens: int) -> dict:
-    """Row blocks of 16 at decode sizes, 64 for long prefill steps."""
-    return dict(BLOCK_M=16 if tokens <= 64 else 64, BLOCK_N=64, BLOCK_K=32)
+def moe_config(tokens: int, packed: bool = False) -> dict:
+    """Row blocks of 16 at decode sizes, 64 for long prefill steps. Packed experts (H200 sweep, docs/gpu.md):
+    up to 16 tokens one product per position in the word over 64 columns (at one token the wide form over
+    128 columns took 0.73 ms against 0.53); above, slices unpacked in row order (``WIDE``) over 128 columns
+    (256 to 4,095 tokens: 1.0-1.3x bf16 where the per-position form ran 0.26-0.48x), and row blocks of 128
+    with 8 warps from 4,096 tokens."""
+    if not packed:
+        return dict(BLOCK_M=16 if tokens <= 64 else 64, BLOCK_N=64, BLOCK_K=32)
+    if tokens <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, WIDE=False)
+    if tokens >= 4096:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, WIDE=True)
+    return dict(BLOCK_M=16 if tokens <= 64 else 64, BLOCK_N=128, BLOCK_K=32, num_warps=4, WIDE=True)
 
 
 def _grouped_gemm(a, w, out, weights, sorted_rows, block_experts, top_k, a_by_token, cfg) -> None:
@@ -151,11 +174,13 @@ def _grouped_gemm(a, w, out, weights, sorted_rows, block_experts, top_k, a_by_to
             k_in, top_k, w.group_size, a.stride(0), w.qweight.stride(0), w.qweight.stride(1), w.zeros.stride(0),
             w.zeros.stride(1), w.scales.stride(0), w.scales.stride(1), out.stride(0), BITS=w.bits, FLOAT8=w.float8,
             GROUPED=grouped, A_BY_TOKEN=a_by_token, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=block_kw)
+            WIDE=cfg["WIDE"], LOG2_PER_WORD=(32 // w.bits).bit_length() - 1,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=block_kw, num_warps=cfg["num_warps"])
         return
     _grouped_gemm_kernel[grid](a, w, out, weights, sorted_rows, block_experts, out.shape[0], n_out, k_in, top_k,
                                a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_BY_TOKEN=a_by_token,
-                               MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32, **cfg)
+                               MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32,
+                               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
 
 
 def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
@@ -164,7 +189,7 @@ def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
     down(silu(gate) * up) (``fused_reference.fused_moe_reference``)."""
     tokens, top_k = topk_ids.shape
     num_experts, two_inter, _ = gate_up.shape
-    cfg = moe_config(tokens)
+    cfg = moe_config(tokens, packed=isinstance(gate_up, PackedExperts))
     sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
     routed = torch.empty((tokens * top_k, two_inter), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, routed, None, sorted_rows, block_experts, top_k, True, cfg)

@@ -45,6 +45,19 @@ def _word_tile(qw_ptr, rw, rn, num_words, n_mask, stride_qk):
 
 
 @triton.jit
+def _unpack_in_order(words, BITS: tl.constexpr, LOG2_PER_WORD: tl.constexpr):
+    """Words [BLOCK_KW, BLOCK_N] -> codes int32 [BLOCK_KW * PER_WORD, BLOCK_N] in weight-row order (row
+    ``word * PER_WORD + j`` is bits ``[j * BITS, (j + 1) * BITS)`` of its word): each word repeated PER_WORD
+    times by interleaving it with itself, then shifted by its position, so one ``tl.dot`` covers the slice."""
+    rep = tl.trans(words)                                                        # [BLOCK_N, BLOCK_KW]
+    for _ in tl.static_range(LOG2_PER_WORD):
+        rep = tl.interleave(rep, rep)                                            # each word twice, in place
+    rep = tl.trans(rep)                                                          # [BLOCK_KW * PER_WORD, BLOCK_N]
+    shifts = (tl.arange(0, rep.shape[0]) % (32 // BITS)) * BITS
+    return (rep >> shifts[:, None]) & ((1 << BITS) - 1)
+
+
+@triton.jit
 def _e4m3_to_f32(codes):
     """int32 codes in [0, 256), float8 e4m3fn bit patterns -> their values as float32, exactly: the sign and
     the 7 exponent / mantissa bits placed into a float16 (exponent bias 15 against e4m3's 7) times 2^8, which

@@ -11,6 +11,7 @@ import torch
 from helpers.paged_kv_cases import kernel_device, seed_of
 from helpers.quantized_checkpoints import pack_words
 from pagedray import kernels
+from pagedray.kernels import moe_triton
 from pagedray.kernels.quant_gemm import PackedExperts
 
 
@@ -44,7 +45,13 @@ def _packed(experts: int, n: int, k: int, bits: int, group: int, float8: bool, g
     (8, 64, True, 64, 32),           # float8 codes, per-channel-like groups
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_packed_experts_match_the_loop_on_their_dequantized_weights(bits, group, float8, hidden, inter, dtype):
+@pytest.mark.parametrize("wide", [False, True])
+def test_packed_experts_match_the_loop_on_their_dequantized_weights(bits, group, float8, hidden, inter, dtype, wide,
+                                                                     monkeypatch):
+    """``wide``: each K slice unpacked in row order for one product (the large-row-block form), else one
+    product per position in the word."""
+    config = moe_triton.moe_config
+    monkeypatch.setattr(moe_triton, "moe_config", lambda tokens, packed: {**config(tokens, packed), "WIDE": wide})
     gen = torch.Generator().manual_seed(seed_of("moe-packed", bits, group, float8, str(dtype)))
     experts, tokens, top_k = 5, 11, 2
     gate_up, gate_up_dense = _packed(experts, 2 * inter, hidden, bits, min(group, hidden), float8, gen)
