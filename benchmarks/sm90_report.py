@@ -133,7 +133,7 @@ def variants() -> dict[str, tuple]:
                       IEEE=data_type == "fp32", HAS_SOFTCAP=split, QUANT=False, **cfg)   # split also soft-caps
         name = f"decode {data_type}" + (" split+alibi+window" if split else "")
         out[name] = (decode_triton._decode_kernel, data_type, consts, options)
-    cfg, options = _launch_options(decode_triton.decode_config(128, 4, quantized=True))
+    cfg, options = _launch_options(decode_triton.decode_config(128, 4, quantized=True, fast_codes=True))
     consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, SPLIT=False, IEEE=False, HAS_SOFTCAP=False,
                   QUANT=True, **cfg)
     out["decode bf16 over int8 KV"] = (decode_triton._decode_kernel, "bf16", consts, options, KV8)
@@ -190,11 +190,12 @@ def variants() -> dict[str, tuple]:
         consts, options = _launch_options(dict(A_BY_TOKEN=by_token, MUL_WEIGHT=mul, IEEE=False,
                                                **moe_triton.moe_config(256)))
         out[name] = (moe_triton._grouped_gemm_kernel, "bf16", consts, options)
-    cfg = moe_triton.moe_config(256)
-    consts = dict(BITS=4, FLOAT8=False, GROUPED=True, A_BY_TOKEN=True, MUL_WEIGHT=False, IEEE=False,
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=16)
-    out["fused moe gate_up packed 4-bit bf16"] = (moe_triton._grouped_packed_gemm_kernel, "bf16", consts,
-                                                  dict(num_warps=4), packed)
+    for tokens in (1, 256, 4096):             # the packed experts' three launch forms (moe_config)
+        cfg = moe_triton.moe_config(tokens, packed=True)
+        consts = dict(BITS=4, FLOAT8=False, GROUPED=True, A_BY_TOKEN=True, MUL_WEIGHT=False, IEEE=False,
+                      WIDE=cfg["WIDE"], LOG2_PER_WORD=3, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=16)
+        out[f"fused moe packed 4-bit bf16, {tokens} tok"] = (
+            moe_triton._grouped_packed_gemm_kernel, "bf16", consts, dict(num_warps=cfg["num_warps"]), packed)
     return out
 
 
@@ -212,16 +213,18 @@ def report_row(name: str, kernel, data_type: str, constexprs: dict, options: dic
         wide_loads=sum(n for op, n in ops.items() if op.startswith(("LDG", "LDGSTS")) and op.endswith(".128")),
         narrow_loads=sum(n for op, n in ops.items() if op.startswith(("LDG.", "LDGSTS.")) and not op.endswith(".128")),
         wide_stores=sum(n for op, n in ops.items() if op.startswith("STG") and op.endswith(".128")),
+        byte_shared_loads=sum(n for op, n in ops.items() if op in ("LDS.U8", "LDS.S8")),
     )
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'kernel (sm_90)':38} {'warps':>5} {'stages':>6} {'regs':>4} {'spill B':>7} {'smem KiB':>8} "
-          f"{'prog/SM':>7} {'HGMMA':>5} {'HMMA':>4} {'ld128':>5} {'ld<128':>6} {'st128':>5}")
+          f"{'prog/SM':>7} {'HGMMA':>5} {'HMMA':>4} {'ld128':>5} {'ld<128':>6} {'st128':>5} {'lds8':>4}")
     for r in rows:
         print(f"{r['name']:38} {r['num_warps']:>5} {str(r['num_stages'] or '-'):>6} {r['registers']:>4} "
               f"{r['local_bytes']:>7} {r['shared_bytes'] / 1024:>8.1f} {r['programs_per_sm']:>7} {r['hgmma']:>5} "
-              f"{r['hmma']:>4} {r['wide_loads']:>5} {r['narrow_loads']:>6} {r['wide_stores']:>5}")
+              f"{r['hmma']:>4} {r['wide_loads']:>5} {r['narrow_loads']:>6} {r['wide_stores']:>5} "
+              f"{r['byte_shared_loads']:>4}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

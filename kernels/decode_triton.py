@@ -27,6 +27,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
     IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    K_CVT: tl.constexpr = 0, V_CVT: tl.constexpr = 0,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,7 +64,8 @@ def _decode_kernel(
                                 v_cache_ptr + kv_head * stride_vh, table, q_pos, slope, end,
                                 stride_kb, stride_ks, stride_vb, stride_vs, 0, scale_log2, softcap, d, d_mask,
                                 k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
-                                BLOCK_SIZE, True, HAS_ALIBI, False, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N)
+                                BLOCK_SIZE, True, HAS_ALIBI, False, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
+                                K_CVT, V_CVT)
 
     if SPLIT:
         part = (seq * (group_size * tl.num_programs(1)) + heads) * num_splits + split   # [BLOCK_G]
@@ -117,14 +119,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return max(1, min(wanted, by_context, MAX_SPLITS))
 
 
-def decode_config(head_dim: int, group: int, quantized: bool = False) -> dict:
+def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes: bool = False) -> dict:
     """Launch constants of the decode kernel: ``BLOCK_G`` query-head rows (padded to 16 for ``tl.dot``),
     ``BLOCK_N`` keys per tile, ``BLOCK_D`` >= head_dim, warps and software-pipelining stages.
     (sm_90 bf16 at head_dim 128: 103 registers, 38 KB shared, 4 programs per SM; see ``benchmarks/sm90_report.py``.)
     An 8-bit cache (``quantized``) takes 32-key tiles in 3 stages: on an H100 at batch 64, 8k context that ran
-    1.37x the 64-key, 2-stage tiles (``benchmarks.kernel_sweep --cache-dtype int8``, docs/gpu.md)."""
-    return dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32 if quantized else 64,
-                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=3 if quantized else 2)
+    1.37x the 64-key, 2-stage tiles (``benchmarks.kernel_sweep --cache-dtype int8``, docs/gpu.md). With
+    ``fast_codes`` (CUDA, bf16 / fp16 queries) its codes are converted by ``tile_triton.codes_to``'s asm (K in
+    registers, V before its shared copy) in 128-key tiles, 2 stages: on an H200 at batch 64, 8k, fp8 0.56 ms
+    against 0.68 and int8 0.645 against 0.649 for the 32-key tiles with Triton's cast."""
+    cfg = dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32 if quantized else 64,
+               BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=3 if quantized else 2)
+    if quantized and fast_codes:
+        cfg.update(BLOCK_N=128, num_stages=2, K_CVT=1, V_CVT=2)
+    return cfg
 
 
 def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
@@ -150,7 +158,8 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(part_shape + ((head_dim,) if split else ()), dtype=torch.float32,
                            device=q.device)
-    cfg = {**decode_config(head_dim, group, k_scale is not None), **(config or {})}
+    fast_codes = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    cfg = {**decode_config(head_dim, group, k_scale is not None, fast_codes), **(config or {})}
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         alibi_slopes if alibi_slopes is not None else q, out, part_m, part_l, part_acc,

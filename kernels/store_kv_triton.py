@@ -55,7 +55,7 @@ def _store_kv_kernel(
     QUANT: tl.constexpr, QMAX_: tl.constexpr, SMIN: tl.constexpr, SMAX: tl.constexpr, STATIC: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)        # token * stride passes 2^31 in a call of > 2M tokens x 1,024
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         block = slot // block_size

@@ -16,11 +16,54 @@ scores, a value's scale its column of probabilities before ``p @ V``. Scaling th
 instead (dequantize first) ran at half the bf16 kernel's speed on an H200 (docs/gpu.md). With float16
 queries the scaled probabilities are divided by the tile's largest value scale, which then multiplies the
 tile's ``p @ V``: rows of small values (scales near float16's smallest) would otherwise round p x scale to
-float16 subnormals (bf16 has float32's range and needs no such step).
+float16 subnormals (bf16 has float32's range and needs no such step). ``K_CVT`` / ``V_CVT`` pick how the
+codes become the query's dtype (``codes_to``).
 """
 
 import triton
 import triton.language as tl
+
+# Exact 8-bit code -> 16-bit conversions, four codes (one 32-bit register of bytes) per asm instance, with
+# integer and add / multiply instructions instead of the conversion unit's (CUDA only; ``codes_to``).
+# int8 -> bf16: each byte + 128 (xor 0x80) goes under float32's 2^23 exponent, 2^23 + 128 is subtracted,
+# the high halves are kept (|code| <= 128 fits bf16's 8 bits).
+INT8_TO_BF16 = tl.constexpr(
+    "{ .reg .b32 t, m, f0, f1, f2, f3; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x4B000000; "
+    "prmt.b32 f0, t, m, 0x7540; prmt.b32 f1, t, m, 0x7541; prmt.b32 f2, t, m, 0x7542; prmt.b32 f3, t, m, 0x7543; "
+    "sub.f32 f0, f0, 0f4B000080; sub.f32 f1, f1, 0f4B000080; sub.f32 f2, f2, 0f4B000080; "
+    "sub.f32 f3, f3, 0f4B000080; prmt.b32 $0, f0, f1, 0x7632; prmt.b32 $1, f2, f3, 0x7632; }")
+# int8 -> fp16: each byte + 128 under float16's 1024 (high byte 0x64), minus 1152, two codes an instruction.
+INT8_TO_F16 = tl.constexpr(
+    "{ .reg .b32 t, m, c; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64646464; mov.b32 c, 0x64806480; "
+    "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }")
+# e4m3 -> bf16: sign, exponent and mantissa moved into bf16's fields (the value times 2^-120, subnormals
+# included), then times 2^120 (0x7B80). NaN codes (never stored: the quantizer saturates) are not kept.
+E4M3_TO_BF16 = tl.constexpr(
+    "{ .reg .b32 a, b, s, k; mov.b32 k, 0x7B807B80; prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424; "
+    "shr.b32 s, a, 4; and.b32 s, s, 0x07F007F0; and.b32 a, a, 0x80008000; or.b32 a, a, s; "
+    "shr.b32 s, b, 4; and.b32 s, s, 0x07F007F0; and.b32 b, b, 0x80008000; or.b32 b, b, s; "
+    "mul.rn.bf16x2 $0, a, k; mul.rn.bf16x2 $1, b, k; }")
+E4M3_TO_F16 = tl.constexpr(
+    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+
+
+@triton.jit
+def codes_to(codes, dtype: tl.constexpr, CVT: tl.constexpr):
+    """An 8-bit tile's codes (int8 or float8 e4m3) -> ``dtype`` (bf16 / fp16 / fp32), exactly. ``CVT`` 0:
+    Triton's cast; 1: the asm above as a pure op (Triton may move it after the tile's shared-memory copy
+    and convert in the dot operand's registers); 2: the asm as an opaque op it cannot move, so the copy
+    holds 16-bit values (``ldmatrix`` can then transpose V for ``p @ V``). 1 and 2: CUDA, bf16 / fp16."""
+    if CVT == 0:
+        out = codes.to(dtype)
+    elif dtype == tl.bfloat16:
+        out = tl.inline_asm_elementwise(INT8_TO_BF16 if codes.dtype == tl.int8 else E4M3_TO_BF16, "=r,=r,r",
+                                        [codes.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=CVT == 1,
+                                        pack=4)
+    else:
+        out = tl.inline_asm_elementwise(INT8_TO_F16 if codes.dtype == tl.int8 else E4M3_TO_F16, "=r,=r,r",
+                                        [codes.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=CVT == 1,
+                                        pack=4)
+    return out
 
 
 @triton.jit
@@ -28,7 +71,7 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
                  stride_kb, stride_ks, stride_vb, stride_vs, sliding_window, scale_log2, softcap,
                  d, d_mask, ks_base, vs_base, stride_sb, stride_ss, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 QUANT: tl.constexpr, BLOCK_N: tl.constexpr):
+                 QUANT: tl.constexpr, BLOCK_N: tl.constexpr, K_CVT: tl.constexpr = 0, V_CVT: tl.constexpr = 0):
     """One online-softmax step over key positions [n0, n0 + BLOCK_N) -> updated (m, l, acc)."""
     n = n0 + tl.arange(0, BLOCK_N)                                               # [BLOCK_N]
     n_mask = n < kv_end
@@ -38,7 +81,7 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
     k = tl.load(k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
                 mask=kv_mask, other=0.0)                                         # [BLOCK_N, BLOCK_D]
     if QUANT:
-        k = k.to(q.dtype)                                                        # codes, exact
+        k = codes_to(k, q.dtype, K_CVT)                                          # codes, exact
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -66,7 +109,7 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
                 mask=kv_mask, other=0.0)
     v_max = 1.0
     if QUANT:
-        v = v.to(q.dtype)
+        v = codes_to(v, q.dtype, V_CVT)
         v_scale = tl.load(vs_base + blk * stride_sb + off * stride_ss, mask=n_mask, other=0.0).to(tl.float32)
         if q.dtype == tl.float16:     # float16's range: p x scale in [0, 1] of the tile's largest scale
             v_max = tl.maximum(tl.max(v_scale, 0), 2.0 ** -24)

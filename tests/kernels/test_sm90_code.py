@@ -48,6 +48,18 @@ def test_decode_uses_tensor_cores_and_wide_loads(rows, name):
     assert row["programs_per_sm"] >= 2, row      # latency hiding across resident programs
 
 
+@pytest.mark.parametrize("name", ["decode bf16 over int8 KV", "decode bf16 over fp8 KV"])
+def test_8bit_decode_converts_codes_without_byte_loads(rows, name):
+    """8-bit K/V tiles: codes converted by the integer-op asm (``tile_triton.codes_to``), V converted before
+    its shared-memory copy so ``ldmatrix`` transposes it: no byte-wise shared loads (Triton's own cast read V
+    32 bytes a tile that way)."""
+    row = rows[name]
+    assert row["hmma"] + row["hgmma"] > 0, row
+    assert row["byte_shared_loads"] == 0, row
+    assert row["wide_loads"] >= 16, row
+    assert row["programs_per_sm"] >= 2, row
+
+
 @pytest.mark.parametrize("name", ["prefill bf16 group 4", "prefill fp16 group 4", "prefill bf16 group 1 alibi+window"])
 def test_prefill_uses_wgmma_and_wide_loads(rows, name):
     row = rows[name]
@@ -61,6 +73,6 @@ def test_store_kv_moves_16_byte_vectors(rows):
 
 
 @pytest.mark.parametrize("name", ["fused moe gate_up bf16", "fused moe down bf16",
-                                  "fused moe gate_up packed 4-bit bf16"])
+                                  *(f"fused moe packed 4-bit bf16, {t} tok" for t in (1, 256, 4096))])
 def test_fused_moe_uses_tensor_cores(rows, name):
     assert rows[name]["hgmma"] + rows[name]["hmma"] > 0, rows[name]
