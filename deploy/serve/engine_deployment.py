@@ -36,8 +36,11 @@ Draining (``served_engine.py`` holds the state; the same with ``engine_in_ingres
   and with it the requests that are finishing.
 - Shutdown (``serve delete``, scale-down, redeploy): Serve stops routing to the replica, waits for
   its ongoing calls (the streams in flight) and force-kills it after ``graceful_shutdown_timeout_s``
-  (= ``graceful_shutdown_s``; the ingress gets ``SHUTDOWN_MARGIN_S`` more, so that it outlives the
-  engine and can end a stream cut by that kill with an SSE error event). Then it calls ``__del__``,
+  (= ``graceful_shutdown_s``; the ingress gets ``SHUTDOWN_MARGIN_S`` more: the failover's placement
+  window and 10 s, so that it outlives the engine, continues a stream cut by that kill on the replica a
+  redeploy is still starting (Serve stops an old replica as it starts its successor, and a model's replica
+  takes seconds to minutes to start), or ends it with an SSE error event; Serve stops the ingress as soon
+  as its last stream ends). Then it calls ``__del__``,
   which hands whatever is left over (each stream ends as a lost replica's would, and the ingress
   continues it on another replica: ``failover.py``) and stops the TP workers. During ``serve delete`` the Serve proxy
   drops the route at once: new HTTP requests get the proxy's 404 while the ones in flight finish.
@@ -52,6 +55,7 @@ from ray import serve
 
 from ..routing.autoscaling import autoscaling_stats
 from ..routing.router import PREFIX_SUMMARY_BLOCKS
+from .failover import PLACEMENT_TIMEOUT_S
 from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
 from .served_engine import ServedEngine, replica_id
@@ -63,7 +67,7 @@ ENGINE_DEPLOYMENT_NAME = "PagedEngine"
 # starts (the model's load time). The timeout is long: a check waits for nothing but a rank ping.
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
-SHUTDOWN_MARGIN_S = 10.0  # the ingress outlives the engine by this much on shutdown
+SHUTDOWN_MARGIN_S = PLACEMENT_TIMEOUT_S + 10.0  # the ingress outlives the engine by this much on shutdown
 
 
 def placement_bundles(tensor_parallel_size: int, use_gpu: bool, in_process: bool = False) -> list[dict[str, float]]:

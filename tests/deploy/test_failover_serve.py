@@ -172,7 +172,9 @@ def test_each_sample_of_a_killed_replicas_stream_continues_exactly(app, first_re
 def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_path, first_replicas):
     """``serve.run`` with ``num_replicas: 1`` replaces every replica (a new app version), the ingress too:
     the old engine replicas stop after ``graceful_shutdown_s`` (1 s, shorter than the streams), and the old
-    ingress, alive for its own longer grace, continues their streams on the new replica. (Measured: Serve
+    ingress, alive for its own longer grace (the failover's placement window more: Serve stops the second old
+    engine replica as it starts the new one, so the streams wait for that one to start), continues their
+    streams on the new replica. (Measured: Serve
     kills the old replica before its ``__del__`` runs, so the ingress sees the actor die; the test passes
     with or without ``close(hand_over=True)``, which covers the other order and is checked in
     test_async_engine.py. The old ingress' failover count goes with it: the new one starts at 0.)"""
