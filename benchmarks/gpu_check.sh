@@ -13,10 +13,10 @@
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
 # first when present. TEST_S, BENCH_S, MOE_S, KV8_S, QGEMM_S and SPEC_S bound the stages in seconds, so
 # that a stage that hangs or crawls still leaves the others' output (KVSWEEP_S: each half of the "kvsweep"
-# stage, the int8 and then the fp8 decode's launch settings and code conversions at #37's goal shape).
-# STAGES picks stages (default "tests engine moe kv8 qgemm", about 12 minutes: more than one 10-minute call of a lent GPU allows, so
-# split them, e.g. STAGES="tests kv8 qgemm" then STAGES="engine moe"). "spec" needs the SmolLM2 folder
-# (~/.cache/pagedray), which a lent machine lacks.
+# stage, the int8 and then the fp8 decode's tiles, code conversions and float16 products at #37's goal
+# shape). STAGES picks stages (default "tests engine moe kv8 qgemm", about 12 minutes: more than one
+# 10-minute call of a lent GPU allows, so split them, e.g. STAGES="tests kv8 qgemm" then
+# STAGES="engine moe"). "spec" needs the SmolLM2 folder (~/.cache/pagedray), which a lent machine lacks.
 set -u
 mode=${1:-quick}
 OUT=${OUT:-gpu_out}
@@ -64,7 +64,7 @@ fi
 if wanted kvsweep; then
 for code in int8 fp8_e4m3; do
 echo "== benchmarks.kernel_sweep --cache-dtype $code (decode, batch 64, 8k) =="
-timeout "${KVSWEEP_S:-150}" python3 -m benchmarks.kernel_sweep --cache-dtype "$code" --decode-shapes 64x8192 \
+timeout "${KVSWEEP_S:-200}" python3 -m benchmarks.kernel_sweep --cache-dtype "$code" --decode-shapes 64x8192 \
     --decode-only --out "$OUT/sweep_$code.json"
 echo "kernel_sweep exit: $?"
 done

@@ -14,8 +14,8 @@ so the defaults can be set from measurements. Writes JSON (device, date, every r
   compile (e.g. too much shared memory) or disagrees is recorded with its error and not timed.
 * ``--cache-dtype int8|fp8_e4m3``: decode over an 8-bit copy of the cache (``kernels.store_kv``'s codes and
   row scales, as ``benchmarks.kv8_kernel``), bytes counted at 1 per element plus the scales; on a GPU its
-  grid (``KV8_DECODE_GRID``) also crosses the code conversions (``tile_triton.codes_to``: K_CVT 0 / 1,
-  V_CVT 0 / 2) with 4 warps;
+  grid (``KV8_DECODE_GRID``) also crosses K's code conversion (``tile_triton.codes_to``: K_CVT 0 / 1) and
+  float16 products (``F16_MATH``: ``tile_triton.queries_in_f16``) with 4 warps;
   ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the run (issue #37's goal shape alone).
 * ``--dry-run``: tiny shapes and a two-entry grid through the Triton interpreter on CPU (plumbing only).
 """
@@ -49,7 +49,8 @@ from benchmarks.kernels import (
 
 DECODE_SHAPES = ((64, 2048), (64, 8192), (256, 2048), (256, 8192), (8, 8192))
 DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
-KV8_DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4,), num_stages=(2, 3, 4), K_CVT=(0, 1), V_CVT=(0, 2))
+KV8_DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4,), num_stages=(2, 3), K_CVT=(0, 1), V_CVT=(2,),
+                       F16_MATH=(False, True))
 DECODE_SPLITS = (1, 2, 3, 4, 8, 16, 32)   # 3: 512 programs at 3 per SM on 132 SMs fill 4 waves to 97%
 PREFILL_SHAPES = ((8192, 0), (8192, 8192))
 PREFILL_GRID = dict(BLOCK_Q=(16, 32, 64), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3))

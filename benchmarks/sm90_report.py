@@ -67,8 +67,10 @@ def _bin_dir() -> pathlib.Path:
 
 def compile_sm90(kernel, data_type: str, constexprs: dict, pointers: dict | None = None, **options):
     """AOT-compile ``kernel`` for sm_90 with JIT-like specialisation -> triton ``CompiledKernel``; ``pointers``
-    names pointer arguments of another type than the name rules give."""
+    names pointer arguments of another type than the name rules give; constexprs not given take their
+    defaults."""
     signature, attrs = {}, {}
+    constexprs = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
@@ -139,6 +141,8 @@ def variants() -> dict[str, tuple]:
     out["decode bf16 over int8 KV"] = (decode_triton._decode_kernel, "bf16", consts, options, KV8)
     out["decode bf16 over fp8 KV"] = (decode_triton._decode_kernel, "bf16", consts, options,
                                       {**KV8, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"})
+    out["decode bf16 over int8 KV, f16 math"] = (decode_triton._decode_kernel, "bf16", {**consts, "F16_MATH": True},
+                                                 options, KV8)
     out["split reduce bf16"] = (decode_triton._reduce_splits_kernel, "bf16", dict(BLOCK_S=32, BLOCK_D=128),
                                 dict(num_warps=4))
     for data_type, group, alibi, window in (("bf16", 4, False, False), ("fp16", 4, False, False),

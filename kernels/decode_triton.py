@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tile_triton import attend_tile, scale_args
+from .tile_triton import attend_tile, queries_in_f16, scale_args
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
@@ -27,7 +27,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
     IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    K_CVT: tl.constexpr = 0, V_CVT: tl.constexpr = 0,
+    K_CVT: tl.constexpr = 0, V_CVT: tl.constexpr = 0, F16_MATH: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -41,6 +41,9 @@ def _decode_kernel(
     d_mask = d < head_dim
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)      # [BLOCK_G, BLOCK_D]
+    row_scale = scale_log2
+    if F16_MATH:                      # 8-bit codes, bf16 queries: both products in float16 (queries_in_f16)
+        q, row_scale = queries_in_f16(q, scale_log2)
     slope = tl.zeros([BLOCK_G], tl.float32)
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634
@@ -62,7 +65,7 @@ def _decode_kernel(
         # keys in [start, end) are all inside the window and <= q_pos: only the `n < end` mask matters
         m, l, acc = attend_tile(q, m, l, acc, n0, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, table, q_pos, slope, end,
-                                stride_kb, stride_ks, stride_vb, stride_vs, 0, scale_log2, softcap, d, d_mask,
+                                stride_kb, stride_ks, stride_vb, stride_vs, 0, row_scale, softcap, d, d_mask,
                                 k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
                                 BLOCK_SIZE, True, HAS_ALIBI, False, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
                                 K_CVT, V_CVT)
@@ -125,7 +128,7 @@ def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes
     (sm_90 bf16 at head_dim 128: 103 registers, 38 KB shared, 4 programs per SM; see ``benchmarks/sm90_report.py``.)
     An 8-bit cache (``quantized``) takes 32-key tiles in 3 stages: on an H100 at batch 64, 8k context that ran
     1.37x the 64-key, 2-stage tiles (``benchmarks.kernel_sweep --cache-dtype int8``, docs/gpu.md). With
-    ``fast_codes`` (CUDA, bf16 / fp16 queries) its codes are converted by ``tile_triton.codes_to``'s asm (K in
+    ``fast_codes`` (CUDA, bf16 queries) its codes are converted by ``tile_triton.codes_to``'s asm (K in
     registers, V before its shared copy) in 128-key tiles, 2 stages: on an H200 at batch 64, 8k, fp8 0.56 ms
     against 0.68 and int8 0.645 against 0.649 for the 32-key tiles with Triton's cast."""
     cfg = dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32 if quantized else 64,
@@ -158,7 +161,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(part_shape + ((head_dim,) if split else ()), dtype=torch.float32,
                            device=q.device)
-    fast_codes = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    fast_codes = q.is_cuda and q.dtype == torch.bfloat16     # the float16 asm has run on no GPU yet (docs/gpu.md)
     cfg = {**decode_config(head_dim, group, k_scale is not None, fast_codes), **(config or {})}
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,

@@ -17,7 +17,8 @@ instead (dequantize first) ran at half the bf16 kernel's speed on an H200 (docs/
 queries the scaled probabilities are divided by the tile's largest value scale, which then multiplies the
 tile's ``p @ V``: rows of small values (scales near float16's smallest) would otherwise round p x scale to
 float16 subnormals (bf16 has float32's range and needs no such step). ``K_CVT`` / ``V_CVT`` pick how the
-codes become the query's dtype (``codes_to``).
+codes become the query's dtype (``codes_to``). ``scale_log2`` is a scalar or a column ``[BLOCK_M, 1]`` (one
+scale per query row: ``queries_in_f16``).
 """
 
 import triton
@@ -52,7 +53,8 @@ def codes_to(codes, dtype: tl.constexpr, CVT: tl.constexpr):
     """An 8-bit tile's codes (int8 or float8 e4m3) -> ``dtype`` (bf16 / fp16 / fp32), exactly. ``CVT`` 0:
     Triton's cast; 1: the asm above as a pure op (Triton may move it after the tile's shared-memory copy
     and convert in the dot operand's registers); 2: the asm as an opaque op it cannot move, so the copy
-    holds 16-bit values (``ldmatrix`` can then transpose V for ``p @ V``). 1 and 2: CUDA, bf16 / fp16."""
+    holds 16-bit values (``ldmatrix`` can then transpose V for ``p @ V``). 1 and 2: CUDA, bf16 / fp16 (by
+    default bf16 queries only: the float16 forms run under ``F16_MATH`` and have not run on a GPU yet)."""
     if CVT == 0:
         out = codes.to(dtype)
     elif dtype == tl.bfloat16:
@@ -64,6 +66,19 @@ def codes_to(codes, dtype: tl.constexpr, CVT: tl.constexpr):
                                         [codes.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=CVT == 1,
                                         pack=4)
     return out
+
+
+@triton.jit
+def queries_in_f16(q, scale_log2):
+    """Queries [BLOCK_G, BLOCK_D] (bf16) -> (float16 queries, score scale per row [BLOCK_G, 1]): each row times
+    the power of two that puts its largest magnitude in [2^14, 2^15) (built from the float32 bits: exact),
+    the scale divided by it. bf16 values keep every bit in float16 there; only entries below 2^-38 of their
+    row's largest lose bits. Lets 8-bit codes convert to float16, in about half the instructions bf16 takes."""
+    qf = q.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30)                              # [BLOCK_G]
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127             # floor(log2(amax))
+    power = ((141 - exponent) << 23).to(tl.float32, bitcast=True)                 # 2^(14 - exponent)
+    return (qf * power[:, None]).to(tl.float16), scale_log2 / power[:, None]
 
 
 @triton.jit

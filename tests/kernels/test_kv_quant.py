@@ -14,6 +14,7 @@ import torch
 from helpers.paged_kv_cases import dense_attention, kernel_device, make_paged_case, seed_of
 from pagedray import kernels
 from pagedray.kernels import cpu_decode
+from pagedray.kernels.decode_triton import paged_decode_triton
 from pagedray.kernels.kv_quant import QMAX, SCALE_MIN, dequantize_rows, quantize_rows, static_scale
 from pagedray.kernels.reference import paged_decode_reference, paged_prefill_reference
 from pagedray.workers.kv_cache import KVCache, copy_blocks
@@ -111,10 +112,13 @@ def test_decode_over_an_8bit_cache_matches_the_oracle(path, spec, cache_dtype):
                          ids=["fp16", "bf16"])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["int8", "fp8"])
 @pytest.mark.parametrize("magnitude", [1e-4, 30.0])
-def test_triton_decode_over_8bit_rows_of_any_magnitude(magnitude, cache_dtype, q_dtype):
+@pytest.mark.parametrize("f16_math", [False, True], ids=["", "f16-math"])
+def test_triton_decode_over_8bit_rows_of_any_magnitude(f16_math, magnitude, cache_dtype, q_dtype):
     """16-bit queries over an 8-bit cache: rows of tiny and of large values, query rows from 1e-3 to 1e3 in one
     call, stay within the query dtype's relative error of the oracle (with float16 queries the probabilities
-    times the value scales are taken relative to the tile's largest scale: without it, tiny rows fail)."""
+    times the value scales are taken relative to the tile's largest scale: without it, tiny rows fail).
+    ``f16_math``: the decode kernel's ``F16_MATH`` (each query row scaled by a power of two into float16, its
+    score scale divided by it: ``tile_triton.queries_in_f16``)."""
     lens, hq, hkv, d = (9, 40, 77), 8, 2, 64
     case, (k8, v8, ks, vs), keys, values = _quantized_case(list(lens), hkv, d, 16, cache_dtype,
                                                            seed_of("kv8-f16", magnitude, str(cache_dtype)), magnitude)
@@ -122,7 +126,11 @@ def test_triton_decode_over_8bit_rows_of_any_magnitude(magnitude, cache_dtype, q
     q = (torch.randn(len(lens), hq, d, generator=gen) * torch.logspace(-3, 3, hq)[None, :, None]).to(q_dtype)
     device = kernel_device()
     k8, v8, ks, vs, tables, seq_lens, qd = _to(device, k8, v8, ks, vs, case.block_tables, case.seq_lens, q)
-    out = kernels.paged_decode(qd, k8, v8, tables, seq_lens, 0.125, use_triton=True, k_scale=ks, v_scale=vs)
+    if f16_math:
+        out = paged_decode_triton(qd, k8, v8, tables, seq_lens, 0.125, k_scale=ks, v_scale=vs,
+                                  config=dict(F16_MATH=True))
+    else:
+        out = kernels.paged_decode(qd, k8, v8, tables, seq_lens, 0.125, use_triton=True, k_scale=ks, v_scale=vs)
     for i in range(len(lens)):
         want = dense_attention(q[i:i + 1], keys[i], values[i], 0.125)[0]
         err = (out[i].double().cpu() - want).abs().amax(-1) / want.abs().amax(-1)      # [heads] relative

@@ -48,7 +48,8 @@ def test_decode_uses_tensor_cores_and_wide_loads(rows, name):
     assert row["programs_per_sm"] >= 2, row      # latency hiding across resident programs
 
 
-@pytest.mark.parametrize("name", ["decode bf16 over int8 KV", "decode bf16 over fp8 KV"])
+@pytest.mark.parametrize("name", ["decode bf16 over int8 KV", "decode bf16 over fp8 KV",
+                                  "decode bf16 over int8 KV, f16 math"])
 def test_8bit_decode_converts_codes_without_byte_loads(rows, name):
     """8-bit K/V tiles: codes converted by the integer-op asm (``tile_triton.codes_to``), V converted before
     its shared-memory copy so ``ldmatrix`` transposes it: no byte-wise shared loads (Triton's own cast read V
