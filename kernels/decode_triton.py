@@ -129,12 +129,13 @@ def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes
     An 8-bit cache (``quantized``) takes 32-key tiles in 3 stages: on an H100 at batch 64, 8k context that ran
     1.37x the 64-key, 2-stage tiles (``benchmarks.kernel_sweep --cache-dtype int8``, docs/gpu.md). With
     ``fast_codes`` (CUDA, bf16 queries) its codes are converted by ``tile_triton.codes_to``'s asm (K in
-    registers, V before its shared copy) in 128-key tiles, 2 stages: on an H200 at batch 64, 8k, fp8 0.56 ms
-    against 0.68 and int8 0.645 against 0.649 for the 32-key tiles with Triton's cast."""
+    registers, V before its shared copy) in 128-key tiles (64 at head_dim 256), 2 stages: on an H200 at batch
+    64, 8k (head_dim 128), fp8 0.56 ms against 0.68 and int8 0.645 against 0.649 for the 32-key tiles with
+    Triton's cast."""
     cfg = dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32 if quantized else 64,
                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=3 if quantized else 2)
-    if quantized and fast_codes:
-        cfg.update(BLOCK_N=128, num_stages=2, K_CVT=1, V_CVT=2)
+    if quantized and fast_codes:     # 16 KiB of codes a tile: head_dim 256 would hold 1 program per SM at 128
+        cfg.update(BLOCK_N=min(128, 16384 // cfg["BLOCK_D"]), num_stages=2, K_CVT=1, V_CVT=2)
     return cfg
 
 
