@@ -50,7 +50,9 @@ def quantized_copy(k_cache, v_cache, cache_dtype: torch.dtype):
 def read_bytes(batch: int, context: int, cfg: dict, cache_dtype: torch.dtype, q: torch.Tensor) -> int:
     rows = 2 * batch * context * cfg["kv_heads"]
     per_row = cfg["head_dim"] * torch.empty((), dtype=cache_dtype).element_size()
-    scales = 2 if cache_dtype in (torch.int8, torch.float8_e4m3fn) else 0
+    from pagedray.kernels.kv_quant import is_quantized
+
+    scales = 2 if is_quantized(cache_dtype) else 0
     return rows * (per_row + scales) + 2 * q.numel() * q.element_size()
 
 

@@ -17,6 +17,7 @@ import pathlib
 import torch
 
 from . import cpu_build
+from .kv_quant import is_quantized
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = cpu_build.DTYPE_CODES
@@ -44,7 +45,7 @@ def _library() -> ctypes.CDLL | None:
 def stores_rows_into(k_cache: torch.Tensor) -> bool:
     """True when the kernel's ``new_kv`` can write into this cache: one in q's dtype, or 8-bit rows (int8 or
     float8, quantized in C exactly as ``kv_quant.quantize_rows``; the build needs F16C for the float16 scale)."""
-    if k_cache.dtype in (torch.int8, torch.float8_e4m3fn):
+    if is_quantized(k_cache.dtype):
         return _stores_8bit_rows()
     return k_cache.dtype in DTYPE_CODES
 
@@ -80,7 +81,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     other head sizes run the torch reference), block_size a multiple of 8 up to 64, at most 64 query heads
     per KV head."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    cache_ok = k_cache.dtype == q.dtype or k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    cache_ok = k_cache.dtype == q.dtype or is_quantized(k_cache.dtype)
     return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and cache_ok and q.shape[2] % 16 == 0
             and block_size % 8 == 0
             and block_size <= MAX_BLOCK_SIZE and q.shape[1] // num_kv_heads <= MAX_GROUP and available())
@@ -99,7 +100,7 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
     scales (``kv_quant``), into which ``new_kv``'s rows are quantized; ``static_scales``: a float8 cache's
     checkpoint scales (``kv_quant``) for them.
     """
-    quantized = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    quantized = is_quantized(k_cache.dtype)
     if new_kv is not None and k_cache.dtype != q.dtype and not (quantized and k_scale is not None
                                                                  and stores_rows_into(k_cache)):
         raise ValueError("new_kv: the decode kernel writes a cache in q's dtype or 8-bit rows (with their scales)")
@@ -138,7 +139,7 @@ def _new_kv_args(new_kv, k_cache) -> tuple:
     if new_kv is None:
         return None, 0, 0, None, 0, 0, None
     key, value, slots = new_kv
-    quantized = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    quantized = is_quantized(k_cache.dtype)
     want = key.dtype if quantized else k_cache.dtype                       # 8-bit: rows quantized from q's dtype
     if key.stride(2) != 1 or value.stride(2) != 1 or key.dtype != want or value.dtype != want:
         raise ValueError("new_kv: key and value must have the cache's dtype and a contiguous head_dim")

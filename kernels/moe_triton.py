@@ -12,8 +12,9 @@ token's row of x for the first GEMM, the routed row itself for the second), accu
 
 Packed experts (``quant_gemm.PackedExperts``: a GPTQ / AWQ / int8 / FP8 checkpoint's experts on CUDA):
 ``_grouped_packed_gemm_kernel`` is the same grouped GEMM whose weight tile is unpacked and dequantized from
-the expert's words as ``quant_gemm_triton``'s kernel does (the same helpers: each word loaded once, one
-``tl.dot`` per position in the word), so the experts stay 4 or 8 bits a weight in memory.
+the expert's words by ``quant_gemm_triton``'s helpers (each word loaded once; up to 16 tokens one ``tl.dot``
+per position in the word, above that the slice unpacked in row order for one ``tl.dot``: ``WIDE``), so the
+experts stay 4 or 8 bits a weight in memory.
 
 Decisions: docs/design/kernels.md, ``pagedray.kernels.moe_triton``.
 """

@@ -22,6 +22,7 @@ import ctypes
 
 import torch
 from pagedray.kernels import cpu_decode, cpu_gemm, cpu_layers
+from pagedray.kernels.kv_quant import is_quantized
 
 from ..kv_cache import KVCache
 from ..layers.activation import silu_and_mul
@@ -59,8 +60,7 @@ class CpuDecodeLayers:
         if data.dtype == dtype:
             usable = scales is None
         else:
-            usable = (data.dtype in (torch.int8, torch.float8_e4m3fn) and scales is not None
-                      and cpu_decode.stores_rows_into(data[0, 0]))
+            usable = is_quantized(data.dtype) and scales is not None and cpu_decode.stores_rows_into(data[0, 0])
         usable = usable and cpu_decode.supports(torch.empty((1, self.num_heads, self.head_dim), dtype=dtype),
                                                 data[0, 0])
         self._layers, self._cache_key = (self._layer_args(kv_cache) if usable else None), key
