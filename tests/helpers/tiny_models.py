@@ -61,6 +61,10 @@ def tiny_config(kind: str):
                               head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
                               tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+    if kind == "qwen3-moe-48":   # experts of 48 rows: at TP=2 rank 1's slice starts mid-group (groups of 16)
+        config = tiny_config("qwen3-moe")
+        config.moe_intermediate_size = 48
+        return config
     if kind == "qwen2-moe":   # 4 experts, top-2 not renormalised, a gated shared expert, qkv bias
         from transformers import Qwen2MoeConfig
 

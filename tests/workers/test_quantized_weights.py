@@ -2,8 +2,8 @@
 formats), AWQ and FP8 checkpoints built by the tests' own quantizer (``helpers.quantized_checkpoints``)
 from a random tiny Llama, and ``quantization`` int8 / fp8 rounding a full-precision checkpoint at load.
 Oracle: transformers running on the dequantized weights. Greedy tokens equal token for token, logprobs
-within 1e-4 (fp32, TP=1 here; TP=2 in test_worker_tp.py). Plus the unpacking on a hand-made word, and
-clear errors for formats not supported."""
+within 1e-4 (fp32, TP=1 here; TP=2 in test_worker_tp.py, packed at TP=2 in test_packed_tp2.py). Plus the
+unpacking on a hand-made word, and clear errors for formats not supported."""
 
 from __future__ import annotations
 

@@ -19,7 +19,9 @@ Checkpoint names: ``MoESpec.block`` (``mlp``; Mixtral ``block_sparse_moe``) hold
 A quantized checkpoint's experts on CUDA stay packed (``packed``: two ``PackedExperts``, gate and up packed
 side by side along the output) when every expert's slice has uniform groups (GPTQ without ``desc_act``, AWQ,
 int8, FP8): the 16-bit ``gate_up`` / ``down`` are then never allocated (they are meta tensors until ``load``)
-and ``kernels.fused_moe`` unpacks tile by tile. Activation-order experts load dequantized.
+and ``kernels.fused_moe`` unpacks tile by tile. Activation-order experts load dequantized. Each rank decides
+for its own slice: with TP a slice that starts inside a group can leave uneven groups on one rank, which
+then loads its experts dequantized while the others keep theirs packed (tests/workers/test_packed_tp2.py).
 """
 
 from __future__ import annotations
