@@ -13,8 +13,8 @@
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
 # first when present. TEST_S, BENCH_S, MOE_S, KV8_S, QGEMM_S and SPEC_S bound the stages in seconds, so
 # that a stage that hangs or crawls still leaves the others' output (KVSWEEP_S: each half of the "kvsweep"
-# stage, the int8 and then the fp8 decode's tiles, code conversions and float16 products at #37's goal
-# shape). STAGES picks stages (default "tests engine moe kv8 qgemm", about 12 minutes: more than one
+# stage, the int8 and then the fp8 decode's tiles and warps, code conversions and float16 products at #37's
+# goal shape, then the two fastest at 2 to 4 splits; every result is printed as it comes). STAGES picks stages (default "tests engine moe kv8 qgemm", about 12 minutes: more than one
 # 10-minute call of a lent GPU allows, so split them, e.g. STAGES="tests kv8 qgemm" then
 # STAGES="engine moe"). "spec" needs the SmolLM2 folder (~/.cache/pagedray), which a lent machine lacks.
 set -u

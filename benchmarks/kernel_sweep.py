@@ -14,9 +14,11 @@ so the defaults can be set from measurements. Writes JSON (device, date, every r
   compile (e.g. too much shared memory) or disagrees is recorded with its error and not timed.
 * ``--cache-dtype int8|fp8_e4m3``: decode over an 8-bit copy of the cache (``kernels.store_kv``'s codes and
   row scales, as ``benchmarks.kv8_kernel``), bytes counted at 1 per element plus the scales; on a GPU its
-  grid (``KV8_DECODE_GRID``) also crosses K's code conversion (``tile_triton.codes_to``: K_CVT 0 / 1) and
-  float16 products (``F16_MATH``: ``tile_triton.queries_in_f16``) with 4 warps;
-  ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the run (issue #37's goal shape alone).
+  configurations (``kv8_decode_configs``) cross tiles with K's code conversion (``tile_triton.codes_to``: K_CVT
+  0 / 1) and float16 products (``F16_MATH``: ``tile_triton.queries_in_f16``), and the two fastest of them then
+  run at forced split counts (``BEST_AT_SPLITS``: with 3 programs per SM the 512 programs of batch 64 fill two
+  waves of an H200, the second a third full); ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the
+  run (issue #37's goal shape alone).
 * ``--dry-run``: tiny shapes and a two-entry grid through the Triton interpreter on CPU (plumbing only).
 """
 
@@ -49,13 +51,24 @@ from benchmarks.kernels import (
 
 DECODE_SHAPES = ((64, 2048), (64, 8192), (256, 2048), (256, 8192), (8, 8192))
 DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
-KV8_DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4,), num_stages=(2, 3), K_CVT=(0, 1), V_CVT=(2,),
-                       F16_MATH=(False, True))
 DECODE_SPLITS = (1, 2, 3, 4, 8, 16, 32)   # 3: 512 programs at 3 per SM on 132 SMs fill 4 waves to 97%
+BEST_AT_SPLITS = (2, 3, 4)                 # the two fastest 8-bit configurations again at these split counts
+
+
+def kv8_decode_configs() -> list[dict]:
+    """8-bit decode settings for a GPU: the best known (BLOCK_N, warps, stages) of each tile size from the H100
+    and H200 sweeps x K's conversion x ``F16_MATH``, plus 2- and 8-warp tiles (the sm_90 compile issues about as
+    many instructions per key at 2 warps, with no cross-warp barrier among them; ``benchmarks.sm90_report``)
+    with the asm conversions only. V converts before its shared copy (``V_CVT`` 2) in all."""
+    known = [dict(BLOCK_N=n, num_warps=4, num_stages=stages, K_CVT=k_cvt, F16_MATH=f16)
+             for n, stages in ((32, 3), (64, 2), (128, 2)) for k_cvt in (0, 1) for f16 in (False, True)]
+    wider = [dict(BLOCK_N=n, num_warps=warps, num_stages=stages, K_CVT=1, F16_MATH=f16)
+             for n, warps, stages in ((32, 2, 3), (64, 2, 2), (128, 8, 2), (256, 8, 2)) for f16 in (False, True)]
+    return [dict(config, V_CVT=2) for config in known + wider]
 PREFILL_SHAPES = ((8192, 0), (8192, 8192))
 PREFILL_GRID = dict(BLOCK_Q=(16, 32, 64), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3))
 DRY = dict(decode_shapes=((3, 70),), decode_grid=dict(BLOCK_N=(16, 32), num_warps=(4,), num_stages=(2,)),
-           decode_splits=(1, 3),
+           decode_splits=(1, 3), best_at_splits=(2,),
            prefill_shapes=((40, 0), (24, 30)), prefill_grid=dict(BLOCK_Q=(8, 16), BLOCK_N=(16,), num_warps=(4,),
                                                                  num_stages=(2,)),
            heads=(4, 2), head_dim=64, dtype="float16")
@@ -68,19 +81,34 @@ def grid_configs(grid: dict) -> list[dict]:
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
+def decode_configs(spec: dict) -> list[dict]:
+    return spec.get("decode_configs") or grid_configs(spec["decode_grid"])
+
+
 def decode_variants(spec: dict) -> list[tuple[dict | None, int | None]]:
-    """(config, num_splits) pairs: the default, the grid at automatic splits, the default at forced splits."""
-    return ([(None, None)] + [(config, None) for config in grid_configs(spec["decode_grid"])]
+    """(config, num_splits) pairs: the default, the grid at automatic splits, the default at forced splits
+    (then, with ``best_at_splits``, the two fastest configurations at those splits: ``_best_at_splits``)."""
+    return ([(None, None)] + [(config, None) for config in decode_configs(spec)]
             + [(None, splits) for splits in spec["decode_splits"]])
 
 
+def _best_at_splits(spec: dict, rows: list[dict]) -> list[tuple[dict, int]]:
+    """The two fastest configurations of ``rows`` (automatic splits) at each count of ``best_at_splits``."""
+    timed = sorted((r for r in rows if isinstance(r["config"], dict) and r.get("num_splits") is None and "ms" in r),
+                   key=lambda r: r["ms"])
+    return [(r["config"], splits) for r in timed[:2] for splits in spec.get("best_at_splits", ())]
+
+
 def _try_config(run_small, reference, run_full, on_cuda: bool, what: str) -> dict:
-    """Check one configuration on a small slice, then time it; errors are recorded, not raised."""
+    """Check one configuration on a small slice, then time it; errors are recorded, not raised. Each result is
+    printed as it comes, so a run cut short by a time limit still shows what it measured."""
     try:
         check_close(run_small(), reference, what)
-        return dict(ms=time_ms(run_full, on_cuda))
+        result = dict(ms=time_ms(run_full, on_cuda))
     except Exception as exc:   # compile failure (resources) or a wrong result: report, keep sweeping
-        return dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        result = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    print(f"  {what}: {result}", flush=True)
+    return result
 
 
 def _decode_shape(spec: dict, batch: int, context: int, device, on_cuda: bool, copy_gbps: float) -> list[dict]:
@@ -107,19 +135,19 @@ def _decode_shape(spec: dict, batch: int, context: int, device, on_cuda: bool, c
         nbytes = read_bytes(batch, context, dict(kv_heads=hkv, head_dim=spec["head_dim"]), cache_dtype, q)
     args, small = (k_cache, v_cache, tables, lens, scale), (k_cache, v_cache, tables[:few], lens[:few], scale)
     reference = paged_decode_reference(q[:few], *small, **scales)
-    rows = []
-    for config, splits in decode_variants(spec):
+    def run(config: dict | None, splits: int | None) -> dict:
         result = _try_config(
-            lambda c=config, n=splits: paged_decode_triton(q[:few], *small, config=c, num_splits=n, **scales),
-            reference,
-            lambda c=config, n=splits: paged_decode_triton(q, *args, out=out, config=c, num_splits=n, **scales),
+            lambda: paged_decode_triton(q[:few], *small, config=config, num_splits=splits, **scales), reference,
+            lambda: paged_decode_triton(q, *args, out=out, config=config, num_splits=splits, **scales),
             on_cuda, f"decode {config} splits={splits}")
         if "ms" in result:
             result["pct_of_copy"] = 100.0 * nbytes / (result["ms"] * 1e-3) / 1e9 / copy_gbps
         name = config or ("default" if splits is None else f"default, num_splits={splits}")
-        rows.append(dict(kind="decode", shape=f"b{batch} ctx{context}", cache=spec.get("cache_dtype") or spec["dtype"],
-                         config=name, **result))
-    return rows
+        return dict(kind="decode", shape=f"b{batch} ctx{context}", cache=spec.get("cache_dtype") or spec["dtype"],
+                    config=name, num_splits=splits, **result)
+
+    rows = [run(config, splits) for config, splits in decode_variants(spec)]
+    return rows + [run(config, splits) for config, splits in _best_at_splits(spec, rows)]
 
 
 def _prefill_shape(spec: dict, tokens: int, history: int, device, on_cuda: bool) -> list[dict]:
@@ -204,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if on_cuda else "cpu")
     spec = dict(GPU if on_cuda else DRY, cache_dtype=args.cache_dtype, decode_only=args.decode_only)
     if on_cuda and args.cache_dtype:
-        spec["decode_grid"] = KV8_DECODE_GRID
+        spec.update(decode_configs=kv8_decode_configs(), best_at_splits=BEST_AT_SPLITS)
     if args.decode_shapes:
         shapes = args.decode_shapes.split(",")
         spec["decode_shapes"] = tuple(tuple(int(v) for v in shape.split("x")) for shape in shapes)

@@ -5,7 +5,12 @@ interpreter the kernels are not compilable objects). No GPU is needed: Triton's 
 and the ``ptxas``/``cuobjdump`` shipped in its wheel give, per kernel variant, the registers per thread,
 the bytes spilled to local memory, the shared memory, the programs per SM those allow, and a census of
 the SASS: which tensor-core instruction does the products (``HGMMA`` = Hopper wgmma, ``HMMA`` = mma.sync)
-and how many global loads are 128-bit wide (``LDGSTS...128`` = pipelined cp.async, ``LDG.E.128``).
+and how many global loads are 128-bit wide (``LDGSTS...128`` = pipelined cp.async, ``LDG.E.128``). ``loop``: the
+instructions of the kernel's longest loop (one trip, one warp); for decode ``per key``: that times the warps
+over the keys a trip covers, the warp instructions a program issues per key. A compile fact, not a speed: on
+an H200 (docs/gpu.md, batch 64, 8k) the 128-key 8-bit decodes took 1.28x (int8) and 1.12x (fp8) the bf16
+decode's time where this count was 1.20x and 1.14x bf16's, but 32-key 8-bit tiles, at 1.5x the count of the
+128-key ones and 5 programs per SM instead of 3, ran about as fast as them, and 64-key tiles slower than both.
 
 Arguments are specialised as the JIT specialises them at launch for the benchmark shapes: every pointer
 16-byte aligned, strides and ``head_dim`` divisible by 16 (not ``group_size``, the table stride or the
@@ -115,7 +120,21 @@ def inspect_cubin(cubin: bytes) -> dict:
     if found is None:
         raise RuntimeError(f"cuobjdump printed no resource usage: {usage[:500]}")
     opcodes = collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
-    return dict(registers=int(found.group(1)), local_bytes=int(found.group(2)), opcodes=opcodes)
+    return dict(registers=int(found.group(1)), local_bytes=int(found.group(2)), opcodes=opcodes,
+                loop_instructions=loop_instructions(sass))
+
+
+def loop_instructions(sass: str) -> int:
+    """Instructions in the longest loop of a SASS listing (from a backward branch's target to the branch), 0
+    without one: per warp and per trip, the count the main loop issues (a branch inside it may skip some)."""
+    addresses = [int(a, 16) for a in re.findall(r"/\*([0-9a-f]{4,})\*/\s+\S", sass)]
+    spans = [(int(target, 16), int(at, 16))
+             for at, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\S*\s+0x([0-9a-f]+)", sass)
+             if int(target, 16) < int(at, 16)]
+    if not spans:
+        return 0
+    start, end = max(spans, key=lambda span: span[1] - span[0])
+    return sum(start <= a <= end for a in addresses)
 
 
 def _launch_options(cfg: dict) -> tuple[dict, dict]:
@@ -141,8 +160,11 @@ def variants() -> dict[str, tuple]:
     out["decode bf16 over int8 KV"] = (decode_triton._decode_kernel, "bf16", consts, options, KV8)
     out["decode bf16 over fp8 KV"] = (decode_triton._decode_kernel, "bf16", consts, options,
                                       {**KV8, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"})
+    fp8 = {**KV8, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     out["decode bf16 over int8 KV, f16 math"] = (decode_triton._decode_kernel, "bf16", {**consts, "F16_MATH": True},
                                                  options, KV8)
+    out["decode bf16 over fp8 KV, f16 math"] = (decode_triton._decode_kernel, "bf16", {**consts, "F16_MATH": True},
+                                                options, fp8)
     out["split reduce bf16"] = (decode_triton._reduce_splits_kernel, "bf16", dict(BLOCK_S=32, BLOCK_D=128),
                                 dict(num_warps=4))
     for data_type, group, alibi, window in (("bf16", 4, False, False), ("fp16", 4, False, False),
@@ -218,17 +240,20 @@ def report_row(name: str, kernel, data_type: str, constexprs: dict, options: dic
         narrow_loads=sum(n for op, n in ops.items() if op.startswith(("LDG.", "LDGSTS.")) and not op.endswith(".128")),
         wide_stores=sum(n for op, n in ops.items() if op.startswith("STG") and op.endswith(".128")),
         byte_shared_loads=sum(n for op, n in ops.items() if op in ("LDS.U8", "LDS.S8")),
+        instructions_per_key=(round(facts["loop_instructions"] * num_warps / constexprs["BLOCK_N"], 1)
+                              if kernel is decode_triton._decode_kernel else None),
     )
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'kernel (sm_90)':38} {'warps':>5} {'stages':>6} {'regs':>4} {'spill B':>7} {'smem KiB':>8} "
-          f"{'prog/SM':>7} {'HGMMA':>5} {'HMMA':>4} {'ld128':>5} {'ld<128':>6} {'st128':>5} {'lds8':>4}")
+          f"{'prog/SM':>7} {'HGMMA':>5} {'HMMA':>4} {'ld128':>5} {'ld<128':>6} {'st128':>5} {'lds8':>4} "
+          f"{'loop':>5} {'per key':>7}")
     for r in rows:
         print(f"{r['name']:38} {r['num_warps']:>5} {str(r['num_stages'] or '-'):>6} {r['registers']:>4} "
               f"{r['local_bytes']:>7} {r['shared_bytes'] / 1024:>8.1f} {r['programs_per_sm']:>7} {r['hgmma']:>5} "
               f"{r['hmma']:>4} {r['wide_loads']:>5} {r['narrow_loads']:>6} {r['wide_stores']:>5} "
-              f"{r['byte_shared_loads']:>4}")
+              f"{r['byte_shared_loads']:>4} {r['loop_instructions']:>5} {r['instructions_per_key'] or '-':>7}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

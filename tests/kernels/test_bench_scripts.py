@@ -47,9 +47,16 @@ def test_sweep_dry_run_checks_and_times_every_config(tmp_path):
     rows = report["rows"]
     errors = [r for r in rows if "error" in r]
     assert not errors, errors
-    expected = (len(DRY["decode_shapes"]) * len(decode_variants(DRY))
+    best_again = 2 * len(DRY["best_at_splits"])    # the two fastest grid configurations at forced splits
+    expected = (len(DRY["decode_shapes"]) * (len(decode_variants(DRY)) + best_again)
                 + len(DRY["prefill_shapes"]) * (1 + len(grid_configs(DRY["prefill_grid"]))))
     assert len(rows) == expected
+    for shape in DRY["decode_shapes"]:
+        decode = [r for r in rows if r["shape"] == f"b{shape[0]} ctx{shape[1]}"]
+        fastest = sorted((r for r in decode if isinstance(r["config"], dict) and r["num_splits"] is None),
+                         key=lambda r: r["ms"])[:2]
+        again = [(r["config"], r["num_splits"]) for r in decode[-best_again:]]
+        assert again == [(r["config"], n) for r in fastest for n in DRY["best_at_splits"]]
     shapes = {r["shape"] for r in rows}
     assert set(report["best"]) == shapes
     assert all(sum(r["config"] == "default" for r in rows if r["shape"] == s) == 1 for s in shapes)

@@ -61,6 +61,35 @@ def test_8bit_decode_converts_codes_without_byte_loads(rows, name):
     assert row["programs_per_sm"] >= 2, row
 
 
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+def test_f16_math_issues_fewer_instructions_per_key(rows, cache):
+    """``F16_MATH`` exists because float16 conversions take fewer instructions than bf16's: its loop issues
+    fewer warp instructions per key than the default 8-bit decode, and fewer than the bf16 cache's decode
+    (the default 8-bit decodes issue more: docs/gpu.md)."""
+    default, f16 = rows[f"decode bf16 over {cache} KV"], rows[f"decode bf16 over {cache} KV, f16 math"]
+    assert 0 < f16["instructions_per_key"] < default["instructions_per_key"], (f16, default)
+    assert f16["instructions_per_key"] < rows["decode bf16"]["instructions_per_key"], f16
+
+
+def test_loop_instructions_counts_the_longest_loop():
+    from benchmarks.sm90_report import loop_instructions
+
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   IADD3 R2, R1, 0x1, RZ ;",            # outer loop: 0010-0060 (6)
+        "        /*0020*/                   FADD R3, R3, R2 ;",                  # inner loop: 0020-0030 (2)
+        "        /*0030*/              @P0 BRA 0x20 ;",
+        "        /*0040*/                   HMMA.16816.F32 R4, R8, R12, R4 ;",
+        "        /*0050*/                   ISETP.NE.AND P1, PT, R2, 0x8, PT ;",
+        "        /*0060*/              @!P1 BRA 0x10 ;",
+        "        /*0070*/                   EXIT ;",
+        "        /*0080*/                   BRA 0x80;",                         # the trap after EXIT: not a loop
+    ])
+    assert loop_instructions(sass) == 6
+    assert loop_instructions(sass.replace("@!P1 BRA 0x10", "@!P1 BRA 0x70")) == 2   # forward: only the inner one
+    assert loop_instructions("        /*0000*/                   EXIT ;") == 0
+
+
 @pytest.mark.parametrize("name", ["prefill bf16 group 4", "prefill fp16 group 4", "prefill bf16 group 1 alibi+window"])
 def test_prefill_uses_wgmma_and_wide_loads(rows, name):
     row = rows[name]
