@@ -50,21 +50,27 @@ from benchmarks.kernels import (
 )
 
 DECODE_SHAPES = ((64, 2048), (64, 8192), (256, 2048), (256, 8192), (8, 8192))
-DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
+DECODE_GRID = dict(BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), maxnreg=(None,))   # no cap
 DECODE_SPLITS = (1, 2, 3, 4, 8, 16, 32)   # 3: 512 programs at 3 per SM on 132 SMs fill 4 waves to 97%
 BEST_AT_SPLITS = (2, 3, 4)                 # the two fastest 8-bit configurations again at these split counts
+
+
+KV8_TILE_REGISTERS = {(32, 4): 96, (64, 4): 128, (128, 4): 168, (32, 2): 128, (64, 2): 168}   # (BLOCK_N, warps)
 
 
 def kv8_decode_configs() -> list[dict]:
     """8-bit decode settings for a GPU: the best known (BLOCK_N, warps, stages) of each tile size from the H100
     and H200 sweeps x K's conversion x ``F16_MATH``, plus 2- and 8-warp tiles (the sm_90 compile issues about as
     many instructions per key at 2 warps, with no cross-warp barrier among them; ``benchmarks.sm90_report``)
-    with the asm conversions only. V converts before its shared copy (``V_CVT`` 2) in all."""
+    with the asm conversions only. V converts before its shared copy (``V_CVT`` 2) in all. Registers capped
+    (``KV8_TILE_REGISTERS``) where shared memory would hold more programs per SM than the compiler's own count
+    allows (sm_90, bf16 queries at head_dim 128: no spills at these caps)."""
     known = [dict(BLOCK_N=n, num_warps=4, num_stages=stages, K_CVT=k_cvt, F16_MATH=f16)
              for n, stages in ((32, 3), (64, 2), (128, 2)) for k_cvt in (0, 1) for f16 in (False, True)]
     wider = [dict(BLOCK_N=n, num_warps=warps, num_stages=stages, K_CVT=1, F16_MATH=f16)
              for n, warps, stages in ((32, 2, 3), (64, 2, 2), (128, 8, 2), (256, 8, 2)) for f16 in (False, True)]
-    return [dict(config, V_CVT=2) for config in known + wider]
+    return [dict(config, V_CVT=2, maxnreg=KV8_TILE_REGISTERS.get((config["BLOCK_N"], config["num_warps"])))
+            for config in known + wider]
 PREFILL_SHAPES = ((8192, 0), (8192, 8192))
 PREFILL_GRID = dict(BLOCK_Q=(16, 32, 64), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3))
 DRY = dict(decode_shapes=((3, 70),), decode_grid=dict(BLOCK_N=(16, 32), num_warps=(4,), num_stages=(2,)),

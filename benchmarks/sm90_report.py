@@ -138,8 +138,8 @@ def loop_instructions(sass: str) -> int:
 
 
 def _launch_options(cfg: dict) -> tuple[dict, dict]:
-    """A launcher's config -> (constexprs, compile options ``num_warps``/``num_stages``)."""
-    options = {key: cfg[key] for key in ("num_warps", "num_stages") if key in cfg}
+    """A launcher's config -> (constexprs, compile options ``num_warps``/``num_stages``/``maxnreg``)."""
+    options = {key: cfg[key] for key in ("num_warps", "num_stages", "maxnreg") if key in cfg}
     return {key: value for key, value in cfg.items() if key not in options}, options
 
 

@@ -61,9 +61,17 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)                    # every row: the last token
     table = block_tables_ptr + seq * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        # keys in [start, end) are all inside the window and <= q_pos: only the `n < end` mask matters
+    # keys in [start, end) are all inside the window and <= q_pos: only `n < end` matters, in the last tile only
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
         m, l, acc = attend_tile(q, m, l, acc, n0, k_cache_ptr + kv_head * stride_kh,
+                                v_cache_ptr + kv_head * stride_vh, table, q_pos, slope, end,
+                                stride_kb, stride_ks, stride_vb, stride_vs, 0, row_scale, softcap, d, d_mask,
+                                k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
+                                BLOCK_SIZE, False, HAS_ALIBI, False, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
+                                K_CVT, V_CVT, FULL=True)
+    if full_end < end:
+        m, l, acc = attend_tile(q, m, l, acc, full_end, k_cache_ptr + kv_head * stride_kh,
                                 v_cache_ptr + kv_head * stride_vh, table, q_pos, slope, end,
                                 stride_kb, stride_ks, stride_vb, stride_vs, 0, row_scale, softcap, d, d_mask,
                                 k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
@@ -124,8 +132,12 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
 
 def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes: bool = False) -> dict:
     """Launch constants of the decode kernel: ``BLOCK_G`` query-head rows (padded to 16 for ``tl.dot``),
-    ``BLOCK_N`` keys per tile, ``BLOCK_D`` >= head_dim, warps and software-pipelining stages.
-    (sm_90 bf16 at head_dim 128: 103 registers, 38 KB shared, 4 programs per SM; see ``benchmarks/sm90_report.py``.)
+    ``BLOCK_N`` keys per tile, ``BLOCK_D`` >= head_dim, warps and software-pipelining stages, and ``maxnreg``
+    (registers per thread) at head_dim <= 128: the loop over full tiles (no per-key predicates) plus the last
+    tile as a second copy took the sm_90 compile to 120-170 registers, which would cost a program per SM; 128
+    keeps 4 bf16 programs per SM (168: 3 for the 128-key 8-bit tiles, which shared memory holds to 3), with no
+    spills (sm_90 bf16 at head_dim 128: 38 KB shared, 401 loop instructions per 64 keys against 569 with
+    predicates; see ``benchmarks/sm90_report.py``).
     An 8-bit cache (``quantized``) takes 32-key tiles in 3 stages: on an H100 at batch 64, 8k context that ran
     1.37x the 64-key, 2-stage tiles (``benchmarks.kernel_sweep --cache-dtype int8``, docs/gpu.md). With
     ``fast_codes`` (CUDA, bf16 queries) its codes are converted by ``tile_triton.codes_to``'s asm (K in
@@ -136,6 +148,7 @@ def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes
                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=3 if quantized else 2)
     if quantized and fast_codes:     # 16 KiB of codes a tile: head_dim 256 would hold 1 program per SM at 128
         cfg.update(BLOCK_N=min(128, 16384 // cfg["BLOCK_D"]), num_stages=2, K_CVT=1, V_CVT=2)
+    cfg["maxnreg"] = (168 if quantized and fast_codes else 128) if cfg["BLOCK_D"] <= 128 else None
     return cfg
 
 

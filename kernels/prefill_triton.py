@@ -79,7 +79,8 @@ def _prefill_kernel(
                                          stride_kb, stride_ks, stride_vb, stride_vs,
                                          sliding_window, scale_log2, softcap, d, d_mask,
                                          k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
-                                         BLOCK_SIZE, False, HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N)
+                                         BLOCK_SIZE, False, HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
+                                         FULL=True)
         for n0 in range(masked_from, kv_end, BLOCK_N):
             m, l, acc = attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
                                      stride_kb, stride_ks, stride_vb, stride_vs,

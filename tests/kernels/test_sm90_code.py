@@ -61,14 +61,21 @@ def test_8bit_decode_converts_codes_without_byte_loads(rows, name):
     assert row["programs_per_sm"] >= 2, row
 
 
+def test_decode_loops_over_full_tiles_without_per_key_predicates(rows):
+    """The decode loop runs over full tiles only (a sequence's last, partial tile once after it), so its loads
+    and scores carry no per-key predicate: about 25 warp instructions per key for bf16, 35.6 with them. The
+    second copy of the tile costs registers; ``decode_config``'s ``maxnreg`` keeps 4 programs per SM."""
+    assert rows["decode bf16"]["instructions_per_key"] < 30, rows["decode bf16"]
+    for name in ("decode bf16", "decode fp16", "decode bf16 split+alibi+window"):
+        assert rows[name]["programs_per_sm"] == 4, rows[name]
+
+
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
 def test_f16_math_issues_fewer_instructions_per_key(rows, cache):
     """``F16_MATH`` exists because float16 conversions take fewer instructions than bf16's: its loop issues
-    fewer warp instructions per key than the default 8-bit decode, and fewer than the bf16 cache's decode
-    (the default 8-bit decodes issue more: docs/gpu.md)."""
+    fewer warp instructions per key than the default 8-bit decode (docs/gpu.md)."""
     default, f16 = rows[f"decode bf16 over {cache} KV"], rows[f"decode bf16 over {cache} KV, f16 math"]
     assert 0 < f16["instructions_per_key"] < default["instructions_per_key"], (f16, default)
-    assert f16["instructions_per_key"] < rows["decode bf16"]["instructions_per_key"], f16
 
 
 def test_loop_instructions_counts_the_longest_loop():
