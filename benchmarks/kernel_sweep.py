@@ -15,7 +15,7 @@ so the defaults can be set from measurements. Writes JSON (device, date, every r
 * ``--cache-dtype int8|fp8_e4m3``: decode over an 8-bit copy of the cache (``kernels.store_kv``'s codes and
   row scales, as ``benchmarks.kv8_kernel``), bytes counted at 1 per element plus the scales; on a GPU its
   configurations (``kv8_decode_configs``) cross tiles with K's code conversion (``tile_triton.codes_to``: K_CVT
-  0 / 1) and float16 products (``F16_MATH``: ``tile_triton.queries_in_f16``), and the two fastest of them then
+  0 / 1 / 2) and float16 products (``F16_MATH``: ``tile_triton.queries_in_f16``), and the two fastest of them then
   run at forced split counts (``BEST_AT_SPLITS``: with 3 programs per SM the 512 programs of batch 64 fill two
   waves of an H200, the second a third full); ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the
   run (issue #37's goal shape alone).
@@ -55,22 +55,25 @@ DECODE_SPLITS = (1, 2, 3, 4, 8, 16, 32)   # 3: 512 programs at 3 per SM on 132 S
 BEST_AT_SPLITS = (2, 3, 4)                 # the two fastest 8-bit configurations again at these split counts
 
 
-KV8_TILE_REGISTERS = {(32, 4): 96, (64, 4): 128, (128, 4): 168, (32, 2): 128, (64, 2): 168}   # (BLOCK_N, warps)
+KV8_TILES = (   # (BLOCK_N, warps, stages, K's conversions, registers): sm_90 counts in docs/gpu.md
+    (32, 4, 3, (0,), 96),          # the H100's best tile with Triton's cast (5 programs per SM)
+    (64, 4, 2, (1, 2), 128),
+    (128, 4, 2, (0, 1, 2), 168),   # the default (K_CVT 1)
+    (64, 2, 2, (1, 2), 168),       # 5 programs per SM, about as few instructions per key as 128 / 4
+    (128, 8, 2, (1,), None),
+    (256, 8, 2, (1,), None),
+)
 
 
 def kv8_decode_configs() -> list[dict]:
-    """8-bit decode settings for a GPU: the best known (BLOCK_N, warps, stages) of each tile size from the H100
-    and H200 sweeps x K's conversion x ``F16_MATH``, plus 2- and 8-warp tiles (the sm_90 compile issues about as
-    many instructions per key at 2 warps, with no cross-warp barrier among them; ``benchmarks.sm90_report``)
-    with the asm conversions only. V converts before its shared copy (``V_CVT`` 2) in all. Registers capped
-    (``KV8_TILE_REGISTERS``) where shared memory would hold more programs per SM than the compiler's own count
-    allows (sm_90, bf16 queries at head_dim 128: no spills at these caps)."""
-    known = [dict(BLOCK_N=n, num_warps=4, num_stages=stages, K_CVT=k_cvt, F16_MATH=f16)
-             for n, stages in ((32, 3), (64, 2), (128, 2)) for k_cvt in (0, 1) for f16 in (False, True)]
-    wider = [dict(BLOCK_N=n, num_warps=warps, num_stages=stages, K_CVT=1, F16_MATH=f16)
-             for n, warps, stages in ((32, 2, 3), (64, 2, 2), (128, 8, 2), (256, 8, 2)) for f16 in (False, True)]
-    return [dict(config, V_CVT=2, maxnreg=KV8_TILE_REGISTERS.get((config["BLOCK_N"], config["num_warps"])))
-            for config in known + wider]
+    """8-bit decode settings for a GPU: ``KV8_TILES`` x ``F16_MATH``, each with V converted before its shared
+    copy (``V_CVT`` 2). K's conversions: 0 Triton's cast, 1 the asm in registers, 2 the asm before K's shared
+    copy (the query then stays in registers). Registers capped where shared memory would hold more programs
+    per SM than the compiler's own count allows (no spills at these caps in the sm_90 compile)."""
+    return [dict(BLOCK_N=n, num_warps=warps, num_stages=stages, K_CVT=k_cvt, V_CVT=2, F16_MATH=f16, maxnreg=regs)
+            for n, warps, stages, k_cvts, regs in KV8_TILES for k_cvt in k_cvts for f16 in (False, True)]
+
+
 PREFILL_SHAPES = ((8192, 0), (8192, 8192))
 PREFILL_GRID = dict(BLOCK_Q=(16, 32, 64), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3))
 DRY = dict(decode_shapes=((3, 70),), decode_grid=dict(BLOCK_N=(16, 32), num_warps=(4,), num_stages=(2,)),

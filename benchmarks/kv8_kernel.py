@@ -6,10 +6,11 @@ The same shapes as ``benchmarks.kernels`` (32 query / 8 KV heads, head_dim 128, 
 blocks, bf16 queries) at batch {8, 64, 256} x context {2k, 8k, 32k}; each 8-bit cache holds the bf16
 cache's rows quantized by ``kernels.store_kv`` (one float16 scale per row). Per configuration: ms per
 decode call (``triton.testing.do_bench`` median), sequences x tokens per second of it, the speed-up over
-bf16 and the bytes read per second (codes + scales + q and out). Goal (issue #37): >= 1.6x bf16 at batch 64,
-ctx 8k. Each 8-bit configuration is first checked against the torch reference on a small slice. A
-prefill row (one 4k chunk over a 4k history) shows what the dequantizing loads cost there.
-``--dry-run``: tiny shapes on CPU through the Triton interpreter (float16 queries), numbers meaningless.
+bf16 and the bytes read per second (codes + scales + q and out); rows named ``<cache>+f16`` run the same
+cache under the kernel's ``F16_MATH`` (off by default). Goal (issue #37): >= 1.6x bf16 at batch 64, ctx 8k.
+Each 8-bit configuration is first checked against the torch reference on a small slice. A prefill row (one
+4k chunk over a 4k history) shows what the dequantizing loads cost there. ``--dry-run``: tiny shapes on CPU
+through the Triton interpreter (float16 queries), numbers meaningless.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ FULL = dict(batches=(8, 64, 256), contexts=(2048, 8192, 32768), q_heads=32, kv_h
             block_size=16, dtype="bfloat16", cache_dtypes=("int8", "fp8_e4m3"), prefill=(4096, 4096))
 DRY = dict(batches=(2,), contexts=(70,), q_heads=4, kv_heads=2, head_dim=32, block_size=16, dtype="float16",
            cache_dtypes=("int8", "fp8_e4m3"), prefill=(20, 30))
+F16_MATH = "+f16"   # a row name's suffix: the same cache under the decode kernel's F16_MATH (off by default)
 
 
 def quantized_copy(k_cache, v_cache, cache_dtype: torch.dtype):
@@ -58,6 +60,7 @@ def read_bytes(batch: int, context: int, cfg: dict, cache_dtype: torch.dtype, q:
 
 def bench_decode(batch: int, context: int, cfg: dict, device, on_cuda: bool) -> list[dict]:
     from pagedray import kernels
+    from pagedray.kernels.decode_triton import paged_decode_triton
     from pagedray.kernels.kv_quant import KV_CACHE_DTYPES
 
     dtype = getattr(torch, cfg["dtype"])
@@ -70,14 +73,16 @@ def bench_decode(batch: int, context: int, cfg: dict, device, on_cuda: bool) -> 
     for name in cfg["cache_dtypes"]:
         k8, v8, ks, vs = quantized_copy(k_cache, v_cache, KV_CACHE_DTYPES[name])
         caches[name] = (k8, v8, dict(k_scale=ks, v_scale=vs))
+        caches[name + F16_MATH] = (k8, v8, dict(k_scale=ks, v_scale=vs, config=dict(F16_MATH=True)))
     rows, base_ms = [], None
     for name, (k, v, extra) in caches.items():
         few = min(batch, 2)
-        check_close(kernels.paged_decode(q[:few], k, v, tables[:few], lens[:few], scale, use_triton=True, **extra),
-                    kernels.paged_decode(q[:few], k, v, tables[:few], lens[:few], scale, use_triton=False, **extra),
+        scales = {key: value for key, value in extra.items() if key != "config"}
+        check_close(paged_decode_triton(q[:few], k, v, tables[:few], lens[:few], scale, **extra),
+                    kernels.paged_decode(q[:few], k, v, tables[:few], lens[:few], scale, use_triton=False, **scales),
                     f"decode {name} b={batch} ctx={context}")
-        ms = time_ms(lambda k=k, v=v, extra=extra: kernels.paged_decode(q, k, v, tables, lens, scale, out=out,
-                                                                        use_triton=True, **extra), on_cuda)
+        ms = time_ms(lambda k=k, v=v, extra=extra: paged_decode_triton(q, k, v, tables, lens, scale, out=out,
+                                                                       **extra), on_cuda)
         base_ms = base_ms or ms
         nbytes = read_bytes(batch, context, cfg, k.dtype, q)
         rows.append(dict(kind="decode", cache=name, batch=batch, context=context, ms=ms,
@@ -121,7 +126,7 @@ def run(cfg: dict, device: torch.device, out_path: pathlib.Path, dry_run: bool) 
     rows = []
     for batch, context in ((b, c) for b in cfg["batches"] for c in cfg["contexts"]):
         rows += bench_decode(batch, context, cfg, device, on_cuda)
-        for r in rows[-1 - len(cfg["cache_dtypes"]):]:                 # printed as measured: a cut run keeps them
+        for r in rows[-1 - 2 * len(cfg["cache_dtypes"]):]:             # printed as measured: a cut run keeps them
             print(f"{r['cache']:9} {r['batch']:>6} {r['context']:>8} {r['ms']:>9.4f} {r['ktok_per_s']:>10.0f} "
                   f"{r['gbps']:>8.1f} {r['speedup_vs_16bit']:>8.2f}x", flush=True)
     rows += bench_prefill(cfg, device, on_cuda)

@@ -78,10 +78,10 @@ def test_kv8_kernel_dry_run_checks_and_times_every_row(tmp_path):
 
     report = _run_dry("benchmarks.kv8_kernel", tmp_path / "kv8.json")
     decode = [r for r in report["rows"] if r["kind"] == "decode"]
-    caches = [DRY["dtype"], *DRY["cache_dtypes"]]
+    caches = [DRY["dtype"], *(name + suffix for name in DRY["cache_dtypes"] for suffix in ("", "+f16"))]
     assert [r["cache"] for r in decode] == caches * len(DRY["batches"]) * len(DRY["contexts"])
     assert all(r["ms"] > 0 and r["gbps"] > 0 and r["speedup_vs_16bit"] > 0 for r in decode)
-    assert [r["cache"] for r in report["rows"] if r["kind"] == "prefill"] == caches
+    assert [r["cache"] for r in report["rows"] if r["kind"] == "prefill"] == [DRY["dtype"], *DRY["cache_dtypes"]]
 
 
 def test_quant_gemm_dry_run_checks_and_times_every_row(tmp_path):
