@@ -175,7 +175,8 @@ def variants() -> dict[str, tuple]:
         name = f"prefill {data_type} group {group}" + (" alibi+window" if alibi else "")
         out[name] = (prefill_triton._prefill_kernel, data_type, consts, options)
     cfg, options = _launch_options(prefill_triton.prefill_config(128, 4, torch.bfloat16, on_gpu=True))
-    consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, IEEE=False, HAS_SOFTCAP=False, QUANT=True, **cfg)
+    consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, IEEE=False, HAS_SOFTCAP=False, QUANT=True,
+                  SCALE_ROWS=True, **cfg)                        # bf16 queries: rows dequantized before the products
     out["prefill bf16 group 4 over int8 KV"] = (prefill_triton._prefill_kernel, "bf16", consts, options, KV8)
     store_cfg, store_options = _launch_options(store_kv_triton.store_kv_config(8, 128))
     limits = dict(SMIN=store_kv_triton.SCALE_MIN, SMAX=store_kv_triton.SCALE_MAX)

@@ -38,6 +38,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCALE_ROWS: tl.constexpr = False,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)       # heavy tiles (late in a chunk) launch first
     kv_head = tl.program_id(1)
@@ -80,13 +81,14 @@ def _prefill_kernel(
                                          sliding_window, scale_log2, softcap, d, d_mask,
                                          k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
                                          BLOCK_SIZE, False, HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
-                                         FULL=True)
+                                         FULL=True, SCALE_ROWS=SCALE_ROWS)
         for n0 in range(masked_from, kv_end, BLOCK_N):
             m, l, acc = attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
                                      stride_kb, stride_ks, stride_vb, stride_vs,
                                      sliding_window, scale_log2, softcap, d, d_mask,
                                      k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
-                                     BLOCK_SIZE, True, HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N)
+                                     BLOCK_SIZE, True, HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
+                                     SCALE_ROWS=SCALE_ROWS)
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         o_off = q_idx.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -125,7 +127,9 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_ta
                          k_scale=None, v_scale=None):
     """Launch the prefill kernel. Shapes as in ``pagedray.kernels.paged_prefill``; ``config`` overrides
     entries of ``prefill_config`` (the benchmark's ``--sweep`` uses it); ``k_scale`` / ``v_scale``: an 8-bit
-    cache's row scales."""
+    cache's row scales, applied to the K / V rows before the products for bf16 and fp32 queries
+    (``tile_triton``'s ``SCALE_ROWS``), to the scores and probabilities for float16 ones, whose range the scaled
+    rows of small values would leave."""
     total_q, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = seq_lens_k.shape[0]
@@ -145,6 +149,7 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_ta
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_seqs, head_dim, group, sliding_window or 0,
         BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window is not None,
-        IEEE=q.dtype == torch.float32, HAS_SOFTCAP=logit_softcap is not None, QUANT=k_scale is not None, **cfg,
+        IEEE=q.dtype == torch.float32, HAS_SOFTCAP=logit_softcap is not None, QUANT=k_scale is not None,
+        SCALE_ROWS=k_scale is not None and q.dtype != torch.float16, **cfg,   # float16's range: scores scaled
     )
     return out

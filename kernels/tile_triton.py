@@ -13,7 +13,10 @@ With ``QUANT`` (an 8-bit cache, ``kv_quant``) the codes go into the products as 
 float8 e4m3 values are exact in bf16 / fp16 / fp32) and the row scales (``ks_base`` / ``vs_base``, strides
 ``stride_sb`` per block and ``stride_ss`` per slot) multiply what is smaller: a key's scale its column of
 scores, a value's scale its column of probabilities before ``p @ V``. Scaling the ``[BLOCK_N, D]`` tiles
-instead (dequantize first) ran at half the bf16 kernel's speed on an H200 (docs/gpu.md). With float16
+instead (dequantize first) ran at half the bf16 kernel's speed on an H200 in decode (docs/gpu.md), where a
+tile serves 16 rows of scores; prefill tiles serve 64-256 rows, and there ``SCALE_ROWS`` (bf16 / fp32
+queries) dequantizes first: the sm_90 loop took 808 instructions a trip against 1,231, most of the
+difference the per-key scale loads each thread made for its own columns of scores. With float16
 queries the scaled probabilities are divided by the tile's largest value scale, which then multiplies the
 tile's ``p @ V``: rows of small values (scales near float16's smallest) would otherwise round p x scale to
 float16 subnormals (bf16 has float32's range and needs no such step). ``K_CVT`` / ``V_CVT`` pick how the
@@ -93,12 +96,19 @@ def _per_key(pointers, n_mask, FULL: tl.constexpr):
 
 
 @triton.jit
+def _scaled_rows(codes, scale_pointers, n_mask, FULL: tl.constexpr, dtype: tl.constexpr):
+    """An 8-bit tile [BLOCK_N, BLOCK_D] times each row's scale, in float32 (exact: an 8-bit code times a float16
+    scale), then ``dtype`` (rounded there, as a 16-bit cache's rows are)."""
+    return (codes.to(tl.float32) * _per_key(scale_pointers, n_mask, FULL).to(tl.float32)[:, None]).to(dtype)
+
+
+@triton.jit
 def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
                  stride_kb, stride_ks, stride_vb, stride_vs, sliding_window, scale_log2, softcap,
                  d, d_mask, ks_base, vs_base, stride_sb, stride_ss, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  QUANT: tl.constexpr, BLOCK_N: tl.constexpr, K_CVT: tl.constexpr = 0, V_CVT: tl.constexpr = 0,
-                 FULL: tl.constexpr = False):
+                 FULL: tl.constexpr = False, SCALE_ROWS: tl.constexpr = False):
     """One online-softmax step over key positions [n0, n0 + BLOCK_N) -> updated (m, l, acc). ``FULL``: the caller
     knows every key of the tile is before ``kv_end`` (with ``MASKED`` False: every key visible to every row), so
     the tile loads without the per-key predicates (the decode loop issued 30% fewer instructions on sm_90)."""
@@ -112,13 +122,15 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
         kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
                 mask=kv_mask, other=0.0)                                         # [BLOCK_N, BLOCK_D]
-    if QUANT:
+    if QUANT and SCALE_ROWS:
+        k = _scaled_rows(k, ks_base + blk * stride_sb + off * stride_ss, n_mask, FULL, q.dtype)
+    elif QUANT:
         k = codes_to(k, q.dtype, K_CVT)                                          # codes, exact
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if QUANT:
+    if QUANT and not SCALE_ROWS:
         s = s * _per_key(ks_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)[None, :]
     if HAS_SOFTCAP:   # Gemma 2: cap * tanh(scale * s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1), then base 2
         x = s * (scale_log2 / 1.4426950408889634 / softcap)
@@ -140,7 +152,9 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
     v = tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
                 mask=kv_mask, other=0.0)
     v_max = 1.0
-    if QUANT:
+    if QUANT and SCALE_ROWS:
+        v = _scaled_rows(v, vs_base + blk * stride_sb + off * stride_ss, n_mask, FULL, q.dtype)
+    elif QUANT:
         v = codes_to(v, q.dtype, V_CVT)
         v_scale = _per_key(vs_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)
         if q.dtype == tl.float16:     # float16's range: p x scale in [0, 1] of the tile's largest scale

@@ -137,24 +137,28 @@ def test_triton_decode_over_8bit_rows_of_any_magnitude(f16_math, magnitude, cach
         assert err.max().item() < RELATIVE_TOL[q_dtype], f"sequence {i}: relative errors {err.tolist()}"
 
 
+@pytest.mark.parametrize("window", [25, None])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["int8", "fp8"])
-@pytest.mark.parametrize("path", ["reference", "triton"])
-def test_prefill_over_an_8bit_cache_matches_the_oracle(path, cache_dtype):
+@pytest.mark.parametrize("path", ["reference", "triton", "triton-fp32"])
+def test_prefill_over_an_8bit_cache_matches_the_oracle(path, cache_dtype, window):
+    """``triton``: float16 queries, the scales applied to scores and probabilities; ``triton-fp32``: the rows
+    dequantized before the products (``SCALE_ROWS``, as bf16 queries on a GPU). Without a window the kernel
+    also runs its loop over the tiles below the diagonal (``FULL``)."""
     lens, chunks = [45, 30, 19], [12, 30, 1]       # with history, without, and a decode row
     case, (k8, v8, ks, vs), keys, values = _quantized_case(lens, 2, 32, 8, cache_dtype, seed_of("kv8-prefill"))
     q_dtype = torch.float16 if path == "triton" else torch.float32
     q = torch.randn(sum(chunks), 6, 32, generator=torch.Generator().manual_seed(4)).to(q_dtype)
     cu = torch.tensor([0, 12, 42, 43], dtype=torch.int32)
-    device = kernel_device() if path == "triton" else torch.device("cpu")
+    device = kernel_device() if path.startswith("triton") else torch.device("cpu")
     args = _to(device, q, k8, v8, cu, case.seq_lens, case.block_tables)
     if path == "reference":
-        out = paged_prefill_reference(*args, 0.2, k_scale=ks, v_scale=vs, sliding_window=25)
+        out = paged_prefill_reference(*args, 0.2, k_scale=ks, v_scale=vs, sliding_window=window)
     else:
-        out = kernels.paged_prefill(*args, 0.2, k_scale=ks.to(device), v_scale=vs.to(device), sliding_window=25,
+        out = kernels.paged_prefill(*args, 0.2, k_scale=ks.to(device), v_scale=vs.to(device), sliding_window=window,
                                     use_triton=True)
     for i, n in enumerate(chunks):
         start = int(cu[i])
-        want = dense_attention(q[start:start + n], keys[i], values[i], 0.2, sliding_window=25)
+        want = dense_attention(q[start:start + n], keys[i], values[i], 0.2, sliding_window=window)
         assert (out[start:start + n].double().cpu() - want).abs().max().item() < TOL[q_dtype]
 
 
