@@ -61,6 +61,12 @@ timeout "${MOE_S:-120}" python3 -m benchmarks.moe_kernel --out "$OUT/moe_kernel.
 echo "moe_kernel exit: $?"
 fi
 
+if wanted kv8; then
+echo "== benchmarks.kv8_kernel =="
+timeout "${KV8_S:-240}" python3 -m benchmarks.kv8_kernel --out "$OUT/kv8_kernel.json"
+echo "kv8_kernel exit: $?"
+fi
+
 if wanted kvsweep; then
 for code in int8 fp8_e4m3; do
 echo "== benchmarks.kernel_sweep --cache-dtype $code (decode, batch 64, 8k) =="
@@ -68,12 +74,6 @@ timeout "${KVSWEEP_S:-200}" python3 -m benchmarks.kernel_sweep --cache-dtype "$c
     --decode-only --out "$OUT/sweep_$code.json"
 echo "kernel_sweep exit: $?"
 done
-fi
-
-if wanted kv8; then
-echo "== benchmarks.kv8_kernel =="
-timeout "${KV8_S:-150}" python3 -m benchmarks.kv8_kernel --out "$OUT/kv8_kernel.json"
-echo "kv8_kernel exit: $?"
 fi
 
 if wanted qgemm; then
