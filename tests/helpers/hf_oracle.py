@@ -49,3 +49,13 @@ def hf_logprobs_along(model_path: str, prompt: list[int], output: list[int]) -> 
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1:]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_top_logprobs_match(model_path: str, seqs, atol: float = 1e-4) -> None:
+    """Every sampled token's top logprobs (``seq.sampled``) equal transformers' log-softmax at those ids."""
+    for seq in seqs:
+        reference = hf_logprobs_along(model_path, seq.prompt, seq.output)
+        for row, sampled in zip(reference, seq.sampled):
+            ids = [token for token, _ in sampled.top_logprobs]
+            values = torch.tensor([value for _, value in sampled.top_logprobs])
+            torch.testing.assert_close(values, row[ids], rtol=0, atol=atol)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.hf_oracle import hf_greedy_each, hf_logprobs_along
+from helpers.hf_oracle import assert_top_logprobs_match, hf_greedy_each
 from helpers.quantized_checkpoints import quantize_folder, round_rows_8bit
 from helpers.worker_setup import engine_config, local_driver
 from pagedray.kernels import quant_gemm_reference
@@ -56,12 +56,7 @@ def _assert_same_model(path: str, oracle: str, **model_kwargs) -> None:
     params = SamplingParams(temperature=0.0, logprobs=5)
     seqs = driver.run([driver.add(p, NEW_TOKENS, params) for p in PROMPTS])
     assert [s.output for s in seqs] == hf_greedy_each(oracle, PROMPTS, NEW_TOKENS)
-    for seq in seqs:
-        reference = hf_logprobs_along(oracle, seq.prompt, seq.output)
-        for row, sampled in zip(reference, seq.sampled):
-            ids = [token for token, _ in sampled.top_logprobs]
-            values = torch.tensor([value for _, value in sampled.top_logprobs])
-            torch.testing.assert_close(values, row[ids], rtol=0, atol=1e-4)
+    assert_top_logprobs_match(oracle, seqs)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
