@@ -57,7 +57,8 @@ def codes_to(codes, dtype: tl.constexpr, CVT: tl.constexpr):
     Triton's cast; 1: the asm above as a pure op (Triton may move it after the tile's shared-memory copy
     and convert in the dot operand's registers); 2: the asm as an opaque op it cannot move, so the copy
     holds 16-bit values (``ldmatrix`` can then transpose V for ``p @ V``). 1 and 2: CUDA, bf16 / fp16 (by
-    default bf16 queries only: the float16 forms run under ``F16_MATH`` and have not run on a GPU yet)."""
+    default bf16 queries only: the float16 forms run under ``F16_MATH`` and have not run on a GPU yet; every
+    code through each asm string is checked by an interpreter of their PTX, tests/kernels/test_codes_asm.py)."""
     if CVT == 0:
         out = codes.to(dtype)
     elif dtype == tl.bfloat16:
