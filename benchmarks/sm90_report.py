@@ -154,6 +154,10 @@ def variants() -> dict[str, tuple]:
                       IEEE=data_type == "fp32", HAS_SOFTCAP=split, QUANT=False, **cfg)   # split also soft-caps
         name = f"decode {data_type}" + (" split+alibi+window" if split else "")
         out[name] = (decode_triton._decode_kernel, data_type, consts, options)
+    cfg, options = _launch_options(decode_triton.decode_config(128, 32))     # 32 query heads on one KV head
+    out["decode bf16 group 32 split"] = (decode_triton._decode_kernel, "bf16",
+                                         dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, SPLIT=True, IEEE=False,
+                                              HAS_SOFTCAP=False, QUANT=False, **cfg), options)
     cfg, options = _launch_options(decode_triton.decode_config(128, 4, quantized=True, fast_codes=True))
     consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, SPLIT=False, IEEE=False, HAS_SOFTCAP=False,
                   QUANT=True, **cfg)
