@@ -12,7 +12,6 @@ ranks stop with ``BrokenBarrierError`` instead of waiting for it.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from pagedray.workers import worker as worker_module
@@ -74,24 +73,30 @@ def thread_tp_workers(monkeypatch, model_path: str, tp: int, num_blocks: int = 6
 
 def thread_tp_driver(workers: list[worker_module.Worker], block_size: int = 8, num_blocks: int = 64,
                      **driver_kwargs) -> PlanDriver:
-    """A plan driver whose every step runs on all ranks at once (one thread each); rank 0's result."""
-    pool = ThreadPoolExecutor(len(workers), thread_name_prefix="tp-rank")
+    """A plan driver whose every step runs on all ranks at once (a thread each, joined before the step
+    returns); rank 0's result."""
     exchange = workers[0].tp.exchange
 
-    def run_rank(worker, plan):
-        try:
-            return worker.execute(plan)
-        except BaseException:
-            exchange.barrier.abort()     # the other ranks stop at their next collective instead of waiting
-            raise
-
     def execute(plan):
-        futures = [pool.submit(run_rank, worker, plan) for worker in workers]
-        errors = [future.exception() for future in futures]
-        causes = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
-        if causes or any(errors):
-            raise (causes or [e for e in errors if e is not None])[0]     # the rank that failed, not its peers
-        results = [future.result() for future in futures]
+        results: list = [None] * len(workers)
+        errors: list[BaseException | None] = [None] * len(workers)
+
+        def run_rank(rank: int) -> None:
+            try:
+                results[rank] = workers[rank].execute(plan)
+            except BaseException as exc:   # noqa: BLE001 - handed to the caller below
+                errors[rank] = exc
+                exchange.barrier.abort()   # the other ranks stop at their next collective instead of waiting
+
+        threads = [threading.Thread(target=run_rank, args=(rank,), name=f"tp-rank-{rank}")
+                   for rank in range(len(workers))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        failed = [e for e in errors if e is not None]
+        if failed:   # the rank that failed, not the peers whose barrier it broke
+            raise next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
         assert all(result is None for result in results[1:]), "only rank 0 may return a result"
         return results[0]
 
