@@ -103,7 +103,7 @@ def decode_variants(spec: dict) -> list[tuple[dict | None, int | None]]:
 
 def _best_at_splits(spec: dict, rows: list[dict]) -> list[tuple[dict, int]]:
     """The two fastest configurations of ``rows`` (automatic splits) at each count of ``best_at_splits``."""
-    timed = sorted((r for r in rows if isinstance(r["config"], dict) and r.get("num_splits") is None and "ms" in r),
+    timed = sorted((r for r in rows if isinstance(r["config"], dict) and r["num_splits"] is None and "ms" in r),
                    key=lambda r: r["ms"])
     return [(r["config"], splits) for r in timed[:2] for splits in spec.get("best_at_splits", ())]
 

@@ -69,20 +69,19 @@ def bench_decode(batch: int, context: int, cfg: dict, device, on_cuda: bool) -> 
     q = torch.randn((batch, cfg["q_heads"], cfg["head_dim"]), dtype=dtype, device=device, generator=gen)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     out, scale = torch.empty_like(q), 1.0 / math.sqrt(cfg["head_dim"])
-    caches = {cfg["dtype"]: (k_cache, v_cache, {})}
+    caches = {cfg["dtype"]: (k_cache, v_cache, {}, None)}          # name -> (K, V, row scales, kernel config)
     for name in cfg["cache_dtypes"]:
         k8, v8, ks, vs = quantized_copy(k_cache, v_cache, KV_CACHE_DTYPES[name])
-        caches[name] = (k8, v8, dict(k_scale=ks, v_scale=vs))
-        caches[name + F16_MATH] = (k8, v8, dict(k_scale=ks, v_scale=vs, config=dict(F16_MATH=True)))
+        caches[name] = (k8, v8, dict(k_scale=ks, v_scale=vs), None)
+        caches[name + F16_MATH] = (k8, v8, dict(k_scale=ks, v_scale=vs), dict(F16_MATH=True))
     rows, base_ms = [], None
-    for name, (k, v, extra) in caches.items():
+    for name, (k, v, scales, config) in caches.items():
         few = min(batch, 2)
-        scales = {key: value for key, value in extra.items() if key != "config"}
-        check_close(paged_decode_triton(q[:few], k, v, tables[:few], lens[:few], scale, **extra),
+        check_close(paged_decode_triton(q[:few], k, v, tables[:few], lens[:few], scale, config=config, **scales),
                     kernels.paged_decode(q[:few], k, v, tables[:few], lens[:few], scale, use_triton=False, **scales),
                     f"decode {name} b={batch} ctx={context}")
-        ms = time_ms(lambda k=k, v=v, extra=extra: paged_decode_triton(q, k, v, tables, lens, scale, out=out,
-                                                                       **extra), on_cuda)
+        ms = time_ms(lambda k=k, v=v, scales=scales, config=config: paged_decode_triton(
+            q, k, v, tables, lens, scale, out=out, config=config, **scales), on_cuda)
         base_ms = base_ms or ms
         nbytes = read_bytes(batch, context, cfg, k.dtype, q)
         rows.append(dict(kind="decode", cache=name, batch=batch, context=context, ms=ms,
