@@ -60,6 +60,8 @@ KV8_TILES = (   # (BLOCK_N, warps, stages, K's conversions, registers): sm_90 co
     (64, 4, 2, (1, 2), 128),
     (128, 4, 2, (0, 1, 2), 168),   # the default (K_CVT 1)
     (64, 2, 2, (1, 2), 168),       # 5 programs per SM, about as few instructions per key as 128 / 4
+    (64, 1, 2, (2,), None),        # one warp: no reductions across warps; 6 programs per SM
+    (32, 1, 3, (2,), None),        # one warp, 8 programs per SM
     (128, 8, 2, (1,), None),
     (256, 8, 2, (1,), None),
 )
