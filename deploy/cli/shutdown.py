@@ -6,6 +6,7 @@ Decisions: docs/design/deploy.md, ``pagedray.deploy.cli.shutdown``.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 
@@ -24,21 +25,50 @@ REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"   # Serve's replica actors: "SERVE_REPL
 DRAIN_MARGIN_S = 1.0   # past graceful_shutdown_s: an ingress ends a stream whose engine Serve killed (SSE error)
 
 
+def within(call, timeout_s: float):
+    """``call()``'s result, or TimeoutError when it has not returned within ``timeout_s`` (it goes on in a daemon
+    thread, which cannot hold up the exit). Its exception is raised here; so is a signal's KeyboardInterrupt
+    during the wait. For Ray's calls to its GCS, which wait for ever once the GCS is gone (``ray.shutdown``
+    itself still ends: about 20 s on a dead GCS, measured here)."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            outcome.append((False, exc))
+
+    worker = threading.Thread(target=run, daemon=True, name="pagedray-shutdown-call")
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
 def requests_in_flight(app_name: str, timeout_s: float = 5.0) -> int | None:
     """Requests the app's replicas hold now: Serve's own count per replica (``get_num_ongoing_requests``,
     what a replica's graceful shutdown waits on; HTTP requests of the ingress included). None when that
-    cannot be told (no replica found, one not answering within ``timeout_s``): then nothing is assumed."""
+    cannot be told (no replica found, Ray or a replica not answering within ``timeout_s``): then nothing is
+    assumed."""
     import ray
     from ray.util import list_named_actors
 
     prefix = f"{REPLICA_ACTOR_PREFIX}{app_name}#"
-    try:
+
+    def count() -> int | None:
         actors = [ray.get_actor(a["name"], namespace=a["namespace"])
                   for a in list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
         counts = ray.get([actor.get_num_ongoing_requests.remote() for actor in actors], timeout=timeout_s)
+        return sum(counts) if actors else None
+
+    try:
+        return within(count, timeout_s)
     except Exception:  # noqa: BLE001 - any failure to ask means "unknown", never "idle"
         return None
-    return sum(counts) if actors else None
 
 
 def drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
@@ -50,7 +80,8 @@ def drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
     first wait out each replica's shutdown loop (seconds, doing nothing). With requests in flight, Serve is
     told to delete the app (it stops routing to it and each replica drains) and the count is polled here,
     so the teardown follows the last request instead of Serve's loops. When the count cannot be had, the
-    blocking ``serve.delete`` is Serve's own wait, nothing is assumed."""
+    blocking ``serve.delete`` is Serve's own wait, nothing is assumed, within the same time: a Ray whose GCS
+    has died answers neither (each call would wait for ever), and the caller's ``ray.shutdown`` follows."""
     from ray import serve
 
     in_flight = requests_in_flight(name)
@@ -59,7 +90,11 @@ def drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
         return
     print(f"waiting up to {grace_s:g} s for the requests in flight (Ctrl-C again: stop now) ...", flush=True)
     if in_flight is None:
-        serve.delete(name)
+        try:
+            within(lambda: serve.delete(name), grace_s + DRAIN_MARGIN_S)
+        except TimeoutError:
+            print(f"Serve did not finish deleting {name!r} within {grace_s + DRAIN_MARGIN_S:g} s: stopping Ray",
+                  flush=True)
         return
     serve.delete(name, _blocking=False)
     deadline = time.monotonic() + grace_s + DRAIN_MARGIN_S

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+import threading
 import types
 
 import pytest
@@ -401,6 +402,44 @@ def test_requests_that_cannot_be_counted_get_serves_own_drain(monkeypatch):
     fake = FakeRayAndServe(monkeypatch, in_flight=[None])
     shutdown.stop_serving("app", private=True, serve_started=True, grace_s=20)
     assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=True)", "ray.shutdown"]
+
+
+@pytest.mark.timeout(120)
+def test_a_ray_whose_gcs_is_gone_gives_an_unknown_count_not_a_hang(monkeypatch):
+    """A GCS that died (the OOM killer, ``ray stop`` from another shell) left ``pagedray serve`` stuck in
+    "stopping ..." for ever: ``list_named_actors`` has no timeout. The count is now "unknown"."""
+    gone = threading.Event()
+    ray = types.ModuleType("ray")
+    util = types.ModuleType("ray.util")
+    util.list_named_actors = lambda all_namespaces: gone.wait()   # never answers
+    ray.util = util
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.util", util)
+    try:
+        assert shutdown.requests_in_flight("app", timeout_s=0.05) is None
+    finally:
+        gone.set()
+
+
+@pytest.mark.timeout(120)
+def test_a_delete_that_never_returns_is_given_up_after_graceful_shutdown_s(monkeypatch, capsys):
+    fake = FakeRayAndServe(monkeypatch, in_flight=[None])
+    gone = threading.Event()
+    recorded_delete = sys.modules["ray.serve"].delete
+    monkeypatch.setattr(sys.modules["ray.serve"], "delete", lambda name: (recorded_delete(name), gone.wait()))
+    monkeypatch.setattr(shutdown, "DRAIN_MARGIN_S", 0.05)
+    try:
+        shutdown.stop_serving("app", private=True, serve_started=True, grace_s=0)
+    finally:
+        gone.set()
+    assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=True)", "ray.shutdown"]
+    assert "did not finish deleting 'app' within 0.05 s: stopping Ray" in capsys.readouterr().out
+
+
+def test_within_gives_the_result_or_the_calls_own_error():
+    assert shutdown.within(lambda: 7, 60) == 7
+    with pytest.raises(ZeroDivisionError):
+        shutdown.within(lambda: 1 / 0, 60)
 
 
 def test_a_second_signal_cuts_the_wait_but_still_stops_the_private_ray(monkeypatch, capsys):
