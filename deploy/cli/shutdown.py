@@ -22,7 +22,10 @@ def stop_on_signals() -> None:
 
 
 REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"   # Serve's replica actors: "SERVE_REPLICA::<app>#<deployment>#<id>"
-DRAIN_MARGIN_S = 1.0   # past graceful_shutdown_s: an ingress ends a stream whose engine Serve killed (SSE error)
+DRAIN_MARGIN_S = 5.0   # past graceful_shutdown_s: an ingress ends a stream whose engine Serve killed (SSE error)
+# the drain (``start_drain``) aborts what is left this long before Serve force-kills a replica holding the engine
+DRAIN_LEAD_S = 1.0
+CALL_TIMEOUT_S = 5.0   # a call to Serve's controller (a handle to the app)
 
 
 def within(call, timeout_s: float):
@@ -71,6 +74,20 @@ def requests_in_flight(app_name: str, timeout_s: float = 5.0) -> int | None:
         return None
 
 
+def start_drain(name: str, timeout_s: float):
+    """Ask the app's ingress replica (the one the call reaches: with one replica, the whole app; with an engine
+    deployment, one engine replica) to drain: new requests get 503, those in flight ``timeout_s`` to finish,
+    then they end with finish_reason "abort" (their last chunk and ``[DONE]``) instead of being cut when
+    Serve force-kills the replica. The call's response (its DrainReport when it is done), or None when it
+    could not be sent (then Serve's delete alone stops the app, as before)."""
+    from ray import serve
+
+    try:
+        return within(lambda: serve.get_app_handle(name).drain.remote(timeout_s), CALL_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the drain is a courtesy to the streams; the delete still follows
+        return None
+
+
 def drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
     """Let the requests in flight on a private Ray finish, for ``grace_s`` (``graceful_shutdown_s``) plus
     ``DRAIN_MARGIN_S`` at most, before the caller tears the Ray down.
@@ -79,9 +96,14 @@ def drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
     ends Serve's controller, proxy and every replica and TP worker with it, while ``serve.delete`` would
     first wait out each replica's shutdown loop (seconds, doing nothing). With requests in flight, Serve is
     told to delete the app (it stops routing to it and each replica drains) and the count is polled here,
-    so the teardown follows the last request instead of Serve's loops. When the count cannot be had, the
-    blocking ``serve.delete`` is Serve's own wait, nothing is assumed, within the same time: a Ray whose GCS
-    has died answers neither (each call would wait for ever), and the caller's ``ray.shutdown`` follows."""
+    so the teardown follows the last request instead of Serve's loops. Before the delete, the app is asked
+    to drain (``start_drain``) with ``DRAIN_LEAD_S`` less: Serve force-kills a replica holding the engine
+    ``grace_s`` after the delete, which cut each stream still running (a closed connection); drained, those
+    end with their final chunk first (and an engine deployment's other replicas' streams with an SSE error
+    event: the ingress does not fail them over while the app is deleted, ``failover.py``). When the count
+    cannot be had, the blocking ``serve.delete`` is Serve's own wait, nothing is assumed, within the same
+    time: a Ray whose GCS has died answers neither (each call would wait for ever), and the caller's
+    ``ray.shutdown`` follows."""
     from ray import serve
 
     in_flight = requests_in_flight(name)
@@ -96,6 +118,7 @@ def drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
             print(f"Serve did not finish deleting {name!r} within {grace_s + DRAIN_MARGIN_S:g} s: stopping Ray",
                   flush=True)
         return
+    drain = start_drain(name, max(0.0, grace_s - DRAIN_LEAD_S))   # noqa: F841 - the call is held until the end
     serve.delete(name, _blocking=False)
     deadline = time.monotonic() + grace_s + DRAIN_MARGIN_S
     while time.monotonic() < deadline and requests_in_flight(name):   # 0, or no replica left: done

@@ -39,8 +39,8 @@ Draining (``served_engine.py`` holds the state; the same with ``engine_in_ingres
   (= ``graceful_shutdown_s``; the ingress gets ``SHUTDOWN_MARGIN_S`` more: the failover's placement
   window and 10 s, so that it outlives the engine, continues a stream cut by that kill on the replica a
   redeploy is still starting (Serve stops an old replica as it starts its successor, and a model's replica
-  takes seconds to minutes to start), or ends it with an SSE error event; Serve stops the ingress as soon
-  as its last stream ends). Then it calls ``__del__``,
+  takes seconds to minutes to start), or ends it with an SSE error event, at once when the app is being
+  deleted; Serve stops the ingress as soon as its last stream ends). Then it calls ``__del__``,
   which hands whatever is left over (each stream ends as a lost replica's would, and the ingress
   continues it on another replica: ``failover.py``) and stops the TP workers. During ``serve delete`` the Serve proxy
   drops the route at once: new HTTP requests get the proxy's 404 while the ones in flight finish.

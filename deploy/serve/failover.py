@@ -25,6 +25,10 @@ stream: continuation outputs carry no prompt fields, and usage counts the prompt
   A request that cannot be placed ends as before: the error reaches the stream (an SSE error event).
 - Never for a request's own failure (an ``error`` from its grammar or its logits, a 4xx): that would
   fail again the same way.
+- Never while the app is being deleted (``serve delete``, ``pagedray serve`` stopping; ``app_deleting``, asked
+  at each failover: Serve's status of the app says DELETING, or the app is gone): no replica will take the
+  continuation, and waiting for one kept the stream open until Ray was shut down under it (a cut
+  connection instead of an SSE error event). A redeploy or a scale-down still fails over.
 - Unseeded sampling continues too, but not reproducibly (it never was).
 
 ``pagedray:request_failovers_total`` counts failovers (``on_failover``): one per request and lost replica,
@@ -34,7 +38,7 @@ whatever its n.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -59,6 +63,7 @@ BACKOFF_S = (0.0, 1.0, 4.0)
 REFUSED_RETRY_S = 0.5
 # a continuation's first output must come within this (Serve may be starting the replica that takes it)
 PLACEMENT_TIMEOUT_S = 180.0
+APP_STATUS_TIMEOUT_S = 10.0   # Serve's status of the app, asked at each failover (``app_being_deleted``)
 REPLICA_LOST = (RayActorError, ReplicaUnavailableError, EngineDeadError)
 
 
@@ -70,11 +75,32 @@ class ReplicaLost(Exception):
     """An output said the engine failed under the request (``RequestOutput.engine_failed``)."""
 
 
+async def _never_deleting() -> bool:
+    return False
+
+
+async def app_being_deleted(app_name: str, timeout_s: float = APP_STATUS_TIMEOUT_S) -> bool:
+    """Serve's status of ``app_name`` says DELETING, or the app is gone. False when Serve does not answer
+    within ``timeout_s`` (or at all): a failover is then tried as before."""
+    from ray import serve
+
+    def deleting() -> bool:
+        status = serve.status().applications.get(app_name)
+        return status is None or status.status == "DELETING"
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(deleting), timeout_s)
+    except Exception:  # noqa: BLE001 - a status that cannot be had never ends a stream
+        return False
+
+
 class FailoverEngineClient:
     def __init__(self, inner, on_failover: Callable[[], None] = lambda: None, max_failovers: int = MAX_FAILOVERS,
                  sleep: Callable[[float], object] = asyncio.sleep,
-                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+                 app_deleting: Callable[[], Awaitable[bool]] = _never_deleting) -> None:
         self._inner = inner
+        self._app_deleting = app_deleting
         self._placement_timeout_s = placement_timeout_s
         self._on_failover = on_failover
         self._max_failovers = max_failovers
@@ -117,6 +143,9 @@ class FailoverEngineClient:
             except (*REPLICA_LOST, ReplicaLost) as exc:
                 if failovers >= self._max_failovers or all(done) or isinstance(exc, NotPlaced):
                     raise
+                if await self._app_deleting():
+                    raise NotPlaced("engine dead: the app is being deleted (the server is stopping); "
+                                    "no engine replica will take the request's continuation") from exc
             failovers += 1
             self._on_failover()
             await self._sleep(BACKOFF_S[min(failovers, len(BACKOFF_S)) - 1])

@@ -70,7 +70,7 @@ from ..openai.service import OpenAIService
 from ..openai.validation import ModelLimits
 from ..routing.router import replica_summaries
 from .engine_deployment import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S
-from .failover import FailoverEngineClient
+from .failover import FailoverEngineClient, app_being_deleted
 from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
 from .served_engine import DrainReport, ModelMeta, ServedEngine
@@ -165,7 +165,9 @@ class OpenAIIngress:
             meta, client = self._served.model_meta(), self._served
         else:           # streams continue on another replica when theirs is lost (failover.py)
             meta = await engine.model_meta.remote()
-            client = FailoverEngineClient(HandleEngineClient(engine), on_failover=lambda: self._metrics.failovers.inc())
+            app_name = engine.deployment_id.app_name
+            client = FailoverEngineClient(HandleEngineClient(engine), on_failover=lambda: self._metrics.failovers.inc(),
+                                          app_deleting=lambda: app_being_deleted(app_name))
         name, aliases = served_names(model, meta, served_model_name)
         tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)
         limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len,

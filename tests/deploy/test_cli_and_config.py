@@ -363,6 +363,8 @@ class FakeRayAndServe:
             return in_flight.pop(0) if len(in_flight) > 1 else in_flight[0]
 
         serve.delete = delete
+        serve.get_app_handle = lambda name: types.SimpleNamespace(drain=types.SimpleNamespace(
+            remote=lambda timeout_s: self.calls.append(f"drain({name}, {timeout_s:g})")))
         ray.serve = serve
         monkeypatch.setitem(sys.modules, "ray", ray)
         monkeypatch.setitem(sys.modules, "ray.serve", serve)
@@ -382,11 +384,13 @@ def test_an_idle_private_ray_is_torn_down_without_waiting_for_serve_delete(monke
 def test_requests_in_flight_are_let_finish_before_the_private_ray_stops(monkeypatch):
     fake = FakeRayAndServe(monkeypatch, in_flight=[2, 2, 1, 0])
     shutdown.stop_serving("app", private=True, serve_started=True, grace_s=20)
-    assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=False)", "in_flight(app)", "sleep",
-                          "in_flight(app)", "sleep", "in_flight(app)", "ray.shutdown"]
+    # drained first, DRAIN_LEAD_S before Serve's kill: what is left ends with its last chunk, not a cut
+    assert fake.calls == ["in_flight(app)", "drain(app, 19)", "serve.delete(app, blocking=False)", "in_flight(app)",
+                          "sleep", "in_flight(app)", "sleep", "in_flight(app)", "ray.shutdown"]
     fake = FakeRayAndServe(monkeypatch, in_flight=[1, None])   # None: every replica is gone
-    shutdown.stop_serving("app", private=True, serve_started=True, grace_s=20)
-    assert fake.calls == ["in_flight(app)", "serve.delete(app, blocking=False)", "in_flight(app)", "ray.shutdown"]
+    shutdown.stop_serving("app", private=True, serve_started=True, grace_s=0.5)
+    assert fake.calls == ["in_flight(app)", "drain(app, 0)", "serve.delete(app, blocking=False)", "in_flight(app)",
+                          "ray.shutdown"]
 
 
 def test_the_wait_for_requests_in_flight_ends_at_graceful_shutdown_s(monkeypatch):

@@ -20,6 +20,7 @@ from pagedray.cluster.outputs import (
     RequestOutput,
 )
 from pagedray.deploy.openai.metrics import ServerMetrics
+from pagedray.deploy.serve import failover
 from pagedray.deploy.serve.failover import BACKOFF_S, MAX_FAILOVERS, REFUSED_RETRY_S, FailoverEngineClient
 from ray.exceptions import ActorDiedError
 
@@ -213,3 +214,76 @@ def test_a_continuation_nobody_takes_ends_the_request_after_the_placement_timeou
     with pytest.raises(EngineDeadError, match="no engine replica took the request's continuation"):
         _collect(client, SamplingParams(max_tokens=4))
     assert replicas.calls == ["req", "req:failover1"]      # not retried
+
+
+@pytest.mark.parametrize("death", ["actor", "engine"])
+def test_a_stream_lost_while_the_app_is_deleted_ends_at_once_without_a_continuation(death):
+    """``pagedray serve`` stopping (``serve delete``): Serve kills the engine replica at graceful_shutdown_s and
+    no replica will take a continuation; waiting for one kept the stream open until Ray was shut down under
+    it (a cut connection). The stream ends with the error instead, its tokens so far delivered."""
+    asked = []
+
+    async def deleting():
+        asked.append(True)
+        return True
+
+    replicas = FakeReplicas([(3, death)])
+    client = FailoverEngineClient(replicas, app_deleting=deleting)
+    streamed = []
+
+    async def run():
+        async for out in client.generate("req", PROMPT, SamplingParams(temperature=0, max_tokens=8)):
+            streamed.extend(t for c in out.outputs for t in c.token_ids)
+
+    with pytest.raises(EngineDeadError, match="the app is being deleted"):
+        asyncio.run(run())
+    assert streamed == [token(None, 0, p) for p in range(3)]
+    assert [c[0] for c in replicas.calls] == ["req"] and asked == [True]
+
+
+UNDISTURBED_5 = [token(None, 0, p) for p in range(5)]
+
+
+def test_the_apps_status_is_asked_only_when_a_replica_is_lost():
+    asked = []
+
+    async def not_deleting():
+        asked.append(True)
+        return False
+
+    client = FailoverEngineClient(FakeReplicas([]), app_deleting=not_deleting)
+    assert _collect(client, SamplingParams(temperature=0, max_tokens=5))[0] == {0: UNDISTURBED_5}
+    assert asked == []
+    replicas = FakeReplicas([(2, "actor")])          # a redeploy or a scale-down: the stream goes on
+    client = FailoverEngineClient(replicas, app_deleting=not_deleting)
+    assert _collect(client, SamplingParams(temperature=0, max_tokens=5))[0] == {0: UNDISTURBED_5}
+    assert asked == [True] and len(replicas.calls) == 2
+
+
+class _Status:
+    def __init__(self, apps):
+        self.applications = apps
+
+
+class _App:
+    def __init__(self, status):
+        self.status = status
+
+
+@pytest.mark.parametrize("status, deleting", [
+    (_Status({"app": _App("DELETING")}), True),
+    (_Status({}), True),                                  # gone already
+    (_Status({"app": _App("RUNNING")}), False),
+    (_Status({"app": _App("DEPLOYING")}), False),         # a redeploy
+    (None, False),                                        # Serve's status cannot be had: fail over as before
+])
+def test_app_being_deleted_reads_serves_status_of_the_app(monkeypatch, status, deleting):
+    from ray import serve
+
+    def fake_status():
+        if status is None:
+            raise RuntimeError("the controller is gone")
+        return status
+
+    monkeypatch.setattr(serve, "status", fake_status)
+    assert asyncio.run(failover.app_being_deleted("app")) is deleting
