@@ -38,12 +38,6 @@ def app(ray_session, default_model_path):
     stop_app(running)
 
 
-@pytest.fixture(scope="module")
-def first_replicas(app) -> list[str]:
-    """The engine replicas the app started with (every test that kills one asks for this before it does)."""
-    return _engine_replicas()
-
-
 def _text(path: str, events: list) -> str:
     key = "text" if path == "/v1/completions" else "delta"
     parts = []
@@ -119,17 +113,40 @@ def _streams_survive(app, disrupt, count_failovers: bool = True) -> None:
         assert failovers_total(http) > before
 
 
-def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app, first_replicas):
+def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app):
     """SIGKILL of one engine replica's process (the replica a ``process_id`` call reaches)."""
     import os
     import signal
 
     assert len(_engine_replicas()) == 2
+    before = _engine_replicas()
     pid = app.engine_handle().process_id.remote().result()
     _streams_survive(app, lambda: os.kill(pid, signal.SIGKILL))
+    _replacement_warmed_from_its_peer(app, before)
 
 
-def test_each_sample_of_a_killed_replicas_stream_continues_exactly(app, first_replicas):
+def _replacement_warmed_from_its_peer(app, before: list[str]) -> None:
+    """Serve replaces the killed replica; the replacement, started while the other replica ran, asked that one
+    for its hot prefixes and prefilled them before taking traffic (deploy/serve/warm_up.py; what it gives:
+    test_warm_up.py). A replica that started with the app may or may not have found the other one up (on a
+    loaded machine the two start apart), so only the replacement is checked."""
+    deadline = time.monotonic() + 300                 # hang guard: Serve replaced the killed replica
+    while _running_engine_replicas() != 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _running_engine_replicas() == 2
+    reports = {}
+    for _ in range(64):
+        replica, report = app.engine_handle().warm_up_report.remote().result()
+        reports[replica] = report
+        if len(reports) == 2:
+            break
+    earlier = {name.rsplit("#", 1)[-1] for name in before}
+    replacements = set(reports) - earlier
+    assert len(reports) == 2 and len(replacements) == 1, (reports, earlier)
+    assert reports[replacements.pop()]["skipped"] is None, reports
+
+
+def test_each_sample_of_a_killed_replicas_stream_continues_exactly(app):
     """Two n=3 completion streams (seeded; greedy), one on each engine replica: their prompts are shorter than
     one KV block, so the router sends the second to the less loaded replica (routing/router.py). SIGKILL of
     one replica's process (the replica a ``process_id`` call reaches): the ingress continues each sample of the
@@ -169,7 +186,7 @@ def test_each_sample_of_a_killed_replicas_stream_continues_exactly(app, first_re
     assert failovers_total(http) == before + 1
 
 
-def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_path, first_replicas):
+def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_path):
     """``serve.run`` with ``num_replicas: 1`` replaces every replica (a new app version), the ingress too:
     the old engine replicas stop after ``graceful_shutdown_s`` (1 s, shorter than the streams), and the old
     ingress, alive for its own longer grace (the failover's placement window more: Serve stops the second old
@@ -182,24 +199,10 @@ def test_a_redeploy_to_one_replica_hands_the_streams_over(app, default_model_pat
     from pagedray.deploy.serve.app import build_app
     from ray import serve
 
-    deadline = time.monotonic() + 300                 # hang guard: Serve replaced the killed replicas
+    deadline = time.monotonic() + 300                 # hang guard: two replicas run (one may be a replacement)
     while _running_engine_replicas() != 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _running_engine_replicas() == 2
-    # a replacement started while another replica ran: it asked that one for its hot prefixes and
-    # prefilled them before taking traffic (deploy/serve/warm_up.py; what it gives: test_warm_up.py). A
-    # replica that started with the app may or may not have found the other one up (on a loaded machine
-    # the two start apart), so only the replacements are checked
-    reports = {}
-    for _ in range(64):
-        replica, report = app.engine_handle().warm_up_report.remote().result()
-        reports[replica] = report
-        if len(reports) == 2:
-            break
-    first = {name.rsplit("#", 1)[-1] for name in first_replicas}
-    assert len(reports) == 2 and set(reports) != first, reports
-    for replica, report in reports.items():
-        assert replica in first or report["skipped"] is None, reports
     args = {"model": default_model_path, **APP_ARGS, "num_replicas": 1, "executor": "local",
             "graceful_shutdown_s": 1.0}
     old = _engine_replicas()
