@@ -15,10 +15,11 @@ so the defaults can be set from measurements. Writes JSON (device, date, every r
 * ``--cache-dtype int8|fp8_e4m3``: decode over an 8-bit copy of the cache (``kernels.store_kv``'s codes and
   row scales, as ``benchmarks.kv8_kernel``), bytes counted at 1 per element plus the scales; on a GPU its
   configurations (``kv8_decode_configs``) cross tiles with K's code conversion (``tile_triton.codes_to``: K_CVT
-  0 / 1 / 2) and float16 products (``F16_MATH``: ``tile_triton.queries_in_f16``), and the two fastest of them then
-  run at forced split counts (``BEST_AT_SPLITS``: with 3 programs per SM the 512 programs of batch 64 fill two
-  waves of an H200, the second a third full); ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the
-  run (issue #37's goal shape alone).
+  0 / 1 / 2) and float16 products (``F16_MATH``: ``tile_triton.queries_in_f16``) at the launcher's automatic split
+  count (for an 8-bit cache on CUDA the one that fills whole waves, ``kernels/occupancy.py``: 3 at batch 64 for
+  the 128-key tiles, which fit 3 to an SM), and the two fastest of them then run at forced split counts
+  (``BEST_AT_SPLITS``); ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the run (issue #37's goal
+  shape alone).
 * ``--dry-run``: tiny shapes and a two-entry grid through the Triton interpreter on CPU (plumbing only).
 """
 

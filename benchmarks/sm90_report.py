@@ -17,8 +17,9 @@ Arguments are specialised as the JIT specialises them at launch for the benchmar
 lengths). The launch constants come from ``decode_config``/``prefill_config``, so this reports the code
 the wrappers launch. These are compiler facts, not timings: ``benchmarks.kernels`` measures.
 
-Occupancy model (sm_90): 64 warps, 65,536 registers (allocated per warp in units of 256) and 228 KiB of
-shared memory per SM, of which each program reserves 1 KiB beyond its own; at most 32 programs.
+Occupancy model (sm_90, ``kernels.occupancy.programs_per_sm``, which the decode launcher also uses on a GPU): 64
+warps, 65,536 registers (allocated per warp in units of 256) and 228 KiB of shared memory per SM, of which each
+program reserves 1 KiB beyond its own; at most 32 programs.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from pagedray.kernels import (
     seeded_uniform_triton,
     store_kv_triton,
 )
+from pagedray.kernels.occupancy import programs_per_sm
 from triton import compiler
 from triton.backends.compiler import GPUTarget
 
@@ -62,8 +64,6 @@ NOT_DIVISIBLE = {"group_size", "stride_bt", "sliding_window", "num_splits", "num
                  "top_k", "num_rows", "stride_ss", "M"}
 KV8 = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}   # 8-bit KV
 DATA_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SM90_SHARED_PER_SM = 228 * 1024
-SM90_SHARED_RESERVED = 1024
 
 
 def _bin_dir() -> pathlib.Path:
@@ -96,15 +96,6 @@ def compile_sm90(kernel, data_type: str, constexprs: dict, pointers: dict | None
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = compiler.ASTSource(kernel, signature, constexprs, attrs)
     return compiler.compile(source, target=TARGET, options=options)
-
-
-def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
-    """Resident programs per SM under the sm_90 limits (see the module docstring)."""
-    by_warps = 64 // num_warps
-    regs_per_warp = -(-registers * 32 // 256) * 256
-    by_registers = 65536 // (regs_per_warp * num_warps) if registers else by_warps
-    by_shared = SM90_SHARED_PER_SM // (shared + SM90_SHARED_RESERVED)
-    return max(0, min(32, by_warps, by_registers, by_shared))
 
 
 def inspect_cubin(cubin: bytes) -> dict:
@@ -230,6 +221,58 @@ def variants() -> dict[str, tuple]:
     return out
 
 
+class _Probed(Exception):
+    """Raised by the stand-in split choice: the launcher's probe is done, its launch is not to be made."""
+
+
+def launcher_split_probe(batch: int = 64, context: int = 8192, num_sms: int = 132) -> dict:
+    """What ``paged_decode_triton`` computes for an 8-bit (fp8) cache on an H100 / H200 at ``batch`` x ``context``
+    (head_dim 128, 32 query / 8 KV heads, its CUDA bf16 configuration): its own probe compiles the split kernel
+    (``_decode_kernel.warmup``) and counts the programs an SM holds, then ``choose_num_splits`` picks the split
+    count. Run here through a stand-in driver for an sm_90 device, with the registers read from the cubin
+    (a GPU reports them when it loads the binary); the launch itself is not made."""
+    from pagedray.kernels import decode_triton as dt
+
+    fake_driver = type("Sm90Driver", (), dict(get_current_device=lambda self: 0,
+                                                get_current_stream=lambda self, device: 0,
+                                                get_current_target=lambda self: TARGET))()
+    seen = {}
+
+    def count(compiled, num_warps, device):
+        seen["registers"] = inspect_cubin(compiled.asm["cubin"])["registers"]
+        seen["shared_bytes"] = compiled.metadata.shared
+        return programs_per_sm(seen["registers"], seen["shared_bytes"], num_warps)
+
+    def choose(num_seqs, num_kv_heads, max_context, sms, per_sm=None):
+        seen["programs_per_sm"] = per_sm
+        seen["num_splits"] = choose_num_splits(num_seqs, num_kv_heads, max_context, sms, per_sm)
+        raise _Probed
+
+    choose_num_splits = dt.choose_num_splits
+    patches = dict(_fills_waves=lambda q, k_scale: True, sm_count=lambda device: num_sms, resident_programs=count,
+                   choose_num_splits=choose, _PROGRAMS_PER_SM={})
+    saved = {name: getattr(dt, name) for name in patches}
+    saved_driver = triton.runtime.driver._active
+    q = torch.zeros(batch, 32, 128, dtype=torch.bfloat16)
+    codes = torch.zeros(1, 16, 8, 128, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(1, 16, 8, dtype=torch.float16)
+    tables = torch.zeros(batch, context // 16, dtype=torch.int32)
+    try:
+        triton.runtime.driver._active = fake_driver
+        for name, value in patches.items():
+            setattr(dt, name, value)
+        dt.paged_decode_triton(q, codes, codes, tables, torch.full((batch,), context, dtype=torch.int32), 0.088,
+                               config=dt.decode_config(128, 4, quantized=True, fast_codes=True), k_scale=scales,
+                               v_scale=scales)
+    except _Probed:
+        pass
+    finally:
+        triton.runtime.driver._active = saved_driver
+        for name, value in saved.items():
+            setattr(dt, name, value)
+    return dict(batch=batch, context=context, num_sms=num_sms, **seen)
+
+
 def report_row(name: str, kernel, data_type: str, constexprs: dict, options: dict,
                pointers: dict | None = None) -> dict:
     compiled = compile_sm90(kernel, data_type, constexprs, pointers, **options)
@@ -269,8 +312,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("run without TRITON_INTERPRET=1 (interpreted kernels cannot be compiled)")
     rows = [report_row(name, *variant) for name, variant in variants().items()]
     print_table(rows)
+    probe = launcher_split_probe()
+    print(f"decode launcher, fp8 cache, batch {probe['batch']} x {probe['context']} on {probe['num_sms']} SMs: "
+          f"{probe.get('programs_per_sm')} programs per SM ({probe.get('registers')} registers, "
+          f"{probe.get('shared_bytes', 0) / 1024:.1f} KiB), {probe.get('num_splits')} splits")
     if args.json:
-        report = dict(triton=triton.__version__, target="sm_90", date=datetime.date.today().isoformat(), rows=rows)
+        report = dict(triton=triton.__version__, target="sm_90", date=datetime.date.today().isoformat(), rows=rows,
+                      launcher_split_probe=probe)
         args.json.write_text(json.dumps(report, indent=2))
     return rows
 

@@ -5,10 +5,13 @@ Decisions: docs/design/kernels.md, ``pagedray.kernels.decode_triton``.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
 
+from .occupancy import resident_programs, wave_num_splits
 from .tile_triton import attend_tile, queries_in_f16, scale_args
 
 LOG2E = 1.4426950408889634
@@ -122,11 +125,17 @@ def sm_count(device: torch.device) -> int:
     return INTERPRETER_SM_COUNT
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Split count so that ~2 waves of programs cover the SMs, with >= MIN_TOKENS_PER_SPLIT per split."""
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int,
+                      programs_per_sm: int | None = None) -> int:
+    """Split count, with >= MIN_TOKENS_PER_SPLIT keys per split: without ``programs_per_sm``, so that ~2
+    programs per SM cover the device (the rule the bf16 decode was measured with); with it (the 8-bit decode
+    on CUDA, whose 128-key programs fit 3 to an SM), the count that fills whole waves
+    (``occupancy.wave_num_splits``)."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = triton.cdiv(2 * num_sms, programs)
     by_context = max(1, max_context // MIN_TOKENS_PER_SPLIT)
+    if programs_per_sm:
+        return wave_num_splits(programs, num_sms * programs_per_sm, min(by_context, MAX_SPLITS))
+    wanted = triton.cdiv(2 * num_sms, programs)
     return max(1, min(wanted, by_context, MAX_SPLITS))
 
 
@@ -166,32 +175,66 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
+    fast_codes = q.is_cuda and q.dtype == torch.bfloat16     # the float16 asm has run on no GPU yet (docs/gpu.md)
+    cfg = {**decode_config(head_dim, group, k_scale is not None, fast_codes), **(config or {})}
+
+    def launch(splits: int, part_m, part_l, part_acc, grid, warm_up: bool = False):
+        args = (q, k_cache, v_cache, block_tables, seq_lens,
+                alibi_slopes if alibi_slopes is not None else q, out, part_m, part_l, part_acc,
+                *scale_args(k_scale, v_scale, q),
+                float(scale) * LOG2E, float(logit_softcap or 1.0), q.stride(0), q.stride(1), out.stride(0),
+                out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+                head_dim, group, sliding_window or 0, splits)
+        consts = dict(BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None,
+                      HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
+                      HAS_SOFTCAP=logit_softcap is not None, QUANT=k_scale is not None, **cfg)
+        if warm_up:                           # compile only (the launch below reuses it): what an SM holds
+            return _decode_kernel.warmup(*args, grid=grid, **consts)
+        return _decode_kernel[grid](*args, **consts)
+
     if num_splits is None:
         capacity = block_tables.shape[1] * block_size
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, sm_count(q.device))
+        per_sm = None
+        if _fills_waves(q, k_scale):            # the 8-bit decode: splits that fill whole waves
+            probe = torch.empty(1, dtype=torch.float32, device=q.device)
+            per_sm = _programs_per_sm(lambda: launch(2, probe, probe, probe, (1,), warm_up=True), cfg, q, k_cache,
+                                      head_dim, group, block_size)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, sm_count(q.device), per_sm)
     split = num_splits > 1
     part_shape = (num_seqs, num_q_heads, num_splits) if split else (1,)
     part_m = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(part_shape + ((head_dim,) if split else ()), dtype=torch.float32,
                            device=q.device)
-    fast_codes = q.is_cuda and q.dtype == torch.bfloat16     # the float16 asm has run on no GPU yet (docs/gpu.md)
-    cfg = {**decode_config(head_dim, group, k_scale is not None, fast_codes), **(config or {})}
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        alibi_slopes if alibi_slopes is not None else q, out, part_m, part_l, part_acc,
-        *scale_args(k_scale, v_scale, q),
-        float(scale) * LOG2E, float(logit_softcap or 1.0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        head_dim, group, sliding_window or 0, num_splits,
-        BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window is not None,
-        SPLIT=split, IEEE=q.dtype == torch.float32, HAS_SOFTCAP=logit_softcap is not None,
-        QUANT=k_scale is not None, **cfg,
-    )
+    launch(num_splits, part_m, part_l, part_acc, (num_seqs, num_kv_heads, num_splits))
     if split:
         _reduce_splits_kernel[(num_seqs, num_q_heads)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(1), head_dim, num_splits,
             BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=cfg["BLOCK_D"], num_warps=4,
         )
     return out
+
+
+def _fills_waves(q, k_scale) -> bool:
+    """The launches whose split count follows the programs an SM holds: the 8-bit decode on CUDA."""
+    return q.is_cuda and k_scale is not None
+
+
+_PROGRAMS_PER_SM: dict[tuple, int | None] = {}   # (device, dtypes, shape constants, config) -> programs per SM
+
+
+def _programs_per_sm(compile_split_kernel, cfg: dict, q, k_cache, head_dim: int, group: int,
+                     block_size: int) -> int | None:
+    """Programs per SM of the split decode kernel for this launch's configuration, compiled once (a cache
+    keyed by what changes the code); None, with a warning, when Triton cannot tell (the ~2-per-SM rule then
+    applies)."""
+    key = (q.device, q.dtype, k_cache.dtype, head_dim, group, block_size, tuple(sorted(cfg.items())))
+    if key not in _PROGRAMS_PER_SM:
+        try:
+            _PROGRAMS_PER_SM[key] = resident_programs(compile_split_kernel(), cfg.get("num_warps", 4), q.device)
+        except Exception as exc:  # noqa: BLE001 - a split heuristic: never fail the decode for it
+            warnings.warn(f"decode: programs per SM unknown ({type(exc).__name__}: {exc}); splits by the "
+                          f"2-per-SM rule", RuntimeWarning, stacklevel=3)
+            _PROGRAMS_PER_SM[key] = None
+    return _PROGRAMS_PER_SM[key]

@@ -23,6 +23,7 @@ from helpers.paged_kv_cases import (
 )
 from pagedray.kernels import paged_decode, paged_decode_reference
 from pagedray.kernels.decode_triton import choose_num_splits, paged_decode_triton
+from pagedray.kernels.occupancy import programs_per_sm, wave_num_splits
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,78 @@ def test_choose_num_splits():
     # Never more than 64 splits, never fewer than 1.
     assert choose_num_splits(1, 1, 1 << 20, 132) == 64
     assert choose_num_splits(1, 1, 10, 132) == 1
+
+
+def test_choose_num_splits_with_the_programs_an_sm_holds_fills_whole_waves():
+    """The 8-bit decode on an H100 / H200 (132 SMs, 3 programs of 128-key tiles per SM: 396 at once)."""
+    # batch 64 x 8 KV heads = 512 programs: 1 split runs 2 waves, the second 29% full; 3 splits 4 waves 97%
+    assert choose_num_splits(64, 8, 8192, 132, programs_per_sm=3) == 3
+    # 4 per SM (528 at once): 512 programs are one wave, nothing to gain by splitting
+    assert choose_num_splits(64, 8, 8192, 132, programs_per_sm=4) == 1
+    # 8 x 8 = 64 programs: 6 splits make 384 programs, one wave; the context allows 32
+    assert choose_num_splits(8, 8, 8192, 132, programs_per_sm=3) == 6
+    # a short context bounds it as before (512 // 256 = 2)
+    assert choose_num_splits(8, 8, 512, 132, programs_per_sm=3) == 2
+
+
+def test_wave_num_splits_takes_the_fewest_splits_within_the_slack():
+    # 2,048 programs on 396 slots: 1 split 6 waves for 5.17 of work (16% lost), 2 splits 11 for 10.3,
+    # 3 splits 16 for 15.5 (3% lost, within WAVE_SLACK of the best)
+    assert wave_num_splits(2048, 396, 32) == 3
+    assert wave_num_splits(396, 396, 32) == 1          # exactly one full wave
+    assert wave_num_splits(397, 396, 1) == 1           # no room to split
+    with pytest.raises(ValueError, match="programs, slots, most"):
+        wave_num_splits(0, 396, 4)
+
+
+@pytest.mark.parametrize("registers, shared, warps, expected", [
+    (168, 72 * 1024, 4, 3),      # 8-bit decode, 128-key tiles: shared memory (3 x 73 KiB of 228) and registers
+    (128, 38 * 1024, 4, 4),      # bf16 decode, 64-key tiles: registers (4 x 128 x 128 of 65,536)
+    (255, 20 * 1024, 1, 8),      # one warp, 255 registers: 8,192 a warp, 8 per SM
+    (40, 0, 1, 32),              # at most 32 programs
+    (0, 200 * 1024, 8, 1),       # registers unknown: shared memory decides
+])
+def test_programs_per_sm_under_the_sm90_limits(registers, shared, warps, expected):
+    assert programs_per_sm(registers, shared, warps) == expected
+
+
+def test_resident_programs_reads_the_compiled_kernel_and_the_devices_limits(monkeypatch):
+    """A stand-in for a Triton CompiledKernel and for the driver's device properties (what a GPU reports)."""
+    import types
+
+    import triton
+    from pagedray.kernels import occupancy
+
+    loaded = []
+    compiled = types.SimpleNamespace(n_regs=168, metadata=types.SimpleNamespace(shared=72 * 1024),
+                                     _init_handles=lambda: loaded.append(True))
+    limits = {"max_shared_mem": 227 * 1024, "max_num_regs": 65536, "multiprocessor_count": 132, "warpSize": 32}
+    utils = types.SimpleNamespace(get_device_properties=lambda index: limits)
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(utils=utils))   # behind .active
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(max_threads_per_multi_processor=2048))
+    device = types.SimpleNamespace(index=0)
+    assert occupancy.resident_programs(compiled, 4, device) == 3 and loaded == [True]
+    limits["max_shared_mem"] = 99 * 1024      # an sm_86 card: 100 KiB per SM, 1 program of 73 KiB
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(max_threads_per_multi_processor=1536))
+    assert occupancy.resident_programs(compiled, 4, device) == 1
+
+
+def test_an_unknown_occupancy_falls_back_to_the_two_per_sm_rule_once_with_a_warning(monkeypatch):
+    from pagedray.kernels import decode_triton
+
+    monkeypatch.setattr(decode_triton, "_PROGRAMS_PER_SM", {})
+    compiles = []
+
+    def failing_compile():
+        compiles.append(True)
+        raise AttributeError("CompiledKernel has no n_regs")
+
+    q, k_cache = torch.zeros(2, 8, 64), torch.zeros(4, 16, 2, 64)
+    with pytest.warns(RuntimeWarning, match="programs per SM unknown .AttributeError: CompiledKernel has no n_regs"):
+        assert decode_triton._programs_per_sm(failing_compile, {"num_warps": 4}, q, k_cache, 64, 4, 16) is None
+    assert decode_triton._programs_per_sm(failing_compile, {"num_warps": 4}, q, k_cache, 64, 4, 16) is None
+    assert compiles == [True]                       # asked once per configuration
+    monkeypatch.setattr(decode_triton, "resident_programs", lambda compiled, warps, device: 3)
+    assert decode_triton._programs_per_sm(lambda: "compiled", {"num_warps": 2}, q, k_cache, 64, 4, 16) == 3

@@ -20,7 +20,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]  # `python -m benchmarks.<nam
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory) -> dict[str, dict]:
+def report(tmp_path_factory) -> dict:
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
     path = tmp_path_factory.mktemp("sm90") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -28,7 +28,20 @@ def rows(tmp_path_factory) -> dict[str, dict]:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.sm90_report", "--json", str(path)],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    return {row["name"]: row for row in json.loads(path.read_text())["rows"]}
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def rows(report) -> dict[str, dict]:
+    return {row["name"]: row for row in report["rows"]}
+
+
+def test_the_8bit_decode_launcher_splits_to_fill_whole_waves(report):
+    """The launcher's own probe (it compiles the split kernel and counts the programs an SM holds) through a
+    stand-in sm_90 driver: 128-key fp8 tiles fit 3 to an SM, so batch 64 x 8 KV heads (512 programs on
+    132 x 3 = 396 slots) takes 3 splits (4 waves, 97% full) instead of 1 (2 waves, the second 29% full)."""
+    probe = report["launcher_split_probe"]
+    assert probe["programs_per_sm"] == 3 and probe["num_splits"] == 3, probe
 
 
 def test_every_variant_compiles_without_spills(rows):
