@@ -197,9 +197,12 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
         capacity = block_tables.shape[1] * block_size
         per_sm = None
         if _fills_waves(q, k_scale):            # the 8-bit decode: splits that fill whole waves
-            probe = torch.empty(1, dtype=torch.float32, device=q.device)
-            per_sm = _programs_per_sm(lambda: launch(2, probe, probe, probe, (1,), warm_up=True), cfg, q, k_cache,
-                                      head_dim, group, block_size)
+
+            def compile_split_kernel():
+                probe = torch.empty(1, dtype=torch.float32, device=q.device)    # only its type matters
+                return launch(2, probe, probe, probe, (1,), warm_up=True)
+
+            per_sm = _programs_per_sm(compile_split_kernel, cfg, q, k_cache, head_dim, group, block_size)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, sm_count(q.device), per_sm)
     split = num_splits > 1
     part_shape = (num_seqs, num_q_heads, num_splits) if split else (1,)
