@@ -74,18 +74,19 @@ def requests_in_flight(app_name: str, timeout_s: float = 5.0) -> int | None:
         return None
 
 
-def start_drain(name: str, timeout_s: float):
+def start_drain(name: str, timeout_s: float) -> bool:
     """Ask the app's ingress replica (the one the call reaches: with one replica, the whole app; with an engine
     deployment, one engine replica) to drain: new requests get 503, those in flight ``timeout_s`` to finish,
     then they end with finish_reason "abort" (their last chunk and ``[DONE]``) instead of being cut when
-    Serve force-kills the replica. The call's response (its DrainReport when it is done), or None when it
-    could not be sent (then Serve's delete alone stops the app, as before)."""
+    Serve force-kills the replica. Whether the call was sent (if not, Serve's delete alone stops the app, as
+    before); its response need not be kept (Serve cancels a call only when asked to)."""
     from ray import serve
 
     try:
-        return within(lambda: serve.get_app_handle(name).drain.remote(timeout_s), CALL_TIMEOUT_S)
+        within(lambda: serve.get_app_handle(name).drain.remote(timeout_s), CALL_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - the drain is a courtesy to the streams; the delete still follows
-        return None
+        return False
+    return True
 
 
 def drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
@@ -118,7 +119,7 @@ def drain_private(name: str, grace_s: float, poll_s: float = 0.2) -> None:
             print(f"Serve did not finish deleting {name!r} within {grace_s + DRAIN_MARGIN_S:g} s: stopping Ray",
                   flush=True)
         return
-    drain = start_drain(name, max(0.0, grace_s - DRAIN_LEAD_S))   # noqa: F841 - the call is held until the end
+    start_drain(name, max(0.0, grace_s - DRAIN_LEAD_S))
     serve.delete(name, _blocking=False)
     deadline = time.monotonic() + grace_s + DRAIN_MARGIN_S
     while time.monotonic() < deadline and requests_in_flight(name):   # 0, or no replica left: done
