@@ -2,21 +2,24 @@
 # Every GPU check in one command, for a short lease on a CUDA machine with no network and no Ray
 # (docs/gpu.md). Run from the repository root:
 #
-#   bash benchmarks/gpu_check.sh quick   # install, the -m gpu tests, an engine smoke (32 sequences)
-#   bash benchmarks/gpu_check.sh full    # install, the -m gpu tests, benchmarks.gpu_engine at its shape
-# Both then run benchmarks.moe_kernel (the fused-MoE kernel against the loop over experts, and 4-bit packed
-# experts against bf16 ones) and
-# benchmarks.kv8_kernel (decode over an 8-bit KV cache against bf16) and benchmarks.quant_gemm (4- and
-# 8-bit weight GEMM against dense bf16), and benchmarks.spec_decode (n-gram speculation on or off).
+#   bash benchmarks/gpu_check.sh quick   # install, then the stages in STAGES (default below)
+#   bash benchmarks/gpu_check.sh full    # the same, with benchmarks.gpu_engine at its full shape if "engine" is asked
+# Stages: "kv8goal" (benchmarks.kv8_goal: issue #37's goal shape alone, bf16 against the 8-bit decode's default
+# and its best-ranked candidates, interleaved rounds), "tests" (the -m gpu tests), "engine"
+# (benchmarks.gpu_engine), "moe" (benchmarks.moe_kernel: the fused-MoE kernel against the loop over experts,
+# 4-bit packed experts against bf16 ones), "kv8" (benchmarks.kv8_kernel: decode over an 8-bit KV cache against
+# bf16 at 9 shapes, and prefill), "kvsweep" (benchmarks.kernel_sweep over each 8-bit cache's tiles, warps, code
+# conversions and float16 products at the goal shape, then the two fastest at 2 to 4 splits), "qgemm"
+# (benchmarks.quant_gemm: 4- and 8-bit weight GEMM against dense bf16) and "spec" (benchmarks.spec_decode; needs
+# the SmolLM2 folder, ~/.cache/pagedray, which a lent machine lacks).
 #
-# Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, gpu*.json the figures.
+# Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, *.json the figures.
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
-# first when present. TEST_S, BENCH_S, MOE_S, KV8_S, QGEMM_S and SPEC_S bound the stages in seconds, so
-# that a stage that hangs or crawls still leaves the others' output (KVSWEEP_S: each half of the "kvsweep"
-# stage, the int8 and then the fp8 decode's tiles and warps, code conversions and float16 products at #37's
-# goal shape, then the two fastest at 2 to 4 splits; every result is printed as it comes). STAGES picks stages (default "tests engine moe kv8 qgemm", about 12 minutes: more than one
-# 10-minute call of a lent GPU allows, so split them, e.g. STAGES="tests kv8 qgemm" then
-# STAGES="engine moe"). "spec" needs the SmolLM2 folder (~/.cache/pagedray), which a lent machine lacks.
+# first when present. KV8GOAL_S, TEST_S, BENCH_S, MOE_S, KV8_S, KVSWEEP_S (each half), QGEMM_S and SPEC_S bound
+# the stages in seconds, so that a stage that hangs or crawls still leaves the others' output; every result
+# is printed as it comes. A lease is 15 minutes of device time, the machine's start included, and one call
+# at most 10: the default STAGES="kv8goal tests kv8" takes about 6-7 minutes on an H100 (kv8goal ~2, the tests
+# ~2.5, kv8 ~1.5), leaving room to rerun one stage after a fix. The others: STAGES="engine moe", then "qgemm".
 set -u
 mode=${1:-quick}
 OUT=${OUT:-gpu_out}
@@ -33,8 +36,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
 git log -1 --format='commit %h %s' 2>/dev/null || true
-stages=" ${STAGES:-tests engine moe kv8 qgemm} "
+stages=" ${STAGES:-kv8goal tests kv8} "
 wanted() { [[ "$stages" == *" $1 "* ]]; }
+
+if wanted kv8goal; then
+echo "== benchmarks.kv8_goal (batch 64, 8k: the 8-bit decode against bf16) =="
+timeout "${KV8GOAL_S:-240}" python3 -m benchmarks.kv8_goal --rounds 5 --out "$OUT/kv8_goal.json"
+echo "kv8_goal exit: $?"
+fi
 
 if wanted tests; then
 echo "== -m gpu tests =="

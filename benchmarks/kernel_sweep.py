@@ -60,6 +60,7 @@ KV8_TILES = (   # (BLOCK_N, warps, stages, K's conversions, registers): sm_90 co
     (32, 4, 3, (0,), 96),          # the H100's best tile with Triton's cast (5 programs per SM)
     (64, 4, 2, (1, 2), 128),
     (128, 4, 2, (0, 1, 2), 168),   # the default (K_CVT 1)
+    (128, 4, 1, (1, 2), 96),       # one stage: 40 KiB, so 96 registers hold 5 programs (20 warps) per SM
     (64, 2, 2, (1, 2), 168),       # 5 programs per SM, about as few instructions per key as 128 / 4
     (64, 1, 2, (2,), None),        # one warp: no reductions across warps; 6 programs per SM
     (32, 1, 3, (2,), None),        # one warp, 8 programs per SM

@@ -273,6 +273,26 @@ def launcher_split_probe(batch: int = 64, context: int = 8192, num_sms: int = 13
     return dict(batch=batch, context=context, num_sms=num_sms, **seen)
 
 
+def kv8_candidate_variants() -> dict[str, tuple]:
+    """name -> variant for each of ``benchmarks.kv8_goal``'s 8-bit decode candidates over an int8 and an fp8
+    cache: the launcher's CUDA bf16 configuration with the candidate's overrides, split as it would launch at
+    the goal shape (a forced single split compiles the kernel without the split path)."""
+    from benchmarks.kv8_goal import CANDIDATES
+
+    out = {}
+    for code in ("int8", "fp8"):
+        pointers = KV8 if code == "int8" else {**KV8, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+        for name, overrides, splits in CANDIDATES:
+            cfg, options = _launch_options({**decode_triton.decode_config(128, 4, quantized=True, fast_codes=True),
+                                            **(overrides or {})})
+            if options.get("maxnreg") is None:
+                options.pop("maxnreg", None)
+            consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, SPLIT=splits != 1, IEEE=False,
+                          HAS_SOFTCAP=False, QUANT=True, **cfg)
+            out[f"{code}: {name}"] = (decode_triton._decode_kernel, "bf16", consts, options, pointers)
+    return out
+
+
 def report_row(name: str, kernel, data_type: str, constexprs: dict, options: dict,
                pointers: dict | None = None) -> dict:
     compiled = compile_sm90(kernel, data_type, constexprs, pointers, **options)
@@ -307,10 +327,13 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--kv8-candidates", action="store_true",
+                        help="only benchmarks.kv8_goal's 8-bit decode candidates (int8 and fp8 caches)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("run without TRITON_INTERPRET=1 (interpreted kernels cannot be compiled)")
-    rows = [report_row(name, *variant) for name, variant in variants().items()]
+    chosen = kv8_candidate_variants() if args.kv8_candidates else variants()
+    rows = [report_row(name, *variant) for name, variant in chosen.items()]
     print_table(rows)
     probe = launcher_split_probe()
     print(f"decode launcher, fp8 cache, batch {probe['batch']} x {probe['context']} on {probe['num_sms']} SMs: "

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/c
 REPO = pathlib.Path(__file__).resolve().parents[2]  # `python -m benchmarks.<name>` runs from here
 
 
-def _run_dry(module: str, out) -> dict:
+def _run_dry(module: str, out, extra: list[str] = ()) -> dict:
     env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-m", module, "--dry-run", "--out", str(out)], env=env,
+    proc = subprocess.run([sys.executable, "-m", module, "--dry-run", "--out", str(out), *extra], env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -82,6 +82,20 @@ def test_kv8_kernel_dry_run_checks_and_times_every_row(tmp_path):
     assert [r["cache"] for r in decode] == caches * len(DRY["batches"]) * len(DRY["contexts"])
     assert all(r["ms"] > 0 and r["gbps"] > 0 and r["speedup_vs_16bit"] > 0 for r in decode)
     assert [r["cache"] for r in report["rows"] if r["kind"] == "prefill"] == [DRY["dtype"], *DRY["cache_dtypes"]]
+
+
+def test_kv8_goal_dry_run_times_every_system_in_every_round(tmp_path):
+    from benchmarks.kv8_goal import BASELINE, DRY, DRY_CANDIDATES
+
+    report = _run_dry("benchmarks.kv8_goal", tmp_path / "goal.json", ["--rounds", "3"])
+    systems = [BASELINE, *(f"{cache} {name}" for cache in DRY["caches"] for name, _, _ in DRY_CANDIDATES)]
+    assert report["not_timed"] == {}
+    assert sorted((r["system"], r["round"]) for r in report["runs"]) == sorted(
+        (s, i) for s in systems for i in range(3))
+    assert all(r["error"] is None and r["values"]["ms"] > 0 for r in report["runs"])
+    ratios = report["summary"]["ratios"]
+    assert set(ratios) == {f"{s} / {BASELINE}" for s in systems[1:]}
+    assert all(ratio["calls_per_s"]["median"] > 0 for ratio in ratios.values())
 
 
 def test_quant_gemm_dry_run_checks_and_times_every_row(tmp_path):

@@ -19,16 +19,20 @@ pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/c
 REPO = pathlib.Path(__file__).resolve().parents[2]  # `python -m benchmarks.<name>` runs from here
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
+def _sm90_report(folder: pathlib.Path, *flags: str) -> dict:
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
-    path = tmp_path_factory.mktemp("sm90") / "report.json"
+    path = folder / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.sm90_report", "--json", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sm90_report", "--json", str(path), *flags],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    return _sm90_report(tmp_path_factory.mktemp("sm90"))
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +93,22 @@ def test_f16_math_issues_fewer_instructions_per_key(rows, cache):
     fewer warp instructions per key than the default 8-bit decode (docs/gpu.md)."""
     default, f16 = rows[f"decode bf16 over {cache} KV"], rows[f"decode bf16 over {cache} KV, f16 math"]
     assert 0 < f16["instructions_per_key"] < default["instructions_per_key"], (f16, default)
+
+
+def test_kv8_goal_candidates_compile_and_one_stage_holds_more_warps(tmp_path):
+    """What a short GPU lease times (``benchmarks.kv8_goal``) compiles for sm_90 without spills, and the
+    one-stage candidates exist for their occupancy: 40 KiB of shared memory, so 96 registers fit 5 programs
+    (20 warps) per SM and 128 fit 4, where the two-stage default holds 3 (12 warps)."""
+    from benchmarks.kv8_goal import CANDIDATES
+
+    rows = {row["name"]: row for row in _sm90_report(tmp_path, "--kv8-candidates")["rows"]}
+    assert sorted(rows) == sorted(f"{code}: {name}" for code in ("int8", "fp8") for name, _, _ in CANDIDATES)
+    for name, row in rows.items():
+        assert row["local_bytes"] == 0 and row["hmma"] > 0 and row["byte_shared_loads"] == 0, (name, row)
+    for code in ("int8", "fp8"):
+        assert rows[f"{code}: default"]["programs_per_sm"] == 3, rows[f"{code}: default"]
+        assert rows[f"{code}: f16 kcvt2, 1 stage, 96 regs"]["programs_per_sm"] == 5
+        assert rows[f"{code}: f16 kcvt2, 1 stage, 128 regs"]["programs_per_sm"] == 4
 
 
 def test_loop_instructions_counts_the_longest_loop():
