@@ -41,7 +41,7 @@ wanted() { [[ "$stages" == *" $1 "* ]]; }
 
 if wanted kv8goal; then
 echo "== benchmarks.kv8_goal (batch 64, 8k: the 8-bit decode against bf16) =="
-timeout "${KV8GOAL_S:-240}" python3 -m benchmarks.kv8_goal --rounds 5 --out "$OUT/kv8_goal.json"
+timeout "${KV8GOAL_S:-300}" python3 -m benchmarks.kv8_goal --rounds 5 --out "$OUT/kv8_goal.json"
 echo "kv8_goal exit: $?"
 fi
 

@@ -30,7 +30,6 @@ import datetime
 import itertools
 import json
 import math
-import os
 import pathlib
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from benchmarks.kernels import (
     check_close,
     copy_bandwidth_gbps,
     decode_bytes,
+    dry_run_or_cuda,
     paged_kv_case,
     prefill_flops,
     time_ms,
@@ -236,12 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-shapes", default=None, help="batch x context list, e.g. 64x8192,256x2048")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill shapes")
     args = parser.parse_args(argv)
-    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":   # triton reads it at kernel definition
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.kernel_sweep", *sys.argv[1:]], env)
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (use --dry-run to check the script on CPU)")
-    on_cuda = not args.dry_run
+    on_cuda = not dry_run_or_cuda(parser, args, "benchmarks.kernel_sweep")
     device = torch.device("cuda" if on_cuda else "cpu")
     spec = dict(GPU if on_cuda else DRY, cache_dtype=args.cache_dtype, decode_only=args.decode_only)
     if on_cuda and args.cache_dtype:

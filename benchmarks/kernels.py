@@ -232,15 +232,23 @@ def bench_main(argv: list[str] | None, module: str, description: str, run, full:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET=1")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON output path")
     args = parser.parse_args(argv)
-    if args.dry_run:
-        if os.environ.get("TRITON_INTERPRET") != "1":   # triton reads it when the kernels are defined
-            env = dict(os.environ, TRITON_INTERPRET="1")
-            os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
+    if dry_run_or_cuda(parser, args, module):
         run(dry, torch.device("cpu"), args.out or pathlib.Path(tempfile.gettempdir()) / dry_out, dry_run=True)
         return
+    run(full, torch.device("cuda"), args.out or pathlib.Path(default_out), False)
+
+
+def dry_run_or_cuda(parser: argparse.ArgumentParser, args: argparse.Namespace, module: str) -> bool:
+    """True for ``--dry-run`` (re-executing ``python -m module`` under ``TRITON_INTERPRET=1`` first: Triton reads
+    it when the kernels are defined); else False, or a usage error where there is no CUDA GPU."""
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
+        return True
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (use --dry-run to check the script on CPU)")
-    run(full, torch.device("cuda"), args.out or pathlib.Path(default_out), False)
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:

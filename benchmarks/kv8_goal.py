@@ -7,8 +7,9 @@ per second. Each 8-bit cache runs the launcher's default, the default at one spl
 count at this shape, against the wave-filling count the launcher now picks) and the candidates the sm_90
 compile ranks best (docs/gpu.md; ``python -m benchmarks.sm90_report --kv8-candidates``): ``F16_MATH`` with K
 converted before its shared copy; one pipeline stage with registers capped at 96 (5 programs per SM, 20
-warps, against 3 and 12: the same code's count of warps is what it isolates) or 128; one-warp 64-key tiles;
-Triton's cast in 32-key tiles. Every system is checked against the torch reference on two
+warps, against 3 and 12: the same code's count of warps is what it isolates); one-warp 64-key tiles; the
+keys-major decode (``tile_keys_major_triton``: scores as K @ q^T, the 4 query heads padded to 8 columns
+instead of 16 rows), alone and with the settings above. Every system is checked against the torch reference on two
 sequences first; one that fails to compile or disagrees is reported and not timed.
 
 Systems are interleaved over ``--rounds`` rounds (order rotating, ``benchmarks.rounds``); a run is one
@@ -22,16 +23,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import pathlib
-import sys
 import tempfile
 
 import torch
 import triton
 
 from benchmarks.common import add_round_args, finish_rounds, print_ratio, print_run
-from benchmarks.kernels import check_close, paged_kv_case, time_ms
+from benchmarks.kernels import check_close, dry_run_or_cuda, paged_kv_case, time_ms
 from benchmarks.kv8_kernel import quantized_copy
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
@@ -40,17 +39,21 @@ GOAL = dict(batch=64, context=8192, q_heads=32, kv_heads=8, head_dim=128, block_
 DRY = dict(batch=3, context=70, q_heads=4, kv_heads=2, head_dim=32, block_size=16, dtype="float16",
            caches=("int8", "fp8_e4m3"))
 F16_K2 = dict(F16_MATH=True, K_CVT=2)
+KEYS_MAJOR = dict(KEYS_MAJOR=True, BLOCK_G=8)         # tile_keys_major_triton: scores as K @ q^T
 CANDIDATES = (   # (name, overrides of decode_triton.decode_config, forced split count or None for automatic)
     ("default", None, None),
     ("default, 1 split", None, 1),
     ("default, 1 stage, 96 regs", dict(num_stages=1, maxnreg=96), None),
     ("f16 kcvt2", F16_K2, None),
     ("f16 kcvt2, 1 stage, 96 regs", dict(F16_K2, num_stages=1, maxnreg=96), None),
-    ("f16 kcvt2, 1 stage, 128 regs", dict(F16_K2, num_stages=1, maxnreg=128), None),
     ("f16 kcvt2 64/1w", dict(F16_K2, BLOCK_N=64, num_warps=1, maxnreg=None), None),
-    ("cast 32/4w/3", dict(K_CVT=0, BLOCK_N=32, num_stages=3, maxnreg=96), None),
+    ("keys-major", KEYS_MAJOR, None),
+    ("keys-major f16 kcvt2", dict(KEYS_MAJOR, **F16_K2), None),
+    ("keys-major f16 kcvt2, 1 stage, 96 regs", dict(KEYS_MAJOR, **F16_K2, num_stages=1, maxnreg=96), None),
+    ("keys-major f16 kcvt2 64/2w", dict(KEYS_MAJOR, **F16_K2, BLOCK_N=64, num_warps=2, maxnreg=None), None),
 )
-DRY_CANDIDATES = (("default", None, None), ("default, 1 split", None, 1), ("tiles of 16", dict(BLOCK_N=16), None))
+DRY_CANDIDATES = (("default", None, None), ("default, 1 split", None, 1), ("tiles of 16", dict(BLOCK_N=16), None),
+                  ("keys-major", KEYS_MAJOR, None))
 BASELINE = "bf16"
 METRICS = [Metric("calls_per_s", "decode calls/s"), Metric("ms", "ms per call", higher_is_better=False)]
 
@@ -104,12 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_round_args(parser, "kv8_goal")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET=1")
     args = parser.parse_args(argv)
-    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":   # triton reads it at kernel definition
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.kv8_goal", *sys.argv[1:]], env)
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (use --dry-run to check the script on CPU)")
-    on_cuda = not args.dry_run
+    on_cuda = not dry_run_or_cuda(parser, args, "benchmarks.kv8_goal")
     cfg, candidates = (GOAL, CANDIDATES) if on_cuda else (DRY, DRY_CANDIDATES)
     timed, errors = checked(build_systems(cfg, candidates, torch.device("cuda" if on_cuda else "cpu")))
     if BASELINE not in timed:

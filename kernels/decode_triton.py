@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .occupancy import resident_programs, wave_num_splits
+from .tile_keys_major_triton import attend_keys_major
 from .tile_triton import attend_tile, queries_in_f16, scale_args
 
 LOG2E = 1.4426950408889634
@@ -31,6 +32,7 @@ def _decode_kernel(
     IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     K_CVT: tl.constexpr = 0, V_CVT: tl.constexpr = 0, F16_MATH: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,27 +61,16 @@ def _decode_kernel(
     start = win_start + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)                    # every row: the last token
     table = block_tables_ptr + seq * stride_bt
     # keys in [start, end) are all inside the window and <= q_pos: only `n < end` matters, in the last tile only
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
-        m, l, acc = attend_tile(q, m, l, acc, n0, k_cache_ptr + kv_head * stride_kh,
-                                v_cache_ptr + kv_head * stride_vh, table, q_pos, slope, end,
-                                stride_kb, stride_ks, stride_vb, stride_vs, 0, row_scale, softcap, d, d_mask,
-                                k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
-                                BLOCK_SIZE, False, HAS_ALIBI, False, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
-                                K_CVT, V_CVT, FULL=True)
-    if full_end < end:
-        m, l, acc = attend_tile(q, m, l, acc, full_end, k_cache_ptr + kv_head * stride_kh,
-                                v_cache_ptr + kv_head * stride_vh, table, q_pos, slope, end,
-                                stride_kb, stride_ks, stride_vb, stride_vs, 0, row_scale, softcap, d, d_mask,
-                                k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
-                                BLOCK_SIZE, True, HAS_ALIBI, False, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
-                                K_CVT, V_CVT)
+    m, l, acc = _attend_range(q, row_scale, start, full_end, end, k_cache_ptr + kv_head * stride_kh,
+                              v_cache_ptr + kv_head * stride_vh, table, q_pos, slope,
+                              stride_kb, stride_ks, stride_vb, stride_vs, softcap, d, d_mask,
+                              k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
+                              BLOCK_SIZE, HAS_ALIBI, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N, K_CVT, V_CVT, F16_MATH,
+                              KEYS_MAJOR)
 
     if SPLIT:
         part = (seq * (group_size * tl.num_programs(1)) + heads) * num_splits + split   # [BLOCK_G]
@@ -91,6 +82,50 @@ def _decode_kernel(
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _attend_range(q, scale_log2, start, full_end, end, k_base, v_base, table, q_pos, slope,
+                  stride_kb, stride_ks, stride_vb, stride_vs, softcap, d, d_mask, ks_base, vs_base, stride_sb,
+                  stride_ss, BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr, K_CVT: tl.constexpr,
+                  V_CVT: tl.constexpr, F16_MATH: tl.constexpr, KEYS_MAJOR: tl.constexpr):
+    """Keys [start, end) of one sequence for the query rows ``q`` [BLOCK_G, BLOCK_D] (``scale_log2`` a scalar, or
+    [BLOCK_G, 1] with ``F16_MATH``) -> (m, l, acc [BLOCK_G, BLOCK_D]): whole tiles up to ``full_end`` without
+    per-key predicates, then the partial one. ``KEYS_MAJOR``: scores as K @ q^T (``tile_keys_major_triton``),
+    the output accumulated transposed and turned back once at the end."""
+    m = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l = tl.zeros([q.shape[0]], tl.float32)
+    if KEYS_MAJOR:
+        qt = tl.trans(q)                                                   # [BLOCK_D, BLOCK_G]
+        col_scale = scale_log2
+        if F16_MATH:
+            col_scale = tl.reshape(scale_log2, [1, q.shape[0]])
+        acc_t = tl.zeros([q.shape[1], q.shape[0]], tl.float32)
+        for n0 in range(start, full_end, BLOCK_N):
+            m, l, acc_t = attend_keys_major(qt, m, l, acc_t, n0, k_base, v_base, table, q_pos, slope, end,
+                                            stride_kb, stride_ks, stride_vb, stride_vs, col_scale, softcap, d,
+                                            d_mask, ks_base, vs_base, stride_sb, stride_ss, BLOCK_SIZE, False,
+                                            HAS_ALIBI, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N, K_CVT, V_CVT, FULL=True)
+        if full_end < end:
+            m, l, acc_t = attend_keys_major(qt, m, l, acc_t, full_end, k_base, v_base, table, q_pos, slope, end,
+                                            stride_kb, stride_ks, stride_vb, stride_vs, col_scale, softcap, d,
+                                            d_mask, ks_base, vs_base, stride_sb, stride_ss, BLOCK_SIZE, True,
+                                            HAS_ALIBI, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N, K_CVT, V_CVT)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
+        for n0 in range(start, full_end, BLOCK_N):
+            m, l, acc = attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, end,
+                                    stride_kb, stride_ks, stride_vb, stride_vs, 0, scale_log2, softcap, d, d_mask,
+                                    ks_base, vs_base, stride_sb, stride_ss, BLOCK_SIZE, False, HAS_ALIBI, False,
+                                    IEEE, HAS_SOFTCAP, QUANT, BLOCK_N, K_CVT, V_CVT, FULL=True)
+        if full_end < end:
+            m, l, acc = attend_tile(q, m, l, acc, full_end, k_base, v_base, table, q_pos, slope, end,
+                                    stride_kb, stride_ks, stride_vb, stride_vs, 0, scale_log2, softcap, d, d_mask,
+                                    ks_base, vs_base, stride_sb, stride_ss, BLOCK_SIZE, True, HAS_ALIBI, False,
+                                    IEEE, HAS_SOFTCAP, QUANT, BLOCK_N, K_CVT, V_CVT)
+    return m, l, acc
 
 
 @triton.jit
@@ -166,7 +201,9 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
                         k_scale=None, v_scale=None):
     """Launch the decode kernel (and the split reduce). Shapes as in ``pagedray.kernels.paged_decode``;
     ``num_splits`` overrides the automatic choice (tests use it to force the split path) and ``config``
-    overrides entries of ``decode_config`` (the benchmark's ``--sweep`` uses it). ``k_scale`` / ``v_scale``: an
+    overrides entries of ``decode_config`` (the benchmark's ``--sweep`` uses it); ``KEYS_MAJOR`` in it computes
+    the scores as K @ q^T (``tile_keys_major_triton``), with ``BLOCK_G`` (8 is its narrowest) >= the query
+    heads per KV head. ``k_scale`` / ``v_scale``: an
     8-bit cache's row scales (``kv_quant``)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -177,6 +214,8 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
         return out
     fast_codes = q.is_cuda and q.dtype == torch.bfloat16     # the float16 asm has run on no GPU yet (docs/gpu.md)
     cfg = {**decode_config(head_dim, group, k_scale is not None, fast_codes), **(config or {})}
+    if cfg["BLOCK_G"] < group:
+        raise ValueError(f"config: BLOCK_G {cfg['BLOCK_G']} holds fewer rows than the {group} query heads per KV head")
 
     def launch(splits: int, part_m, part_l, part_acc, grid, warm_up: bool = False):
         args = (q, k_cache, v_cache, block_tables, seq_lens,

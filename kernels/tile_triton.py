@@ -86,7 +86,7 @@ def queries_in_f16(q, scale_log2):
 
 
 @triton.jit
-def _per_key(pointers, n_mask, FULL: tl.constexpr):
+def per_key(pointers, n_mask, FULL: tl.constexpr):
     """One value per key of a tile (block-table entries, row scales); keys past the end read 0, and a ``FULL``
     tile (every key before ``kv_end``) loads without a predicate."""
     if FULL:
@@ -97,10 +97,26 @@ def _per_key(pointers, n_mask, FULL: tl.constexpr):
 
 
 @triton.jit
+def tile_slots(n0, table, kv_end, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FULL: tl.constexpr):
+    """-> (n, n_mask, blk, off, kv_mask): a tile's key positions ``n`` [BLOCK_N] from ``n0``, which exist (``n <
+    kv_end``), their block (int64, through the sequence's ``table``) and offset in it, and the mask of a K / V
+    tile load (the head_dim columns alone in a ``FULL`` tile)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = n < kv_end
+    blk = per_key(table + n // BLOCK_SIZE, n_mask, FULL).to(tl.int64)
+    off = n % BLOCK_SIZE
+    if FULL:
+        kv_mask = d_mask[None, :]
+    else:
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    return n, n_mask, blk, off, kv_mask
+
+
+@triton.jit
 def _scaled_rows(codes, scale_pointers, n_mask, FULL: tl.constexpr, dtype: tl.constexpr):
     """An 8-bit tile [BLOCK_N, BLOCK_D] times each row's scale, in float32 (exact: an 8-bit code times a float16
     scale), then ``dtype`` (rounded there, as a 16-bit cache's rows are)."""
-    return (codes.to(tl.float32) * _per_key(scale_pointers, n_mask, FULL).to(tl.float32)[:, None]).to(dtype)
+    return (codes.to(tl.float32) * per_key(scale_pointers, n_mask, FULL).to(tl.float32)[:, None]).to(dtype)
 
 
 @triton.jit
@@ -113,14 +129,7 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
     """One online-softmax step over key positions [n0, n0 + BLOCK_N) -> updated (m, l, acc). ``FULL``: the caller
     knows every key of the tile is before ``kv_end`` (with ``MASKED`` False: every key visible to every row), so
     the tile loads without the per-key predicates (the decode loop issued 30% fewer instructions on sm_90)."""
-    n = n0 + tl.arange(0, BLOCK_N)                                               # [BLOCK_N]
-    n_mask = n < kv_end
-    blk = _per_key(table + n // BLOCK_SIZE, n_mask, FULL).to(tl.int64)
-    off = n % BLOCK_SIZE
-    if FULL:
-        kv_mask = d_mask[None, :]
-    else:
-        kv_mask = n_mask[:, None] & d_mask[None, :]
+    n, n_mask, blk, off, kv_mask = tile_slots(n0, table, kv_end, d_mask, BLOCK_SIZE, BLOCK_N, FULL)
     k = tl.load(k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
                 mask=kv_mask, other=0.0)                                         # [BLOCK_N, BLOCK_D]
     if QUANT and SCALE_ROWS:
@@ -132,7 +141,7 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
     else:
         s = tl.dot(q, tl.trans(k))
     if QUANT and not SCALE_ROWS:
-        s = s * _per_key(ks_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)[None, :]
+        s = s * per_key(ks_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)[None, :]
     if HAS_SOFTCAP:   # Gemma 2: cap * tanh(scale * s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1), then base 2
         x = s * (scale_log2 / 1.4426950408889634 / softcap)
         s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
@@ -157,7 +166,7 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
         v = _scaled_rows(v, vs_base + blk * stride_sb + off * stride_ss, n_mask, FULL, q.dtype)
     elif QUANT:
         v = codes_to(v, q.dtype, V_CVT)
-        v_scale = _per_key(vs_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)
+        v_scale = per_key(vs_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)
         if q.dtype == tl.float16:     # float16's range: p x scale in [0, 1] of the tile's largest scale
             v_max = tl.maximum(tl.max(v_scale, 0), 2.0 ** -24)
             v_scale = v_scale / v_max

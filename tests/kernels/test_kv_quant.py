@@ -80,13 +80,13 @@ DECODE_SPECS = [   # (q heads, kv heads, head_dim, block, lens, window)
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["int8", "fp8"])
 @pytest.mark.parametrize("spec", DECODE_SPECS, ids=lambda s: f"g{s[0] // s[1]}-d{s[2]}-w{s[5]}")
-@pytest.mark.parametrize("path", ["reference", "c", "triton"])
+@pytest.mark.parametrize("path", ["reference", "c", "triton", "triton-keys-major"])
 def test_decode_over_an_8bit_cache_matches_the_oracle(path, spec, cache_dtype):
     hq, hkv, d, bs, lens, window = spec
     if path == "c" and not cpu_decode.available():
         pytest.skip("no C compiler: the CPU decode kernel is not built")
-    q_dtype = torch.float16 if path == "triton" else torch.bfloat16 if d == 32 else torch.float32
-    device = kernel_device() if path == "triton" else torch.device("cpu")
+    q_dtype = torch.float16 if path.startswith("triton") else torch.bfloat16 if d == 32 else torch.float32
+    device = kernel_device() if path.startswith("triton") else torch.device("cpu")
     case, (k8, v8, ks, vs), keys, values = _quantized_case(list(lens), hkv, d, bs, cache_dtype,
                                                            seed_of("kv8-decode", spec, str(cache_dtype)))
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(3)).to(q_dtype)
@@ -99,9 +99,12 @@ def test_decode_over_an_8bit_cache_matches_the_oracle(path, spec, cache_dtype):
         assert cpu_decode.supports(qd, k8)
         out = cpu_decode.paged_decode_cpu(qd, k8, v8, tables, seq_lens, scale, sliding_window=window,
                                           k_scale=ks, v_scale=vs)
-    else:
+    elif path == "triton":
         out = kernels.paged_decode(qd, k8, v8, tables, seq_lens, scale, sliding_window=window, use_triton=True,
                                    k_scale=ks, v_scale=vs)
+    else:                 # tile_keys_major_triton: query heads padded to 8 columns
+        out = paged_decode_triton(qd, k8, v8, tables, seq_lens, scale, sliding_window=window, k_scale=ks,
+                                  v_scale=vs, config=dict(KEYS_MAJOR=True, BLOCK_G=8))
     assert out.dtype == q_dtype
     for i, n in enumerate(lens):
         want = dense_attention(q[i:i + 1], keys[i], values[i], scale, sliding_window=window)[0]
@@ -113,13 +116,16 @@ def test_decode_over_an_8bit_cache_matches_the_oracle(path, spec, cache_dtype):
                          ids=["fp16", "bf16"])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["int8", "fp8"])
 @pytest.mark.parametrize("magnitude", [1e-4, 30.0])
-@pytest.mark.parametrize("f16_math", [False, True], ids=["", "f16-math"])
-def test_triton_decode_over_8bit_rows_of_any_magnitude(f16_math, magnitude, cache_dtype, q_dtype):
+@pytest.mark.parametrize("config", [None, dict(F16_MATH=True), dict(KEYS_MAJOR=True, BLOCK_G=8),
+                                    dict(KEYS_MAJOR=True, BLOCK_G=8, F16_MATH=True)],
+                         ids=["", "f16-math", "keys-major", "keys-major-f16-math"])
+def test_triton_decode_over_8bit_rows_of_any_magnitude(config, magnitude, cache_dtype, q_dtype):
     """16-bit queries over an 8-bit cache: rows of tiny and of large values, query rows from 1e-3 to 1e3 in one
     call, stay within the query dtype's relative error of the oracle (with float16 queries the probabilities
     times the value scales are taken relative to the tile's largest scale: without it, tiny rows fail).
-    ``f16_math``: the decode kernel's ``F16_MATH`` (each query row scaled by a power of two into float16, its
-    score scale divided by it: ``tile_triton.queries_in_f16``)."""
+    ``config``: the decode kernel's ``F16_MATH`` (each query row scaled by a power of two into float16, its
+    score scale divided by it: ``tile_triton.queries_in_f16``), the keys-major kernel
+    (``tile_keys_major_triton``), and both."""
     lens, hq, hkv, d = (9, 40, 77), 8, 2, 64
     case, (k8, v8, ks, vs), keys, values = _quantized_case(list(lens), hkv, d, 16, cache_dtype,
                                                            seed_of("kv8-f16", magnitude, str(cache_dtype)), magnitude)
@@ -127,9 +133,8 @@ def test_triton_decode_over_8bit_rows_of_any_magnitude(f16_math, magnitude, cach
     q = (torch.randn(len(lens), hq, d, generator=gen) * torch.logspace(-3, 3, hq)[None, :, None]).to(q_dtype)
     device = kernel_device()
     k8, v8, ks, vs, tables, seq_lens, qd = _to(device, k8, v8, ks, vs, case.block_tables, case.seq_lens, q)
-    if f16_math:
-        out = paged_decode_triton(qd, k8, v8, tables, seq_lens, 0.125, k_scale=ks, v_scale=vs,
-                                  config=dict(F16_MATH=True))
+    if config:
+        out = paged_decode_triton(qd, k8, v8, tables, seq_lens, 0.125, k_scale=ks, v_scale=vs, config=config)
     else:
         out = kernels.paged_decode(qd, k8, v8, tables, seq_lens, 0.125, use_triton=True, k_scale=ks, v_scale=vs)
     for i in range(len(lens)):

@@ -58,7 +58,7 @@ GPU_SPECS = [
 ]
 
 
-def _run_decode(spec: DecodeSpec, impl: str, seed: int) -> None:
+def _run_decode(spec: DecodeSpec, impl: str, seed: int, config: dict | None = None) -> None:
     device = kernel_device()
     gen = torch.Generator().manual_seed(seed)
     case = make_paged_case(gen, list(spec.seq_lens), spec.kv_heads, spec.head_dim, spec.block_size,
@@ -71,10 +71,10 @@ def _run_decode(spec: DecodeSpec, impl: str, seed: int) -> None:
     args = (q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale, slopes, spec.window, out)
     if impl == "reference":
         result = paged_decode_reference(*args)
-    elif spec.num_splits is None:
+    elif spec.num_splits is None and config is None:
         result = paged_decode(*args, use_triton=True, validate_values=True)
     else:
-        result = paged_decode_triton(*args, num_splits=spec.num_splits)
+        result = paged_decode_triton(*args, num_splits=spec.num_splits, config=config)
     assert result is out
     expected = torch.cat([
         dense_attention(q[i:i + 1], case.keys[i], case.values[i], scale, slopes, spec.window)
@@ -95,6 +95,35 @@ def test_decode_matches_dense_oracle(spec, impl):
 @pytest.mark.parametrize("spec", GPU_SPECS)
 def test_decode_matches_dense_oracle_gpu(spec, impl):
     _run_decode(spec, impl, seed=seed_of(spec, impl))
+
+
+def _keys_major(spec: DecodeSpec) -> dict:
+    """The keys-major kernel's config (``tile_keys_major_triton``): query heads padded to 8 columns."""
+    return dict(KEYS_MAJOR=True, BLOCK_G=max(8, 1 << (spec.q_heads // spec.kv_heads - 1).bit_length()))
+
+
+@pytest.mark.parametrize("spec", CPU_SPECS, ids=lambda s: f"g{s.q_heads // s.kv_heads}-d{s.head_dim}"
+                         f"-b{s.block_size}-{str(s.dtype)[6:]}-s{s.num_splits}")
+def test_keys_major_decode_matches_dense_oracle(spec):
+    """Scores as K @ q^T (keys-major): every GQA group, ALiBi, windows, forced and empty splits, as the oracle."""
+    _run_decode(spec, "triton", seed=seed_of(spec, "keys-major"), config=_keys_major(spec))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", GPU_SPECS)
+def test_keys_major_decode_matches_dense_oracle_gpu(spec):
+    _run_decode(spec, "triton", seed=seed_of(spec, "keys-major"), config=_keys_major(spec))
+
+
+def test_a_config_with_fewer_rows_than_the_group_is_a_value_error():
+    device = kernel_device()
+    case = make_paged_case(torch.Generator().manual_seed(2), [20], 1, 64, 16, F32, device)
+    q = torch.randn((1, 16, 64)).to(device)                 # 16 query heads on one KV head
+    out = nan_like(q.shape, F32, device)
+    with pytest.raises(ValueError, match="config: BLOCK_G 8 holds fewer rows than the 16 query heads"):
+        paged_decode_triton(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.1, out=out,
+                            config=dict(KEYS_MAJOR=True, BLOCK_G=8))
+    assert torch.isnan(out).all()                           # nothing launched, nothing written
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])

@@ -1,0 +1,73 @@
+"""One online-softmax step of paged decode in keys-major form: scores as ``K @ q^T`` ([keys, query heads]).
+
+The decode kernel (``decode_triton``) multiplies a KV head's query rows, padded to 16 for ``tl.dot``, by a tile
+of keys: with 4 query heads per KV head, 12 of its 16 rows of scores are padding, and the online softmax
+(scale, maxima, exponentials, sums, the conversion of the probabilities) runs over all 16. Here the keys are
+the products' long side and the query heads the short one, padded to ``BLOCK_G`` = 8 (``tl.dot`` takes 8
+columns): half the softmax's elements and half the products' padding (Triton 3.9 compiles the 128-key,
+4-warp products for sm_90 as wgmma, 3.6 as mma.sync). ``acc`` holds the output transposed, [head_dim, query heads], and
+``p^T @ V`` is computed as ``V^T @ p``. Scores, masks, soft-capping, ALiBi, 8-bit codes and their row scales
+follow ``tile_triton.attend_tile``, transposed. The decode kernel runs it under its ``KEYS_MAJOR`` constant
+(``decode_triton._attend_range``). Off by default until a GPU has timed it: an 8-bit decode candidate of
+``benchmarks.kv8_goal`` (sm_90 counts in docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tile_triton import codes_to, per_key, tile_slots
+
+
+@triton.jit
+def attend_keys_major(qt, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
+                      stride_kb, stride_ks, stride_vb, stride_vs, scale_log2, softcap, d, d_mask,
+                      ks_base, vs_base, stride_sb, stride_ss, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                      HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, K_CVT: tl.constexpr = 0, V_CVT: tl.constexpr = 0,
+                      FULL: tl.constexpr = False):
+    """``tile_triton.attend_tile`` transposed, for decode: queries ``qt [BLOCK_D, BLOCK_G]``, state ``m``, ``l``
+    [BLOCK_G] and ``acc`` [BLOCK_D, BLOCK_G]; ``scale_log2`` a scalar or a row [1, BLOCK_G]; every query at
+    ``q_pos`` [BLOCK_G] (the sequence's last token), so ``MASKED`` applies ``n < kv_end`` and causality only
+    (the decode kernel starts at the window's first key)."""
+    n, n_mask, blk, off, kv_mask = tile_slots(n0, table, kv_end, d_mask, BLOCK_SIZE, BLOCK_N, FULL)
+    k = tl.load(k_base + blk[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
+                mask=kv_mask, other=0.0)                                         # [BLOCK_N, BLOCK_D]
+    if QUANT:
+        k = codes_to(k, qt.dtype, K_CVT)                                         # codes, exact
+    if IEEE:
+        s = tl.dot(k, qt, input_precision="ieee")                                # [BLOCK_N, BLOCK_G]
+    else:
+        s = tl.dot(k, qt)
+    if QUANT:
+        s = s * per_key(ks_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)[:, None]
+    if HAS_SOFTCAP:   # cap * tanh(scale * s / cap), in base 2 (as attend_tile)
+        x = s * (scale_log2 / 1.4426950408889634 / softcap)
+        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
+    else:
+        s = s * scale_log2
+    if HAS_ALIBI:
+        s += slope[None, :] * (n[:, None] - q_pos[None, :]).to(tl.float32)
+    if MASKED:
+        s = tl.where(n_mask[:, None] & (n[:, None] <= q_pos[None, :]), s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 0))
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)                          # all-masked column guard
+    alpha = tl.math.exp2(m - m_ref)
+    p = tl.math.exp2(s - m_ref[None, :])                                         # [BLOCK_N, BLOCK_G]
+    l = l * alpha + tl.sum(p, 0)
+    v = tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
+                mask=kv_mask, other=0.0)                                         # [BLOCK_N, BLOCK_D]
+    v_max = 1.0
+    if QUANT:
+        v = codes_to(v, qt.dtype, V_CVT)
+        v_scale = per_key(vs_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)
+        if qt.dtype == tl.float16:     # float16's range: p x scale in [0, 1] of the tile's largest scale
+            v_max = tl.maximum(tl.max(v_scale, 0), 2.0 ** -24)
+            v_scale = v_scale / v_max
+        p = p * v_scale[:, None]
+    if IEEE:
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision="ieee")
+    else:
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype)) * v_max   # [BLOCK_D, BLOCK_G]
+    return m_new, l, acc
