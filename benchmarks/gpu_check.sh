@@ -18,7 +18,7 @@
 # first when present. KV8GOAL_S, TEST_S, BENCH_S, MOE_S, KV8_S, KVSWEEP_S (each half), QGEMM_S and SPEC_S bound
 # the stages in seconds, so that a stage that hangs or crawls still leaves the others' output; every result
 # is printed as it comes. A lease is 15 minutes of device time, the machine's start included, and one call
-# at most 10: the default STAGES="kv8goal tests kv8" takes about 6-7 minutes on an H100 (kv8goal ~2, the tests
+# at most 10: the default STAGES="kv8goal tests kv8" takes about 7 minutes on an H100 (kv8goal ~3, the tests
 # ~2.5, kv8 ~1.5), leaving room to rerun one stage after a fix. The others: STAGES="engine moe", then "qgemm".
 set -u
 mode=${1:-quick}

@@ -55,6 +55,7 @@ CANDIDATES = (   # (name, overrides of decode_triton.decode_config, forced split
 DRY_CANDIDATES = (("default", None, None), ("default, 1 split", None, 1), ("tiles of 16", dict(BLOCK_N=16), None),
                   ("keys-major", KEYS_MAJOR, None))
 BASELINE = "bf16"
+GOAL_SPEEDUP = 1.6
 METRICS = [Metric("calls_per_s", "decode calls/s"), Metric("ms", "ms per call", higher_is_better=False)]
 
 
@@ -130,6 +131,14 @@ def main(argv: list[str] | None = None) -> dict:
                             "device": torch.cuda.get_device_name() if on_cuda else "cpu (TRITON_INTERPRET dry run)"})
     for ratio in ratios:
         print_ratio(report, ratio.name, "calls_per_s", ratio.name, ">= 1.6x at batch 64, 8k")
+    for cache in cfg["caches"]:
+        medians = {q.system: report["summary"]["ratios"][q.name]["calls_per_s"] for q in ratios
+                   if q.system.startswith(f"{cache} ")}
+        medians = {system: stat["median"] for system, stat in medians.items() if stat is not None}
+        if medians:
+            best = max(medians, key=medians.get)
+            verdict = "met" if medians[best] >= GOAL_SPEEDUP else "not met"
+            print(f"fastest {cache}: {best}, {medians[best]:.2f}x bf16 (goal >= {GOAL_SPEEDUP}x: {verdict})")
     return report
 
 

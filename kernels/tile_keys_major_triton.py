@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile_triton import codes_to, per_key, tile_slots
+from .tile_triton import codes_to, per_key, tile_slots, value_codes
 
 
 @triton.jit
@@ -60,11 +60,8 @@ def attend_keys_major(qt, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv
                 mask=kv_mask, other=0.0)                                         # [BLOCK_N, BLOCK_D]
     v_max = 1.0
     if QUANT:
-        v = codes_to(v, qt.dtype, V_CVT)
-        v_scale = per_key(vs_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)
-        if qt.dtype == tl.float16:     # float16's range: p x scale in [0, 1] of the tile's largest scale
-            v_max = tl.maximum(tl.max(v_scale, 0), 2.0 ** -24)
-            v_scale = v_scale / v_max
+        v, v_scale, v_max = value_codes(v, vs_base + blk * stride_sb + off * stride_ss, n_mask, qt.dtype, V_CVT,
+                                        FULL)
         p = p * v_scale[:, None]
     if IEEE:
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision="ieee")

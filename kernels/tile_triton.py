@@ -113,6 +113,19 @@ def tile_slots(n0, table, kv_end, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def value_codes(codes, scale_pointers, n_mask, dtype: tl.constexpr, V_CVT: tl.constexpr, FULL: tl.constexpr):
+    """An 8-bit V tile [BLOCK_N, BLOCK_D] -> (its values in ``dtype``, each key's scale [BLOCK_N] to multiply its
+    probabilities by, the factor the tile's ``p @ V`` then takes). In float16 the scales are taken relative to the
+    tile's largest, which becomes the factor (float16's range: p x scale stays in [0, 1]); else factor 1."""
+    v_scale = per_key(scale_pointers, n_mask, FULL).to(tl.float32)
+    v_max = 1.0
+    if dtype == tl.float16:
+        v_max = tl.maximum(tl.max(v_scale, 0), 2.0 ** -24)
+        v_scale = v_scale / v_max
+    return codes_to(codes, dtype, V_CVT), v_scale, v_max
+
+
+@triton.jit
 def _scaled_rows(codes, scale_pointers, n_mask, FULL: tl.constexpr, dtype: tl.constexpr):
     """An 8-bit tile [BLOCK_N, BLOCK_D] times each row's scale, in float32 (exact: an 8-bit code times a float16
     scale), then ``dtype`` (rounded there, as a 16-bit cache's rows are)."""
@@ -165,11 +178,7 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
     if QUANT and SCALE_ROWS:
         v = _scaled_rows(v, vs_base + blk * stride_sb + off * stride_ss, n_mask, FULL, q.dtype)
     elif QUANT:
-        v = codes_to(v, q.dtype, V_CVT)
-        v_scale = per_key(vs_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)
-        if q.dtype == tl.float16:     # float16's range: p x scale in [0, 1] of the tile's largest scale
-            v_max = tl.maximum(tl.max(v_scale, 0), 2.0 ** -24)
-            v_scale = v_scale / v_max
+        v, v_scale, v_max = value_codes(v, vs_base + blk * stride_sb + off * stride_ss, n_mask, q.dtype, V_CVT, FULL)
         p = p * v_scale[None, :]
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
