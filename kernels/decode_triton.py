@@ -203,8 +203,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
     ``num_splits`` overrides the automatic choice (tests use it to force the split path) and ``config``
     overrides entries of ``decode_config`` (the benchmark's ``--sweep`` uses it); ``KEYS_MAJOR`` in it computes
     the scores as K @ q^T (``tile_keys_major_triton``), with ``BLOCK_G`` (8 is its narrowest) >= the query
-    heads per KV head. ``k_scale`` / ``v_scale``: an
-    8-bit cache's row scales (``kv_quant``)."""
+    heads per KV head, else ValueError. ``k_scale`` / ``v_scale``: an 8-bit cache's row scales (``kv_quant``)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads

@@ -5,8 +5,8 @@ of keys: with 4 query heads per KV head, 12 of its 16 rows of scores are padding
 (scale, maxima, exponentials, sums, the conversion of the probabilities) runs over all 16. Here the keys are
 the products' long side and the query heads the short one, padded to ``BLOCK_G`` = 8 (``tl.dot`` takes 8
 columns): half the softmax's elements and half the products' padding (Triton 3.9 compiles the 128-key,
-4-warp products for sm_90 as wgmma, 3.6 as mma.sync). ``acc`` holds the output transposed, [head_dim, query heads], and
-``p^T @ V`` is computed as ``V^T @ p``. Scores, masks, soft-capping, ALiBi, 8-bit codes and their row scales
+4-warp products for sm_90 as wgmma, 3.6 as mma.sync). ``acc`` holds the output transposed, [head_dim, query
+heads], and ``p^T @ V`` is computed as ``V^T @ p``. Scores, masks, soft-capping, ALiBi, 8-bit codes and their row scales
 follow ``tile_triton.attend_tile``, transposed. The decode kernel runs it under its ``KEYS_MAJOR`` constant
 (``decode_triton._attend_range``). Off by default until a GPU has timed it: an 8-bit decode candidate of
 ``benchmarks.kv8_goal`` (sm_90 counts in docs/gpu.md).
