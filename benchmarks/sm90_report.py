@@ -131,7 +131,8 @@ def loop_instructions(sass: str) -> int:
 def _launch_options(cfg: dict) -> tuple[dict, dict]:
     """A launcher's config -> (constexprs, compile options ``num_warps``/``num_stages``/``maxnreg``)."""
     options = {key: cfg[key] for key in ("num_warps", "num_stages", "maxnreg") if key in cfg}
-    return {key: value for key, value in cfg.items() if key not in options}, options
+    constants = {key: value for key, value in cfg.items() if key not in options}
+    return constants, {key: value for key, value in options.items() if value is not None}   # None: no cap
 
 
 def variants() -> dict[str, tuple]:
@@ -285,8 +286,6 @@ def kv8_candidate_variants() -> dict[str, tuple]:
         for name, overrides, splits in CANDIDATES:
             cfg, options = _launch_options({**decode_triton.decode_config(128, 4, quantized=True, fast_codes=True),
                                             **(overrides or {})})
-            if options.get("maxnreg") is None:
-                options.pop("maxnreg", None)
             consts = dict(BLOCK_SIZE=16, HAS_ALIBI=False, HAS_WINDOW=False, SPLIT=splits != 1, IEEE=False,
                           HAS_SOFTCAP=False, QUANT=True, **cfg)
             out[f"{code}: {name}"] = (decode_triton._decode_kernel, "bf16", consts, options, pointers)

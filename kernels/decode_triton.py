@@ -203,7 +203,8 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
     ``num_splits`` overrides the automatic choice (tests use it to force the split path) and ``config``
     overrides entries of ``decode_config`` (the benchmark's ``--sweep`` uses it); ``KEYS_MAJOR`` in it computes
     the scores as K @ q^T (``tile_keys_major_triton``), with ``BLOCK_G`` (8 is its narrowest) >= the query
-    heads per KV head, else ValueError. ``k_scale`` / ``v_scale``: an 8-bit cache's row scales (``kv_quant``)."""
+    heads per KV head and a power of two, else ValueError. ``k_scale`` / ``v_scale``: an 8-bit cache's row scales
+    (``kv_quant``)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -213,8 +214,9 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
         return out
     fast_codes = q.is_cuda and q.dtype == torch.bfloat16     # the float16 asm has run on no GPU yet (docs/gpu.md)
     cfg = {**decode_config(head_dim, group, k_scale is not None, fast_codes), **(config or {})}
-    if cfg["BLOCK_G"] < group:
-        raise ValueError(f"config: BLOCK_G {cfg['BLOCK_G']} holds fewer rows than the {group} query heads per KV head")
+    rows = cfg["BLOCK_G"]
+    if rows < group or rows & (rows - 1):
+        raise ValueError(f"config: BLOCK_G {rows} must be a power of two holding the {group} query heads per KV head")
 
     def launch(splits: int, part_m, part_l, part_acc, grid, warm_up: bool = False):
         args = (q, k_cache, v_cache, block_tables, seq_lens,

@@ -120,9 +120,10 @@ def test_a_config_with_fewer_rows_than_the_group_is_a_value_error():
     case = make_paged_case(torch.Generator().manual_seed(2), [20], 1, 64, 16, F32, device)
     q = torch.randn((1, 16, 64)).to(device)                 # 16 query heads on one KV head
     out = nan_like(q.shape, F32, device)
-    with pytest.raises(ValueError, match="config: BLOCK_G 8 holds fewer rows than the 16 query heads"):
-        paged_decode_triton(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.1, out=out,
-                            config=dict(KEYS_MAJOR=True, BLOCK_G=8))
+    for rows in (8, 24):                                    # too few; not a power of two
+        with pytest.raises(ValueError, match=f"config: BLOCK_G {rows} must be a power of two holding the 16 query"):
+            paged_decode_triton(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.1, out=out,
+                                config=dict(KEYS_MAJOR=True, BLOCK_G=rows))
     assert torch.isnan(out).all()                           # nothing launched, nothing written
 
 
