@@ -41,7 +41,10 @@ wanted() { [[ "$stages" == *" $1 "* ]]; }
 
 if wanted kv8goal; then
 echo "== benchmarks.kv8_goal (batch 64, 8k: the 8-bit decode against bf16) =="
-timeout "${KV8GOAL_S:-300}" python3 -m benchmarks.kv8_goal --rounds 5 --out "$OUT/kv8_goal.json"
+# KV8GOAL_CANDIDATES: kv8_goal's candidates to time alone, "|" between names (e.g. "default" after changing it)
+only=()
+if [[ -n "${KV8GOAL_CANDIDATES:-}" ]]; then IFS="|" read -ra names <<< "$KV8GOAL_CANDIDATES"; only=(--candidates "${names[@]}"); fi
+timeout "${KV8GOAL_S:-300}" python3 -m benchmarks.kv8_goal --rounds 5 --out "$OUT/kv8_goal.json" "${only[@]}"
 echo "kv8_goal exit: $?"
 fi
 

@@ -9,8 +9,10 @@ compile ranks best (docs/gpu.md; ``python -m benchmarks.sm90_report --kv8-candid
 converted before its shared copy; one pipeline stage with registers capped at 96 (5 programs per SM, 20
 warps, against 3 and 12: the same code's count of warps is what it isolates); one-warp 64-key tiles; the
 keys-major decode (``tile_keys_major_triton``: scores as K @ q^T, the 4 query heads padded to 8 columns
-instead of 16 rows), alone and with the settings above. Every system is checked against the torch reference on two
-sequences first; one that fails to compile or disagrees is reported and not timed.
+instead of 16 rows), alone and with the settings above, and under ``F16_MATH`` with K converted in registers
+(``K_CVT`` 1, which in the keys-major form issues fewer instructions than ``K_CVT`` 2 under the lent machines'
+Triton 3.6) in 128-key, 4-warp and 64-key, 2-warp tiles. Every system is checked against the torch reference
+on two sequences first; one that fails to compile or disagrees is reported and not timed.
 
 Systems are interleaved over ``--rounds`` rounds (order rotating, ``benchmarks.rounds``); a run is one
 ``triton.testing.do_bench`` median. Printed: each system's ms and calls/s, median [min-max] over rounds,
@@ -50,7 +52,8 @@ CANDIDATES = (   # (name, overrides of decode_triton.decode_config, forced split
     ("keys-major", KEYS_MAJOR, None),
     ("keys-major f16 kcvt2", dict(KEYS_MAJOR, **F16_K2), None),
     ("keys-major f16 kcvt2, 1 stage, 96 regs", dict(KEYS_MAJOR, **F16_K2, num_stages=1, maxnreg=96), None),
-    ("keys-major f16 kcvt2 64/2w", dict(KEYS_MAJOR, **F16_K2, BLOCK_N=64, num_warps=2, maxnreg=None), None),
+    ("keys-major f16", dict(KEYS_MAJOR, F16_MATH=True), None),
+    ("keys-major f16 64/2w", dict(KEYS_MAJOR, F16_MATH=True, BLOCK_N=64, num_warps=2, maxnreg=None), None),
 )
 DRY_CANDIDATES = (("default", None, None), ("default, 1 split", None, 1), ("tiles of 16", dict(BLOCK_N=16), None),
                   ("keys-major", KEYS_MAJOR, None))
@@ -107,9 +110,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_round_args(parser, "kv8_goal")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU via TRITON_INTERPRET=1")
+    parser.add_argument("--candidates", nargs="+", metavar="NAME", default=None,
+                        help="time only these candidates against bf16 (default: all; e.g. 'default' to rerun "
+                             "the launcher's default after changing it)")
     args = parser.parse_args(argv)
     on_cuda = not dry_run_or_cuda(parser, args, "benchmarks.kv8_goal")
     cfg, candidates = (GOAL, CANDIDATES) if on_cuda else (DRY, DRY_CANDIDATES)
+    if args.candidates is not None:
+        unknown = sorted(set(args.candidates) - {name for name, _, _ in candidates})
+        if unknown:
+            parser.error(f"--candidates: unknown {unknown}; known: {[name for name, _, _ in candidates]}")
+        candidates = tuple(c for c in candidates if c[0] in args.candidates)
     timed, errors = checked(build_systems(cfg, candidates, torch.device("cuda" if on_cuda else "cpu")))
     if BASELINE not in timed:
         raise SystemExit(f"the bf16 decode itself failed: {errors[BASELINE]}")

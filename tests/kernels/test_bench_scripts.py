@@ -98,6 +98,22 @@ def test_kv8_goal_dry_run_times_every_system_in_every_round(tmp_path):
     assert all(ratio["calls_per_s"]["median"] > 0 for ratio in ratios.values())
 
 
+def test_kv8_goal_times_only_the_candidates_named(tmp_path):
+    """``--candidates`` (the rerun after a lease changes the default) times bf16 and the named candidates alone;
+    a name it does not know is a usage error naming the option, before anything runs."""
+    from benchmarks.kv8_goal import BASELINE, DRY
+
+    report = _run_dry("benchmarks.kv8_goal", tmp_path / "goal.json", ["--rounds", "3", "--candidates", "keys-major"])
+    assert sorted({r["system"] for r in report["runs"]}) == sorted(
+        [BASELINE, *(f"{cache} keys-major" for cache in DRY["caches"])])
+    assert report["config"]["candidates"] == [["keys-major", {"KEYS_MAJOR": True, "BLOCK_G": 8}, None]]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kv8_goal", "--dry-run", "--out", str(tmp_path / "x.json"),
+                           "--candidates", "default", "no such"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "--candidates: unknown ['no such']" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_quant_gemm_dry_run_checks_and_times_every_row(tmp_path):
     from benchmarks.quant_gemm import DRY
 
