@@ -20,7 +20,9 @@ matches) and picks:
 - a prompt shorter than one block (no full block to cache or find): the least-loaded eligible replicas.
   Footprint first would send every such prompt to the same replica, since they add nothing to it.
 
-Other calls (stats, health, drain, model_meta) go to any replica as with Serve's default router.
+Other calls (stats, health, drain, model_meta, warm_up_report) go to any replica as with Serve's default
+router: every candidate, in random order (Serve takes the first of the shortest queues, so a fixed order
+sent every such call between idle replicas to the same one).
 
 Invariants of the routing loop (Serve runs it; issue #39):
 - A replica found with room for one pending request goes to the oldest pending request (``FIFOMixin``, as in
@@ -40,6 +42,7 @@ Decisions: docs/design/deploy.md, ``pagedray.deploy.routing.router``.
 from __future__ import annotations
 
 import collections
+import random
 from collections.abc import Container
 from dataclasses import dataclass
 
@@ -169,8 +172,10 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         if pending_request is not None:   # no room on what this returns: Serve sleeps before the next round
             pending_request.routing_context.should_backoff = True
         prompt = generate_prompt(pending_request)
-        if prompt is None or len(candidate_replicas) < 2:
+        if len(candidate_replicas) < 2:
             return [candidate_replicas]
+        if prompt is None:   # in random order: Serve takes the first of the shortest queues, ties are common here
+            return [random.sample(candidate_replicas, len(candidate_replicas))]
         hashes = prefix_block_hashes(prompt, self._block_size)
         views = [ReplicaView(r, self._cached(r), self._load(r), len(self._sent.get(r.replica_id, ())))
                  for r in candidate_replicas]

@@ -135,11 +135,12 @@ def _replacement_warmed_from_its_peer(app, before: list[str]) -> None:
         time.sleep(0.5)
     assert _running_engine_replicas() == 2
     reports = {}
-    for _ in range(64):
+    deadline = time.monotonic() + 300   # hang guard: the driver's router learns of the replacement asynchronously
+    while len(reports) < 2 and time.monotonic() < deadline:
         replica, report = app.engine_handle().warm_up_report.remote().result()
         reports[replica] = report
-        if len(reports) == 2:
-            break
+        if len(reports) < 2:
+            time.sleep(0.2)
     earlier = {name.rsplit("#", 1)[-1] for name in before}
     replacements = set(reports) - earlier
     assert len(reports) == 2 and len(replacements) == 1, (reports, earlier)
