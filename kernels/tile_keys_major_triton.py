@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile_triton import codes_to, per_key, tile_slots, value_codes
+from .tile_triton import base2_scores, codes_to, per_key, tile_slots, value_codes
 
 
 @triton.jit
@@ -42,11 +42,7 @@ def attend_keys_major(qt, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv
         s = tl.dot(k, qt)
     if QUANT:
         s = s * per_key(ks_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)[:, None]
-    if HAS_SOFTCAP:   # cap * tanh(scale * s / cap), in base 2 (as attend_tile)
-        x = s * (scale_log2 / 1.4426950408889634 / softcap)
-        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
-    else:
-        s = s * scale_log2
+    s = base2_scores(s, scale_log2, softcap, HAS_SOFTCAP)
     if HAS_ALIBI:
         s += slope[None, :] * (n[:, None] - q_pos[None, :]).to(tl.float32)
     if MASKED:

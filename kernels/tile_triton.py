@@ -126,6 +126,19 @@ def value_codes(codes, scale_pointers, n_mask, dtype: tl.constexpr, V_CVT: tl.co
 
 
 @triton.jit
+def base2_scores(s, scale_log2, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw products ``s`` -> scores in base 2 (``scale_log2`` a scalar or broadcastable to ``s``); with
+    ``HAS_SOFTCAP`` the scaled score is first soft-capped (Gemma 2): cap * tanh(scale * s / cap), tanh(x) = 1 - 2 /
+    (exp(2x) + 1)."""
+    if HAS_SOFTCAP:
+        x = s * (scale_log2 / 1.4426950408889634 / softcap)
+        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
+    else:
+        s = s * scale_log2
+    return s
+
+
+@triton.jit
 def _scaled_rows(codes, scale_pointers, n_mask, FULL: tl.constexpr, dtype: tl.constexpr):
     """An 8-bit tile [BLOCK_N, BLOCK_D] times each row's scale, in float32 (exact: an 8-bit code times a float16
     scale), then ``dtype`` (rounded there, as a 16-bit cache's rows are)."""
@@ -155,11 +168,7 @@ def attend_tile(q, m, l, acc, n0, k_base, v_base, table, q_pos, slope, kv_end,
         s = tl.dot(q, tl.trans(k))
     if QUANT and not SCALE_ROWS:
         s = s * per_key(ks_base + blk * stride_sb + off * stride_ss, n_mask, FULL).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:   # Gemma 2: cap * tanh(scale * s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1), then base 2
-        x = s * (scale_log2 / 1.4426950408889634 / softcap)
-        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
-    else:
-        s = s * scale_log2                                                       # [BLOCK_M, BLOCK_N]
+    s = base2_scores(s, scale_log2, softcap, HAS_SOFTCAP)                       # [BLOCK_M, BLOCK_N]
     if HAS_ALIBI:
         s += slope[:, None] * (n[None, :] - q_pos[:, None]).to(tl.float32)
     if MASKED:
