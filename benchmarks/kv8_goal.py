@@ -11,7 +11,8 @@ warps, against 3 and 12: the same code's count of warps is what it isolates); on
 keys-major decode (``tile_keys_major_triton``: scores as K @ q^T, the 4 query heads padded to 8 columns
 instead of 16 rows), alone and with the settings above, and under ``F16_MATH`` with K converted in registers
 (``K_CVT`` 1, which in the keys-major form issues fewer instructions than ``K_CVT`` 2 under the lent machines'
-Triton 3.6) in 128-key, 4-warp and 64-key, 2-warp tiles. Every system is checked against the torch reference
+Triton 3.6) in 128-key, 4-warp, 64-key, 2-warp and 64-key, 1-warp tiles (the last the fewest instructions
+per key, at 6 warps per SM against 12). Every system is checked against the torch reference
 on two sequences first; one that fails to compile or disagrees is reported and not timed.
 
 Systems are interleaved over ``--rounds`` rounds (order rotating, ``benchmarks.rounds``); a run is one
@@ -54,6 +55,7 @@ CANDIDATES = (   # (name, overrides of decode_triton.decode_config, forced split
     ("keys-major f16 kcvt2, 1 stage, 96 regs", dict(KEYS_MAJOR, **F16_K2, num_stages=1, maxnreg=96), None),
     ("keys-major f16", dict(KEYS_MAJOR, F16_MATH=True), None),
     ("keys-major f16 64/2w", dict(KEYS_MAJOR, F16_MATH=True, BLOCK_N=64, num_warps=2, maxnreg=None), None),
+    ("keys-major f16 64/1w", dict(KEYS_MAJOR, F16_MATH=True, BLOCK_N=64, num_warps=1, maxnreg=None), None),
 )
 DRY_CANDIDATES = (("default", None, None), ("default, 1 split", None, 1), ("tiles of 16", dict(BLOCK_N=16), None),
                   ("keys-major", KEYS_MAJOR, None))

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .occupancy import resident_programs, wave_num_splits
 from .tile_keys_major_triton import attend_keys_major
-from .tile_triton import attend_tile, queries_in_f16, scale_args
+from .tile_triton import INT8_BIAS, attend_tile, queries_in_f16, scale_args
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
@@ -93,7 +93,8 @@ def _attend_range(q, scale_log2, start, full_end, end, k_base, v_base, table, q_
     """Keys [start, end) of one sequence for the query rows ``q`` [BLOCK_G, BLOCK_D] (``scale_log2`` a scalar, or
     [BLOCK_G, 1] with ``F16_MATH``) -> (m, l, acc [BLOCK_G, BLOCK_D]): whole tiles up to ``full_end`` without
     per-key predicates, then the partial one. ``KEYS_MAJOR``: scores as K @ q^T (``tile_keys_major_triton``),
-    the output accumulated transposed and turned back once at the end."""
+    the output accumulated transposed and turned back once at the end, the softmax's sums kept per key slot
+    and added once, and int8 codes into float16 products biased (the module docstring there)."""
     m = tl.full([q.shape[0]], float("-inf"), tl.float32)
     l = tl.zeros([q.shape[0]], tl.float32)
     if KEYS_MAJOR:
@@ -101,17 +102,25 @@ def _attend_range(q, scale_log2, start, full_end, end, k_base, v_base, table, q_
         col_scale = scale_log2
         if F16_MATH:
             col_scale = tl.reshape(scale_log2, [1, q.shape[0]])
+        biased: tl.constexpr = QUANT and q.dtype == tl.float16 and k_base.dtype.element_ty == tl.int8
+        k_bias = tl.zeros([1, q.shape[0]], tl.float32)       # int8 codes into float16 products go in biased
+        if biased:
+            k_bias = INT8_BIAS * tl.reshape(tl.sum(q.to(tl.float32), 1), [1, q.shape[0]])
         acc_t = tl.zeros([q.shape[1], q.shape[0]], tl.float32)
+        l_slots = tl.zeros([BLOCK_N, q.shape[0]], tl.float32)
         for n0 in range(start, full_end, BLOCK_N):
-            m, l, acc_t = attend_keys_major(qt, m, l, acc_t, n0, k_base, v_base, table, q_pos, slope, end,
-                                            stride_kb, stride_ks, stride_vb, stride_vs, col_scale, softcap, d,
-                                            d_mask, ks_base, vs_base, stride_sb, stride_ss, BLOCK_SIZE, False,
-                                            HAS_ALIBI, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N, K_CVT, V_CVT, FULL=True)
+            m, l_slots, acc_t = attend_keys_major(qt, m, l_slots, acc_t, n0, k_base, v_base, table, q_pos, slope,
+                                                  end, stride_kb, stride_ks, stride_vb, stride_vs, col_scale,
+                                                  softcap, d, d_mask, ks_base, vs_base, stride_sb, stride_ss,
+                                                  BLOCK_SIZE, False, HAS_ALIBI, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
+                                                  K_CVT, V_CVT, FULL=True, k_bias=k_bias, BIASED=biased)
         if full_end < end:
-            m, l, acc_t = attend_keys_major(qt, m, l, acc_t, full_end, k_base, v_base, table, q_pos, slope, end,
-                                            stride_kb, stride_ks, stride_vb, stride_vs, col_scale, softcap, d,
-                                            d_mask, ks_base, vs_base, stride_sb, stride_ss, BLOCK_SIZE, True,
-                                            HAS_ALIBI, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N, K_CVT, V_CVT)
+            m, l_slots, acc_t = attend_keys_major(qt, m, l_slots, acc_t, full_end, k_base, v_base, table, q_pos,
+                                                  slope, end, stride_kb, stride_ks, stride_vb, stride_vs, col_scale,
+                                                  softcap, d, d_mask, ks_base, vs_base, stride_sb, stride_ss,
+                                                  BLOCK_SIZE, True, HAS_ALIBI, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
+                                                  K_CVT, V_CVT, k_bias=k_bias, BIASED=biased)
+        l = tl.sum(l_slots, 0)
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)

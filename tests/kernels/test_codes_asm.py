@@ -109,24 +109,26 @@ def _codes(dtype: torch.dtype) -> list[int]:
     return [c for c in range(256) if not (dtype == torch.float8_e4m3fn and c & 0x7F == 0x7F)]
 
 
-CASES = {
-    "int8 -> bf16": (tile_triton.INT8_TO_BF16, torch.int8, torch.bfloat16),
-    "int8 -> fp16": (tile_triton.INT8_TO_F16, torch.int8, torch.float16),
-    "e4m3 -> bf16": (tile_triton.E4M3_TO_BF16, torch.float8_e4m3fn, torch.bfloat16),
-    "e4m3 -> fp16": (tile_triton.E4M3_TO_F16, torch.float8_e4m3fn, torch.float16),
+CASES = {   # name -> (asm, code dtype, result dtype, what the result adds to each code)
+    "int8 -> bf16": (tile_triton.INT8_TO_BF16, torch.int8, torch.bfloat16, 0),
+    "int8 -> fp16": (tile_triton.INT8_TO_F16, torch.int8, torch.float16, 0),
+    "int8 -> fp16 + 1152": (tile_triton.INT8_TO_F16_BIASED, torch.int8, torch.float16, tile_triton.INT8_BIAS.value),
+    "e4m3 -> bf16": (tile_triton.E4M3_TO_BF16, torch.float8_e4m3fn, torch.bfloat16, 0),
+    "e4m3 -> fp16": (tile_triton.E4M3_TO_F16, torch.float8_e4m3fn, torch.float16, 0),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_code_converts_exactly_in_word_order(case):
-    asm, code_dtype, out_dtype = CASES[case]
+    asm, code_dtype, out_dtype, bias = CASES[case]
     codes = _codes(code_dtype)
     for start in range(0, len(codes), 4):
         word_codes = [codes[(start + i * 37) % len(codes)] for i in range(4)]      # four different codes a word
         word = sum(c << (8 * i) for i, c in enumerate(word_codes))
         low, high = run_asm(str(asm.value if hasattr(asm, "value") else asm), word)
         got = torch.tensor([low & 0xFFFF, low >> 16, high & 0xFFFF, high >> 16], dtype=torch.int32)
-        want = torch.tensor(word_codes, dtype=torch.uint8).view(code_dtype).to(out_dtype).view(torch.int16)
+        values = torch.tensor(word_codes, dtype=torch.uint8).view(code_dtype).float()
+        want = (values + bias if bias else values).to(out_dtype).view(torch.int16)      # (keeping -0.0 without)
         assert torch.equal(got.to(torch.int16), want), (case, [hex(c) for c in word_codes], got.tolist(),
                                                          want.tolist())
 

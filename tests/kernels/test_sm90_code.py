@@ -100,7 +100,8 @@ def test_kv8_goal_candidates_compile_and_one_stage_holds_more_warps(tmp_path):
     candidate has what it is there for: the one-stage tiles 40 KiB of shared memory, so 96 registers fit 5
     programs (20 warps) per SM where the two-stage default holds 3 (12 warps); the keys-major kernel fewer warp
     instructions per key than the same settings with 16-row query tiles (over 10% fewer in its two-warp,
-    64-key tiles; Triton 3.9 turns its 4-warp, 128-key products into wgmma, which gains less there)."""
+    64-key tiles; Triton 3.9 turns its 4-warp, 128-key products into wgmma, which gains less there), and its
+    int8 codes converted biased (``tile_keys_major_triton``)."""
     from benchmarks.kv8_goal import CANDIDATES
 
     rows = {row["name"]: row for row in _sm90_report(tmp_path, "--kv8-candidates")["rows"]}
@@ -116,6 +117,10 @@ def test_kv8_goal_candidates_compile_and_one_stage_holds_more_warps(tmp_path):
         assert keys_major["instructions_per_key"] < queries_major["instructions_per_key"], (keys_major, queries_major)
         two_warps = rows[f"{code}: keys-major f16 64/2w"]     # mma.sync under Triton 3.6 and 3.9 alike
         assert two_warps["instructions_per_key"] < 0.9 * queries_major["instructions_per_key"], two_warps
+    # int8 codes go into the keys-major float16 products biased (no subtraction): 3 instructions per 4 codes
+    # against fp8's 2, about 4 more per key (6 with the subtraction)
+    int8, fp8 = rows["int8: keys-major f16 64/2w"], rows["fp8: keys-major f16 64/2w"]
+    assert int8["instructions_per_key"] - fp8["instructions_per_key"] < 5, (int8, fp8)
 
 
 def test_loop_instructions_counts_the_longest_loop():
