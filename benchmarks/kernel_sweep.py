@@ -60,7 +60,7 @@ KV8_TILES = (   # (BLOCK_N, warps, stages, K's conversions, registers): sm_90 co
     (32, 4, 3, (0,), 96),          # the H100's best tile with Triton's cast (5 programs per SM)
     (64, 4, 2, (1, 2), 128),
     (128, 4, 2, (0, 1, 2), 168),   # the default (K_CVT 1)
-    (128, 4, 1, (1, 2), 96),       # one stage: 40 KiB, so 96 registers hold 5 programs (20 warps) per SM
+    (128, 4, 1, (1, 2), 96),       # one stage: 40 KiB, 96 registers hold 5 programs per SM (spilling ~300 B)
     (64, 2, 2, (1, 2), 168),       # 5 programs per SM, about as few instructions per key as 128 / 4
     (64, 1, 2, (2,), None),        # one warp: no reductions across warps; 6 programs per SM
     (32, 1, 3, (2,), None),        # one warp, 8 programs per SM
@@ -73,7 +73,9 @@ def kv8_decode_configs() -> list[dict]:
     """8-bit decode settings for a GPU: ``KV8_TILES`` x ``F16_MATH``, each with V converted before its shared
     copy (``V_CVT`` 2). K's conversions: 0 Triton's cast, 1 the asm in registers, 2 the asm before K's shared
     copy (the query then stays in registers). Registers capped where shared memory would hold more programs
-    per SM than the compiler's own count allows (no spills at these caps in the sm_90 compile)."""
+    per SM than the compiler's own count allows. The sm_90 compile under the lent machines' Triton 3.6 spills
+    280-390 bytes in the one-stage, 96-register tiles and 0-80 bytes in the others (``F16_MATH`` the most):
+    the sweep times them as they are."""
     return [dict(BLOCK_N=n, num_warps=warps, num_stages=stages, K_CVT=k_cvt, V_CVT=2, F16_MATH=f16, maxnreg=regs)
             for n, warps, stages, k_cvts, regs in KV8_TILES for k_cvt in k_cvts for f16 in (False, True)]
 

@@ -6,13 +6,15 @@ were quantized from (``kv8_kernel.quantized_copy``), at the goal's shape: batch 
 per second. Each 8-bit cache runs the launcher's default, the default at one split (the 2-per-SM rule's
 count at this shape, against the wave-filling count the launcher now picks) and the candidates the sm_90
 compile ranks best (docs/gpu.md; ``python -m benchmarks.sm90_report --kv8-candidates``): ``F16_MATH`` with K
-converted before its shared copy; one pipeline stage with registers capped at 96 (5 programs per SM, 20
-warps, against 3 and 12: the same code's count of warps is what it isolates); one-warp 64-key tiles; the
-keys-major decode (``tile_keys_major_triton``: scores as K @ q^T, the 4 query heads padded to 8 columns
-instead of 16 rows), alone and with the settings above, and under ``F16_MATH`` with K converted in registers
-(``K_CVT`` 1, which in the keys-major form issues fewer instructions than ``K_CVT`` 2 under the lent machines'
-Triton 3.6) in 128-key, 4-warp, 64-key, 2-warp and 64-key, 1-warp tiles (the last the fewest instructions
-per key, at 6 warps per SM against 12). Every system is checked against the torch reference
+converted before its shared copy; one-warp 32-key tiles (8 programs per SM); the keys-major decode
+(``tile_keys_major_triton``: scores as K @ q^T, the 4 query heads padded to 8 columns instead of 16 rows),
+alone and with ``F16_MATH``, and under ``F16_MATH`` with K converted in registers (``K_CVT`` 1, which in the
+keys-major form issues fewer instructions than ``K_CVT`` 2 under the lent machines' Triton 3.6) in 128-key,
+4-warp, 64-key, 2-warp and 64-key, 1-warp tiles (the last the fewest instructions per key, at 6 warps per SM
+against 12). None spills registers under Triton 3.9; under the lent machines' 3.6 some
+spill 8-56 bytes (the census's ``spill B``). One-stage tiles capped at 96 registers (5 programs, 20 warps per
+SM), added on 2026-11-27 to isolate what occupancy buys, were dropped before any GPU ran them: they spill
+300-400 bytes, so they would not measure occupancy alone. Every system is checked against the torch reference
 on two sequences first; one that fails to compile or disagrees is reported and not timed.
 
 Systems are interleaved over ``--rounds`` rounds (order rotating, ``benchmarks.rounds``); a run is one
@@ -46,13 +48,10 @@ KEYS_MAJOR = dict(KEYS_MAJOR=True, BLOCK_G=8)         # tile_keys_major_triton: 
 CANDIDATES = (   # (name, overrides of decode_triton.decode_config, forced split count or None for automatic)
     ("default", None, None),
     ("default, 1 split", None, 1),
-    ("default, 1 stage, 96 regs", dict(num_stages=1, maxnreg=96), None),
     ("f16 kcvt2", F16_K2, None),
-    ("f16 kcvt2, 1 stage, 96 regs", dict(F16_K2, num_stages=1, maxnreg=96), None),
-    ("f16 kcvt2 64/1w", dict(F16_K2, BLOCK_N=64, num_warps=1, maxnreg=None), None),
+    ("f16 kcvt2 32/1w", dict(F16_K2, BLOCK_N=32, num_warps=1, maxnreg=None), None),
     ("keys-major", KEYS_MAJOR, None),
     ("keys-major f16 kcvt2", dict(KEYS_MAJOR, **F16_K2), None),
-    ("keys-major f16 kcvt2, 1 stage, 96 regs", dict(KEYS_MAJOR, **F16_K2, num_stages=1, maxnreg=96), None),
     ("keys-major f16", dict(KEYS_MAJOR, F16_MATH=True), None),
     ("keys-major f16 64/2w", dict(KEYS_MAJOR, F16_MATH=True, BLOCK_N=64, num_warps=2, maxnreg=None), None),
     ("keys-major f16 64/1w", dict(KEYS_MAJOR, F16_MATH=True, BLOCK_N=64, num_warps=1, maxnreg=None), None),

@@ -1,15 +1,16 @@
 """What an H100/H200 would run: compile the Triton kernels for sm_90 on any machine and read the result.
 
 ``python -m benchmarks.sm90_report [--json PATH]`` (run without ``TRITON_INTERPRET``; under the
-interpreter the kernels are not compilable objects). No GPU is needed: Triton's ahead-of-time compiler
-and the ``ptxas``/``cuobjdump`` shipped in its wheel give, per kernel variant, the registers per thread,
-the bytes spilled to local memory, the shared memory, the programs per SM those allow, and a census of
-the SASS: which tensor-core instruction does the products (``HGMMA`` = Hopper wgmma, ``HMMA`` = mma.sync)
-and how many global loads are 128-bit wide (``LDGSTS...128`` = pipelined cp.async, ``LDG.E.128``). ``loop``: the
-instructions of the kernel's longest loop (one trip, one warp); for decode ``per key``: that times the warps
-over the keys a trip covers, the warp instructions a program issues per key. A compile fact, not a speed: on
-an H200 (docs/gpu.md, batch 64, 8k) the 128-key 8-bit decodes took 1.28x (int8) and 1.12x (fp8) the bf16
-decode's time where this count was 1.20x and 1.14x bf16's, but 32-key 8-bit tiles, at 1.5x the count of the
+interpreter the kernels are not compilable objects). No GPU is needed: Triton's ahead-of-time compiler and the
+``ptxas``/``cuobjdump`` shipped in its wheel give, per kernel variant, the registers per thread, the bytes
+spilled (``spill B``: the stack frame plus local memory, where registers spill under a ``maxnreg`` cap;
+libdevice's sin / cos also keep a small local array there), the shared memory, the programs per SM those allow,
+and a census of the SASS: which tensor-core instruction does the products (``HGMMA`` = Hopper wgmma, ``HMMA`` =
+mma.sync) and how many global loads are 128-bit wide (``LDGSTS...128`` = pipelined cp.async, ``LDG.E.128``).
+``loop``: the instructions of the kernel's longest loop (one trip, one warp); for decode ``per key``: that times
+the warps over the keys a trip covers, the warp instructions a program issues per key. A compile fact, not a
+speed: on an H200 (docs/gpu.md, batch 64, 8k) the 128-key 8-bit decodes took 1.28x (int8) and 1.12x (fp8) the
+bf16 decode's time where this count was 1.20x and 1.14x bf16's, but 32-key 8-bit tiles, at 1.5x the count of the
 128-key ones and 5 programs per SM instead of 3, ran about as fast as them, and 64-key tiles slower than both.
 
 Arguments are specialised as the JIT specialises them at launch for the benchmark shapes: every pointer
@@ -99,7 +100,8 @@ def compile_sm90(kernel, data_type: str, constexprs: dict, pointers: dict | None
 
 
 def inspect_cubin(cubin: bytes) -> dict:
-    """Registers, local (spill) bytes and an opcode census of one cubin via ``cuobjdump``."""
+    """Registers, spilled bytes (stack frame + local memory), the local-memory loads and stores in the code, and
+    an opcode census of one cubin via ``cuobjdump``."""
     with tempfile.TemporaryDirectory() as folder:
         path = pathlib.Path(folder) / "kernel.cubin"
         path.write_bytes(cubin)
@@ -107,11 +109,12 @@ def inspect_cubin(cubin: bytes) -> dict:
         usage = subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True, text=True,
                                check=True).stdout
         sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage)
+    found = re.search(r"REG:(\d+) STACK:(\d+).*?LOCAL:(\d+)", usage)
     if found is None:
         raise RuntimeError(f"cuobjdump printed no resource usage: {usage[:500]}")
     opcodes = collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
-    return dict(registers=int(found.group(1)), local_bytes=int(found.group(2)), opcodes=opcodes,
+    return dict(registers=int(found.group(1)), spill_bytes=int(found.group(2)) + int(found.group(3)),
+                spill_ops=sum(n for op, n in opcodes.items() if op.startswith(("LDL", "STL"))), opcodes=opcodes,
                 loop_instructions=loop_instructions(sass))
 
 
@@ -318,7 +321,7 @@ def print_table(rows: list[dict]) -> None:
           f"{'loop':>5} {'per key':>7}")
     for r in rows:
         print(f"{r['name']:38} {r['num_warps']:>5} {str(r['num_stages'] or '-'):>6} {r['registers']:>4} "
-              f"{r['local_bytes']:>7} {r['shared_bytes'] / 1024:>8.1f} {r['programs_per_sm']:>7} {r['hgmma']:>5} "
+              f"{r['spill_bytes']:>7} {r['shared_bytes'] / 1024:>8.1f} {r['programs_per_sm']:>7} {r['hgmma']:>5} "
               f"{r['hmma']:>4} {r['wide_loads']:>5} {r['narrow_loads']:>6} {r['wide_stores']:>5} "
               f"{r['byte_shared_loads']:>4} {r['loop_instructions']:>5} {r['instructions_per_key'] or '-':>7}")
 

@@ -186,11 +186,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
 def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes: bool = False) -> dict:
     """Launch constants of the decode kernel: ``BLOCK_G`` query-head rows (padded to 16 for ``tl.dot``),
     ``BLOCK_N`` keys per tile, ``BLOCK_D`` >= head_dim, warps and software-pipelining stages, and ``maxnreg``
-    (registers per thread) at head_dim <= 128: the loop over full tiles (no per-key predicates) plus the last
-    tile as a second copy took the sm_90 compile to 120-170 registers, which would cost a program per SM; 128
-    keeps 4 bf16 programs per SM (168: 3 for the 128-key 8-bit tiles, which shared memory holds to 3), with no
-    spills (sm_90 bf16 at head_dim 128: 38 KB shared, 401 loop instructions per 64 keys against 569 with
-    predicates; see ``benchmarks/sm90_report.py``).
+    (registers per thread) at head_dim <= 128 and up to 16 query rows: the loop over full tiles (no per-key
+    predicates) plus the last tile as a second copy took the sm_90 compile to 120-170 registers, which would
+    cost a program per SM; 128 keeps 4 bf16 programs per SM (168: 3 for the 128-key 8-bit tiles, which shared
+    memory holds to 3), without spills under Triton 3.9 (3.6: 8 bytes of stack; sm_90 bf16 at head_dim 128: 38
+    KB shared, 401 loop instructions per 64 keys against 569 with predicates; see
+    ``benchmarks/sm90_report.py``). 32 query rows (MQA-like groups) spilled 336 bytes at 128 and are not capped
+    (211 registers, 2 programs per SM). fp32 queries spill at any cap (Triton's fp32 products: docs/gpu.md).
     An 8-bit cache (``quantized``) takes 32-key tiles in 3 stages: on an H100 at batch 64, 8k context that ran
     1.37x the 64-key, 2-stage tiles (``benchmarks.kernel_sweep --cache-dtype int8``, docs/gpu.md). With
     ``fast_codes`` (CUDA, bf16 queries) its codes are converted by ``tile_triton.codes_to``'s asm (K in
@@ -201,7 +203,8 @@ def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes
                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=3 if quantized else 2)
     if quantized and fast_codes:     # 16 KiB of codes a tile: head_dim 256 would hold 1 program per SM at 128
         cfg.update(BLOCK_N=min(128, 16384 // cfg["BLOCK_D"]), num_stages=2, K_CVT=1, V_CVT=2)
-    cfg["maxnreg"] = (168 if quantized and fast_codes else 128) if cfg["BLOCK_D"] <= 128 else None
+    capped = cfg["BLOCK_D"] <= 128 and cfg["BLOCK_G"] <= 16   # 32 query rows at 128 spilled 336 bytes (sm_90)
+    cfg["maxnreg"] = (168 if quantized and fast_codes else 128) if capped else None
     return cfg
 
 

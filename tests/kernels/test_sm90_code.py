@@ -48,12 +48,23 @@ def test_the_8bit_decode_launcher_splits_to_fill_whole_waves(report):
     assert probe["programs_per_sm"] == 3 and probe["num_splits"] == 3, probe
 
 
+# Known spills (bytes of stack + local memory, at most), each with its cause; every other variant has none.
+KNOWN_SPILLS = {
+    "decode fp32 split+alibi+window": 4096,   # Triton's fp32 products at head_dim 128: 200-3,300 B at any tile / cap
+    "rotary bf16": 64,                        # libdevice sin / cos: a local array for large angles' reduction
+}
+
+
 def test_every_variant_compiles_without_spills(rows):
+    """Spilled registers live in the stack frame (what ``maxnreg`` caps spill to) or local memory: the report
+    counts both (``spill_bytes``), and the local-memory loads and stores in the code (``spill_ops``)."""
     from benchmarks.sm90_report import variants
 
     assert sorted(rows) == sorted(variants())
     for name, row in rows.items():
-        assert row["local_bytes"] == 0, f"{name} spills {row['local_bytes']} bytes to local memory"
+        limit = KNOWN_SPILLS.get(name, 0)
+        assert row["spill_bytes"] <= limit, f"{name} spills {row['spill_bytes']} bytes (known: {limit})"
+        assert (row["spill_ops"] == 0) == (row["spill_bytes"] == 0), row
         assert row["programs_per_sm"] >= 1, f"{name} does not fit on an SM: {row}"
 
 
@@ -97,8 +108,8 @@ def test_f16_math_issues_fewer_instructions_per_key(rows, cache):
 
 def test_kv8_goal_candidates_compile_and_one_stage_holds_more_warps(tmp_path):
     """What a short GPU lease times (``benchmarks.kv8_goal``) compiles for sm_90 without spills, and each
-    candidate has what it is there for: the one-stage tiles 40 KiB of shared memory, so 96 registers fit 5
-    programs (20 warps) per SM where the two-stage default holds 3 (12 warps); the keys-major kernel fewer warp
+    candidate has what it is there for: the one-warp 32-key tiles 8 programs per SM where the two-stage
+    default holds 3 (12 warps); the keys-major kernel fewer warp
     instructions per key than the same settings with 16-row query tiles (over 10% fewer in its two-warp,
     64-key tiles; Triton 3.9 turns its 4-warp, 128-key products into wgmma, which gains less there), and its
     int8 codes converted biased (``tile_keys_major_triton``)."""
@@ -107,12 +118,11 @@ def test_kv8_goal_candidates_compile_and_one_stage_holds_more_warps(tmp_path):
     rows = {row["name"]: row for row in _sm90_report(tmp_path, "--kv8-candidates")["rows"]}
     assert sorted(rows) == sorted(f"{code}: {name}" for code in ("int8", "fp8") for name, _, _ in CANDIDATES)
     for name, row in rows.items():
-        assert row["local_bytes"] == 0 and row["hmma"] + row["hgmma"] > 0, (name, row)
+        assert row["spill_bytes"] == 0 and row["hmma"] + row["hgmma"] > 0, (name, row)
         assert row["byte_shared_loads"] == 0, (name, row)
     for code in ("int8", "fp8"):
         assert rows[f"{code}: default"]["programs_per_sm"] == 3, rows[f"{code}: default"]
-        assert rows[f"{code}: f16 kcvt2, 1 stage, 96 regs"]["programs_per_sm"] == 5
-        assert rows[f"{code}: keys-major f16 kcvt2, 1 stage, 96 regs"]["programs_per_sm"] == 5
+        assert rows[f"{code}: f16 kcvt2 32/1w"]["programs_per_sm"] == 8, rows[f"{code}: f16 kcvt2 32/1w"]
         keys_major, queries_major = rows[f"{code}: keys-major f16 kcvt2"], rows[f"{code}: f16 kcvt2"]
         assert keys_major["instructions_per_key"] < queries_major["instructions_per_key"], (keys_major, queries_major)
         two_warps = rows[f"{code}: keys-major f16 64/2w"]     # mma.sync under Triton 3.6 and 3.9 alike
