@@ -17,9 +17,9 @@ follow ``tile_triton.attend_tile``, transposed, with two changes that take sm_90
   ``(K + 1152) @ q^T`` minus ``k_bias`` = 1152 x each query column's sum, ``(V + 1152)^T @ p`` minus 1152 x the
   sum of the float16 probabilities it multiplied. The same values in exact arithmetic; float32 rounds the
   biased sums, up to 1152 / |code| times the plain ones, so about 2^-24 x that relative to the result: far
-  below the codes' own step (1/254 of a row's largest). Under Triton 3.6 the
-  int8 loop (128 keys, 4 warps, ``F16_MATH``) issues 22.3 warp instructions per key for sm_90 against 25.7
-  (fp8, from the first change alone: 18.9 against 19.7; docs/gpu.md).
+  below the codes' own step (1/254 of a row's largest). Under Triton 3.6 the int8 loop (128 keys, 4 warps,
+  ``F16_MATH``) issues 22.3 warp instructions per key for sm_90 against 25.7 (fp8, from the first change
+  alone: 18.9 against 19.7; docs/gpu.md).
 
 The decode kernel runs it under its ``KEYS_MAJOR`` constant
 (``decode_triton._attend_range``). Off by default until a GPU has timed it: an 8-bit decode candidate of

@@ -83,6 +83,15 @@ def wait_for_replicas(head, count: int) -> None:
         time.sleep(2.0)
 
 
+def wait_for_metrics_of(url: str, count: int) -> None:
+    """Until /metrics names ``count`` engine replicas: it reads the router's replica summaries, which learn of
+    a replica a moment after Serve reports it RUNNING."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while len(seen := prefix_counts(url)) != count:
+        assert time.monotonic() < deadline, f"/metrics still names {sorted(seen)}, waiting for {count} replicas"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_serve_deploy_with_autoscaling_goes_from_one_to_two_replicas_and_back(ray_head):  # noqa: F811
@@ -122,6 +131,7 @@ def test_serve_deploy_with_autoscaling_goes_from_one_to_two_replicas_and_back(ra
         for thread in clients:
             thread.join(HANG_GUARD_S)
     assert statuses and set(statuses) <= {200, 429}, sorted(set(statuses))
+    wait_for_metrics_of(url, 2)
     before = prefix_counts(url)
     assert len(before) == 2, before
     old = max(before, key=lambda replica: before[replica][0])     # the one that served the load so far

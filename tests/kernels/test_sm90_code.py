@@ -106,7 +106,7 @@ def test_f16_math_issues_fewer_instructions_per_key(rows, cache):
     assert 0 < f16["instructions_per_key"] < default["instructions_per_key"], (f16, default)
 
 
-def test_kv8_goal_candidates_compile_and_one_stage_holds_more_warps(tmp_path):
+def test_kv8_goal_candidates_compile_without_spills_and_have_what_they_are_for(tmp_path):
     """What a short GPU lease times (``benchmarks.kv8_goal``) compiles for sm_90 without spills, and each
     candidate has what it is there for: the one-warp 32-key tiles 8 programs per SM where the two-stage
     default holds 3 (12 warps); the keys-major kernel fewer warp
