@@ -67,6 +67,7 @@ def codes_to(codes, dtype: tl.constexpr, CVT: tl.constexpr, BIASED: tl.constexpr
     holds 16-bit values (``ldmatrix`` can then transpose V for ``p @ V``). 1 and 2: CUDA, bf16 / fp16 (by
     default bf16 queries only: the float16 forms run under ``F16_MATH`` and have not run on a GPU yet; every
     code through each asm string is checked by an interpreter of their PTX, tests/kernels/test_codes_asm.py)."""
+    tl.static_assert(not BIASED or (codes.dtype == tl.int8 and dtype == tl.float16), "biased: int8 -> float16 only")
     if BIASED and CVT == 0:
         out = codes.to(dtype) + INT8_BIAS
     elif BIASED:
