@@ -50,7 +50,7 @@ def test_the_8bit_decode_launcher_splits_to_fill_whole_waves(report):
 
 # Known spills (bytes of stack + local memory, at most), each with its cause; every other variant has none.
 KNOWN_SPILLS = {
-    "decode fp32 split+alibi+window": 4096,   # Triton's fp32 products at head_dim 128: 200-3,300 B at any tile / cap
+    "decode fp32 split+alibi+window": 4096,   # Triton's fp32 products at head_dim 128: 200-3,400 B at any tile / cap
     "rotary bf16": 64,                        # libdevice sin / cos: a local array for large angles' reduction
 }
 
