@@ -14,12 +14,12 @@ so the defaults can be set from measurements. Writes JSON (device, date, every r
   compile (e.g. too much shared memory) or disagrees is recorded with its error and not timed.
 * ``--cache-dtype int8|fp8_e4m3``: decode over an 8-bit copy of the cache (``kernels.store_kv``'s codes and
   row scales, as ``benchmarks.kv8_kernel``), bytes counted at 1 per element plus the scales; on a GPU its
-  configurations (``kv8_decode_configs``) cross tiles with K's code conversion (``tile_triton.codes_to``: K_CVT
-  0 / 1 / 2) and float16 products (``F16_MATH``: ``tile_triton.queries_in_f16``) at the launcher's automatic split
-  count (for an 8-bit cache on CUDA the one that fills whole waves, ``kernels/occupancy.py``: 3 at batch 64 for
-  the 128-key tiles, which fit 3 to an SM), and the two fastest of them then run at forced split counts
-  (``BEST_AT_SPLITS``); ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the run (issue #37's goal
-  shape alone).
+  configurations (``kv8_decode_configs``) cross the 16-row and the keys-major forms' tiles with K's code
+  conversion (``tile_triton.codes_to``: K_CVT 0 / 1 / 2) and float16 products (``F16_MATH``:
+  ``tile_triton.queries_in_f16``) at the launcher's automatic split count (for an 8-bit cache on CUDA the one
+  that fills whole waves, ``kernels/occupancy.py``: 3 at batch 64 for the 16-row 128-key tiles, which fit 3 to
+  an SM), and the two fastest of them then run at forced split counts (``BEST_AT_SPLITS``);
+  ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the run (issue #37's goal shape alone).
 * ``--dry-run``: tiny shapes and a two-entry grid through the Triton interpreter on CPU (plumbing only).
 """
 
@@ -56,10 +56,10 @@ DECODE_SPLITS = (1, 2, 3, 4, 8, 16, 32)   # 3: 512 programs at 3 per SM on 132 S
 BEST_AT_SPLITS = (2, 3, 4)                 # the two fastest 8-bit configurations again at these split counts
 
 
-KV8_TILES = (   # (BLOCK_N, warps, stages, K's conversions, registers): sm_90 counts in docs/gpu.md
+KV8_TILES = (   # 16 query rows: (BLOCK_N, warps, stages, K's conversions, registers): sm_90 counts in docs/gpu.md
     (32, 4, 3, (0,), 96),          # the H100's best tile with Triton's cast (5 programs per SM)
     (64, 4, 2, (1, 2), 128),
-    (128, 4, 2, (0, 1, 2), 168),   # the default (K_CVT 1)
+    (128, 4, 2, (0, 1, 2), 168),   # the default until 2026-11-27 (K_CVT 1)
     (128, 4, 1, (1, 2), 96),       # one stage: 40 KiB, 96 registers hold 5 programs per SM (spilling ~300 B)
     (64, 2, 2, (1, 2), 168),       # 5 programs per SM, about as few instructions per key as 128 / 4
     (64, 1, 2, (2,), None),        # one warp: no reductions across warps; 6 programs per SM
@@ -67,17 +67,27 @@ KV8_TILES = (   # (BLOCK_N, warps, stages, K's conversions, registers): sm_90 co
     (128, 8, 2, (1,), None),
     (256, 8, 2, (1,), None),
 )
+KV8_KEYS_MAJOR_TILES = (   # the keys-major form (query heads padded to 8 columns), same fields
+    (64, 2, 2, (1, 2), None),      # the default (K_CVT 1): 1.66-1.68x bf16 on an H100
+    (64, 2, 3, (1,), None),
+    (64, 1, 2, (1,), None),
+    (128, 4, 2, (1,), 168),
+)
 
 
 def kv8_decode_configs() -> list[dict]:
-    """8-bit decode settings for a GPU: ``KV8_TILES`` x ``F16_MATH``, each with V converted before its shared
-    copy (``V_CVT`` 2). K's conversions: 0 Triton's cast, 1 the asm in registers, 2 the asm before K's shared
-    copy (the query then stays in registers). Registers capped where shared memory would hold more programs
-    per SM than the compiler's own count allows. The sm_90 compile under the lent machines' Triton 3.6 spills
+    """8-bit decode settings for a GPU: ``KV8_TILES`` in the 16-row form and ``KV8_KEYS_MAJOR_TILES`` in the
+    keys-major one (``tile_keys_major_triton``), each x ``F16_MATH``, with V converted before its shared copy
+    (``V_CVT`` 2). K's conversions: 0 Triton's cast, 1 the asm in registers, 2 the asm before K's shared copy
+    (the query then stays in registers). Registers capped where shared memory would hold more programs per SM
+    than the compiler's own count allows. The sm_90 compile under the lent machines' Triton 3.6 spills
     280-390 bytes in the one-stage, 96-register tiles and 0-80 bytes in the others (``F16_MATH`` the most):
-    the sweep times them as they are."""
-    return [dict(BLOCK_N=n, num_warps=warps, num_stages=stages, K_CVT=k_cvt, V_CVT=2, F16_MATH=f16, maxnreg=regs)
-            for n, warps, stages, k_cvts, regs in KV8_TILES for k_cvt in k_cvts for f16 in (False, True)]
+    the sweep times them as they are. Every entry names its form, so none inherits the default's."""
+    forms = ((dict(KEYS_MAJOR=False, BLOCK_G=16), KV8_TILES), (dict(KEYS_MAJOR=True, BLOCK_G=8), KV8_KEYS_MAJOR_TILES))
+    return [dict(form, BLOCK_N=n, num_warps=warps, num_stages=stages, K_CVT=k_cvt, V_CVT=2, F16_MATH=f16,
+                 maxnreg=regs)
+            for form, tiles in forms for n, warps, stages, k_cvts, regs in tiles for k_cvt in k_cvts
+            for f16 in (False, True)]
 
 
 PREFILL_SHAPES = ((8192, 0), (8192, 8192))

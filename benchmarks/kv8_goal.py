@@ -3,19 +3,18 @@
 The paged decode over an int8 and an fp8 (e4m3) cache against the same decode over the bf16 cache they
 were quantized from (``kv8_kernel.quantized_copy``), at the goal's shape: batch 64, 8k context, 32 query /
 8 KV heads, head_dim 128, block 16, shuffled blocks, bf16 queries. Goal: >= 1.6x the bf16 decode's calls
-per second. Each 8-bit cache runs the launcher's default, the default at one split (the 2-per-SM rule's
-count at this shape, against the wave-filling count the launcher now picks) and the candidates the sm_90
-compile ranks best (docs/gpu.md; ``python -m benchmarks.sm90_report --kv8-candidates``): ``F16_MATH`` with K
-converted before its shared copy; one-warp 32-key tiles (8 programs per SM); the keys-major decode
-(``tile_keys_major_triton``: scores as K @ q^T, the 4 query heads padded to 8 columns instead of 16 rows),
-alone and with ``F16_MATH``, and under ``F16_MATH`` with K converted in registers (``K_CVT`` 1, which in the
-keys-major form issues fewer instructions than ``K_CVT`` 2 under the lent machines' Triton 3.6) in 128-key,
-4-warp, 64-key, 2-warp and 64-key, 1-warp tiles (the last the fewest instructions per key, at 6 warps per SM
-against 12). None spills registers under Triton 3.9; under the lent machines' 3.6 some
-spill 8-56 bytes (the census's ``spill B``). One-stage tiles capped at 96 registers (5 programs, 20 warps per
-SM), added on 2026-11-27 to isolate what occupancy buys, were dropped before any GPU ran them: they spill
-300-400 bytes, so they would not measure occupancy alone. Every system is checked against the torch reference
-on two sequences first; one that fails to compile or disagrees is reported and not timed.
+per second: met on an H100 on 2026-11-27 (int8 1.66x, fp8 1.68x; docs/gpu.md), by the default this script
+then chose, the keys-major decode (``tile_keys_major_triton``: scores as K @ q^T, the 4 query heads padded to
+8 columns instead of 16 rows) in 64-key tiles with 2 warps. Each 8-bit cache runs that default, the default
+at one split (against the wave-filling count the launcher picks), and the alternatives worth timing again
+on another card or Triton, as complete settings (not changes to the default): the 16-row form as it was the
+default (128-key tiles, 4 warps: 1.56x on that H100), with ``F16_MATH`` (both products in float16,
+``tile_triton.queries_in_f16``) and K converted before its shared copy (``K_CVT`` 2), also in one-warp
+32-key tiles (8 programs per SM); the keys-major form in 128-key 4-warp tiles, in 64-key tiles with 3
+stages or 1 warp, and with ``F16_MATH`` (fewer sm_90 instructions per key, slower on the H100: 1.52x).
+Every system is checked against the torch reference on two sequences first; one that fails to compile or
+disagrees is reported and not timed. The sm_90 compile of each (``python -m benchmarks.sm90_report
+--kv8-candidates``): registers, spills, instructions per key.
 
 Systems are interleaved over ``--rounds`` rounds (order rotating, ``benchmarks.rounds``); a run is one
 ``triton.testing.do_bench`` median. Printed: each system's ms and calls/s, median [min-max] over rounds,
@@ -43,21 +42,25 @@ GOAL = dict(batch=64, context=8192, q_heads=32, kv_heads=8, head_dim=128, block_
             caches=("int8", "fp8_e4m3"))
 DRY = dict(batch=3, context=70, q_heads=4, kv_heads=2, head_dim=32, block_size=16, dtype="float16",
            caches=("int8", "fp8_e4m3"))
-F16_K2 = dict(F16_MATH=True, K_CVT=2)
-KEYS_MAJOR = dict(KEYS_MAJOR=True, BLOCK_G=8)         # tile_keys_major_triton: scores as K @ q^T
-CANDIDATES = (   # (name, overrides of decode_triton.decode_config, forced split count or None for automatic)
+SIXTEEN_ROWS = dict(KEYS_MAJOR=False, BLOCK_G=16, BLOCK_N=128, num_warps=4, num_stages=2, K_CVT=1, V_CVT=2,
+                    F16_MATH=False, maxnreg=168)     # the launcher's 8-bit default until 2026-11-27
+KEYS_MAJOR = dict(SIXTEEN_ROWS, KEYS_MAJOR=True, BLOCK_G=8, BLOCK_N=64, num_warps=2, maxnreg=None)   # the default
+CANDIDATES = (   # (name, settings over decode_triton.decode_config's, forced split count or None for automatic)
     ("default", None, None),
     ("default, 1 split", None, 1),
-    ("f16 kcvt2", F16_K2, None),
-    ("f16 kcvt2 32/1w", dict(F16_K2, BLOCK_N=32, num_warps=1, maxnreg=None), None),
-    ("keys-major", KEYS_MAJOR, None),
-    ("keys-major f16 kcvt2", dict(KEYS_MAJOR, **F16_K2), None),
-    ("keys-major f16", dict(KEYS_MAJOR, F16_MATH=True), None),
-    ("keys-major f16 64/2w", dict(KEYS_MAJOR, F16_MATH=True, BLOCK_N=64, num_warps=2, maxnreg=None), None),
-    ("keys-major f16 64/1w", dict(KEYS_MAJOR, F16_MATH=True, BLOCK_N=64, num_warps=1, maxnreg=None), None),
+    ("16 rows", SIXTEEN_ROWS, None),
+    ("16 rows f16 kcvt2", dict(SIXTEEN_ROWS, F16_MATH=True, K_CVT=2), None),
+    ("16 rows f16 kcvt2 32/1w", dict(SIXTEEN_ROWS, F16_MATH=True, K_CVT=2, BLOCK_N=32, num_warps=1, maxnreg=None),
+     None),
+    ("keys-major 128/4w", dict(SIXTEEN_ROWS, KEYS_MAJOR=True, BLOCK_G=8), None),
+    ("keys-major 64/2w 3 stages", dict(KEYS_MAJOR, num_stages=3), None),
+    ("keys-major 64/1w", dict(KEYS_MAJOR, num_warps=1), None),
+    ("keys-major f16 kcvt2", dict(SIXTEEN_ROWS, KEYS_MAJOR=True, BLOCK_G=8, F16_MATH=True, K_CVT=2), None),
+    ("keys-major f16 64/2w", dict(KEYS_MAJOR, F16_MATH=True), None),
+    ("keys-major f16 64/1w", dict(KEYS_MAJOR, F16_MATH=True, num_warps=1), None),
 )
 DRY_CANDIDATES = (("default", None, None), ("default, 1 split", None, 1), ("tiles of 16", dict(BLOCK_N=16), None),
-                  ("keys-major", KEYS_MAJOR, None))
+                  ("keys-major", dict(KEYS_MAJOR=True, BLOCK_G=8), None))
 BASELINE = "bf16"
 GOAL_SPEEDUP = 1.6
 METRICS = [Metric("calls_per_s", "decode calls/s"), Metric("ms", "ms per call", higher_is_better=False)]

@@ -193,18 +193,23 @@ def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes
     KB shared, 401 loop instructions per 64 keys against 569 with predicates; see
     ``benchmarks/sm90_report.py``). 32 query rows (MQA-like groups) spilled 336 bytes at 128 and are not capped
     (211 registers, 2 programs per SM). fp32 queries spill at any cap (Triton's fp32 products: docs/gpu.md).
+
     An 8-bit cache (``quantized``) takes 32-key tiles in 3 stages: on an H100 at batch 64, 8k context that ran
-    1.37x the 64-key, 2-stage tiles (``benchmarks.kernel_sweep --cache-dtype int8``, docs/gpu.md). With
+    1.37x the 64-key, 2-stage tiles with Triton's cast (``benchmarks.kernel_sweep --cache-dtype int8``). With
     ``fast_codes`` (CUDA, bf16 queries) its codes are converted by ``tile_triton.codes_to``'s asm (K in
-    registers, V before its shared copy) in 128-key tiles (64 at head_dim 256), 2 stages: on an H200 at batch
-    64, 8k (head_dim 128), fp8 0.56 ms against 0.68 and int8 0.645 against 0.649 for the 32-key tiles with
-    Triton's cast."""
+    registers, V before its shared copy), and up to 8 query rows per KV head at head_dim <= 128 take the
+    keys-major form (``tile_keys_major_triton``: scores as K @ q^T, the rows padded to 8 columns) in 64-key
+    tiles, 2 warps, 2 stages, uncapped: on an H100 at batch 64, 8k (head_dim 128, 4 rows) int8 1.66x and fp8
+    1.68x the bf16 cache's decode, against 1.56x for both in the 16-row form's 128-key, 4-warp tiles, which
+    larger groups and head_dim 256 (64-key tiles there) keep (docs/gpu.md, H100 2026-11-27)."""
     cfg = dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32 if quantized else 64,
                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=3 if quantized else 2)
     if quantized and fast_codes:     # 16 KiB of codes a tile: head_dim 256 would hold 1 program per SM at 128
         cfg.update(BLOCK_N=min(128, 16384 // cfg["BLOCK_D"]), num_stages=2, K_CVT=1, V_CVT=2)
     capped = cfg["BLOCK_D"] <= 128 and cfg["BLOCK_G"] <= 16   # 32 query rows at 128 spilled 336 bytes (sm_90)
     cfg["maxnreg"] = (168 if quantized and fast_codes else 128) if capped else None
+    if quantized and fast_codes and group <= 8 and cfg["BLOCK_D"] <= 128:
+        cfg.update(KEYS_MAJOR=True, BLOCK_G=8, BLOCK_N=64, num_warps=2, maxnreg=None)
     return cfg
 
 
@@ -224,7 +229,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    fast_codes = q.is_cuda and q.dtype == torch.bfloat16     # the float16 asm has run on no GPU yet (docs/gpu.md)
+    fast_codes = q.is_cuda and q.dtype == torch.bfloat16     # measured on GPUs with bf16 queries only (docs/gpu.md)
     cfg = {**decode_config(head_dim, group, k_scale is not None, fast_codes), **(config or {})}
     rows = cfg["BLOCK_G"]
     if rows < group or rows & (rows - 1):

@@ -112,20 +112,29 @@ def test_decode_over_an_8bit_cache_matches_the_oracle(path, spec, cache_dtype):
         assert err < TOL[q_dtype], f"sequence {i} (len {n}): error {err:.2e}"
 
 
+# The launcher's CUDA settings for bf16 queries over an 8-bit cache, without its asm code conversions (the
+# interpreter runs no inline asm: Triton's cast there)
+CUDA_DEFAULT_TILES = {name: value for name, value in
+                      decode_triton.decode_config(64, 4, quantized=True, fast_codes=True).items()
+                      if name not in ("K_CVT", "V_CVT")}
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
                          ids=["fp16", "bf16"])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["int8", "fp8"])
 @pytest.mark.parametrize("magnitude", [1e-4, 30.0])
 @pytest.mark.parametrize("config", [None, dict(F16_MATH=True), dict(KEYS_MAJOR=True, BLOCK_G=8),
-                                    dict(KEYS_MAJOR=True, BLOCK_G=8, F16_MATH=True)],
-                         ids=["", "f16-math", "keys-major", "keys-major-f16-math"])
+                                    dict(KEYS_MAJOR=True, BLOCK_G=8, F16_MATH=True),
+                                    CUDA_DEFAULT_TILES],
+                         ids=["", "f16-math", "keys-major", "keys-major-f16-math", "cuda-default-tiles"])
 def test_triton_decode_over_8bit_rows_of_any_magnitude(config, magnitude, cache_dtype, q_dtype):
     """16-bit queries over an 8-bit cache: rows of tiny and of large values, query rows from 1e-3 to 1e3 in one
     call, stay within the query dtype's relative error of the oracle (with float16 queries the probabilities
     times the value scales are taken relative to the tile's largest scale: without it, tiny rows fail).
     ``config``: the decode kernel's ``F16_MATH`` (each query row scaled by a power of two into float16, its
     score scale divided by it: ``tile_triton.queries_in_f16``), the keys-major kernel
-    (``tile_keys_major_triton``), and both."""
+    (``tile_keys_major_triton``), both, and the settings the launcher takes on CUDA with bf16 queries
+    (keys-major, 64-key tiles; ``None`` is that default, asm conversions included, on a GPU)."""
     lens, hq, hkv, d = (9, 40, 77), 8, 2, 64
     case, (k8, v8, ks, vs), keys, values = _quantized_case(list(lens), hkv, d, 16, cache_dtype,
                                                            seed_of("kv8-f16", magnitude, str(cache_dtype)), magnitude)
