@@ -21,9 +21,11 @@ follow ``tile_triton.attend_tile``, transposed, with two changes that take sm_90
   ``F16_MATH``) issues 22.3 warp instructions per key for sm_90 against 25.7 (fp8, from the first change
   alone: 18.9 against 19.7; docs/gpu.md).
 
-The decode kernel runs it under its ``KEYS_MAJOR`` constant
-(``decode_triton._attend_range``). Off by default until a GPU has timed it: an 8-bit decode candidate of
-``benchmarks.kv8_goal`` (sm_90 counts in docs/gpu.md).
+The decode kernel runs it under its ``KEYS_MAJOR`` constant (``decode_triton._attend_range``): the default for
+an 8-bit cache on CUDA with bf16 queries (``decode_config``: up to 8 query heads per KV head, head_dim <= 128,
+64-key tiles, 2 warps, bf16 products), which on an H100 at batch 64, 8k ran int8 1.66x and fp8 1.68x the bf16
+cache's decode (docs/gpu.md, 2026-11-27). Its float16 products (``F16_MATH``, the biased int8 codes) passed
+the ``-m gpu`` tests there but ran slower (1.52x / 1.62x), despite fewer instructions per key.
 """
 
 from __future__ import annotations

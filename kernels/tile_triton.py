@@ -65,8 +65,9 @@ def codes_to(codes, dtype: tl.constexpr, CVT: tl.constexpr, BIASED: tl.constexpr
     Triton's cast; 1: the asm above as a pure op (Triton may move it after the tile's shared-memory copy
     and convert in the dot operand's registers); 2: the asm as an opaque op it cannot move, so the copy
     holds 16-bit values (``ldmatrix`` can then transpose V for ``p @ V``). 1 and 2: CUDA, bf16 / fp16 (by
-    default bf16 queries only: the float16 forms run under ``F16_MATH`` and have not run on a GPU yet; every
-    code through each asm string is checked by an interpreter of their PTX, tests/kernels/test_codes_asm.py)."""
+    default bf16 queries only: the float16 forms run under ``F16_MATH``, which passed the ``-m gpu`` tests on an
+    H100 but is not the default; every code through each asm string is checked by an interpreter of their
+    PTX, tests/kernels/test_codes_asm.py)."""
     tl.static_assert(not BIASED or (codes.dtype == tl.int8 and dtype == tl.float16), "biased: int8 -> float16 only")
     if BIASED and CVT == 0:
         out = codes.to(dtype) + INT8_BIAS
