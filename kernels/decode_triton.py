@@ -204,12 +204,13 @@ def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes
     larger groups and head_dim 256 (64-key tiles there) keep (docs/gpu.md, H100 2026-11-27)."""
     cfg = dict(BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=32 if quantized else 64,
                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=3 if quantized else 2)
-    if quantized and fast_codes:     # 16 KiB of codes a tile: head_dim 256 would hold 1 program per SM at 128
+    keys_major = quantized and fast_codes and group <= 8 and cfg["BLOCK_D"] <= 128
+    if keys_major:                   # 6 programs per SM uncapped (sm_90)
+        cfg.update(KEYS_MAJOR=True, BLOCK_G=8, BLOCK_N=64, num_warps=2, num_stages=2, K_CVT=1, V_CVT=2)
+    elif quantized and fast_codes:   # 16 KiB of codes a tile: head_dim 256 would hold 1 program per SM at 128
         cfg.update(BLOCK_N=min(128, 16384 // cfg["BLOCK_D"]), num_stages=2, K_CVT=1, V_CVT=2)
-    capped = cfg["BLOCK_D"] <= 128 and cfg["BLOCK_G"] <= 16   # 32 query rows at 128 spilled 336 bytes (sm_90)
+    capped = cfg["BLOCK_D"] <= 128 and cfg["BLOCK_G"] <= 16 and not keys_major   # 32 query rows at 128 spilled 336 B
     cfg["maxnreg"] = (168 if quantized and fast_codes else 128) if capped else None
-    if quantized and fast_codes and group <= 8 and cfg["BLOCK_D"] <= 128:
-        cfg.update(KEYS_MAJOR=True, BLOCK_G=8, BLOCK_N=64, num_warps=2, maxnreg=None)
     return cfg
 
 
