@@ -112,6 +112,9 @@ def finish_rounds(name: str, out: str, runs: list[rounds.Run], metrics: list[rou
     """Print ``rounds.format_table`` and write ``rounds.report`` (plus ``machine()`` and ``extra``) to ``out``."""
     cpus = os.cpu_count() or 1
     print(rounds.format_table(runs, metrics, ratios, cpus))
+    features = rounds.cpu_features()
+    print(f"cpu: {rounds.cpu_model()}, {cpus} CPUs, AMX {'yes' if features['amx'] else 'no'} "
+          f"({' '.join(features['cpu_flags']) or 'none of ' + ' '.join(rounds.NOTED_CPU_FLAGS)})")
     report = {**rounds.report(name, runs, metrics, ratios, cpus, config), **(extra or {})}
     report["environment"] = machine()  # rounds' environment plus torch and the GPU
     _write(out, report)

@@ -1,18 +1,29 @@
-"""The CPU linear layers: pagedray's C GEMM (``kernels.cpu_gemm``) against oneDNN's packed product (what
-the layers ran before, and still run without AVX-512) and plain ``F.linear``, in bfloat16 or float32.
+"""The CPU linear layers' products and the measured choice between them (``workers/layers/gemm_timing.py``):
+each product's time per weight shape and row count, the product the dispatch chose, and how far the choice
+is from the best.
 
-What is timed: one "step" of SmolLM2-135M's linear layers at a given row count: 30 layers' q/k/v,
-o_proj, gate/up and down_proj, each layer with its own random weights, plus the 49,152-row LM head, so
-every weight comes from DRAM as in a real decode step (270 MB in bf16, 540 MB in fp32). Systems:
+What is timed: one "step" of SmolLM2-135M's linear layers at a given row count: 30 layers' qkv, o_proj,
+gate/up and down_proj, each layer with its own random weights, plus the 49,152-row LM head (up to
+``--max-num-seqs`` rows, as in the engine, which runs it on sampled rows only), so every weight comes from
+DRAM as in a real decode step (270 MB in bf16, 540 MB in fp32). Each call is timed on its own and summed
+per shape. Systems:
 
-- ``c_gemm``: tile-packed weights, ``cpu_gemm.linear``.
-- ``onednn``: oneDNN-packed weights, ``torch.ops.mkldnn._linear_pointwise``.
-- ``f_linear``: ``F.linear`` on the plain weights (re-lays each weight out per call).
+- ``c``: pagedray's C GEMM on tile-packed weights (AVX-512);
+- ``onednn``: oneDNN's packed product (AMX where the CPU has it);
+- ``mkl`` (float32): ``F.linear`` on the plain weights;
+- ``dispatch``: each weight on the product its shape's plan names for the row count: the plan is made by
+  ``gemm_timing.plan_table`` at the start of this script (timed afresh into a temporary cache, as a first
+  start on this CPU would; its time is printed);
+- ``int8`` (``--int8``, bfloat16 only, not a dispatch candidate): ``torch._weight_int8pack_mm`` on int8
+  weights with one scale per output row (what ``quantization=int8`` keeps, dequantized today), to see
+  whether a packed int8 product beats the bf16 ones at decode sizes.
 
-ratio = c_gemm / onednn time per row count (lower is better).
+Tables: the step time per system and row count (median [min-max] of interleaved rounds; ratio dispatch /
+each product), then per shape and row count each product's median ms per call, the choice, and
+chosen / best (the goal: <= 1.10 everywhere).
 
-    python -m benchmarks.cpu_gemm [--dtype bfloat16|float32] [--rows 1,4,16,64,256,1024] [--threads 2]
-        [--rounds 3]
+    python -m benchmarks.cpu_gemm [--dtype bfloat16|float32] [--rows 1,4,16,32,64,128,512,1024,2048]
+        [--threads 2] [--rounds 3] [--int8]
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,71 +39,156 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
-import torch.nn.functional as F
-from pagedray.kernels import cpu_gemm
+from pagedray.kernels import cpu_choice
+from pagedray.kernels.cpu_choice import ChoiceCache
+from pagedray.workers.layers import gemm_timing, packed_gemm
+from torch import nn
 
-from benchmarks.common import add_round_args, finish_rounds, print_run
+from benchmarks.common import add_round_args, finish_rounds, print_run, print_table
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 HIDDEN, INTERMEDIATE, KV_WIDTH, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 LAYER_SHAPES = [(HIDDEN + 2 * KV_WIDTH, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
-SYSTEMS = ("c_gemm", "onednn", "f_linear")
+GOAL = 1.10
 
 
-def build(gen: torch.Generator, dtype: torch.dtype) -> dict[str, list]:
-    """Per system, the weight operand of every product in one step, in step order."""
-    weights = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(LAYERS) for n, k in LAYER_SHAPES]
-    weights.append((torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).to(dtype))
-    return {"c_gemm": [cpu_gemm.pack(w) for w in weights],
-            "onednn": [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights],
-            "f_linear": weights}
+class _Linear(nn.Module):
+    """A weight with a ``packed_weight`` slot, as ``gemm_timing`` finds the model's linear layers."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.packed_weight = None
 
 
-def product(system: str, x: torch.Tensor, operand) -> torch.Tensor:
-    if system == "c_gemm":
-        return cpu_gemm.linear(x, operand)
-    if system == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], "")
-    return F.linear(x, operand)
+def build_model(gen: torch.Generator, dtype: torch.dtype) -> nn.Module:
+    """SmolLM2's linear weights in step order (``lm_head`` last), random, each layer its own."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(_Linear((torch.randn(n, k, generator=gen) * 0.05).to(dtype))
+                                 for _ in range(LAYERS) for n, k in LAYER_SHAPES)
+    model.lm_head = _Linear((torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).to(dtype))
+    return model
 
 
-def measure(system: str, operands: list, inputs: dict[int, torch.Tensor], rows_list: list[int], steps: int) -> dict:
+def int8_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (int8 codes [out, in], one scale per output row [out]) for _weight_int8pack_mm."""
+    scales = weight.float().abs().amax(1).clamp_min(1e-8) / 127
+    return (weight.float() / scales[:, None]).round().to(torch.int8), scales.to(weight.dtype)
+
+
+def operands(system: str, modules: list[nn.Module], table: gemm_timing.PlanTable):
+    """Per module, what ``product`` multiplies with for ``system``."""
+    if system == "int8":
+        return [int8_operand(m.weight) for m in modules]
+    if system == "dispatch":
+        return [packed_gemm.pack_weight(m.weight, table.plan(m)) for m in modules]
+    return [gemm_timing._operand(system, m.weight) for m in modules]
+
+
+def product(system: str, x: torch.Tensor, operand, weight: torch.Tensor) -> torch.Tensor:
+    if system == "int8":
+        return torch._weight_int8pack_mm(x, *operand)
+    if system == "dispatch":
+        return packed_gemm.linear(x, weight, None, operand)
+    return gemm_timing.run_product(system, x, operand)
+
+
+def shape_key(shape) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def measure(system: str, modules: list[nn.Module], ops: list, inputs: dict[int, torch.Tensor], rows_list: list[int],
+            steps: int, max_head_rows: int) -> dict:
+    """Median over ``steps`` (after one warm-up) of the step time and of each shape's ms per call."""
     values = {}
     for rows in rows_list:
-        times = []
-        for _ in range(steps + 1):
-            start = time.perf_counter()
-            for operand, (_, k) in zip(operands, LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]):
-                product(system, inputs[k][:rows], operand)
-            times.append((time.perf_counter() - start) * 1e3)
-        values[f"ms_{rows}_rows"] = statistics.median(times[1:])
+        steps_ms, per_shape = [], {}
+        for step in range(steps + 1):
+            total, calls = 0.0, {}
+            for module, operand in zip(modules, ops):
+                shape = tuple(module.weight.shape)
+                if shape == (VOCAB, HIDDEN) and rows > max_head_rows:
+                    continue
+                start = time.perf_counter()
+                product(system, inputs[shape[1]][:rows], operand, module.weight)
+                elapsed = (time.perf_counter() - start) * 1e3
+                total += elapsed
+                calls.setdefault(shape, []).append(elapsed)
+            if step:
+                steps_ms.append(total)
+                for shape, times in calls.items():
+                    per_shape.setdefault(shape, []).append(sum(times) / len(times))
+        values[f"ms_{rows}_rows"] = statistics.median(steps_ms)
+        for shape, times in per_shape.items():
+            values[f"{shape_key(shape)}_{rows}"] = statistics.median(times)
     return values
+
+
+def choice_rows(runs, table: gemm_timing.PlanTable, products: list[str], rows_list: list[int],
+                max_head_rows: int, shown: tuple[str, ...] = ()) -> list[dict]:
+    """Per shape and row count: each product's median ms per call over the rounds, the dispatch's choice, the
+    best of ``products``, and chosen / best; each of ``shown`` (never a candidate) as its time / the chosen's."""
+    out = []
+    for shape in table.shapes:
+        for rows in rows_list:
+            if shape == (VOCAB, HIDDEN) and rows > max_head_rows:
+                continue
+            key = f"{shape_key(shape)}_{rows}"
+            medians = {p: statistics.median([r.values[key] for r in runs if r.system == p and key in r.values])
+                       for p in (*products, *shown)}
+            chosen = table.shapes[shape].plan[cpu_choice.bucket_index(rows)]
+            best = min(products, key=medians.get)
+            out.append({"shape": shape_key(shape), "rows": rows, **{f"{p}_ms": medians[p] for p in medians},
+                        "chosen": chosen, "best": best, "chosen/best": medians[chosen] / medians[best],
+                        **{f"{p}/chosen": medians[p] / medians[chosen] for p in shown}})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_round_args(parser, "cpu_gemm")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--rows", default="1,4,16,64,256,1024", help="comma-separated row counts")
+    parser.add_argument("--rows", default="1,4,16,32,64,128,512,1024,2048", help="comma-separated row counts")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per row count and run (median)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per row count and run (median)")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="the LM head's most rows (the engine's)")
+    parser.add_argument("--int8", action="store_true", help="also time torch's packed int8 product (bfloat16)")
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
     dtype = getattr(torch, args.dtype)
-    if not cpu_gemm.available(dtype):
-        parser.error(f"kernels.cpu_gemm has no {args.dtype} GEMM here (no AVX-512 / AVX512-BF16, no C compiler, "
-                     "or PAGEDRAY_CPU_KERNELS=0)")
+    if not packed_gemm.packed_gemm_available(dtype):
+        parser.error(f"this torch / CPU has no oneDNN {args.dtype} product")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    operands = build(gen, dtype)
+    model = build_model(gen, dtype)
+    modules = packed_gemm.packable_modules(model)
+    with tempfile.TemporaryDirectory() as folder:
+        started = time.perf_counter()
+        table = gemm_timing.plan_table(model, "auto", args.max_num_seqs, cache=ChoiceCache(Path(folder)))
+        planning_s = time.perf_counter() - started
+    print(table.format())
+    print(f"-- plan made in {planning_s:.2f} s")
+    products = list(packed_gemm.candidates(modules[0].weight))
+    systems = products + ["dispatch"] + (["int8"] if args.int8 and dtype == torch.bfloat16 else [])
+    ops = {system: operands(system, modules, table) for system in systems}
     inputs = {k: torch.randn(max(rows_list), k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
     metrics = [Metric(f"ms_{rows}_rows", f"ms/step {rows} rows", higher_is_better=False) for rows in rows_list]
-    ratios = [Ratio("c_gemm", ("onednn",), None, "c_gemm / onednn")]
+    ratios = [Ratio("dispatch", (p,), None, f"dispatch / {p}") for p in products]
     with torch.inference_mode():
-        runs = run_rounds(SYSTEMS, args.rounds,
-                          lambda system, _round: measure(system, operands[system], inputs, rows_list, args.steps),
+        runs = run_rounds(systems, args.rounds,
+                          lambda system, _round: measure(system, modules, ops[system], inputs, rows_list, args.steps,
+                                                         args.max_num_seqs),
                           on_run=print_run)
-    return finish_rounds("cpu_gemm", args.out, runs, metrics, ratios, vars(args))
+    choices = choice_rows(runs, table, products, rows_list, args.max_num_seqs,
+                          ("int8",) if "int8" in systems else ())
+    worst = max(row["chosen/best"] for row in choices)
+    report = finish_rounds("cpu_gemm", args.out, runs, metrics, ratios, vars(args),
+                           {"plan": table.format(), "planning_s": planning_s, "choices": choices,
+                            "worst_chosen_over_best": worst, "cpu_model": cpu_choice.cpu_model()})
+    print_table(choices, list(choices[0]))
+    print(f"-- chosen / best: worst {worst:.3f} (goal <= {GOAL}); {cpu_choice.cpu_model()}, {args.threads} threads, "
+          f"{args.dtype}")
+    return report
 
 
 if __name__ == "__main__":

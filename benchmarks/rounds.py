@@ -313,9 +313,26 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+NOTED_CPU_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni")
+
+
+def cpu_features() -> dict:
+    """Whether the CPU has AMX, and which of ``NOTED_CPU_FLAGS`` (the ones that decide the CPU kernels) it has."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {"amx": "amx_tile" in flags, "cpu_flags": [f for f in NOTED_CPU_FLAGS if f in flags]}
+
+
 def environment() -> dict:
     """Machine, date and commit a report was taken on."""
-    return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+    return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), **cpu_features(), "platform": platform.platform(),
             "machine": platform.machine(),
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

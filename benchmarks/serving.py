@@ -73,13 +73,14 @@ from pagedray.deploy.loadtest.client import RequestOptions
 from pagedray.deploy.loadtest.prompts import parse_length_range, synthetic_prompts
 from pagedray.deploy.loadtest.runner import LoadSpec
 
-from benchmarks import vllm_cpu
+from benchmarks import rounds, vllm_cpu
 from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
 PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-async)?(-sock)?(?:-t(\d+))?"
-                             r"(-kv8|-kvfp8)?(-bf16|-fp32)?")
+                             r"(-kv8|-kvfp8)?(?:-gemm(c|onednn|mkl))?(-bf16|-fp32)?")
+GEMM_SUFFIX = re.compile(r"-gemm(c|onednn|mkl)")
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
 # (label, path in a loadtest summary, higher is better)
 CLOSED_ROWS = (("completed", ("completed",), True), ("failed", ("failed",), False),
@@ -127,8 +128,8 @@ def load_values(closed: dict, sweep: list[dict], sweep_rates: list[float]) -> di
 
 
 def build_ratios(names: list[str], metrics: list[Metric]) -> list[Ratio]:
-    """pagedray / the peer's best variant per round (every rate and latency); serving / offline and
-    each system / floor (output tok/s)."""
+    """pagedray / the peer's best variant per round (every rate and latency); pagedray / the same with one
+    linear product forced (``-gemmP``); serving / offline and each system / floor (output tok/s)."""
     servers = [n for n in names if n.startswith("pagedray-tp")]
     peers = tuple(n for n in (PEER, PEER_TUNED) if n in names)
     comparable = tuple(m.key for m in metrics if m.key not in NOT_RATIOS)
@@ -137,10 +138,14 @@ def build_ratios(names: list[str], metrics: list[Metric]) -> list[Ratio]:
         label = "peer best" if len(peers) > 1 else PEER
         ratios += [Ratio(n, peers, comparable, f"{n} / {label}") for n in servers]
     vllms = tuple(n for n in vllm_cpu.SYSTEMS if n in names)
-    for variant in vllms:   # each variant alone (defaults; fp32), then the better of the two
+    for variant in vllms:   # each variant alone (defaults; both cores bound; fp32), then the best of them
         ratios += [Ratio(n, (variant,), comparable, f"{n} / {variant}") for n in servers]
     if len(vllms) > 1:
         ratios += [Ratio(n, vllms, comparable, f"{n} / vllm best") for n in servers]
+    for forced in [n for n in servers if GEMM_SUFFIX.search(n)]:   # the measured choice / one product forced
+        chosen = GEMM_SUFFIX.sub("", forced)
+        if chosen in names:
+            ratios.append(Ratio(chosen, (forced,), comparable, f"{chosen} / {forced}"))
     if OFFLINE in names:
         ratios += [Ratio(n, (OFFLINE,), ("output_tok_per_s",), f"serving {n} / offline") for n in servers]
     if FLOOR in names:
@@ -178,7 +183,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
     ``-sep`` ``--no-engine-in-ingress`` (the engine in a deployment of its own between the ingress and the
     workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned setting), ``-async`` adds
     ``--async-scheduling``, ``-sock`` ``--ray-transport socket``, ``-tK`` ``--threads-per-worker K``, ``-kv8``
-    ``--kv-cache-dtype int8`` and ``-kvfp8`` ``--kv-cache-dtype fp8_e4m3`` (tuned settings); a final
+    ``--kv-cache-dtype int8`` and ``-kvfp8`` ``--kv-cache-dtype fp8_e4m3`` (tuned settings), ``-gemmP`` ``--cpu-gemm
+    P`` (one linear product forced: ``-gemmc`` is the C GEMM everywhere, the choice before it was measured); a final
     ``-bf16`` or ``-fp32`` names the dtype (without one: pagedray's default, ``auto``: bfloat16 on a CPU with
     AMX or AVX512-BF16, else float32)."""
     specs = []
@@ -192,7 +198,7 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
             specs.append(SystemSpec(name, command, model_path))
         elif PAGEDRAY_SYSTEM.fullmatch(name):
             match = PAGEDRAY_SYSTEM.fullmatch(name)
-            tp, in_process, layout, stream_interval, async_scheduling, socket_transport, threads, kv8, dtype = \
+            tp, in_process, layout, stream_interval, async_scheduling, socket_transport, threads, kv8, gemm, dtype = \
                 match.groups()
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
                        "--tensor-parallel-size", tp, "--device", args.device, "--host", "127.0.0.1",
@@ -213,13 +219,16 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                 command += ["--threads-per-worker", threads]
             if kv8:
                 command += ["--kv-cache-dtype", "int8" if kv8 == "-kv8" else "fp8_e4m3"]
+            if gemm:
+                command += ["--cpu-gemm", gemm]
             specs.append(SystemSpec(name, command, None, int(tp)))
         elif name in vllm_cpu.SYSTEMS:
             specs.append(SystemSpec(name, vllm_cpu.command(name, model_path, port), None,
                                     env=vllm_cpu.environment(name)))
         else:
-            raise ValueError(f"systems: unknown system {name!r} (peer, peer-tuned, vllm, vllm-fp32, "
-                             "pagedray-tpN[-local][-ei|-sep][-siK][-async][-sock][-tK][-kv8|-kvfp8][-bf16|-fp32])")
+            raise ValueError(f"systems: unknown system {name!r} (peer, peer-tuned, vllm, vllm-bind, vllm-fp32, "
+                             "pagedray-tpN[-local][-ei|-sep][-siK][-async][-sock][-tK][-kv8|-kvfp8][-gemmP]"
+                             "[-bf16|-fp32])")
     return specs
 
 
@@ -295,7 +304,8 @@ def measure_server(spec: SystemSpec, args: argparse.Namespace, prompts, log_path
             if sweep_rates else None
     sweep_summaries = sweep.summaries if sweep else []
     out = {**load_values(closed.summaries[0], sweep_summaries, sweep_rates), "command": spec.command,
-           "load": closed.summaries[0], "sweep": sweep_summaries}
+           "env": spec.env or {}, "load": closed.summaries[0], "sweep": sweep_summaries,
+           "cpu": {"model": rounds.cpu_model(), **rounds.cpu_features()}}
     if check:
         out["check"] = closed.checks[0]
     return out

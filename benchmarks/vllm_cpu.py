@@ -32,7 +32,7 @@ import sys
 VERSION = "0.32.0"
 TORCH = "2.13.0"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-SYSTEMS = ("vllm", "vllm-fp32")
+SYSTEMS = ("vllm", "vllm-bind", "vllm-fp32")
 MEMORY_FRACTION = "0.5"   # of the NUMA node's memory (module docstring: the default does not start here)
 
 
@@ -77,7 +77,7 @@ def environment(name: str) -> dict[str, str]:
     """Extra environment of a ``SYSTEMS`` variant (loopback sockets, no telemetry, no hub)."""
     env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1"}
-    if name == "vllm-fp32":
+    if name in ("vllm-bind", "vllm-fp32"):
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
     return env
 

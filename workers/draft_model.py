@@ -40,7 +40,7 @@ from .default_model import resolve_model_path
 from .input_batch import build_host_batch
 from .kv_cache import KVCacheSpec, copy_blocks
 from .model_info import load_hf_config
-from .model_loading import load_model, pack_for_cpu
+from .model_loading import load_model, pack_for_cpu, settle_cpu_decode
 from .model_runner import ModelRunner
 from .models.decoder import DecoderForCausalLM
 from .models.registry import model_class
@@ -62,7 +62,7 @@ class DraftModel:
         if vocab > target_vocab:
             raise ValueError(f"speculative_model: its vocabulary ({vocab} tokens) is larger than the target "
                              f"model's ({target_vocab}); the draft model must share the target's tokenizer")
-        pack_for_cpu(self.model, config.model.cpu_packed_weights, dtype, device, config.model.enforce_eager)
+        pack_for_cpu(self.model, config.model, config.scheduler.max_num_seqs, dtype, device)
         dims = self.model.dims
         self.kv_spec = KVCacheSpec(dims.num_layers, config.cache.block_size, self.model.num_local_kv_heads,
                                    dims.head_dim, kv_quant.cache_dtype(config.cache.kv_cache_dtype, dtype))
@@ -73,8 +73,9 @@ class DraftModel:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """The draft's cache: as many blocks as the target's, the same ids."""
-        self.runner = ModelRunner(self.model, self.kv_spec.allocate(num_blocks, self.device),
-                                  self.kv_spec.block_size, self.device)
+        kv_cache = self.kv_spec.allocate(num_blocks, self.device)
+        settle_cpu_decode(self.model, kv_cache, self.kv_spec.block_size)
+        self.runner = ModelRunner(self.model, kv_cache, self.kv_spec.block_size, self.device)
 
     def apply_plan_bookkeeping(self, released_seq_ids: list[int], block_copies: list[tuple[int, int]]) -> None:
         """What a plan changes before its forward: released sequences forgotten, copy-on-write copies made

@@ -6,10 +6,14 @@ Used for the target model (``Worker``) and for the draft model of speculative de
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
+from .contract.config import ModelConfig
+from .kv_cache import KVCache
+from .layers.gemm_timing import plan_table
 from .layers.packed_gemm import PackReport, pack_linear_weights, packed_gemm_available
 from .models import cpu_decode_layers
 from .models.decoder import DecoderForCausalLM
@@ -18,6 +22,8 @@ from .quantization import WeightQuantization, keeps_packed
 from .quantization import resolve as resolve_quantization
 from .tp_group import TPGroup
 from .weight_loader import CheckpointReader
+
+log = logging.getLogger(__name__)
 
 
 def load_model(model_path: str, hf_config, quantization_option: str, dtype: torch.dtype, device: torch.device,
@@ -36,13 +42,25 @@ def load_model(model_path: str, hf_config, quantization_option: str, dtype: torc
     return model.eval(), tp, quantization
 
 
-def pack_for_cpu(model: DecoderForCausalLM, enabled: bool, dtype: torch.dtype, device: torch.device,
-                 enforce_eager: bool = False) -> PackReport | None:
-    """Packs the linear weights for the CPU GEMM (``cpu_packed_weights``) where that pays, and gives the
-    model its one-call decode path where it qualifies (``models/cpu_decode_layers.py``; not with
-    ``enforce_eager``). The pack report, or None when nothing was packed."""
-    if not (enabled and device.type == "cpu" and packed_gemm_available(dtype)):
+def pack_for_cpu(model: DecoderForCausalLM, config: ModelConfig, max_num_seqs: int, dtype: torch.dtype,
+                 device: torch.device) -> PackReport | None:
+    """Packs the linear weights (``cpu_packed_weights``) for the product each row bucket measured fastest on
+    this CPU (``layers/gemm_timing.py``; ``cpu_gemm`` forces one), and gives the model its one-call decode
+    path where it qualifies (``models/cpu_decode_layers.py``; not with ``enforce_eager``), keeping the
+    tile-packed copies that path reads. The pack report, or None when nothing was packed."""
+    if not (config.cpu_packed_weights and device.type == "cpu" and packed_gemm_available(dtype)):
         return None
-    report = pack_linear_weights(model)
-    model.cpu_decode = cpu_decode_layers.build(model, enabled=not enforce_eager)
-    return report
+    table = plan_table(model, config.cpu_gemm, max_num_seqs)
+    log.info("%s", table.format())
+    one_call = cpu_decode_layers.qualifies(model, enabled=not config.enforce_eager)
+    tiles = {id(lin) for lin in cpu_decode_layers.decoder_linears(model)} if one_call else set()
+    report = pack_linear_weights(model, table.plan, lambda module: id(module) in tiles)
+    model.cpu_decode = cpu_decode_layers.build(model, one_call, max_num_seqs)
+    return PackReport(report.matrices, report.packed_bytes, report.weight_bytes, table)
+
+
+def settle_cpu_decode(model: DecoderForCausalLM, kv_cache: KVCache, block_size: int) -> None:
+    """Once the KV cache exists: times the one-call decode path against the layer loop where the measured
+    plans made that a contest (``cpu_decode_layers.settle``); nothing to do otherwise."""
+    if model.cpu_decode is not None and model.cpu_decode.contested:
+        cpu_decode_layers.settle(model, kv_cache, block_size)

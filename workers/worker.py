@@ -29,7 +29,7 @@ from .kv_cache import KVCacheSpec
 from .layers.packed_gemm import PackReport
 from .memory_profile import profile_gpu_num_blocks
 from .model_info import load_hf_config, model_info
-from .model_loading import load_model, pack_for_cpu
+from .model_loading import load_model, pack_for_cpu, settle_cpu_decode
 from .model_runner import ModelRunner, StepOutput
 from .models.registry import model_class
 from .sampler import PLACEHOLDER_TOKEN, Sampler, SamplingRow
@@ -73,10 +73,10 @@ class Worker:
         if quantization.method != "none":
             log.info("rank %d: %s weights (%d bits), dequantized to %s when loaded", rank, quantization.method,
                      quantization.bits, self.dtype)
-        self.pack_report: PackReport | None = pack_for_cpu(self.model, config.model.cpu_packed_weights, self.dtype,
-                                                           self.device, config.model.enforce_eager)
+        self.pack_report: PackReport | None = pack_for_cpu(self.model, config.model, config.scheduler.max_num_seqs,
+                                                           self.dtype, self.device)
         if self.pack_report is not None:
-            log.info("rank %d: %d weight matrices packed for oneDNN (%.0f MB of packed copies next to %.0f MB "
+            log.info("rank %d: %d weight matrices packed (%.0f MB of packed copies next to %.0f MB "
                      "of weights)", rank, self.pack_report.matrices, self.pack_report.packed_bytes / 1e6,
                      self.pack_report.weight_bytes / 1e6)
         self.drafter: DraftModel | None = None
@@ -116,6 +116,7 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         kv_cache = self.kv_spec.allocate(num_blocks, self.device)
+        settle_cpu_decode(self.model, kv_cache, self.config.cache.block_size)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks)
         self.runner = ModelRunner(self.model, kv_cache, self.config.cache.block_size, self.device, self.drafter)

@@ -1,34 +1,52 @@
 """The plumbing of two benchmark scripts without timing anything that matters: ``benchmarks.cpu_gemm``'s
-three systems compute the same products over the same weights, and ``benchmarks.spec_decode``'s
-measurement reports every metric for an engine with and without speculation (tiny model)."""
+systems compute the same products over the same weights and its choice table names the plan's product,
+and ``benchmarks.spec_decode``'s measurement reports every metric for an engine with and without
+speculation (tiny model)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from pagedray.cluster import LLM
-from pagedray.kernels import cpu_gemm
+from pagedray.kernels import cpu_choice, cpu_gemm
+from pagedray.workers.layers import gemm_timing, packed_gemm
 
 from benchmarks import cpu_gemm as gemm_bench
 from benchmarks import spec_decode
+from benchmarks.rounds import Run
 
 
 @pytest.mark.skipif(not cpu_gemm.available(torch.bfloat16), reason="this CPU or compiler has no AVX512-BF16")
-def test_cpu_gemm_systems_compute_the_same_products(monkeypatch):
+def test_cpu_gemm_systems_compute_the_same_products_and_the_table_names_the_choice(monkeypatch, tmp_path):
     monkeypatch.setattr(gemm_bench, "LAYERS", 1)
     monkeypatch.setattr(gemm_bench, "VOCAB", 64)
+    monkeypatch.delenv(cpu_choice.PRODUCT_ENV, raising=False)
     gen = torch.Generator().manual_seed(0)
-    operands = gemm_bench.build(gen, torch.bfloat16)
-    assert {len(v) for v in operands.values()} == {len(gemm_bench.LAYER_SHAPES) + 1}
-    for index, (_, k) in enumerate(gemm_bench.LAYER_SHAPES):
-        x = torch.randn(3, k, generator=gen).bfloat16()
-        products = [gemm_bench.product(system, x, operands[system][index]).float() for system in gemm_bench.SYSTEMS]
-        exact = x.double() @ operands["f_linear"][index].double().T
-        for product in products:
-            assert (product.double() - exact).abs().max() <= 0.02 * exact.abs().max()
-    inputs = {k: torch.randn(4, k, generator=gen).bfloat16() for k in (gemm_bench.HIDDEN, gemm_bench.INTERMEDIATE)}
-    values = gemm_bench.measure("c_gemm", operands["c_gemm"], inputs, [1, 4], steps=1)
-    assert set(values) == {"ms_1_rows", "ms_4_rows"} and all(v > 0 for v in values.values())
+    model = gemm_bench.build_model(gen, torch.bfloat16)
+    modules = packed_gemm.packable_modules(model)
+    table = gemm_timing.plan_table(model, "auto", 8, cache=cpu_choice.ChoiceCache(tmp_path))
+    systems = ["c", "onednn", "dispatch", "int8"]
+    ops = {system: gemm_bench.operands(system, modules, table) for system in systems}
+    for index, module in enumerate(modules):
+        x = torch.randn(3, module.weight.shape[1], generator=gen).bfloat16()
+        exact = x.double() @ module.weight.double().T
+        for system in systems:
+            got = gemm_bench.product(system, x, ops[system][index], module.weight).double()
+            bound = (0.03 if system == "int8" else 0.02) * exact.abs().max()
+            assert (got - exact).abs().max() <= bound, system
+    inputs = {k: torch.randn(16, k, generator=gen).bfloat16() for k in (gemm_bench.HIDDEN, gemm_bench.INTERMEDIATE)}
+    runs = [Run(system, r, gemm_bench.measure(system, modules, ops[system], inputs, [1, 16], 1, 8),
+                (0, 0, 0), (0, 0, 0)) for r in range(2) for system in systems]
+    assert all(set(run.values) == {"ms_1_rows", "ms_16_rows", "960x576_1", "576x576_1", "3072x576_1",
+                                   "576x1536_1", "64x576_1", "960x576_16", "576x576_16", "3072x576_16",
+                                   "576x1536_16"} for run in runs)    # the head's 16 rows exceed max_num_seqs=8
+    rows = gemm_bench.choice_rows(runs, table, ["c", "onednn"], [1, 16], 8, ("int8",))
+    assert len(rows) == 9
+    for row in rows:
+        assert row["chosen"] == table.shapes[tuple(map(int, row["shape"].split("x")))].plan[
+            cpu_choice.bucket_index(row["rows"])]
+        assert row["chosen/best"] == row[f"{row['chosen']}_ms"] / min(row["c_ms"], row["onednn_ms"]) >= 1.0
+        assert row["int8/chosen"] == row["int8_ms"] / row[f"{row['chosen']}_ms"]
 
 
 def test_spec_decode_measurement_reports_every_metric(tmp_path):

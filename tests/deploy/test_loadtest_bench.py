@@ -44,6 +44,8 @@ def test_the_peer_runs_at_its_defaults_and_the_tuned_peer_only_on_request():
     assert kv8.command[-2:] == ["--kv-cache-dtype", "int8"]
     (kvfp8,) = system_specs(["pagedray-tp1-kvfp8"], "/models/m", 18000, args)
     assert kvfp8.command[-2:] == ["--kv-cache-dtype", "fp8_e4m3"]
+    (gemm,) = system_specs(["pagedray-tp1-gemmc-bf16"], "/models/m", 18000, args)
+    assert gemm.command[-2:] == ["--cpu-gemm", "c"] and gemm.command[gemm.command.index("--dtype") + 1] == "bfloat16"
     bf16, fp32 = system_specs(["pagedray-tp1-bf16", "pagedray-tp1-fp32"], "/models/m", 18000, args)
     assert bf16.command[bf16.command.index("--dtype") + 1] == "bfloat16"
     assert fp32.command[fp32.command.index("--dtype") + 1] == "float32"
@@ -51,16 +53,17 @@ def test_the_peer_runs_at_its_defaults_and_the_tuned_peer_only_on_request():
         system_specs(["vllm-bf16"], "/m", 1, args)
 
 
-def test_vllm_runs_at_its_defaults_and_in_float32_with_both_cores(monkeypatch):
+def test_vllm_runs_at_its_defaults_with_both_cores_and_in_float32_with_both_cores(monkeypatch):
     monkeypatch.setenv("PAGEDRAY_VLLM_VENV", "/venvs/vllm")
     args = build_parser().parse_args([])
-    default, fp32 = system_specs(["vllm", "vllm-fp32"], "/models/m", 18000, args)
+    default, bind, fp32 = system_specs(["vllm", "vllm-bind", "vllm-fp32"], "/models/m", 18000, args)
     assert default.command == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",
                                "/models/m", "--host", "127.0.0.1", "--port", "18000",
                                "--gpu-memory-utilization", "0.5"]
     assert fp32.command == default.command + ["--dtype", "float32"]
     assert default.env["VLLM_HOST_IP"] == "127.0.0.1" and "VLLM_CPU_OMP_THREADS_BIND" not in default.env
     assert fp32.env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-") and default.model_name is None
+    assert bind.command == default.command and bind.env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-")
 
 
 def test_pagedray_gets_a_ratio_against_each_vllm_variant_and_their_best():
@@ -68,6 +71,14 @@ def test_pagedray_gets_a_ratio_against_each_vllm_variant_and_their_best():
     assert [(q.name, q.peers) for q in ratios] == [
         ("pagedray-tp1 / vllm", ("vllm",)), ("pagedray-tp1 / vllm-fp32", ("vllm-fp32",)),
         ("pagedray-tp1 / vllm best", ("vllm", "vllm-fp32"))]
+
+
+def test_the_measured_choice_gets_a_ratio_against_the_same_server_with_one_product_forced():
+    ratios = build_ratios(["pagedray-tp1", "pagedray-tp1-gemmc", "pagedray-tp1-fp32", "pagedray-tp1-gemmc-fp32"],
+                          build_metrics([]))
+    assert [(q.name, q.peers) for q in ratios] == [
+        ("pagedray-tp1 / pagedray-tp1-gemmc", ("pagedray-tp1-gemmc",)),
+        ("pagedray-tp1-fp32 / pagedray-tp1-gemmc-fp32", ("pagedray-tp1-gemmc-fp32",))]
 
 
 def test_load_values_flatten_the_closed_loop_and_the_sweep():

@@ -37,6 +37,7 @@ NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "
                 "step_timeout_s": 30.0, "step_timeout_per_token_s": 0.5, "seed": 5, "stream_interval": 4,
                 "idle_batch_wait_ms": 7.5,
                 "enforce_eager": True, "cpu_packed_weights": False, "cpu_keep_freed_memory": False,
+                "cpu_gemm": "onednn",
                 "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5,
                 "speculative_model": "/models/draft", "warm_prefix_tokens": 0}
 # options whose non-default value conflicts with one above (async_scheduling needs tensor_parallel_size 1)

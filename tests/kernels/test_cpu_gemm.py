@@ -108,14 +108,17 @@ def test_bf16_weight_with_odd_inputs_is_refused():
 
 
 @needs_gemm
-def test_layers_tile_pack_where_the_gemm_runs_else_keep_onednn(monkeypatch):
+def test_layers_tile_pack_for_the_c_product_and_offer_it_only_where_it_runs(monkeypatch):
     weight = torch.randn(48, 32)
-    assert isinstance(packed_gemm.pack_weight(weight), cpu_gemm.TilePackedWeight)
+    packed = packed_gemm.pack_weight(weight, "c")
+    assert isinstance(packed.tile, cpu_gemm.TilePackedWeight) and packed.onednn is None
+    assert "c" in packed_gemm.candidates(weight)
     if cpu_gemm.available(BF16):
-        assert isinstance(packed_gemm.pack_weight(weight.bfloat16()), cpu_gemm.TilePackedWeight)
-        assert isinstance(packed_gemm.pack_weight(torch.randn(48, 33).bfloat16()), torch.Tensor)   # oneDNN's
+        assert "c" in packed_gemm.candidates(weight.bfloat16())
+        assert "c" not in packed_gemm.candidates(torch.randn(48, 33).bfloat16())   # odd inputs: oneDNN's
     x = torch.randn(5, 32)
-    _assert_product(packed_gemm.linear(x, weight, None, packed_gemm.pack_weight(weight)), x, weight, None)
+    _assert_product(packed_gemm.linear(x, weight, None, packed), x, weight, None)
     monkeypatch.setattr(cpu_gemm, "available", lambda dtype: False)                   # no AVX-512
-    assert isinstance(packed_gemm.pack_weight(weight), torch.Tensor)
-    assert isinstance(packed_gemm.pack_weight(weight.bfloat16()), torch.Tensor)
+    assert "c" not in packed_gemm.candidates(weight) and "c" not in packed_gemm.candidates(weight.bfloat16())
+    with pytest.raises(ValueError, match="^plan"):
+        packed_gemm.pack_weight(weight, "c")

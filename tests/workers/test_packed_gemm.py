@@ -1,8 +1,8 @@
-"""Packed CPU weights (``layers/packed_gemm.py``): oneDNN's packed product agrees with ``F.linear`` on
-random inputs at every row count (bit for bit in bf16), every linear layer and the LM head get a
-packed copy in fp32 and bf16 (tile-packed for ``kernels.cpu_gemm`` where the CPU has AVX-512,
-tests/kernels/test_cpu_gemm.py checks its products), and greedy tokens of a batch that takes the
-packed path still equal transformers'."""
+"""Packed CPU weights (``layers/packed_gemm.py``): every product agrees with ``F.linear`` on random inputs
+at every row count (oneDNN's bit for bit in bf16), a plan runs each row bucket on its own product, every
+linear layer and the LM head get their packed copies in fp32 and bf16 (tests/kernels/test_cpu_gemm.py
+checks the C GEMM's products), and greedy tokens of a batch that takes the packed path still equal
+transformers'."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from helpers.hf_oracle import hf_greedy_each
 from helpers.worker_setup import engine_config
 from pagedray.cluster import LLM, SamplingParams
-from pagedray.kernels import cpu_gemm
+from pagedray.kernels import cpu_choice, cpu_gemm
+from pagedray.kernels.cpu_choice import ROW_BUCKETS
 from pagedray.workers.contract.config import ModelConfig
 from pagedray.workers.layers import packed_gemm
 from pagedray.workers.layers.embedding import ParallelLMHead
@@ -28,18 +29,15 @@ needs_onednn_bf16 = pytest.mark.skipif(not packed_gemm_available(torch.bfloat16)
 @needs_onednn
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (251, 64), (3072, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("packing", ["c_gemm", "onednn"])
-def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bias, packing, torch_threads,
-                                             monkeypatch):
-    if packing == "onednn":
-        monkeypatch.setattr(packed_gemm.cpu_gemm, "available", lambda dtype: False)
-    elif not cpu_gemm.available(torch.float32):
+@pytest.mark.parametrize("packing", ["c", "onednn", "mkl"])
+def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bias, packing, torch_threads):
+    if packing == "c" and not cpu_gemm.available(torch.float32):
         pytest.skip("this CPU or compiler has no AVX-512 for kernels.cpu_gemm")
     gen = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05      # [out, in]
     bias = torch.randn(out_features, generator=gen) if with_bias else None    # [out]
-    packed = pack_weight(weight)
-    assert isinstance(packed, cpu_gemm.TilePackedWeight) == (packing == "c_gemm")
+    packed = pack_weight(weight, packing)
+    assert (packed.tile is not None) == (packing == "c") and (packed.onednn is not None) == (packing == "onednn")
     for rows in (1, 3, 16, 17, 64, 300):
         x = torch.randn(rows, in_features, generator=gen)                       # [rows, in]
         torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias))
@@ -52,25 +50,51 @@ def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bia
 
 @needs_onednn_bf16
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_bf16_product_equals_f_linear(with_bias, torch_threads, monkeypatch):
-    monkeypatch.setattr(packed_gemm.cpu_gemm, "available", lambda dtype: False)   # oneDNN's copy, not the C GEMM's
+def test_packed_bf16_product_equals_f_linear(with_bias, torch_threads):
     gen = torch.Generator().manual_seed(7)
     weight = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()          # [out, in]
     bias = torch.randn(960, generator=gen).bfloat16() if with_bias else None
-    packed = pack_weight(weight)
+    packed = pack_weight(weight, "onednn")
     for rows in (1, 16, 300):
         x = torch.randn(rows, 576, generator=gen).bfloat16()                   # [rows, in]
         out = linear(x, weight, bias, packed)
         assert out.dtype == torch.bfloat16 and out.equal(F.linear(x, weight, bias))
 
 
-def test_pack_weight_names_a_bad_weight():
+def test_pack_weight_names_a_bad_weight_or_plan():
     with pytest.raises(ValueError, match="weight"):
-        pack_weight(torch.randn(4, 4, dtype=torch.float64))
+        pack_weight(torch.randn(4, 4, dtype=torch.float64), "mkl")
     with pytest.raises(ValueError, match="weight"):
-        pack_weight(torch.randn(4, 4, dtype=torch.float16))
+        pack_weight(torch.randn(4, 4, dtype=torch.float16), "onednn")
     with pytest.raises(ValueError, match="weight"):
-        pack_weight(torch.randn(16))
+        pack_weight(torch.randn(16), "mkl")
+    with pytest.raises(ValueError, match="^plan"):
+        pack_weight(torch.randn(4, 4).bfloat16(), "mkl")          # F.linear is a float32 product here
+    with pytest.raises(ValueError, match="^plan"):
+        pack_weight(torch.randn(4, 4), ("mkl",) * (len(ROW_BUCKETS) - 1))
+    with pytest.raises(ValueError, match="^plan"):
+        pack_weight(torch.randn(4, 4), "cublas")
+
+
+@needs_onednn
+def test_a_plan_runs_each_row_bucket_on_its_own_product(monkeypatch):
+    """One weight, a plan that alternates products by bucket: each call goes to its bucket's product."""
+    usable = packed_gemm.candidates(torch.randn(8, 8))
+    plan = tuple(usable[i % len(usable)] for i in range(len(ROW_BUCKETS)))
+    weight = torch.randn(40, 24)                                              # [out, in]
+    packed = pack_weight(weight, plan)
+    ran = []
+    monkeypatch.setattr(packed_gemm.cpu_gemm, "linear", lambda x, p, b=None: ran.append("c") or x @ torch.zeros(24, 40))
+    monkeypatch.setattr(packed_gemm.F, "linear", lambda x, w, b=None: ran.append("mkl") or x @ w.T)
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: ran.append("onednn") or onednn(*a),
+                        raising=False)
+    for rows in ROW_BUCKETS:
+        assert packed_gemm.linear(torch.randn(rows, 24), weight, None, packed).shape == (rows, 40)
+    assert ran == list(plan)
+    ran.clear()
+    packed_gemm.linear(torch.randn(3, 2, 24), weight, None, packed)    # 6 rows: the 4-row bucket
+    assert ran == [plan[1]]
 
 
 def _packable(worker: Worker) -> list[torch.nn.Module]:
@@ -92,9 +116,14 @@ def test_worker_packs_every_linear_layer_and_the_lm_head(kind, dtype, tiny_model
     assert report.matrices == len(layers)
     assert report.weight_bytes == sum(m.weight.numel() * m.weight.element_size() for m in layers)
     assert report.packed_bytes >= report.weight_bytes
-    tile_packed = cpu_gemm.available(getattr(torch, dtype))
-    assert all(isinstance(m.packed_weight, cpu_gemm.TilePackedWeight) == tile_packed for m in layers)
-    assert all(getattr(m.packed_weight, "data", m.packed_weight).dtype == getattr(torch, dtype) for m in layers)
+    assert report.table.source.startswith("forced") == (cpu_choice.forced_product("auto") is not None)
+    for m in layers:
+        plan = m.packed_weight.plan
+        assert plan == report.table.plan(m) and len(plan) == len(ROW_BUCKETS)
+        assert ("c" in plan) <= (m.packed_weight.tile is not None)
+        assert ("onednn" in plan) == (m.packed_weight.onednn is not None)
+        copies = [c for c in (m.packed_weight.onednn, getattr(m.packed_weight.tile, "data", None)) if c is not None]
+        assert all(c.dtype == getattr(torch, dtype) for c in copies)
 
 
 def test_packing_off_by_option_without_onednn_or_in_fp16(tiny_model_path, monkeypatch):

@@ -23,6 +23,7 @@ POLICIES = ("fcfs", "priority")
 BLOCK_SIZES = (8, 16, 32, 64)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")     # names of kernels.kv_quant.KV_CACHE_DTYPES, plus auto
 QUANTIZATIONS = ("auto", "none", "int8", "fp8")     # workers.quantization resolves them with the checkpoint's
+CPU_GEMMS = ("auto", "c", "onednn", "mkl")          # kernels.cpu_choice.PRODUCTS
 
 
 def option(default, help: str):
@@ -52,6 +53,10 @@ class ModelConfig:
     cpu_packed_weights: bool = option(True, "CPU, float32/bfloat16: keep a copy of each weight packed for "
                                             "pagedray's C GEMM (AVX-512) or oneDNN's and multiply with it (faster "
                                             "linear layers; as much memory again as the weights)")
+    cpu_gemm: str = option("auto", "CPU linear products: auto (each weight shape and row count runs the product "
+                                   "timed fastest on this CPU at load, cached on disk; PAGEDRAY_CPU_GEMM in the "
+                                   "environment overrides auto) | c (pagedray's C GEMM, AVX-512) | onednn (oneDNN's "
+                                   "packed product; AMX where the CPU has it) | mkl (float32: F.linear)")
     quantization: str = option("auto", "weights: auto (as the checkpoint is: full precision, or GPTQ / AWQ / FP8 "
                                        "read from it) | none | int8 | fp8 (8 bits per weight, one scale per output "
                                        "row, rounded at load from a full-precision checkpoint); dequantized to the "
@@ -67,6 +72,7 @@ class ModelConfig:
         _require(self.device in DEVICES, f"device: must be one of {DEVICES}, got {self.device!r}")
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization: must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _require(self.cpu_gemm in CPU_GEMMS, f"cpu_gemm: must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
         _require(isinstance(self.enforce_eager, bool),
                  f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         _require(isinstance(self.cpu_packed_weights, bool),

@@ -20,7 +20,7 @@ from torch import nn
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader, copy_into
 from .linear import empty_param
-from .packed_gemm import PackedWeight, linear
+from .packed_gemm import PackedLinear, linear
 from .partition import VocabPartition
 
 
@@ -67,7 +67,7 @@ class ParallelLMHead(nn.Module):
         else:
             self.weight = empty_param(tuple(embedding.weight.shape), embedding.weight.dtype,
                                       embedding.weight.device)
-        self.packed_weight: PackedWeight | None = None   # oneDNN-packed copy (CPU fp32/bf16, packed_gemm.py)
+        self.packed_weight: PackedLinear | None = None   # packed copies and plan (CPU fp32/bf16, packed_gemm.py)
 
     def load(self, reader: CheckpointReader, name: str) -> None:
         if self.tied:

@@ -8,10 +8,11 @@
   product and one all-reduce sums them (the bias is added once, after the reduction).
 
 Weights follow torch's ``[out_features, in_features]`` convention, as in HF checkpoints. On CPU in
-fp32/bf16 each layer may also hold a oneDNN-packed copy of its weight (``packed_weight``, set by
-``packed_gemm.pack_linear_weights``) that its products use. A quantized checkpoint's weights on
-CUDA stay packed (``quant``: one ``PackedIntWeight`` per segment, ``workers.quantization``): the dense
-``weight`` is then never allocated and the products run ``kernels.quant_gemm``, one per segment.
+fp32/bf16 each layer may also hold packed copies of its weight and the product each row count runs
+(``packed_weight``, a ``packed_gemm.PackedLinear`` set by ``packed_gemm.pack_linear_weights``). A
+quantized checkpoint's weights on CUDA stay packed (``quant``: one ``PackedIntWeight`` per segment,
+``workers.quantization``): the dense ``weight`` is then never allocated and the products run
+``kernels.quant_gemm``, one per segment.
 
 A layer's dense ``weight`` is a meta tensor until ``load`` (``allocate_dense``): it is allocated on the
 layer's device only when the checkpoint gives it dense, so a packed model never holds, even briefly, the
@@ -28,7 +29,7 @@ from torch import nn
 from ..quantization import PackedIntWeight
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader, copy_into
-from .packed_gemm import PackedWeight, linear
+from .packed_gemm import PackedLinear, linear
 from .partition import HeadPartition, check_even_split
 
 
@@ -61,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
         self.device = device
         self.weight = empty_param((out_local, input_size), dtype, torch.device("meta"))   # [out_local, in]
         self.bias = empty_param((out_local,), dtype, device) if bias else None       # [out_local]
-        self.packed_weight: PackedWeight | None = None
+        self.packed_weight: PackedLinear | None = None
         self.quant: list[PackedIntWeight] | None = None
 
     @classmethod
@@ -162,7 +163,7 @@ class RowParallelLinear(nn.Module):
         self.device = device
         self.weight = empty_param((output_size, self.cols), dtype, torch.device("meta"))   # [out, in_local]
         self.bias = empty_param((output_size,), dtype, device) if bias else None    # [out]
-        self.packed_weight: PackedWeight | None = None
+        self.packed_weight: PackedLinear | None = None
         self.quant: PackedIntWeight | None = None
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:

@@ -1,13 +1,17 @@
-"""CPU linear layers over weights pre-packed once: for pagedray's bf16 GEMM or for oneDNN's (fp32, bf16).
+"""CPU linear layers over weights packed once at load, each row count on the product measured fastest here.
 
-``F.linear`` on CPU hands an fp32 weight to MKL's sgemm and a bf16 one to oneDNN, and both re-lay
-the whole weight out on every call. Packing each weight once at load time into oneDNN's blocked
-layout (``torch.ops.mkldnn._reorder_linear_weight``, no batch-size hint, so one packed copy serves
-every row count) and multiplying with ``torch.ops.mkldnn._linear_pointwise`` removes that.
+``F.linear`` on CPU hands an fp32 weight to MKL's sgemm and a bf16 one to oneDNN, and both re-lay the
+whole weight out on every call. Three products can run a layer instead (``PRODUCTS``):
 
-bfloat16 weights on a CPU with AVX512-BF16 are tile-packed for ``kernels.cpu_gemm`` instead (its C loop
-streams the weights ~1.5x faster than oneDNN at decode sizes and was no slower up to 1,024 rows,
-docs/design/kernels.md); the layer holds one packed copy either way.
+- ``c``: pagedray's C GEMM (``kernels.cpu_gemm``, AVX-512; bf16 needs AVX512-BF16) on a tile-packed copy;
+- ``onednn``: oneDNN's packed product (``torch.ops.mkldnn._linear_pointwise``) on a copy reordered once
+  into its blocked layout (no batch-size hint, so one copy serves every row count); AMX where the CPU
+  has it;
+- ``mkl`` (float32 only): ``F.linear`` on the plain weight, MKL's sgemm.
+
+Which one a layer runs is chosen per row bucket (``kernels.cpu_choice.ROW_BUCKETS``) by timing them on the
+model's own weight shapes on this CPU (``gemm_timing``), or forced (``cpu_gemm`` option,
+``PAGEDRAY_CPU_GEMM``). A layer's ``PackedLinear`` holds its plan and only the packed copies its plan uses.
 
 Decisions: docs/design/workers.md, ``pagedray.workers.layers.packed_gemm``.
 """
@@ -19,11 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from pagedray.kernels import cpu_gemm
+from pagedray.kernels.cpu_choice import ROW_BUCKETS, bucket_index
 from torch import nn
 
-PackedWeight = torch.Tensor | cpu_gemm.TilePackedWeight     # oneDNN's opaque copy, or tile-packed bf16
-
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+PRODUCTS = ("c", "onednn", "mkl")
 
 
 def packed_gemm_available(dtype: torch.dtype) -> bool:
@@ -35,46 +39,94 @@ def packed_gemm_available(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    """weight [out, in] fp32/bf16 on CPU -> its tile-packed copy (bf16 where ``cpu_gemm`` runs) or
-    oneDNN's packed copy (opaque mkldnn tensor, [out, in])."""
+def candidates(weight: torch.Tensor) -> tuple[str, ...]:
+    """The products that can run ``weight`` [out, in] on this CPU, in preference order for ties."""
+    out = []
+    if cpu_gemm.packable(weight):
+        out.append("c")
+    if packed_gemm_available(weight.dtype):
+        out.append("onednn")
+    if weight.dtype == torch.float32:
+        out.append("mkl")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A weight's packed copies and the product each row bucket runs (``plan[i]`` for ``ROW_BUCKETS[i]``)."""
+
+    plan: tuple[str, ...]
+    tile: cpu_gemm.TilePackedWeight | None = None     # for "c"
+    onednn: torch.Tensor | None = None                # for "onednn": oneDNN's opaque copy, [out, in]
+
+    def product(self, rows: int) -> str:
+        return self.plan[bucket_index(rows)]
+
+    @property
+    def packed_bytes(self) -> int:
+        copies = [c for c in (None if self.tile is None else self.tile.data, self.onednn) if c is not None]
+        return sum(c.numel() * c.element_size() for c in copies)
+
+    def without_tile(self) -> PackedLinear:
+        """The same without the tile-packed copy (for a plan that no longer runs ``c``)."""
+        if "c" in self.plan:
+            raise ValueError(f"plan: {self.plan} still runs the C GEMM")
+        return PackedLinear(self.plan, None, self.onednn)
+
+
+def pack_weight(weight: torch.Tensor, plan: tuple[str, ...] | str, keep_tile: bool = False) -> PackedLinear:
+    """weight [out, in] fp32/bf16 on CPU -> the copies ``plan`` (one product, or one per row bucket) needs;
+    ``keep_tile``: the tile-packed copy too (the one-call decode path reads it)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
         raise ValueError(f"weight: packing needs a 2-D float32 or bfloat16 CPU tensor, got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
-    if cpu_gemm.packable(weight):
-        return cpu_gemm.pack(weight)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    plan = (plan,) * len(ROW_BUCKETS) if isinstance(plan, str) else tuple(plan)
+    usable = candidates(weight)
+    if len(plan) != len(ROW_BUCKETS) or any(p not in usable for p in plan):
+        raise ValueError(f"plan: one of {usable} per row bucket ({len(ROW_BUCKETS)}) for a {weight.dtype} "
+                         f"{tuple(weight.shape)} weight on this CPU, got {plan}")
+    weight = weight.detach().contiguous()
+    tile = cpu_gemm.pack(weight) if "c" in plan or (keep_tile and "c" in usable) else None
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if "onednn" in plan else None
+    return PackedLinear(plan, tile, onednn)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:
-    """x [..., in] -> [..., out]: the packed product when the layer has a packed weight, else F.linear."""
-    if isinstance(packed, cpu_gemm.TilePackedWeight):
-        return cpu_gemm.linear(x, packed, bias)
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+           packed: PackedLinear | None) -> torch.Tensor:
+    """x [..., in] -> [..., out]: the product the layer's plan names for x's row count, else F.linear."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    product = packed.product(x.numel() // max(x.shape[-1], 1))
+    if product == "c":
+        return cpu_gemm.linear(x, packed.tile, bias)
+    if product == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
 class PackReport:
-    """What ``pack_linear_weights`` did: matrices packed and the bytes their packed copies take."""
+    """What ``pack_linear_weights`` did: matrices packed, the bytes of their packed copies, and the plan
+    table (``gemm_timing.PlanTable``) it followed."""
 
     matrices: int
     packed_bytes: int
     weight_bytes: int
+    table: object = None
 
 
-def pack_linear_weights(model: nn.Module) -> PackReport:
-    """Gives every module with a ``packed_weight`` slot (the linear layers and the LM head) its packed
-    weight. Call once, after the weights are loaded; a later weight change needs a new call."""
+def packable_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules with a ``packed_weight`` slot and a dense weight (a quantized one is kept packed)."""
+    return [m for m in model.modules() if hasattr(m, "packed_weight") and m.weight is not None]
+
+
+def pack_linear_weights(model: nn.Module, plans, keep_tile=lambda module: False) -> PackReport:
+    """Gives every packable module (the linear layers and the LM head) its ``PackedLinear``: ``plans(module)``
+    is its plan; ``keep_tile(module)``: also its tile-packed copy. Call once, after the weights are loaded."""
     matrices = packed_bytes = weight_bytes = 0
-    for module in model.modules():
-        if hasattr(module, "packed_weight") and module.weight is not None:   # None: kept quantized
-            module.packed_weight = pack_weight(module.weight)
-            packed = module.packed_weight
-            data = packed.data if isinstance(packed, cpu_gemm.TilePackedWeight) else packed
-            matrices += 1
-            packed_bytes += data.numel() * data.element_size()
-            weight_bytes += module.weight.numel() * module.weight.element_size()
+    for module in packable_modules(model):
+        module.packed_weight = pack_weight(module.weight, plans(module), keep_tile(module))
+        matrices += 1
+        packed_bytes += module.packed_weight.packed_bytes
+        weight_bytes += module.weight.numel() * module.weight.element_size()
     return PackReport(matrices, packed_bytes, weight_bytes)

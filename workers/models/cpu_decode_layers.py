@@ -10,8 +10,16 @@ docs/design/workers.md).
 
 Qualifies (checked once, when the weights are packed): CPU, TP = 1, float32 / bfloat16 with the C
 libraries built, every layer a ``DecoderLayer`` with a SiLU MLP (no experts), no q/k norm, no attention
-soft-capping, no bias but the qkv projection's, every linear weight tile-packed for ``cpu_gemm``, and the
-model's own ``forward`` (Gemma's differs). Per step: a KV cache in the model's dtype or of 8-bit rows (int8 or
+soft-capping, no bias but the qkv projection's, every linear weight tile-packable for ``cpu_gemm``, and the
+model's own ``forward`` (Gemma's differs).
+
+Which decode steps take it (``buckets``, by row bucket, ``kernels.cpu_choice``): the path runs the C GEMM,
+so where every decoder-layer weight's measured plan (``layers/gemm_timing.py``) runs the C GEMM at a bucket,
+the path runs what the layer loop would, minus the Python, and takes that bucket. A bucket where some
+weight's plan runs another product (oneDNN's AMX product, say) is *contested*: the layer loop with that
+product against this path with the C GEMM, decided by timing a whole decode step both ways once the KV cache
+exists (``settle``), cached on disk like the GEMM plans. The tile-packed copies are kept until then and
+dropped where no bucket needs them. Per step: a KV cache in the model's dtype or of 8-bit rows (int8 or
 float8) and a block size the decode kernel takes. ``enforce_eager`` turns the path off (the layer-by-layer
 path, whose modules forward hooks can see, as CUDA's eager steps).
 """
@@ -19,22 +27,37 @@ path, whose modules forward hooks can see, as CUDA's eager steps).
 from __future__ import annotations
 
 import ctypes
+import logging
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
-from pagedray.kernels import cpu_decode, cpu_gemm, cpu_layers
+from pagedray.kernels import cpu_choice, cpu_decode, cpu_gemm, cpu_layers
+from pagedray.kernels.cpu_choice import ROW_BUCKETS, bucket_index
 from pagedray.kernels.kv_quant import is_quantized
 
 from ..kv_cache import KVCache
 from ..layers.activation import silu_and_mul
 from ..layers.attention import AttentionMetadata
 from ..layers.rotary import RotaryStep
+from ..seq_mirror import BatchedSequence, SequenceState
+
+log = logging.getLogger(__name__)
+TIMING_CONTEXT = 128      # tokens of context per sequence in ``settle``'s decode steps
+TIMING_REPEATS = 3
 
 
 class CpuDecodeLayers:
     """Built by ``build`` for a qualifying model; ``run`` takes a decode step's embeddings."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, max_rows: int) -> None:
         self.model = model
+        last = bucket_index(max_rows)                # decode steps have at most max_num_seqs rows
+        plans = [lin.packed_weight.plan for layer in model.layers for lin in _linears(layer)]
+        uncontested = {b for b in range(last + 1) if all(plan[b] == "c" for plan in plans)}
+        self.buckets: frozenset[int] = frozenset(uncontested)
+        self.contested: frozenset[int] = frozenset(range(last + 1)) - self.buckets
         first = model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.inter = model.layers[0].mlp.down_proj.cols
@@ -45,7 +68,7 @@ class CpuDecodeLayers:
     def takes(self, kv_cache: KVCache, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """True for a decode step (one token per sequence) over a cache this path can use (``_prepare``)."""
         return (meta.max_query_len == 1 and hidden.shape[0] == meta.seq_lens_k.shape[0]
-                and self._prepare(kv_cache, hidden.dtype) is not None)
+                and bucket_index(hidden.shape[0]) in self.buckets and self._prepare(kv_cache, hidden.dtype) is not None)
 
     def _prepare(self, kv_cache: KVCache, dtype: torch.dtype) -> ctypes.Array | None:
         """One ``LayerArgs`` per layer, or None for a cache this path cannot use; decided and built once per
@@ -73,9 +96,9 @@ class CpuDecodeLayers:
             bias = attn.qkv_proj.bias
             array[i] = cpu_layers.LayerArgs(
                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                attn.qkv_proj.packed_weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
-                attn.o_proj.packed_weight.data.data_ptr(), mlp.gate_up_proj.packed_weight.data.data_ptr(),
-                mlp.down_proj.packed_weight.data.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
+                attn.qkv_proj.packed_weight.tile.data.data_ptr(), None if bias is None else bias.data_ptr(),
+                attn.o_proj.packed_weight.tile.data.data_ptr(), mlp.gate_up_proj.packed_weight.tile.data.data_ptr(),
+                mlp.down_proj.packed_weight.tile.data.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
                 None if kv.k_scale is None else kv.k_scale.data_ptr(),
                 None if kv.v_scale is None else kv.v_scale.data_ptr(),
                 int(attn.attn.sliding_window or 0), float(attn.attn.scale),
@@ -108,26 +131,108 @@ class CpuDecodeLayers:
         return hidden, residual
 
 
+def _linears(layer) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def _layer_qualifies(layer, dtype: torch.dtype) -> bool:
     from .decoder import DecoderLayer, DecoderMLP
 
     if type(layer) is not DecoderLayer or type(layer.mlp) is not DecoderMLP or layer.mlp.act is not silu_and_mul:
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     return (attn.q_norm is None and attn.attn.logit_softcap is None and attn.head_dim % 16 == 0
             and attn.o_proj.bias is None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
-            and all(isinstance(lin.packed_weight, cpu_gemm.TilePackedWeight) and lin.packed_weight.data.dtype == dtype
-                    for lin in linears))
+            and all(lin.weight is not None and lin.weight.dtype == dtype and cpu_gemm.packable(lin.weight)
+                    for lin in _linears(layer)))
 
 
-def build(model, enabled: bool) -> CpuDecodeLayers | None:
-    """The one-call path for ``model`` (weights loaded and packed), or None where it does not qualify."""
+def qualifies(model, enabled: bool) -> bool:
+    """Whether ``model`` (weights loaded, not yet packed) can take the one-call path (module docstring)."""
     from .decoder import DecoderForCausalLM
 
     dtype = model.embed_tokens.weight.dtype
-    if (not enabled or type(model).forward is not DecoderForCausalLM.forward or model.tp.world_size != 1
-            or model.embed_tokens.weight.device.type != "cpu" or not cpu_layers.available(dtype)
-            or not all(_layer_qualifies(layer, dtype) for layer in model.layers)):
+    return (enabled and type(model).forward is DecoderForCausalLM.forward and model.tp.world_size == 1
+            and model.embed_tokens.weight.device.type == "cpu" and cpu_layers.available(dtype)
+            and all(_layer_qualifies(layer, dtype) for layer in model.layers))
+
+
+def decoder_linears(model) -> list:
+    """The linear modules the one-call path multiplies with (each needs its tile-packed copy)."""
+    return [lin for layer in model.layers for lin in _linears(layer)]
+
+
+def build(model, enabled: bool, max_rows: int) -> CpuDecodeLayers | None:
+    """The one-call path for ``model`` (weights loaded and packed, every decoder linear with its tile-packed
+    copy), or None where it does not qualify; ``max_rows``: the most sequences a decode step holds."""
+    if not qualifies(model, enabled) or any(lin.packed_weight is None or lin.packed_weight.tile is None
+                                            for lin in decoder_linears(model)):
         return None
-    return CpuDecodeLayers(model)
+    return CpuDecodeLayers(model, max_rows)
+
+
+def _timing_batch(rows: int, block_size: int, num_blocks: int):
+    """A decode step of ``rows`` sequences of ``TIMING_CONTEXT`` tokens (block ids wrap around the cache:
+    the values computed do not matter, only the time)."""
+    from ..contract.sampling_params import SamplingParams
+    from ..input_batch import build_host_batch
+
+    per_seq = -(-TIMING_CONTEXT // block_size)
+    seqs = []
+    for i in range(rows):
+        blocks = [(i * per_seq + j) % num_blocks for j in range(per_seq)]
+        state = SequenceState(i, [1] * TIMING_CONTEXT, [], TIMING_CONTEXT - 1, blocks, SamplingParams(temperature=0.0))
+        seqs.append(BatchedSequence.of(state, 1))
+    return build_host_batch(seqs, block_size).inputs
+
+
+def settle(model, kv_cache: KVCache, block_size: int, cache: cpu_choice.ChoiceCache | None = None,
+           timer: Callable[[], float] = time.perf_counter, repeats: int = TIMING_REPEATS) -> dict[int, dict]:
+    """Decides the contested buckets of ``model.cpu_decode`` by timing a whole decode step (``model.forward``)
+    through the one call and through the layer loop, alternately, on ``kv_cache`` before it holds anything
+    (the steps write into its blocks). The path takes a bucket where it was no slower. Where it takes none,
+    ``model.cpu_decode`` becomes None and the tile-packed copies no plan runs are dropped. Returns
+    bucket -> {"one_call_ms", "layer_loop_ms"} (empty when nothing was contested)."""
+    path = model.cpu_decode
+    if path is None or not path.contested:
+        return {}
+    cache = cpu_choice.ChoiceCache() if cache is None else cache
+    dims = (len(model.layers), path.num_heads, path.num_kv_heads, path.head_dim, path.inter)
+    plans = sorted({lin.packed_weight.plan for lin in decoder_linears(model)})
+    name = (f"one-call decode {str(model.embed_tokens.weight.dtype).removeprefix('torch.')} dims={dims} "
+            f"cache={str(kv_cache.data.dtype).removeprefix('torch.')} threads={torch.get_num_threads()} plans={plans}")
+    stored = cache.get(name) or {}
+    results, num_blocks, buckets = {}, kv_cache.data.shape[2], path.buckets
+    for bucket in sorted(path.contested):
+        if isinstance(stored.get(str(bucket)), dict):
+            results[bucket] = stored[str(bucket)]
+            continue
+        inputs = _timing_batch(ROW_BUCKETS[bucket], block_size, num_blocks)
+        times = {True: [], False: []}
+        try:
+            with torch.inference_mode():
+                for round_ in range(repeats + 1):
+                    for one_call in ((True, False) if round_ % 2 else (False, True)):
+                        model.cpu_decode, path.buckets = (path if one_call else None), frozenset({bucket})
+                        start = timer()
+                        model(inputs.input_ids, inputs.positions, kv_cache, inputs.meta)
+                        if round_:     # round 0 warms up
+                            times[one_call].append((timer() - start) * 1e3)
+        finally:
+            model.cpu_decode, path.buckets = path, buckets
+        results[bucket] = {"one_call_ms": statistics.median(times[True]),
+                           "layer_loop_ms": statistics.median(times[False])}
+    cache.put({name: {str(b): r for b, r in results.items()}})
+    won = {b for b, r in results.items() if r["one_call_ms"] <= r["layer_loop_ms"]}
+    path.buckets, path.contested = frozenset((path.buckets - path.contested) | won), frozenset()
+    for bucket, r in sorted(results.items()):
+        log.info("decode steps of %d rows: one call (C GEMM) %.2f ms, layer loop (measured plan) %.2f ms: %s",
+                 ROW_BUCKETS[bucket], r["one_call_ms"], r["layer_loop_ms"],
+                 "one call" if bucket in won else "layer loop")
+    if not path.buckets:
+        model.cpu_decode = None
+        for lin in decoder_linears(model):
+            if "c" not in lin.packed_weight.plan:
+                lin.packed_weight = lin.packed_weight.without_tile()
+    return results

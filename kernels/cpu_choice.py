@@ -1,0 +1,136 @@
+"""Choosing between CPU kernels that compute the same thing by timing them on this CPU, kept on disk.
+
+Which of two implementations is faster depends on the CPU: an Intel Xeon with AMX multiplies bfloat16
+through oneDNN's AMX tiles 3-11x faster than the C loop that beats oneDNN on an AMD EPYC without AMX. So
+a choice is made by measurement on the machine that runs, never from a CPU-feature guess, and it is kept
+per row bucket: the best product at 1 row (memory-bound) need not be the best at 2,048 (compute-bound).
+
+- ``ROW_BUCKETS`` are the row counts that are timed. A call with ``r`` rows takes the decision of the
+  bucket nearest ``r`` on a log scale (``bucket_index``; halfway goes to the larger bucket).
+- ``pick`` keeps, per bucket, the candidate with the least time (ties: the first one named).
+- ``ChoiceCache``: decisions live in ``<user cache>/pagedray/cpu_choice/<key>.json``. ``cache_key`` hashes
+  the CPU's model name and flags, the torch version and the source of every C kernel in this folder, so a
+  change of any of them opens a new file and the old decisions are never read again. Inside the file each
+  entry is named by what was timed (the caller's name: kind, dtype, shape, threads). Two processes writing
+  at once each write a private file and rename it into place; the last one's entries win.
+- ``forced_product``: ``PAGEDRAY_CPU_GEMM=auto|c|onednn|mkl`` in the environment overrides a configured
+  ``auto`` (for comparing the products on one machine; a configured product wins over it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import os
+import pathlib
+import platform
+import tempfile
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from . import cpu_build
+
+ROW_BUCKETS = (1, 4, 16, 32, 128, 512, 2048)
+# a row count below _EDGES[i] (the buckets' geometric midpoints) belongs to bucket i
+_EDGES = tuple(math.sqrt(a * b) for a, b in zip(ROW_BUCKETS, ROW_BUCKETS[1:]))
+PRODUCTS = ("auto", "c", "onednn", "mkl")
+PRODUCT_ENV = "PAGEDRAY_CPU_GEMM"
+CACHE_VERSION = 1
+
+
+def bucket_index(rows: int) -> int:
+    """The index in ``ROW_BUCKETS`` whose decision a call with ``rows`` rows takes."""
+    return bisect.bisect_right(_EDGES, rows)
+
+
+def pick(times: Mapping[str, Sequence[float]]) -> tuple[str, ...]:
+    """times: candidate -> milliseconds per bucket (``math.inf`` where it was not timed) -> the fastest
+    candidate of each bucket (ties: the first candidate in ``times``' order)."""
+    if not times:
+        raise ValueError("times: at least one candidate is required")
+    lengths = {len(row) for row in times.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"times: every candidate needs one time per bucket, got lengths {sorted(lengths)}")
+    names = list(times)
+    return tuple(min(names, key=lambda name: (times[name][i], names.index(name))) for i in range(lengths.pop()))
+
+
+def cpu_model() -> str:
+    """``/proc/cpuinfo``'s first ``model name`` (else the platform's processor string)."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def kernel_sources() -> list[pathlib.Path]:
+    """Every C source and header of the CPU kernels (a change to any of them invalidates the decisions)."""
+    folder = pathlib.Path(__file__).parent
+    return sorted([*folder.glob("*.c"), *folder.glob("*.h")])
+
+
+def cache_key(model: str | None = None, flags: str | None = None, torch_version: str | None = None,
+              sources: Sequence[pathlib.Path] | None = None) -> str:
+    """A hash of the CPU model and flags, the torch version and the kernel sources (each defaults to this
+    machine's / this checkout's)."""
+    parts = [str(CACHE_VERSION), cpu_model() if model is None else model,
+             cpu_build._cpu_flags() if flags is None else flags, torch.__version__ if torch_version is None
+             else torch_version]
+    parts += [path.read_text() for path in (kernel_sources() if sources is None else sources)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def default_folder() -> pathlib.Path:
+    import platformdirs
+
+    return pathlib.Path(platformdirs.user_cache_dir("pagedray")) / "cpu_choice"
+
+
+class ChoiceCache:
+    """Decisions (entry name -> any JSON value) kept in ``folder/<key>.json``."""
+
+    def __init__(self, folder: pathlib.Path | None = None, key: str | None = None) -> None:
+        self.folder = default_folder() if folder is None else pathlib.Path(folder)
+        self.path = self.folder / f"{cache_key() if key is None else key}.json"
+
+    def entries(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, name: str):
+        return self.entries().get(name)
+
+    def put(self, values: Mapping) -> None:
+        """Adds (or replaces) ``values``' entries, keeping the file's others."""
+        merged = {**self.entries(), **values}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd, private = tempfile.mkstemp(suffix=".json", dir=self.folder)
+        try:
+            with os.fdopen(fd, "w") as out:
+                json.dump(merged, out, indent=1, sort_keys=True)
+            os.replace(private, self.path)
+        finally:
+            if os.path.exists(private):
+                os.unlink(private)
+
+
+def forced_product(option: str) -> str | None:
+    """The product every linear layer must use: the configured ``option`` unless it is ``auto``, else
+    ``PAGEDRAY_CPU_GEMM`` from the environment unless that is unset or ``auto``; None: choose by timing."""
+    if option not in PRODUCTS:
+        raise ValueError(f"cpu_gemm: one of {', '.join(PRODUCTS)}, got {option!r}")
+    if option != "auto":
+        return option
+    value = os.environ.get(PRODUCT_ENV, "auto").strip() or "auto"
+    if value not in PRODUCTS:
+        raise ValueError(f"{PRODUCT_ENV}: one of {', '.join(PRODUCTS)}, got {value!r}")
+    return None if value == "auto" else value

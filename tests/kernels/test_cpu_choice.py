@@ -1,0 +1,66 @@
+"""Measured choices between CPU kernels (``kernels/cpu_choice.py``): row buckets, the pick from timings, the
+on-disk cache and its key, and the forced product."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pagedray.kernels import cpu_choice
+from pagedray.kernels.cpu_choice import ROW_BUCKETS, ChoiceCache, bucket_index, cache_key, pick
+
+
+def test_a_row_count_takes_the_nearest_bucket_on_a_log_scale():
+    assert [ROW_BUCKETS[bucket_index(r)] for r in (1, 2, 3, 7, 8, 16, 22, 23, 63, 64, 255, 256, 1024, 9000)] == \
+        [1, 4, 4, 4, 16, 16, 16, 32, 32, 128, 128, 512, 2048, 2048]
+    assert all(ROW_BUCKETS[bucket_index(b)] == b for b in ROW_BUCKETS)
+
+
+def test_pick_keeps_the_fastest_candidate_of_each_bucket():
+    times = {"c": (1.0, 2.0, 5.0, math.inf), "onednn": (1.5, 1.0, 5.0, 3.0), "mkl": (9.0, 9.0, 4.0, math.inf)}
+    assert pick(times) == ("c", "onednn", "mkl", "onednn")
+    assert pick({"onednn": (2.0,), "c": (2.0,)}) == ("onednn",)           # a tie goes to the first named
+    with pytest.raises(ValueError, match="times"):
+        pick({})
+    with pytest.raises(ValueError, match="times"):
+        pick({"c": (1.0, 2.0), "onednn": (1.0,)})
+
+
+def test_the_cache_key_changes_with_each_of_its_parts(tmp_path):
+    source = tmp_path / "k.c"
+    source.write_text("int f(void) { return 1; }")
+    base = dict(model="Xeon", flags="flags: avx512f amx_bf16", torch_version="2.13.0", sources=[source])
+    key = cache_key(**base)
+    assert key == cache_key(**base)
+    for part, other in (("model", "EPYC"), ("flags", "flags: avx512f"), ("torch_version", "2.14.1")):
+        assert cache_key(**{**base, part: other}) != key, part
+    source.write_text("int f(void) { return 2; }")
+    assert cache_key(**base) != key                                       # a kernel source changed
+
+
+def test_the_cache_keeps_entries_per_key_and_merges_writes(tmp_path):
+    cache = ChoiceCache(tmp_path, key="a")
+    assert cache.entries() == {} and cache.get("x") is None
+    cache.put({"x": {"plan": ["c"]}})
+    cache.put({"y": 2})
+    assert ChoiceCache(tmp_path, key="a").entries() == {"x": {"plan": ["c"]}, "y": 2}
+    assert ChoiceCache(tmp_path, key="b").entries() == {}                # another CPU / torch / source
+    (tmp_path / "a.json").write_text("{not json")
+    assert cache.entries() == {}                                          # unreadable: timed again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]       # no private file left behind
+
+
+def test_forced_product_option_then_environment(monkeypatch):
+    monkeypatch.delenv(cpu_choice.PRODUCT_ENV, raising=False)
+    assert cpu_choice.forced_product("auto") is None
+    assert cpu_choice.forced_product("onednn") == "onednn"
+    monkeypatch.setenv(cpu_choice.PRODUCT_ENV, "c")
+    assert cpu_choice.forced_product("auto") == "c"
+    assert cpu_choice.forced_product("mkl") == "mkl"                      # the configured product wins
+    monkeypatch.setenv(cpu_choice.PRODUCT_ENV, "auto")
+    assert cpu_choice.forced_product("auto") is None
+    monkeypatch.setenv(cpu_choice.PRODUCT_ENV, "amx")
+    with pytest.raises(ValueError, match=f"^{cpu_choice.PRODUCT_ENV}"):
+        cpu_choice.forced_product("auto")
+    with pytest.raises(ValueError, match="^cpu_gemm"):
+        cpu_choice.forced_product("fast")

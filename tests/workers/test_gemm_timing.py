@@ -1,0 +1,204 @@
+"""The linear products chosen by timing (``layers/gemm_timing.py``) and the one-call decode path settled by
+timing (``models/cpu_decode_layers.settle``): with fake timings the faster product wins per row bucket, the
+decisions are cached and re-timed when the key changes, a forced product needs no timing; every product
+equals a float64 product at every row bucket; greedy tokens equal transformers' whatever the choice."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+from helpers.hf_oracle import hf_greedy_each
+from helpers.worker_setup import local_driver
+from pagedray.cluster import LLM, SamplingParams
+from pagedray.kernels import cpu_choice, cpu_gemm, cpu_layers
+from pagedray.kernels.cpu_choice import ROW_BUCKETS, ChoiceCache
+from pagedray.workers import model_loading
+from pagedray.workers.layers import gemm_timing, packed_gemm
+from pagedray.workers.models import cpu_decode_layers
+from torch import nn
+
+needs_onednn = pytest.mark.skipif(not packed_gemm.packed_gemm_available(torch.float32),
+                                  reason="torch has no oneDNN packed GEMM")
+needs_layers = pytest.mark.skipif(not cpu_layers.available(torch.float32),
+                                  reason="the CPU C kernels are not built here (no compiler or no AVX-512)")
+
+
+@pytest.fixture(autouse=True)
+def timed_choice(monkeypatch, tmp_path):
+    """These tests choose by timing: no forced product, and a cache of their own."""
+    monkeypatch.delenv(cpu_choice.PRODUCT_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+class _Slot(nn.Module):
+    def __init__(self, out_features: int, in_features: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features, generator=gen) * 0.05, requires_grad=False)
+        self.packed_weight = None
+
+
+class _Model(nn.Module):
+    """Two layers of two shapes, and an LM head of a third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.layers = nn.ModuleList([nn.ModuleList([_Slot(48, 32, gen), _Slot(32, 64, gen)]) for _ in range(2)])
+        self.lm_head = _Slot(96, 32, gen)
+
+
+class _FakeClock:
+    """``run_product`` advances the clock by ``cost(product, rows, shape)`` ms; ``timer`` reads it in seconds."""
+
+    def __init__(self, cost) -> None:
+        self.now, self.cost, self.calls = 0.0, cost, []
+
+    def run(self, product, x, operand):
+        shape = (operand.out_features, operand.in_features) if product == "c" else None
+        self.calls.append(product)
+        self.now += self.cost(product, x.shape[0], shape) / 1e3
+
+    def timer(self) -> float:
+        return self.now
+
+
+def _c_fast_below_128(product, rows, shape):
+    return {"c": 1.0 if rows < 128 else 3.0, "onednn": 2.0, "mkl": 2.5}[product]
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_gemm.available(torch.float32), reason="no AVX-512 for kernels.cpu_gemm")
+def test_the_faster_product_is_chosen_per_row_bucket_and_cached(monkeypatch, tmp_path):
+    clock = _FakeClock(_c_fast_below_128)
+    monkeypatch.setattr(gemm_timing, "run_product", clock.run)
+    model, cache = _Model(), ChoiceCache(tmp_path, key="k1")
+    table = gemm_timing.plan_table(model, "auto", max_num_seqs=16, cache=cache, timer=clock.timer)
+    assert table.source.startswith("timed")
+    want = tuple("c" if rows < 128 else "onednn" for rows in ROW_BUCKETS)
+    assert table.shapes[(48, 32)].plan == want and table.shapes[(32, 64)].plan == want
+    # the LM head is timed only up to max_num_seqs (16 rows); the buckets above take the 16-row decision
+    head = table.shapes[(96, 32)]
+    assert head.plan == ("c",) * len(ROW_BUCKETS)
+    assert all(t == float("inf") for t in head.times["c"][3:]) and head.times["c"][2] == pytest.approx(1.0)
+    assert table.shapes[(48, 32)].times["onednn"][0] == pytest.approx(2.0)
+    assert "48x32" in table.format() and "onednn" in table.format()
+    # a second load on the same CPU / torch / kernels times nothing
+    clock.calls.clear()
+    again = gemm_timing.plan_table(_Model(), "auto", max_num_seqs=16, cache=cache, timer=clock.timer)
+    assert again.source == "cached" and clock.calls == [] and again.shapes == table.shapes
+    # another key (CPU model, flags, torch version or kernel source changed): timed again
+    again = gemm_timing.plan_table(_Model(), "auto", max_num_seqs=16, cache=ChoiceCache(tmp_path, key="k2"),
+                                   timer=clock.timer)
+    assert again.source.startswith("timed") and clock.calls
+    # another max_num_seqs is another LM head entry: timed again
+    clock.calls.clear()
+    gemm_timing.plan_table(_Model(), "auto", max_num_seqs=200, cache=cache, timer=clock.timer)
+    assert clock.calls
+
+
+@needs_onednn
+def test_a_forced_product_times_nothing_and_a_product_that_cannot_run_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(gemm_timing, "run_product", lambda *a: pytest.fail("timed a forced product"))
+    cache = ChoiceCache(tmp_path, key="k")
+    table = gemm_timing.plan_table(_Model(), "onednn", 16, cache=cache)
+    assert table.source == "forced by cpu_gemm=onednn"
+    assert all(s.plan == ("onednn",) * len(ROW_BUCKETS) for s in table.shapes.values())
+    monkeypatch.setenv(cpu_choice.PRODUCT_ENV, "mkl")
+    assert gemm_timing.plan_table(_Model(), "auto", 16, cache=cache).source == "forced by PAGEDRAY_CPU_GEMM=mkl"
+    with pytest.raises(ValueError, match="^PAGEDRAY_CPU_GEMM: 'mkl' cannot run a torch.bfloat16"):
+        gemm_timing.plan_table(_Model().bfloat16(), "auto", 16, cache=cache)
+    assert cache.entries() == {}
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_product_equals_a_float64_product_at_every_row_bucket(dtype, torch_threads):
+    if not packed_gemm.packed_gemm_available(dtype):
+        pytest.skip(f"oneDNN has no {dtype} GEMM on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    weight = (torch.randn(80, 96, generator=gen) * 0.05).to(dtype)             # [out, in]
+    bias = torch.randn(80, generator=gen).to(dtype)                            # [out]
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    for product in packed_gemm.candidates(weight):
+        packed = packed_gemm.pack_weight(weight, product)
+        for rows in ROW_BUCKETS:
+            x = torch.randn(rows, 96, generator=gen).to(dtype)                 # [rows, in]
+            want = (x.double() @ weight.double().T + bias.double()).to(dtype)
+            got = packed_gemm.linear(x, weight, bias, packed)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, want, **tolerance, msg=f"{product} at {rows} rows")
+
+
+PROMPTS = [[(5 * i + j) % 240 + 3 for j in range(4 + 3 * i)] for i in range(6)]
+
+
+@needs_onednn
+@pytest.mark.parametrize("product", ["auto", "c", "onednn", "mkl"])
+def test_greedy_tokens_equal_transformers_whatever_the_product(product, tiny_model_path, monkeypatch):
+    if product == "c" and not cpu_gemm.available(torch.float32):
+        pytest.skip("no AVX-512 for kernels.cpu_gemm")
+    path = tiny_model_path("llama")
+    llm = LLM(path, dtype="float32", block_size=8, num_blocks=128, threads_per_worker=1, max_num_seqs=8,
+              max_num_batched_tokens=16, cpu_gemm=product)
+    try:
+        table = llm.engine.executor.worker.pack_report.table
+        assert table.source.startswith("timed" if product == "auto" else "forced")
+        results = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [r.outputs[0].token_ids for r in results] == hf_greedy_each(path, PROMPTS, 12)
+
+
+def _onednn_wins(product, rows, shape):
+    return {"c": 2.0, "onednn": 1.0, "mkl": 3.0}[product]
+
+
+def _step_clock(model, loop_ms: float, one_call_ms: float):
+    """A timer for ``settle``: each reading advances by the cost of the way the model is set up to run."""
+    now = itertools.count()
+
+    def timer():
+        cost = loop_ms if model.cpu_decode is None else one_call_ms
+        return next(now) * cost / 1e3
+    return timer
+
+
+@needs_layers
+@needs_onednn
+@pytest.mark.parametrize("one_call_wins", [True, False])
+def test_a_contested_decode_bucket_is_settled_by_timing_the_whole_step(one_call_wins, tiny_model_path, monkeypatch,
+                                                                       tmp_path):
+    """oneDNN measured faster at every size: the one-call path (C GEMM) keeps its tile copies until a whole
+    decode step has been timed both ways; the winner runs those steps; tokens equal the layer loop's."""
+    clock = _FakeClock(_onednn_wins)
+    monkeypatch.setattr(gemm_timing, "run_product", clock.run)
+    cache = ChoiceCache(tmp_path, key="k")
+    monkeypatch.setattr(model_loading, "plan_table", functools.partial(gemm_timing.plan_table, cache=cache,
+                                                                       timer=clock.timer))
+    timed, settle = [], cpu_decode_layers.settle
+
+    def fake_settle(model, kv_cache, block_size):
+        timer = _step_clock(model, loop_ms=5.0, one_call_ms=3.0 if one_call_wins else 8.0)
+        timed.append(settle(model, kv_cache, block_size, cache=cache, timer=timer))
+    monkeypatch.setattr(cpu_decode_layers, "settle", fake_settle)
+    path = tiny_model_path("llama")
+    worker, driver = local_driver(path, dtype="float32")     # decode steps of up to 128 rows: buckets 0-4
+    decode_linears = cpu_decode_layers.decoder_linears(worker.model)
+    assert all(set(lin.packed_weight.plan) == {"onednn"} for lin in decode_linears)
+    [results] = timed
+    assert set(results) == {0, 1, 2, 3, 4}
+    assert all(r["layer_loop_ms"] == pytest.approx(5.0) for r in results.values())
+    if one_call_wins:
+        assert worker.model.cpu_decode.buckets == {0, 1, 2, 3, 4} and not worker.model.cpu_decode.contested
+        assert all(lin.packed_weight.tile is not None for lin in decode_linears)
+    else:
+        assert worker.model.cpu_decode is None
+        assert all(lin.packed_weight.tile is None for lin in decode_linears)   # no plan runs the C GEMM here
+    tokens = driver.generate(PROMPTS, 10)
+    eager, eager_driver = local_driver(path, dtype="float32", enforce_eager=True)
+    assert tokens == eager_driver.generate(PROMPTS, 10)
+    assert tokens == hf_greedy_each(path, PROMPTS, 10)

@@ -1,0 +1,213 @@
+"""Which product (``packed_gemm.PRODUCTS``) each linear weight shape of a CPU model runs at each row bucket,
+chosen by timing every product that can run it on this model's own weights, on this CPU, at load.
+
+How it is timed (``plan_table``):
+- Decode buckets (up to ``COLD_ROWS`` rows) are memory-bound: what counts is how fast a product streams a
+  weight that is not in cache. So they are timed in passes over the model's packable modules in model
+  order (the first layers' modules, at least ``COLD_BYTES`` of weights, more than a server CPU's last-level
+  cache, then one module of every shape not yet seen, such as the LM head), each call timed on its own:
+  as in a real decode step, each weight comes from memory.
+- Prefill buckets are compute-bound: one module of each shape, back to back.
+- ``REPEATS`` rounds after a warm-up round, the products in a rotated order each round; the median of the
+  rounds. A shape is timed only up to the rows it can see (the LM head: ``max_num_seqs``); the buckets
+  above take the decision of the largest timed one.
+- The decisions (and the times behind them) are cached on disk (``kernels.cpu_choice.ChoiceCache``), per
+  dtype, shape, thread count and row limit, so a restart on the same CPU, torch and kernels times nothing.
+
+A forced product (``cpu_gemm`` option or ``PAGEDRAY_CPU_GEMM``) is used for every shape without timing; a
+product that cannot run some weight here is a ValueError naming the option.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pagedray.kernels import cpu_choice, cpu_gemm
+from pagedray.kernels.cpu_choice import ROW_BUCKETS
+from torch import nn
+
+from .packed_gemm import candidates, packable_modules
+
+log = logging.getLogger(__name__)
+
+COLD_ROWS = 32
+COLD_BYTES = 96 * 2**20
+REPEATS = 3
+Shape = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    times: dict[str, tuple[float, ...]]     # product -> median ms per call per bucket (inf: not timed)
+    plan: tuple[str, ...]                   # the product of each bucket
+
+
+@dataclass(frozen=True)
+class PlanTable:
+    """The plan of every weight shape of one model on this CPU, and where it came from."""
+
+    dtype: torch.dtype
+    threads: int
+    shapes: dict[Shape, ShapePlan]
+    source: str        # "timed", "cached" or "forced by ..."
+
+    def plan(self, module: nn.Module) -> tuple[str, ...]:
+        return self.shapes[tuple(module.weight.shape)].plan
+
+    def decode_products(self, max_rows: int) -> set[str]:
+        """The products that some shape runs at some decode bucket (up to ``max_rows`` rows)."""
+        last = cpu_choice.bucket_index(max_rows)
+        return {p for entry in self.shapes.values() for p in entry.plan[:last + 1]}
+
+    def format(self) -> str:
+        """The table for the start-up log: per shape and bucket the product chosen and, where timed,
+        the next best product's time over the chosen one's."""
+        lines = [f"linear products ({self.source}; {cpu_choice.cpu_model()}, {self.threads} threads, "
+                 f"{str(self.dtype).removeprefix('torch.')}), rows: " + " ".join(f"{r:>13}" for r in ROW_BUCKETS)]
+        for (out, inp), entry in self.shapes.items():
+            cells = []
+            for i, product in enumerate(entry.plan):
+                others = [t[i] for name, t in entry.times.items() if name != product and math.isfinite(t[i])]
+                mine = entry.times.get(product, (math.inf,) * len(ROW_BUCKETS))[i]
+                cells.append(product if not others or not math.isfinite(mine) or mine <= 0
+                             else f"{product} {min(others) / mine:.2f}x")
+            lines.append(f"  {out}x{inp}: " + " ".join(f"{c:>13}" for c in cells))
+        return "\n".join(lines)
+
+
+def _groups(modules: list[nn.Module]) -> dict[Shape, list[nn.Module]]:
+    groups: dict[Shape, list[nn.Module]] = {}
+    for module in modules:
+        groups.setdefault(tuple(module.weight.shape), []).append(module)
+    return groups
+
+
+def _forced(groups: dict[Shape, list[nn.Module]], product: str, origin: str) -> dict[Shape, ShapePlan]:
+    out = {}
+    for shape, modules in groups.items():
+        usable = candidates(modules[0].weight)
+        if product not in usable:
+            raise ValueError(f"{origin}: {product!r} cannot run a {modules[0].weight.dtype} {list(shape)} weight on "
+                             f"this CPU (products here: {', '.join(usable)})")
+        out[shape] = ShapePlan({}, (product,) * len(ROW_BUCKETS))
+    return out
+
+
+def _operand(product: str, weight: torch.Tensor):
+    if product == "c":
+        return cpu_gemm.pack(weight)
+    if product == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    return weight
+
+
+def run_product(product: str, x: torch.Tensor, operand) -> torch.Tensor:
+    """x [rows, in] times one product's operand (``_operand``) -> [rows, out]."""
+    if product == "c":
+        return cpu_gemm.linear(x, operand)
+    if product == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], "")
+    return F.linear(x, operand)
+
+
+def _passes(modules: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(the decode pass's modules, the prefill pass's modules) of ``modules`` (in model order): module doc."""
+    cold, covered = [], 0
+    for module in modules:
+        if covered >= COLD_BYTES:
+            break
+        cold.append(module)
+        covered += module.weight.numel() * module.weight.element_size()
+    groups = _groups(modules)
+    seen = {tuple(m.weight.shape) for m in cold}
+    cold += [ms[0] for shape, ms in groups.items() if shape not in seen]
+    return cold, [ms[0] for ms in groups.values()]
+
+
+def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats: int = REPEATS,
+                  timer: Callable[[], float] = time.perf_counter) -> dict[Shape, dict[str, tuple[float, ...]]]:
+    """Median ms per call of every product that can run each shape of ``modules`` (in model order), per
+    bucket (inf above the shape's cap in ``row_caps``)."""
+    groups = _groups(modules)
+    cold, hot = _passes(modules)
+    products = {shape: candidates(ms[0].weight) for shape, ms in groups.items()}
+    operands = {(id(m), p): _operand(p, m.weight) for m in {id(m): m for m in cold + hot}.values()
+                for p in products[tuple(m.weight.shape)]}
+    widths = {shape[1] for shape in groups}
+    dtype = next(iter(groups.values()))[0].weight.dtype
+    gen = torch.Generator().manual_seed(0)
+    inputs = {k: torch.randn(ROW_BUCKETS[-1], k, generator=gen).to(dtype) for k in widths}   # [rows, in]
+    names = sorted({p for ps in products.values() for p in ps})
+    samples = {(shape, p, b): [] for shape in groups for p in products[shape] for b in range(len(ROW_BUCKETS))}
+    for b, rows in enumerate(ROW_BUCKETS):
+        modules = cold if rows <= COLD_ROWS else hot
+        for round_ in range(repeats + 1):
+            for product in names[round_ % len(names):] + names[:round_ % len(names)]:
+                totals: dict[Shape, list[float]] = {}
+                for module in modules:
+                    shape = tuple(module.weight.shape)
+                    if product not in products[shape] or rows > row_caps[shape]:
+                        continue
+                    x = inputs[shape[1]][:rows]
+                    start = timer()
+                    run_product(product, x, operands[(id(module), product)])
+                    totals.setdefault(shape, []).append((timer() - start) * 1e3)
+                if round_:   # round 0 warms up
+                    for shape, calls in totals.items():
+                        samples[(shape, product, b)].append(sum(calls) / len(calls))
+    return {shape: {p: tuple(statistics.median(samples[(shape, p, b)]) if samples[(shape, p, b)] else math.inf
+                             for b in range(len(ROW_BUCKETS))) for p in products[shape]} for shape in groups}
+
+
+def _plan(times: dict[str, tuple[float, ...]]) -> tuple[str, ...]:
+    """The fastest product per bucket; a bucket no product was timed at takes the largest timed bucket's."""
+    plan = list(cpu_choice.pick(times))
+    timed = [b for b in range(len(ROW_BUCKETS)) if any(math.isfinite(t[b]) for t in times.values())]
+    for b in range(len(ROW_BUCKETS)):
+        if b not in timed:
+            plan[b] = plan[max((t for t in timed if t < b), default=min(timed))]
+    return tuple(plan)
+
+
+def _entry_name(dtype: torch.dtype, shape: Shape, threads: int, cap: int) -> str:
+    return f"linear {str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]} threads={threads} rows<={cap}"
+
+
+def plan_table(model: nn.Module, option: str, max_num_seqs: int, cache: cpu_choice.ChoiceCache | None = None,
+               timer: Callable[[], float] = time.perf_counter, repeats: int = REPEATS) -> PlanTable:
+    """The plan of every packable weight shape of ``model`` (weights loaded) for ``option`` (the ``cpu_gemm``
+    option: auto | c | onednn | mkl); ``max_num_seqs`` caps the LM head's rows."""
+    modules = packable_modules(model)
+    groups = _groups(modules)
+    dtype, threads = next(iter(groups.values()))[0].weight.dtype, torch.get_num_threads()
+    forced = cpu_choice.forced_product(option)
+    if forced is not None:
+        origin = "cpu_gemm" if option != "auto" else cpu_choice.PRODUCT_ENV
+        return PlanTable(dtype, threads, _forced(groups, forced, origin), f"forced by {origin}={forced}")
+    lm_head = getattr(model, "lm_head", None)
+    lm_shape = None if lm_head is None or lm_head.weight is None else tuple(lm_head.weight.shape)
+    caps = {shape: max_num_seqs if shape == lm_shape else ROW_BUCKETS[-1] for shape in groups}
+    cache = cpu_choice.ChoiceCache() if cache is None else cache
+    names = {shape: _entry_name(dtype, shape, threads, caps[shape]) for shape in groups}
+    stored = cache.entries()
+    if all(isinstance(stored.get(name), dict) for name in names.values()):
+        try:
+            shapes = {shape: ShapePlan({p: tuple(t) for p, t in stored[names[shape]]["times"].items()},
+                                       tuple(stored[names[shape]]["plan"])) for shape in groups}
+            if all(set(s.plan) <= set(candidates(groups[shape][0].weight)) for shape, s in shapes.items()):
+                return PlanTable(dtype, threads, shapes, "cached")
+        except (KeyError, TypeError, ValueError):
+            pass   # an unreadable entry is timed again
+    started = time.perf_counter()
+    times = time_products(modules, caps, repeats, timer)
+    shapes = {shape: ShapePlan(times[shape], _plan(times[shape])) for shape in groups}
+    cache.put({names[shape]: {"times": {p: list(t) for p, t in s.times.items()},
+                              "plan": list(s.plan)} for shape, s in shapes.items()})
+    return PlanTable(dtype, threads, shapes, f"timed in {time.perf_counter() - started:.1f} s")
