@@ -363,6 +363,11 @@ class BlockManager:
         """A copy of the sequence's block table."""
         return list(self._get(seq_id).table)
 
+    def blocks_from(self, seq_id: Hashable, start: int) -> list[int]:
+        """A copy of the sequence's block table from entry ``start`` on (the blocks a reader holding the
+        first ``start`` lacks; a decode step's plan asks this of every sequence, so no whole-table copy)."""
+        return self._get(seq_id).table[start:]
+
     def sequence_ids(self) -> list[Hashable]:
         return list(self._seqs)
 

@@ -52,9 +52,9 @@ class PlanBuilder:
                 mirror.cut = kept if mirror.cut is None else min(mirror.cut, kept)
         for sched in out.scheduled:
             seq = sched.seq
-            table = self._block_manager.block_table(seq.seq_id)
             mirror = self._known.get(seq.seq_id)
             if mirror is None:
+                table = self._block_manager.block_table(seq.seq_id)
                 plan.new_seqs.append(NewSequence(
                     seq_id=seq.seq_id,
                     prompt_token_ids=list(seq.prompt_token_ids),
@@ -76,16 +76,19 @@ class PlanBuilder:
                     raise RuntimeError(f"sequence {seq.seq_id} has {missing} tokens unknown to the workers")
                 accepted = list(seq.token_ids[position:needed - 1])
                 new_token = seq.token_ids[needed - 1] if needed <= seq.num_tokens else PENDING_TOKEN
+            new_blocks = self._block_manager.blocks_from(seq.seq_id, mirror.num_blocks)
             plan.running.append(RunningDelta(
                 seq_id=seq.seq_id,
                 num_scheduled_tokens=sched.num_tokens,
-                new_block_ids=table[mirror.num_blocks:],
+                new_block_ids=new_blocks,
                 new_token_id=new_token,
                 accepted_token_ids=accepted,
                 draft_token_ids=list(sched.draft_token_ids),
                 num_kept_blocks=mirror.cut,
             ))
-            self._known[seq.seq_id] = _Mirror(num_blocks=len(table), num_tokens=max(mirror.num_tokens, needed))
+            mirror.num_blocks += len(new_blocks)      # the workers' table is the whole table again
+            mirror.num_tokens = max(mirror.num_tokens, needed)
+            mirror.cut = None
         return plan
 
     def forget_all(self) -> list[int]:

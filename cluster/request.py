@@ -146,6 +146,7 @@ class Request:
     added_at: float = field(default_factory=time.monotonic)   # when the scheduler took it in
     queue_time_s: float | None = None   # added_at -> first admission of sample 0
     error: str | None = None            # why the request ended with finish_reason "error", for its caller
+    num_finished: int = 0               # samples FINISHED (the scheduler's ``_finish`` counts them)
 
     def record_prompt_logprobs(self, entry: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:
@@ -166,4 +167,6 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.num_unforked == 0 and all(s.is_finished for s in self.sequences)
+        """Every sample forked and finished (a count kept by the scheduler, not a walk over the samples:
+        this is read for every request with news at every step)."""
+        return self.num_unforked == 0 and self.num_finished == len(self.sequences)

@@ -81,6 +81,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self._running_sorted = True     # running is in queue order (_key); appends clear it
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.queue_time = QueueTimeHistogram()   # first admissions of requests (sample 0, not after preemption)
@@ -189,20 +190,26 @@ class Scheduler:
         self._released, self._block_copies, self._kept_blocks = [], [], {}
         self._next_step_id += 1
         self._fork_ready_parents(out)
-        self.running.sort(key=self._key)
+        if not self._running_sorted:       # only admissions and forks unsort it (removals keep the order)
+            self.running.sort(key=self._key)
+            self._running_sorted = True
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
         proposals = self._proposals()
-        for decode_phase in (True, False):
-            for seq in list(self.running):
+        decodes, prefills = [], []         # queue order; a preemption below changes only its victim's state
+        for seq in self.running:
+            left = self._computable(seq)
+            if left == 1:
+                decodes.append((seq, 1))
+            elif left > 1:
+                prefills.append((seq, left))
+        for phase in (decodes, prefills):
+            for seq, left in phase:
                 if budget == 0:
                     break
-                left = self._computable(seq)
-                if seq.seq_id in scheduled or left == 0 or (left == 1) != decode_phase:
-                    continue
                 if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                     continue
-                drafts = proposals.get(seq.seq_id, [])[:budget - 1] if decode_phase else []
+                drafts = proposals.get(seq.seq_id, [])[:budget - 1] if phase is decodes else []
                 if drafts and not self.block_manager.can_allocate(seq.seq_id, seq.token_ids, 1 + len(drafts),
                                                                   pending_tokens=seq.num_pending + len(drafts)):
                     drafts = []       # drafts never preempt anyone: without room the step decodes plainly
@@ -261,6 +268,10 @@ class Scheduler:
         Returns False when ``seq`` itself had to be preempted."""
         bm = self.block_manager
         pending = seq.num_pending + num_drafts
+        if num == 1 and seq.num_scheduled_through % bm.block_size:
+            # the slot lies in the last block the sequence holds already: no block to find, nobody to preempt
+            bm.allocate_slots(seq.seq_id, seq.token_ids, 1, pending_tokens=pending)
+            return True
         while not bm.can_allocate(seq.seq_id, seq.token_ids, num, pending_tokens=pending):
             victims = [s for s in self.running if s.seq_id not in scheduled]
             victim = max(victims, key=self._key)
@@ -290,6 +301,8 @@ class Scheduler:
         return self.waiting[0]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
         taken = self._seats_taken()
         while self.waiting and budget > 0:
             seq = self._next_waiting()
@@ -323,6 +336,7 @@ class Scheduler:
             seq.request.queue_time_s = time.monotonic() - seq.request.added_at
             self.queue_time.observe(seq.request.queue_time_s)
         self.running.append(seq)
+        self._running_sorted = False
         if num > 0:
             self._schedule_tokens(seq, num, out)
             return num
@@ -339,9 +353,9 @@ class Scheduler:
     def _fork_ready_parents(self, out: SchedulerOutput) -> None:
         """Forks parents that reached their fork point; a partial last block needs one free block per
         child (copy-on-write), which may take preemptions (victims in the usual order)."""
-        for seq in sorted(self.running, key=self._key):
-            if seq.status is not SequenceStatus.RUNNING or not seq.must_fork_first \
-                    or seq.num_scheduled_through != seq.request.fork_at:
+        parents = [s for s in self.running if s.must_fork_first and s.num_scheduled_through == s.request.fork_at]
+        for seq in sorted(parents, key=self._key):
+            if seq.status is not SequenceStatus.RUNNING:   # preempted for an earlier parent's copies
                 continue
             partial = seq.num_scheduled_through % self.block_manager.block_size != 0
             needed = seq.request.num_unforked if partial else 0
@@ -363,6 +377,7 @@ class Scheduler:
             child.status = SequenceStatus.RUNNING
             request.sequences.append(child)
             self.running.append(child)
+            self._running_sorted = False
         request.num_unforked = 0
 
     # -- results ------------------------------------------------------------------------------
@@ -455,6 +470,8 @@ class Scheduler:
             self._released.append(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        if seq.status is not SequenceStatus.FINISHED:
+            seq.request.num_finished += 1
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.request.is_finished:

@@ -101,10 +101,14 @@ def _cached_repo(repo_id: str) -> pathlib.Path:
     when it is not there (with the command that fetches it)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_CACHE
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
         return pathlib.Path(snapshot_download(repo_id, local_files_only=True))
+    except HFValidationError as exc:   # e.g. '..' or '--' in the name: Hugging Face's own rules
+        raise ValueError(f"model: {repo_id!r} is neither a folder nor a valid Hugging Face repo id "
+                         f"({str(exc).splitlines()[0]}); pass 'default', a model folder or an org/name "
+                         "repo id") from None
     except LocalEntryNotFoundError:
         raise ValueError(f"model: {repo_id!r} is neither a folder nor a Hugging Face repo in the local cache "
                          f"({HF_HUB_CACHE}); fetch it first (`hf download {repo_id}`) or pass a model "

@@ -44,6 +44,7 @@ from .model_loading import load_model, pack_for_cpu, settle_cpu_decode
 from .model_runner import ModelRunner
 from .models.decoder import DecoderForCausalLM
 from .models.registry import model_class
+from .sampling_ops import argmax_rows
 from .seq_mirror import BatchedSequence
 from .tp_group import TPGroup
 
@@ -123,6 +124,6 @@ class DraftModel:
         num = host.shape.logits
         if num == 0:
             return []
-        tokens = (logits.argmax(dim=-1) if self.tp.is_first
+        tokens = (argmax_rows(logits) if self.tp.is_first
                   else torch.empty(num, dtype=torch.int64, device=self.device))   # [sampling rows]
         return self.tp.broadcast_from_first(tokens).tolist()

@@ -61,7 +61,7 @@ from pagedray.kernels.seeded_uniform import noise_keys, seeded_uniform
 
 from .contract.sampling_params import SamplingParams
 from .contract.wire import SampledToken
-from .sampling_ops import apply_min_p, apply_penalties, apply_top_k_top_p, token_id_matrix
+from .sampling_ops import apply_min_p, apply_penalties, apply_top_k_top_p, argmax_rows, token_id_matrix
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -116,7 +116,7 @@ class Sampler:
         logits = _validated_logits(logits, rows)
         if all(_is_greedy(r.params) and not _has_penalty(r.params) and r.params.logprobs is None
                and not _has_processor(r) for r in rows):
-            tokens = logits.argmax(dim=1)  # fast path: one argmax
+            tokens = argmax_rows(logits)  # fast path: one argmax
             return _sampled_tokens(rows, tokens, _finite_at(logits, tokens))
         adjusted = _penalised(self._processed(logits, rows), rows)
         tokens, ok = self._choose(adjusted, rows)
@@ -155,14 +155,14 @@ class Sampler:
         NaN, or with every token at -inf, is not)."""
         sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
         if not sampled:
-            tokens = logits.argmax(dim=1)
+            tokens = argmax_rows(logits)
             return tokens, _finite_at(logits, tokens)
         if len(sampled) == len(rows):   # every row samples: no greedy argmax and no row gather needed
             tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
             ok = torch.empty(len(rows), dtype=torch.bool, device=logits.device)
             sampled, sub_rows = slice(None), rows
         else:
-            tokens, sub_rows = logits.argmax(dim=1), [rows[i] for i in sampled]
+            tokens, sub_rows = argmax_rows(logits), [rows[i] for i in sampled]
             ok = _finite_at(logits, tokens)
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in sub_rows], device=device)
@@ -177,7 +177,7 @@ class Sampler:
         probs = scaled.softmax(dim=1)
         noise = self._exponential_noise(sub_rows, probs.shape[1], device)
         scores = probs.div_(noise)   # in place: probs is not used again
-        picked = scores.argmax(dim=1)
+        picked = argmax_rows(scores)
         tokens[sampled] = picked
         ok[sampled] = scores.gather(1, picked[:, None])[:, 0] > 0   # False for NaN (a NaN row or all -inf)
         return tokens, ok

@@ -121,13 +121,15 @@ class SequenceMirror:
         return self._seqs[seq_id]
 
     def _validate(self, plan: StepPlan) -> None:
-        alive = set(self._seqs) - set(plan.released_seq_ids)
+        # per delta only what it changes is checked: a decode step costs O(batch), never O(mirrored)
+        released = set(plan.released_seq_ids)
         for delta in plan.running:
             state = self._seqs.get(delta.seq_id)
-            if delta.seq_id not in alive or state is None:
+            if state is None or delta.seq_id in released:
                 raise ValueError(f"running: seq {delta.seq_id} is not mirrored by this worker")
             accepted, drafts = len(delta.accepted_token_ids), len(delta.draft_token_ids)
-            _check_drafts(delta.seq_id, delta.draft_token_ids, self.model_drafts)
+            if drafts:
+                _check_drafts(delta.seq_id, delta.draft_token_ids, self.model_drafts)
             if accepted and state.num_computed_tokens != state.num_tokens:
                 raise ValueError(f"accepted_token_ids: seq {delta.seq_id} was not decoding (it has "
                                  f"{state.num_tokens - state.num_computed_tokens} uncomputed tokens)")
@@ -146,7 +148,7 @@ class SequenceMirror:
                         kept + len(delta.new_block_ids), self.block_size)
         seen = set()
         for new in plan.new_seqs:
-            if new.seq_id in alive or new.seq_id in seen:
+            if (new.seq_id in self._seqs and new.seq_id not in released) or new.seq_id in seen:
                 raise ValueError(f"new_seqs: seq {new.seq_id} is already mirrored by this worker")
             seen.add(new.seq_id)
             _check_block_ids(new.seq_id, new.block_ids, self.num_blocks)

@@ -11,6 +11,10 @@
         one offline generation through the ``LLM`` API (no Ray Serve), printed to stdout.
     pagedray fetch-model [--cache-dir DIR]
         fetches and converts the default model once; prints its folder.
+    pagedray deploy [CONFIG] [--address auto] [--timeout-s 900]
+        ``ray start --head`` (unless ``--address``), ``serve deploy CONFIG`` (default: the packaged
+        serve.yaml) with Ray's token auth handled, then waits until the app answers /health
+        (deploy/cli/cluster_deploy.py); the cluster keeps running.
     pagedray loadtest ...
         the cluster load tester (pagedray.deploy.loadtest), arguments passed through.
 
@@ -28,9 +32,11 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 from ..serve.loopback import LOOPBACK_NODE_IP, LOOPBACK_RAY_ENV
 from ..serve.options import OPTIONS, cli_type, engine_options, llm_kwargs
+from .cluster_deploy import answers_health, run_deploy
 from .ray_env import LOCAL_RAY_ENV
 from .shutdown import stop_on_signals, stop_serving
 from .startup import (
@@ -45,6 +51,7 @@ from .startup import (
 )
 
 APP_NAME = "pagedray"
+PACKAGED_CONFIG = Path(__file__).resolve().parents[1] / "serve" / "serve.yaml"
 
 
 def json_object(text: str) -> dict:
@@ -112,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen_p.add_argument("--seed", type=int, default=None)
     gen_p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen_p.set_defaults(usage_error=gen_p.error)
+
+    deploy_p = sub.add_parser("deploy", help="ray start --head + serve deploy a Serve config, then wait for it")
+    deploy_p.add_argument("config", nargs="?", default=str(PACKAGED_CONFIG),
+                          help="a Serve config file (default: the packaged serve.yaml: the default model on "
+                               "127.0.0.1:8000)")
+    deploy_p.add_argument("--address", default=None,
+                          help="deploy onto this running cluster ('auto' or its dashboard URL) instead of "
+                               "starting one with `ray start --head`")
+    deploy_p.add_argument("--timeout-s", type=float, default=900.0,
+                          help="how long to wait for /health (default 900: the first start fetches the model)")
 
     fetch_p = sub.add_parser("fetch-model", help="fetch and convert the default model")
     fetch_p.add_argument("--cache-dir", default=None, help="where to keep it (default: user cache dir)")
@@ -238,20 +255,6 @@ def run_serve(ns: argparse.Namespace) -> int:
     return status
 
 
-def answers_health(host: str, port: int, timeout_s: float = 2.0) -> bool:
-    """Whether ``GET /health`` on the served port answers 200 (a wildcard host is asked on loopback)."""
-    import urllib.error
-    import urllib.request
-
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    url = f"http://[{host}]:{port}/health" if ":" in host else f"http://{host}:{port}/health"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
-
-
 def interrupted_status(deployed: bool, host: str, port: int, probe=answers_health) -> int:
     """Exit status of a Ctrl-C: 0 once the app serves, 130 when it stopped a start-up. The app can answer
     before ``serve.run`` returns (the engine in the ingress replica is ready before Serve's controller
@@ -306,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return loadtest_main(argv[1:])
     ns = build_parser().parse_args(argv)
-    handlers = {"serve": run_serve, "generate": run_generate, "fetch-model": run_fetch_model}
+    handlers = {"serve": run_serve, "generate": run_generate, "fetch-model": run_fetch_model,
+                "deploy": lambda ns: run_deploy(ns.config, ns.address, ns.timeout_s)}
     try:
         status = handlers[ns.command](ns)
     except OptionError as exc:   # raised by the checks before anything starts

@@ -127,6 +127,8 @@ def _tool_result(block: dict, where: str) -> dict:
     object_of(block, where, "messages", frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}))
     call_id = string_of(block.get("tool_use_id"), f"{where}.tool_use_id", "messages")
     text = _blocks_text(block.get("content"), f"{where}.content")
+    if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
+        raise bad_request(f"{where}.is_error: must be a boolean", param="messages")
     if block.get("is_error") is True:
         text = "Error: " + text
     return {"role": "tool", "tool_call_id": call_id, "content": text}

@@ -7,12 +7,14 @@ The contract:
 - Parser: the ``reasoning_parser`` option. ``auto`` (the default) is ``think`` when the chat template's
   source holds both tags (Qwen3, DeepSeek-R1 and their distills), else ``none``; ``think`` forces it
   (``qwen3`` and ``deepseek_r1`` are accepted as its names); ``none`` leaves the output untouched.
-- Where a choice starts: inside the reasoning when the rendered prompt ends in an open block (its last
-  ``<think>`` comes after its last ``</think>``: DeepSeek-R1 and Qwen3 thinking-2507 templates put
-  ``<think>\\n`` in the generation prompt), else in content, where a ``<think>`` that opens the output
-  (after whitespace) starts the reasoning (Qwen3). A Qwen3 prompt rendered with
-  ``chat_template_kwargs: {"enable_thinking": false}`` ends in the closed empty block, so its output is
-  content.
+- Where a choice starts: inside the reasoning when the generation prompt (the text the template adds after
+  the last message: ``generation_prompt_of``) ends in an open block (its last ``<think>`` comes after its
+  last ``</think>``: DeepSeek-R1 and Qwen3 thinking-2507 templates put ``<think>\\n`` there), else in
+  content, where a ``<think>`` that opens the output (after whitespace) starts the reasoning (Qwen3). Only
+  that text decides: a tag inside a message (user, system, tool or document text, an earlier answer) is
+  text the user controls, and it once moved the split (and with it the grammar's wrapper). A Qwen3 prompt
+  rendered with ``chat_template_kwargs: {"enable_thinking": false}`` ends in the closed empty block, so its
+  output is content.
 - The split: reasoning = the text after the opening tag up to the closing tag; content = the text after
   the closing tag. The tags are dropped, and so is the whitespace right after each tag and right before
   the closing one (templates write ``<think>\\n ... \\n</think>\\n\\n``). Only the first block counts: a
@@ -48,6 +50,14 @@ class ThinkTags:
     def prompt_opens(self, prompt: str) -> bool:
         """True when ``prompt`` ends inside an open block (its last start tag after its last end tag)."""
         return prompt.rfind(self.start) > prompt.rfind(self.end)
+
+
+def generation_prompt_of(with_prompt: str, without_prompt: str) -> str:
+    """The text a chat template adds after the last message: the rendering with the generation prompt past
+    the rendering without it; "" when the first does not extend the second (a template that renders the
+    conversation differently with a generation prompt: no open block is assumed, and an output that opens
+    with a tag still starts the reasoning)."""
+    return with_prompt[len(without_prompt):] if with_prompt.startswith(without_prompt) else ""
 
 
 def resolve_reasoning_parser(name: str, chat_template: str | None) -> ThinkTags | None:

@@ -202,6 +202,8 @@ def to_chat(body) -> ResponsesCall:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("stream: must be a boolean", param="stream")
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise bad_request("parallel_tool_calls: must be a boolean", param="parallel_tool_calls")
     metadata = object_of(body.get("metadata"), "metadata", "metadata")
     instructions = string_of(body.get("instructions"), "instructions", "instructions", optional=True)
     messages = ([{"role": "system", "content": instructions}] if instructions is not None else []) \

@@ -68,7 +68,7 @@ from .protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from .reasoning import ReasoningTracker, resolve_reasoning_parser
+from .reasoning import ReasoningTracker, generation_prompt_of, resolve_reasoning_parser
 from .streaming import EngineClient, PrefetchedStream, RequestTimer, merge_streams, stream_choices
 from .structured_output import GrammarChecker
 from .tool_parsers import ToolCallStream
@@ -207,10 +207,13 @@ class OpenAIService:
         return self._tok.decode(token_ids, skip_special_tokens=False)
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                     tools: ToolPlan | None = None, template_kwargs: dict | None = None) -> tuple[list[int], str]:
-        """The chat template's prompt, tokenized, and its text; a rendered text too long for the context is refused
-        before tokenizing. ``template_kwargs``: the checked extra arguments (``template_options``).
-        A template that refuses the conversation (its ``raise_exception``) is a 400 with its message."""
+                     tools: ToolPlan | None = None, template_kwargs: dict | None = None,
+                     with_generation_prompt: bool = False) -> tuple[list[int], str, str]:
+        """The chat template's prompt, tokenized, its text, and (``with_generation_prompt``) the text the template
+        adds after the last message (``generation_prompt_of``; "" otherwise); a rendered text too long for the
+        context is refused before tokenizing. ``template_kwargs``: the checked extra arguments
+        (``template_options``). A template that refuses the conversation (its ``raise_exception``) is a 400
+        with its message."""
         tokenizer = self._tok
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template; use /v1/completions",
@@ -222,15 +225,19 @@ class OpenAIService:
             kwargs["tools"] = [{"type": "function", "function": f} for f in tools.tools]
         elif tools is not None:
             messages = with_tools_prompt(messages, tools)
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=False, **kwargs)
-        except TemplateSyntaxError:
-            raise                             # the model's template is broken: a server fault, not the request's
-        except TemplateError as exc:
-            raise bad_request(f"messages: the chat template refused the request: {exc}", param="messages") from None
+        def render(generation_prompt: bool) -> str:
+            try:
+                return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                     tokenize=False, **kwargs)
+            except TemplateSyntaxError:
+                raise                         # the model's template is broken: a server fault, not the request's
+            except TemplateError as exc:
+                raise bad_request(f"messages: the chat template refused the request: {exc}",
+                                  param="messages") from None
+        text = render(add_generation_prompt)
         check_prompt_chars(len(text), self.limits, "messages")
-        return tokenizer.encode(text, add_special_tokens=False), text
+        suffix = generation_prompt_of(text, render(False)) if with_generation_prompt and add_generation_prompt else ""
+        return tokenizer.encode(text, add_special_tokens=False), text, suffix
 
     async def _admit(self, prefix: str, prepared: list[PreparedRequest]) -> _Run:
         rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -393,7 +400,7 @@ class OpenAIService:
             check_prompt_chars(sum(len(m["content"]) for m in messages), self.limits, "messages")
             options = template_options(chat.chat_template_kwargs, chat.continue_final_message,
                                        chat.add_generation_prompt, messages)
-            token_ids, _ = self._render_chat(messages, chat.add_generation_prompt, None, options)
+            token_ids, _, _ = self._render_chat(messages, chat.add_generation_prompt, None, options)
             with_strs = chat.return_token_strs
         else:
             req = parse_body(TokenizeCompletionRequest, body)

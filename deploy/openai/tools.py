@@ -120,6 +120,8 @@ def plan_tools(tools: list | None, tool_choice, parallel_tool_calls) -> ToolPlan
     choice, name = _choice(tool_choice)
     if tools is not None and not isinstance(tools, list):
         raise bad_request("tools: must be a list of function tools", param="tools")
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):   # with or without tools
+        raise bad_request("parallel_tool_calls: must be a boolean", param="parallel_tool_calls")
     if not tools:
         if choice in ("required", "named"):
             raise bad_request("tool_choice: needs tools", param="tool_choice")
@@ -128,8 +130,6 @@ def plan_tools(tools: list | None, tool_choice, parallel_tool_calls) -> ToolPlan
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise bad_request("tools: function names must be unique", param="tools")
-    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise bad_request("parallel_tool_calls: must be a boolean", param="parallel_tool_calls")
     if choice == "none":
         return None
     if choice == "named" and name not in names:

@@ -386,11 +386,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
-                 render: Callable[[list[dict], bool, ToolPlan | None, dict], tuple[list[int], str]],
+                 render: Callable[[list[dict], bool, ToolPlan | None, dict, bool], tuple[list[int], str, str]],
                  check_grammar: Callable[[str, str], None] | None = None,
                  reasoning: ThinkTags | None = None, tool_parser: str = "hermes") -> PreparedRequest:
     """Validate a /v1/chat/completions request; ``render`` applies the chat template and returns the prompt's
-    token ids and text; ``reasoning``: the reasoning parser's tags (None: no parsing, reasoning.py);
+    token ids, its text and, when its last argument is true, the generation prompt's text; ``reasoning``: the
+    reasoning parser's tags (None: no parsing, reasoning.py);
     ``tool_parser``: the model's tool-call format (tool_parsers.py)."""
     check_model(req.model, limits)
     check_fields(req)
@@ -409,13 +410,14 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     if req.documents is not None:
         check_prompt_chars(sum(len(k) + len(v) for d in req.documents for k, v in d.items()), limits, "documents")
         options["documents"] = [dict(d) for d in req.documents]
-    token_ids, prompt_text = render(messages, req.add_generation_prompt, tools, options)
+    token_ids, _, generation_prompt = render(messages, req.add_generation_prompt, tools, options, reasoning is not None)
     if not token_ids:
         raise bad_request("messages: the chat template produced an empty prompt", param="messages")
     if len(token_ids) >= limits.max_model_len:
         raise bad_request(f"messages: the prompt has {len(token_ids)} tokens, the maximum context length "
                           f"is {limits.max_model_len}", param="messages")
-    start = None if reasoning is None else ReasoningStart(reasoning, reasoning.prompt_opens(prompt_text))
+    # only the text the template adds after the last message decides: a tag in a message is the user's text
+    start = None if reasoning is None else ReasoningStart(reasoning, reasoning.prompt_opens(generation_prompt))
     grammar = None
     if requested is not None:
         field, grammar = requested

@@ -299,6 +299,7 @@ def nothing_may_start(monkeypatch):
     (["--port", "99999"], "argument --port: must be in 1-65535, got 99999"),
     (["--port", "0"], "argument --port: must be in 1-65535, got 0"),
     (["--model", "/nonexistent/model"], "--model: '/nonexistent/model' is not a folder"),
+    (["--model", "a/b..c"], "--model: 'a/b..c' is neither a folder nor a valid Hugging Face repo id"),
     (["--kv-cache-gib", "100000", "--device", "cpu"], "--kv-cache-gib: 100000 GiB per rank x 1 rank(s)"),
 ])
 def test_bad_serve_options_are_one_usage_error_before_anything_starts(argv, message, nothing_may_start, capsys):

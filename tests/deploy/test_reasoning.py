@@ -250,3 +250,84 @@ def test_the_serve_option_is_checked_before_anything_starts():
     assert parse_args({}).reasoning_parser == "auto"
     with pytest.raises(ValueError, match="reasoning_parser: must be one of auto, think, none"):
         parse_args({"reasoning_parser": "yes"})
+
+
+# A "<think>" in text the user controls never moves the split: only the generation prompt decides (#61).
+TAGGED = "In markup, what does <think> mean? Also: what is the capital of France?"
+PLAIN = "In markup, what does this tag mean? Also: what is the capital of France?"
+QWEN3_DOCS = "{%- for d in documents or [] %}{{ d['text'] }}\n{%- endfor %}" + QWEN3
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "",
+                                                  "parameters": {"type": "object"}}}
+
+
+def _chat_body(place: str, text: str) -> dict:
+    """A chat body with ``text`` in the message (or field) ``place`` names."""
+    messages = [{"role": "user", "content": text if place == "user" else "What is 2 + 2?"}]
+    if place == "system":
+        messages.insert(0, {"role": "system", "content": text})
+    if place == "assistant":
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": text}] + messages
+    body = {"messages": messages, "max_tokens": 60}
+    if place == "tool":
+        body["tools"] = [{**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "description": text}}]
+    if place == "document":
+        body["documents"] = [{"title": "d", "text": text}]
+    return body
+
+
+def _split(message: dict) -> tuple:
+    return message.get("reasoning_content"), message.get("content")
+
+
+@pytest.mark.parametrize("place", ["user", "system", "assistant", "tool", "document"])
+@pytest.mark.parametrize("structured", [False, True], ids=["free", "json"])
+def test_a_think_tag_in_user_controlled_text_does_not_move_the_split(place, structured, tokenizer):
+    client, engine, tok = _client(tokenizer, QWEN3_DOCS, THOUGHT)
+    results = {}
+    for name, text in (("tagged", TAGGED), ("plain", PLAIN)):
+        body = _chat_body(place, text)
+        if structured:
+            body["response_format"] = {"type": "json_object"}
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert ("<think>" in tok.decode(engine.calls[-1][1])) == (name == "tagged")   # the tag reached the prompt
+        grammar = engine.calls[-1][2].grammar
+        deltas = [c["choices"][0]["delta"] for c in _stream(client, body) if c["choices"]]
+        streamed = ("".join(d.get("reasoning_content") or "" for d in deltas) or None,
+                    "".join(d.get("content") or "" for d in deltas) or None)
+        results[name] = (_split(response.json()["choices"][0]["message"]), streamed, grammar)
+    assert results["tagged"] == results["plain"]
+    assert results["plain"][0] == ("Two and two make four.", "The answer is four.")
+    if structured:   # the JSON guarantee holds: the answer's grammar waits for a block that may open
+        assert _accepts(tok, results["tagged"][2], '<think>ok</think>{"a":1}')
+        assert not _accepts(tok, results["tagged"][2], 'free text {"a":1}')
+
+
+def test_a_think_tag_in_the_input_does_not_move_the_split_on_responses_and_messages(tokenizer):
+    client, _, _ = _client(tokenizer, QWEN3, THOUGHT)
+
+    def responses(text):
+        out = client.post("/v1/responses", json={"input": text, "instructions": text, "max_output_tokens": 60})
+        assert out.status_code == 200, out.text
+        items = out.json()["output"]
+        return [(i["type"], [c.get("text") for c in i.get("content") or i.get("summary") or []]) for i in items]
+
+    def messages(text):
+        out = client.post("/v1/messages", json={"model": "m", "system": text, "max_tokens": 60,
+                                                "messages": [{"role": "user", "content": text}]})
+        assert out.status_code == 200, out.text
+        return [(b["type"], b.get("thinking") or b.get("text")) for b in out.json()["content"]]
+
+    assert responses(TAGGED) == responses(PLAIN)
+    assert [kind for kind, _ in responses(TAGGED)] == ["reasoning", "message"]
+    assert messages(TAGGED) == messages(PLAIN)
+    assert messages(TAGGED) == [("thinking", "Two and two make four."), ("text", "The answer is four.")]
+
+
+def test_the_generation_prompt_is_what_the_template_adds_after_the_last_message():
+    from pagedray.deploy.openai.reasoning import generation_prompt_of
+
+    assert generation_prompt_of("<u>hi</u><a><think>\n", "<u>hi</u>") == "<a><think>\n"
+    assert generation_prompt_of("<u><think></u><a>", "<u><think></u>") == "<a>"
+    assert generation_prompt_of("other rendering<a>", "<u>hi</u>") == ""
+    assert not TAGS.prompt_opens(generation_prompt_of("<u><think></u><a>", "<u><think></u>"))

@@ -247,3 +247,19 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert tokens[1].token_id == order[1, 1].item()
     assert tokens[2].token_id == order[2, 0].item()
     assert tokens[3].token_id not in (order[3, 0].item(), eos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_argmax_rows_equals_torch_argmax_with_ties_nans_and_infinities(dtype):
+    from pagedray.workers.sampling_ops import argmax_rows
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(-3, 4, (64, 300), generator=gen).to(dtype)   # [rows, vocab]: many ties
+    x[3, 17] = float("nan")
+    x[4, :] = float("-inf")
+    x[5, [9, 200]] = float("nan")
+    x[6, 11] = float("inf")
+    strided = torch.randn(300, 64, generator=gen, dtype=dtype).T      # not contiguous
+    for logits in (x, strided, x[:0]):
+        got = argmax_rows(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=1))

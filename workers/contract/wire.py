@@ -47,7 +47,7 @@ sample carries ``error`` instead of a real token: the failure is that request's,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -163,9 +163,12 @@ def _unpack(data: bytes) -> dict:
 
 
 def encode_plan(plan: StepPlan) -> bytes:
-    obj = asdict(plan)
-    for new in obj["new_seqs"]:
-        new["sampling_params"]["stop_token_ids"] = list(new["sampling_params"]["stop_token_ids"])
+    # the dataclasses' own dicts, read by msgpack and never changed: ``asdict`` deep-copied every delta (2.6 ms
+    # for a 256-sequence decode plan on the 2-core VM, benchmarks.host_step's "wire")
+    obj = {"step_id": plan.step_id,
+           "new_seqs": [{**vars(new), "sampling_params": new.sampling_params.to_dict()} for new in plan.new_seqs],
+           "running": [vars(delta) for delta in plan.running],
+           "released_seq_ids": plan.released_seq_ids, "block_copies": plan.block_copies}
     return _pack(obj)
 
 
@@ -189,7 +192,8 @@ def decode_plan(data: bytes) -> StepPlan:
 
 
 def encode_result(result: StepResult) -> bytes:
-    return _pack(asdict(result))
+    return _pack({"step_id": result.step_id, "sampled": [vars(s) for s in result.sampled],
+                  "prompt_logprobs": [vars(p) for p in result.prompt_logprobs]})
 
 
 def decode_result(data: bytes) -> StepResult:

@@ -61,11 +61,6 @@ class PlanTable:
     def plan(self, module: nn.Module) -> tuple[str, ...]:
         return self.shapes[tuple(module.weight.shape)].plan
 
-    def decode_products(self, max_rows: int) -> set[str]:
-        """The products that some shape runs at some decode bucket (up to ``max_rows`` rows)."""
-        last = cpu_choice.bucket_index(max_rows)
-        return {p for entry in self.shapes.values() for p in entry.plan[:last + 1]}
-
     def format(self) -> str:
         """The table for the start-up log: per shape and bucket the product chosen and, where timed,
         the next best product's time over the chosen one's."""
@@ -186,7 +181,10 @@ def plan_table(model: nn.Module, option: str, max_num_seqs: int, cache: cpu_choi
     option: auto | c | onednn | mkl); ``max_num_seqs`` caps the LM head's rows."""
     modules = packable_modules(model)
     groups = _groups(modules)
-    dtype, threads = next(iter(groups.values()))[0].weight.dtype, torch.get_num_threads()
+    threads = torch.get_num_threads()
+    if not groups:
+        return PlanTable(torch.float32, threads, {}, "nothing to pack")
+    dtype = modules[0].weight.dtype
     forced = cpu_choice.forced_product(option)
     if forced is not None:
         origin = "cpu_gemm" if option != "auto" else cpu_choice.PRODUCT_ENV
