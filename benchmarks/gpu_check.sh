@@ -10,12 +10,14 @@
 # 4-bit packed experts against bf16 ones), "kv8" (benchmarks.kv8_kernel: decode over an 8-bit KV cache against
 # bf16 at 9 shapes, and prefill), "kvsweep" (benchmarks.kernel_sweep over each 8-bit cache's tiles, warps, code
 # conversions and float16 products at the goal shape, then the two fastest at 2 to 4 splits), "qgemm"
-# (benchmarks.quant_gemm: 4- and 8-bit weight GEMM against dense bf16) and "spec" (benchmarks.spec_decode; needs
-# the SmolLM2 folder, ~/.cache/pagedray, which a lent machine lacks).
+# (benchmarks.quant_gemm: 4- and 8-bit weight GEMM against dense bf16), "spec" (benchmarks.spec_decode; needs
+# the SmolLM2 folder, ~/.cache/pagedray, which a lent machine lacks) and "hoststep" (benchmarks.host_step on the
+# lent machine's CPU: the engine's host work per decode step at batch 64 / 256 / 512 with the forward stubbed,
+# issue #60; run it next to "engine", whose busy fraction it explains).
 #
 # Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, *.json the figures.
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
-# first when present. KV8GOAL_S, TEST_S, BENCH_S, MOE_S, KV8_S, KVSWEEP_S (each half), QGEMM_S and SPEC_S bound
+# first when present. KV8GOAL_S, TEST_S, BENCH_S, MOE_S, KV8_S, KVSWEEP_S (each half), QGEMM_S, SPEC_S and HOSTSTEP_S bound
 # the stages in seconds, so that a stage that hangs or crawls still leaves the others' output; every result
 # is printed as it comes. A lease is 15 minutes of device time, the machine's start included, and one call
 # at most 10: the default STAGES="kv8goal tests kv8" takes about 6 minutes on an H100 with a cold Triton cache
@@ -47,6 +49,13 @@ only=()
 if [[ -n "${KV8GOAL_CANDIDATES:-}" ]]; then IFS="|" read -ra names <<< "$KV8GOAL_CANDIDATES"; only=(--candidates "${names[@]}"); fi
 timeout "${KV8GOAL_S:-300}" python3 -m benchmarks.kv8_goal --rounds 5 --out "$OUT/kv8_goal.json" "${only[@]}"
 echo "kv8_goal exit: $?"
+fi
+
+if wanted hoststep; then
+echo "== benchmarks.host_step (the host part of a decode step, forward stubbed, on this machine's CPU) =="
+lscpu | grep -m1 "Model name" || true
+timeout "${HOSTSTEP_S:-240}" python3 -m benchmarks.host_step --rounds 3 --steps 16 --out "$OUT/host_step.json"
+echo "host_step exit: $?"
 fi
 
 if wanted tests; then

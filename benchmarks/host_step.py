@@ -106,13 +106,14 @@ class StepClock:
         return {"step": total, **{part: seconds * 1e3 for part, seconds in self.parts.items()}}
 
 
-def build_engine(model_path: str, batch: int, prompt_len: int, steps: int, stub_forward: bool):
+def build_engine(model_path: str, batch: int, prompt_len: int, steps: int, stub_forward: bool,
+                 device: str = "cpu"):
     from pagedray.cluster.engine import Engine
     from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
     block_size = 16
     blocks = batch * (-(-(prompt_len + steps + 8) // block_size)) + 64
-    config = EngineConfig(model=ModelConfig(model=model_path, dtype="float32"),
+    config = EngineConfig(model=ModelConfig(model=model_path, dtype="float32", device=device),
                           cache=CacheConfig(block_size=block_size, num_blocks=blocks),
                           scheduler=SchedulerConfig(max_num_seqs=batch,
                                                     max_num_batched_tokens=max(2048, batch * prompt_len)))
@@ -174,7 +175,8 @@ def run_child(name: str, round_index: int, args: argparse.Namespace, import_root
     if import_root is not None:
         env["PYTHONPATH"] = str(import_root)
     argv = [sys.executable, "-m", "benchmarks.host_step", "--child", name, "--child-round", str(round_index),
-            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads)]
+            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
+            "--device", args.device]
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith(CHILD_MARK):
@@ -188,7 +190,8 @@ def child(name: str, round_index: int, args: argparse.Namespace) -> None:
 
     batch, stub = int(name.split("-")[1]), name.startswith("stub")
     with tempfile.TemporaryDirectory() as folder:
-        engine, clock = build_engine(save_tiny_model(Path(folder)), batch, args.prompt_len, args.steps, stub)
+        engine, clock = build_engine(save_tiny_model(Path(folder)), batch, args.prompt_len, args.steps, stub,
+                                     args.device)
         try:
             measure(engine, clock, batch, args.prompt_len, args.steps, round_index + 1000)   # warm-up
             values = measure(engine, clock, batch, args.prompt_len, args.steps, round_index)
@@ -206,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the host step is one thread)")
+    parser.add_argument("--device", default="cpu", help="the engine's device (cpu: the host path alone; on a GPU "
+                                                         "machine too, where its CPU is another model)")
     parser.add_argument("--dry-run", action="store_true", help="tiny batches and few steps (CI)")
     parser.add_argument("--ref", default=None, help="also measure this git commit's code (NAME@REF rows)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
