@@ -30,6 +30,6 @@ def test_a_stubbed_engine_reports_each_part_of_its_decode_steps(tiny_model):
 
 
 def test_a_child_process_measures_one_system_on_this_checkout():
-    args = argparse.Namespace(prompt_len=8, steps=2, threads=1)
+    args = argparse.Namespace(prompt_len=8, steps=2, threads=1, device="cpu")
     values = host_step.run_child("stub-3", 0, args, None)
     assert values["code"] == str(host_step.REPO) and values["step_ms"] > 0 and values["sample_ms"] > 0
