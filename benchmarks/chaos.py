@@ -20,7 +20,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ import httpx
 from helpers.burst_load import percentile
 
 from benchmarks.common import print_table, write_json
-from benchmarks.failover import APP_ARGS, _bodies, _engine_replicas
+from benchmarks.failover import APP_ARGS, _bodies, _engine_replicas, two_replica_app
 
 APP_NAME = "pagedray-chaos"
 STREAM_TIMEOUT_S = 300.0
@@ -128,22 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    import ray
-    from pagedray.deploy.serve.app import build_app
-    from ray import serve
-
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=8)
-    try:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": args.model, **APP_ARGS}), name=APP_NAME, route_prefix="/")
-        summary = run(f"http://127.0.0.1:{port}", _bodies(args.clients, args.max_tokens), args.minutes,
-                      args.kill_every_s, args.clients)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with two_replica_app(args.model, APP_NAME) as url:
+        summary = run(url, _bodies(args.clients, args.max_tokens), args.minutes, args.kill_every_s, args.clients)
     print_table([summary], [k for k in summary if k != "kv_blocks_held_after"])
     print(json.dumps(summary))
     write_json("chaos", {"config": vars(args), "app": APP_ARGS, "summary": summary}, args.out)

@@ -18,6 +18,7 @@ Prints a table and writes JSON (default benchmarks/results/failover.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -113,14 +114,10 @@ def run_round(url: str, bodies: list[dict]) -> dict:
             "moved_pause_s": pauses[:moved], "other_pause_s": pauses[moved:]}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=120)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+@contextlib.contextmanager
+def two_replica_app(model: str, app_name: str):
+    """A local Ray with the Serve app of ``APP_ARGS`` (two engine replicas) named ``app_name`` on a free port;
+    yields its URL; Serve and Ray are shut down afterwards (also used by ``benchmarks.chaos``)."""
     import ray
     from pagedray.deploy.serve.app import build_app
     from ray import serve
@@ -131,12 +128,23 @@ def main(argv: list[str] | None = None) -> dict:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": args.model, **APP_ARGS}), name=APP_NAME, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        rounds = [run_round(url, _bodies(args.streams, args.max_tokens)) for _ in range(args.rounds)]
+        serve.run(build_app({"model": model, **APP_ARGS}), name=app_name, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=120)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    with two_replica_app(args.model, APP_NAME) as url:
+        rounds = [run_round(url, _bodies(args.streams, args.max_tokens)) for _ in range(args.rounds)]
     moved = [p for r in rounds for p in r["moved_pause_s"]]
     others = [p for r in rounds for p in r["other_pause_s"]]
     rows = [{"round": i, **{k: v for k, v in r.items() if not k.endswith("_s")},
