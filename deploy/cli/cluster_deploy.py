@@ -128,7 +128,13 @@ def _status(run, serve: list[str], env: dict[str, str], address: str | None) -> 
 
 
 def run_deploy(config: str, address: str | None, timeout_s: float) -> int:
-    """The ``pagedray deploy`` command: 0 once the app answers, 1 (the failing step's report) otherwise."""
+    """The ``pagedray deploy`` command: 0 once the app answers, 2 for a config file that cannot be read as a
+    Serve config (before anything starts), 1 (the failing step's report) otherwise."""
+    try:
+        http_endpoint(Path(config))
+    except ValueError as exc:
+        print(f"pagedray deploy: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
         url = deploy(Path(config), address, timeout_s, dict(os.environ))
     except DeployError as exc:

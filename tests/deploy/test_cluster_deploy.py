@@ -111,3 +111,12 @@ def test_the_command_reports_a_failure_with_exit_status_1(monkeypatch, capsys):
     assert "pagedray deploy: serve deploy failed" in capsys.readouterr().err
     ns = cli.build_parser().parse_args(["deploy"])
     assert ns.config == str(CONFIG) and CONFIG.is_file() and ns.address is None and ns.timeout_s == 900.0
+
+
+def test_a_config_that_is_not_a_serve_config_is_a_usage_error_before_anything_starts(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cluster_deploy, "deploy", lambda *a, **k: pytest.fail("started with a bad config"))
+    assert cli.main(["deploy", str(tmp_path / "missing.yaml")]) == 2
+    assert "pagedray deploy: error: config: cannot read" in capsys.readouterr().err
+    (tmp_path / "other.yaml").write_text("just: text\n")
+    assert cli.main(["deploy", str(tmp_path / "other.yaml")]) == 2
+    assert "not a Serve config" in capsys.readouterr().err
