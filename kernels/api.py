@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from . import cpu_decode
+from . import cpu_decode, cpu_prefill, cpu_twins
 from . import validation as v
 from .decode_triton import paged_decode_triton
 from .prefill_triton import paged_prefill_triton
@@ -185,15 +185,22 @@ def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, s
 
 def _prefill(triton_path: bool, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
              out, sliding_window, logit_softcap=None, k_scale=None, v_scale=None):
-    """Triton on CUDA; on CPU the torch prefill reference, whose length-1 chunks go to the decode kernel."""
+    """Triton on CUDA; on CPU the torch prefill reference, whose short chunks go to the C kernels (length 1: the
+    decode kernel; longer: the prefill kernel where it takes the layout, else decode rows)."""
     if triton_path:
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                     alibi_slopes, out, sliding_window=sliding_window,
                                     **_extras_kw(logit_softcap, k_scale, v_scale))
+    rows = {}
+    if cpu_decode.supports(q, k_cache):   # chunks up to the length timed on this CPU run in C (cpu_twins)
+        by_chunks = k_scale is None and cpu_prefill.supports(q, k_cache, alibi_slopes, logit_softcap)
+        rows = {"decode_rows": cpu_decode.paged_decode_cpu,
+                "chunk_rows": cpu_prefill.paged_prefill_cpu if by_chunks else None,
+                "row_chunk_max": cpu_twins.prefill_c_max(q.dtype, q.shape[1], k_cache.shape[2], q.shape[2],
+                                                            by_chunks)}
     return paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                    alibi_slopes, out, sliding_window=sliding_window,
-                                   decode_rows=cpu_decode.paged_decode_cpu if cpu_decode.supports(q, k_cache) else None,
-                                   logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
+                                   logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale, **rows)
 
 
 def _is_all_decode(q, cu_seqlens_q, num_seqs: int, max_query_len, values_known: bool) -> bool:

@@ -111,37 +111,7 @@ static inline float hmax8(v8f v) {
 
 static const float zero_row[256] __attribute__((aligned(64)));
 
-/* 16-float vectors for the head_dim axis (head_dim is a multiple of 16): one AVX-512 register, two
- * AVX2 ones. The token axis keeps 8-float vectors (scores, the transposing reduction). */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 
-static inline v16f splat16(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-static inline v16f load16_f32(const char *src) {
-    v16f r;
-    memcpy(&r, src, sizeof r);
-    return r;
-}
-
-static inline v16f load16_bf16(const char *src) {
-    v16h h;
-    memcpy(&h, src, sizeof h);
-    return (v16f)(__builtin_convertvector(h, v16u) << 16);
-}
-
-static inline v16f load16(const char *src, int dtype) {
-    return dtype == DTYPE_F32 ? load16_f32(src) : load16_bf16(src);
-}
-
-/* lanes 0-7 + lanes 8-15 */
-static inline v8f halves_sum(v16f x) {
-    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* 16 bytes at src widened to 16 int32 (sign- or zero-extended): one instruction on AVX-512, two on
  * AVX2 (GCC's own vector conversion of bytes goes one element at a time) */

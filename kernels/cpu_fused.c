@@ -55,76 +55,6 @@ static inline void store8(char *base, int64_t i, v8f x, int dtype) {
     memcpy(base + i * 2, &h, sizeof h);
 }
 
-/* rows x size. With residual: s = rnd(x + residual) is written to new_residual; else s = x. Then
- * out = rnd(weight * rnd(s * 1 / sqrt(mean(s * s) + eps))), the mean in float32. out may be x. */
-void rms_norm_rows(const void *x, int64_t x_row, const void *residual, int64_t r_row,
-                          const void *weight, void *out, int64_t o_row, void *new_residual, int64_t n_row,
-                          int64_t rows, int64_t size, float eps, int dtype, int threads) {
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 64)
-    for (int64_t r = 0; r < rows; r++) {
-        const char *xr = (const char *)x + r * x_row * elem;
-        const char *src = xr;
-        const int64_t vec = size / 8 * 8;
-        if (residual != NULL) {
-            const char *rr = (const char *)residual + r * r_row * elem;
-            char *nr = (char *)new_residual + r * n_row * elem;
-            for (int64_t i = 0; i < vec; i += 8) store8(nr, i, load8_at(xr, i, dtype) + load8_at(rr, i, dtype), dtype);
-            for (int64_t i = vec; i < size; i++) store1(nr, i, load1(xr, i, dtype) + load1(rr, i, dtype), dtype);
-            src = nr;
-        }
-        v8f lanes = splat(0.0f);
-        for (int64_t i = 0; i < vec; i += 8) {
-            const v8f v = load8_at(src, i, dtype);
-            lanes += v * v;
-        }
-        for (int64_t i = vec; i < size; i++) {
-            const float v = load1(src, i, dtype);
-            lanes[i % 8] += v * v;
-        }
-        const float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-        const float inv = 1.0f / sqrtf(sum / (float)size + eps);
-        char *o = (char *)out + r * o_row * elem;
-        for (int64_t i = 0; i < vec; i += 8) {
-            store8(o, i, load8_at(weight, i, dtype) * rnd8(load8_at(src, i, dtype) * inv, dtype), dtype);
-        }
-        for (int64_t i = vec; i < size; i++) {
-            store1(o, i, load1(weight, i, dtype) * rnd(load1(src, i, dtype) * inv, dtype), dtype);
-        }
-    }
-}
-
-/* x [tokens, heads, D] (token stride x_tok, head stride D) -> out [tokens, heads, D] (contiguous):
- * out = rnd(rnd(x * cos) + rnd(roll(x, D / 2) * signed_sin)), cos / signed_sin [tokens, D] in dtype. */
-void rotary_rows(const void *x, int64_t x_tok, const void *cos, const void *signed_sin, void *out,
-                        int64_t tokens, int64_t heads, int64_t head_dim, int dtype, int threads) {
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, half = head_dim / 2;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tokens >= 64)
-    for (int64_t t = 0; t < tokens; t++) {
-        const char *c = (const char *)cos + t * head_dim * elem;
-        const char *s = (const char *)signed_sin + t * head_dim * elem;
-        for (int64_t h = 0; h < heads; h++) {
-            const char *xr = (const char *)x + (t * x_tok + h * head_dim) * elem;
-            char *o = (char *)out + ((t * heads + h) * head_dim) * elem;
-            if (half % 8 == 0) {
-                for (int64_t i = 0; i < head_dim; i += 8) {
-                    const int64_t src = i < half ? i + half : i - half;
-                    const v8f a = rnd8(load8_at(xr, i, dtype) * load8_at(c, i, dtype), dtype);
-                    const v8f b = rnd8(load8_at(xr, src, dtype) * load8_at(s, i, dtype), dtype);
-                    store8(o, i, a + b, dtype);
-                }
-                continue;
-            }
-            for (int64_t i = 0; i < head_dim; i++) {
-                const int64_t src = i < half ? i + half : i - half;
-                const float a = rnd(load1(xr, i, dtype) * load1(c, i, dtype), dtype);
-                const float b = rnd(load1(xr, src, dtype) * load1(s, i, dtype), dtype);
-                store1(o, i, a + b, dtype);
-            }
-        }
-    }
-}
-
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -174,6 +104,118 @@ static inline void store16_at(char *base, int64_t i, __m512 x, int dtype) {
     _mm256_storeu_si256((__m256i *)(base + i * 2), h);
 }
 #endif
+
+/* rows x size. With residual: s = rnd(x + residual) is written to new_residual; else s = x. Then
+ * out = rnd(weight * rnd(s * 1 / sqrt(mean(s * s) + eps))), the mean in float32. out may be x. */
+void rms_norm_rows(const void *x, int64_t x_row, const void *residual, int64_t r_row,
+                          const void *weight, void *out, int64_t o_row, void *new_residual, int64_t n_row,
+                          int64_t rows, int64_t size, float eps, int dtype, int threads) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+#ifdef __AVX512F__
+    const int64_t vec16 = size / 16 * 16;   /* 16 lanes where the CPU has them: the same values (see lanes) */
+#else
+    const int64_t vec16 = 0;
+#endif
+    const int64_t vec = size / 8 * 8;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 64)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *xr = (const char *)x + r * x_row * elem;
+        const char *src = xr;
+        if (residual != NULL) {
+            const char *rr = (const char *)residual + r * r_row * elem;
+            char *nr = (char *)new_residual + r * n_row * elem;
+#ifdef __AVX512F__
+            for (int64_t i = 0; i < vec16; i += 16)
+                store16_at(nr, i, _mm512_add_ps(load16_at(xr, i, dtype), load16_at(rr, i, dtype)), dtype);
+#endif
+            for (int64_t i = vec16; i < vec; i += 8) store8(nr, i, load8_at(xr, i, dtype) + load8_at(rr, i, dtype), dtype);
+            for (int64_t i = vec; i < size; i++) store1(nr, i, load1(xr, i, dtype) + load1(rr, i, dtype), dtype);
+            src = nr;
+        }
+        /* lane j sums the squares of elements j, j + 8, j + 16, ... in that order, whatever the vector width */
+        v8f lanes = splat(0.0f);
+#ifdef __AVX512F__
+        for (int64_t i = 0; i < vec16; i += 16) {
+            const __m512 v = load16_at(src, i, dtype);
+            const __m512 sq = _mm512_mul_ps(v, v);
+            v8f lo, hi;
+            const __m256 lo256 = _mm512_castps512_ps256(sq);
+            const __m256 hi256 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sq), 1));
+            memcpy(&lo, &lo256, sizeof lo);
+            memcpy(&hi, &hi256, sizeof hi);
+            lanes += lo;
+            lanes += hi;
+        }
+#endif
+        for (int64_t i = vec16; i < vec; i += 8) {
+            const v8f v = load8_at(src, i, dtype);
+            lanes += v * v;
+        }
+        for (int64_t i = vec; i < size; i++) {
+            const float v = load1(src, i, dtype);
+            lanes[i % 8] += v * v;
+        }
+        const float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        const float inv = 1.0f / sqrtf(sum / (float)size + eps);
+        char *o = (char *)out + r * o_row * elem;
+#ifdef __AVX512F__
+        const __m512 inv16 = _mm512_set1_ps(inv);
+        for (int64_t i = 0; i < vec16; i += 16) {
+            const __m512 normed = rnd16(_mm512_mul_ps(load16_at(src, i, dtype), inv16), dtype);
+            store16_at(o, i, _mm512_mul_ps(load16_at(weight, i, dtype), normed), dtype);
+        }
+#endif
+        for (int64_t i = vec16; i < vec; i += 8) {
+            store8(o, i, load8_at(weight, i, dtype) * rnd8(load8_at(src, i, dtype) * inv, dtype), dtype);
+        }
+        for (int64_t i = vec; i < size; i++) {
+            store1(o, i, load1(weight, i, dtype) * rnd(load1(src, i, dtype) * inv, dtype), dtype);
+        }
+    }
+}
+
+/* x [tokens, heads, D] (token stride x_tok, head stride D) -> out [tokens, heads, D] (contiguous):
+ * out = rnd(rnd(x * cos) + rnd(roll(x, D / 2) * signed_sin)), cos / signed_sin [tokens, D] in dtype. */
+void rotary_rows(const void *x, int64_t x_tok, const void *cos, const void *signed_sin, void *out,
+                        int64_t tokens, int64_t heads, int64_t head_dim, int dtype, int threads) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, half = head_dim / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        const char *c = (const char *)cos + t * head_dim * elem;
+        const char *s = (const char *)signed_sin + t * head_dim * elem;
+        for (int64_t h = 0; h < heads; h++) {
+            const char *xr = (const char *)x + (t * x_tok + h * head_dim) * elem;
+            char *o = (char *)out + ((t * heads + h) * head_dim) * elem;
+#ifdef __AVX512F__
+            if (half % 16 == 0) {
+                for (int64_t i = 0; i < head_dim; i += 16) {
+                    const int64_t src = i < half ? i + half : i - half;
+                    const __m512 a = rnd16(_mm512_mul_ps(load16_at(xr, i, dtype), load16_at(c, i, dtype)), dtype);
+                    const __m512 b = rnd16(_mm512_mul_ps(load16_at(xr, src, dtype), load16_at(s, i, dtype)), dtype);
+                    store16_at(o, i, _mm512_add_ps(a, b), dtype);
+                }
+                continue;
+            }
+#endif
+            if (half % 8 == 0) {
+                for (int64_t i = 0; i < head_dim; i += 8) {
+                    const int64_t src = i < half ? i + half : i - half;
+                    const v8f a = rnd8(load8_at(xr, i, dtype) * load8_at(c, i, dtype), dtype);
+                    const v8f b = rnd8(load8_at(xr, src, dtype) * load8_at(s, i, dtype), dtype);
+                    store8(o, i, a + b, dtype);
+                }
+                continue;
+            }
+            for (int64_t i = 0; i < head_dim; i++) {
+                const int64_t src = i < half ? i + half : i - half;
+                const float a = rnd(load1(xr, i, dtype) * load1(c, i, dtype), dtype);
+                const float b = rnd(load1(xr, src, dtype) * load1(s, i, dtype), dtype);
+                store1(o, i, a + b, dtype);
+            }
+        }
+    }
+}
+
 
 /* gate_up [rows, 2 * inter] (row stride gu_row; gate first, then up) -> out [rows, inter] (row stride o_row):
  * out = rnd(rnd(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) in float32 as torch's F.silu, then the

@@ -1,7 +1,7 @@
-/* What the CPU C kernels (cpu_decode.c, cpu_fused.c) share: the dtype codes, 8-float vectors (GCC
- * vector extensions: AVX2 or AVX-512 code by -march=native), float32 <-> bfloat16 as torch does
- * it (bfloat16 = the upper half of a float32; rounding to nearest even, NaN stays NaN) and exp8.
- * cpu_build.py hashes this header with each source, so a change here rebuilds both. */
+/* What the CPU C kernels (cpu_decode.c, cpu_prefill.c, cpu_fused.c) share: the dtype codes, 8- and
+ * 16-float vectors (GCC vector extensions: AVX2 or AVX-512 code by -march=native), float32 <-> bfloat16
+ * as torch does it (bfloat16 = the upper half of a float32; rounding to nearest even, NaN stays NaN) and
+ * exp8. cpu_build.py hashes this header with each source, so a change here rebuilds them. */
 #ifndef PAGEDRAY_CPU_VEC_H
 #define PAGEDRAY_CPU_VEC_H
 
@@ -17,6 +17,38 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
 static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* 16-float vectors (the head_dim axis of the attention kernels; head_dim is a multiple of 16): one
+ * AVX-512 register, two AVX2 ones */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f splat16(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline v16f load16_f32(const char *src) {
+    v16f r;
+    memcpy(&r, src, sizeof r);
+    return r;
+}
+
+static inline v16f load16_bf16(const char *src) {
+    v16h h;
+    memcpy(&h, src, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+/* 16 elements at src (float32 or bfloat16) as float32 */
+static inline v16f load16(const char *src, int dtype) {
+    return dtype == DTYPE_F32 ? load16_f32(src) : load16_bf16(src);
+}
+
+/* lanes 0-7 + lanes 8-15 */
+static inline v8f halves_sum(v16f x) {
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 
 static inline v8f select8(v8i mask, v8f yes, v8f no) {
     return (v8f)(((v8i)yes & mask) | ((v8i)no & ~mask));

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import cpu_fused
+from . import cpu_fused, cpu_twins
 from . import validation as v
 from .activation_triton import silu_and_mul_triton
 from .api import _triton_wanted
@@ -103,7 +103,7 @@ def rms_norm(x, weight, eps, residual=None, *, out=None, use_triton=None):
     if out is not None:
         _check_like("out", out, x, "x")
     if not _triton_wanted(use_triton, x.device):
-        if cpu_fused.supports_rms_norm(x, residual, out):
+        if cpu_fused.supports_rms_norm(x, residual, out) and cpu_twins.prefer_c("rms_norm", x):
             return cpu_fused.rms_norm_cpu(x, weight, eps, residual, out)
         return rms_norm_reference(x, weight, eps, residual, out)
     if x.shape[-1] > MAX_SIZE:
@@ -149,7 +149,7 @@ def silu_and_mul(gate_up, *, use_triton=None):
     if gate_up.shape[1] % 2 != 0:
         raise ValueError(f"gate_up: last dim {gate_up.shape[1]} must be even (gate and up halves)")
     if not _triton_wanted(use_triton, gate_up.device):
-        if cpu_fused.supports_silu_and_mul(gate_up):
+        if cpu_fused.supports_silu_and_mul(gate_up) and cpu_twins.prefer_c("silu_mul", gate_up):
             return cpu_fused.silu_and_mul_cpu(gate_up)
         return silu_and_mul_reference(gate_up)
     out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
@@ -167,7 +167,7 @@ def apply_rotary(x, cos, signed_sin):
         if tuple(table.shape) != (x.shape[0], 1, x.shape[2]) or table.dtype != x.dtype:
             raise ValueError(f"{name}: expected shape [{x.shape[0]}, 1, {x.shape[2]}] and dtype {x.dtype}, got "
                              f"{tuple(table.shape)} {table.dtype}")
-    if cpu_fused.supports_rotary(x, cos):
+    if cpu_fused.supports_rotary(x, cos) and cpu_twins.prefer_c("rotary", x):
         return cpu_fused.apply_rotary_cpu(x, cos, signed_sin)
     return apply_rotary_reference(x, cos, signed_sin)
 

@@ -7,16 +7,17 @@ Decisions: docs/design/kernels.md, ``pagedray.kernels.reference``.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
 from .kv_quant import quantize_rows
 
 GATHER_BUDGET_BYTES = 2 << 20
-# paged_prefill_reference: chunks up to this long run as decode rows when a decode pass is given (the CPU
-# path: the C decode kernel). Measured on the 2-core AMD EPYC VM (9 query / 3 KV heads of 64, one chunk
-# without history, 2 threads): rows take 0.37-0.5x the time of the per-sequence SDPA path at 16-128
-# tokens, 0.58x at 512 and 0.95x at 1,024 (fp32 and bf16); above that SDPA's tiles win.
+# paged_prefill_reference: by default, chunks up to this long run as decode rows when a decode pass is given
+# (the CPU path: the C decode kernel). The CPU path passes the length timed on the machine instead
+# (``cpu_twins.prefill_c_max``); this value is what ``PAGEDRAY_CPU_TWINS=c`` (the tests) keeps.
 ROW_CHUNK_MAX = 1024
 
 
@@ -230,38 +231,38 @@ def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, al
 
 def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                             alibi_slopes=None, out=None, *, sliding_window=None, decode_rows=None,
-                            logit_softcap=None, k_scale=None, v_scale=None):
+                            logit_softcap=None, k_scale=None, v_scale=None, row_chunk_max=ROW_CHUNK_MAX,
+                            chunk_rows=None):
     """q [total_q, Hq, D] holding each sequence's newest chunk -> out [total_q, Hq, D] (q.dtype).
 
     Length-1 chunks go through one batched decode pass (``decode_rows``, a function with
     ``_decode_rows``' arguments and result shape; default ``_decode_rows``, the compiled CPU kernel on
-    the CPU path). With a ``decode_rows`` given, chunks of at most ``ROW_CHUNK_MAX`` tokens join that pass
+    the CPU path). With a ``decode_rows`` given, chunks of at most ``row_chunk_max`` tokens join that pass
     too, one row per token, each attending up to its own position (causal): a batch of such chunks is
-    one decode call over all its tokens (``_all_rows``). Longer chunks are done per sequence.
+    one decode call over all its tokens (``_all_rows``). With ``chunk_rows`` also given (a function with
+    ``cpu_prefill.paged_prefill_cpu``'s arguments and result), the chunks of 2 to ``row_chunk_max`` tokens
+    go through it instead, in one call. Longer chunks are done per sequence.
     """
     cu = cu_seqlens_q.tolist()
     k_lens = seq_lens_k.tolist()
     lengths = [b - a for a, b in zip(cu, cu[1:])]
-    short = ROW_CHUNK_MAX if decode_rows is not None else 1
-    if decode_rows is not None and max(lengths, default=0) <= short:
+    short = row_chunk_max if decode_rows is not None else 1
+    if chunk_rows is not None and decode_rows is not None and 2 <= min(lengths, default=0) and max(lengths) <= short:
+        result = chunk_rows(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, sliding_window)
+        return result if out is None else out.copy_(result)
+    if chunk_rows is None and decode_rows is not None and max(lengths, default=0) <= short:
         result = _all_rows(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
                            sliding_window, decode_rows, logit_softcap, k_scale, v_scale)
     else:
         result = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        rows, seqs, lens = [], [], []
-        for i, nk in enumerate(k_lens):
-            if 1 <= lengths[i] <= short:
-                rows += range(cu[i], cu[i + 1])
-                seqs += [i] * lengths[i]
-                lens += range(nk - lengths[i] + 1, nk + 1)   # token t of the chunk sees positions up to its own
-        if rows:
-            rows_t = torch.tensor(rows, device=q.device)
-            idx = torch.tensor(seqs, device=q.device)
-            row_lens = torch.tensor(lens, dtype=seq_lens_k.dtype, device=q.device)
-            rows_out = (decode_rows or _decode_rows)(q[rows_t], k_cache, v_cache, block_tables[idx], row_lens,
-                                                     scale, alibi_slopes, sliding_window,
-                                                     logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
-            result[rows_t] = rows_out.to(torch.float32)
+        by_rows = [i for i, n in enumerate(lengths) if 1 <= n <= (1 if chunk_rows is not None else short)]
+        if by_rows:
+            _rows_into(result, by_rows, cu, k_lens, q, k_cache, v_cache, block_tables, seq_lens_k.dtype, scale,
+                       alibi_slopes, sliding_window, decode_rows or _decode_rows, logit_softcap, k_scale, v_scale)
+        by_chunks = [i for i, n in enumerate(lengths) if 2 <= n <= short] if chunk_rows is not None else []
+        if by_chunks:
+            _chunks_into(result, by_chunks, cu, lengths, q, k_cache, v_cache, seq_lens_k, block_tables, scale,
+                         sliding_window, chunk_rows)
         for i, nk in enumerate(k_lens):
             if lengths[i] > short:
                 start, end = cu[i], cu[i + 1]
@@ -271,6 +272,37 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
         return result.to(q.dtype)
     out.copy_(result)
     return out
+
+
+def _rows_into(result, seq_ids, cu, k_lens, q, k_cache, v_cache, block_tables, lens_dtype, scale, alibi_slopes,
+               sliding_window, decode_rows, logit_softcap, k_scale, v_scale) -> None:
+    """The chunks of sequences ``seq_ids`` as decode rows, one call: token t of a chunk sees the positions up
+    to its own. Writes their rows of result [total_q, Hq, D] float32."""
+    rows, seqs, lens = [], [], []
+    for i in seq_ids:
+        n = cu[i + 1] - cu[i]
+        rows += range(cu[i], cu[i + 1])
+        seqs += [i] * n
+        lens += range(k_lens[i] - n + 1, k_lens[i] + 1)
+    rows_t = torch.tensor(rows, device=q.device)
+    idx = torch.tensor(seqs, device=q.device)
+    row_lens = torch.tensor(lens, dtype=lens_dtype, device=q.device)
+    rows_out = decode_rows(q[rows_t], k_cache, v_cache, block_tables[idx], row_lens, scale, alibi_slopes,
+                           sliding_window, logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
+    result[rows_t] = rows_out.to(torch.float32)
+
+
+def _chunks_into(result, seq_ids, cu, lengths, q, k_cache, v_cache, seq_lens_k, block_tables, scale,
+                 sliding_window, chunk_rows) -> None:
+    """The chunks of sequences ``seq_ids`` through ``chunk_rows`` in one call (a sub-batch of q's rows).
+    Writes their rows of result [total_q, Hq, D] float32."""
+    rows = [t for i in seq_ids for t in range(cu[i], cu[i + 1])]
+    rows_t = torch.tensor(rows, device=q.device)
+    idx = torch.tensor(seq_ids, device=q.device)
+    sub_cu = torch.tensor([0, *itertools.accumulate(lengths[i] for i in seq_ids)], dtype=torch.int32)
+    chunk_out = chunk_rows(q[rows_t], k_cache, v_cache, sub_cu, seq_lens_k[idx], block_tables[idx], scale,
+                           sliding_window)
+    result[rows_t] = chunk_out.to(torch.float32)
 
 
 def _all_rows(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes, sliding_window,

@@ -9,6 +9,8 @@
 - CPU linear products: forced to the C GEMM (``PAGEDRAY_CPU_GEMM=c``, inherited by Ray workers and server
   processes) where it runs in float32 and bfloat16, so that a test's products never depend on what timing
   chose on a busy machine; the tests of the timed choice (tests/workers/test_gemm_timing.py) clear it.
+  Likewise the C kernels' torch twins (``PAGEDRAY_CPU_TWINS=c``: the C kernel, and decode rows for
+  prefill chunks up to ``reference.ROW_CHUNK_MAX``); tests/kernels/test_cpu_twins.py sets its own.
 - Tiers: a module that starts Ray, Serve or another process says ``pytestmark =
   pytest.mark.integration``; any test that asks for ``ray_session`` gets the marker too. ``python3 -m
   pytest -m "not integration"`` is the fast tier, the plain command (what CI runs) runs everything
@@ -24,10 +26,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from pagedray.deploy.cli.ray_env import LOCAL_RAY_ENV  # noqa: E402
-from pagedray.kernels import cpu_choice, cpu_gemm  # noqa: E402
+from pagedray.kernels import cpu_choice, cpu_gemm, cpu_twins  # noqa: E402
 
 if cpu_gemm.available(torch.float32) and cpu_gemm.available(torch.bfloat16):
     os.environ.setdefault(cpu_choice.PRODUCT_ENV, "c")
+os.environ.setdefault(cpu_twins.TWINS_ENV, "c")
 
 # every Ray this session starts (the shared one, the e2e clusters, subprocesses) gets the CLI's
 # environment: Serve's proxy checks that survive a loaded machine, workers at normal priority

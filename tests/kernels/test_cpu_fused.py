@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from helpers.spies import record_calls
 from pagedray.kernels import cpu_build, cpu_fused, fused_ops
 from pagedray.kernels.fused_reference import (
     apply_rotary_reference,
@@ -94,10 +95,7 @@ def test_silu_and_mul_matches_reference(dtype, rows, inter):
 
 
 def test_fused_ops_dispatch_to_c_where_it_takes_the_layout(monkeypatch):
-    calls = []
-    for name in ("rms_norm_cpu", "apply_rotary_cpu", "silu_and_mul_cpu"):
-        original = getattr(cpu_fused, name)
-        monkeypatch.setattr(cpu_fused, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    calls = record_calls(monkeypatch, cpu_fused, ("rms_norm_cpu", "apply_rotary_cpu", "silu_and_mul_cpu"))
     gen = torch.Generator().manual_seed(3)
     x, weight = _rows(gen, 4, 64, F32), torch.ones(64)
     fused_ops.rms_norm(x, weight, 1e-6)

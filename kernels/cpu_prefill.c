@@ -1,0 +1,237 @@
+/* Paged prefill attention for the CPU: each sequence's newest chunk of query tokens attends causally over
+ * its cached history and itself, K/V read straight from the paged cache (float32 or bfloat16, the dtype of
+ * q), online softmax in float32. Built and loaded by cpu_prefill.py (cc -O3 -march=native -fopenmp); called
+ * through ctypes with raw pointers and element strides.
+ *
+ * Work item = (sequence, KV head, tile of up to `tile` query tokens); its rows are the tile's tokens times
+ * the G = Hq / Hkv query heads of that KV head. The keys the tile sees go by in chunks of whole blocks
+ * (up to CHUNK keys). Each chunk is converted once per item into float32 buffers: K transposed (kt[d][key])
+ * and V as rows. Then, 4 rows at a time, the scores of 16 keys come from head_dim broadcast FMAs (each
+ * kt[d] line loaded once for 4 rows, no horizontal sums), one online-softmax step per row and chunk, and
+ * acc += p @ V with each V row loaded once for the 4 rows. cpu_decode.c converts a chunk once per query
+ * row instead, which dominates when a chunk has many query rows.
+ *
+ * Key j is visible from the query at position p when j <= p and, with a window W > 0, j > p - W. Token i
+ * of a chunk of n tokens of a sequence of seq_len keys is at position seq_len - n + i. Block ids are
+ * clamped into [0, num_blocks) (the callers check them; the clamp keeps a bad id from reading outside the
+ * cache). Limits (checked by the caller): head_dim a multiple of 16 and <= 256, block_size a multiple of 8
+ * and <= 64, G <= 64, no ALiBi, soft-capping or 8-bit cache (those run cpu_decode.c's rows).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+#define CHUNK 64        /* keys per chunk: kt and v buffers of CHUNK x head_dim floats (16 KiB each at 64) */
+#define ROW_BLOCK 4     /* rows sharing each loaded K / V line */
+#define ITEM_ROWS 48    /* about this many rows per item: tile = max(1, ITEM_ROWS / G) tokens */
+
+struct prefill_args {
+    const char *q, *k, *v;
+    char *out;
+    int64_t q_tok, q_head, o_tok, o_head;   /* bytes */
+    int64_t c_block, c_tok, c_head;         /* bytes */
+    int64_t num_blocks, block_size, group;
+    const int32_t *table;
+    int64_t first_pos;                      /* position of the chunk's token 0 */
+    int64_t i0, i1;                         /* the item's tokens of the chunk */
+    int64_t token0;                         /* row of the chunk's token 0 in q / out */
+    int64_t kv_head, window;
+    float scale;
+};
+
+static inline v16f exp16(v16f x) {   /* exp8 on both halves; x <= 0 or -inf */
+    const v8f lo = exp8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+    const v8f hi = exp8(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+static inline float hmax16(v16f v) {
+    float x = v[0];
+    for (int i = 1; i < 16; i++) x = v[i] > x ? v[i] : x;
+    return x;
+}
+
+static inline float hsum16(v16f v) {
+    const v8f s = halves_sum(v);
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+/* One item; D = 16 C. rows = (tokens i0..i1) x G heads, row r = (i - i0) * G + g, padded to a multiple of
+ * ROW_BLOCK with copies of the last row (computed, never stored), so every inner loop has constant bounds
+ * and keeps its accumulators in registers. */
+static inline __attribute__((always_inline)) void prefill_item(const struct prefill_args *a, int dtype, int64_t C) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t D = 16 * C, G = a->group, bs = a->block_size;
+    const int64_t rows = (a->i1 - a->i0) * G, padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+    const int64_t p_first = a->first_pos + a->i0, p_last = a->first_pos + a->i1 - 1;
+    const int64_t lo = (a->window > 0 && p_first - a->window + 1 > 0) ? p_first - a->window + 1 : 0;
+    const int64_t hi = p_last + 1;                                   /* keys [lo, hi) */
+    const int64_t chunk_blocks = CHUNK / bs;
+    float qs[padded][D] __attribute__((aligned(64)));                /* scaled queries */
+    v16f acc[padded][C];
+    float m[padded], l[padded];
+    int32_t pos[padded];
+    float kt[D][CHUNK] __attribute__((aligned(64)));                 /* K transposed */
+    float vb[CHUNK][D] __attribute__((aligned(64)));
+    float p[ROW_BLOCK][CHUNK] __attribute__((aligned(64)));          /* a row block's probabilities */
+    for (int64_t r = 0; r < padded; r++) {
+        const int64_t real = r < rows ? r : rows - 1;
+        const int64_t i = a->i0 + real / G, head = a->kv_head * G + real % G;
+        const char *src = a->q + (a->token0 + i) * a->q_tok + head * a->q_head;
+        for (int64_t c = 0; c < C; c++) {
+            const v16f x = load16(src + c * 16 * elem, dtype) * splat16(a->scale);
+            memcpy(&qs[r][c * 16], &x, sizeof x);
+            acc[r][c] = splat16(0.0f);
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        pos[r] = (int32_t)(a->first_pos + i);
+    }
+    for (int64_t b0 = lo / bs; b0 * bs < hi; b0 += chunk_blocks) {
+        const int64_t first = lo > b0 * bs ? lo : b0 * bs;
+        const int64_t end = (b0 + chunk_blocks) * bs < hi ? (b0 + chunk_blocks) * bs : hi;
+        const int64_t n = end - first, n16 = (n + 15) / 16 * 16;
+        for (int64_t j = 0; j < n; j++) {                            /* the chunk's keys, as float32 */
+            const int64_t key = first + j;
+            int64_t block = a->table[key / bs];
+            block = block < 0 ? 0 : (block >= a->num_blocks ? a->num_blocks - 1 : block);
+            const int64_t off = block * a->c_block + (key % bs) * a->c_tok + a->kv_head * a->c_head;
+            for (int64_t c = 0; c < C; c++) {
+                const v16f kx = load16(a->k + off + c * 16 * elem, dtype);
+                const v16f vx = load16(a->v + off + c * 16 * elem, dtype);
+                for (int64_t e = 0; e < 16; e++) kt[c * 16 + e][j] = kx[e];
+                memcpy(&vb[j][c * 16], &vx, sizeof vx);
+            }
+        }
+        for (int64_t j = n; j < n16; j++) {
+            for (int64_t d = 0; d < D; d++) kt[d][j] = 0.0f;
+        }
+        for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK) {
+            if (pos[r0 + ROW_BLOCK - 1] < first) continue;           /* the chunk is after every row */
+            for (int64_t k16 = 0; k16 < n16; k16 += 16) {            /* scores, masked */
+                v16f sc[ROW_BLOCK];
+                for (int rr = 0; rr < ROW_BLOCK; rr++) sc[rr] = splat16(0.0f);
+                for (int64_t d = 0; d < D; d++) {
+                    v16f kv;
+                    memcpy(&kv, &kt[d][k16], sizeof kv);
+                    for (int rr = 0; rr < ROW_BLOCK; rr++) sc[rr] += splat16(qs[r0 + rr][d]) * kv;
+                }
+                const v16i key = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (int32_t)(first + k16);
+                for (int rr = 0; rr < ROW_BLOCK; rr++) {
+                    v16i visible = (key <= pos[r0 + rr]) & (key < (int32_t)end);
+                    if (a->window > 0) visible &= key > pos[r0 + rr] - (int32_t)a->window;
+                    const v16f masked = (v16f)(((v16i)sc[rr] & visible) | ((v16i)splat16(-INFINITY) & ~visible));
+                    memcpy(&p[rr][k16], &masked, sizeof masked);
+                }
+            }
+            float correction[ROW_BLOCK];
+            for (int rr = 0; rr < ROW_BLOCK; rr++) {                 /* online softmax, one step per chunk */
+                const int64_t r = r0 + rr;
+                v16f vmax = splat16(-INFINITY);
+                for (int64_t k16 = 0; k16 < n16; k16 += 16) {
+                    v16f x;
+                    memcpy(&x, &p[rr][k16], sizeof x);
+                    const v16i larger = x > vmax;
+                    vmax = (v16f)(((v16i)x & larger) | ((v16i)vmax & ~larger));
+                }
+                const float cmax = hmax16(vmax);
+                if (cmax == -INFINITY) {                               /* nothing visible in this chunk */
+                    memset(p[rr], 0, sizeof p[rr]);
+                    correction[rr] = 1.0f;
+                    continue;
+                }
+                const float new_max = cmax > m[r] ? cmax : m[r];
+                correction[rr] = m[r] == -INFINITY ? 0.0f : exp8(splat(m[r] - new_max))[0];
+                v16f sum = splat16(0.0f);
+                for (int64_t k16 = 0; k16 < n16; k16 += 16) {
+                    v16f x;
+                    memcpy(&x, &p[rr][k16], sizeof x);
+                    x = exp16(x - splat16(new_max));
+                    memcpy(&p[rr][k16], &x, sizeof x);
+                    sum += x;
+                }
+                l[r] = l[r] * correction[rr] + hsum16(sum);
+                m[r] = new_max;
+            }
+            v16f o[ROW_BLOCK][C];                                     /* acc += p @ V, in registers */
+            for (int rr = 0; rr < ROW_BLOCK; rr++) {
+                for (int64_t c = 0; c < C; c++) o[rr][c] = acc[r0 + rr][c] * splat16(correction[rr]);
+            }
+            for (int64_t j = 0; j < n; j++) {
+                for (int64_t c = 0; c < C; c++) {
+                    v16f vv;
+                    memcpy(&vv, &vb[j][c * 16], sizeof vv);
+                    for (int rr = 0; rr < ROW_BLOCK; rr++) o[rr][c] += splat16(p[rr][j]) * vv;
+                }
+            }
+            for (int rr = 0; rr < ROW_BLOCK; rr++) {
+                for (int64_t c = 0; c < C; c++) acc[r0 + rr][c] = o[rr][c];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t i = a->i0 + r / G, head = a->kv_head * G + r % G;
+        char *dst = a->out + (a->token0 + i) * a->o_tok + head * a->o_head;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int64_t c = 0; c < C; c++) {
+            for (int64_t e = 0; e < 16; e++) store_float(dst + (c * 16 + e) * elem, acc[r][c][e] * inv, dtype);
+        }
+    }
+}
+
+/* q [T, Hq, D] (strides q_tok, q_head in elements) holding each sequence's newest chunk, cu_q [S + 1]
+ * int32 the chunks' offsets; caches [NB, bs, Hkv, D] (element strides c_block, c_tok, c_head, 1) in q's
+ * dtype; block_tables [S, max_blocks] int32 (row stride bt_row); seq_lens [S] int32 (history + chunk);
+ * window <= 0: none; out [T, Hq, D] (strides o_tok, o_head). Returns 0, or -1 when out of memory. */
+int paged_prefill_cpu(const void *q, int64_t q_tok, int64_t q_head,
+                      const void *k_cache, const void *v_cache, int64_t c_block, int64_t c_tok, int64_t c_head,
+                      int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t num_seqs, int64_t group, const int32_t *block_tables, int64_t bt_row,
+                      const int32_t *cu_q, const int32_t *seq_lens, float scale, int64_t window,
+                      int dtype, void *out, int64_t o_tok, int64_t o_head, int threads) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t tile = ITEM_ROWS / group > 0 ? ITEM_ROWS / group : 1;
+    int64_t tiles = 0;
+    for (int64_t s = 0; s < num_seqs; s++) tiles += (cu_q[s + 1] - cu_q[s] + tile - 1) / tile;
+    int64_t *tile_seq = malloc((size_t)(tiles > 0 ? tiles : 1) * 2 * sizeof(int64_t));
+    if (tile_seq == NULL) return -1;
+    int64_t *tile_start = tile_seq + (tiles > 0 ? tiles : 1);
+    int64_t t = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t i = 0; i < cu_q[s + 1] - cu_q[s]; i += tile, t++) {
+            tile_seq[t] = s;
+            tile_start[t] = i;
+        }
+    }
+    const int64_t items = tiles * num_kv_heads;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && items > 1)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t it = items - 1 - item;     /* later tiles (more keys) first */
+        const int64_t s = tile_seq[it / num_kv_heads], i0 = tile_start[it / num_kv_heads];
+        const int64_t n = cu_q[s + 1] - cu_q[s];
+        const struct prefill_args a = {
+            .q = (const char *)q, .k = (const char *)k_cache, .v = (const char *)v_cache, .out = (char *)out,
+            .q_tok = q_tok * elem, .q_head = q_head * elem, .o_tok = o_tok * elem, .o_head = o_head * elem,
+            .c_block = c_block * elem, .c_tok = c_tok * elem, .c_head = c_head * elem,
+            .num_blocks = num_blocks, .block_size = block_size, .group = group,
+            .table = block_tables + s * bt_row, .first_pos = seq_lens[s] - n,
+            .i0 = i0, .i1 = i0 + tile < n ? i0 + tile : n, .token0 = cu_q[s],
+            .kv_head = it % num_kv_heads, .window = window, .scale = scale,
+        };
+        /* constant dtypes and head_dim / 16 at the common call sites: the compiler specialises them */
+        if (dtype == DTYPE_F32) {
+            if (head_dim == 64) prefill_item(&a, DTYPE_F32, 4);
+            else if (head_dim == 128) prefill_item(&a, DTYPE_F32, 8);
+            else prefill_item(&a, DTYPE_F32, head_dim / 16);
+        } else {
+            if (head_dim == 64) prefill_item(&a, DTYPE_BF16, 4);
+            else if (head_dim == 128) prefill_item(&a, DTYPE_BF16, 8);
+            else prefill_item(&a, DTYPE_BF16, head_dim / 16);
+        }
+    }
+    free(tile_seq);
+    return 0;
+}
