@@ -130,7 +130,8 @@ def _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate: bool
                                       or max_query_len < 0):
         raise ValueError(f"max_query_len: expected None or a non-negative int, got {max_query_len!r}")
     if validate and max_query_len is not None and seq_lens_k.shape[0] > 0:
-        longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        cu = v.host_values(cu_seqlens_q)
+        longest = int((cu[1:] - cu[:-1]).max())
         if longest != max_query_len:
             raise ValueError(f"max_query_len: {max_query_len} but the longest chunk in cu_seqlens_q "
                              f"has {longest} tokens")

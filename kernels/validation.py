@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .kv_quant import QUANTIZED, SCALE_DTYPE
@@ -172,6 +173,12 @@ def check_block_tables(block_tables, seq_lens, num_seqs: int, device: torch.devi
         _fail(lens_name, f"shape {tuple(seq_lens.shape)}, expected [{num_seqs}]")
 
 
+def host_values(t: torch.Tensor):
+    """A tensor's values for a value check: a NumPy view of a CPU tensor (an op on it costs a microsecond where a
+    torch op on a small tensor costs tens), else the tensor itself (the check then syncs with its device)."""
+    return t.numpy() if t.device.type == "cpu" else t
+
+
 def check_seq_len_values(name: str, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                          k_cache: torch.Tensor) -> None:
     """Value check (syncs on CUDA): 0 <= seq_len <= capacity and every used block id is in the cache."""
@@ -179,16 +186,20 @@ def check_seq_len_values(name: str, seq_lens: torch.Tensor, block_tables: torch.
     capacity = block_tables.shape[1] * block_size
     if seq_lens.numel() == 0:
         return
-    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    lens, tables = host_values(seq_lens), host_values(block_tables)
+    lo, hi = int(lens.min()), int(lens.max())
     if lo < 0:
         _fail(name, f"negative length {lo}")
     if hi > capacity:
         _fail(name, f"length {hi} exceeds the block table capacity {capacity} "
                     f"(block_tables.shape[1] * block_size = {block_tables.shape[1]} * {block_size})")
-    num_used = (seq_lens.long() + block_size - 1) // block_size                # [num_seqs]
-    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+    num_used = (lens + block_size - 1) // block_size                            # [num_seqs]
+    if isinstance(tables, torch.Tensor):
+        cols = torch.arange(tables.shape[1], device=tables.device)
+    else:
+        cols = np.arange(tables.shape[1])
     used = cols[None, :] < num_used[:, None]                                   # [num_seqs, max_blocks]
-    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    bad = used & ((tables < 0) | (tables >= num_blocks))
     if bool(bad.any()):
         _fail("block_tables", f"a block id used by {name} is outside [0, {num_blocks})")
 
@@ -203,16 +214,16 @@ def check_cu_seqlens(cu_seqlens_q, seq_lens_k, total_q: int, validate: bool) -> 
                               f"[{seq_lens_k.shape[0] + 1}]")
     if not validate:
         return
-    cu = cu_seqlens_q.tolist()
+    cu = cu_seqlens_q.cpu().numpy()
     if cu[0] != 0 or cu[-1] != total_q:
         _fail("cu_seqlens_q", f"must start at 0 and end at q.shape[0] = {total_q}, got {cu[0]}..{cu[-1]}")
-    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    if any(n < 0 for n in q_lens):
+    q_lens = np.diff(cu)
+    if (q_lens < 0).any():
         _fail("cu_seqlens_q", "must be non-decreasing")
-    k_lens = seq_lens_k.tolist()
-    for i, (nq, nk) in enumerate(zip(q_lens, k_lens)):
-        if nq > nk:
-            _fail("cu_seqlens_q", f"sequence {i} has {nq} query tokens but seq_lens_k = {nk}")
+    too_long = q_lens > seq_lens_k.cpu().numpy()
+    if too_long.any():
+        i = int(too_long.argmax())
+        _fail("cu_seqlens_q", f"sequence {i} has {q_lens[i]} query tokens but seq_lens_k = {int(seq_lens_k[i])}")
 
 
 def check_slot_mapping(slot_mapping, num_tokens: int, k_cache: torch.Tensor, validate: bool) -> None:
@@ -224,6 +235,6 @@ def check_slot_mapping(slot_mapping, num_tokens: int, k_cache: torch.Tensor, val
         _fail("slot_mapping", f"shape {tuple(slot_mapping.shape)}, expected [{num_tokens}]")
     if validate and num_tokens > 0:
         num_slots = k_cache.shape[0] * k_cache.shape[1]
-        hi = int(slot_mapping.max())
+        hi = int(host_values(slot_mapping).max())
         if hi >= num_slots:
             _fail("slot_mapping", f"slot {hi} is outside the cache ({num_slots} slots)")
