@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-from helpers.spies import record_calls
 from helpers.paged_kv_cases import assert_close_to_oracle, dense_attention, make_paged_case, seed_of
+from helpers.spies import record_calls
 from pagedray import kernels
 from pagedray.kernels import cpu_decode, cpu_prefill
 
