@@ -21,7 +21,7 @@ others queue behind that step; every later arrival's first token then waits for 
 requests' decodes stay out of step for their whole lives (measured: a 16-request wave on the 2-core
 VM arrived over 5 ms, and the first request's lone 21-87 ms prefill step delayed the other 15). So
 an idle engine that receives a request waits until ``idle_batch_wait_ms`` pass with no further
-arrival, at most 4x that in all, then steps. An engine that is already running never waits.
+arrival, at most 8x that in all, then steps. An engine that is already running never waits.
 
 Decisions: docs/design/cluster.md, ``pagedray.cluster.async_engine``.
 """
@@ -102,7 +102,7 @@ def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
 
 STALL_GRACE_FACTOR = 2.0     # the watchdog ends the streams after this many step limits
 WATCHDOG_POLL_S = 0.05
-IDLE_BATCH_WAITS = 4           # the idle batch wait: at most this many quiet windows
+IDLE_BATCH_WAITS = 8           # the idle batch wait: at most this many quiet windows
 
 
 class AsyncEngine:

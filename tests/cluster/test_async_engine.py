@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 from helpers.fake_executor import FakeClock, FakeExecutor, GatedFakeExecutor, PacedFakeExecutor
-from pagedray.cluster.async_engine import AsyncEngine
+from pagedray.cluster.async_engine import IDLE_BATCH_WAITS, AsyncEngine
 from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE
 from pagedray.cluster.outputs import EngineDeadError, EngineDrainingError
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig
@@ -411,14 +411,14 @@ def test_idle_engine_lets_a_burst_arrive_before_its_first_step(tiny_llama_path):
     assert late[0] == [31, 32]
 
 
-def test_idle_batch_wait_stops_after_four_windows_and_zero_turns_it_off(tiny_llama_path):
-    """Arrivals in every window: the engine steps after the fourth anyway; with 0 it never pauses."""
+def test_idle_batch_wait_stops_after_its_last_window_and_zero_turns_it_off(tiny_llama_path):
+    """Arrivals in every window: the engine steps after the last one anyway; with 0 it never pauses."""
     fake, sleep = FakeExecutor(64), HeldSleep()
     engine = _waiting_engine(tiny_llama_path, fake, sleep, 2.0)
 
     async def main():
         tasks = [asyncio.create_task(_consume(engine, "r0", [10], 2))]
-        for i in range(1, 5):
+        for i in range(1, IDLE_BATCH_WAITS + 1):
             await sleep.next_pause()
             tasks.append(asyncio.create_task(_consume(engine, f"r{i}", [10 + i], 2)))
             await asyncio.sleep(0)
@@ -428,9 +428,9 @@ def test_idle_batch_wait_stops_after_four_windows_and_zero_turns_it_off(tiny_lla
         results = asyncio.run(main())
     finally:
         engine.shutdown()
-    assert len(sleep.calls) == 4                         # capped: r4 arrived in the fourth window
-    assert len(fake.plans[0].new_seqs) == 5
-    assert [tokens for tokens, _ in results] == [[11 + i, 12 + i] for i in range(5)]
+    assert len(sleep.calls) == IDLE_BATCH_WAITS          # capped: the last request arrived in the last window
+    assert len(fake.plans[0].new_seqs) == IDLE_BATCH_WAITS + 1
+    assert [tokens for tokens, _ in results] == [[11 + i, 12 + i] for i in range(IDLE_BATCH_WAITS + 1)]
 
     fake, sleep = FakeExecutor(64), HeldSleep()
     engine = _waiting_engine(tiny_llama_path, fake, sleep, 0)

@@ -211,7 +211,7 @@ class EngineConfig:
                                      "(its first and last output at once); more steps per message cost the "
                                      "front end less CPU and make streams burstier")
     idle_batch_wait_ms: float = option(3.0, "an idle serving engine that receives a request starts its first "
-                                            "step once no other request has arrived for this long (at most 4x "
+                                            "step once no other request has arrived for this long (at most 8x "
                                             "this in all), so a burst of arrivals is prefilled in one step "
                                             "(0: start at once)")
 
