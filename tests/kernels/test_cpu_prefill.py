@@ -25,6 +25,7 @@ CASES = [
     (4, 2, 96, 64, F32, ((130, 70), (0, 2), (64, 64)), 33),                 # window, history, 6 x 16 dims
     (64, 1, 64, 16, BF16, ((5, 3), (0, 9)), None),                          # G 64: one token per tile
     (2, 1, 256, 32, BF16, ((17, 40), (1, 65)), 8),                          # head_dim 256, short window
+    (3, 1, 64, 16, F32, ((0, 600), (100, 300)), None),                      # long chunks: 10+ key chunks
 ]
 
 

@@ -8,6 +8,7 @@ import torch
 from helpers.spies import record_calls
 from pagedray.kernels import cpu_choice, cpu_decode, cpu_fused, cpu_twins, fused_ops
 from pagedray.kernels.cpu_choice import ROW_BUCKETS
+from pagedray.kernels.fused_reference import apply_rotary_reference, rms_norm_reference, silu_and_mul_reference
 from pagedray.kernels.reference import ROW_CHUNK_MAX, paged_prefill_reference
 
 needs_library = pytest.mark.skipif(cpu_fused._library() is None or not cpu_decode.available(),
@@ -132,3 +133,27 @@ def test_prefill_values_do_not_depend_on_the_rows_length(dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=tol, atol=tol)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", ROW_BUCKETS)
+def test_both_twins_agree_at_every_timed_row_count(dtype, rows):
+    """What the timing may pick at each bucket gives the same values: bf16 bit for bit (SiLU: within an ulp of
+    its rounding), fp32 within the last bits (the C sum of squares and exp differ in order / polynomial)."""
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 64, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(64, generator=gen).to(dtype)
+    heads = torch.randn(rows, 3, 64, generator=gen).to(dtype)
+    cos, sin = (torch.randn(rows, 1, 64, generator=gen).to(dtype) for _ in range(2))
+    gate_up = (torch.randn(rows, 128, generator=gen) * 4).to(dtype)
+    pairs = [(cpu_fused.rms_norm_cpu(x, weight, 1e-6, residual)[0], rms_norm_reference(x, weight, 1e-6, residual)[0]),
+             (cpu_fused.apply_rotary_cpu(heads, cos, sin), apply_rotary_reference(heads, cos, sin))]
+    for got, expected in pairs:
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=2 ** -20, atol=0)
+    rtol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -20
+    torch.testing.assert_close(cpu_fused.silu_and_mul_cpu(gate_up).float(), silu_and_mul_reference(gate_up).float(),
+                               rtol=rtol, atol=1e-30)
