@@ -54,10 +54,12 @@ class SequenceState:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BatchedSequence:
     """A mirrored sequence in this step's input batch, with the tokens the plan schedules for it (the
-    engine side's ``cluster.scheduler_output.ScheduledSequence`` is what the scheduler decided)."""
+    engine side's ``cluster.scheduler_output.ScheduledSequence`` is what the scheduler decided). Never
+    changed after ``of``; not a frozen dataclass only because one is made per sequence per step, and a
+    frozen one took 3x as long to create (0.84 against 0.27 us)."""
 
     state: SequenceState
     num_scheduled_tokens: int          # drafts included
