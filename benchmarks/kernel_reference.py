@@ -14,31 +14,20 @@ import json
 import math
 import pathlib
 import platform
-import statistics
 import sys
-import time
 
 if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import torch
 import torch.nn.functional as F
+from pagedray.kernels.cpu_twins import median_ms
 from pagedray.kernels.reference import paged_decode_reference, paged_prefill_reference
 
 HEADS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 DECODE = [(1, 512), (8, 512), (32, 512), (8, 2048), (64, 256), (128, 1024)]
 PREFILL = [(128, 0), (512, 0), (128, 512), (512, 1024)]
 BLOCK_SIZE = 16
-
-
-def _median_ms(fn, reps: int = 7) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
 
 
 def _paged(gen, lens, kv_heads, head_dim, dtype):
@@ -68,10 +57,10 @@ def time_decode(model: str, batch: int, context: int, dtype) -> dict:
     k_cache, v_cache, tables = _paged(gen, [context] * batch, hkv, d, dtype)
     q = torch.randn((batch, hq, d), generator=gen).to(dtype)
     lens = torch.full((batch,), context, dtype=torch.int32)
-    ref_ms = _median_ms(lambda: paged_decode_reference(q, k_cache, v_cache, tables, lens, 0.1))
+    ref_ms = median_ms(lambda: paged_decode_reference(q, k_cache, v_cache, tables, lens, 0.1), repeats=7)
     keys, values = _dense(k_cache, tables, context), _dense(v_cache, tables, context)
     q_rows = q.to(torch.float32).view(batch, hkv, hq // hkv, d)
-    peer_ms = _median_ms(lambda: F.scaled_dot_product_attention(q_rows, keys, values, scale=0.1))
+    peer_ms = median_ms(lambda: F.scaled_dot_product_attention(q_rows, keys, values, scale=0.1), repeats=7)
     return dict(kind="decode", model=model, dtype=str(dtype)[6:], batch=batch, context=context,
                 ref_ms=ref_ms, dense_sdpa_ms=peer_ms, ratio=ref_ms / peer_ms)
 
@@ -84,13 +73,13 @@ def time_prefill(model: str, chunk: int, history: int, dtype) -> dict:
     q = torch.randn((chunk, hq, d), generator=gen).to(dtype)
     cu = torch.tensor([0, chunk], dtype=torch.int32)
     lens = torch.tensor([total], dtype=torch.int32)
-    ref_ms = _median_ms(lambda: paged_prefill_reference(q, k_cache, v_cache, cu, lens, tables, 0.1), reps=5)
+    ref_ms = median_ms(lambda: paged_prefill_reference(q, k_cache, v_cache, cu, lens, tables, 0.1), repeats=5)
     keys = _dense(k_cache, tables, total).repeat_interleave(hq // hkv, dim=1)
     values = _dense(v_cache, tables, total).repeat_interleave(hq // hkv, dim=1)
     q_dense = q.to(torch.float32).transpose(0, 1)[None].contiguous()
     mask = torch.ones((chunk, total), dtype=torch.bool).tril(diagonal=history)
-    peer_ms = _median_ms(lambda: F.scaled_dot_product_attention(q_dense, keys, values, attn_mask=mask,
-                                                                scale=0.1), reps=5)
+    peer_ms = median_ms(lambda: F.scaled_dot_product_attention(q_dense, keys, values, attn_mask=mask,
+                                                                scale=0.1), repeats=5)
     return dict(kind="prefill", model=model, dtype=str(dtype)[6:], chunk=chunk, history=history,
                 ref_ms=ref_ms, dense_sdpa_ms=peer_ms, ratio=ref_ms / peer_ms)
 
