@@ -75,6 +75,21 @@ def _wait_for_two_engine_replicas(http) -> None:
     raise AssertionError(f"two engine replicas did not come up: {_engine_replicas()}")
 
 
+def _busy_replicas(http) -> set[str]:
+    """The engine replicas whose /metrics (the ingress router's last summaries) show running sequences."""
+    pattern = r'pagedray:num_requests_running\{[^}]*replica="([^"]+)"[^}]*\} ([0-9.e+]+)'
+    return {replica for replica, value in re.findall(pattern, http.get("/metrics").text) if float(value) > 0}
+
+
+def _wait_until_busy(http, count: int) -> None:
+    """Until the ingress's router has seen ``count`` engine replicas running sequences: a stream routed after
+    this sees the others' load (on a loaded machine a replica's summary can lag its first token)."""
+    deadline = time.monotonic() + 300                 # hang guard
+    while len(_busy_replicas(http)) < count:
+        assert time.monotonic() < deadline, f"{count} busy engine replicas never showed: {_busy_replicas(http)}"
+        time.sleep(0.2)
+
+
 def _sample_texts(events: list) -> dict[int, str]:
     """{choice index: its text} of a completion stream."""
     texts: dict[int, str] = {}
@@ -149,7 +164,8 @@ def _replacement_warmed_from_its_peer(app, before: list[str]) -> None:
 
 def test_each_sample_of_a_killed_replicas_stream_continues_exactly(app):
     """Two n=3 completion streams (seeded; greedy), one on each engine replica: their prompts are shorter than
-    one KV block, so the router sends the second to the less loaded replica (routing/router.py). SIGKILL of
+    one KV block, so the router sends the second to the less loaded replica (routing/router.py), once its
+    summaries show the first one's load (CI once sent both to one replica and killed the idle one). SIGKILL of
     one replica's process (the replica a ``process_id`` call reaches): the ingress continues each sample of the
     stream it served as an n=1 request with that sample's seed and tokens, three calls at once from one
     ingress request. Before the router's FIFO fulfilment, calls that were pending together left all but one
@@ -174,9 +190,10 @@ def test_each_sample_of_a_killed_replicas_stream_continues_exactly(app):
     outs = [{} for _ in bodies]
     started = [threading.Event() for _ in bodies]
     threads = []
-    for body, out, event in zip(bodies, outs, started):   # the second is routed while the first runs
-        threads.append(stream_in_thread(app.url, body, event, out))
+    for busy, (body, out, event) in enumerate(zip(bodies, outs, started), start=1):
+        threads.append(stream_in_thread(app.url, body, event, out))   # the second is routed while the first runs
         assert event.wait(300), "a stream did not start"
+        _wait_until_busy(http, busy)   # each stream on its own replica: any replica killed holds exactly one
     os.kill(app.engine_handle().process_id.remote().result(), signal.SIGKILL)
     for thread in threads:
         thread.join(600)
