@@ -78,8 +78,8 @@ from benchmarks.common import add_round_args, finish_rounds, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
-PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(-async)?(-sock)?(?:-t(\d+))?"
-                             r"(-kv8|-kvfp8)?(?:-gemm(c|onednn|mkl))?(-bf16|-fp32)?")
+PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(?:-iw(\d+))?(-async)?(-sock)?"
+                             r"(?:-t(\d+))?(-kv8|-kvfp8)?(?:-gemm(c|onednn|mkl))?(-bf16|-fp32)?")
 GEMM_SUFFIX = re.compile(r"-gemm(c|onednn|mkl)")
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
 # (label, path in a loadtest summary, higher is better)
@@ -181,7 +181,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
     defaults: one Ray worker actor per rank; one replica, so the engine runs in the ingress replica),
     ``pagedray-tp1-local`` (the model in the engine's own process); ``-ei`` adds ``--engine-in-ingress`` and
     ``-sep`` ``--no-engine-in-ingress`` (the engine in a deployment of its own between the ingress and the
-    workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned setting), ``-async`` adds
+    workers); a ``-siK`` suffix adds ``--stream-interval K`` (a tuned setting), ``-iwK`` ``--idle-batch-wait-ms K``,
+    ``-async`` adds
     ``--async-scheduling``, ``-sock`` ``--ray-transport socket``, ``-tK`` ``--threads-per-worker K``, ``-kv8``
     ``--kv-cache-dtype int8`` and ``-kvfp8`` ``--kv-cache-dtype fp8_e4m3`` (tuned settings), ``-gemmP`` ``--cpu-gemm
     P`` (one linear product forced: ``-gemmc`` is the C GEMM everywhere, the choice before it was measured); a final
@@ -198,8 +199,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
             specs.append(SystemSpec(name, command, model_path))
         elif PAGEDRAY_SYSTEM.fullmatch(name):
             match = PAGEDRAY_SYSTEM.fullmatch(name)
-            tp, in_process, layout, stream_interval, async_scheduling, socket_transport, threads, kv8, gemm, dtype = \
-                match.groups()
+            (tp, in_process, layout, stream_interval, idle_wait, async_scheduling, socket_transport, threads, kv8,
+             gemm, dtype) = match.groups()
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
                        "--tensor-parallel-size", tp, "--device", args.device, "--host", "127.0.0.1",
                        "--port", str(port)]
@@ -211,6 +212,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                 command += ["--engine-in-ingress" if layout == "-ei" else "--no-engine-in-ingress"]
             if stream_interval:
                 command += ["--stream-interval", stream_interval]
+            if idle_wait:
+                command += ["--idle-batch-wait-ms", idle_wait]
             if async_scheduling:
                 command += ["--async-scheduling"]
             if socket_transport:
@@ -227,7 +230,7 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                                     env=vllm_cpu.environment(name)))
         else:
             raise ValueError(f"systems: unknown system {name!r} (peer, peer-tuned, vllm, vllm-bind, vllm-fp32, "
-                             "pagedray-tpN[-local][-ei|-sep][-siK][-async][-sock][-tK][-kv8|-kvfp8][-gemmP]"
+                             "pagedray-tpN[-local][-ei|-sep][-siK][-iwK][-async][-sock][-tK][-kv8|-kvfp8][-gemmP]"
                              "[-bf16|-fp32])")
     return specs
 
@@ -315,8 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks.serving", description=__doc__.split("\n\n")[0])
     add_round_args(p, "serving")
     p.add_argument("--systems", default="pagedray-tp1,pagedray-tp2,peer",
-                   help="servers: pagedray-tpN[-local][-ei|-sep][-siK][-async][-tK][-bf16|-fp32] (-ei / -sep: "
-                        "--engine-in-ingress / --no-engine-in-ingress, -siK: --stream-interval K, -async: "
+                   help="servers: pagedray-tpN[-local][-ei|-sep][-siK][-iwK][-async][-tK][-bf16|-fp32] (-ei / -sep: "
+                        "--engine-in-ingress / --no-engine-in-ingress, -siK: --stream-interval K, "
+                        "-iwK: --idle-batch-wait-ms K, -async: "
                         "--async-scheduling, -tK: --threads-per-worker K), peer, peer-tuned, vllm, vllm-fp32 "
                         "(benchmarks/vllm_cpu.py)")
     p.add_argument("--peer-tuned", action="store_true",

@@ -136,8 +136,13 @@ class Engine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None or (
-            self._dead is None and self.scheduler.has_pending_releases)
+        """Work for another ``step``: requests, outputs to hand out, or finished sequences to release."""
+        return self.has_requests() or (self._dead is None and self.scheduler.has_pending_releases)
+
+    def has_requests(self) -> bool:
+        """Requests running or waiting, a step in flight, or outputs not handed out yet; unlike
+        ``has_unfinished_requests``, finished sequences whose release the ranks still await do not count."""
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -459,3 +459,33 @@ def test_running_engine_does_not_wait_for_more_arrivals(tiny_llama_path):
         engine.shutdown()
     assert sleep.calls == [0.004]                        # a's, from idle; none for b
     assert tokens_a == [12, 13, 14] and tokens_b == [21, 22]
+
+
+def test_arrivals_during_the_step_that_empties_the_engine_wait_for_their_burst(tiny_llama_path):
+    """b arrives while the step that finishes the engine's only request runs (a closed-loop client's next
+    wave starting): the engine is idle after that step, so b waits a window for the rest of its burst (c)
+    instead of being prefilled alone in the next step."""
+    fake, sleep = GatedFakeExecutor(64), HeldSleep(hold=2)
+    engine = _waiting_engine(tiny_llama_path, fake, sleep, 4.0)
+
+    async def main():
+        first = asyncio.create_task(_consume(engine, "a", [10, 11], 1))
+        await sleep.next_pause()
+        sleep.release()                                  # a's window was quiet: step 0 (a's last token)
+        await asyncio.to_thread(fake.entered.wait, 60)   # step 0 is blocked inside execute
+        second = asyncio.create_task(_consume(engine, "b", [20], 2))
+        await asyncio.sleep(0)                           # b is queued during step 0
+        fake.gate.set()
+        await sleep.next_pause()                         # a finished: the engine waits for b's burst
+        assert len(fake.plans) == 1
+        third = asyncio.create_task(_consume(engine, "c", [30], 2))
+        await asyncio.sleep(0)
+        sleep.release()                                  # c came in that window: one more (quiet) window
+        return await asyncio.gather(first, second, third)
+    try:
+        (tokens_a, _), (tokens_b, _), (tokens_c, _) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert sleep.calls == [0.004, 0.004, 0.004]
+    assert [len(plan.new_seqs) for plan in fake.plans[:2]] == [1, 2]   # b and c prefilled in one step
+    assert tokens_a == [12] and tokens_b == [21, 22] and tokens_c == [31, 32]
