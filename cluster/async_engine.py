@@ -24,8 +24,13 @@ an idle engine that receives a request waits until ``idle_batch_wait_ms`` pass w
 arrival, at most 8x that in all, then steps. An engine whose last requests finished in the step that
 just ran is idle too: the requests that arrived during that step wait for the rest of their burst
 (a closed-loop client sends its next wave as the last one ends; measured on the 2-core VM: 1-2 of a
-16-request wave were prefilled alone and the other 14 waited ~150 ms for that step). An engine that
-still runs requests never waits: new arrivals join its next step.
+16-request wave were prefilled alone and the other 14 waited ~150 ms for that step). When the first
+arrival comes within the wait's cap of the step that emptied the engine, it is taken for the replacement
+of a request that step finished (closed-loop clients, agents, batch jobs send the next request as one
+ends): the engine then waits for as many arrivals as that step finished requests, a quiet window not
+ending the wait before that, at most 16 windows in all (a 16-request wave reached the engine over up to
+30 ms on the 2-core VM, with gaps of 4-8 ms). An engine that still runs requests never waits: new
+arrivals join its next step.
 
 Decisions: docs/design/cluster.md, ``pagedray.cluster.async_engine``.
 """
@@ -107,6 +112,7 @@ def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
 STALL_GRACE_FACTOR = 2.0     # the watchdog ends the streams after this many step limits
 WATCHDOG_POLL_S = 0.05
 IDLE_BATCH_WAITS = 8           # the idle batch wait: at most this many quiet windows
+REPLACEMENT_WAITS = 16         # ... or this many while the replacements of just-finished requests arrive
 
 
 class AsyncEngine:
@@ -120,6 +126,8 @@ class AsyncEngine:
         self._lock = threading.Lock()             # guards _commands and _pending_adds only
         self._commands: collections.deque = collections.deque()
         self._pending_adds = 0
+        self._first_add_at = 0.0   # when the first add not yet applied arrived
+        self._emptied: tuple[float, int] = (float("-inf"), 0)   # (when, requests finished) of the step that emptied
         self._streams: dict[str, asyncio.Queue] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedray-step")
         self._wake: asyncio.Event | None = None
@@ -144,6 +152,8 @@ class AsyncEngine:
         with self._lock:
             if self._stats.num_waiting + self._pending_adds >= limit:
                 raise QueueFullError(f"{limit} requests are waiting (max_queued_requests); retry later")
+            if self._pending_adds == 0:
+                self._first_add_at = self._clock()
             self._pending_adds += 1
             self._commands.append(AddCommand(request_id, list(prompt_token_ids), params, priority,
                                              list(resume_tokens)))
@@ -240,10 +250,13 @@ class AsyncEngine:
         window = self.config.idle_batch_wait_ms / 1e3
         if window <= 0 or self._pending_adds == 0:
             return
+        emptied_at, finished = self._emptied
+        replacing = self._first_add_at - emptied_at <= IDLE_BATCH_WAITS * window
+        expected, waits = (finished, REPLACEMENT_WAITS) if replacing else (1, IDLE_BATCH_WAITS)
         seen = self._pending_adds
-        for _ in range(IDLE_BATCH_WAITS):
+        for _ in range(waits):
             await self._sleep(window)
-            if self._pending_adds == seen or self._closed:
+            if self._closed or (self._pending_adds == seen and seen >= expected):
                 return
             seen = self._pending_adds
 
@@ -315,6 +328,8 @@ class AsyncEngine:
             finally:
                 self._step_started = None
         self._stats = self.engine.stats()
+        if outputs and not self.engine.has_requests():
+            self._emptied = (self._clock(), sum(1 for out in outputs if out.finished))
         with self._lock:
             arrivals = self._pending_adds > 0
         # new arrivals at an engine with no request left: back to the loop's idle batch wait (the releases

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 from helpers.fake_executor import FakeClock, FakeExecutor, GatedFakeExecutor, PacedFakeExecutor
-from pagedray.cluster.async_engine import IDLE_BATCH_WAITS, AsyncEngine
+from pagedray.cluster.async_engine import IDLE_BATCH_WAITS, REPLACEMENT_WAITS, AsyncEngine
 from pagedray.cluster.engine import ENGINE_DEAD_MESSAGE
 from pagedray.cluster.outputs import EngineDeadError, EngineDrainingError
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig
@@ -375,17 +375,18 @@ class HeldSleep:
         self._release.set()
 
 
-def _waiting_engine(path, fake, sleep: HeldSleep, wait_ms: float) -> AsyncEngine:
+def _waiting_engine(path, fake, sleep: HeldSleep, wait_ms: float, clock: FakeClock | None = None) -> AsyncEngine:
+    """The engine's clock (arrival and emptying times) is fake: it moves only when a test advances it."""
     config = EngineConfig(model=ModelConfig(model=path), cache=CacheConfig(block_size=8, num_blocks=64),
                           idle_batch_wait_ms=wait_ms)
-    return AsyncEngine(config, executor=fake, sleep=sleep)
+    return AsyncEngine(config, executor=fake, sleep=sleep, clock=clock or FakeClock())
 
 
 def test_idle_engine_lets_a_burst_arrive_before_its_first_step(tiny_llama_path):
     """Requests that arrive while an idle engine waits go into its first step together; the wait ends after
     a window with no new arrival (here: the second window), and a running engine never waits."""
-    fake, sleep = FakeExecutor(64), HeldSleep(hold=2)
-    engine = _waiting_engine(tiny_llama_path, fake, sleep, 4.0)
+    fake, sleep, clock = FakeExecutor(64), HeldSleep(hold=2), FakeClock()
+    engine = _waiting_engine(tiny_llama_path, fake, sleep, 4.0, clock)
 
     async def main():
         first = asyncio.create_task(_consume(engine, "a", [10, 11], 3))
@@ -399,6 +400,7 @@ def test_idle_engine_lets_a_burst_arrive_before_its_first_step(tiny_llama_path):
         sleep.release()                                  # a quiet window: the first step starts
         results = await asyncio.gather(first, *others)
         await engine._wait_idle(60)                      # the step loop is back to waiting for work
+        clock.advance(1.0)                               # d comes long after a, b and c ended: no replacement
         late = await _consume(engine, "d", [30], 2)      # idle again: one (unheld) window
         return results, late
     try:
@@ -489,3 +491,58 @@ def test_arrivals_during_the_step_that_empties_the_engine_wait_for_their_burst(t
     assert sleep.calls == [0.004, 0.004, 0.004]
     assert [len(plan.new_seqs) for plan in fake.plans[:2]] == [1, 2]   # b and c prefilled in one step
     assert tokens_a == [12] and tokens_b == [21, 22] and tokens_c == [31, 32]
+
+
+async def _two_finish_in_one_step(engine):
+    """a and b arrive together at an idle engine and end in its first step (one token each)."""
+    return await asyncio.gather(_consume(engine, "a", [10], 1), _consume(engine, "b", [20], 1))
+
+
+def test_replacements_of_the_requests_that_just_finished_are_awaited_past_a_quiet_window(tiny_llama_path):
+    """a and b end in the step that empties the engine; c arrives at once (a closed-loop client's next request):
+    the engine expects two replacements, so a quiet window does not end its wait until d is there too, then one
+    more quiet window. The next step prefills c and d together."""
+    fake, sleep = FakeExecutor(64), HeldSleep(hold=4)
+    engine = _waiting_engine(tiny_llama_path, fake, sleep, 4.0)
+
+    async def main():
+        pair = asyncio.create_task(_two_finish_in_one_step(engine))
+        await sleep.next_pause()                         # a and b's burst: one quiet window
+        sleep.release()
+        finished = await pair
+        third = asyncio.create_task(_consume(engine, "c", [30], 2))
+        await sleep.next_pause()
+        sleep.release()                                  # quiet, but only one of the two replacements is here
+        await sleep.next_pause()
+        assert len(fake.plans) <= 2 and all(not plan.new_seqs for plan in fake.plans[1:])   # c is not stepped
+        fourth = asyncio.create_task(_consume(engine, "d", [40], 2))
+        await asyncio.sleep(0)
+        sleep.release()                                  # d came: one more window, a quiet one
+        await sleep.next_pause()
+        sleep.release()
+        return finished, await asyncio.gather(third, fourth)
+    try:
+        finished, later = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert sleep.calls == [0.004] * 4
+    assert [tokens for tokens, _ in finished] == [[11], [21]]
+    stepped = [len(plan.new_seqs) for plan in fake.plans if plan.new_seqs]
+    assert stepped == [2, 2]                             # a + b, then c + d
+    assert [tokens for tokens, _ in later] == [[31, 32], [41, 42]]
+
+
+def test_the_wait_for_replacements_that_do_not_come_is_capped(tiny_llama_path):
+    """Only c replaces a and b: the engine steps after REPLACEMENT_WAITS windows."""
+    fake, sleep = FakeExecutor(64), HeldSleep(hold=0)
+    engine = _waiting_engine(tiny_llama_path, fake, sleep, 4.0)
+
+    async def main():
+        await _two_finish_in_one_step(engine)
+        return await _consume(engine, "c", [30], 2)
+    try:
+        tokens, _ = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(sleep.calls) == 1 + REPLACEMENT_WAITS     # a and b's window, then c's capped wait
+    assert tokens == [31, 32]

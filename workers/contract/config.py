@@ -212,7 +212,8 @@ class EngineConfig:
                                      "front end less CPU and make streams burstier")
     idle_batch_wait_ms: float = option(3.0, "an idle serving engine that receives a request starts its first "
                                             "step once no other request has arrived for this long (at most 8x "
-                                            "this in all), so a burst of arrivals is prefilled in one step "
+                                            "this in all; 16x while the replacements of requests that just "
+                                            "finished arrive), so a burst of arrivals is prefilled in one step "
                                             "(0: start at once)")
 
     def __post_init__(self) -> None:
