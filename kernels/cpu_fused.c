@@ -56,52 +56,13 @@ static inline void store8(char *base, int64_t i, v8f x, int dtype) {
 }
 
 #ifdef __AVX512F__
-#include <immintrin.h>
-
-/* exp(x) for 16 x <= 0: exp8's algorithm with explicit FMAs, x below -87 gives 0 */
-static inline __m512 exp16_nonpositive(__m512 x) {
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 nf = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i n = _mm512_cvtps_epi32(nf);
-    const __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
-    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, two_n);
-}
-
+/* 16 elements at base[i..i+16) as float32 / stored there as dtype */
 static inline __m512 load16_at(const char *base, int64_t i, int dtype) {
-    if (dtype == DTYPE_F32) return _mm512_loadu_ps(base + i * 4);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)(base + i * 2));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* bfloat16 rounding as to_bf16 (nearest even; a NaN stays a quiet NaN), as float32 values */
-static inline __m512 rnd16(__m512 x, int dtype) {
-    if (dtype == DTYPE_F32) return x;
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __m512i bits = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
-    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+    return zmm_load(base + i * (dtype == DTYPE_F32 ? 4 : 2), dtype);
 }
 
 static inline void store16_at(char *base, int64_t i, __m512 x, int dtype) {
-    if (dtype == DTYPE_F32) {
-        _mm512_storeu_ps(base + i * 4, x);
-        return;
-    }
-    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rnd16(x, dtype)), 16));
-    _mm256_storeu_si256((__m256i *)(base + i * 2), h);
+    zmm_store(base + i * (dtype == DTYPE_F32 ? 4 : 2), x, dtype);
 }
 #endif
 
@@ -161,7 +122,7 @@ void rms_norm_rows(const void *x, int64_t x_row, const void *residual, int64_t r
 #ifdef __AVX512F__
         const __m512 inv16 = _mm512_set1_ps(inv);
         for (int64_t i = 0; i < vec16; i += 16) {
-            const __m512 normed = rnd16(_mm512_mul_ps(load16_at(src, i, dtype), inv16), dtype);
+            const __m512 normed = zmm_round(_mm512_mul_ps(load16_at(src, i, dtype), inv16), dtype);
             store16_at(o, i, _mm512_mul_ps(load16_at(weight, i, dtype), normed), dtype);
         }
 #endif
@@ -190,8 +151,8 @@ void rotary_rows(const void *x, int64_t x_tok, const void *cos, const void *sign
             if (half % 16 == 0) {
                 for (int64_t i = 0; i < head_dim; i += 16) {
                     const int64_t src = i < half ? i + half : i - half;
-                    const __m512 a = rnd16(_mm512_mul_ps(load16_at(xr, i, dtype), load16_at(c, i, dtype)), dtype);
-                    const __m512 b = rnd16(_mm512_mul_ps(load16_at(xr, src, dtype), load16_at(s, i, dtype)), dtype);
+                    const __m512 a = zmm_round(_mm512_mul_ps(load16_at(xr, i, dtype), load16_at(c, i, dtype)), dtype);
+                    const __m512 b = zmm_round(_mm512_mul_ps(load16_at(xr, src, dtype), load16_at(s, i, dtype)), dtype);
                     store16_at(o, i, _mm512_add_ps(a, b), dtype);
                 }
                 continue;
@@ -240,10 +201,10 @@ void silu_mul_rows(const void *gate_up, int64_t gu_row, void *out, int64_t o_row
             const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
             const __m512 abs_x = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x),
                                                                       _mm512_set1_epi32(0x7fffffff)));
-            const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), abs_x));   /* exp(-|x|) */
+            const __m512 e = zmm_exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), abs_x));   /* exp(-|x|) */
             const __m512 num = _mm512_mask_mul_ps(x, negative, x, e);
             const __m512 silu = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            store16_at(o, i, _mm512_mul_ps(rnd16(silu, dtype), load16_at(u, i, dtype)), dtype);
+            store16_at(o, i, _mm512_mul_ps(zmm_round(silu, dtype), load16_at(u, i, dtype)), dtype);
         }
 #endif
         for (int64_t i = vec16; i < vec; i += 8) {

@@ -20,14 +20,12 @@
  * weights of a tile pair are loaded from memory once and from cache for the later blocks.
  *
  * Sums are float32 in k order (bfloat16: the two products of a pair added inside vdpbf16ps); bfloat16
- * outputs are rounded once at the end, nearest even, as torch rounds. */
+ * outputs are rounded once at the end, nearest even, as torch rounds (cpu_vec.h: zmm_store_masked). */
 #include <stdint.h>
 
-#define DTYPE_F32 0             /* the dtype codes of cpu_build.DTYPE_CODES */
-#define DTYPE_BF16 1
+#include "cpu_vec.h"
 
 #ifdef __AVX512F__
-#include <immintrin.h>
 #include <omp.h>
 
 #define TILE 16                 /* output columns per tile: one zmm of float32 sums */
@@ -62,24 +60,6 @@ void pack_weight(const void *w, int64_t n, int64_t k, void *p, int dtype, int th
                     else
                         ((float *)p)[dst] = row < n ? ((const float *)w)[src] : 0.0f;
                 }
-}
-
-/* 16 values at src (the first `mask` lanes; float32 or bfloat16) as float32 */
-static inline __m512 load16(const void *src, __mmask16 mask, int dtype) {
-    if (dtype == DTYPE_F32) return _mm512_maskz_loadu_ps(mask, src);
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, src);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* 16 float32 stored at dst (the first `mask` lanes) as dtype */
-static inline void store16(void *dst, __mmask16 mask, __m512 v, int dtype) {
-    if (dtype == DTYPE_F32) {
-        _mm512_mask_storeu_ps(dst, mask, v);
-        return;
-    }
-#if HAS_BF16
-    _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
-#endif
 }
 
 /* acc += one step of k: x's 4 bytes (a float32, or a bfloat16 pair) times the tile's 64 bytes */
@@ -123,10 +103,10 @@ static inline __attribute__((always_inline)) void block(
     for (int t = 0; t < tiles; t++) {
         const int64_t left = columns - TILE * t;
         const __mmask16 mask = left >= TILE ? 0xffff : (__mmask16)((1u << left) - 1);
-        const __m512 b = bias ? load16(bias + TILE * t * size, mask, dtype) : _mm512_setzero_ps();
+        const __m512 b = bias ? zmm_load_masked(bias + TILE * t * size, mask, dtype) : _mm512_setzero_ps();
         #pragma GCC unroll 16
         for (int i = 0; i < rows; i++)
-            store16(y + (i * ys + TILE * t) * size, mask, _mm512_add_ps(acc[i][t], b), dtype);
+            zmm_store_masked(y + (i * ys + TILE * t) * size, mask, _mm512_add_ps(acc[i][t], b), dtype);
     }
 }
 

@@ -1,7 +1,9 @@
-/* What the CPU C kernels (cpu_decode.c, cpu_prefill.c, cpu_fused.c) share: the dtype codes, 8- and
- * 16-float vectors (GCC vector extensions: AVX2 or AVX-512 code by -march=native), float32 <-> bfloat16
- * as torch does it (bfloat16 = the upper half of a float32; rounding to nearest even, NaN stays NaN) and
- * exp8. cpu_build.py hashes this header with each source, so a change here rebuilds them. */
+/* What the CPU C kernels (cpu_decode.c, cpu_prefill.c, cpu_fused.c, cpu_gemm.c) share: the dtype codes,
+ * 8- and 16-float vectors (GCC vector extensions: AVX2 or AVX-512 code by -march=native), float32 <->
+ * bfloat16 as torch does it (bfloat16 = the upper half of a float32; rounding to nearest even, NaN stays
+ * NaN) and exp8; where the compiler targets AVX-512, the same on one __m512 register (zmm_*: loads and
+ * stores of 16 elements, whole or the first lanes of a mask, bfloat16 rounding and exp). cpu_build.py
+ * hashes this header with each source, so a change here rebuilds them. */
 #ifndef PAGEDRAY_CPU_VEC_H
 #define PAGEDRAY_CPU_VEC_H
 
@@ -110,5 +112,75 @@ static inline v8f exp8(v8f x) {
     const v8f two_n = (v8f)((n + 127) << 23);
     return select8(tiny, splat(0.0f), p * two_n);
 }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 elements at src (float32 or bfloat16) as float32 */
+static inline __m512 zmm_load(const char *src, int dtype) {
+    if (dtype == DTYPE_F32) return _mm512_loadu_ps(src);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)src);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* the lanes of mask at src (float32 or bfloat16) as float32; the others 0 */
+static inline __m512 zmm_load_masked(const char *src, __mmask16 mask, int dtype) {
+    if (dtype == DTYPE_F32) return _mm512_maskz_loadu_ps(mask, src);
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, src);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* x rounded to bfloat16 as to_bf16 does it (nearest even; a NaN stays a quiet NaN), as float32 values */
+static inline __m512 zmm_round_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i bits = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* x rounded to dtype, as float32 values */
+static inline __m512 zmm_round(__m512 x, int dtype) {
+    return dtype == DTYPE_F32 ? x : zmm_round_bf16(x);
+}
+
+/* the bfloat16 bits of x (rounded as to_bf16) */
+static inline __m256i zmm_bf16_bits(__m512 x) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(zmm_round_bf16(x)), 16));
+}
+
+/* 16 float32 stored at dst as dtype */
+static inline void zmm_store(char *dst, __m512 x, int dtype) {
+    if (dtype == DTYPE_F32) _mm512_storeu_ps(dst, x);
+    else _mm256_storeu_si256((__m256i *)dst, zmm_bf16_bits(x));
+}
+
+/* the lanes of mask of x stored at dst as dtype */
+static inline void zmm_store_masked(char *dst, __mmask16 mask, __m512 x, int dtype) {
+    if (dtype == DTYPE_F32) _mm512_mask_storeu_ps(dst, mask, x);
+    else _mm256_mask_storeu_epi16(dst, mask, zmm_bf16_bits(x));
+}
+
+/* exp(x) for 16 x <= 0: exp8's algorithm with explicit FMAs, x below -87 gives 0 */
+static inline __m512 zmm_exp_nonpositive(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 nf = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i n = _mm512_cvtps_epi32(nf);
+    const __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, two_n);
+}
+#endif
 
 #endif
