@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar_limits import grammar_limits, short_error
+from .grammar_limits import grammar_limits, load_llguidance, short_error
 
 TEMPLATES = 16            # compiled matchers kept, one per grammar text (each may hold a large lexer)
 
@@ -49,16 +49,6 @@ class GrammarMasks:
     rows: list[int]
     bitmask: torch.Tensor
     failures: dict[int, str] = field(default_factory=dict)
-
-
-def load_llguidance():
-    try:
-        import llguidance
-        import llguidance.hf
-        import llguidance.torch
-    except ImportError as exc:   # a dependency of the package; a broken install names itself here
-        raise RuntimeError("structured output needs the 'llguidance' package (pip install llguidance)") from exc
-    return llguidance
 
 
 class GrammarBook:

@@ -1,6 +1,7 @@
 """The llguidance resource limits every grammar runs under: the ingress' check (deploy/openai/structured_output.py)
 and the worker's matchers (workers/grammar.py) import this one function, so a grammar the ingress admits
-is one the worker can run with the same budget.
+is one the worker can run with the same budget. ``load_llguidance`` (the package, imported on first use)
+lives here too, so that grammar.py imports this module and not the other way round.
 
 Decisions: docs/design/workers.md, ``pagedray.workers.grammar_limits``.
 """
@@ -21,10 +22,20 @@ MAX_GRAMMAR_SIZE = 500_000
 MAX_ERROR_CHARS = 200   # of an llguidance message passed on to a client
 
 
+def load_llguidance():
+    """The llguidance module (with its hf and torch parts), imported on first use; RuntimeError naming the
+    package when it is missing."""
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as exc:   # a dependency of the package; a broken install names itself here
+        raise RuntimeError("structured output needs the 'llguidance' package (pip install llguidance)") from exc
+    return llguidance
+
+
 def grammar_limits() -> llguidance.LLParserLimits:
     """A fresh ``LLParserLimits`` with the numbers above (llguidance is imported on first use)."""
-    from pagedray.workers.grammar import load_llguidance
-
     return load_llguidance().LLParserLimits(
         max_items_in_row=MAX_ITEMS_IN_ROW, initial_lexer_fuel=INITIAL_LEXER_FUEL, step_lexer_fuel=STEP_LEXER_FUEL,
         step_max_items=STEP_MAX_ITEMS, max_lexer_states=MAX_LEXER_STATES, max_grammar_size=MAX_GRAMMAR_SIZE,

@@ -20,7 +20,7 @@ Sampling is not done here: ``Worker`` hands ``StepOutput`` to the Sampler on ran
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -33,8 +33,13 @@ from .models.decoder import DecoderForCausalLM
 from .prompt_logprobs import PromptRows, compute_prompt_logprobs, plan_prompt_rows
 from .seq_mirror import BatchedSequence, SequenceMirror, SequenceState
 
-if TYPE_CHECKING:
-    from .draft_model import DraftModel  # it runs its own ModelRunner
+
+class Drafter(Protocol):
+    """What a runner asks of its draft model (draft_model.DraftModel, which runs a ModelRunner of its own)."""
+
+    def apply_plan_bookkeeping(self, released_seq_ids: list[int], block_copies: list[tuple[int, int]]) -> None: ...
+
+    def propose(self, batch: list[BatchedSequence]) -> list[BatchedSequence]: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class PreparedStep:
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, block_size: int,
-                 device: torch.device, drafter: DraftModel | None = None) -> None:
+                 device: torch.device, drafter: Drafter | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache        # data [layers, 2, blocks, block_size, kv_heads_local, head_dim] (+ scales)
         self.block_size = block_size

@@ -65,10 +65,8 @@ import ast
 import json
 import re
 import uuid
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .tools import ToolPlan
+from .tool_plan import ToolPlan
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 

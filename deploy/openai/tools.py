@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 
 from .errors import bad_request
 from .structured_output import (
@@ -52,6 +51,7 @@ from .structured_output import (
     strict_flag,
 )
 from .tool_parsers import TOOL_CALL_PARSERS, ToolCallStream, detect_tool_call_parser, merge_tool_deltas
+from .tool_plan import ToolPlan
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -59,22 +59,6 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 TOOL_SCHEMA_WRAP_DEPTH = 5
 _CHOICES = ("none", "auto", "required")
 _LITERALS = ("const", "enum", "default", "examples")
-
-
-@dataclass(frozen=True)
-class ToolPlan:
-    tools: tuple[dict, ...]        # the "function" objects (name, description, parameters), in request order
-    choice: str                    # "auto" | "required" | "named"
-    name: str | None = None        # the function of a named choice
-    parallel: bool = True
-    parser: str = "hermes"         # the model's tool-call format (tool_parsers.py), set by the service
-
-    @property
-    def names(self) -> frozenset[str]:
-        return frozenset(t["name"] for t in self.tools)
-
-    def parameters(self, name: str) -> dict:
-        return next(t.get("parameters") or {"type": "object"} for t in self.tools if t["name"] == name)
 
 
 def _function(tool, i: int) -> dict:

@@ -42,6 +42,7 @@ from ..layers.activation import silu_and_mul
 from ..layers.attention import AttentionMetadata
 from ..layers.rotary import RotaryStep
 from ..seq_mirror import BatchedSequence, SequenceState
+from .decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP
 
 log = logging.getLogger(__name__)
 TIMING_CONTEXT = 128      # tokens of context per sequence in ``settle``'s decode steps
@@ -137,8 +138,6 @@ def _linears(layer) -> tuple:
 
 
 def _layer_qualifies(layer, dtype: torch.dtype) -> bool:
-    from .decoder import DecoderLayer, DecoderMLP
-
     if type(layer) is not DecoderLayer or type(layer.mlp) is not DecoderMLP or layer.mlp.act is not silu_and_mul:
         return False
     attn, mlp = layer.self_attn, layer.mlp
@@ -150,8 +149,6 @@ def _layer_qualifies(layer, dtype: torch.dtype) -> bool:
 
 def qualifies(model, enabled: bool) -> bool:
     """Whether ``model`` (weights loaded, not yet packed) can take the one-call path (module docstring)."""
-    from .decoder import DecoderForCausalLM
-
     dtype = model.embed_tokens.weight.dtype
     return (enabled and type(model).forward is DecoderForCausalLM.forward and model.tp.world_size == 1
             and model.embed_tokens.weight.device.type == "cpu" and cpu_layers.available(dtype)

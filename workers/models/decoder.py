@@ -22,7 +22,7 @@ Nothing in the forward reads tensor values on the host, so it can be captured in
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -39,8 +39,14 @@ from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
 from ..weight_loader import CheckpointReader
 
-if TYPE_CHECKING:
-    from .cpu_decode_layers import CpuDecodeLayers  # set by model_loading.pack_for_cpu
+
+class DecodeShortcut(Protocol):
+    """A decode step's layers in one call (cpu_decode_layers.CpuDecodeLayers, set by model_loading.pack_for_cpu)."""
+
+    def takes(self, kv_cache: KVCache, hidden: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+
+    def run(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: KVCache, meta: AttentionMetadata
+            ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -223,7 +229,7 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(dims, spec, tp, dtype, device, i) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=dims.tie_word_embeddings)
-        self.cpu_decode: CpuDecodeLayers | None = None   # set when the weights are packed (model_loading)
+        self.cpu_decode: DecodeShortcut | None = None   # set when the weights are packed (model_loading)
 
     @property
     def num_local_kv_heads(self) -> int:
