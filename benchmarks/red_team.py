@@ -39,10 +39,8 @@ from pagedray.deploy.serve.loopback import is_loopback
 
 from benchmarks.common import machine
 from benchmarks.listening_sockets import listening_sockets
+from benchmarks.red_team_client import API_KEY, AUTH, in_threads, post, stream_gaps
 from benchmarks.serving import PAGEDRAY_CLI, RunningServer, SystemSpec
-
-API_KEY = "red-team-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def health_watch(url: str) -> StatsSampler:
@@ -64,42 +62,6 @@ def health_summary(watch: StatsSampler) -> tuple[bool, str]:
     ok = sum(status == 200 for status, _ in watch.samples)
     slowest = max((seconds for _, seconds in watch.samples), default=0.0)
     return ok == len(watch.samples), f"{ok}/{len(watch.samples)} ok, slowest {slowest:.1f} s"
-
-
-def post(url: str, body, timeout: float = 600.0, raw: bytes | None = None, path: str = "/v1/completions"):
-    headers = {**AUTH, "Content-Type": "application/json"}
-    content = raw if raw is not None else json.dumps(body).encode()
-    return httpx.post(url + path, content=content, headers=headers, timeout=timeout, trust_env=False)
-
-
-def in_threads(fn, args_list: list) -> list:
-    results = [None] * len(args_list)
-
-    def run(i, args):
-        try:
-            results[i] = fn(*args)
-        except Exception as exc:  # noqa: BLE001 - reported as the case's outcome
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
-
-
-def stream_gaps(url: str, body: dict, out: dict) -> None:
-    """Stream a completion and record the longest gap between chunks."""
-    last, gap = None, 0.0
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
-                      timeout=600, trust_env=False) as response:
-        for _ in response.iter_lines():
-            now = time.monotonic()
-            if last is not None:
-                gap = max(gap, now - last)
-            last = now
-    out["max_gap_s"] = gap
 
 
 # -- cases: each returns (expected, observed, ok) ---------------------------------------------------
@@ -249,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with RunningServer(SystemSpec("pagedray", command, None, 1), args.port, out_dir / "red_team_server.log") as server:
         server.wait_healthy(args.startup_timeout)
-        from benchmarks.red_team_isolation import CASES as ISOLATION_CASES  # it imports this module's helpers
+        from benchmarks.red_team_isolation import CASES as ISOLATION_CASES
 
         for name, fn in CASES + ISOLATION_CASES:
             start, load_before = time.monotonic(), round(os.getloadavg()[0], 2)

@@ -21,7 +21,7 @@ import time
 
 import httpx
 
-from benchmarks.red_team import API_KEY, AUTH, in_threads, post, stream_gaps
+from benchmarks.red_team_client import API_KEY, AUTH, in_threads, post, stream_gaps
 from benchmarks.serving import PAGEDRAY_CLI
 
 INTERNALS = ("Traceback", 'File "', "site-packages", "actor_id", "pid=")
