@@ -113,7 +113,7 @@ def schema_grammar(schema, param: str, max_depth: int = MAX_SCHEMA_DEPTH, strict
     """The grammar of a JSON schema (an object or its JSON text), checked as the module docstring says;
     ``param`` is the dotted path named in messages (its first part is the error's ``param``); ``strict``:
     close the object schemas (``closed_objects``)."""
-    from pagedray.workers.grammar import load_llguidance
+    from pagedray.workers.grammar_limits import load_llguidance
 
     field = param.split(".")[0]
     if isinstance(schema, str):
@@ -268,7 +268,7 @@ def has_finite_instance(schema: dict) -> bool:
 
 
 def _regex_grammar(pattern) -> str:
-    from pagedray.workers.grammar import load_llguidance
+    from pagedray.workers.grammar_limits import load_llguidance
 
     return load_llguidance().LLMatcher.grammar_from_regex(pattern)
 def _from_response_format(value) -> str | None:
@@ -376,8 +376,7 @@ class GrammarChecker:
     @functools.lru_cache(maxsize=256)   # noqa: B019 - one checker per ingress replica, lives as long
     def error(self, grammar: str) -> str:
         """'' when llguidance can run ``grammar`` for this tokenizer within the limits, else a short message."""
-        from pagedray.workers.grammar import load_llguidance
-        from pagedray.workers.grammar_limits import grammar_limits
+        from pagedray.workers.grammar_limits import grammar_limits, load_llguidance
 
         llguidance = load_llguidance()
         tokenizer = self._tokenizer(llguidance)
