@@ -66,6 +66,8 @@ class StepClock:
         self._wrap(worker.runner, "prepare", "prepare")
         self._wrap(worker.runner, "run", "forward")
         self._wrap(worker, "sample", "sample")
+        if hasattr(worker.sampler, "argmax"):     # the plain-greedy path skips Worker.sample (not in older code)
+            self._wrap(worker.sampler, "argmax", "sample")
         self._wrap(engine, "_apply", "apply")
         self._wrap(engine, "_outputs_of", "outputs")
         self.plans = []

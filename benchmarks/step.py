@@ -166,7 +166,7 @@ class PagedrayScenario:
         prepared = runner.prepare(plan)
         middle = time.perf_counter()
         output = runner.forward(prepared.host.to_device(runner.device))
-        runner.mirror.mark_computed(prepared.batch)
+        runner.mirror.mark_computed(prepared.rows)
         after_forward = time.perf_counter()
         self.worker.sample(output)
         end = time.perf_counter()

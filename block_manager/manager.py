@@ -210,6 +210,24 @@ class BlockManager:
             self._hash_full_blocks(seq, token_ids)
         return Allocation(0, new_ids)
 
+    def add_slot(self, seq_id: Hashable, token_ids: Sequence[int], pending_tokens: int = 0) -> bool:
+        """One more slot for a registered sequence when it lies in the sequence's last block (most decode
+        steps): ``allocate_slots(seq_id, token_ids, 1, pending_tokens=...)`` without its block search. Returns
+        False, changing nothing, when the slot needs a new block (call ``allocate_slots`` then)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self._get(seq_id)
+        total = seq.num_slots + 1
+        if total > len(seq.table) * self.block_size:
+            return False
+        if len(token_ids) + pending_tokens < total:
+            raise ValueError(f"token_ids: {len(token_ids)} tokens given (+ {pending_tokens} pending) but {total} "
+                             "slots would be reserved (num_new_tokens=1)")
+        seq.num_slots = total
+        if total >= seq.next_hash_at:
+            self._hash_full_blocks(seq, token_ids)
+        return True
+
     def _register(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
                   reuse_cached: bool, pending_tokens: int = 0) -> Allocation:
         needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens, reuse_cached,

@@ -60,7 +60,7 @@ class Engine:
         self.max_model_len = self._effective_max_model_len()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    eos_token_ids=frozenset(self.model_info.eos_token_ids))
-        self.plan_builder = PlanBuilder(self.block_manager)
+        self.plan_builder = self._plan_builder()
         self.output_builder = OutputBuilder()
         self._pending: list[RequestOutput] = []
         self._dead: BaseException | None = None
@@ -73,6 +73,10 @@ class Engine:
         self._prefix_totals_before = (0, 0)     # prefix query/hit tokens of BlockManagers replaced by recovery
         self._async_scheduling = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None   # async scheduling: the submitted step not applied yet
+
+    def _plan_builder(self) -> PlanBuilder:
+        # speculative steps keep one RunningDelta per sequence (the rows of their batch stay in scheduling order)
+        return PlanBuilder(self.block_manager, plain_decodes=not self.config.scheduler.num_speculative_tokens)
 
     def _effective_max_model_len(self) -> int:
         limit = self.config.model.max_model_len or self.model_info.max_position_embeddings
@@ -151,7 +155,7 @@ class Engine:
             return outputs
         out = self.scheduler.schedule()
         plan = self.plan_builder.build(out)
-        has_work = bool(plan.new_seqs or plan.running or plan.released_seq_ids)
+        has_work = bool(plan.decodes or plan.new_seqs or plan.running or plan.released_seq_ids)
         if self._async_scheduling:
             return outputs + self._step_ahead(out, plan, has_work)
         if not has_work:
@@ -196,15 +200,15 @@ class Engine:
         return self.scheduler.update(out, result.sampled, result.prompt_logprobs)
 
     def _outputs_of(self, touched: list) -> list[RequestOutput]:
-        outputs = []
+        outputs, warm_up, make = [], self._warm_up_ids, self.output_builder.make
         for request in touched:
-            if request.request_id in self._warm_up_ids:   # internal: nobody waits for its output
+            if warm_up and request.request_id in warm_up:   # internal: nobody waits for its output
                 if request.is_finished:
-                    self._warm_up_ids.discard(request.request_id)
+                    warm_up.discard(request.request_id)
                 continue
-            if request.is_finished:
-                self._num_finished += 1
-            outputs.append(self.output_builder.make(request))
+            output = make(request)
+            self._num_finished += output.finished
+            outputs.append(output)
         return outputs
 
     def _settle(self, step: _InFlight | None) -> None:
@@ -238,7 +242,7 @@ class Engine:
         hot = self.block_manager.hot_prefixes(self.config.cache.warm_prefix_tokens)   # the lost cache's
         requeued = self.scheduler.reset_after_kv_loss(self._fresh_block_manager())
         self.block_manager = self.scheduler.block_manager
-        self.plan_builder = PlanBuilder(self.block_manager)
+        self.plan_builder = self._plan_builder()
         logger.warning("TP rank failure (%s); rebuilding the TP group, %d running sequences re-queued",
                        exc, len(requeued))
         self.recovering = True

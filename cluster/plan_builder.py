@@ -14,6 +14,11 @@ A step's drafts travel as ``draft_token_ids``; the mirror never holds them as to
 rejected drafts were given back: ``num_kept_blocks`` cuts the workers' block table first (the
 scheduler's ``kept_blocks``), and ``new_block_ids`` continue from there.
 
+A sequence whose step is a plain decode (one token, the one the mirror lacks; no drafts, no cut, at most
+one new block: the steady state of serving) goes into the plan's ``DecodeRows`` columns instead of a
+``RunningDelta`` (wire.py). Speculative configs keep deltas for every sequence, so the batch order of
+their rows stays the scheduler's.
+
 Invariant: ``known`` holds exactly the sequence ids the workers mirror after the last built plan.
 """
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedray.workers.contract.wire import PENDING_TOKEN, NewSequence, RunningDelta, StepPlan
+from pagedray.workers.contract.wire import PENDING_TOKEN, DecodeRows, NewSequence, RunningDelta, StepPlan
 
 from .scheduler_output import SchedulerOutput
 
@@ -34,8 +39,10 @@ class _Mirror:
 
 
 class PlanBuilder:
-    def __init__(self, block_manager) -> None:
+    def __init__(self, block_manager, plain_decodes: bool = True) -> None:
         self._block_manager = block_manager
+        self._block_size = block_manager.block_size
+        self._plain_decodes = plain_decodes      # False: every running sequence as a RunningDelta
         self._known: dict[int, _Mirror] = {}
 
     @property
@@ -50,9 +57,20 @@ class PlanBuilder:
             if mirror is not None and kept < mirror.num_blocks:
                 mirror.num_blocks = kept
                 mirror.cut = kept if mirror.cut is None else min(mirror.cut, kept)
+        decodes, plain_decodes, block_size = plan.decodes, self._plain_decodes, self._block_size
         for sched in out.scheduled:
             seq = sched.seq
             mirror = self._known.get(seq.seq_id)
+            if (mirror is not None and sched.num_tokens == 1 and plain_decodes and mirror.cut is None
+                    and sched.start == mirror.num_tokens and not sched.draft_token_ids):
+                start, tokens = sched.start, seq.token_ids
+                if start < len(tokens) and start // block_size < mirror.num_blocks:   # _add_decode's usual case
+                    decodes.seq_ids.append(seq.seq_id)
+                    decodes.token_ids.append(tokens[start])
+                    mirror.num_tokens = start + 1
+                else:
+                    self._add_decode(decodes, seq, start, mirror)
+                continue
             if mirror is None:
                 table = self._block_manager.block_table(seq.seq_id)
                 plan.new_seqs.append(NewSequence(
@@ -90,6 +108,24 @@ class PlanBuilder:
             mirror.num_tokens = max(mirror.num_tokens, needed)
             mirror.cut = None
         return plan
+
+    def _add_decode(self, decodes: DecodeRows, seq, start: int, mirror: _Mirror) -> None:
+        """One plain decode row: the token at ``start`` (sampled last step, or pending) and, when its slot
+        opens a block, that block (the table grows only there: a cut goes through a RunningDelta)."""
+        tokens = seq.token_ids
+        if start > len(tokens):
+            raise RuntimeError(f"sequence {seq.seq_id} has {start + 1 - len(tokens)} tokens unknown to the workers")
+        decodes.seq_ids.append(seq.seq_id)
+        decodes.token_ids.append(tokens[start] if start < len(tokens) else PENDING_TOKEN)
+        if start // self._block_size >= mirror.num_blocks:
+            new_blocks = self._block_manager.blocks_from(seq.seq_id, mirror.num_blocks)
+            if len(new_blocks) != 1:
+                raise RuntimeError(f"sequence {seq.seq_id}: a decode at position {start} holds {len(new_blocks)} "
+                                   f"blocks the workers lack, not one")
+            decodes.grown.append(len(decodes.seq_ids) - 1)
+            decodes.new_block_ids.append(new_blocks[0])
+            mirror.num_blocks += 1
+        mirror.num_tokens = start + 1
 
     def forget_all(self) -> list[int]:
         """Drop every mirror (after an engine failure); returns the ids the workers may still hold."""

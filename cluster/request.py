@@ -67,12 +67,17 @@ class Sequence:
     num_resumed: int = 0
     num_in_flight: int = 0           # tokens scheduled in steps not applied yet
     num_pending: int = 0             # tokens those steps sample (ids not known yet)
+    # the OutputBuilder's cursor: output tokens streamed so far (from ``num_resumed``), and whether the
+    # finish was streamed
+    num_streamed: int = field(init=False)
+    finish_streamed: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.request.prompt_token_ids
 
     def __post_init__(self) -> None:
+        self.num_streamed = self.num_resumed
         # prompt + output tokens, maintained by append_token (read on every step: no re-concatenation)
         self._token_ids = self.request.prompt_token_ids + self.output_token_ids
         params = self.request.params
@@ -147,6 +152,7 @@ class Request:
     queue_time_s: float | None = None   # added_at -> first admission of sample 0
     error: str | None = None            # why the request ended with finish_reason "error", for its caller
     num_finished: int = 0               # samples FINISHED (the scheduler's ``_finish`` counts them)
+    streamed: bool = False              # its first output (the one with the prompt) was built
 
     def record_prompt_logprobs(self, entry: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:

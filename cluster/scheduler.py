@@ -194,33 +194,84 @@ class Scheduler:
             self.running.sort(key=self._key)
             self._running_sorted = True
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
         proposals = self._proposals()
-        decodes, prefills = [], []         # queue order; a preemption below changes only its victim's state
-        for seq in self.running:
-            left = self._computable(seq)
-            if left == 1:
-                decodes.append((seq, 1))
-            elif left > 1:
-                prefills.append((seq, left))
-        for phase in (decodes, prefills):
-            for seq, left in phase:
-                if budget == 0:
-                    break
-                if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                    continue
-                drafts = proposals.get(seq.seq_id, [])[:budget - 1] if phase is decodes else []
-                if drafts and not self.block_manager.can_allocate(seq.seq_id, seq.token_ids, 1 + len(drafts),
-                                                                  pending_tokens=seq.num_pending + len(drafts)):
-                    drafts = []       # drafts never preempt anyone: without room the step decodes plainly
-                num = min(left, budget) + len(drafts)
-                if self._reserve(seq, num, scheduled, out, len(drafts)):
-                    self._schedule_tokens(seq, num, out, drafts)
-                    scheduled.add(seq.seq_id)
-                    budget -= num
+        if proposals:
+            decodes, prefills = [], []     # queue order; a preemption below changes only its victim's state
+            for seq in self.running:
+                left = self._computable(seq)
+                if left == 1:
+                    decodes.append(seq)
+                elif left > 1:
+                    prefills.append((seq, left))
+            budget = self._schedule_speculative_decodes(decodes, proposals, budget, out)
+        else:
+            budget, prefills = self._schedule_decodes(budget, out)
+        for seq, left in prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num = min(left, budget)
+            if self._reserve(seq, num, out):
+                self._schedule_tokens(seq, num, out)
+                budget -= num
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _schedule_decodes(self, budget: int, out: SchedulerOutput) -> tuple[int, list]:
+        """Step 2 without drafts, in one pass over the running queue: each sequence with one computable
+        token (``_computable``, inlined: this loop runs over every running sequence at every step) is
+        scheduled for it at once; one with more is returned for step 3, as ``(seq, left)`` in queue order.
+        A slot inside the sequence's last block is taken without a block search (``BlockManager.add_slot``),
+        the rest through ``_reserve``, which may preempt a later sequence (skipped when reached) or this
+        one. Returns the budget left and the partial prefills."""
+        add_slot, append = self.block_manager.add_slot, out.scheduled.append
+        running, max_len = SequenceStatus.RUNNING, self.max_model_len
+        prefills = []
+        for seq in tuple(self.running):               # a preemption removes its victim from self.running
+            if budget == 0:
+                break
+            if seq.status is not running:                 # preempted earlier in this loop
+                continue
+            request, pending, tokens = seq.request, seq.num_pending, seq.token_ids
+            if pending and (len(seq.output_token_ids) + pending >= request.params.max_tokens
+                            or len(tokens) + pending >= max_len):
+                continue                                  # its pending token ends it by length
+            start = seq.num_computed_tokens + seq.num_in_flight
+            unforked = seq.index == 0 and request.num_unforked > 0
+            left = max(0, request.fork_at - start) if unforked else len(tokens) + pending - start
+            if left != 1:
+                if left > 1:
+                    prefills.append((seq, left))
+                continue
+            if not add_slot(seq.seq_id, tokens, pending) and not self._reserve(seq, 1, out):
+                continue
+            samples = not unforked                        # a parent one token short of forking does not sample
+            seq.num_in_flight += 1
+            seq.num_pending += samples
+            append(ScheduledSequence(seq, 1, start, samples, seq.num_preemptions))
+            budget -= 1
+        return budget, prefills
+
+    def _schedule_speculative_decodes(self, decodes: list[Sequence], proposals: dict[int, list[int]], budget: int,
+                                      out: SchedulerOutput) -> int:
+        """Step 2 with the proposer's drafts (bounded by the budget; dropped when their blocks are not free).
+        Returns the budget left."""
+        for seq in decodes:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            drafts = proposals.get(seq.seq_id, [])[:budget - 1]
+            if drafts and not self.block_manager.can_allocate(seq.seq_id, seq.token_ids, 1 + len(drafts),
+                                                              pending_tokens=seq.num_pending + len(drafts)):
+                drafts = []       # drafts never preempt anyone: without room the step decodes plainly
+            num = 1 + len(drafts)
+            if self._reserve(seq, num, out, len(drafts)):
+                self._schedule_tokens(seq, num, out, drafts)
+                budget -= num
+        return budget
 
     def _computable(self, seq: Sequence) -> int:
         """Tokens to schedule for a running sequence; 0 for one whose pending token ends it by length."""
@@ -260,7 +311,7 @@ class Scheduler:
         seq.num_pending += samples
         out.scheduled.append(ScheduledSequence(seq, num, start, samples, seq.num_preemptions, tuple(drafts)))
 
-    def _reserve(self, seq: Sequence, num: int, scheduled: set[int], out: SchedulerOutput,
+    def _reserve(self, seq: Sequence, num: int, out: SchedulerOutput,
                  num_drafts: int = 0) -> bool:
         """Gets slots for ``num`` more tokens of a running sequence (the last ``num_drafts`` of them
         speculative: pending, never hashed), preempting as needed.
@@ -273,6 +324,7 @@ class Scheduler:
             bm.allocate_slots(seq.seq_id, seq.token_ids, 1, pending_tokens=pending)
             return True
         while not bm.can_allocate(seq.seq_id, seq.token_ids, num, pending_tokens=pending):
+            scheduled = {sched.seq.seq_id for sched in out.scheduled}    # never preempted for this step
             victims = [s for s in self.running if s.seq_id not in scheduled]
             victim = max(victims, key=self._key)
             self._preempt(victim, out)
@@ -390,6 +442,8 @@ class Scheduler:
                 if entry.seq_id not in scheduled:
                     raise RuntimeError(f"step {out.step_id}: prompt logprobs for unscheduled sequence {entry.seq_id}")
                 scheduled[entry.seq_id].request.record_prompt_logprobs(entry)
+        if not any(sched.draft_token_ids for sched in out.scheduled):
+            return self._update_plain(out, sampled)
         by_seq: dict[int, list[SampledToken]] = {}
         for token in sampled:
             by_seq.setdefault(token.seq_id, []).append(token)
@@ -422,6 +476,35 @@ class Scheduler:
             touched[seq.request.request_id] = seq.request
         return list(touched.values())
 
+    def _update_plain(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Request]:
+        """``update`` of a step without drafts: one token per sampling sequence."""
+        by_seq = {token.seq_id: token for token in sampled}
+        if len(by_seq) != len(sampled):
+            raise RuntimeError(f"step {out.step_id}: several tokens for one sequence of a step without drafts")
+        touched: dict[str, Request] = {}
+        finished, computed = SequenceStatus.FINISHED, 0
+        for sched in out.scheduled:
+            seq = sched.seq
+            if seq.status is finished or sched.epoch != seq.num_preemptions:   # finished, or preempted since
+                continue
+            num = sched.num_tokens
+            seq.num_in_flight -= num
+            seq.num_computed_tokens += num
+            computed += num
+            if not sched.samples:
+                continue
+            seq.num_pending -= 1
+            token = by_seq.get(seq.seq_id)
+            if token is None:
+                raise RuntimeError(f"step {out.step_id}: no sampled token for sequence {seq.seq_id}")
+            if token.error is not None:
+                self._fail_request(seq, token.error)
+            else:
+                self._append_token(seq, token)
+            touched[seq.request.request_id] = seq.request
+        self.num_computed_tokens += computed
+        return list(touched.values())
+
     @staticmethod
     def _accepted(step_id: int, sched: ScheduledSequence, tokens: list[SampledToken]) -> int:
         """How many drafts the sampled ``tokens`` of one sequence accept: all but the last token, each equal
@@ -451,16 +534,18 @@ class Scheduler:
         self._block_copies += copies
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> None:
-        seq.append_token(token.token_id)
+        token_id = token.token_id
+        seq.output_token_ids.append(token_id)        # Sequence.append_token, inlined (every token passes here)
+        seq.token_ids.append(token_id)
         self.num_generated_tokens += 1
-        if seq.request.params.logprobs is not None:
-            seq.output_logprobs.append(token)
         params = seq.request.params
-        stoppable = len(seq.output_token_ids) > params.min_tokens   # min_tokens outputs, then this one
-        if stoppable and ((not params.ignore_eos and token.token_id in self.eos_token_ids)
-                          or token.token_id in params.stop_token_ids):
+        if params.logprobs is not None:
+            seq.output_logprobs.append(token)
+        num_output = len(seq.output_token_ids)
+        if num_output > params.min_tokens and ((not params.ignore_eos and token_id in self.eos_token_ids)
+                                               or token_id in params.stop_token_ids):   # min_tokens, then this one
             self._finish(seq, FinishReason.STOP)
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from .request import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """``num_tokens`` tokens of ``seq`` are computed this step, from position ``start``.
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .input_batch import HostBatch, PackedShape, build_host_batch, is_decode_only, unpack
+from .input_batch import HostBatch, PackedShape, build_decode_host_batch, build_host_batch, is_decode_only, unpack
 from .kv_cache import KVCache
 from .models.decoder import DecoderForCausalLM
-from .seq_mirror import BatchedSequence
+from .seq_mirror import MirrorStep
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +75,20 @@ class DecodeGraphs:
     def _shape(self, bucket: int) -> PackedShape:
         return PackedShape(tokens=bucket, seqs=bucket, logits=bucket, width=self.width)
 
-    def bucket_for(self, batch: list[BatchedSequence]) -> int | None:
-        """The bucket that runs this batch, or None (not decode-only, or more rows than the largest)."""
-        if not batch or len(batch) > self.buckets[-1] or not is_decode_only(batch):
+    def bucket_for(self, rows: MirrorStep) -> int | None:
+        """The bucket that runs this step, or None (not decode-only, or more rows than the largest)."""
+        if not rows or len(rows) > self.buckets[-1] or not is_decode_only(rows.batch):
             return None
-        return next(b for b in self.buckets if b >= len(batch))
+        return next(b for b in self.buckets if b >= len(rows))
 
-    def host_batch(self, batch: list[BatchedSequence], bucket: int) -> HostBatch:
-        return build_host_batch(batch, self.block_size, pin_memory=self.device.type == "cuda", rows=bucket,
-                                width=self.width)
+    def host_batch(self, rows: MirrorStep, bucket: int, tables=None) -> HostBatch:
+        """The step's inputs padded to ``bucket`` rows and the fixed width; decode rows only (the usual case)
+        come from the mirror's block-table matrix ``tables`` when given."""
+        pinned = self.device.type == "cuda"
+        if not rows.batch and tables is not None:
+            return build_decode_host_batch(rows.decode_states, tables, self.block_size, pin_memory=pinned,
+                                           rows=bucket, width=self.width)
+        return build_host_batch(rows.as_batch(), self.block_size, pin_memory=pinned, rows=bucket, width=self.width)
 
     def _forward(self, bucket: int) -> None:
         """The static forward of one bucket: reads ``self.static``, writes ``self.logits[:bucket]``."""
@@ -115,7 +120,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
-            padding = self.host_batch([], bucket)
+            padding = self.host_batch(MirrorStep(), bucket)
             self.static[:padding.shape.size].copy_(padding.packed)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))

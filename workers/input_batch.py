@@ -29,6 +29,7 @@ bucket has the same shapes.
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,6 +172,54 @@ def build_host_batch(batch: list[BatchedSequence], block_size: int, pin_memory: 
     if pin_memory:
         host = torch.empty(shape.size, dtype=torch.int32, pin_memory=True).copy_(host)
     return HostBatch(host, shape, max(q_lens), sampling_seqs, len(batch), row_drafts)
+
+
+def build_decode_host_batch(states: list[SequenceState], tables: np.ndarray, block_size: int,
+                            pin_memory: bool = False, rows: int | None = None,
+                            width: int | None = None) -> HostBatch:
+    """``build_host_batch`` of a step whose every row decodes its last known token and samples it (the
+    mirror's decode rows), from the mirror's persistent block-table matrix ``tables [table rows, columns]``
+    (``SequenceState.row``): the same packed tensor, from a few gathers instead of a walk over every
+    token slice and block table. ``rows``/``width`` pad as there."""
+    n = len(states)
+    if not n and rows is None:
+        raise ValueError("states: at least one decoding sequence is required")
+    num_rows = n if rows is None else rows
+    if num_rows < n:
+        raise ValueError(f"rows: padding to {rows} rows needs at most {rows} sequences, got {n}")
+    computed = np.zeros(num_rows, dtype=np.int32)                                   # [rows] = positions
+    computed[:n] = np.fromiter(map(_COMPUTED, states), dtype=np.int32, count=n)
+    num_used = np.zeros(num_rows, dtype=np.int64)                                   # [rows]
+    num_used[:n] = np.fromiter(map(len, map(_BLOCKS, states)), dtype=np.int64, count=n)
+    needed = int(num_used.max()) if num_rows else 0
+    if width is not None and needed > width:
+        raise ValueError(f"width: {width} block-table columns, but a sequence uses {needed} blocks")
+    if width is None:
+        width = max(needed, 1 if num_rows > n else 0)
+    table_rows = np.fromiter(map(_ROW, states), dtype=np.intp, count=n)
+    block_tables = np.zeros((num_rows, width), dtype=np.int32)                      # [rows, width]
+    used = min(width, tables.shape[1])
+    block_tables[:n, :used] = tables[table_rows, :used]
+    block_tables[np.arange(width) >= num_used[:, None]] = 0       # entries past a table are stale in ``tables``
+    input_ids = np.zeros(num_rows, dtype=np.int32)                                  # [rows]
+    input_ids[:n] = np.fromiter(map(_LAST, map(_OUTPUT, states)), dtype=np.int32, count=n)
+    row = np.arange(num_rows, dtype=np.int32)
+    slots = block_tables[row, computed // block_size] * block_size + computed % block_size   # [rows]
+    slots[n:] = -1
+    shape = PackedShape(num_rows, num_rows, num_rows, width)
+    packed = np.concatenate([input_ids, computed, slots, computed + 1, np.arange(num_rows + 1, dtype=np.int32),
+                             row, block_tables.reshape(-1)]).astype(np.int32, copy=False)
+    host = torch.from_numpy(packed)                                                 # [shape.size] int32
+    if pin_memory:
+        host = torch.empty(shape.size, dtype=torch.int32, pin_memory=True).copy_(host)
+    return HostBatch(host, shape, 1, list(states), n)
+
+
+_COMPUTED = operator.attrgetter("num_computed_tokens")
+_BLOCKS = operator.attrgetter("block_ids")
+_ROW = operator.attrgetter("row")
+_OUTPUT = operator.attrgetter("output_token_ids")
+_LAST = operator.itemgetter(-1)
 
 
 def _speculative_rows(batch: list[BatchedSequence], last_token: np.ndarray):

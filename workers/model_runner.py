@@ -4,7 +4,8 @@ Order of a step (every rank runs the same steps on the same plan, so collectives
 1. the mirror validates the plan, drops released ids and applies deltas / new sequences;
 2. copy-on-write block copies are applied to every layer's K and V; with a draft model
    (``draft_model.py``) the same copies go to its cache, and it fills the step's draft placeholders;
-3. the inputs are built on the host in one int32 tensor (``input_batch.build_host_batch``), their
+3. the inputs are built on the host in one int32 tensor (``input_batch.build_host_batch``; a step of
+   decode rows only, from the mirror's persistent block tables: ``build_decode_host_batch``), their
    attention metadata is checked there once (``kernels.check_step_metadata`` on CPU tensors: no device
    sync; the layers then skip the per-call value checks), and one copy moves them to the device;
 4. one forward runs over the mixed batch; the final hidden states of each sampling sequence's last
@@ -27,11 +28,11 @@ import torch
 from .. import kernels
 from .contract.wire import PromptLogprobs, StepPlan
 from .decode_graphs import DecodeGraphs
-from .input_batch import BatchInputs, HostBatch, build_host_batch
+from .input_batch import BatchInputs, HostBatch, build_decode_host_batch, build_host_batch
 from .kv_cache import KVCache, check_block_copies, copy_blocks
 from .models.decoder import DecoderForCausalLM
 from .prompt_logprobs import PromptRows, compute_prompt_logprobs, plan_prompt_rows
-from .seq_mirror import BatchedSequence, SequenceMirror, SequenceState
+from .seq_mirror import BatchedSequence, MirrorStep, SequenceMirror, SequenceState
 
 
 class Drafter(Protocol):
@@ -52,7 +53,7 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class PreparedStep:
-    batch: list[BatchedSequence]   # the forward's sequences, in batch order
+    rows: MirrorStep                 # the forward's sequences, in batch order
     host: HostBatch                  # checked host inputs (padded to the bucket when ``bucket`` is set)
     bucket: int | None               # decode-graph bucket, or None for the eager forward
 
@@ -85,26 +86,32 @@ class ModelRunner:
         if step.bucket is not None:
             output = StepOutput(self.decode_graphs.run(step.host), step.host.sampling_seqs)
         else:
-            output = self.forward(step.host.to_device(self.device), plan_prompt_rows(step.batch))
-        self.mirror.mark_computed(step.batch)
+            rows = step.rows
+            output = self.forward(step.host.to_device(self.device),
+                                  plan_prompt_rows(rows.batch, first_row=len(rows.decode_states)))
+        self.mirror.mark_computed(step.rows)
         return output
 
     def prepare(self, plan: StepPlan) -> PreparedStep | None:
         """Steps 1-3 up to the copy: mirror update, block copies, checked host inputs (None: nothing to run)."""
         check_block_copies(plan.block_copies, self.kv_cache.num_blocks)
-        batch = self.mirror.apply(plan)
+        rows = self.mirror.apply(plan)
         copy_blocks(self.kv_cache, plan.block_copies)
         if self.drafter is not None:
             self.drafter.apply_plan_bookkeeping(plan.released_seq_ids, plan.block_copies)
-            batch = self.drafter.propose(batch)
-        if not batch:
+            rows = MirrorStep(batch=self.drafter.propose(rows.as_batch()))
+        if not rows:
             return None
-        bucket = None if self.decode_graphs is None else self.decode_graphs.bucket_for(batch)
-        pinned = self.device.type == "cuda"
-        host = (build_host_batch(batch, self.block_size, pin_memory=pinned) if bucket is None
-                else self.decode_graphs.host_batch(batch, bucket))
+        bucket = None if self.decode_graphs is None else self.decode_graphs.bucket_for(rows)
+        if bucket is not None:
+            host = self.decode_graphs.host_batch(rows, bucket, self.mirror.table_rows.tables)
+        elif rows.batch:
+            host = build_host_batch(rows.as_batch(), self.block_size, pin_memory=self.device.type == "cuda")
+        else:       # decode rows only: the steady decode step
+            host = build_decode_host_batch(rows.decode_states, self.mirror.table_rows.tables, self.block_size,
+                                           pin_memory=self.device.type == "cuda")
         self.check_host_metadata(host)
-        return PreparedStep(batch, host, bucket)
+        return PreparedStep(rows, host, bucket)
 
     def check_host_metadata(self, host: HostBatch) -> None:
         """Every metadata check (values included) on the host tensors, against this cache's shape."""

@@ -32,9 +32,10 @@ class PromptRows:
     k: int                  # top logprobs wanted per position
 
 
-def plan_prompt_rows(batch: list[BatchedSequence]) -> list[PromptRows]:
-    """The prompt-logprob rows of a step's batch (batch order; a sequence's tokens are contiguous)."""
-    plans, row = [], 0
+def plan_prompt_rows(batch: list[BatchedSequence], first_row: int = 0) -> list[PromptRows]:
+    """The prompt-logprob rows of a step's batch (batch order; a sequence's tokens are contiguous), whose
+    first token is hidden row ``first_row`` (after the step's decode rows)."""
+    plans, row = [], first_row
     for scheduled in batch:
         state = scheduled.state
         k = state.params.prompt_logprobs

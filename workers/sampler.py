@@ -56,6 +56,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from pagedray.kernels.seeded_uniform import noise_keys, seeded_uniform
 
@@ -89,6 +90,15 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE
 
 
+def greedy_from(params: SamplingParams) -> int | None:
+    """The output length from which a row of ``params`` is a plain argmax (greedy; no penalty, logprobs,
+    logit_bias or grammar; ``min_tokens`` reached), or None when it never is."""
+    if (not _is_greedy(params) or _has_penalty(params) or params.logprobs is not None or params.logit_bias
+            or params.grammar is not None):
+        return None
+    return params.min_tokens
+
+
 def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
     """A generator that depends only on (seed, position): 64 bits of blake2b of both."""
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
@@ -116,11 +126,28 @@ class Sampler:
         logits = _validated_logits(logits, rows)
         if all(_is_greedy(r.params) and not _has_penalty(r.params) and r.params.logprobs is None
                and not _has_processor(r) for r in rows):
-            tokens = argmax_rows(logits)  # fast path: one argmax
-            return _sampled_tokens(rows, tokens, _finite_at(logits, tokens))
+            return self.argmax([r.seq_id for r in rows], logits)   # fast path: one argmax
         adjusted = _penalised(self._processed(logits, rows), rows)
         tokens, ok = self._choose(adjusted, rows)
         return _with_logprobs(logits, rows, _sampled_tokens(rows, tokens, ok))
+
+    def argmax(self, seq_ids: list[int], logits: torch.Tensor) -> list[SampledToken]:
+        """The greedy token of each row of ``logits [rows, vocab]`` (rows whose ``greedy_from`` is reached:
+        no penalty, processor or logprobs to apply); a row with a non-finite logit there fails."""
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != len(seq_ids):
+            raise ValueError(f"logits: must be a tensor [{len(seq_ids)} rows, vocab], got "
+                             f"{getattr(logits, 'shape', type(logits).__name__)}")
+        logits = logits.float()
+        if logits.device.type == "cpu" and not logits.requires_grad:     # NumPy: no torch op per small tensor
+            values = logits.numpy()                                       # [rows, vocab]
+            tokens = values.argmax(axis=1)                                # [rows]; the first NaN, as torch's
+            finite = np.isfinite(values[np.arange(len(tokens)), tokens])
+            token_ids = np.where(finite, tokens, -1).tolist()
+        else:
+            tokens = argmax_rows(logits)
+            token_ids = torch.where(_finite_at(logits, tokens), tokens, -1).tolist()
+        return [SampledToken(seq_id, t) if t >= 0 else SampledToken(seq_id, PLACEHOLDER_TOKEN, error=NON_FINITE_ROW)
+                for seq_id, t in zip(seq_ids, token_ids)]
 
     def _processed(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """``logits [rows, vocab]`` with logit_bias added and min_tokens' banned ids at -inf (a copy when any

@@ -12,10 +12,16 @@ the sampling params. The scheduler decides; the mirror only follows:
    tokens: inputs after the sequence's own scheduled tokens, never appended to the mirror
    (``MODEL_DRAFT`` placeholders only where the worker has a draft model, which fills them in).
    ``num_kept_blocks`` cuts the block table before ``new_block_ids`` extend it.
-3. The batch order is ``plan.running`` then ``plan.new_seqs``; a sequence with 0 scheduled tokens is
-   updated but not part of the forward.
+3. The batch order is ``plan.decodes``, ``plan.running``, then ``plan.new_seqs``; a sequence with 0
+   scheduled tokens is updated but not part of the forward. Decode rows (``DecodeRows``, one token each)
+   come back as ``MirrorStep.decode_states``, without a ``BatchedSequence`` per row.
 4. After the forward, ``mark_computed`` advances ``num_computed_tokens`` by the scheduled tokens that
    are not drafts.
+
+Next to each state the mirror keeps its block table as a row of one int32 matrix (``BlockTableRows``):
+rows stay in place while a sequence lives, new sequences take a free row once, released ones give it
+back, and only the blocks a plan adds are written. A decode step reads its block tables with one gather
+instead of flattening every table again.
 
 A plan that contradicts the mirror (unknown running id, a new id that is already mirrored, more
 scheduled tokens than known tokens, a block table too short for them, a block id outside the KV
@@ -25,10 +31,13 @@ valid by construction; the runner still checks their attention metadata once per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from .contract.sampling_params import SamplingParams
-from .contract.wire import MODEL_DRAFT, StepPlan
+from .contract.wire import MODEL_DRAFT, DecodeRows, StepPlan
+from .sampler import greedy_from
 
 
 @dataclass
@@ -39,6 +48,12 @@ class SequenceState:
     num_computed_tokens: int
     block_ids: list[int]
     params: SamplingParams
+    row: int = -1          # its row of the mirror's BlockTableRows
+    # output length from which its sampling is a plain argmax (sampler.greedy_from; None: never)
+    greedy_from: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.greedy_from = greedy_from(self.params)
 
     @property
     def num_tokens(self) -> int:
@@ -106,12 +121,45 @@ def _check_block_ids(seq_id: int, block_ids: list[int], num_blocks: int | None) 
         raise ValueError(f"block_ids: seq {seq_id} has a block id outside the KV cache [0, {num_blocks})")
 
 
+class BlockTableRows:
+    """Block tables as rows of one int32 matrix ``tables [rows, width]``; a row's entries past its
+    sequence's table are stale (readers take the width they need and the counts from the states). Rows
+    and columns double when full; a row is reused after its sequence is released."""
+
+    def __init__(self) -> None:
+        self.tables = np.zeros((16, 16), dtype=np.int32)      # [rows, width]
+        self._free: list[int] = list(range(15, -1, -1))
+
+    def take(self, block_ids: list[int]) -> int:
+        if not self._free:
+            rows = self.tables.shape[0]
+            self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        row = self._free.pop()
+        self.write(row, 0, block_ids)
+        return row
+
+    def give_back(self, row: int) -> None:
+        self._free.append(row)
+
+    def write(self, row: int, start: int, block_ids: list[int]) -> None:
+        """Entries ``[start, start + len(block_ids))`` of ``row``."""
+        end = start + len(block_ids)
+        if end > self.tables.shape[1]:
+            width = max(end, 2 * self.tables.shape[1])
+            self.tables = np.pad(self.tables, ((0, 0), (0, width - self.tables.shape[1])))
+        if block_ids:
+            self.tables[row, start:end] = block_ids
+
+
 class SequenceMirror:
     def __init__(self, block_size: int, num_blocks: int | None = None, model_drafts: bool = False) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks    # size of the KV cache, for the block-id range check (None: skip)
         self.model_drafts = model_drafts   # MODEL_DRAFT placeholders allowed (the worker has a draft model)
         self._seqs: dict[int, SequenceState] = {}
+        self.table_rows = BlockTableRows()
+        self._num_not_greedy = 0     # mirrored states that are not always a plain argmax (greedy_from != 0)
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -122,9 +170,16 @@ class SequenceMirror:
     def state(self, seq_id: int) -> SequenceState:
         return self._seqs[seq_id]
 
-    def _validate(self, plan: StepPlan) -> None:
+    @property
+    def all_plain_greedy(self) -> bool:
+        """Every mirrored sequence samples by a plain argmax at every token (``SequenceState.greedy_from`` 0)."""
+        return self._num_not_greedy == 0
+
+    def _validate(self, plan: StepPlan) -> list[SequenceState]:
+        """Raises ValueError for a plan that contradicts the mirror; returns the decode rows' states."""
         # per delta only what it changes is checked: a decode step costs O(batch), never O(mirrored)
         released = set(plan.released_seq_ids)
+        decode_states = self._validate_decodes(plan.decodes, released, plan.running) if plan.decodes else []
         for delta in plan.running:
             state = self._seqs.get(delta.seq_id)
             if state is None or delta.seq_id in released:
@@ -162,12 +217,44 @@ class SequenceMirror:
                                  "elsewhere")
             _check_fits(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens, known + drafts,
                         len(new.block_ids), self.block_size)
+        return decode_states
 
-    def apply(self, plan: StepPlan) -> list[BatchedSequence]:
+    def _validate_decodes(self, decodes: DecodeRows, released: set[int], running: list) -> list[SequenceState]:
+        """Each row: a mirrored sequence (not released now, listed once) whose every known token is computed,
+        so that the token it appends is the one it computes and samples after; its slot within its table (a
+        grown row's new block in the cache's range)."""
+        seqs, bs = self._seqs, self.block_size
+        listed = set(decodes.seq_ids)
+        if len(listed) != len(decodes.seq_ids) or not listed.isdisjoint(delta.seq_id for delta in running):
+            raise ValueError("decodes: a sequence is listed twice (in decodes, or in decodes and running)")
+        grown = dict(zip(decodes.grown, decodes.new_block_ids))
+        if len(grown) != len(decodes.grown) or any(not 0 <= i < len(decodes.seq_ids) for i in grown):
+            raise ValueError("decodes: grown must hold distinct indices of seq_ids")
+        if self.num_blocks is not None and any(not 0 <= b < self.num_blocks for b in decodes.new_block_ids):
+            raise ValueError(f"decodes: a new block id lies outside the KV cache [0, {self.num_blocks})")
+        states = []
+        for i, seq_id in enumerate(decodes.seq_ids):
+            state = seqs.get(seq_id)
+            if state is None or seq_id in released:
+                raise ValueError(f"decodes: seq {seq_id} is not mirrored by this worker")
+            computed = state.num_computed_tokens
+            if computed != len(state.prompt_token_ids) + len(state.output_token_ids):
+                raise ValueError(f"decodes: seq {seq_id} is not decoding (it has uncomputed tokens)")
+            if computed >= (len(state.block_ids) + (i in grown)) * bs:
+                raise ValueError(f"block_ids: seq {seq_id} has too few blocks for {computed + 1} tokens")
+            states.append(state)
+        return states
+
+    def apply(self, plan: StepPlan) -> MirrorStep:
         """Validate, then update the mirror; returns the forward's sequences in batch order."""
-        self._validate(plan)
+        decode_states = self._validate(plan)
         for seq_id in plan.released_seq_ids:
-            self._seqs.pop(seq_id, None)
+            state = self._seqs.pop(seq_id, None)
+            if state is not None:
+                self.table_rows.give_back(state.row)
+                self._num_not_greedy -= state.greedy_from != 0
+        if decode_states:
+            self._apply_decodes(plan.decodes, decode_states)
         batch = []
         for delta in plan.running:
             state = self._seqs[delta.seq_id]
@@ -178,18 +265,48 @@ class SequenceMirror:
                 state.output_token_ids.append(delta.new_token_id)
             if delta.num_kept_blocks is not None:
                 del state.block_ids[delta.num_kept_blocks:]
-            state.block_ids.extend(delta.new_block_ids)
+            if delta.new_block_ids:
+                self.table_rows.write(state.row, len(state.block_ids), delta.new_block_ids)
+                state.block_ids.extend(delta.new_block_ids)
             if delta.num_scheduled_tokens:
                 batch.append(BatchedSequence.of(state, delta.num_scheduled_tokens, tuple(delta.draft_token_ids)))
         for new in plan.new_seqs:
             state = SequenceState(new.seq_id, list(new.prompt_token_ids), list(new.output_token_ids),
-                                  new.num_computed_tokens, list(new.block_ids), new.sampling_params)
+                                  new.num_computed_tokens, list(new.block_ids), new.sampling_params,
+                                  self.table_rows.take(new.block_ids))
             self._seqs[new.seq_id] = state
+            self._num_not_greedy += state.greedy_from != 0
             if new.num_scheduled_tokens:
                 batch.append(BatchedSequence.of(state, new.num_scheduled_tokens, tuple(new.draft_token_ids)))
-        return batch
+        return MirrorStep(decode_states, batch)
+
+    def _apply_decodes(self, decodes: DecodeRows, states: list[SequenceState]) -> None:
+        for state, token in zip(states, decodes.token_ids):
+            state.output_token_ids.append(token)
+        for i, block in zip(decodes.grown, decodes.new_block_ids):
+            state = states[i]
+            self.table_rows.write(state.row, len(state.block_ids), [block])
+            state.block_ids.append(block)
 
     @staticmethod
-    def mark_computed(batch: list[BatchedSequence]) -> None:
-        for item in batch:
+    def mark_computed(step: MirrorStep) -> None:
+        for state in step.decode_states:
+            state.num_computed_tokens += 1
+        for item in step.batch:
             item.state.num_computed_tokens += item.num_own_tokens
+
+
+@dataclass
+class MirrorStep:
+    """What ``apply`` hands the runner: the decode rows' states (each computes and samples one token), then
+    the other scheduled sequences, in batch order."""
+
+    decode_states: list[SequenceState] = field(default_factory=list)
+    batch: list[BatchedSequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.decode_states) + len(self.batch)
+
+    def as_batch(self) -> list[BatchedSequence]:
+        """Every row as a BatchedSequence (the general input path)."""
+        return [BatchedSequence(state, 1, True) for state in self.decode_states] + self.batch

@@ -135,6 +135,12 @@ class Worker:
             return None
         self.grammars.release(plan.released_seq_ids)
         step = self.runner.prepare(plan)
+        if step is None or (not step.host.row_drafts and (self.runner.mirror.all_plain_greedy
+                                                          or _all_plain_greedy(step.host.sampling_seqs))):
+            output = self.runner.run(step)       # no grammar, processor or logprobs (or no rows): one argmax
+            seq_ids = [state.seq_id for state in output.sampling_seqs]
+            sampled = self._last_sampled = [] if output.logits is None else self.sampler.argmax(seq_ids, output.logits)
+            return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs)
         rows = [] if step is None else _sampling_rows(step.host.sampling_seqs, step.host.row_drafts)
         masks = self.grammars.submit(rows)   # grammar masks on their own thread while the forward runs
         try:
@@ -149,21 +155,27 @@ class Worker:
     def _resolve_pending(self, plan: StepPlan) -> StepPlan:
         """``plan`` with each ``PENDING_TOKEN`` replaced by the token this rank drew for that sequence at
         its last step."""
-        if not any(delta.new_token_id == PENDING_TOKEN for delta in plan.running):
+        decodes = plan.decodes
+        pending_decodes = PENDING_TOKEN in decodes.token_ids
+        if not pending_decodes and not any(delta.new_token_id == PENDING_TOKEN for delta in plan.running):
             return plan
         if not self.tp.is_first:
             raise ValueError(f"running: PENDING_TOKEN needs the sampling rank; rank {self.rank} draws no tokens")
         drawn = {token.seq_id: token.token_id for token in self._last_sampled}
-        running = []
-        for delta in plan.running:
-            if delta.new_token_id == PENDING_TOKEN:
-                token = drawn.get(delta.seq_id)
-                if token is None:
-                    raise ValueError(f"running: seq {delta.seq_id} asks for the token drawn at the previous "
-                                     "step, which drew none for it")
-                delta = replace(delta, new_token_id=token)
-            running.append(delta)
-        return replace(plan, running=running)
+
+        def last_draw(seq_id: int) -> int:
+            token = drawn.get(seq_id)
+            if token is None:
+                raise ValueError(f"running: seq {seq_id} asks for the token drawn at the previous step, which "
+                                 "drew none for it")
+            return token
+        running = [replace(delta, new_token_id=last_draw(delta.seq_id)) if delta.new_token_id == PENDING_TOKEN
+                   else delta for delta in plan.running]
+        if pending_decodes:
+            tokens = [last_draw(seq_id) if token == PENDING_TOKEN else token
+                      for seq_id, token in zip(decodes.seq_ids, decodes.token_ids)]
+            decodes = replace(decodes, token_ids=tokens)
+        return replace(plan, running=running, decodes=decodes)
 
     def sample(self, output: StepOutput, rows: list[SamplingRow] | None = None,
                masks: Future | None = None) -> list[SampledToken]:
@@ -210,6 +222,11 @@ def _sampling_rows(seqs, row_drafts: tuple[tuple[int, ...], ...] = ()) -> list[S
         return [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids) for s in seqs]
     return [SamplingRow(s.seq_id, s.params, s.prompt_token_ids, s.output_token_ids + list(drafts) if drafts
                         else s.output_token_ids, len(drafts)) for s, drafts in zip(seqs, row_drafts)]
+
+
+def _all_plain_greedy(seqs) -> bool:
+    """Every sampling sequence is a plain argmax at its next token (``sampler.greedy_from``)."""
+    return all(s.greedy_from is not None and len(s.output_token_ids) >= s.greedy_from for s in seqs)
 
 
 def _failed(sampled: list[SampledToken]) -> frozenset[int]:

@@ -311,3 +311,26 @@ def test_truncate_refuses_what_it_cannot_do_and_changes_nothing(num_slots, messa
     assert bm.block_table("s") == table and bm.num_slots("s") == 16
     with pytest.raises(UnknownSequenceError):
         bm.truncate("nobody", 0)
+
+
+def test_add_slot_takes_a_slot_inside_the_last_block_and_hashes_a_block_it_fills():
+    twin, bm = BlockManager(4, 16), BlockManager(4, 16)
+    tokens = list(P)
+    for manager in (bm, twin):
+        manager.allocate_slots("a", tokens, 10)                   # blocks 0 1 2, slots 8 9 used in the last
+    for _ in range(2):
+        tokens.append(len(tokens))
+        assert bm.add_slot("a", tokens)
+        twin.allocate_slots("a", tokens, 1)
+    assert snapshot(bm) == snapshot(twin) and bm.num_slots("a") == 12
+    assert bm.num_cached_prefix_tokens(tokens + [99]) == 12          # the filled third block was hashed
+    tokens.append(len(tokens))
+    assert not bm.add_slot("a", tokens)                            # slot 12 opens a block: nothing changed
+    assert snapshot(bm) == snapshot(twin) and bm.num_slots("a") == 12
+    other = list(range(500, 510))
+    bm.allocate_slots("b", other, 9)
+    with pytest.raises(ValueError, match="token_ids"):
+        bm.add_slot("b", other[:9])                                # slot 10 needs a 10th token
+    assert bm.num_slots("b") == 9
+    with pytest.raises(UnknownSequenceError):
+        bm.add_slot("nobody", P)

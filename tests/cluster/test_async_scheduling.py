@@ -83,7 +83,7 @@ def test_async_scheduling_streams_what_the_synchronous_engine_streams(tiny_llama
     assert ahead == sync
     assert sync["c"]["tokens"][0][-1] == 56 and sync["c"]["finish"] == {0: "stop"}
     assert sync["d"]["tokens"] == {i: [64, 65, 66, 67, 68] for i in range(3)}
-    pending = sum(delta.new_token_id == PENDING_TOKEN for plan in executor.plans for delta in plan.running)
+    pending = sum(token == PENDING_TOKEN for plan in executor.plans for token in plan.decodes.token_ids)
     assert pending > 0                                   # it did schedule ahead
     bm = engine.block_manager
     bm.check_invariants()
@@ -104,7 +104,7 @@ def test_one_step_is_queued_ahead_and_the_last_step_drains_it(tiny_llama_path):
     outputs = engine.step()                               # step 1 submitted, step 0 applied
     assert len(executor.plans) == 2 and executor.waited == 1
     assert [t for o in outputs for c in o.outputs for t in c.token_ids] == [13]
-    assert executor.plans[1].running[0].new_token_id == PENDING_TOKEN
+    assert executor.plans[1].decodes.seq_ids == [0] and executor.plans[1].decodes.token_ids == [PENDING_TOKEN]
     streams, _ = _run(engine, [])
     assert streams["a"]["tokens"][0] == [14, 15] and streams["a"]["finish"] == {0: "length"}
     # max_tokens is known ahead: no step is spent past the third token; then a plan releases the mirror

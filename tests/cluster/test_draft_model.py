@@ -145,5 +145,5 @@ def test_model_draft_placeholders_need_a_draft_model():
         SequenceMirror(8, 4).apply(plan([MODEL_DRAFT, MODEL_DRAFT]))
     with pytest.raises(ValueError, match="draft_token_ids: seq 1 mixes MODEL_DRAFT placeholders"):
         SequenceMirror(8, 4, model_drafts=True).apply(plan([MODEL_DRAFT, 9]))
-    batch = SequenceMirror(8, 4, model_drafts=True).apply(plan([MODEL_DRAFT, MODEL_DRAFT]))
+    batch = SequenceMirror(8, 4, model_drafts=True).apply(plan([MODEL_DRAFT, MODEL_DRAFT])).batch
     assert batch[0].draft_token_ids == (MODEL_DRAFT, MODEL_DRAFT) and batch[0].samples

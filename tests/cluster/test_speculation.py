@@ -143,7 +143,7 @@ def test_mirror_computes_drafts_as_inputs_then_takes_accepted_ones_and_cut_block
                                                      new_token_id=6, draft_token_ids=[7, 8, 9])])
     plan = decode_plan(encode_plan(plan))                       # the fields survive the wire
     batch = mirror.apply(plan)
-    host = build_host_batch(batch, block_size=4)
+    host = build_host_batch(batch.batch, block_size=4)
     inputs = host.inputs
     assert inputs.input_ids.tolist() == [6, 7, 8, 9] and inputs.positions.tolist() == [5, 6, 7, 8]
     assert inputs.logits_indices.tolist() == [0, 1, 2, 3] and host.row_drafts == ((), (7,), (7, 8), (7, 8, 9))
@@ -155,7 +155,7 @@ def test_mirror_computes_drafts_as_inputs_then_takes_accepted_ones_and_cut_block
                                                      new_token_id=5, accepted_token_ids=[7], num_kept_blocks=2)])
     batch = mirror.apply(plan)
     assert state.output_token_ids == [6, 7, 5] and state.num_computed_tokens == 7 and state.block_ids == [10, 11, 13]
-    assert build_host_batch(batch, block_size=4).inputs.input_ids.tolist() == [5]
+    assert build_host_batch(batch.batch, block_size=4).inputs.input_ids.tolist() == [5]
 
 
 @pytest.mark.parametrize("delta,field", [

@@ -5,6 +5,8 @@ import pytest
 from pagedray.workers.contract import wire
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import (
+    PENDING_TOKEN,
+    DecodeRows,
     NewSequence,
     RunningDelta,
     SampledToken,
@@ -30,6 +32,7 @@ def _plan() -> StepPlan:
                  RunningDelta(seq_id=4, num_scheduled_tokens=16)],
         released_seq_ids=[1, 2],
         block_copies=[(5, 6)],
+        decodes=DecodeRows(seq_ids=[12, 13, 14], token_ids=[7, PENDING_TOKEN, 9], grown=[1], new_block_ids=[30]),
     )
 
 
@@ -38,7 +41,7 @@ def test_plan_round_trip_is_exact():
     decoded = decode_plan(encode_plan(plan))
     assert decoded == plan
     assert decoded.new_seqs[0].sampling_params.stop_token_ids == (2, 9)
-    assert decoded.num_scheduled_tokens == 4 + 1 + 16
+    assert decoded.num_scheduled_tokens == 3 + 4 + 1 + 16
     assert decoded.new_seqs[0].token_ids == [1, 2, 3, 4]
 
 
@@ -46,8 +49,20 @@ def test_result_round_trip_is_exact():
     result = StepResult(step_id=3, sampled=[
         SampledToken(seq_id=1, token_id=5, logprob=-0.25, top_logprobs=[(5, -0.25), (7, -1.5)]),
         SampledToken(seq_id=2, token_id=8),
+        SampledToken(seq_id=4, token_id=0, error="its grammar refused token 3"),
+        SampledToken(seq_id=6, token_id=9, logprob=-2.0, top_logprobs=[]),
     ])
     assert decode_result(encode_result(result)) == result
+
+
+def test_a_result_whose_columns_disagree_is_refused():
+    data = msgpack.packb({"step_id": 1, "seq_ids": [1, 2], "token_ids": [3], "extras": [], "prompt_logprobs": []})
+    with pytest.raises(WireError, match="malformed StepResult"):
+        decode_result(data)
+    data = msgpack.packb({"step_id": 1, "seq_ids": [1], "token_ids": [3], "extras": [[5, -1.0, None, None]],
+                          "prompt_logprobs": []})
+    with pytest.raises(WireError, match="malformed StepResult"):
+        decode_result(data)
 
 
 def test_decoder_rejects_extension_types():

@@ -44,6 +44,15 @@ class FakeExecutor:
         for seq_id in plan.released_seq_ids:
             del self.mirror[seq_id]
         batch = []
+        decodes = plan.decodes
+        for seq_id, token in zip(decodes.seq_ids, decodes.token_ids):
+            state = self.mirror[seq_id]
+            if token == PENDING_TOKEN:
+                assert seq_id in self.last_sampled, f"seq {seq_id}: PENDING without a last sample"
+                token = self.last_sampled[seq_id]
+            assert state[1] == len(state[0]), f"seq {seq_id}: a decode row of a sequence with uncomputed tokens"
+            state[0].append(token)
+            batch.append((seq_id, 1, []))
         for delta in plan.running:
             state = self.mirror[delta.seq_id]
             state[0] += delta.accepted_token_ids                 # drafts kept last step: computed already

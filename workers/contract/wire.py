@@ -4,7 +4,7 @@ The engine sends one StepPlan per step to every TP rank; rank 0 alone answers wi
 Both are plain dataclasses encoded with msgpack (no pickle, no extension types, size-capped), so a
 worker can never be made to run code by a message and a corrupt message fails loudly.
 
-A plan describes the batch of one forward pass. The batch order is ``running`` followed by
+A plan describes the batch of one forward pass. The batch order is ``decodes``, then ``running``, then
 ``new_seqs``; results come back in that order for the sequences that sample.
 
 Worker-side mirror (what every rank keeps per sequence id, updated only from plans):
@@ -31,6 +31,12 @@ in the cache), ``block_ids`` and the sampling params.
   ranks (``speculative_model``) the drafts are ``MODEL_DRAFT`` (-2) placeholders, all of a sequence's or
   none: each rank's draft model fills them in before the forward (the engine learns the accepted ones
   from the result, as ever).
+- ``DecodeRows`` (``plan.decodes``): the steady decode, column by column. A mirrored sequence that computes
+  exactly one token this step, the one sampled at its previous step (``token_ids``, or ``PENDING_TOKEN``), and
+  samples after it: no drafts, no accepted drafts, no cut of its table, at most one new block (rows listed
+  in ``grown``, with the block in ``new_block_ids``). It means what a ``RunningDelta`` with those fields would
+  mean; columns instead of one object per sequence keep the engine's plan, the wire and the worker's
+  inputs free of per-sequence objects in the step that dominates serving (benchmarks.host_step).
 - In both, ``num_scheduled_tokens`` tokens are computed this step, starting at
   ``num_computed_tokens``: the tokens ``token_ids[num_computed : num_computed + num_scheduled]``.
   A sequence samples a token when, after this step, every known token is computed.
@@ -91,20 +97,35 @@ class RunningDelta:
 
 
 @dataclass
+class DecodeRows:
+    """Plain decodes, one token each (module doc): ``seq_ids[i]`` appends ``token_ids[i]`` and computes it;
+    row ``grown[j]`` (an index into ``seq_ids``, increasing) first extends its table by ``new_block_ids[j]``."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    grown: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+
+@dataclass
 class StepPlan:
     step_id: int
     new_seqs: list[NewSequence] = field(default_factory=list)
     running: list[RunningDelta] = field(default_factory=list)
     released_seq_ids: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    decodes: DecodeRows = field(default_factory=DecodeRows)
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.new_seqs) + sum(
+        return len(self.decodes) + sum(s.num_scheduled_tokens for s in self.new_seqs) + sum(
             r.num_scheduled_tokens for r in self.running)
 
 
-@dataclass
+@dataclass(slots=True)    # one per sampling row and step
 class SampledToken:
     seq_id: int
     token_id: int
@@ -168,7 +189,8 @@ def encode_plan(plan: StepPlan) -> bytes:
     obj = {"step_id": plan.step_id,
            "new_seqs": [{**vars(new), "sampling_params": new.sampling_params.to_dict()} for new in plan.new_seqs],
            "running": [vars(delta) for delta in plan.running],
-           "released_seq_ids": plan.released_seq_ids, "block_copies": plan.block_copies}
+           "released_seq_ids": plan.released_seq_ids, "block_copies": plan.block_copies,
+           "decodes": vars(plan.decodes)}
     return _pack(obj)
 
 
@@ -186,25 +208,44 @@ def decode_plan(data: bytes) -> StepPlan:
             running=[RunningDelta(**r) for r in obj["running"]],
             released_seq_ids=list(obj["released_seq_ids"]),
             block_copies=[(int(s), int(d)) for s, d in obj["block_copies"]],
+            decodes=_decode_rows(obj["decodes"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed StepPlan: {exc}") from exc
 
 
+def _decode_rows(obj: dict) -> DecodeRows:
+    rows = DecodeRows(**obj)
+    columns = (rows.seq_ids, rows.token_ids, rows.grown, rows.new_block_ids)
+    if not all(isinstance(c, list) and all(type(v) is int for v in c) for c in columns):  # noqa: E721
+        raise ValueError("decodes: every column must be a list of integers")
+    if len(rows.token_ids) != len(rows.seq_ids) or len(rows.new_block_ids) != len(rows.grown):
+        raise ValueError("decodes: token_ids must match seq_ids, and new_block_ids grown, in length")
+    return rows
+
+
 def encode_result(result: StepResult) -> bytes:
-    return _pack({"step_id": result.step_id, "sampled": [vars(s) for s in result.sampled],
+    # columns for the ids (every row has them); the other fields only for the rows that carry one
+    sampled = result.sampled
+    extras = [[i, s.logprob, s.top_logprobs, s.error] for i, s in enumerate(sampled)
+              if s.logprob is not None or s.top_logprobs is not None or s.error is not None]
+    return _pack({"step_id": result.step_id, "seq_ids": [s.seq_id for s in sampled],
+                  "token_ids": [s.token_id for s in sampled], "extras": extras,
                   "prompt_logprobs": [vars(p) for p in result.prompt_logprobs]})
 
 
 def decode_result(data: bytes) -> StepResult:
     obj = _unpack(data)
     try:
-        sampled = []
-        for s in obj["sampled"]:
-            s = dict(s)
-            if s.get("top_logprobs") is not None:
-                s["top_logprobs"] = [(int(t), float(lp)) for t, lp in s["top_logprobs"]]
-            sampled.append(SampledToken(**s))
+        seq_ids, token_ids = obj["seq_ids"], obj["token_ids"]
+        if len(seq_ids) != len(token_ids):
+            raise ValueError("seq_ids and token_ids differ in length")
+        sampled = [SampledToken(seq_id, token_id) for seq_id, token_id in zip(seq_ids, token_ids)]
+        for i, logprob, top, error in obj["extras"]:
+            token = sampled[i]
+            token.logprob, token.error = logprob, error
+            if top is not None:
+                token.top_logprobs = [(int(t), float(lp)) for t, lp in top]
         prompt = []
         for p in obj.get("prompt_logprobs", []):
             p = dict(p)
@@ -212,5 +253,5 @@ def decode_result(data: bytes) -> StepResult:
                 p["top_logprobs"] = [[(int(t), float(lp)) for t, lp in row] for row in p["top_logprobs"]]
             prompt.append(PromptLogprobs(**p))
         return StepResult(step_id=obj["step_id"], sampled=sampled, prompt_logprobs=prompt)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise WireError(f"malformed StepResult: {exc}") from exc
