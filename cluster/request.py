@@ -78,8 +78,10 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_streamed = self.num_resumed
-        # prompt + output tokens, maintained by append_token (read on every step: no re-concatenation)
-        self._token_ids = self.request.prompt_token_ids + self.output_token_ids
+        # prompt + output tokens, maintained by append_token (read on every step: no re-concatenation, and a
+        # plain attribute, not a property: the scheduler and the plan builder read it per sequence per step).
+        # A live list: do not mutate.
+        self.token_ids: list[int] = self.request.prompt_token_ids + self.output_token_ids
         params = self.request.params
         # sample i of a seeded request samples with seed + i (vLLM's rule): the n choices differ and
         # each one is reproducible on its own; the sum wraps like int64 arithmetic, so a seed near
@@ -88,17 +90,12 @@ class Sequence:
         self.params = replace(params, seed=sibling_seed(params.seed, self.index)) if seeded_sibling else params
 
     @property
-    def token_ids(self) -> list[int]:
-        """Prompt + output tokens (a live list: do not mutate)."""
-        return self._token_ids
-
-    @property
     def num_tokens(self) -> int:
-        return len(self._token_ids)
+        return len(self.token_ids)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self._token_ids.append(token_id)
+        self.token_ids.append(token_id)
 
     @property
     def num_uncomputed_tokens(self) -> int:

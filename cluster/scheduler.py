@@ -94,6 +94,7 @@ class Scheduler:
         self._released: list[int] = []
         self._block_copies: list[tuple[int, int]] = []    # from speculative rollbacks, for the next step
         self._kept_blocks: dict[int, int] = {}             # SchedulerOutput.kept_blocks, for the next step
+        self._unforked: set[Sequence] = set()     # first samples of n > 1 requests (a superset of the unforked)
         self.proposer: Proposer | None = None     # prompt lookup, or slots for the ranks' draft model
         if config.num_speculative_tokens:
             self.proposer = (RankDraftSlots() if config.speculative_model is not None
@@ -151,6 +152,8 @@ class Scheduler:
         request.sequences.append(self._new_sequence(request, 0, [int(t) for t in resume_tokens]))
         self.requests[request_id] = request
         self.waiting.append(request.sequences[0])
+        if request.num_unforked:
+            self._unforked.add(request.sequences[0])
         return request
 
     def _new_sequence(self, request: Request, index: int, resume_tokens: list[int] = ()) -> Sequence:
@@ -405,7 +408,11 @@ class Scheduler:
     def _fork_ready_parents(self, out: SchedulerOutput) -> None:
         """Forks parents that reached their fork point; a partial last block needs one free block per
         child (copy-on-write), which may take preemptions (victims in the usual order)."""
-        parents = [s for s in self.running if s.must_fork_first and s.num_scheduled_through == s.request.fork_at]
+        if not self._unforked:
+            return
+        self._unforked = {s for s in self._unforked if s.must_fork_first}   # forked, finished or aborted: gone
+        parents = [s for s in self._unforked if s.status is SequenceStatus.RUNNING
+                   and s.num_scheduled_through == s.request.fork_at]
         for seq in sorted(parents, key=self._key):
             if seq.status is not SequenceStatus.RUNNING:   # preempted for an earlier parent's copies
                 continue
@@ -442,7 +449,7 @@ class Scheduler:
                 if entry.seq_id not in scheduled:
                     raise RuntimeError(f"step {out.step_id}: prompt logprobs for unscheduled sequence {entry.seq_id}")
                 scheduled[entry.seq_id].request.record_prompt_logprobs(entry)
-        if not any(sched.draft_token_ids for sched in out.scheduled):
+        if self.proposer is None or not any(sched.draft_token_ids for sched in out.scheduled):
             return self._update_plain(out, sampled)
         by_seq: dict[int, list[SampledToken]] = {}
         for token in sampled:

@@ -28,6 +28,7 @@ bucket has the same shapes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from dataclasses import dataclass
@@ -94,13 +95,15 @@ class HostBatch:
     num_real_rows: int                  # sequences of the plan (rows past them are padding)
     row_drafts: tuple[tuple[int, ...], ...] = ()   # BatchInputs.row_drafts
 
-    @property
+    @functools.cached_property
     def inputs(self) -> BatchInputs:
-        """The host tensors (what the runner checks before the copy)."""
+        """The host tensors (what the runner checks before the copy; made once)."""
         return unpack(self.packed, self.shape, self.max_query_len, self.sampling_seqs, self.row_drafts)
 
     def to_device(self, device: torch.device) -> BatchInputs:
-        packed = self.packed if device.type == "cpu" else self.packed.to(device, non_blocking=True)
+        if device.type == "cpu":
+            return self.inputs
+        packed = self.packed.to(device, non_blocking=True)
         return unpack(packed, self.shape, self.max_query_len, self.sampling_seqs, self.row_drafts)
 
 
