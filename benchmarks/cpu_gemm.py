@@ -39,8 +39,8 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
-from pagedray.kernels import cpu_choice
-from pagedray.kernels.cpu_choice import ChoiceCache
+from pagedray.kernels.cpu import cpu_choice
+from pagedray.kernels.cpu.cpu_choice import ChoiceCache
 from pagedray.workers.layers import gemm_timing, packed_gemm
 from torch import nn
 

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--layers", default="0-28", help="the layers kept, e.g. '0-11,24-29'")
     args = parser.parse_args(argv)
-    from pagedray.workers.default_model import resolve_model_path
+    from pagedray.workers.weights.default_model import resolve_model_path
 
     print(layers_copy(resolve_model_path(args.model), parse_layers(args.layers)))
 

@@ -5,7 +5,7 @@ run asks every sequence for a JSON array of at least 64 one-digit integers (comp
 cannot close before ``max_tokens``; the plain run sets ``ignore_eos``. Both therefore produce exactly
 the same number of tokens in the same number of steps, and the ratio isolates the grammar's cost: the
 llguidance mask per row, unpacking it, masking the logits and feeding the sampled token back
-(``workers/grammar.py``), timed separately as mask ms per step.
+(``workers/sampling/grammar.py``), timed separately as mask ms per step.
 
 Systems ``plain bN`` / ``json bN`` run in interleaved rounds (``benchmarks.rounds``) on one in-process
 engine (``LLM``, ``--threads`` torch threads), built once and warmed up with both kinds of request.

@@ -79,7 +79,7 @@ class StepClock:
             return plan
         engine.plan_builder.build = keep_plan
         if stub_forward:
-            from pagedray.workers.model_runner import StepOutput
+            from pagedray.workers.runner.model_runner import StepOutput
 
             logits = torch.randn(4096, VOCAB, generator=torch.Generator().manual_seed(1))   # [rows, vocab]
 

@@ -21,8 +21,8 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 import torch
 import torch.nn.functional as F
-from pagedray.kernels.cpu_twins import median_ms
-from pagedray.kernels.reference import paged_decode_reference, paged_prefill_reference
+from pagedray.kernels.cpu.cpu_twins import median_ms
+from pagedray.kernels.reference.attention import paged_decode_reference, paged_prefill_reference
 
 HEADS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 DECODE = [(1, 512), (8, 512), (32, 512), (8, 2048), (64, 256), (128, 1024)]

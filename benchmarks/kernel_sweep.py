@@ -17,7 +17,7 @@ so the defaults can be set from measurements. Writes JSON (device, date, every r
   configurations (``kv8_decode_configs``) cross the 16-row and the keys-major forms' tiles with K's code
   conversion (``tile_triton.codes_to``: K_CVT 0 / 1 / 2) and float16 products (``F16_MATH``:
   ``tile_triton.queries_in_f16``) at the launcher's automatic split count (for an 8-bit cache on CUDA the one
-  that fills whole waves, ``kernels/occupancy.py``: 3 at batch 64 for the 16-row 128-key tiles, which fit 3 to
+  that fills whole waves, ``kernels/triton/occupancy.py``: 3 at batch 64 for the 16-row 128-key tiles, which fit 3 to
   an SM), and the two fastest of them then run at forced split counts (``BEST_AT_SPLITS``);
   ``--decode-shapes 64x8192,...`` and ``--decode-only`` narrow the run (issue #37's goal shape alone).
 * ``--dry-run``: tiny shapes and a two-entry grid through the Triton interpreter on CPU (plumbing only).
@@ -137,8 +137,8 @@ def _try_config(run_small, reference, run_full, on_cuda: bool, what: str) -> dic
 
 
 def _decode_shape(spec: dict, batch: int, context: int, device, on_cuda: bool, copy_gbps: float) -> list[dict]:
-    from pagedray.kernels.decode_triton import paged_decode_triton
-    from pagedray.kernels.reference import paged_decode_reference
+    from pagedray.kernels.reference.attention import paged_decode_reference
+    from pagedray.kernels.triton.decode_triton import paged_decode_triton
 
     dtype = getattr(torch, spec["dtype"])
     hq, hkv = spec["heads"]
@@ -176,8 +176,8 @@ def _decode_shape(spec: dict, batch: int, context: int, device, on_cuda: bool, c
 
 
 def _prefill_shape(spec: dict, tokens: int, history: int, device, on_cuda: bool) -> list[dict]:
-    from pagedray.kernels.prefill_triton import paged_prefill_triton
-    from pagedray.kernels.reference import paged_prefill_reference
+    from pagedray.kernels.reference.attention import paged_prefill_reference
+    from pagedray.kernels.triton.prefill_triton import paged_prefill_triton
 
     dtype = getattr(torch, spec["dtype"])
     hq, hkv = spec["heads"]

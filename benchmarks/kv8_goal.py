@@ -69,9 +69,9 @@ METRICS = [Metric("calls_per_s", "decode calls/s"), Metric("ms", "ms per call", 
 def build_systems(cfg: dict, candidates, device) -> dict:
     """name -> (decode callable over the full batch, decode callable over two sequences, reference output of
     those two): the 16-bit cache's default, then each 8-bit cache under each candidate."""
-    from pagedray.kernels.decode_triton import paged_decode_triton
     from pagedray.kernels.kv_quant import KV_CACHE_DTYPES
-    from pagedray.kernels.reference import paged_decode_reference
+    from pagedray.kernels.reference.attention import paged_decode_reference
+    from pagedray.kernels.triton.decode_triton import paged_decode_triton
 
     dtype = getattr(torch, cfg["dtype"])
     gen = torch.Generator(device=device).manual_seed(37)

@@ -60,8 +60,8 @@ def read_bytes(batch: int, context: int, cfg: dict, cache_dtype: torch.dtype, q:
 
 def bench_decode(batch: int, context: int, cfg: dict, device, on_cuda: bool) -> list[dict]:
     from pagedray import kernels
-    from pagedray.kernels.decode_triton import paged_decode_triton
     from pagedray.kernels.kv_quant import KV_CACHE_DTYPES
+    from pagedray.kernels.triton.decode_triton import paged_decode_triton
 
     dtype = getattr(torch, cfg["dtype"])
     gen = torch.Generator(device=device).manual_seed(batch * 7919 + context)

@@ -1,6 +1,6 @@
 """Fused-MoE kernel benchmark: ``python -m benchmarks.moe_kernel [--dry-run] [--out PATH]``.
 
-The Triton grouped-GEMM MoE (``kernels/moe_triton.py``) against the torch loop over experts
+The Triton grouped-GEMM MoE (``kernels/triton/moe_triton.py``) against the torch loop over experts
 (``fused_moe_reference``, what the CPU path runs) on the same inputs, at a Qwen3-30B-A3B-shaped layer
 (128 experts, top-8, hidden 2048, expert intermediate 768, bf16) and 1 to 4,096 tokens, routing drawn from
 a random router. Prints a table and writes JSON (device, date, every row): milliseconds of each, the

@@ -92,7 +92,7 @@ def run_vllm(prompts, max_tokens, dtype: str | None) -> dict:
     import os
     import subprocess
 
-    from pagedray.workers.default_model import ensure_default_model
+    from pagedray.workers.weights.default_model import ensure_default_model
 
     from benchmarks import vllm_cpu
 
@@ -120,7 +120,7 @@ def run_vllm(prompts, max_tokens, dtype: str | None) -> dict:
 def save_even_head_model(folder: str) -> None:
     """SmolLM2-135M's shape with 8 query / 4 KV heads (head_dim 72), random weights, SmolLM2 tokenizer."""
     import torch
-    from pagedray.workers.default_model import ensure_default_model
+    from pagedray.workers.weights.default_model import ensure_default_model
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     source = str(ensure_default_model())
@@ -133,7 +133,7 @@ def save_even_head_model(folder: str) -> None:
 
 def _hf_model_and_tokenizer():
     import torch
-    from pagedray.workers.default_model import ensure_default_model
+    from pagedray.workers.weights.default_model import ensure_default_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(ensure_default_model())

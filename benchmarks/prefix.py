@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from pagedray.workers.default_model import ensure_default_model
+    from pagedray.workers.weights.default_model import ensure_default_model
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))

@@ -72,7 +72,7 @@ def graph_ms(fn, on_cuda: bool, rep: int = 100) -> float:
 
 def sweep(m: int, n: int, k: int, group_size: int, bits: int) -> list[dict]:
     """Configurations around the default for decode-sized M: column tiles x K splits (K slices as the default)."""
-    from pagedray.kernels.quant_gemm_triton import quant_gemm_config
+    from pagedray.kernels.triton.quant_gemm_triton import quant_gemm_config
 
     base = quant_gemm_config(m, n, k, group_size, bits, torch.device("cpu"), dense_above=1 << 62)
     slice_rows = base["BLOCK_KW"] * (32 // bits)
@@ -83,7 +83,7 @@ def sweep(m: int, n: int, k: int, group_size: int, bits: int) -> list[dict]:
 def bench_one(m: int, n: int, bits: int, group: int, float8: bool, cfg: dict, device, on_cuda: bool) -> dict:
     from pagedray import kernels
     from pagedray.kernels.quant_gemm import dequantize_packed
-    from pagedray.kernels.quant_gemm_triton import quant_gemm_config, quant_gemm_triton
+    from pagedray.kernels.triton.quant_gemm_triton import quant_gemm_config, quant_gemm_triton
 
     gen = torch.Generator().manual_seed(m * 31 + n + bits)
     dtype, k = getattr(torch, cfg["dtype"]), cfg["k"]

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
                for router in (CACHE_AWARE, DEFAULT)}
 
     import ray
-    from pagedray.workers.default_model import ensure_default_model
+    from pagedray.workers.weights.default_model import ensure_default_model
     from transformers import AutoTokenizer
 
     if args.model == "default":

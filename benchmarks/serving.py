@@ -166,7 +166,7 @@ def skip_reason(spec: SystemSpec, model_path: str) -> str | None:
     """Why a pagedray TP size cannot run this model (the workers' own check), or None."""
     if spec.tensor_parallel_size is None:
         return None
-    from pagedray.workers.model_info import model_info
+    from pagedray.workers.models.model_info import model_info
 
     info = model_info(model_path)  # an unsupported model is an error, not a skip
     try:
@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pagedray.workers.default_model import resolve_model_path
+    from pagedray.workers.weights.default_model import resolve_model_path
 
     from benchmarks.serving_baselines import arithmetic_floor, offline_engine_run
 

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.system.startswith("pagedray-"):
         raise SystemExit("--system: only pagedray systems are profiled (pagedray-tpN, pagedray-tp1-local)")
-    from pagedray.workers.default_model import resolve_model_path
+    from pagedray.workers.weights.default_model import resolve_model_path
 
     model_path = str(resolve_model_path(args.model))
     spec = system_specs([args.system], model_path, args.port, args)[0]

@@ -41,7 +41,7 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 import torch
 import triton
-from pagedray.kernels import (
+from pagedray.kernels.triton import (
     activation_triton,
     decode_triton,
     moe_triton,
@@ -52,7 +52,7 @@ from pagedray.kernels import (
     seeded_uniform_triton,
     store_kv_triton,
 )
-from pagedray.kernels.occupancy import programs_per_sm
+from pagedray.kernels.triton.occupancy import programs_per_sm
 from triton import compiler
 from triton.backends.compiler import GPUTarget
 
@@ -235,7 +235,7 @@ def launcher_split_probe(batch: int = 64, context: int = 8192, num_sms: int = 13
     (``_decode_kernel.warmup``) and counts the programs an SM holds, then ``choose_num_splits`` picks the split
     count. Run here through a stand-in driver for an sm_90 device, with the registers read from the cubin
     (a GPU reports them when it loads the binary); the launch itself is not made."""
-    from pagedray.kernels import decode_triton as dt
+    from pagedray.kernels.triton import decode_triton as dt
 
     fake_driver = type("Sm90Driver", (), dict(get_current_device=lambda self: 0,
                                                 get_current_stream=lambda self, device: 0,

@@ -65,8 +65,8 @@ import torch
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
-from pagedray.workers.default_model import resolve_model_path
 from pagedray.workers.layers.attention import PagedAttention
+from pagedray.workers.weights.default_model import resolve_model_path
 from pagedray.workers.worker import Worker
 
 from benchmarks.rounds import environment

@@ -19,8 +19,8 @@ from pagedray.block_manager import BlockManager
 from pagedray.workers.contract.config import EngineConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import StepPlan, StepResult
-from pagedray.workers.default_model import resolve_model_path
-from pagedray.workers.model_info import model_info
+from pagedray.workers.models.model_info import model_info
+from pagedray.workers.weights.default_model import resolve_model_path
 
 from .executor import Executor, create_executor
 from .output_builder import OutputBuilder

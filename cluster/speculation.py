@@ -5,7 +5,7 @@ With ``num_speculative_tokens = k`` the scheduler asks a ``Proposer`` for up to 
 might follow; the step then computes the last token plus the drafts (k + 1 positions) and rank 0
 samples at every one of them. Draft i is accepted when the token sampled at its position equals it,
 and the first position that differs gives the step's last token (the target's own); so a step emits
-1 to k + 1 tokens. Verification lives in ``workers/speculative.py``; the scheduler rolls the
+1 to k + 1 tokens. Verification lives in ``workers/sampling/speculative.py``; the scheduler rolls the
 rejected drafts' KV slots back (``BlockManager.truncate``).
 
 Why this verification is exact: each sampled position draws from the target's distribution with the
@@ -22,7 +22,7 @@ Proposers (``Proposer.propose_batch``: one call per step for every decoding sequ
   it are the proposal.
 - ``RankDraftSlots`` (``speculative_model``): a small model with the target's vocabulary, sharded over the
   same TP ranks with a paged KV cache of its own under the same block ids, drafts greedily in the step
-  itself, before the target forward (workers/draft_model.py); the engine reserves k slots per sequence
+  itself, before the target forward (workers/runner/draft_model.py); the engine reserves k slots per sequence
   (``MODEL_DRAFT`` placeholders) and learns the accepted drafts from the sampled tokens. Its proposals are
   one token with certainty, so verification by equality is rejection sampling there too.
 """
@@ -75,7 +75,7 @@ class NgramProposer:
 
 
 class RankDraftSlots:
-    """``speculative_model``: the draft model runs on the TP ranks within the step (workers/draft_model.py);
+    """``speculative_model``: the draft model runs on the TP ranks within the step (workers/runner/draft_model.py);
     the scheduler only reserves the slots, with ``MODEL_DRAFT`` placeholders that the ranks fill in."""
 
     def propose_batch(self, requests: list[tuple[Sequence[int], int]]) -> list[list[int]]:

@@ -12,10 +12,10 @@ How a request flows through this package::
        ingress itself
 
 Rooms, each importing only those before it (tests/test_layers.py): ``openai/`` (the protocol, no Ray),
-``routing/`` (router, registry, autoscaling policy), ``http/`` (routes, connection guard, grafana/),
-``serve/`` (app, ingress, engine deployment, served engine, options, loopback, serve.yaml), ``cli/``
-(the ``pagedray`` command, the only room that starts Ray). ``loadtest/`` is the cluster load tester
-(``pagedray loadtest``).
+``bridges/`` (the Responses and Messages APIs as translations onto chat), ``routing/`` (router, registry,
+autoscaling policy), ``http/`` (routes, connection guard, grafana/), ``serve/`` (app, ingress, engine
+deployment, served engine, options, loopback, serve.yaml), ``cli/`` (the ``pagedray`` command, the only
+room that starts Ray). ``loadtest/`` is the cluster load tester (``pagedray loadtest``).
 
 Entry points: ``pagedray.deploy.app:build_app`` (the Serve application; serve.yaml and users' YAML name
 this path, which re-exports ``serve/app.py``'s; its args are ``serve/options.py``'s list),

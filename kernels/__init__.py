@@ -16,12 +16,15 @@ The model's small ops (``fused_ops``): ``rms_norm`` (optional fused residual add
 strided q/k view), ``rotary_embedding_`` (in place on q and k), ``apply_rotary`` (CPU: a rotated copy),
 ``silu_and_mul`` and ``fused_moe`` (mixture-of-experts over the picked experts: ``moe_triton``'s grouped
 GEMMs on CUDA, a torch loop over experts elsewhere), dispatched the same way (on CPU, RMSNorm and
-``apply_rotary`` are one C call each, ``cpu_fused.c``); their ``*_reference`` twins (``fused_reference``) are
+``apply_rotary`` are one C call each, ``cpu_fused.c``); their ``*_reference`` twins (``reference.fused``) are
 the model layers' exact torch code.
 ``quant_gemm`` (``quant_gemm``): x @ W^T over GPTQ-packed 4 / 8-bit weights (Triton on CUDA, dequantize and
 multiply elsewhere).
 ``seeded_uniform(keys, vocab)`` (``seeded_uniform``): the Sampler's noise for seeded rows, a counter-based
 hash of (key, column) for a whole batch in one call; ``noise_keys`` derives the keys from (seed, position).
+Rooms (tests/test_layers.py): this surface (``api``, ``fused_ops``, ``quant_gemm``, ``seeded_uniform``) on
+top; ``triton/`` (the CUDA kernels), ``cpu/`` (the C sources, their loaders and the timed choices) and
+``reference/`` (the torch references) below it, standing only on ``validation`` and ``kv_quant``.
 Benchmarks (from a checkout): ``python -m benchmarks.kernels`` (CUDA; ``--dry-run`` checks the plumbing on CPU)
 and ``python -m benchmarks.kernel_reference`` (CPU timing of the references against dense SDPA).
 """
@@ -36,20 +39,20 @@ from .api import (
     store_kv_and_attend,
 )
 from .fused_ops import apply_rotary, fused_moe, fused_triton_path, rms_norm, rotary_embedding_, silu_and_mul
-from .fused_reference import (
+from .quant_gemm import quant_gemm, quant_gemm_reference
+from .reference.attention import (
+    paged_attention_reference,
+    paged_decode_reference,
+    paged_prefill_reference,
+    store_kv_reference,
+)
+from .reference.fused import (
     apply_rotary_reference,
     fused_moe_reference,
     rms_norm_reference,
     rotary_cos_sin,
     rotary_embedding_reference_,
     silu_and_mul_reference,
-)
-from .quant_gemm import quant_gemm, quant_gemm_reference
-from .reference import (
-    paged_attention_reference,
-    paged_decode_reference,
-    paged_prefill_reference,
-    store_kv_reference,
 )
 from .seeded_uniform import noise_keys, seeded_uniform, seeded_uniform_reference
 

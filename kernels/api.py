@@ -25,12 +25,12 @@ import os
 
 import torch
 
-from . import cpu_decode, cpu_prefill, cpu_twins
 from . import validation as v
-from .decode_triton import paged_decode_triton
-from .prefill_triton import paged_prefill_triton
-from .reference import paged_decode_reference, paged_prefill_reference, store_kv_reference
-from .store_kv_triton import store_kv_triton
+from .cpu import cpu_decode, cpu_prefill, cpu_twins
+from .reference.attention import paged_decode_reference, paged_prefill_reference, store_kv_reference
+from .triton.decode_triton import paged_decode_triton
+from .triton.prefill_triton import paged_prefill_triton
+from .triton.store_kv_triton import store_kv_triton
 
 
 def _triton_wanted(use_triton: bool | None, device: torch.device) -> bool:

@@ -1,5 +1,5 @@
 """Public entry points of the model's small fused ops: validate, then dispatch to Triton (CUDA) or the
-torch reference (CPU, bit-identical to the layers' original code; see ``fused_reference``).
+torch reference (CPU, bit-identical to the layers' original code; see ``reference.fused``).
 
 * ``rms_norm(x, weight, eps, residual=None, *, out=None)``: RMSNorm over the last dim of
   ``[tokens, size]`` or ``[tokens, heads, size]`` (any token/head strides: a head slice of qkv works),
@@ -25,21 +25,21 @@ import math
 
 import torch
 
-from . import cpu_fused, cpu_twins
 from . import validation as v
-from .activation_triton import silu_and_mul_triton
 from .api import _triton_wanted
-from .fused_reference import (
+from .cpu import cpu_fused, cpu_twins
+from .quant_gemm import PackedExperts, check_packed_experts
+from .reference.fused import (
     apply_rotary_reference,
     fused_moe_reference,
     rms_norm_reference,
     rotary_embedding_reference_,
     silu_and_mul_reference,
 )
-from .moe_triton import fused_moe_triton
-from .norm_triton import MAX_SIZE, rms_norm_triton
-from .quant_gemm import PackedExperts, check_packed_experts
-from .rotary_triton import rotary_embedding_triton
+from .triton.activation_triton import silu_and_mul_triton
+from .triton.moe_triton import fused_moe_triton
+from .triton.norm_triton import MAX_SIZE, rms_norm_triton
+from .triton.rotary_triton import rotary_embedding_triton
 
 
 def fused_triton_path(device: torch.device) -> bool:

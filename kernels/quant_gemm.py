@@ -137,7 +137,7 @@ def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, perm=None, group_
     if use_triton:
         if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("use_triton: Triton on CPU tensors needs TRITON_INTERPRET=1")
-        from .quant_gemm_triton import quant_gemm_triton
+        from .triton.quant_gemm_triton import quant_gemm_triton
 
         return quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits, perm, group_size, float8=float8)
     return quant_gemm_reference(x, qweight, zeros, scales, g_idx, bits, perm, float8)

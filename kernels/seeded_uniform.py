@@ -14,7 +14,7 @@ import hashlib
 import torch
 
 from .api import _triton_wanted
-from .seeded_uniform_triton import GOLDEN, MIX_MUL_1, MIX_MUL_2, seeded_uniform_triton
+from .triton.seeded_uniform_triton import GOLDEN, MIX_MUL_1, MIX_MUL_2, seeded_uniform_triton
 
 MASK32 = 0xFFFFFFFF
 

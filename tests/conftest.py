@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from pagedray.deploy.cli.ray_env import LOCAL_RAY_ENV  # noqa: E402
-from pagedray.kernels import cpu_choice, cpu_gemm, cpu_twins  # noqa: E402
+from pagedray.kernels.cpu import cpu_choice, cpu_gemm, cpu_twins  # noqa: E402
 
 if cpu_gemm.available(torch.float32) and cpu_gemm.available(torch.bfloat16):
     os.environ.setdefault(cpu_choice.PRODUCT_ENV, "c")
@@ -68,7 +68,7 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def default_model_path():
-    from pagedray.workers.default_model import ensure_default_model
+    from pagedray.workers.weights.default_model import ensure_default_model
 
     return str(ensure_default_model())
 

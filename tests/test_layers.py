@@ -79,8 +79,9 @@ def test_the_check_sees_relative_and_function_level_imports():
 # pagedray.deploy's rooms and what each may import of the others (deploy/__init__.py): the protocol at the
 # bottom, the command that starts Ray at the top; the modules directly in deploy/ are the public import
 # paths that Serve YAML names, each re-exporting one room's object
-DEPLOY_ROOMS = {"openai": set(), "routing": set(), "http": {"openai"}, "serve": {"openai", "http", "routing"},
-                "cli": {"openai", "http", "routing", "serve", "loadtest"}, "loadtest": set()}
+DEPLOY_ROOMS = {"openai": set(), "bridges": {"openai"}, "routing": set(), "http": {"openai", "bridges"},
+                "serve": {"openai", "bridges", "http", "routing"},
+                "cli": {"openai", "bridges", "http", "routing", "serve", "loadtest"}, "loadtest": set()}
 PUBLIC_PATHS = {"app": {"serve"}, "autoscaling": {"routing"}, "__init__": set()}
 
 
@@ -103,6 +104,55 @@ def test_deploy_rooms_import_only_the_rooms_below_them():
     assert wrong == []
 
 
+# pagedray.workers' rooms (workers/__init__.py): the contract at the bottom, then the rank's foundations
+# (kv_cache, tp_group, host_memory), weights, layers, models, sampling and runner; worker, ray_worker and
+# step_channel, the rank itself, stand on top and may import any of them
+WORKER_ROOMS = {"contract": set(), "kv_cache": set(), "tp_group": set(), "host_memory": set(),
+                "weights": {"contract"}, "sampling": {"contract"},
+                "layers": {"weights", "kv_cache", "tp_group"},
+                "models": {"contract", "weights", "layers", "kv_cache", "tp_group"},
+                "runner": {"contract", "weights", "layers", "models", "sampling", "kv_cache", "tp_group"}}
+RANK = ("worker", "ray_worker", "step_channel", "__init__")
+
+
+def room_violations(package: str, rooms: dict[str, set[str]], exempt: tuple[str, ...]) -> list[str]:
+    """Imports of ``pagedray.<package>.<room>`` by a room (a sub-folder, or a module directly in the folder) that
+    ``rooms`` does not allow it; the rooms in ``exempt`` may import any. A file in no room fails at once."""
+    wrong = []
+    for path in sources(package):
+        parts = path.relative_to(REPO / package).parts
+        room = parts[0] if len(parts) > 1 else path.stem
+        if room in exempt:
+            continue
+        assert room in rooms, f"{path.relative_to(REPO)} is in no room of {package}/"
+        wrong += [f"{path.relative_to(REPO)}:{line} ({room}) imports pagedray.{'.'.join(target)}"
+                  for line, target in file_imports(path)
+                  if target[:1] == [package] and len(target) > 1 and target[1] != room and target[1] not in rooms[room]]
+    return wrong
+
+
+def test_worker_rooms_import_only_the_rooms_below_them():
+    assert room_violations("workers", WORKER_ROOMS, RANK) == []
+
+
+# pagedray.kernels' rooms (kernels/__init__.py): the public surface at the top (api, fused_ops, quant_gemm,
+# seeded_uniform, and the package itself) may import every room; the rooms stand on the foundations
+# (validation, kv_quant) and the torch references, never on the surface or on each other otherwise
+KERNEL_ROOMS = {"kv_quant": set(), "validation": {"kv_quant"}, "reference": {"kv_quant"},
+                "cpu": {"kv_quant", "validation", "reference"}, "triton": {"kv_quant", "validation"}}
+KERNEL_SURFACE = ("api", "fused_ops", "quant_gemm", "seeded_uniform", "__init__")
+
+
+def test_kernel_rooms_import_only_the_foundations():
+    assert room_violations("kernels", KERNEL_ROOMS, KERNEL_SURFACE) == []
+
+
+def test_the_room_check_catches_an_import_the_rooms_forbid(monkeypatch):
+    monkeypatch.setitem(WORKER_ROOMS, "sampling", set())          # sampling imports the contract
+    assert any("(sampling) imports pagedray.workers.contract" in v
+               for v in room_violations("workers", WORKER_ROOMS, RANK))
+
+
 def ray_uses(source: str) -> list[tuple[int, str]]:
     """(line, what) of every import of Ray and every ``ray.init(...)`` call in ``source``."""
     found = []
@@ -118,7 +168,7 @@ def ray_uses(source: str) -> list[tuple[int, str]]:
 
 
 def test_openai_imports_no_ray_and_only_cli_starts_ray():
-    in_openai = [f"{p.relative_to(REPO)}:{line} {what}" for p in sources("deploy/openai")
+    in_openai = [f"{p.relative_to(REPO)}:{line} {what}" for p in [*sources("deploy/openai"), *sources("deploy/bridges")]
                  for line, what in ray_uses(p.read_text())]
     assert in_openai == []
     starts = [f"{p.relative_to(REPO)}:{line}" for p in sources("deploy") for line, what in ray_uses(p.read_text())

@@ -1,12 +1,17 @@
 """pagedray.workers: one tensor-parallel rank of a model replica.
 
-Data flow of a step: ``worker.Worker.execute(plan)`` -> ``model_runner.ModelRunner`` (``seq_mirror``
-applies the plan, ``kv_cache.copy_blocks`` the copy-on-write pairs, ``input_batch`` builds the tensors)
--> ``models/`` (Llama / Mistral / Qwen2 / Qwen3 on the parallel ``layers/``, attention through
-``pagedray.kernels``) -> logits gathered to rank 0 -> ``sampler.Sampler`` -> StepResult.
+Rooms, from the bottom (tests/test_layers.py holds each to the rooms below it):
+- ``contract/``: what crosses the engine-worker boundary (config, sampling params, the wire types);
+- ``kv_cache``, ``tp_group``, ``host_memory``: the rank's KV tensors, its process group, its allocator;
+- ``weights/``: checkpoint reading, quantization formats, the default model, the dtype choice;
+- ``layers/``: the tensor-parallel layers; ``models/``: the model families on them, model loading and info;
+- ``sampling/``: logits -> tokens (sampler, grammar masks, draft verification);
+- ``runner/``: one step (the plan's mirror, the inputs, the forward, decode graphs, the draft model);
+- ``worker``, ``ray_worker``, ``step_channel``: the rank itself, as a class, a Ray actor and a byte channel.
 
-Set-up: ``model_info`` (what the engine needs, no weights), ``default_model`` (SmolLM2 fetch),
-``weight_loader`` (per-rank safetensors slices), ``tp_group`` (torch.distributed), ``memory_profile``
-(GPU KV capacity), ``ray_worker.RayWorker`` (the actor). ``benchmarks.step`` (a checkout's
-benchmark script) measures host overhead per step.
+Data flow of a step: ``worker.Worker.execute(plan)`` -> ``runner.model_runner.ModelRunner``
+(``runner.seq_mirror`` applies the plan, ``kv_cache.copy_blocks`` the copy-on-write pairs,
+``runner.input_batch`` builds the tensors) -> ``models/`` (on the parallel ``layers/``, attention through
+``pagedray.kernels``) -> logits gathered to rank 0 -> ``sampling.sampler.Sampler`` -> StepResult.
+``benchmarks.step`` and ``benchmarks.host_step`` (a checkout's benchmark scripts) measure a step's host work.
 """

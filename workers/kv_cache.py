@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-
-from ..kernels.kv_quant import SCALE_DTYPE, is_quantized
+from pagedray.kernels.kv_quant import SCALE_DTYPE, is_quantized
 
 
 class KVLayer(NamedTuple):

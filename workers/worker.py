@@ -15,26 +15,26 @@ from concurrent.futures import Future, wait
 from dataclasses import replace
 
 import torch
+from pagedray.kernels import kv_quant
 
-from ..kernels import kv_quant
 from .contract.config import EngineConfig
 from .contract.wire import PENDING_TOKEN, SampledToken, StepPlan, StepResult, decode_plan, encode_result
-from .decode_graphs import CaptureReport, DecodeGraphs
-from .default_model import resolve_model_path
-from .draft_model import DraftModel
-from .dtype_choice import resolve_dtype
-from .grammar import GrammarBook
 from .host_memory import keep_freed_memory
 from .kv_cache import KVCacheSpec
 from .layers.packed_gemm import PackReport
-from .memory_profile import profile_gpu_num_blocks
-from .model_info import load_hf_config, model_info
-from .model_loading import load_model, pack_for_cpu, settle_cpu_decode
-from .model_runner import ModelRunner, StepOutput
+from .models.model_info import load_hf_config, model_info
+from .models.model_loading import load_model, pack_for_cpu, settle_cpu_decode
 from .models.registry import model_class
-from .sampler import PLACEHOLDER_TOKEN, Sampler, SamplingRow
-from .speculative import cut_after_errors, verify
+from .runner.decode_graphs import CaptureReport, DecodeGraphs
+from .runner.draft_model import DraftModel
+from .runner.memory_profile import profile_gpu_num_blocks
+from .runner.model_runner import ModelRunner, StepOutput
+from .sampling.grammar import GrammarBook
+from .sampling.sampler import PLACEHOLDER_TOKEN, Sampler, SamplingRow
+from .sampling.speculative import cut_after_errors, verify
 from .tp_group import TPGroup
+from .weights.default_model import resolve_model_path
+from .weights.dtype_choice import resolve_dtype
 
 log = logging.getLogger(__name__)
 

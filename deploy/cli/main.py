@@ -203,7 +203,7 @@ def _prepare_model(model: str | None) -> None:
     """Fetch and convert the default model here, with its errors on this terminal, before any replica
     needs it (replicas on this machine then find it in the cache)."""
     if (model or "default") == "default":
-        from pagedray.workers.default_model import (
+        from pagedray.workers.weights.default_model import (
             DEFAULT_MODEL_NAME,
             default_cache_dir,
             ensure_default_model,
@@ -283,7 +283,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 
 
 def run_fetch_model(ns: argparse.Namespace) -> int:
-    from pagedray.workers.default_model import ensure_default_model
+    from pagedray.workers.weights.default_model import ensure_default_model
 
     print(ensure_default_model(ns.cache_dir))
     return 0

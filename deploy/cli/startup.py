@@ -189,7 +189,7 @@ def check_model_folder(model: str | None) -> None:
     """OptionError unless ``model`` is 'default' (or unset) or a folder with a config.json here."""
     if (model or "default") == "default":
         return
-    from pagedray.workers.default_model import resolve_model_path
+    from pagedray.workers.weights.default_model import resolve_model_path
 
     try:
         resolve_model_path(model)

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with ``stream: true`` -> SSE),
 POST /v1/responses (OpenAI's Responses API) and POST /v1/messages (Anthropic's Messages API), both
-translated to a chat request (openai/responses_api.py, openai/messages_api.py) and streamed with named
+translated to a chat request (bridges/responses_api.py, bridges/messages_api.py) and streamed with named
 SSE events; /v1/messages answers every error in Anthropic's shape and takes the key from ``x-api-key``
 too. GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /health,
 GET /metrics.
@@ -22,14 +22,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..openai import messages_api, responses_api
-from ..openai.bridged import run_bridged
-from ..openai.chat_bridge import named_sse_event
+from ..bridges import messages_api, responses_api
+from ..bridges.bridged import run_bridged
+from ..bridges.chat_bridge import named_sse_event
+from ..bridges.messages_stream import message_events
+from ..bridges.responses_stream import response_events
 from ..openai.errors import APIError, bad_request, health_reason, invalid_api_key, to_api_error
-from ..openai.messages_stream import message_events
 from ..openai.metrics import METRICS_CONTENT_TYPE
 from ..openai.prepare_lanes import input_within
-from ..openai.responses_stream import response_events
 from ..openai.service import OpenAIService
 from ..openai.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 from .guard import DEFAULT_MAX_BODY_BYTES

@@ -57,7 +57,7 @@ GRAMMAR_FIELDS = ("response_format", "structured_outputs", "tools")
 
 def asks_for_grammar(body) -> bool:
     """Whether a body may need a grammar compiled (its check costs up to the budget of
-    workers/grammar_limits.py, however small the body): such bodies go to the bulk lane."""
+    workers/sampling/grammar_limits.py, however small the body): such bodies go to the bulk lane."""
     return isinstance(body, dict) and any(body.get(name) for name in GRAMMAR_FIELDS)
 
 

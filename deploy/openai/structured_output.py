@@ -27,13 +27,13 @@ thread); each failure is a 400 naming the field:
   instance must follow (``{"$ref": "#"}``, a required property or a ``minItems`` item whose schema is
   the object itself). Without this the model could only stop at ``max_tokens``.
 - ``GrammarChecker`` compiles the grammar against the model's tokenizer under the shared limits
-  (workers/grammar_limits.py), computes its first token mask, takes one step along the lowest allowed
+  (workers/sampling/grammar_limits.py), computes its first token mask, takes one step along the lowest allowed
   token and computes the second mask: a grammar llguidance cannot use, one past its time or size
   budget, one that matches no text, and one whose lexer explodes on its first step (``(a{1000}){1000}``)
   fail here instead of in the engine. The message is llguidance's short error (first line and reason,
   at most 200 characters: ``grammar_limits.short_error``), never parser state. Results are cached by
   grammar text. The worker
-  builds its own matcher from the same text under the same limits (workers/grammar.py).
+  builds its own matcher from the same text under the same limits (workers/sampling/grammar.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import json
 import re
 import urllib.parse
 
-from pagedray.workers.grammar_limits import short_error
+from pagedray.workers.sampling.grammar_limits import short_error
 
 from .errors import bad_request
 
@@ -113,7 +113,7 @@ def schema_grammar(schema, param: str, max_depth: int = MAX_SCHEMA_DEPTH, strict
     """The grammar of a JSON schema (an object or its JSON text), checked as the module docstring says;
     ``param`` is the dotted path named in messages (its first part is the error's ``param``); ``strict``:
     close the object schemas (``closed_objects``)."""
-    from pagedray.workers.grammar_limits import load_llguidance
+    from pagedray.workers.sampling.grammar_limits import load_llguidance
 
     field = param.split(".")[0]
     if isinstance(schema, str):
@@ -268,7 +268,7 @@ def has_finite_instance(schema: dict) -> bool:
 
 
 def _regex_grammar(pattern) -> str:
-    from pagedray.workers.grammar_limits import load_llguidance
+    from pagedray.workers.sampling.grammar_limits import load_llguidance
 
     return load_llguidance().LLMatcher.grammar_from_regex(pattern)
 def _from_response_format(value) -> str | None:
@@ -376,7 +376,7 @@ class GrammarChecker:
     @functools.lru_cache(maxsize=256)   # noqa: B019 - one checker per ingress replica, lives as long
     def error(self, grammar: str) -> str:
         """'' when llguidance can run ``grammar`` for this tokenizer within the limits, else a short message."""
-        from pagedray.workers.grammar_limits import grammar_limits, load_llguidance
+        from pagedray.workers.sampling.grammar_limits import grammar_limits, load_llguidance
 
         llguidance = load_llguidance()
         tokenizer = self._tokenizer(llguidance)

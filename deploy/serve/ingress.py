@@ -57,15 +57,15 @@ from pagedray.workers.contract.config import EngineConfig
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from ..bridges import messages_api, responses_api
+from ..bridges.bridged import run_bridged
+from ..bridges.messages_stream import message_events
+from ..bridges.responses_stream import response_events
 from ..http.guard import use_bounded_protocol
 from ..http.routes import DEFAULT_MAX_BODY_BYTES, create_api
-from ..openai import messages_api, responses_api
-from ..openai.bridged import run_bridged
 from ..openai.errors import to_api_error
-from ..openai.messages_stream import message_events
 from ..openai.metrics import ReplicaState, ServerMetrics
 from ..openai.prompt_bound import max_prompt_chars
-from ..openai.responses_stream import response_events
 from ..openai.service import OpenAIService
 from ..openai.validation import ModelLimits
 from ..routing.router import replica_summaries
@@ -139,7 +139,7 @@ class HandleEngineClient:
 def served_names(model: str, meta: ModelMeta, served_model_name: str | None) -> tuple[str, frozenset[str]]:
     from pathlib import Path
 
-    from pagedray.workers.default_model import DEFAULT_MODEL_NAME
+    from pagedray.workers.weights.default_model import DEFAULT_MODEL_NAME
 
     name = served_model_name or (DEFAULT_MODEL_NAME if model == "default" else Path(meta.model_path).name)
     return name, frozenset({name, model, meta.model_path})

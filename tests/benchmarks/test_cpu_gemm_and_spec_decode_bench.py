@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pagedray.cluster import LLM
-from pagedray.kernels import cpu_choice, cpu_gemm
+from pagedray.kernels.cpu import cpu_choice, cpu_gemm
 from pagedray.workers.layers import gemm_timing, packed_gemm
 
 from benchmarks import cpu_gemm as gemm_bench

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model on the TP ranks (``speculative_model``, workers/draft_model.py).
+"""Speculative decoding with a draft model on the TP ranks (``speculative_model``, workers/runner/draft_model.py).
 
 Two oracles: the target's output is exactly the output without speculation (and transformers' greedy
 ``generate``), and every draft the ranks propose is the draft model's own greedy continuation of the
@@ -14,8 +14,8 @@ from helpers.speculation_runs import ENGINE, REPEATING, generate, save_llama, to
 from pagedray.cluster import LLM, SamplingParams
 from pagedray.cluster.llm import build_engine_config
 from pagedray.workers.contract.wire import MODEL_DRAFT, NewSequence, StepPlan
-from pagedray.workers.draft_model import DraftModel
-from pagedray.workers.seq_mirror import SequenceMirror
+from pagedray.workers.runner.draft_model import DraftModel
+from pagedray.workers.runner.seq_mirror import SequenceMirror
 from pagedray.workers.tp_group import TPGroup
 from pagedray.workers.worker import Worker
 

@@ -26,10 +26,10 @@ from pagedray.cluster import SamplingParams
 from pagedray.cluster.speculation import NgramProposer, SpeculationStats
 from pagedray.workers.contract.config import EngineConfig, SchedulerConfig
 from pagedray.workers.contract.wire import NewSequence, RunningDelta, SampledToken, StepPlan, decode_plan, encode_plan
-from pagedray.workers.input_batch import build_host_batch
-from pagedray.workers.sampler import Sampler, SamplingRow
-from pagedray.workers.seq_mirror import SequenceMirror
-from pagedray.workers.speculative import cut_after_errors, verify
+from pagedray.workers.runner.input_batch import build_host_batch
+from pagedray.workers.runner.seq_mirror import SequenceMirror
+from pagedray.workers.sampling.sampler import Sampler, SamplingRow
+from pagedray.workers.sampling.speculative import cut_after_errors, verify
 from pagedray.workers.worker import _sampling_rows
 
 
@@ -300,7 +300,7 @@ def test_grammar_masks_after_drafts_and_rollback(default_model_path):
     are rolled back (the matcher keeps its committed state); a forbidden draft leaves later rows masked by
     the state before it (no failure: verification discards those rows)."""
     from pagedray.deploy.openai.structured_output import _regex_grammar
-    from pagedray.workers.grammar import GrammarBook
+    from pagedray.workers.sampling.grammar import GrammarBook
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)

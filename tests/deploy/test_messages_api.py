@@ -13,10 +13,10 @@ from anthropic.types import Message, RawMessageStreamEvent
 from fastapi.testclient import TestClient
 from helpers.canned_chat import REASONED_CALLS, CannedChat, chat_response, tool_call
 from helpers.fake_engine import ScriptedEngine
+from pagedray.deploy.bridges.messages_api import from_chat, to_chat
+from pagedray.deploy.bridges.messages_stream import message_events
 from pagedray.deploy.http.routes import create_api
 from pagedray.deploy.openai.errors import APIError
-from pagedray.deploy.openai.messages_api import from_chat, to_chat
-from pagedray.deploy.openai.messages_stream import message_events
 from pagedray.deploy.openai.metrics import ServerMetrics
 from pagedray.deploy.openai.service import OpenAIService
 from pagedray.deploy.openai.validation import ModelLimits

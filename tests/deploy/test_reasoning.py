@@ -203,7 +203,7 @@ def test_tool_calls_are_parsed_from_the_answer_not_the_thinking(tokenizer):
 
 def _matcher(tokenizer, grammar: str):
     import llguidance.hf
-    from pagedray.workers.grammar_limits import load_llguidance
+    from pagedray.workers.sampling.grammar_limits import load_llguidance
 
     llguidance = load_llguidance()
     return llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer), grammar, log_level=0)

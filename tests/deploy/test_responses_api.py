@@ -14,11 +14,11 @@ from fastapi.testclient import TestClient
 from helpers.canned_chat import REASONED_CALLS, CannedChat, chat_response, chunk, tool_call
 from helpers.fake_engine import ScriptedEngine
 from openai.types.responses import Response, ResponseStreamEvent
+from pagedray.deploy.bridges.responses_api import from_chat, to_chat
+from pagedray.deploy.bridges.responses_stream import response_events
 from pagedray.deploy.http.routes import create_api
 from pagedray.deploy.openai.errors import APIError
 from pagedray.deploy.openai.metrics import ServerMetrics
-from pagedray.deploy.openai.responses_api import from_chat, to_chat
-from pagedray.deploy.openai.responses_stream import response_events
 from pagedray.deploy.openai.service import OpenAIService
 from pagedray.deploy.openai.validation import ModelLimits
 from pydantic import TypeAdapter

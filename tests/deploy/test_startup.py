@@ -25,7 +25,7 @@ ray.exceptions.ActorDiedError: The actor died because of an error raised in its 
 ray::RayWorkerBody.__init__() (pid=9430, ip=192.0.2.2)
   File "/work/main/workers/weight_loader.py", line 41, in _weight_map
     raise WeightLoadError(f"model: no *.safetensors weight files in {folder}{hint}")
-pagedray.workers.weight_loader.WeightLoadError: model: no *.safetensors weight files in /tmp/badmodel
+pagedray.workers.weights.weight_loader.WeightLoadError: model: no *.safetensors weight files in /tmp/badmodel
 """
 
 

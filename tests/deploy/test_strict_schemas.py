@@ -10,7 +10,7 @@ import pytest
 from pagedray.deploy.openai.errors import APIError
 from pagedray.deploy.openai.structured_output import closed_objects, requested_grammar, schema_grammar
 from pagedray.deploy.openai.tools import plan_tools, tool_grammar
-from pagedray.workers.grammar_limits import load_llguidance
+from pagedray.workers.sampling.grammar_limits import load_llguidance
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WITH_EXTRA = '{"city":"Oslo","type":"string","description":"the city"}'

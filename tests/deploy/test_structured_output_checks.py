@@ -16,7 +16,7 @@ from pagedray.deploy.openai.structured_output import (
     requested_grammar,
     schema_grammar,
 )
-from pagedray.workers.grammar_limits import MAX_ERROR_CHARS, load_llguidance
+from pagedray.workers.sampling.grammar_limits import MAX_ERROR_CHARS, load_llguidance
 
 NODE = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array",
                                                                              "items": {"$ref": "#/$defs/node"}}},

@@ -108,7 +108,7 @@ def test_serve_deploy_with_autoscaling_goes_from_one_to_two_replicas_and_back(ra
                        DEPLOY_TIMEOUT_S, "the Serve app")
     assert running_engine_replicas(ray_head) == 1
 
-    from pagedray.workers.default_model import resolve_model_path
+    from pagedray.workers.weights.default_model import resolve_model_path
     from transformers import AutoTokenizer
 
     from benchmarks.routing import workload

@@ -75,7 +75,7 @@ class FakeExecutor:
             assert state[1] <= len(state[0]), "scheduled past the known tokens"
             if state[1] == len(state[0]):
                 last = state[0][-1]
-                for draft in drafts:                              # verification, as workers/speculative.py
+                for draft in drafts:                              # verification, as workers/sampling/speculative.py
                     sampled.append(SampledToken(seq_id, (last + 1) % self.vocab))
                     if draft != (last + 1) % self.vocab:
                         break

@@ -14,7 +14,7 @@ import struct
 
 import pytest
 import torch
-from pagedray.kernels import tile_triton
+from pagedray.kernels.triton import tile_triton
 
 MASK32 = 0xFFFFFFFF
 

@@ -1,4 +1,4 @@
-"""Measured choices between CPU kernels (``kernels/cpu_choice.py``): row buckets, the pick from timings, the
+"""Measured choices between CPU kernels (``kernels/cpu/cpu_choice.py``): row buckets, the pick from timings, the
 on-disk cache and its key, and the forced product."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from pagedray.kernels import cpu_choice
-from pagedray.kernels.cpu_choice import ROW_BUCKETS, ChoiceCache, bucket_index, cache_key, pick
+from pagedray.kernels.cpu import cpu_choice
+from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS, ChoiceCache, bucket_index, cache_key, pick
 
 
 def test_a_row_count_takes_the_nearest_bucket_on_a_log_scale():

@@ -1,4 +1,4 @@
-"""The compiled CPU decode kernel (``kernels/cpu_decode.c``) against the float64 oracle and the torch reference.
+"""The compiled CPU decode kernel (``kernels/cpu/cpu_decode.c``) against the float64 oracle and the torch reference.
 
 Random inputs scattered into shuffled blocks among junk (``make_paged_case``), odd lengths, GQA groups
 1-8 and MQA, sliding windows, ALiBi, block sizes 8-64, head dims 32-256, float32 and bfloat16, queries
@@ -17,7 +17,8 @@ import pagedray.kernels.api as api
 import pytest
 import torch
 from helpers.paged_kv_cases import alibi_like_slopes, assert_close_to_oracle, dense_attention, make_paged_case, nan_like
-from pagedray.kernels import cpu_build, cpu_decode, paged_attention, paged_decode, paged_decode_reference
+from pagedray.kernels import paged_attention, paged_decode, paged_decode_reference
+from pagedray.kernels.cpu import cpu_build, cpu_decode
 
 F32, BF16 = torch.float32, torch.bfloat16
 CPU = torch.device("cpu")

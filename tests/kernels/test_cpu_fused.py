@@ -1,5 +1,5 @@
-"""The CPU C versions of RMSNorm, rotary and SiLU * up (``kernels/cpu_fused.c``) against their torch
-references (``fused_reference``) on random inputs: bit for bit in bfloat16 and for rotary, within the last
+"""The CPU C versions of RMSNorm, rotary and SiLU * up (``kernels/cpu/cpu_fused.c``) against their torch
+references (``reference.fused``) on random inputs: bit for bit in bfloat16 and for rotary, within the last
 bit for a float32 RMSNorm (its sum of squares runs in another order), within a few ulps for a float32 SiLU
 (its own exp) and one bfloat16 ulp for a bfloat16 one; the dispatch in ``fused_ops``; the fallback."""
 
@@ -10,8 +10,9 @@ import logging
 import pytest
 import torch
 from helpers.spies import record_calls
-from pagedray.kernels import cpu_build, cpu_fused, fused_ops
-from pagedray.kernels.fused_reference import (
+from pagedray.kernels import fused_ops
+from pagedray.kernels.cpu import cpu_build, cpu_fused
+from pagedray.kernels.reference.fused import (
     apply_rotary_reference,
     rms_norm_reference,
     rotary_cos_sin,

@@ -1,4 +1,4 @@
-"""The CPU GEMM in C (``kernels/cpu_gemm.c``), float32 and bfloat16, against a float64 product on random
+"""The CPU GEMM in C (``kernels/cpu/cpu_gemm.c``), float32 and bfloat16, against a float64 product on random
 inputs: every row count the kernel treats differently (1..16 rows in one pass, blocks of 12 over tile
 pairs, their tails), output widths that end inside a tile, bias, 1 and 2 threads, strided, misaligned
 and 3-D inputs; the packed layouts element by element; the argument checks; the layers' choice between
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedray.kernels import cpu_gemm
+from pagedray.kernels.cpu import cpu_gemm
 from pagedray.workers.layers import packed_gemm
 
 F32, BF16 = torch.float32, torch.bfloat16

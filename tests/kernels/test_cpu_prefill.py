@@ -1,4 +1,4 @@
-"""The CPU prefill-attention kernel (``kernels/cpu_prefill.c``) against the float64 dense oracle on random
+"""The CPU prefill-attention kernel (``kernels/cpu/cpu_prefill.c``) against the float64 dense oracle on random
 inputs: tile edges for each group size, histories, sliding windows, head sizes and block sizes, strided q;
 what it refuses; and the CPU dispatch that sends chunks of 2+ tokens to it and single tokens to the decode
 kernel."""
@@ -12,7 +12,7 @@ import torch
 from helpers.paged_kv_cases import assert_close_to_oracle, dense_attention, make_paged_case, seed_of
 from helpers.spies import record_calls
 from pagedray import kernels
-from pagedray.kernels import cpu_decode, cpu_prefill
+from pagedray.kernels.cpu import cpu_decode, cpu_prefill
 
 F32, BF16 = torch.float32, torch.bfloat16
 pytestmark = pytest.mark.skipif(cpu_prefill._library() is None, reason="no C compiler to build cpu_prefill.c")

@@ -1,4 +1,4 @@
-"""The timed choice between a CPU C kernel and its torch twin (``kernels/cpu_twins.py``): the decision rules
+"""The timed choice between a CPU C kernel and its torch twin (``kernels/cpu/cpu_twins.py``): the decision rules
 with fake timings, the on-disk cache, the override, the dispatch that obeys it, and equal values either way."""
 
 from __future__ import annotations
@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.spies import record_calls
-from pagedray.kernels import cpu_choice, cpu_decode, cpu_fused, cpu_twins, fused_ops
-from pagedray.kernels.cpu_choice import ROW_BUCKETS
-from pagedray.kernels.fused_reference import apply_rotary_reference, rms_norm_reference, silu_and_mul_reference
-from pagedray.kernels.reference import ROW_CHUNK_MAX, paged_prefill_reference
+from pagedray.kernels import fused_ops
+from pagedray.kernels.cpu import cpu_choice, cpu_decode, cpu_fused, cpu_twins
+from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS
+from pagedray.kernels.reference.attention import ROW_CHUNK_MAX, paged_prefill_reference
+from pagedray.kernels.reference.fused import apply_rotary_reference, rms_norm_reference, silu_and_mul_reference
 
 needs_library = pytest.mark.skipif(cpu_fused._library() is None or not cpu_decode.available(),
                                    reason="no C compiler to build the CPU kernels")

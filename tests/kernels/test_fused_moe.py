@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.paged_kv_cases import kernel_device, seed_of
 from pagedray import kernels
-from pagedray.kernels.moe_triton import align_by_expert
+from pagedray.kernels.triton.moe_triton import align_by_expert
 
 
 def _case(tokens, experts, top_k, hidden, inter, dtype, seed, only=None):

@@ -11,8 +11,8 @@ import torch
 from helpers.paged_kv_cases import kernel_device, seed_of
 from helpers.quantized_checkpoints import pack_words
 from pagedray import kernels
-from pagedray.kernels import moe_triton
 from pagedray.kernels.quant_gemm import PackedExperts
+from pagedray.kernels.triton import moe_triton
 
 
 def _packed(experts: int, n: int, k: int, bits: int, group: int, float8: bool, gen):

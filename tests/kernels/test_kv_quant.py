@@ -14,10 +14,11 @@ import pytest
 import torch
 from helpers.paged_kv_cases import dense_attention, kernel_device, make_paged_case, seed_of
 from pagedray import kernels
-from pagedray.kernels import cpu_decode, decode_triton
-from pagedray.kernels.decode_triton import paged_decode_triton
+from pagedray.kernels.cpu import cpu_decode
 from pagedray.kernels.kv_quant import QMAX, SCALE_MIN, dequantize_rows, quantize_rows, static_scale
-from pagedray.kernels.reference import paged_decode_reference, paged_prefill_reference
+from pagedray.kernels.reference.attention import paged_decode_reference, paged_prefill_reference
+from pagedray.kernels.triton import decode_triton
+from pagedray.kernels.triton.decode_triton import paged_decode_triton
 from pagedray.workers.kv_cache import KVCache, copy_blocks
 
 INT8, FP8 = torch.int8, torch.float8_e4m3fn

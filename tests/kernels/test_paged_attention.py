@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pagedray.kernels.api as api
-import pagedray.kernels.reference as reference
+import pagedray.kernels.reference.attention as reference
 import pytest
 import torch
 from helpers.paged_kv_cases import (

@@ -22,8 +22,8 @@ from helpers.paged_kv_cases import (
     seed_of,
 )
 from pagedray.kernels import paged_decode, paged_decode_reference
-from pagedray.kernels.decode_triton import choose_num_splits, paged_decode_triton
-from pagedray.kernels.occupancy import programs_per_sm, wave_num_splits
+from pagedray.kernels.triton.decode_triton import choose_num_splits, paged_decode_triton
+from pagedray.kernels.triton.occupancy import programs_per_sm, wave_num_splits
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def test_resident_programs_reads_the_compiled_kernel_and_the_devices_limits(monk
     import types
 
     import triton
-    from pagedray.kernels import occupancy
+    from pagedray.kernels.triton import occupancy
 
     loaded = []
     compiled = types.SimpleNamespace(n_regs=168, metadata=types.SimpleNamespace(shared=72 * 1024),
@@ -215,7 +215,7 @@ def test_resident_programs_reads_the_compiled_kernel_and_the_devices_limits(monk
 
 
 def test_an_unknown_occupancy_falls_back_to_the_two_per_sm_rule_once_with_a_warning(monkeypatch):
-    from pagedray.kernels import decode_triton
+    from pagedray.kernels.triton import decode_triton
 
     monkeypatch.setattr(decode_triton, "_PROGRAMS_PER_SM", {})
     compiles = []

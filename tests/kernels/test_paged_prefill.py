@@ -20,8 +20,9 @@ from helpers.paged_kv_cases import (
     nan_like,
     seed_of,
 )
-from pagedray.kernels import cpu_decode, paged_prefill, paged_prefill_reference
-from pagedray.kernels.reference import ROW_CHUNK_MAX
+from pagedray.kernels import paged_prefill, paged_prefill_reference
+from pagedray.kernels.cpu import cpu_decode
+from pagedray.kernels.reference.attention import ROW_CHUNK_MAX
 
 
 @dataclass(frozen=True)

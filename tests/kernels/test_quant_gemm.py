@@ -80,7 +80,7 @@ def test_every_kernel_path_after_group_rows_equals_the_dequantized_product(rows,
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
     if config is not None and config["GROUPED"] and not group_size:
         pytest.skip("a grouped config needs uniform groups")     # not reached: PATHS' grouped rows are uniform
-    from pagedray.kernels.quant_gemm_triton import quant_gemm_triton
+    from pagedray.kernels.triton.quant_gemm_triton import quant_gemm_triton
     got = quant_gemm_triton(x, qweight, zeros, scales, g_idx, bits, perm, group_size, config)
     scale = want.abs().max()
     torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=1e-4)
@@ -113,7 +113,7 @@ def _float8_case(m: int, k: int, n: int, group: int, dtype, seed: int):
 def test_float8_codes_equal_x_times_the_e4m3_weight(rows, config, dtype):
     """``float8``: codes are e4m3 bit patterns (the kernel decodes them with integer ops and a float16, the
     reference through torch's float8 dtype), scaled per group; zero points are not read."""
-    from pagedray.kernels.quant_gemm_triton import quant_gemm_triton
+    from pagedray.kernels.triton.quant_gemm_triton import quant_gemm_triton
 
     args, want = _float8_case(rows, 256, 40, 64, dtype, seed_of("qgemm-fp8", rows, str(dtype)))
     args[2].fill_(99)                                                  # not read

@@ -9,7 +9,7 @@ import pytest
 import torch
 from pagedray.kernels.seeded_uniform import noise_keys, seeded_uniform, seeded_uniform_reference
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.sampler import Sampler, SamplingRow
+from pagedray.workers.sampling.sampler import Sampler, SamplingRow
 
 CPU = torch.device("cpu")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers.paged_kv_cases import assert_close_to_oracle, dense_attention, make_paged_case, seed_of
 from pagedray import kernels
-from pagedray.kernels import cpu_decode
+from pagedray.kernels.cpu import cpu_decode
 
 CAP, SCALE = 2.0, 0.5
 F32 = torch.float32

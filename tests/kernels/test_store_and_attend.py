@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.paged_kv_cases import make_paged_case, seed_of
-from pagedray.kernels import cpu_decode, paged_attention_reference, store_kv_and_attend, store_kv_reference
+from pagedray.kernels import paged_attention_reference, store_kv_and_attend, store_kv_reference
+from pagedray.kernels.cpu import cpu_decode
 
 needs_kernel = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler to build the CPU kernel")
 F32, BF16 = torch.float32, torch.bfloat16

@@ -1,4 +1,4 @@
-"""The one-call CPU decode path (``workers/models/cpu_decode_layers.py`` over ``kernels/cpu_layers.c``):
+"""The one-call CPU decode path (``workers/models/cpu_decode_layers.py`` over ``kernels/cpu/cpu_layers.c``):
 every step's logits bit for bit those of the layer-by-layer path (``enforce_eager``), on the families
 that take it, with prefill chunks, mixed steps and pure decode steps, also over an int8 KV cache; the
 families and caches that do not take it fall back."""
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from helpers.worker_setup import local_driver
-from pagedray.kernels import cpu_layers
+from pagedray.kernels.cpu import cpu_layers
 
 needs_layers = pytest.mark.skipif(not cpu_layers.available(torch.float32),
                                   reason="the CPU C kernels are not built here (no compiler or no AVX-512)")

@@ -14,9 +14,9 @@ from helpers.worker_setup import engine_config, local_driver
 from pagedray import kernels
 from pagedray.cluster import LLM, SamplingParams
 from pagedray.workers.contract.config import ModelConfig
-from pagedray.workers.decode_graphs import DecodeGraphs, bucket_sizes
-from pagedray.workers.input_batch import build_host_batch
-from pagedray.workers.seq_mirror import BatchedSequence, SequenceState
+from pagedray.workers.runner.decode_graphs import DecodeGraphs, bucket_sizes
+from pagedray.workers.runner.input_batch import build_host_batch
+from pagedray.workers.runner.seq_mirror import BatchedSequence, SequenceState
 from pagedray.workers.worker import Worker
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -28,8 +28,8 @@ from pagedray.workers.contract.wire import (
     decode_plan,
     encode_plan,
 )
-from pagedray.workers.input_batch import build_decode_host_batch, build_host_batch
-from pagedray.workers.seq_mirror import BatchedSequence, BlockTableRows, SequenceMirror, SequenceState
+from pagedray.workers.runner.input_batch import build_decode_host_batch, build_host_batch
+from pagedray.workers.runner.seq_mirror import BatchedSequence, BlockTableRows, SequenceMirror, SequenceState
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -257,7 +257,7 @@ def test_an_all_greedy_batch_decodes_through_rows_and_one_argmax(tiny_model_path
 
 
 def test_sampler_argmax_is_the_greedy_fast_path_and_fails_a_non_finite_row():
-    from pagedray.workers.sampler import NON_FINITE_ROW, PLACEHOLDER_TOKEN, Sampler, SamplingRow
+    from pagedray.workers.sampling.sampler import NON_FINITE_ROW, PLACEHOLDER_TOKEN, Sampler, SamplingRow
 
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))            # [rows, vocab]
     logits[3] = float("nan")

@@ -10,8 +10,8 @@ import pathlib
 
 import pytest
 import torch
-from pagedray.workers import default_model
-from pagedray.workers.default_model import (
+from pagedray.workers.weights import default_model
+from pagedray.workers.weights.default_model import (
     DEFAULT_MODEL_NAME,
     MARKER_FILE,
     DefaultModelDownloadError,

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from pagedray.workers.dtype_choice import cpu_flags, resolve_dtype
+from pagedray.workers.weights.dtype_choice import cpu_flags, resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 CPUINFO = """processor\t: 0

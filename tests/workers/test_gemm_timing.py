@@ -13,11 +13,10 @@ import torch
 from helpers.hf_oracle import hf_greedy_each
 from helpers.worker_setup import local_driver
 from pagedray.cluster import LLM, SamplingParams
-from pagedray.kernels import cpu_choice, cpu_gemm, cpu_layers
-from pagedray.kernels.cpu_choice import ROW_BUCKETS, ChoiceCache
-from pagedray.workers import model_loading
+from pagedray.kernels.cpu import cpu_choice, cpu_gemm, cpu_layers
+from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS, ChoiceCache
 from pagedray.workers.layers import gemm_timing, packed_gemm
-from pagedray.workers.models import cpu_decode_layers
+from pagedray.workers.models import cpu_decode_layers, model_loading
 from torch import nn
 
 needs_onednn = pytest.mark.skipif(not packed_gemm.packed_gemm_available(torch.float32),

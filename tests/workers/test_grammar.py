@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedray.deploy.openai.structured_output import _regex_grammar, schema_grammar
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.grammar import GrammarBook, _unpack
-from pagedray.workers.sampler import Sampler, SamplingRow
+from pagedray.workers.sampling.grammar import GrammarBook, _unpack
+from pagedray.workers.sampling.sampler import Sampler, SamplingRow
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer"}, "tags": {"type": "array", "maxItems": 3,

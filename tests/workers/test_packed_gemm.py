@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from helpers.hf_oracle import hf_greedy_each
 from helpers.worker_setup import engine_config
 from pagedray.cluster import LLM, SamplingParams
-from pagedray.kernels import cpu_choice, cpu_gemm
-from pagedray.kernels.cpu_choice import ROW_BUCKETS
+from pagedray.kernels.cpu import cpu_choice, cpu_gemm
+from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS
 from pagedray.workers.contract.config import ModelConfig
 from pagedray.workers.layers import packed_gemm
 from pagedray.workers.layers.embedding import ParallelLMHead
@@ -131,7 +131,7 @@ def test_packing_off_by_option_without_onednn_or_in_fp16(tiny_model_path, monkey
     assert worker.pack_report is None and all(m.packed_weight is None for m in _packable(worker))
     worker = Worker(engine_config(tiny_model_path("llama"), dtype="float16"))
     assert worker.pack_report is None and all(m.packed_weight is None for m in _packable(worker))
-    monkeypatch.setattr("pagedray.workers.model_loading.packed_gemm_available", lambda dtype: False)
+    monkeypatch.setattr("pagedray.workers.models.model_loading.packed_gemm_available", lambda dtype: False)
     worker = Worker(engine_config(tiny_model_path("llama")))
     assert worker.pack_report is None and all(m.packed_weight is None for m in _packable(worker))
     with pytest.raises(ValueError, match="cpu_packed_weights"):

@@ -24,7 +24,7 @@ PROMPTS = [[5, 17, 33, 8, 99, 120, 7], list(range(3, 40)), [200, 201, 4]]
 
 @pytest.fixture
 def packed_everywhere(monkeypatch):
-    import pagedray.workers.model_loading as loading_module
+    import pagedray.workers.models.model_loading as loading_module
 
     monkeypatch.setattr(loading_module, "keeps_packed", lambda q, device: q.method != "none")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from pagedray.block_manager import BlockManager
 from pagedray.cluster import LLM, SamplingParams
-from pagedray.workers import prompt_logprobs as prompt_module
 from pagedray.workers.contract.wire import PromptLogprobs, StepResult, decode_result, encode_result
+from pagedray.workers.runner import prompt_logprobs as prompt_module
 
 PROMPT = [(11 * i) % 240 + 3 for i in range(45)]
 

@@ -18,9 +18,9 @@ from helpers.quantized_checkpoints import quantize_folder, round_rows_8bit
 from helpers.worker_setup import engine_config, local_driver
 from pagedray.kernels import quant_gemm_reference
 from pagedray.kernels.quant_gemm import unpack_along_cols, unpack_along_rows
-from pagedray.workers import quantization as quant
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.model_info import load_hf_config
+from pagedray.workers.models.model_info import load_hf_config
+from pagedray.workers.weights import quantization as quant
 from pagedray.workers.worker import Worker
 
 NEW_TOKENS = 32
@@ -76,7 +76,7 @@ def test_packed_weights_give_the_dequantized_models_tokens(name, quantized_pair,
     the dequantized one, in under 35% of the fp32 weight bytes (this tiny model's zero points, scales and
     group indices included: 23-30%). No dense copy is allocated at any point: the layers' weights are meta
     tensors until their load finds them packed."""
-    import pagedray.workers.model_loading as loading_module
+    import pagedray.workers.models.model_loading as loading_module
     from pagedray.workers.layers import linear as linear_module
     from pagedray.workers.models.decoder import DecoderForCausalLM
 
@@ -113,7 +113,7 @@ def test_packed_weights_give_the_dequantized_models_tokens(name, quantized_pair,
 def test_packed_layers_run_the_triton_gemm_under_the_interpreter(name, quantized_pair, tiny_model_path, monkeypatch):
     import functools
 
-    import pagedray.workers.model_loading as loading_module
+    import pagedray.workers.models.model_loading as loading_module
     from pagedray import kernels
 
     monkeypatch.setattr(loading_module, "keeps_packed", lambda q, device: True)
@@ -145,7 +145,7 @@ def test_packed_moe_experts_give_the_dequantized_models_tokens(fmt, options, pac
     """What CUDA does with a quantized MoE (``keeps_packed``), forced on CPU: every MoE layer holds its experts
     packed (``PackedExperts``; the 16-bit expert tensors never allocated) when their groups are uniform, and the
     model is still the dequantized one (greedy tokens equal, logprobs within 1e-4)."""
-    import pagedray.workers.model_loading as loading_module
+    import pagedray.workers.models.model_loading as loading_module
     from pagedray.workers.layers.moe import SparseMoE
 
     monkeypatch.setattr(loading_module, "keeps_packed", lambda q, device: q.method != "none")
@@ -170,7 +170,7 @@ def test_packed_moe_experts_give_the_dequantized_models_tokens(fmt, options, pac
 def test_packed_moe_runs_the_triton_kernel_under_the_interpreter(tiny_model_path, tmp_path, monkeypatch):
     import functools
 
-    import pagedray.workers.model_loading as loading_module
+    import pagedray.workers.models.model_loading as loading_module
     from pagedray import kernels
 
     monkeypatch.setattr(loading_module, "keeps_packed", lambda q, device: True)
@@ -246,7 +246,7 @@ def test_the_quantization_option_is_checked_with_the_config():
 def test_read_packed_slices_on_word_boundaries_only(quantized_pair, tiny_model_path):
     """A column range that splits a packed word is read dense instead (None from read_packed); an aligned one
     gives the same weight as the dense read."""
-    from pagedray.workers.weight_loader import CheckpointReader
+    from pagedray.workers.weights.weight_loader import CheckpointReader
 
     path, _ = quantized_pair("gptq", tiny_model_path("llama"))
     q = quant.resolve(load_hf_config(path), "auto")
@@ -264,7 +264,7 @@ def test_read_packed_fp8_slices_equal_the_dense_reads(name, quantized_pair, tiny
     """An FP8 weight read packed (its e4m3 bytes, per-row scales as one group, block scales as groups of the
     block's input columns) holds exactly the dense read's values, for output-row and input-column slices that
     cut through scale blocks."""
-    from pagedray.workers.weight_loader import CheckpointReader
+    from pagedray.workers.weights.weight_loader import CheckpointReader
 
     path, _ = quantized_pair(name, tiny_model_path("llama"))
     q = quant.resolve(load_hf_config(path), "auto")

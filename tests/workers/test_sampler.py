@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from pagedray.workers import sampling_ops
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.sampler import Sampler, SamplingRow
-from pagedray.workers.sampling_ops import (
+from pagedray.workers.sampling import sampling_ops
+from pagedray.workers.sampling.sampler import Sampler, SamplingRow
+from pagedray.workers.sampling.sampling_ops import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -251,7 +251,7 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_argmax_rows_equals_torch_argmax_with_ties_nans_and_infinities(dtype):
-    from pagedray.workers.sampling_ops import argmax_rows
+    from pagedray.workers.sampling.sampling_ops import argmax_rows
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randint(-3, 4, (64, 300), generator=gen).to(dtype)   # [rows, vocab]: many ties

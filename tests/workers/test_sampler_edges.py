@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pagedray.workers.contract.sampling_params import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SamplingParams
-from pagedray.workers.sampler import NON_FINITE_ROW, Sampler, SamplingRow
+from pagedray.workers.sampling.sampler import NON_FINITE_ROW, Sampler, SamplingRow
 
 VOCAB = 48
 EOS = 1

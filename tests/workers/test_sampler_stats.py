@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.sampler import Sampler, SamplingRow
+from pagedray.workers.sampling.sampler import Sampler, SamplingRow
 
 PROBS = [0.06, 0.3, 0.02, 0.15, 0.12, 0.2, 0.1, 0.05]  # no cumulative mass lands on a tested top_p
 LOGITS = torch.tensor(PROBS, dtype=torch.float64).log().float() + 1.7  # a shift changes nothing

@@ -10,8 +10,8 @@ from helpers.tiny_models import save_tiny_model
 from helpers.worker_setup import engine_config
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import NewSequence, RunningDelta, StepPlan
-from pagedray.workers.model_info import model_info
-from pagedray.workers.weight_loader import WeightLoadError
+from pagedray.workers.models.model_info import model_info
+from pagedray.workers.weights.weight_loader import WeightLoadError
 from pagedray.workers.worker import Worker
 from safetensors.torch import load_file, save_file
 

@@ -11,12 +11,12 @@ from helpers.tiny_models import tiny_config
 from helpers.worker_setup import engine_config
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import NewSequence, StepPlan
-from pagedray.workers.input_batch import build_batch
 from pagedray.workers.kv_cache import KVCache, KVCacheSpec, copy_blocks
 from pagedray.workers.layers.partition import HeadPartition, VocabPartition
 from pagedray.workers.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagedray.workers.model_info import model_info
-from pagedray.workers.seq_mirror import BatchedSequence, SequenceState
+from pagedray.workers.models.model_info import model_info
+from pagedray.workers.runner.input_batch import build_batch
+from pagedray.workers.runner.seq_mirror import BatchedSequence, SequenceState
 from pagedray.workers.worker import Worker
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -12,7 +12,7 @@ Conventions (settled here, shared by the Sampler and the scheduler):
 - ``logprobs=None``: no logprobs; ``logprobs=k`` (k >= 0): the sampled token's logprob plus the
   top-k alternatives.
 - ``prompt_logprobs=k`` (k >= 0): every prompt token after the first also gets its logprob, rank and
-  the top-k alternatives at its position (workers/prompt_logprobs.py). Such a request does not read
+  the top-k alternatives at its position (workers/runner/prompt_logprobs.py). Such a request does not read
   the prefix cache: cached positions would have no logits.
 - ``seed``: sampling for this sequence depends only on (seed, position), never on the batch.
 - ``repetition_penalty`` applies to prompt and output tokens; presence/frequency penalties apply to
@@ -22,7 +22,7 @@ Conventions (settled here, shared by the Sampler and the scheduler):
 - ``logit_bias``: ``(token_id, bias)`` pairs added to the logits before penalties, temperature and
   filters (the OpenAI definition; bias in [-100, 100]). Logprobs stay those of the raw logits.
 - ``grammar``: an llguidance grammar; rank 0 masks every token it does not allow next
-  (workers/grammar.py).
+  (workers/sampling/grammar.py).
 - ``speculative``: False opts this request out of speculative decoding (the engine's
   ``num_speculative_tokens``); its output is the same either way.
 """
@@ -80,7 +80,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
-    grammar: str | None = None   # an llguidance grammar (JSON text): workers/grammar.py
+    grammar: str | None = None   # an llguidance grammar (JSON text): workers/sampling/grammar.py
     speculative: bool = True     # False: never propose speculative tokens for this request
 
     def __post_init__(self) -> None:

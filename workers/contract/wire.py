@@ -62,7 +62,7 @@ from .sampling_params import SamplingParams
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 PENDING_TOKEN = -1   # RunningDelta.new_token_id: "the token you sampled for it at the previous step"
-MODEL_DRAFT = -2     # in draft_token_ids: "a draft your draft model proposes in this step" (workers/draft_model.py)
+MODEL_DRAFT = -2     # in draft_token_ids: "a draft your draft model proposes in this step" (runner/draft_model.py)
 
 
 class WireError(ValueError):

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from pagedray.kernels.kv_quant import static_scale
 from torch import nn
 
 from ... import kernels
-from ...kernels.kv_quant import static_scale
 from ..kv_cache import KVLayer
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tp_group import TPGroup
-from ..weight_loader import CheckpointReader, copy_into
+from ..weights.weight_loader import CheckpointReader, copy_into
 from .linear import empty_param
 from .packed_gemm import PackedLinear, linear
 from .partition import VocabPartition

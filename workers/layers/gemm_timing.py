@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pagedray.kernels import cpu_choice, cpu_gemm
-from pagedray.kernels.cpu_choice import ROW_BUCKETS
+from pagedray.kernels.cpu import cpu_choice, cpu_gemm
+from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS
 from torch import nn
 
 from .packed_gemm import candidates, packable_modules

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..quantization import PackedIntWeight
 from ..tp_group import TPGroup
-from ..weight_loader import CheckpointReader, copy_into
+from ..weights.quantization import PackedIntWeight
+from ..weights.weight_loader import CheckpointReader, copy_into
 from .packed_gemm import PackedLinear, linear
 from .partition import HeadPartition, check_even_split
 

@@ -30,13 +30,13 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from pagedray.kernels.quant_gemm import PackedExperts
 from torch import nn
 
 from ... import kernels
-from ...kernels.quant_gemm import PackedExperts
-from ..quantization import PackedIntWeight
 from ..tp_group import TPGroup
-from ..weight_loader import CheckpointReader, copy_into
+from ..weights.quantization import PackedIntWeight
+from ..weights.weight_loader import CheckpointReader, copy_into
 from .linear import empty_param
 from .partition import check_even_split
 

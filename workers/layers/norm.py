@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ... import kernels
-from ..weight_loader import CheckpointReader, copy_into
+from ..weights.weight_loader import CheckpointReader, copy_into
 from .linear import empty_param
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pagedray.kernels import cpu_gemm
-from pagedray.kernels.cpu_choice import ROW_BUCKETS, bucket_index
+from pagedray.kernels.cpu import cpu_gemm
+from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS, bucket_index
 from torch import nn
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The one-call CPU decode path of ``DecoderForCausalLM`` (``kernels/cpu_layers.c``): which models take
+"""The one-call CPU decode path of ``DecoderForCausalLM`` (``kernels/cpu/cpu_layers.c``): which models take
 it, and the per-step arguments.
 
 A decode step (every sequence schedules one token) of a qualifying model runs all its decoder layers in
@@ -33,15 +33,14 @@ import time
 from collections.abc import Callable
 
 import torch
-from pagedray.kernels import cpu_choice, cpu_decode, cpu_gemm, cpu_layers
-from pagedray.kernels.cpu_choice import ROW_BUCKETS, bucket_index
+from pagedray.kernels.cpu import cpu_choice, cpu_decode, cpu_gemm, cpu_layers
+from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS, bucket_index
 from pagedray.kernels.kv_quant import is_quantized
 
 from ..kv_cache import KVCache
 from ..layers.activation import silu_and_mul
 from ..layers.attention import AttentionMetadata
 from ..layers.rotary import RotaryStep
-from ..seq_mirror import BatchedSequence, SequenceState
 from .decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP
 
 log = logging.getLogger(__name__)
@@ -169,19 +168,18 @@ def build(model, enabled: bool, max_rows: int) -> CpuDecodeLayers | None:
     return CpuDecodeLayers(model, max_rows)
 
 
-def _timing_batch(rows: int, block_size: int, num_blocks: int):
-    """A decode step of ``rows`` sequences of ``TIMING_CONTEXT`` tokens (block ids wrap around the cache:
-    the values computed do not matter, only the time)."""
-    from ..contract.sampling_params import SamplingParams
-    from ..input_batch import build_host_batch
-
+def _timing_batch(rows: int, block_size: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input ids, positions, metadata) of a decode step of ``rows`` sequences of ``TIMING_CONTEXT`` tokens,
+    each computing its last one (block ids wrap around the cache: the values computed do not matter, only
+    the time); what ``runner.input_batch`` would build for such a step."""
     per_seq = -(-TIMING_CONTEXT // block_size)
-    seqs = []
-    for i in range(rows):
-        blocks = [(i * per_seq + j) % num_blocks for j in range(per_seq)]
-        state = SequenceState(i, [1] * TIMING_CONTEXT, [], TIMING_CONTEXT - 1, blocks, SamplingParams(temperature=0.0))
-        seqs.append(BatchedSequence.of(state, 1))
-    return build_host_batch(seqs, block_size).inputs
+    tables = (torch.arange(rows * per_seq, dtype=torch.int32) % num_blocks).view(rows, per_seq)   # [rows, per_seq]
+    last = TIMING_CONTEXT - 1
+    positions = torch.full((rows,), last, dtype=torch.int32)                                     # [rows]
+    meta = AttentionMetadata(slot_mapping=tables[:, last // block_size] * block_size + last % block_size,
+                             cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32),
+                             seq_lens_k=positions + 1, block_tables=tables, max_query_len=1)
+    return torch.ones(rows, dtype=torch.int32), positions, meta
 
 
 def settle(model, kv_cache: KVCache, block_size: int, cache: cpu_choice.ChoiceCache | None = None,
@@ -205,7 +203,7 @@ def settle(model, kv_cache: KVCache, block_size: int, cache: cpu_choice.ChoiceCa
         if isinstance(stored.get(str(bucket)), dict):
             results[bucket] = stored[str(bucket)]
             continue
-        inputs = _timing_batch(ROW_BUCKETS[bucket], block_size, num_blocks)
+        input_ids, positions, meta = _timing_batch(ROW_BUCKETS[bucket], block_size, num_blocks)
         times = {True: [], False: []}
         try:
             with torch.inference_mode():
@@ -213,7 +211,7 @@ def settle(model, kv_cache: KVCache, block_size: int, cache: cpu_choice.ChoiceCa
                     for one_call in ((True, False) if round_ % 2 else (False, True)):
                         model.cpu_decode, path.buckets = (path if one_call else None), frozenset({bucket})
                         start = timer()
-                        model(inputs.input_ids, inputs.positions, kv_cache, inputs.meta)
+                        model(input_ids, positions, kv_cache, meta)
                         if round_:     # round 0 warms up
                             times[one_call].append((timer() - start) * 1e3)
         finally:

@@ -37,7 +37,7 @@ from ..layers.norm import RMSNorm
 from ..layers.partition import HeadPartition, check_even_split, check_head_split
 from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
-from ..weight_loader import CheckpointReader
+from ..weights.weight_loader import CheckpointReader
 
 
 class DecodeShortcut(Protocol):

@@ -32,7 +32,7 @@ from ..layers.norm import RMSNorm
 from ..layers.partition import check_even_split, check_head_split
 from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
-from ..weight_loader import CheckpointReader
+from ..weights.weight_loader import CheckpointReader
 from .decoder import ArchSpec, DecoderAttention, DecoderForCausalLM, DecoderMLP, ModelDims
 from .llama import layer_types_of, sliding_window_of
 

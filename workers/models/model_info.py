@@ -1,0 +1,97 @@
+"""What the engine needs to know about a model folder without loading any weights.
+
+``model_info(path)`` reads ``config.json`` (through transformers' AutoConfig) and, when present,
+``generation_config.json``. It rejects unsupported architectures up front (ValueError listing the
+supported ones), so the engine fails before starting any worker.
+
+EOS ids are the union, in order of first appearance, of ``config.eos_token_id`` and
+``generation_config.eos_token_id`` (each an int, a list or absent): chat models often list the
+end-of-turn token only in the generation config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..layers.partition import check_head_split
+from .registry import architecture_of
+
+
+def load_hf_config(model_path):
+    """transformers config of a model folder; ValueError naming `model` when it cannot be read."""
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {str(path)!r} is not a model folder (no config.json)")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"model: cannot read the config of {str(path)!r}: {exc}") from exc
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _generation_eos(path: Path) -> list[int]:
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return []
+    try:
+        return _as_ids(json.loads(file.read_text()).get("eos_token_id"))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"model: {file} is not valid JSON ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    architecture: str
+    model_type: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    max_position_embeddings: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_size: int
+    tie_word_embeddings: bool
+
+    def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
+        """ValueError naming tensor_parallel_size when the heads cannot be split over that many ranks."""
+        check_head_split(self.num_attention_heads, self.num_key_value_heads, tensor_parallel_size)
+
+
+def model_info(model_path) -> ModelInfo:
+    path = Path(model_path)
+    cfg = load_hf_config(path)
+    architecture = architecture_of(cfg)
+    eos = []
+    for token in _as_ids(getattr(cfg, "eos_token_id", None)) + _generation_eos(path):
+        if token not in eos:
+            eos.append(token)
+    num_heads = cfg.num_attention_heads
+    return ModelInfo(
+        path=str(path),
+        architecture=architecture,
+        model_type=cfg.model_type,
+        vocab_size=cfg.vocab_size,
+        eos_token_ids=tuple(eos),
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        max_position_embeddings=cfg.max_position_embeddings,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+        hidden_size=cfg.hidden_size,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )

@@ -1,0 +1,132 @@
+"""ModelRunner: StepPlan -> one forward over this rank's shard -> logits of the sampling rows.
+
+Order of a step (every rank runs the same steps on the same plan, so collectives line up):
+1. the mirror validates the plan, drops released ids and applies deltas / new sequences;
+2. copy-on-write block copies are applied to every layer's K and V; with a draft model
+   (``draft_model.py``) the same copies go to its cache, and it fills the step's draft placeholders;
+3. the inputs are built on the host in one int32 tensor (``input_batch.build_host_batch``; a step of
+   decode rows only, from the mirror's persistent block tables: ``build_decode_host_batch``), their
+   attention metadata is checked there once (``kernels.check_step_metadata`` on CPU tensors: no device
+   sync; the layers then skip the per-call value checks), and one copy moves them to the device;
+4. one forward runs over the mixed batch; the final hidden states of each sampling sequence's last
+   scheduled token go through the LM head (vocab-parallel, gathered to rank 0). A decode-only step
+   goes to ``decode_graphs`` instead when the runner has one (CUDA graphs; padded to a bucket);
+5. sequences that asked for prompt logprobs get them for the prompt positions computed this step
+   (``prompt_logprobs.py``; eager steps only: a decode-only step has no prompt positions);
+6. the mirror marks the scheduled tokens as computed.
+
+Sampling is not done here: ``Worker`` hands ``StepOutput`` to the Sampler on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ... import kernels
+from ..contract.wire import PromptLogprobs, StepPlan
+from ..kv_cache import KVCache, check_block_copies, copy_blocks
+from ..models.decoder import DecoderForCausalLM
+from .decode_graphs import DecodeGraphs
+from .input_batch import BatchInputs, HostBatch, build_decode_host_batch, build_host_batch
+from .prompt_logprobs import PromptRows, compute_prompt_logprobs, plan_prompt_rows
+from .seq_mirror import BatchedSequence, MirrorStep, SequenceMirror, SequenceState
+
+
+class Drafter(Protocol):
+    """What a runner asks of its draft model (draft_model.DraftModel, which runs a ModelRunner of its own)."""
+
+    def apply_plan_bookkeeping(self, released_seq_ids: list[int], block_copies: list[tuple[int, int]]) -> None: ...
+
+    def propose(self, batch: list[BatchedSequence]) -> list[BatchedSequence]: ...
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: torch.Tensor | None            # [rows, vocab] float32 on rank 0; None elsewhere or without rows
+    sampling_seqs: list[SequenceState]     # one per logits row, in batch order
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)   # rank 0 only
+    row_drafts: tuple[tuple[int, ...], ...] = ()   # per logits row: drafts before its position (input_batch)
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    rows: MirrorStep                 # the forward's sequences, in batch order
+    host: HostBatch                  # checked host inputs (padded to the bucket when ``bucket`` is set)
+    bucket: int | None               # decode-graph bucket, or None for the eager forward
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, block_size: int,
+                 device: torch.device, drafter: Drafter | None = None) -> None:
+        self.model = model
+        self.kv_cache = kv_cache        # data [layers, 2, blocks, block_size, kv_heads_local, head_dim] (+ scales)
+        self.block_size = block_size
+        self.device = device
+        self.drafter = drafter          # speculative_model: fills MODEL_DRAFT placeholders in ``prepare``
+        self.mirror = SequenceMirror(block_size, num_blocks=kv_cache.num_blocks, model_drafts=drafter is not None)
+        self.decode_graphs: DecodeGraphs | None = None   # set by the worker (CUDA graphs) or a test
+
+    def use_decode_graphs(self, graphs: DecodeGraphs) -> None:
+        """Route decode-only steps through ``graphs`` (captured or, on CPU, run eagerly)."""
+        if graphs.kv_cache is not self.kv_cache:
+            raise ValueError("graphs: built over a different KV cache than this runner's")
+        self.decode_graphs = graphs
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        return self.run(self.prepare(plan))
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep | None) -> StepOutput:
+        """Steps 4-6 for a prepared step (``prepare``'s result; None: nothing to run)."""
+        if step is None:
+            return StepOutput(None, [])
+        if step.bucket is not None:
+            output = StepOutput(self.decode_graphs.run(step.host), step.host.sampling_seqs)
+        else:
+            rows = step.rows
+            output = self.forward(step.host.to_device(self.device),
+                                  plan_prompt_rows(rows.batch, first_row=len(rows.decode_states)))
+        self.mirror.mark_computed(step.rows)
+        return output
+
+    def prepare(self, plan: StepPlan) -> PreparedStep | None:
+        """Steps 1-3 up to the copy: mirror update, block copies, checked host inputs (None: nothing to run)."""
+        check_block_copies(plan.block_copies, self.kv_cache.num_blocks)
+        rows = self.mirror.apply(plan)
+        copy_blocks(self.kv_cache, plan.block_copies)
+        if self.drafter is not None:
+            self.drafter.apply_plan_bookkeeping(plan.released_seq_ids, plan.block_copies)
+            rows = MirrorStep(batch=self.drafter.propose(rows.as_batch()))
+        if not rows:
+            return None
+        bucket = None if self.decode_graphs is None else self.decode_graphs.bucket_for(rows)
+        if bucket is not None:
+            host = self.decode_graphs.host_batch(rows, bucket, self.mirror.table_rows.tables)
+        elif rows.batch:
+            host = build_host_batch(rows.as_batch(), self.block_size, pin_memory=self.device.type == "cuda")
+        else:       # decode rows only: the steady decode step
+            host = build_decode_host_batch(rows.decode_states, self.mirror.table_rows.tables, self.block_size,
+                                           pin_memory=self.device.type == "cuda")
+        self.check_host_metadata(host)
+        return PreparedStep(rows, host, bucket)
+
+    def check_host_metadata(self, host: HostBatch) -> None:
+        """Every metadata check (values included) on the host tensors, against this cache's shape."""
+        meta = host.inputs.meta
+        kernels.check_host_step_metadata(self.kv_cache.data.shape[2:], self.kv_cache.data.dtype, host.shape.tokens,
+                                         meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens_k,
+                                         meta.block_tables, meta.max_query_len)
+
+    @torch.inference_mode()
+    def forward(self, inputs: BatchInputs, prompt_rows: list[PromptRows] | None = None) -> StepOutput:
+        """The eager model forward over the batch, then the LM head at the sampling rows (and at the
+        prompt rows of sequences that asked for prompt logprobs)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)   # [tokens, hidden]
+        logits = None
+        if inputs.sampling_seqs:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])                 # [rows, vocab]
+        prompt = compute_prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else []
+        return StepOutput(logits, inputs.sampling_seqs, prompt, inputs.row_drafts)
