@@ -132,7 +132,7 @@ def measure(engine, clock: StepClock, batch: int, prompt_len: int, steps: int, r
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     ids = [f"r{round_index}-{i}" for i in range(batch)]
     for request_id in ids:
-        engine.add_request(request_id, [rng.randrange(2, VOCAB) for _ in range(prompt_len)], params)
+        engine.add(request_id, [rng.randrange(2, VOCAB) for _ in range(prompt_len)], params)
     while engine.scheduler.waiting or any(s.num_computed_tokens < len(s.prompt_token_ids)
                                           for s in engine.scheduler.running):
         engine.step()

@@ -58,7 +58,7 @@ def run_paged(lengths, block_size: int, num_blocks: int, max_model_len: int) -> 
                       bm, max_model_len=max_model_len)
     rng = random.Random(1)
     for i, (prompt_len, max_tokens) in enumerate(lengths):
-        sched.add_request(str(i), [rng.randrange(3, 30000) for _ in range(prompt_len)],
+        sched.enqueue(str(i), [rng.randrange(3, 30000) for _ in range(prompt_len)],
                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     running, usage = [], []
     while sched.has_unfinished():

@@ -43,7 +43,7 @@ def _decode_ready_engine(engine, batch: int) -> None:
     from pagedray.workers.contract.sampling_params import SamplingParams
 
     for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", [1] + [100 + (i + j) % 500 for j in range(15)],
+        engine.add(f"b{batch}-{i}", [1] + [100 + (i + j) % 500 for j in range(15)],
                            SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
     while engine.scheduler.num_waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()

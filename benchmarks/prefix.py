@@ -53,7 +53,7 @@ def run(prompts, caching: bool) -> dict:
     try:
         llm.generate(prompts[:1], params, use_tqdm=False)           # warm-up / first user
         for i, prompt in enumerate(prompts[1:]):
-            engine.add_request(f"q{i}", prompt, params)
+            engine.add(f"q{i}", prompt, params)
         start = time.perf_counter()
         ttft = {}
         while engine.has_unfinished_requests():

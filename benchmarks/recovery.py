@@ -70,7 +70,7 @@ def run_with_kill(engine, kill, kill_after_tokens: int) -> tuple[list[list[int]]
     completion. Returns (tokens per request, seconds from the kill to the first token after it).
     Raises RuntimeError when an output carries an error."""
     for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
-        engine.add_request(str(i), prompt, params)
+        engine.add(str(i), prompt, params)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
     killed_at = first_after = None
     while engine.has_unfinished_requests():

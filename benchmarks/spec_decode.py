@@ -72,7 +72,7 @@ def prompts_of(tokenizer) -> list[list[int]]:
 def _run_wave(engine, prompts: list[list[int]], params) -> tuple[list[float], int, float, dict[str, list[int]]]:
     """Adds the prompts together and steps to the end: per-request TPOT (s), tokens, wall seconds, tokens."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add(f"r{i}", prompt, params)
     first, last, tokens = {}, {}, {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():

@@ -300,9 +300,10 @@ class BlockManager:
 
         The slots given back must not reach into the hashed blocks (a block is hashed only once its tokens
         are accepted: speculative slots are reserved as ``pending_tokens``), so the prefix cache never holds
-        a rejected token. Blocks past the new last one are released; a new last block that is partial and
-        shared with a forked sequence (ref count > 1) is copied into a private block first (copy-on-write),
-        so the sharer keeps its content. Raises ValueError (``num_slots``) or CannotAllocateError for that
+        a rejected token of this sequence. Blocks past the new last one are released; a new last block that is
+        partial and shared with a forked sequence (ref count > 1), or cached (a fork taken while drafts were
+        pending hashed them as its own tokens), is copied into a private block first (copy-on-write), so the
+        sharer and the cache keep their content. Raises ValueError (``num_slots``) or CannotAllocateError for that
         copy; either leaves everything as it was.
         """
         seq = self._get(seq_id)
@@ -316,7 +317,8 @@ class BlockManager:
                              f"of sequence {seq_id!r}")
         keep = -(-num_slots // bs)
         copies: list[tuple[int, int]] = []
-        if num_slots % bs and self.pool.ref_count(seq.table[keep - 1]) > 1:
+        last = seq.table[keep - 1] if keep else None
+        if num_slots % bs and (self.pool.ref_count(last) > 1 or self.pool.key_of(last) is not None):
             if self.pool.num_free_blocks < 1:
                 self._no_room(1, seq_id)
             dst = self.pool.allocate(1)[0]

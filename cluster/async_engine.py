@@ -91,7 +91,7 @@ class ReadCommand:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
-    def run(self) -> None:
+    def read_and_settle(self) -> None:
         try:
             result = self.read()
         except Exception as exc:  # noqa: BLE001 - handed to the caller
@@ -143,11 +143,11 @@ class AsyncEngine:
     # -- intake -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, resume_tokens: list[int] = ()) -> AsyncIterator[RequestOutput]:
-        """The request's output deltas (``resume_tokens``: ``Engine.add_request``)."""
+        """The request's output deltas (``resume_tokens``: ``Engine.add``)."""
         self._check_accepting()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        self.engine.validate_request(prompt_token_ids, params, priority, resume_tokens)
+        self.engine.validate(prompt_token_ids, params, priority, resume_tokens)
         limit = self.config.scheduler.max_queued_requests
         with self._lock:
             if self._stats.num_waiting + self._pending_adds >= limit:
@@ -311,13 +311,12 @@ class AsyncEngine:
                 with self._lock:
                     self._pending_adds -= 1
                 try:
-                    self.engine.add_validated_request(command.request_id, command.prompt_token_ids,
-                                                      command.params, command.priority,   # validated at intake
-                                                      command.resume_tokens)
+                    self.engine.add(command.request_id, command.prompt_token_ids, command.params,
+                                    command.priority, command.resume_tokens, validated=True)   # at intake
                 except (ValueError, QueueFullError, EngineDeadError) as exc:
                     errors.append((command.request_id, exc))
             elif isinstance(command, ReadCommand):
-                command.run()
+                command.read_and_settle()
             else:
                 self.engine.abort(command.request_id)
         outputs = []

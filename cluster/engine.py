@@ -27,7 +27,7 @@ from .output_builder import OutputBuilder
 from .outputs import EngineDeadError, RequestOutput
 from .plan_builder import PlanBuilder
 from .request import FinishReason
-from .scheduler import Scheduler
+from .scheduler import Scheduler, check_arguments
 from .scheduler_output import SchedulerOutput
 from .stats import EngineStats
 
@@ -92,11 +92,13 @@ class Engine:
         return AutoTokenizer.from_pretrained(self.config.model.tokenizer or str(self.model_path))
 
     # -- intake -------------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                         resume_tokens: list[int] = ()) -> None:
-        """Argument-only checks (safe from any thread): ValueError, or EngineDeadError when dead."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                 resume_tokens: list[int] = ()) -> None:
+        """A request's argument checks (safe from any thread, no queue state): ValueError naming the argument,
+        or EngineDeadError when dead."""
         self._raise_if_dead()
-        self.scheduler.validate_request(prompt_token_ids, params, priority, resume_tokens)
+        check_arguments(prompt_token_ids, params, priority, resume_tokens, self.max_model_len,
+                        self.config.scheduler.max_num_seqs)
         vocab = self.model_info.vocab_size
         for name, ids in (("prompt_token_ids", prompt_token_ids), ("resume_tokens", resume_tokens)):
             bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
@@ -106,27 +108,18 @@ class Engine:
         if biased is not None:
             raise ValueError(f"logit_bias: token {biased} is not an id in [0, {vocab})")
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      priority: int = 0, resume_tokens: list[int] = ()) -> None:
-        """Raises ValueError / QueueFullError / EngineDeadError for a request add_request would refuse."""
-        self.validate_request(prompt_token_ids, params, priority, resume_tokens)
-        self.scheduler.check_admission(request_id)
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, resume_tokens: list[int] = ()) -> None:
-        """Admits a request. ``resume_tokens`` (n=1 only): the output a run elsewhere already produced
-        (a stream's continuation after its replica was lost): the sequence starts with them as output,
-        computed with the prompt and not streamed again, so sampling goes on at the next position as that
-        run would have (greedy and seeded draws depend on the position, penalties see them)."""
-        self.validate_request(prompt_token_ids, params, priority, resume_tokens)
-        self.add_validated_request(request_id, prompt_token_ids, params, priority, resume_tokens)
-
-    def add_validated_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              priority: int = 0, resume_tokens: list[int] = ()) -> None:
-        """``add_request`` for arguments that already passed ``validate_request`` (the AsyncEngine and
-        ``LLM`` validate at intake, so each request is validated once): the admission checks (a live
-        engine, the id, the queue) and the enqueue. ``params`` is immutable and the prompt a private
-        copy, so what was validated is what runs."""
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+            resume_tokens: list[int] = (), *, validated: bool = False) -> None:
+        """Admits a request: ``validate`` (unless ``validated``: the AsyncEngine and ``LLM`` validate at
+        intake, so each request is validated once), the admission checks (a live engine, the id, the queue),
+        then the enqueue; a refused request raises and changes nothing. ``params`` is immutable and the
+        prompt a private copy, so what was validated is what runs. ``resume_tokens`` (n=1 only): the output
+        a run elsewhere already produced (a stream's continuation after its replica was lost): the sequence
+        starts with them as output, computed with the prompt and not streamed again, so sampling goes on at
+        the next position as that run would have (greedy and seeded draws depend on the position, penalties
+        see them)."""
+        if not validated:
+            self.validate(prompt_token_ids, params, priority, resume_tokens)
         self._raise_if_dead()
         self.scheduler.check_admission(request_id)
         self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority, resume_tokens)

@@ -109,8 +109,8 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         ids = [f"llm-{self._next_id + i}" for i in range(len(prompts))]
         self._next_id += len(prompts)
-        for rid, (_, token_ids), p in zip(ids, encoded, params):  # validate all before adding any
-            self.engine.check_request(rid, token_ids, p)
+        for (_, token_ids), p in zip(encoded, params):  # validate all before adding any
+            self.engine.validate(token_ids, p)
         results = {rid: GenerationResult(text, token_ids, [SampleOutput(i, [], None, None) for i in range(p.n)])
                    for rid, (text, token_ids), p in zip(ids, encoded, params)}
         self._run(list(zip(ids, encoded, params)), results, use_tqdm)
@@ -131,7 +131,7 @@ class LLM:
             while todo or engine.has_unfinished_requests():
                 while todo and engine.scheduler.num_waiting < limit:
                     rid, (_, token_ids), p = todo.pop()
-                    engine.add_validated_request(rid, token_ids, p)   # checked in generate()
+                    engine.add(rid, token_ids, p, validated=True)   # checked in generate()
                 for out in engine.step():
                     result = results[out.request_id]
                     if out.num_cached_prompt_tokens:

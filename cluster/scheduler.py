@@ -102,25 +102,9 @@ class Scheduler:
         self.speculation = SpeculationStats()
 
     # -- intake -------------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                         resume_tokens: list[int] = ()) -> None:
-        """Checks that depend only on the arguments and the config (no queue state); ValueError."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
-        if not isinstance(prompt_token_ids, (list, tuple)) or len(prompt_token_ids) == 0:
-            raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt_token_ids: the prompt has {len(prompt_token_ids)} tokens, which leaves no "
-                             f"room for output within max_model_len={self.max_model_len}; shorten the prompt")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
-        if resume_tokens:
-            _check_resume(prompt_token_ids, params, resume_tokens, self.max_model_len)
-
     def check_admission(self, request_id: str) -> None:
-        """The checks that depend on the queue state: ValueError (bad or duplicate id) / QueueFullError."""
+        """The checks that depend on the queue state: ValueError (bad or duplicate id) / QueueFullError.
+        The arguments' own checks are ``check_arguments`` (``Engine.validate`` runs them)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
@@ -129,21 +113,11 @@ class Scheduler:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queued_requests="
                                  f"{self.config.max_queued_requests}); retry later")
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      priority: int = 0, resume_tokens: list[int] = ()) -> None:
-        """Raises ValueError / QueueFullError for a request that cannot be admitted; changes nothing."""
-        self.validate_request(prompt_token_ids, params, priority, resume_tokens)
-        self.check_admission(request_id)
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, resume_tokens: list[int] = ()) -> Request:
-        self.check_request(request_id, prompt_token_ids, params, priority, resume_tokens)
-        return self.enqueue(request_id, prompt_token_ids, params, priority, resume_tokens)
-
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 priority: int = 0, resume_tokens: list[int] = ()) -> Request:
-        """Adds a request that passed ``check_request`` (the engine validates once, then enqueues).
-        ``resume_tokens``: output tokens the request produced elsewhere (a continuation, ``Engine.add_request``)."""
+        """Adds a request whose arguments passed ``check_arguments`` and whose id passed ``check_admission``
+        (``Engine.add`` does both, validating each request once). ``resume_tokens``: output tokens the request
+        produced elsewhere (a continuation, ``Engine.add``)."""
         request = Request(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids],
                           params=params, arrival=self._next_arrival, priority=priority,
                           num_unforked=params.n - 1)
@@ -617,6 +591,24 @@ class Scheduler:
 
     def abort_all(self, reason: FinishReason) -> list[Request]:
         return [r for r in (self.abort(rid, reason) for rid in list(self.requests)) if r is not None]
+
+
+def check_arguments(prompt_token_ids: list[int], params: SamplingParams, priority: int, resume_tokens: list[int],
+                    max_model_len: int, max_num_seqs: int) -> None:
+    """A request's checks that depend only on its arguments and the config (no queue state); ValueError."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority: must be an integer, got {priority!r}")
+    if not isinstance(prompt_token_ids, (list, tuple)) or len(prompt_token_ids) == 0:
+        raise ValueError("prompt_token_ids: must be a non-empty list of token ids")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(f"prompt_token_ids: the prompt has {len(prompt_token_ids)} tokens, which leaves no "
+                         f"room for output within max_model_len={max_model_len}; shorten the prompt")
+    if params.n > max_num_seqs:
+        raise ValueError(f"n: {params.n} samples exceed max_num_seqs={max_num_seqs}")
+    if resume_tokens:
+        _check_resume(prompt_token_ids, params, resume_tokens, max_model_len)
 
 
 def _check_resume(prompt_token_ids: list[int], params: SamplingParams, resume_tokens: list[int],

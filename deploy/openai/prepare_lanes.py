@@ -102,7 +102,7 @@ class PrepareLanes:
         """"short" or "bulk": the lane of a request body (module docstring)."""
         return "short" if input_within(body, SMALL_INPUT) and not asks_for_grammar(body) else "bulk"
 
-    async def run(self, work: Callable, body):
+    async def call(self, work: Callable, body):
         """``work(body)`` on the body's lane."""
         pool = self._short if self.lane(body) == "short" else self._bulk
         return await asyncio.get_running_loop().run_in_executor(pool, self._call, work, body)

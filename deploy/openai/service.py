@@ -286,7 +286,7 @@ class OpenAIService:
         """Parse + validate (``prepare(body)``, on the body's prepare lane), then admit; any failure is
         counted and raised as APIError."""
         try:
-            req, prepared = await self._lanes.run(prepare, body)
+            req, prepared = await self._lanes.call(prepare, body)
             run = await self._admit(prefix, prepared)
         except Exception as exc:
             self.metrics.record_outcome(endpoint, outcome_of(exc))
@@ -423,7 +423,7 @@ class OpenAIService:
 
     async def _on_prepare_thread(self, work: Callable, body) -> dict:
         try:
-            return await self._lanes.run(work, body)
+            return await self._lanes.call(work, body)
         except Exception as exc:
             raise to_api_error(exc) from exc
 

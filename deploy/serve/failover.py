@@ -5,7 +5,7 @@ several replicas, or autoscaling). When the replica serving a request is lost mi
 died or its node went away: ``RayActorError``; its engine died: ``EngineDeadError`` or an output marked
 ``engine_failed``), the request is submitted again, as a continuation, through the same handle (Serve
 routes it to a live replica): the prompt, the sampling parameters, and per sample the output tokens
-already streamed (``resume_tokens``: ``Engine.add_request``). The new replica computes them with the prompt
+already streamed (``resume_tokens``: ``Engine.add``). The new replica computes them with the prompt
 and samples on from the next position, so greedy and seeded samples continue token for token as the lost
 run would have (seeded draws depend on (seed, position); penalties and grammars see the resumed tokens).
 Everything above this client (detokenizer, stop strings, tool and reasoning parsers, usage) sees one

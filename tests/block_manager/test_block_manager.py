@@ -334,3 +334,20 @@ def test_add_slot_takes_a_slot_inside_the_last_block_and_hashes_a_block_it_fills
     assert bm.num_slots("b") == 9
     with pytest.raises(UnknownSequenceError):
         bm.add_slot("nobody", P)
+
+
+def test_truncate_copies_a_partial_last_block_that_a_fork_cached():
+    """A fork taken while a sequence had draft slots pending shares the drafted block; when the fork hashes
+    that block (its tokens are its own) and goes, rolling the drafts back must not leave the sequence writing
+    into a cached block (found by the state machine test): the block is copied, and the cache keeps it."""
+    bm = BlockManager(4, 8)
+    bm.allocate_slots("a", [5], 1)
+    bm.allocate_slots("a", [5], 3, pending_tokens=3)                  # three drafts: block 0 full, unhashed
+    assert bm.fork("a", "b") == []                                    # a full block is shared, not copied
+    bm.allocate_slots("b", [5, 6, 6, 6, 7], 1, pending_tokens=1)      # b's tokens include a's drafts: hashed
+    bm.free("b")
+    assert bm.pool.key_of(0) is not None and bm.ref_count(0) == 1
+    copies = bm.truncate("a", 1)                                      # every draft rejected
+    assert copies == [(0, 2)] and bm.block_table("a") == [2]
+    bm.check_invariants()
+    assert bm.num_cached_prefix_tokens([5, 6, 6, 6, 9]) == 4          # the cached block kept its content

@@ -331,11 +331,11 @@ def test_steps_run_back_to_back_while_the_event_loop_is_busy(tiny_llama_path):
 def test_a_request_is_validated_once_on_its_way_in(tiny_llama_path, monkeypatch):
     """The intake validates (argument checks, prompt ids against the vocabulary); the step thread only
     admits (id, queue): the scheduler's argument checks run once per request, not four times."""
-    from pagedray.cluster.scheduler import Scheduler
+    from pagedray.cluster import engine as engine_module
 
     calls = []
-    original = Scheduler.validate_request
-    monkeypatch.setattr(Scheduler, "validate_request", lambda self, *a, **k: (calls.append(a), original(self, *a, **k)))
+    original = engine_module.check_arguments
+    monkeypatch.setattr(engine_module, "check_arguments", lambda *a, **k: (calls.append(a), original(*a, **k)))
     engine = _engine(tiny_llama_path, FakeExecutor(64))
 
     async def main():

@@ -36,7 +36,7 @@ def _run(engine, requests, abort_at=None):
     """Adds ``requests`` (id, prompt, params) and steps to the end; returns each request's outputs
     as (token ids per choice index, finish reasons) and the number of steps."""
     for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
+        engine.add(request_id, prompt, params)
     streams, steps = {}, 0
     while engine.has_unfinished_requests():
         steps += 1
@@ -98,7 +98,7 @@ def test_async_scheduling_streams_what_the_synchronous_engine_streams(tiny_llama
 def test_one_step_is_queued_ahead_and_the_last_step_drains_it(tiny_llama_path):
     executor = FakeExecutor(64)
     engine = Engine(_config(tiny_llama_path, True), executor=executor)
-    engine.add_request("a", [10, 11, 12], SamplingParams(max_tokens=3, temperature=0))
+    engine.add("a", [10, 11, 12], SamplingParams(max_tokens=3, temperature=0))
     assert engine.step() == []                            # step 0 submitted, nothing applied yet
     assert len(executor.plans) == 1 and executor.waited == 0 and engine.has_unfinished_requests()
     outputs = engine.step()                               # step 1 submitted, step 0 applied

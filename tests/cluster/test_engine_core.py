@@ -36,8 +36,8 @@ def _tokens(outputs, index=0):
 
 def test_deltas_stream_every_token_once_and_finish_last(tiny_llama_path):
     engine, fake = _engine(tiny_llama_path)
-    engine.add_request("a", [10, 11, 12], SamplingParams(max_tokens=5, temperature=0))
-    engine.add_request("b", list(range(100, 140)), SamplingParams(max_tokens=3, temperature=0))
+    engine.add("a", [10, 11, 12], SamplingParams(max_tokens=5, temperature=0))
+    engine.add("b", list(range(100, 140)), SamplingParams(max_tokens=3, temperature=0))
     streams = _collect(engine)
     assert _tokens(streams["a"]) == [13, 14, 15, 16, 17]
     assert _tokens(streams["b"]) == [140, 141, 142]
@@ -54,8 +54,8 @@ def test_deltas_stream_every_token_once_and_finish_last(tiny_llama_path):
 
 def test_eos_stops_and_n_samples_get_their_own_index(tiny_llama_path):
     engine, _ = _engine(tiny_llama_path)
-    engine.add_request("eos", [5, TINY_EOS - 1], SamplingParams(max_tokens=9, temperature=0))
-    engine.add_request("n3", [20, 21, 22, 23], SamplingParams(n=3, max_tokens=2, temperature=0))
+    engine.add("eos", [5, TINY_EOS - 1], SamplingParams(max_tokens=9, temperature=0))
+    engine.add("n3", [20, 21, 22, 23], SamplingParams(n=3, max_tokens=2, temperature=0))
     streams = _collect(engine)
     assert _tokens(streams["eos"]) == [TINY_EOS]
     assert streams["eos"][-1].outputs[0].finish_reason == "stop"
@@ -67,11 +67,11 @@ def test_eos_stops_and_n_samples_get_their_own_index(tiny_llama_path):
 def test_no_stop_rule_ends_a_sequence_before_min_tokens(tiny_llama_path):
     # the double samples prompt[-1] + 1, + 2, ...: EOS first, then the stop id, each at once or after min_tokens
     engine, _ = _engine(tiny_llama_path)
-    engine.add_request("eos0", [5, TINY_EOS - 1], SamplingParams(max_tokens=4, temperature=0))
-    engine.add_request("eos2", [5, TINY_EOS - 1], SamplingParams(max_tokens=4, temperature=0, min_tokens=2))
-    engine.add_request("stop1", [10, 11], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(13,),
+    engine.add("eos0", [5, TINY_EOS - 1], SamplingParams(max_tokens=4, temperature=0))
+    engine.add("eos2", [5, TINY_EOS - 1], SamplingParams(max_tokens=4, temperature=0, min_tokens=2))
+    engine.add("stop1", [10, 11], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(13,),
                                                          min_tokens=1))
-    engine.add_request("stop2", [10, 11], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(13,),
+    engine.add("stop2", [10, 11], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(13,),
                                                          min_tokens=2))
     streams = _collect(engine)
     assert _tokens(streams["eos0"]) == [TINY_EOS]
@@ -85,7 +85,7 @@ def test_no_stop_rule_ends_a_sequence_before_min_tokens(tiny_llama_path):
 
 def test_abort_returns_a_final_abort_output_and_frees_blocks(tiny_llama_path):
     engine, fake = _engine(tiny_llama_path)
-    engine.add_request("a", list(range(30)), SamplingParams(max_tokens=50, temperature=0))
+    engine.add("a", list(range(30)), SamplingParams(max_tokens=50, temperature=0))
     engine.step()
     engine.step()
     assert engine.block_manager.num_free_blocks < 64
@@ -98,8 +98,8 @@ def test_abort_returns_a_final_abort_output_and_frees_blocks(tiny_llama_path):
 
 def test_executor_failure_ends_requests_with_error_and_kills_the_engine(tiny_llama_path, caplog):
     engine, _ = _engine(tiny_llama_path, fail_at_step=2)
-    engine.add_request("a", [3, 4], SamplingParams(max_tokens=20, temperature=0))
-    engine.add_request("b", [7, 8], SamplingParams(max_tokens=20, temperature=0))
+    engine.add("a", [3, 4], SamplingParams(max_tokens=20, temperature=0))
+    engine.add("b", [7, 8], SamplingParams(max_tokens=20, temperature=0))
     with caplog.at_level("ERROR", logger="pagedray.cluster.engine"):
         streams = _collect(engine)
     for rid in ("a", "b"):
@@ -109,7 +109,7 @@ def test_executor_failure_ends_requests_with_error_and_kills_the_engine(tiny_lla
     assert "simulated rank failure" in caplog.text
     assert engine.block_manager.num_free_blocks == 64
     with pytest.raises(EngineDeadError) as dead:
-        engine.add_request("c", [1, 2], SamplingParams())
+        engine.add("c", [1, 2], SamplingParams())
     assert str(dead.value) == ENGINE_DEAD_MESSAGE
     with pytest.raises(EngineDeadError, match="^engine dead"):
         engine.check_health()
@@ -119,18 +119,18 @@ def test_admission_checks_vocab_and_clamped_max_model_len(tiny_llama_path):
     engine, _ = _engine(tiny_llama_path, num_blocks=4)   # 4 blocks x 8 = 32 slots < 512 positions
     assert engine.max_model_len == 32
     with pytest.raises(ValueError, match="the prompt has 32 tokens"):
-        engine.add_request("a", list(range(32)), SamplingParams())
+        engine.add("a", list(range(32)), SamplingParams())
     with pytest.raises(ValueError, match=r"prompt_token_ids: token 512 is not an id in \[0, 512\)"):
-        engine.add_request("a", [1, 512], SamplingParams())
+        engine.add("a", [1, 512], SamplingParams())
     with pytest.raises(ValueError, match=r"logit_bias: token 600 is not an id in \[0, 512\)"):
-        engine.add_request("a", [1, 2], SamplingParams(logit_bias=((3, 1.0), (600, 2.0))))
+        engine.add("a", [1, 2], SamplingParams(logit_bias=((3, 1.0), (600, 2.0))))
     assert not engine.has_unfinished_requests()
 
 
 def test_stats_count_tokens_preemptions_and_usage(tiny_llama_path):
     engine, _ = _engine(tiny_llama_path, num_blocks=6, budget=64)  # 48 slots for 3 x 24 tokens
     for i in range(3):
-        engine.add_request(f"r{i}", list(range(50 * i, 50 * i + 8)), SamplingParams(max_tokens=16, temperature=0))
+        engine.add(f"r{i}", list(range(50 * i, 50 * i + 8)), SamplingParams(max_tokens=16, temperature=0))
     first = engine.step()
     mid = engine.stats()
     assert (mid.num_running, mid.num_waiting, mid.num_prompt_tokens_total) == (3, 0, 24)
@@ -151,24 +151,24 @@ def test_a_seed_near_int64_max_with_n_samples_forks_without_failing_the_step(tin
     from pagedray.cluster.request import sibling_seed
 
     engine, _ = _engine(tiny_llama_path)
-    engine.add_request("a", [3, 4], SamplingParams(n=3, seed=2**63 - 1, temperature=1.0, max_tokens=4))
+    engine.add("a", [3, 4], SamplingParams(n=3, seed=2**63 - 1, temperature=1.0, max_tokens=4))
     final = _collect(engine)["a"][-1]
     assert final.finished and sorted(c.finish_reason for c in final.outputs) == ["length"] * 3
     assert not engine.is_dead and engine.block_manager.num_free_blocks == 64
     assert [sibling_seed(2**63 - 1, i) for i in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]
 
 
-def test_add_request_validates_once_and_a_refused_one_changes_nothing(tiny_llama_path, monkeypatch):
-    from pagedray.cluster.scheduler import Scheduler
+def test_add_validates_once_and_a_refused_request_changes_nothing(tiny_llama_path, monkeypatch):
+    from pagedray.cluster import engine as engine_module
 
     calls = []
-    original = Scheduler.validate_request
-    monkeypatch.setattr(Scheduler, "validate_request", lambda self, *a, **k: (calls.append(a), original(self, *a, **k)))
+    original = engine_module.check_arguments
+    monkeypatch.setattr(engine_module, "check_arguments", lambda *a, **k: (calls.append(a), original(*a, **k)))
     engine, _ = _engine(tiny_llama_path)
-    engine.add_request("a", [10, 11, 12], SamplingParams(max_tokens=2, temperature=0))
+    engine.add("a", [10, 11, 12], SamplingParams(max_tokens=2, temperature=0))
     assert len(calls) == 1
     with pytest.raises(ValueError, match="request_id: 'a' is already in flight"):
-        engine.add_request("a", [10], SamplingParams(max_tokens=2))
+        engine.add("a", [10], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        engine.add_request("c", [-1], SamplingParams(max_tokens=2))
+        engine.add("c", [-1], SamplingParams(max_tokens=2))
     assert engine.scheduler.num_waiting == 1 and _tokens(_collect(engine)["a"]) == [13, 14]

@@ -144,7 +144,7 @@ def _run(engine: Engine, specs: list[dict], prompt: list[int]) -> dict[str, tupl
             assert field in spec, exc
             continue
         request_id = f"r{i}"
-        engine.add_request(request_id, prompt, params)
+        engine.add(request_id, prompt, params)
         admitted[request_id] = (spec, params)
     finals, tokens = {}, {rid: {} for rid in admitted}
     for _ in range(400):
@@ -209,7 +209,7 @@ def test_the_speculating_engine_proposed_and_accepted_drafts(engine):
     if engine.scheduler.proposer is None:
         pytest.skip("the engine runs without speculative decoding")
     bias = ((5, 100.0),) if isinstance(engine.scheduler.proposer, RepeatProposer) else ()
-    engine.add_request("repeat", engine.tokenizer.encode("x"),
+    engine.add("repeat", engine.tokenizer.encode("x"),
                        SamplingParams(temperature=0, max_tokens=9, logit_bias=bias, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -221,15 +221,15 @@ def test_a_too_complex_grammar_fails_its_request_and_the_engine_serves_the_next(
     prompt = engine.tokenizer.encode("x")
     bad = SamplingParams(n=4, temperature=1.0, max_tokens=4, grammar=_regex_grammar(TOO_COMPLEX))
     good = SamplingParams(temperature=0, max_tokens=4)
-    engine.add_request("bad", prompt, bad)
-    engine.add_request("good", prompt, good)
+    engine.add("bad", prompt, bad)
+    engine.add("good", prompt, good)
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({out.request_id: out for out in engine.step() if out.finished})
     assert {c.finish_reason for c in finals["bad"].outputs} == {"error"}
     assert finals["bad"].error.startswith("sample ") and len(finals["bad"].error) < 300
     assert [c.finish_reason for c in finals["good"].outputs] == ["length"]
-    engine.add_request("after", prompt, good)
+    engine.add("after", prompt, good)
     while engine.has_unfinished_requests():
         finals.update({out.request_id: out for out in engine.step() if out.finished})
     assert finals["after"].outputs[0].finish_reason == "length" and not engine.is_dead
@@ -256,7 +256,7 @@ def test_grammar_masks_are_computed_while_the_forward_runs(engine):
     book.compute, runner.run = compute_and_signal, run_waiting_for_masks
     try:
         params = SamplingParams(temperature=0, max_tokens=6, grammar=schema_grammar(SCHEMA, "json"))
-        engine.add_request("masked", engine.tokenizer.encode("JSON:"), params)
+        engine.add("masked", engine.tokenizer.encode("JSON:"), params)
         while engine.has_unfinished_requests():
             engine.step()
     finally:

@@ -29,7 +29,7 @@ class CountingProposer:
 
 def _run(engine, max_tokens=12):
     for rid, prompt in PROMPTS.items():
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, n=2 if rid == "c" else 1))
+        engine.add(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, n=2 if rid == "c" else 1))
     tokens, reasons, errors = {}, {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -167,7 +167,7 @@ def test_a_rebuilt_group_prefills_the_prefixes_the_lost_cache_reused(tiny_llama_
     def run(requests):
         seen = {}
         for rid, prompt in requests.items():
-            engine.add_request(rid, prompt, params)
+            engine.add(rid, prompt, params)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 seen.setdefault(out.request_id, out.num_cached_prompt_tokens)

@@ -77,7 +77,7 @@ def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, t
         result, = llm.generate([PROMPTS[2]], PROMPT_LOGPROBS, use_tqdm=False)
         assert_same_prompt_logprobs(result.prompt_logprobs, local_prompt_logprobs)
         assert executor.num_sequences() == [0, 0]          # every mirror released once idle
-        llm.engine.add_request("doomed", PROMPTS[0], SamplingParams(temperature=0, max_tokens=50))
+        llm.engine.add("doomed", PROMPTS[0], SamplingParams(temperature=0, max_tokens=50))
         llm.engine.step()
         ray.kill(executor.actors[1])
         assert "rank 1" in _first_health_failure(executor)   # a busy rank's ping may time out first

@@ -1,4 +1,4 @@
-"""Continuations (``Engine.add_request(..., resume_tokens=...)``): a request resumed from its prompt plus the
+"""Continuations (``Engine.add(..., resume_tokens=...)``): a request resumed from its prompt plus the
 output tokens a lost run had already streamed goes on token for token as that run would have (greedy,
 seeded with penalties, logprobs, a grammar), streams only the new tokens, and bad continuations are
 ValueErrors naming ``resume_tokens`` that change nothing. The stream failover of the ingress builds on
@@ -22,7 +22,7 @@ def _engine(path, **kwargs) -> Engine:
 def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams, list[int]]]) -> dict:
     """request id -> (streamed tokens, logprobs, finish reason, how many outputs carried the prompt)."""
     for rid, (prompt, params, resume) in requests.items():
-        engine.add_request(rid, prompt, params, resume_tokens=resume)
+        engine.add(rid, prompt, params, resume_tokens=resume)
     got = {rid: ([], [], None, 0) for rid in requests}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -91,7 +91,7 @@ def test_bad_continuations_are_refused_naming_resume_tokens(tiny_llama_path):
                 (list(range(10, 23)), SamplingParams(max_tokens=8), [7, 8, 9], "no room within max_model_len=16"),
                 ([5, 6], params, "7 8", "must be a list")]:
             with pytest.raises(ValueError, match=f"resume_tokens: .*{message}"):
-                engine.add_request("bad", prompt, p, resume_tokens=resume)
+                engine.add("bad", prompt, p, resume_tokens=resume)
         assert not engine.has_unfinished_requests() and engine.stats().num_waiting == 0
     finally:
         engine.shutdown()

@@ -6,7 +6,16 @@ can free.
 """
 
 import pytest
-from helpers.scheduler_harness import assert_pool_empty, decisions, make_scheduler, params, prompt, run_until_idle, step
+from helpers.scheduler_harness import (
+    admit,
+    assert_pool_empty,
+    decisions,
+    make_scheduler,
+    params,
+    prompt,
+    run_until_idle,
+    step,
+)
 from pagedray.cluster.plan_builder import PlanBuilder
 from pagedray.cluster.request import FinishReason, SequenceStatus
 
@@ -14,11 +23,11 @@ from pagedray.cluster.request import FinishReason, SequenceStatus
 def _fill_two(policy="fcfs", prio_a=0, prio_b=0, builder=False):
     sched = make_scheduler(num_blocks=4, policy=policy, max_model_len=16)  # capacity: 16 slots
     plans = PlanBuilder(sched.block_manager) if builder else None
-    sched.add_request("a", prompt(4), params(max_tokens=6), priority=prio_a)
-    sched.add_request("b", prompt(4, start=50), params(max_tokens=20), priority=prio_b)
+    admit(sched, "a", prompt(4), params(max_tokens=6), priority=prio_a)
+    admit(sched, "b", prompt(4, start=50), params(max_tokens=20), priority=prio_b)
     for _ in range(3):
         step(sched, builder=plans)
-    sched.add_request("c", prompt(4, start=90), params(max_tokens=1))
+    admit(sched, "c", prompt(4, start=90), params(max_tokens=1))
     for _ in range(2):  # steps 3, 4: no free block for c
         out = step(sched, builder=plans)
         if plans is not None:
@@ -62,8 +71,8 @@ def test_priority_policy_preempts_the_least_important_even_if_it_arrived_first()
 def test_sequence_preempts_itself_when_it_is_the_last_in_queue_order():
     # b alone needs a block while a (earlier, already scheduled this step) holds the rest
     sched = make_scheduler(num_blocks=3)
-    sched.add_request("a", prompt(8), params(max_tokens=30))
-    sched.add_request("b", prompt(3, start=50), params(max_tokens=30))
+    admit(sched, "a", prompt(8), params(max_tokens=30))
+    admit(sched, "b", prompt(3, start=50), params(max_tokens=30))
     assert decisions(step(sched)) == [("a", 0, 8), ("b", 0, 3)]  # a: blocks 0,1; b: block 2
     out = step(sched)  # a's 9th slot needs a block: victim b (unscheduled, latest)
     assert decisions(out) == [("a", 0, 1)] and [s.request.request_id for s in out.preempted] == ["b"]
@@ -72,8 +81,8 @@ def test_sequence_preempts_itself_when_it_is_the_last_in_queue_order():
 def test_n_greater_than_one_forks_after_the_shared_prompt_prefix():
     sched = make_scheduler(max_num_seqs=3)
     plans = PlanBuilder(sched.block_manager)
-    sched.add_request("r", prompt(6), params(n=3, max_tokens=2))
-    sched.add_request("s", prompt(2, start=40), params(max_tokens=1))
+    admit(sched, "r", prompt(6), params(n=3, max_tokens=2))
+    admit(sched, "s", prompt(2, start=40), params(max_tokens=1))
     out, plan = step(sched, builder=plans)
     assert decisions(out) == [("r", 0, 5)]  # r reserves 3 seats; s must wait; no sample yet
     bm = sched.block_manager
@@ -97,7 +106,7 @@ def test_n_greater_than_one_forks_after_the_shared_prompt_prefix():
 
 def test_n_greater_than_one_with_a_one_token_prompt_forks_at_admission():
     sched = make_scheduler()
-    sched.add_request("r", [5], params(n=2, max_tokens=1))
+    admit(sched, "r", [5], params(n=2, max_tokens=1))
     out = step(sched)
     assert decisions(out) == [("r", 0, 1), ("r", 1, 1)] and out.block_copies == []
     assert sched.requests == {} and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
@@ -115,9 +124,9 @@ def _abort_and_drain(sched, rid):
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_abort_waiting_mid_prefill_and_decoding(prefix_caching):
     sched = make_scheduler(budget=6, prefix_caching=prefix_caching)
-    sched.add_request("decoding", prompt(3), params(max_tokens=50))
-    sched.add_request("prefill", prompt(20, start=30), params(max_tokens=50))
-    sched.add_request("waiting", prompt(5, start=60), params(max_tokens=50))
+    admit(sched, "decoding", prompt(3), params(max_tokens=50))
+    admit(sched, "prefill", prompt(20, start=30), params(max_tokens=50))
+    admit(sched, "waiting", prompt(5, start=60), params(max_tokens=50))
     step(sched)
     step(sched)
     states = {rid: (r.sequences[0].status, r.sequences[0].num_computed_tokens)
@@ -137,7 +146,7 @@ def test_abort_preempted_and_forked_requests():
     assert sched.requests["b"].sequences[0].num_preemptions == 1
     _abort_and_drain(sched, "b")
     sched = make_scheduler()
-    sched.add_request("r", prompt(6), params(n=3, max_tokens=10))
+    admit(sched, "r", prompt(6), params(n=3, max_tokens=10))
     step(sched)
     step(sched)
     assert len(sched.running) == 3
@@ -146,7 +155,7 @@ def test_abort_preempted_and_forked_requests():
 
 def test_queue_time_counts_each_request_once_despite_preemption_and_forks():
     sched, _ = _fill_two(builder=True)
-    sched.add_request("forked", prompt(5, start=80), params(max_tokens=2, n=3))
+    admit(sched, "forked", prompt(5, start=80), params(max_tokens=2, n=3))
     run_until_idle(sched)
     assert sched.num_preemptions >= 1                       # b was preempted and admitted again
     histogram = sched.queue_time

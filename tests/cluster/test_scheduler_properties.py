@@ -7,7 +7,7 @@ pool (so preemption, chunking and forks all happen):
 - once everything is aborted or finished, every block is free with ref count 0.
 """
 
-from helpers.scheduler_harness import assert_pool_empty, make_scheduler, params, run_until_idle, step
+from helpers.scheduler_harness import admit, assert_pool_empty, make_scheduler, params, run_until_idle, step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pagedray.cluster.request import SequenceStatus
@@ -39,7 +39,7 @@ def test_random_workloads_keep_invariants_and_end_empty(ops, prefix_caching, pol
     for op in ops:
         if op[0] == "add":
             _, length, max_tokens, n, prio = op
-            sched.add_request(str(added), [3 + (i * 7 + added) % 5 for i in range(length)],
+            admit(sched, str(added), [3 + (i * 7 + added) % 5 for i in range(length)],
                               params(max_tokens=max_tokens, n=n), priority=prio)
             added += 1
         elif op[0] == "step":

@@ -26,7 +26,7 @@ def main(model_path: str, prompts_json: str, max_tokens: int) -> None:
     try:
         prompts = json.loads(prompts_json)
         for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+            engine.add(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
         tokens = {str(i): [] for i in range(len(prompts))}
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -5,7 +5,7 @@
 """
 
 from pagedray.block_manager import BlockManager
-from pagedray.cluster.scheduler import Scheduler
+from pagedray.cluster.scheduler import Scheduler, check_arguments
 from pagedray.workers.contract.config import SchedulerConfig
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import SampledToken
@@ -61,3 +61,11 @@ def assert_pool_empty(sched):
     assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
     assert bm.sequence_ids() == []
     assert not sched.running and not sched.waiting and not sched.requests
+
+
+def admit(sched: Scheduler, request_id, prompt_token_ids, params, priority=0, resume_tokens=()):
+    """A request admitted to a bare Scheduler as ``Engine.add`` admits it: the argument checks, the admission
+    checks, the enqueue (scheduler tests run without an engine)."""
+    check_arguments(prompt_token_ids, params, priority, resume_tokens, sched.max_model_len, sched.config.max_num_seqs)
+    sched.check_admission(request_id)
+    return sched.enqueue(request_id, prompt_token_ids, params, priority, resume_tokens)

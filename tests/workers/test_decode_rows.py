@@ -199,7 +199,7 @@ def _engine(path: str, plain_decodes: bool) -> Engine:
 
 def _streams(engine: Engine, requests) -> dict:
     for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
+        engine.add(request_id, prompt, params)
     streams = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -246,7 +246,7 @@ def test_an_all_greedy_batch_decodes_through_rows_and_one_argmax(tiny_model_path
     worker.sample = lambda *args, **kwargs: general_samples.append(1) or sample(*args, **kwargs)
     try:
         for i in range(4):
-            engine.add_request(f"g{i}", [5 + i, 6, 7], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+            engine.add(f"g{i}", [5 + i, 6, 7], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
     finally:

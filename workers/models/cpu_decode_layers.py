@@ -106,8 +106,8 @@ class CpuDecodeLayers:
                                               else None))
         return array
 
-    def run(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: KVCache, meta: AttentionMetadata
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_layers(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: KVCache, meta: AttentionMetadata
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [rows, hidden] (the embeddings, overwritten) -> (the last layer's output, the residual
         stream), both [rows, hidden], as the layer loop of ``DecoderForCausalLM.forward`` returns them."""
         rows, size = hidden.shape

@@ -45,8 +45,8 @@ class DecodeShortcut(Protocol):
 
     def takes(self, kv_cache: KVCache, hidden: torch.Tensor, meta: AttentionMetadata) -> bool: ...
 
-    def run(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: KVCache, meta: AttentionMetadata
-            ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward_layers(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: KVCache, meta: AttentionMetadata
+                       ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)                                   # [tokens, hidden]
         rope = self.rotary.for_step(positions, hidden.dtype)                   # shared by every layer
         if self.cpu_decode is not None and self.cpu_decode.takes(kv_cache, hidden, meta):
-            hidden, residual = self.cpu_decode.run(hidden, rope, kv_cache, meta)   # the same, in one C call
+            hidden, residual = self.cpu_decode.forward_layers(hidden, rope, kv_cache, meta)   # the same, in one C call
         else:
             residual = None
             for i, layer in enumerate(self.layers):
