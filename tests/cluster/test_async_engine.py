@@ -494,8 +494,13 @@ def test_arrivals_during_the_step_that_empties_the_engine_wait_for_their_burst(t
 
 
 async def _two_finish_in_one_step(engine):
-    """a and b arrive together at an idle engine and end in its first step (one token each)."""
-    return await asyncio.gather(_consume(engine, "a", [10], 1), _consume(engine, "b", [20], 1))
+    """a and b arrive together at an idle engine and end in its first step (one token each); returns once
+    the step loop is idle again. Without that wait, a request sent next could reach the step thread while
+    it still runs the release-only step after a and b, and be stepped in that burst without any idle wait:
+    a race a loaded machine lost. The engine's clock is fake, so the wait does not age the emptying step."""
+    finished = await asyncio.gather(_consume(engine, "a", [10], 1), _consume(engine, "b", [20], 1))
+    await engine._wait_idle(60)
+    return finished
 
 
 def test_replacements_of_the_requests_that_just_finished_are_awaited_past_a_quiet_window(tiny_llama_path):
