@@ -516,8 +516,7 @@ class Scheduler:
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> None:
         token_id = token.token_id
-        seq.output_token_ids.append(token_id)        # Sequence.append_token, inlined (every token passes here)
-        seq.token_ids.append(token_id)
+        seq.append_token(token_id)
         self.num_generated_tokens += 1
         params = seq.request.params
         if params.logprobs is not None:
