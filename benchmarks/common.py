@@ -9,11 +9,15 @@ root), never timed tests. Each compares against a peer run in the same script an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
 import random
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 
 from benchmarks import rounds
 
@@ -161,3 +165,25 @@ def hf_continuous_batching(model, token_id_prompts: list[list[int]], max_tokens:
     finally:
         manager.stop(block=True)
     return {"seconds": t.seconds, "output_tokens": produced}
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("block_manager", "kernels", "workers", "cluster", "deploy")
+
+
+@contextlib.contextmanager
+def ref_import_root(ref: str) -> Iterator[pathlib.Path]:
+    """A folder whose ``pagedray/`` holds git commit REF's packages (a worktree of REF linked in): put it
+    first on PYTHONPATH and a process imports REF's code (and builds REF's C kernels). Removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="pagedray-ref-") as scratch:
+        tree = pathlib.Path(scratch) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), ref], check=True,
+                       capture_output=True)
+        try:
+            root = pathlib.Path(scratch) / "root" / "pagedray"
+            root.mkdir(parents=True)
+            for package in PACKAGES:
+                (root / package).symlink_to(tree / package)
+            yield root.parent
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)

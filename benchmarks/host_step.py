@@ -21,6 +21,7 @@ after of a change in one run. ``--dry-run`` (CI): batches 4 and 8, 3 steps, no J
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -36,7 +37,7 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 import torch
 
-from benchmarks.common import add_round_args, finish_rounds, print_run
+from benchmarks.common import REPO, add_round_args, finish_rounds, print_run, ref_import_root
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PARTS = ("schedule", "plan", "prepare", "forward", "sample", "apply", "outputs")
@@ -154,21 +155,7 @@ def measure(engine, clock: StepClock, batch: int, prompt_len: int, steps: int, r
     return values
 
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("block_manager", "kernels", "workers", "cluster", "deploy")
 CHILD_MARK = "HOST_STEP_VALUES "
-
-
-def ref_import_root(ref: str, scratch: Path) -> Path:
-    """A folder whose ``pagedray/`` holds REF's packages (a git worktree of REF linked in), for PYTHONPATH."""
-    tree = scratch / "tree"
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), ref], check=True,
-                   capture_output=True)
-    root = scratch / "root" / "pagedray"
-    root.mkdir(parents=True)
-    for package in PACKAGES:
-        (root / package).symlink_to(tree / package)
-    return root.parent
 
 
 def run_child(name: str, round_index: int, args: argparse.Namespace, import_root: Path | None) -> dict:
@@ -228,17 +215,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     names = [f"stub-{b}" for b in batches] + ([f"tiny-{args.tiny_batch}"] if args.tiny_batch else [])
     systems = names + ([f"{n}@{args.ref}" for n in names] if args.ref else [])
     metrics = [Metric(f"{key}_ms", f"{key} ms", higher_is_better=False) for key in ("step", *PARTS, "wire")]
-    scratch = tempfile.TemporaryDirectory()
-    try:
-        root = ref_import_root(args.ref, Path(scratch.name)) if args.ref else None
+    with ref_import_root(args.ref) if args.ref else contextlib.nullcontext() as root:
         runs = run_rounds(systems, args.rounds,
                           lambda name, r: run_child(name.split("@")[0], r, args, root if "@" in name else None),
                           on_run=print_run)
-    finally:
-        if args.ref:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
-                            str(Path(scratch.name) / "tree")], capture_output=True)
-        scratch.cleanup()
     slopes = {}
     for suffix in ("", f"@{args.ref}") if args.ref else ("",):
         low, high = f"stub-{min(batches)}{suffix}", f"stub-{max(batches)}{suffix}"

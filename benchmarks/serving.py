@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -74,7 +75,7 @@ from pagedray.deploy.loadtest.prompts import parse_length_range, synthetic_promp
 from pagedray.deploy.loadtest.runner import LoadSpec
 
 from benchmarks import rounds, vllm_cpu
-from benchmarks.common import add_round_args, finish_rounds, print_run
+from benchmarks.common import add_round_args, finish_rounds, print_run, ref_import_root
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
@@ -130,7 +131,7 @@ def load_values(closed: dict, sweep: list[dict], sweep_rates: list[float]) -> di
 def build_ratios(names: list[str], metrics: list[Metric]) -> list[Ratio]:
     """pagedray / the peer's best variant per round (every rate and latency); pagedray / the same with one
     linear product forced (``-gemmP``); serving / offline and each system / floor (output tok/s)."""
-    servers = [n for n in names if n.startswith("pagedray-tp")]
+    servers = [n for n in names if n.startswith("pagedray-tp") and "@" not in n]
     peers = tuple(n for n in (PEER, PEER_TUNED) if n in names)
     comparable = tuple(m.key for m in metrics if m.key not in NOT_RATIOS)
     ratios = []
@@ -146,6 +147,10 @@ def build_ratios(names: list[str], metrics: list[Metric]) -> list[Ratio]:
         chosen = GEMM_SUFFIX.sub("", forced)
         if chosen in names:
             ratios.append(Ratio(chosen, (forced,), comparable, f"{chosen} / {forced}"))
+    for before in [n for n in names if n.startswith("pagedray-tp") and "@" in n]:   # this checkout / REF's code
+        after = before.split("@")[0]
+        if after in names:
+            ratios.append(Ratio(after, (before,), comparable, f"{after} / {before}"))
     if OFFLINE in names:
         ratios += [Ratio(n, (OFFLINE,), ("output_tok_per_s",), f"serving {n} / offline") for n in servers]
     if FLOOR in names:
@@ -176,7 +181,8 @@ def skip_reason(spec: SystemSpec, model_path: str) -> str | None:
     return None
 
 
-def system_specs(names: list[str], model_path: str, port: int, args: argparse.Namespace) -> list[SystemSpec]:
+def system_specs(names: list[str], model_path: str, port: int, args: argparse.Namespace,
+                 ref_roots: dict[str, pathlib.Path] | None = None) -> list[SystemSpec]:
     """Server commands: ``peer`` (defaults), ``peer-tuned`` (KV cache sized for the load), ``pagedray-tpN`` (pagedray's
     defaults: one Ray worker actor per rank; one replica, so the engine runs in the ingress replica),
     ``pagedray-tp1-local`` (the model in the engine's own process); ``-ei`` adds ``--engine-in-ingress`` and
@@ -187,7 +193,9 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
     ``--kv-cache-dtype int8`` and ``-kvfp8`` ``--kv-cache-dtype fp8_e4m3`` (tuned settings), ``-gemmP`` ``--cpu-gemm
     P`` (one linear product forced: ``-gemmc`` is the C GEMM everywhere, the choice before it was measured); a final
     ``-bf16`` or ``-fp32`` names the dtype (without one: pagedray's default, ``auto``: bfloat16 on a CPU with
-    AMX or AVX512-BF16, else float32)."""
+    AMX or AVX512-BF16, else float32). ``NAME@REF`` runs git commit REF's code (``ref_roots[REF]``, an import
+    root from ``common.ref_import_root``, first on the server's PYTHONPATH): before and after in one run."""
+    ref_roots = ref_roots or {}
     specs = []
     for name in names:
         if name in (PEER, PEER_TUNED):
@@ -197,8 +205,8 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                 command += ["--cb-num-blocks", str(args.peer_num_blocks),
                             "--cb-max-batch-tokens", str(args.peer_max_batch_tokens)]
             specs.append(SystemSpec(name, command, model_path))
-        elif PAGEDRAY_SYSTEM.fullmatch(name):
-            match = PAGEDRAY_SYSTEM.fullmatch(name)
+        elif PAGEDRAY_SYSTEM.fullmatch(name.split("@")[0]):
+            match = PAGEDRAY_SYSTEM.fullmatch(name.split("@")[0])
             (tp, in_process, layout, stream_interval, idle_wait, async_scheduling, socket_transport, threads, kv8,
              gemm, dtype) = match.groups()
             command = [sys.executable, "-c", PAGEDRAY_CLI, "serve", "--model", model_path,
@@ -224,14 +232,15 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
                 command += ["--kv-cache-dtype", "int8" if kv8 == "-kv8" else "fp8_e4m3"]
             if gemm:
                 command += ["--cpu-gemm", gemm]
-            specs.append(SystemSpec(name, command, None, int(tp)))
+            ref_env = {"PYTHONPATH": str(ref_roots[name.split("@")[1]])} if "@" in name else None
+            specs.append(SystemSpec(name, command, None, int(tp), ref_env))
         elif name in vllm_cpu.SYSTEMS:
             specs.append(SystemSpec(name, vllm_cpu.command(name, model_path, port), None,
                                     env=vllm_cpu.environment(name)))
         else:
             raise ValueError(f"systems: unknown system {name!r} (peer, peer-tuned, vllm, vllm-bind, vllm-fp32, "
                              "pagedray-tpN[-local][-ei|-sep][-siK][-iwK][-async][-sock][-tK][-kv8|-kvfp8][-gemmP]"
-                             "[-bf16|-fp32])")
+                             "[-bf16|-fp32][@REF])")
     return specs
 
 
@@ -321,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="servers: pagedray-tpN[-local][-ei|-sep][-siK][-iwK][-async][-tK][-bf16|-fp32] (-ei / -sep: "
                         "--engine-in-ingress / --no-engine-in-ingress, -siK: --stream-interval K, "
                         "-iwK: --idle-batch-wait-ms K, -async: "
-                        "--async-scheduling, -tK: --threads-per-worker K), peer, peer-tuned, vllm, vllm-fp32 "
-                        "(benchmarks/vllm_cpu.py)")
+                        "--async-scheduling, -tK: --threads-per-worker K; NAME@REF: git commit REF's code, "
+                        "before and after in one run), peer, peer-tuned, vllm, vllm-fp32 (benchmarks/vllm_cpu.py)")
     p.add_argument("--peer-tuned", action="store_true",
                    help="also run the peer with a KV cache sized for this load (--peer-num-blocks, ...)")
     p.add_argument("--peer-num-blocks", type=int, default=32, help="peer-tuned: KV pages of 256 tokens")
@@ -355,6 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    names = [s.strip() for s in args.systems.split(",") if s.strip()] + ([PEER_TUNED] if args.peer_tuned else [])
+    names = list(dict.fromkeys(names))
+    with contextlib.ExitStack() as stack:   # a worktree per REF of the NAME@REF systems, removed at the end
+        refs = {name.split("@")[1] for name in names if "@" in name}
+        return run_systems(args, names, {ref: stack.enter_context(ref_import_root(ref)) for ref in refs})
+
+
+def run_systems(args: argparse.Namespace, names: list[str], ref_roots: dict[str, pathlib.Path]) -> int:
+    """The interleaved rounds of ``names`` (NAME@REF: REF's code, from ``ref_roots``), the table and the JSON."""
     from pagedray.workers.weights.default_model import resolve_model_path
 
     from benchmarks.serving_baselines import arithmetic_floor, offline_engine_run
@@ -362,10 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(resolve_model_path(args.model))
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = [s.strip() for s in args.systems.split(",") if s.strip()] + ([PEER_TUNED] if args.peer_tuned else [])
-    names = list(dict.fromkeys(names))
     specs, skipped = {}, {}
-    for spec in system_specs(names, model_path, args.port, args):
+    for spec in system_specs(names, model_path, args.port, args, ref_roots):
         reason = skip_reason(spec, model_path)
         if reason is None:
             specs[spec.name] = spec

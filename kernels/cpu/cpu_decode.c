@@ -12,8 +12,8 @@
  * Reading a head's rows straight from DRAM (a third of every token's row, block after random block)
  * ran at a third of that bandwidth, and software prefetches did not help (measured in
  * docs/design/kernels.md).
- * Vectors are GCC vector extensions: 16 floats along head_dim (a multiple of 16), 8 along tokens
- * (block_size is a multiple of 8), so the same source compiles to AVX2 or AVX-512 by -march=native.
+ * Vectors are cpu_vec.h's: 16 floats along head_dim (a multiple of 16), 8 along tokens (block_size is
+ * a multiple of 8), so the same source compiles to AVX2 or AVX-512 by -march=native.
  *
  * Key j is visible from the query at p = seq_len - 1 when j <= p and, with a window W > 0, j > p - W.
  * A sequence with seq_len <= 0 outputs zeros. Block ids are clamped into [0, num_blocks) (the
@@ -34,13 +34,9 @@
 #endif
 
 #include "cpu_vec.h"
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__F16C__)
 #include <immintrin.h>
 #endif
-
-static inline float hsum8(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 #define CACHE_I8 2
 #define CACHE_FP8 3
@@ -77,8 +73,6 @@ static inline float half_to_float(uint16_t h) {
     return v.f;
 }
 
-
-
 /* d[0..7] -> (sum of d[0], ..., sum of d[7]): a transposing reduction, 14 shuffles and 7 adds for
  * eight dot products (eight separate horizontal sums take about twice that). */
 static inline v8f hsum8x8(const v8f d[8]) {
@@ -100,49 +94,18 @@ static inline v8f hsum8x8(const v8f d[8]) {
          + __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-static inline float hmax8(v8f v) {
-    float x = v[0];
-    for (int i = 1; i < 8; i++) x = v[i] > x ? v[i] : x;
-    return x;
-}
-
 #define CHUNK_FLOATS 4096    /* K (and V) rows of one chunk, float32: 16 KiB each (L1) */
 #define MAX_CHUNK 64         /* tokens */
 
 static const float zero_row[256] __attribute__((aligned(64)));
-
-
-
-/* 16 bytes at src widened to 16 int32 (sign- or zero-extended): one instruction on AVX-512, two on
- * AVX2 (GCC's own vector conversion of bytes goes one element at a time) */
-static inline v16i widen16(const char *src, int is_signed) {
-    v16i r;
-#if defined(__AVX512F__)
-    __m128i b;
-    memcpy(&b, src, sizeof b);
-    const __m512i w = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-    memcpy(&r, &w, sizeof r);
-#elif defined(__AVX2__)
-    __m128i b;
-    memcpy(&b, src, sizeof b);
-    const __m128i h = _mm_srli_si128(b, 8);
-    const __m256i lo = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-    const __m256i hi = is_signed ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h);
-    memcpy(&r, &lo, sizeof lo);
-    memcpy((char *)&r + sizeof lo, &hi, sizeof hi);
-#else
-    for (int i = 0; i < 16; i++) r[i] = is_signed ? (int32_t)(int8_t)src[i] : (int32_t)(uint8_t)src[i];
-#endif
-    return r;
-}
 
 /* 16 codes of an 8-bit row at src as float32, times scale. float8 e4m3fn: its exponent and mantissa
  * bits placed at the top of a float32's (bits << 20) give 2^(e - 127) (1 + m / 8), or for e = 0 the
  * float32 subnormal m 2^-129, so times 2^120 the float8 value, subnormals included (NaN codes never
  * occur: the quantizer clamps to +-448). */
 static inline __attribute__((always_inline)) v16f load16_q8(const char *src, int cdtype, float scale) {
-    if (cdtype == CACHE_I8) return __builtin_convertvector(widen16(src, 1), v16f) * splat16(scale);
-    const v16i x = widen16(src, 0);
+    if (cdtype == CACHE_I8) return __builtin_convertvector(load16_bytes(src, 1), v16f) * splat16(scale);
+    const v16i x = load16_bytes(src, 0);
     const v16i bits = ((x & 0x7f) << 20) | ((x & 0x80) << 24);
     return (v16f)bits * splat16(scale * 0x1p120f);
 }
@@ -179,7 +142,7 @@ static inline void touch_blocks(const struct item_args *a, int64_t b_lo, int64_t
  * visible ones (up to a multiple of 8) point at zeros and their scores are -inf. */
 static inline __attribute__((always_inline)) void decode_item(const struct item_args *a, int dtype, int cdtype,
                                                               int64_t C) {
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;                            /* q and out */
+    const int64_t elem = dtype_size(dtype);                            /* q and out */
     const int64_t celem = cdtype == DTYPE_F32 ? 4 : (cdtype == DTYPE_BF16 ? 2 : 1);   /* the caches */
     const int64_t bs = a->block_size, G = a->group, D = 16 * C;
     const int64_t H = a->kv_hi - a->kv_lo;
@@ -247,7 +210,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                 v16f qv[C];
                 for (int64_t c = 0; c < C; c++) qv[c] = load16(a->q + head * a->q_head + c * 16 * elem, dtype) * splat16(a->scale);
                 v8f sc[MAX_CHUNK / 8 + 1];
-                v8f chunk_max = splat(-INFINITY);
+                v8f chunk_max = splat8(-INFINITY);
                 for (int64_t i8 = 0; i8 < n8; i8 += 8) {
                     v16f d16[8];
                     for (int64_t i = 0; i < 8; i++) d16[i] = splat16(0.0f);
@@ -262,18 +225,18 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                         for (int i = 0; i < 8; i++) s[i] = a->softcap * tanhf(s[i] / a->softcap);
                     }
                     if (a->slopes != NULL) {
-                        s += splat(a->slopes[head]) * __builtin_convertvector(idx + (int32_t)(first - pos), v8f);
+                        s += splat8(a->slopes[head]) * __builtin_convertvector(idx + (int32_t)(first - pos), v8f);
                     }
-                    s = select8(idx < (int32_t)n, s, splat(-INFINITY));
+                    s = select8(idx < (int32_t)n, s, splat8(-INFINITY));
                     sc[i8 / 8] = s;
                     chunk_max = select8(s > chunk_max, s, chunk_max);
                 }
                 const float cmax = hmax8(chunk_max);
                 const float new_max = cmax > m[hh][r] ? cmax : m[hh][r];
-                const v8f correction = exp8(splat(m[hh][r] - new_max));
-                v8f sum = splat(0.0f);
+                const v8f correction = exp8(splat8(m[hh][r] - new_max));
+                v8f sum = splat8(0.0f);
                 for (int64_t i8 = 0; i8 < n8 / 8; i8++) {
-                    sc[i8] = exp8(sc[i8] - splat(new_max));
+                    sc[i8] = exp8(sc[i8] - splat8(new_max));
                     sum += sc[i8];
                 }
                 l[hh][r] = l[hh][r] * correction[0] + hsum8(sum);
@@ -292,9 +255,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
         for (int64_t r = 0; r < G; r++) {
             const float inv = l[hh][r] > 0.0f ? 1.0f / l[hh][r] : 0.0f;
             char *dst = a->out + ((a->kv_lo + hh) * G + r) * a->o_head;
-            for (int64_t c = 0; c < C; c++) {
-                for (int64_t i = 0; i < 16; i++) store_float(dst + (c * 16 + i) * elem, acc[hh][r][c][i] * inv, dtype);
-            }
+            for (int64_t c = 0; c < C; c++) store16(dst + c * 16 * elem, acc[hh][r][c] * inv, dtype);
         }
     }
 }
@@ -446,7 +407,7 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       const void *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap,
                       int cache_dtype, const uint16_t *k_scale, const uint16_t *v_scale, uint16_t k_static,
                       uint16_t v_static) {
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t elem = dtype_size(dtype);
     const int64_t celem = cache_dtype == DTYPE_F32 ? 4 : (cache_dtype == DTYPE_BF16 ? 2 : 1);
     /* a work item is one sequence with all its KV heads (each block read once, whole); with fewer
      * sequences than two per thread, one (sequence, KV head) so that every thread has work */

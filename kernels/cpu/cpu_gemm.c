@@ -20,8 +20,9 @@
  * weights of a tile pair are loaded from memory once and from cache for the later blocks.
  *
  * Sums are float32 in k order (bfloat16: the two products of a pair added inside vdpbf16ps); bfloat16
- * outputs are rounded once at the end, nearest even, as torch rounds (cpu_vec.h: zmm_store_masked). */
+ * outputs are rounded once at the end, nearest even, as torch rounds (cpu_vec.h: store16_first). */
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_vec.h"
 
@@ -62,13 +63,22 @@ void pack_weight(const void *w, int64_t n, int64_t k, void *p, int dtype, int th
                 }
 }
 
-/* acc += one step of k: x's 4 bytes (a float32, or a bfloat16 pair) times the tile's 64 bytes */
-static inline __m512 madd(__m512 acc, uint32_t x, __m512i w, int dtype) {
+/* acc += one step of k: x's 4 bytes (a float32, or a bfloat16 pair) times the tile's 64 bytes w (vdpbf16ps:
+ * the instruction this kernel exists for, so it is named here) */
+static inline v16f madd(v16f acc, uint32_t x, v16i w, int dtype) {
 #if HAS_BF16
-    if (dtype == DTYPE_BF16) return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x), (__m512bh)w);
+    if (dtype == DTYPE_BF16)
+        return (v16f)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)x), (__m512bh)w);
 #endif
     union { uint32_t u; float f; } v = {.u = x};
-    return _mm512_fmadd_ps(_mm512_set1_ps(v.f), _mm512_castsi512_ps(w), acc);
+    return fma16(splat16(v.f), (v16f)w, acc);
+}
+
+/* the tile's 64 bytes for one step of k */
+static inline v16i load_step(const char *src) {
+    v16i w;
+    memcpy(&w, src, sizeof w);
+    return w;
 }
 
 /* rows x (tiles * 16) outputs. x: rows of 4-byte steps (row stride xs steps); tile 0 at pt and tile 1
@@ -78,19 +88,19 @@ static inline __attribute__((always_inline)) void block(
         const uint32_t *x, int64_t xs, const int rows, const int tiles, int64_t steps, const char *pt,
         const char *bias, char *y, int64_t ys, int64_t columns, const int dtype) {
     const int size = dtype == DTYPE_BF16 ? 2 : 4;
-    __m512 acc[16][2];
+    v16f acc[16][2];
     #pragma GCC unroll 16
     for (int i = 0; i < rows; i++)
         #pragma GCC unroll 2
-        for (int t = 0; t < tiles; t++) acc[i][t] = _mm512_setzero_ps();
+        for (int t = 0; t < tiles; t++) acc[i][t] = splat16(0.0f);
     const char *pt1 = pt + steps * STEP_BYTES;
     for (int64_t j = 0; j < steps; j++) {
-        const __m512i w0 = _mm512_loadu_si512(pt + j * STEP_BYTES);
-        _mm_prefetch(pt + (j + PREFETCH_STEPS) * STEP_BYTES, _MM_HINT_T0);
-        __m512i w1 = w0;
+        const v16i w0 = load_step(pt + j * STEP_BYTES);
+        __builtin_prefetch(pt + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
+        v16i w1 = w0;
         if (tiles == 2) {
-            w1 = _mm512_loadu_si512(pt1 + j * STEP_BYTES);
-            _mm_prefetch(pt1 + (j + PREFETCH_STEPS) * STEP_BYTES, _MM_HINT_T0);
+            w1 = load_step(pt1 + j * STEP_BYTES);
+            __builtin_prefetch(pt1 + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
         }
         #pragma GCC unroll 16
         for (int i = 0; i < rows; i++) {
@@ -101,12 +111,10 @@ static inline __attribute__((always_inline)) void block(
     }
     #pragma GCC unroll 2
     for (int t = 0; t < tiles; t++) {
-        const int64_t left = columns - TILE * t;
-        const __mmask16 mask = left >= TILE ? 0xffff : (__mmask16)((1u << left) - 1);
-        const __m512 b = bias ? zmm_load_masked(bias + TILE * t * size, mask, dtype) : _mm512_setzero_ps();
+        const int64_t left = columns - TILE * t;        /* outputs of this tile that exist (> 16: all) */
+        const v16f b = bias ? load16_first(bias + TILE * t * size, left, dtype) : splat16(0.0f);
         #pragma GCC unroll 16
-        for (int i = 0; i < rows; i++)
-            zmm_store_masked(y + (i * ys + TILE * t) * size, mask, _mm512_add_ps(acc[i][t], b), dtype);
+        for (int i = 0; i < rows; i++) store16_first(y + (i * ys + TILE * t) * size, left, acc[i][t] + b, dtype);
     }
 }
 

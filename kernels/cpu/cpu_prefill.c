@@ -42,28 +42,11 @@ struct prefill_args {
     float scale;
 };
 
-static inline v16f exp16(v16f x) {   /* exp8 on both halves; x <= 0 or -inf */
-    const v8f lo = exp8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
-    const v8f hi = exp8(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
-static inline float hmax16(v16f v) {
-    float x = v[0];
-    for (int i = 1; i < 16; i++) x = v[i] > x ? v[i] : x;
-    return x;
-}
-
-static inline float hsum16(v16f v) {
-    const v8f s = halves_sum(v);
-    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-}
-
 /* One item; D = 16 C. rows = (tokens i0..i1) x G heads, row r = (i - i0) * G + g, padded to a multiple of
  * ROW_BLOCK with copies of the last row (computed, never stored), so every inner loop has constant bounds
  * and keeps its accumulators in registers. */
 static inline __attribute__((always_inline)) void prefill_item(const struct prefill_args *a, int dtype, int64_t C) {
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t elem = dtype_size(dtype);
     const int64_t D = 16 * C, G = a->group, bs = a->block_size;
     const int64_t rows = (a->i1 - a->i0) * G, padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
     const int64_t p_first = a->first_pos + a->i0, p_last = a->first_pos + a->i1 - 1;
@@ -123,7 +106,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
                 for (int rr = 0; rr < ROW_BLOCK; rr++) {
                     v16i visible = (key <= pos[r0 + rr]) & (key < (int32_t)end);
                     if (a->window > 0) visible &= key > pos[r0 + rr] - (int32_t)a->window;
-                    const v16f masked = (v16f)(((v16i)sc[rr] & visible) | ((v16i)splat16(-INFINITY) & ~visible));
+                    const v16f masked = select16(visible, sc[rr], splat16(-INFINITY));
                     memcpy(&p[rr][k16], &masked, sizeof masked);
                 }
             }
@@ -134,8 +117,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
                 for (int64_t k16 = 0; k16 < n16; k16 += 16) {
                     v16f x;
                     memcpy(&x, &p[rr][k16], sizeof x);
-                    const v16i larger = x > vmax;
-                    vmax = (v16f)(((v16i)x & larger) | ((v16i)vmax & ~larger));
+                    vmax = select16(x > vmax, x, vmax);
                 }
                 const float cmax = hmax16(vmax);
                 if (cmax == -INFINITY) {                               /* nothing visible in this chunk */
@@ -144,7 +126,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
                     continue;
                 }
                 const float new_max = cmax > m[r] ? cmax : m[r];
-                correction[rr] = m[r] == -INFINITY ? 0.0f : exp8(splat(m[r] - new_max))[0];
+                correction[rr] = m[r] == -INFINITY ? 0.0f : exp8(splat8(m[r] - new_max))[0];
                 v16f sum = splat16(0.0f);
                 for (int64_t k16 = 0; k16 < n16; k16 += 16) {
                     v16f x;
@@ -176,9 +158,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
         const int64_t i = a->i0 + r / G, head = a->kv_head * G + r % G;
         char *dst = a->out + (a->token0 + i) * a->o_tok + head * a->o_head;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t c = 0; c < C; c++) {
-            for (int64_t e = 0; e < 16; e++) store_float(dst + (c * 16 + e) * elem, acc[r][c][e] * inv, dtype);
-        }
+        for (int64_t c = 0; c < C; c++) store16(dst + c * 16 * elem, acc[r][c] * inv, dtype);
     }
 }
 
@@ -192,7 +172,7 @@ int paged_prefill_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       int64_t num_seqs, int64_t group, const int32_t *block_tables, int64_t bt_row,
                       const int32_t *cu_q, const int32_t *seq_lens, float scale, int64_t window,
                       int dtype, void *out, int64_t o_tok, int64_t o_head, int threads) {
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t elem = dtype_size(dtype);
     const int64_t tile = ITEM_ROWS / group > 0 ? ITEM_ROWS / group : 1;
     int64_t tiles = 0;
     for (int64_t s = 0; s < num_seqs; s++) tiles += (cu_q[s + 1] - cu_q[s] + tile - 1) / tile;

@@ -81,6 +81,21 @@ def test_the_measured_choice_gets_a_ratio_against_the_same_server_with_one_produ
         ("pagedray-tp1-fp32 / pagedray-tp1-gemmc-fp32", ("pagedray-tp1-gemmc-fp32",))]
 
 
+def test_a_system_at_a_git_commit_runs_that_commits_code_and_gets_a_before_after_ratio(tmp_path):
+    args = build_parser().parse_args([])
+    root = tmp_path / "root"
+    after, before = system_specs(["pagedray-tp1-bf16", "pagedray-tp1-bf16@abc123"], "/models/m", 18000, args,
+                                 {"abc123": root})
+    assert after.env is None and before.env == {"PYTHONPATH": str(root)}
+    assert before.command == after.command and before.tensor_parallel_size == 1
+    with pytest.raises(KeyError):   # a REF without a checkout is a bug in the caller, not a silent 'after'
+        system_specs(["pagedray-tp1@def456"], "/models/m", 18000, args, {"abc123": root})
+    ratios = build_ratios(["pagedray-tp1-bf16", "pagedray-tp1-bf16@abc123", "vllm"], build_metrics([]))
+    assert [(q.name, q.peers) for q in ratios] == [
+        ("pagedray-tp1-bf16 / vllm", ("vllm",)),
+        ("pagedray-tp1-bf16 / pagedray-tp1-bf16@abc123", ("pagedray-tp1-bf16@abc123",))]
+
+
 def test_load_values_flatten_the_closed_loop_and_the_sweep():
     closed = summary(35.0, 500.0, e2e_mean=2000.0, duration=16.0)
     values = load_values(closed, [summary(5.0, 700.0), summary(6.0, 900.0)], [0.1, 0.2])
