@@ -19,7 +19,7 @@ from .errors import (
 )
 from .free_queue import FreeBlockQueue
 from .manager import BlockManager
-from .prefix_key import BlockKey, prefix_block_hashes
+from .prefix_key import BlockKey, namespace_root, prefix_block_hashes
 from .records import Allocation, BlockManagerStats
 
 __all__ = [
@@ -34,5 +34,6 @@ __all__ = [
     "FreeBlockQueue",
     "SequenceExistsError",
     "UnknownSequenceError",
+    "namespace_root",
     "prefix_block_hashes",
 ]

@@ -31,7 +31,7 @@ from collections.abc import Hashable, Sequence
 
 from .block_pool import BlockPool
 from .errors import CannotAllocateError, DoubleFreeError, SequenceExistsError, UnknownSequenceError
-from .prefix_key import BlockKey
+from .prefix_key import BlockKey, is_namespace_root
 from .records import Allocation, BlockManagerStats
 
 _NEVER = float("inf")  # next_hash_at when prefix caching is off
@@ -84,10 +84,13 @@ class BlockManager:
         self._prefix_hits: dict[BlockKey, int] = {}   # deepest block a prefix hit reused -> hits (hot_prefixes)
 
     # -- prefix lookup ----------------------------------------------------------------------------
-    def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], BlockKey | None]:
-        """Blocks of the longest cached run of full blocks of ``token_ids`` (leaving >= 1 token)."""
+    def _cached_prefix(self, token_ids: Sequence[int], root: BlockKey | None = None
+                       ) -> tuple[list[int], BlockKey | None]:
+        """Blocks of the longest cached run of full blocks of ``token_ids`` (leaving >= 1 token) under
+        ``root`` (``prefix_key.namespace_root``; None: the base model's chains), and the last one's key (the
+        root itself when none is cached)."""
         blocks: list[int] = []
-        key = None
+        key = root
         if not self.enable_prefix_caching:
             return blocks, key
         bs = self.block_size
@@ -127,6 +130,8 @@ class BlockManager:
             while node is not None:
                 chain.append(node)
                 node = node.parent
+            if is_namespace_root(chain[-1]):
+                continue                           # an adapter's prefix: warming it needs the adapter
             chains.append((hits, chain[::-1]))
         chains.sort(key=lambda item: (-item[0], -len(item[1])))   # most hits, then the longest
         covered: set[BlockKey] = set()
@@ -140,13 +145,14 @@ class BlockManager:
             covered.update(chain)
         return prefixes
 
-    def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        """Tokens covered by the longest run of cached full blocks, always < len(token_ids)."""
-        return len(self._cached_prefix(token_ids)[0]) * self.block_size
+    def num_cached_prefix_tokens(self, token_ids: Sequence[int], root: BlockKey | None = None) -> int:
+        """Tokens covered by the longest run of cached full blocks (under ``root``), always < len(token_ids)."""
+        return len(self._cached_prefix(token_ids, root)[0]) * self.block_size
 
     # -- admission / growth -----------------------------------------------------------------------
     def _blocks_to_take(self, seq: _SeqBlocks | None, token_ids: Sequence[int], num_new_tokens: int,
-                        reuse_cached: bool = True, pending_tokens: int = 0) -> tuple[int, list[int], BlockKey | None]:
+                        reuse_cached: bool = True, pending_tokens: int = 0, root: BlockKey | None = None
+                        ) -> tuple[int, list[int], BlockKey | None]:
         """(free blocks the call would consume, cached prefix blocks, their last key); validates."""
         _require_count("num_new_tokens", num_new_tokens)
         _require_count("pending_tokens", pending_tokens)
@@ -157,7 +163,7 @@ class BlockManager:
             total = seq.num_slots + num_new_tokens
             needed, hit_blocks, last_key = -(-total // bs) - len(seq.table), [], None
         else:
-            hit_blocks, last_key = self._cached_prefix(token_ids) if reuse_cached else ([], None)
+            hit_blocks, last_key = self._cached_prefix(token_ids, root) if reuse_cached else ([], root)
             total = len(hit_blocks) * bs + num_new_tokens
             revived = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
             needed = -(-total // bs) - len(hit_blocks) + revived
@@ -167,18 +173,19 @@ class BlockManager:
         return max(needed, 0), hit_blocks, last_key
 
     def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                     reuse_cached: bool = True, pending_tokens: int = 0) -> bool:
+                     reuse_cached: bool = True, pending_tokens: int = 0, root: BlockKey | None = None) -> bool:
         """Whether ``allocate_slots`` with the same arguments would succeed.
 
         For an unknown ``seq_id`` the prefix-cache hit is included and ``watermark_blocks`` must stay free.
         """
         seq = self._seqs.get(seq_id)
-        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens, reuse_cached, pending_tokens)
+        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens, reuse_cached, pending_tokens, root)
         reserve = 0 if seq is not None else self.watermark_blocks
         return self.pool.num_free_blocks - needed >= reserve
 
     def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                       reuse_cached: bool = True, pending_tokens: int = 0) -> Allocation:
+                       reuse_cached: bool = True, pending_tokens: int = 0, root: BlockKey | None = None
+                       ) -> Allocation:
         """Reserve ``num_new_tokens`` more slots (a prefill chunk, or 1 per decode step).
 
         An unknown ``seq_id`` is registered first with its cached prefix attached (none with
@@ -186,12 +193,14 @@ class BlockManager:
         still cached for others). ``token_ids`` are the
         sequence's tokens (at least ``num_slots`` after the call, counting ``pending_tokens``: trailing
         slots of a running sequence whose tokens are not known yet); blocks that become full are hashed
-        from them (a block with a pending slot waits for a later call that knows its tokens).
+        from them (a block with a pending slot waits for a later call that knows its tokens). ``root``
+        (registration only): the namespace its chains start from (``prefix_key.namespace_root``: a LoRA
+        adapter's), so that its blocks are shared only with sequences of the same namespace.
         Raises CannotAllocateError (nothing changed) when the pool is short of blocks.
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            return self._register(seq_id, token_ids, num_new_tokens, reuse_cached, pending_tokens)
+            return self._register(seq_id, token_ids, num_new_tokens, reuse_cached, pending_tokens, root)
         # decode fast path: validate, bump the slot count, touch the pool only at block boundaries
         if type(num_new_tokens) is not int or num_new_tokens < 0:  # noqa: E721
             _require_count("num_new_tokens", num_new_tokens)
@@ -229,9 +238,9 @@ class BlockManager:
         return True
 
     def _register(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
-                  reuse_cached: bool, pending_tokens: int = 0) -> Allocation:
+                  reuse_cached: bool, pending_tokens: int = 0, root: BlockKey | None = None) -> Allocation:
         needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens, reuse_cached,
-                                                            pending_tokens)
+                                                            pending_tokens, root)
         pool = self.pool
         if needed > pool.num_free_blocks:
             raise CannotAllocateError(needed, pool.num_free_blocks, f"registering sequence {seq_id!r}")
@@ -248,7 +257,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._prefix_query_tokens += len(token_ids)
             self._prefix_hit_tokens += num_hit * bs
-            if last_key is not None:
+            if hit_blocks:
                 self._count_hit(last_key)
         if total >= next_hash_at:
             self._hash_full_blocks(seq, token_ids)

@@ -43,16 +43,29 @@ class BlockKey:
         return True
 
     def depth(self) -> int:
-        """Number of blocks in the chain ending at this key (1 for a root key)."""
+        """Number of blocks in the chain ending at this key (1 for a root key; a ``namespace_root`` is no
+        block and counts 0)."""
         count = 0
         key: BlockKey | None = self
         while key is not None:
-            count += 1
+            count += not is_namespace_root(key)
             key = key.parent
         return count
 
     def __repr__(self) -> str:
         return f"BlockKey(depth={self.depth()}, tokens={self.token_ids!r})"
+
+
+def namespace_root(namespace: int) -> BlockKey:
+    """The parent of the first block of every sequence in ``namespace`` (a LoRA adapter's identity): its
+    chains, hashes and keys differ from the base model's and from every other namespace's, so their blocks
+    are never shared. It is no block (no pool entry); its token ids are (-1, namespace), and no real token id
+    is negative."""
+    return BlockKey(None, (-1, namespace))
+
+
+def is_namespace_root(key: BlockKey) -> bool:
+    return key.parent is None and len(key.token_ids) == 2 and key.token_ids[0] == -1
 
 
 def prefix_block_hashes(token_ids, block_size: int) -> list[int]:

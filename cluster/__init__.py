@@ -6,10 +6,11 @@ that importing the configs and ``SamplingParams`` from here stays light.
 """
 
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 __all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
-           "SamplingParams", "LLM", "Engine", "AsyncEngine"]
+           "SamplingParams", "LoRARequest", "LLM", "Engine", "AsyncEngine"]
 
 _LAZY = {"LLM": ("llm", "LLM"), "Engine": ("engine", "Engine"), "AsyncEngine": ("async_engine", "AsyncEngine")}
 

@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 from .engine import Engine
@@ -73,6 +74,7 @@ class AddCommand:
     params: SamplingParams
     priority: int
     resume_tokens: list[int]
+    lora: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -142,12 +144,13 @@ class AsyncEngine:
 
     # -- intake -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, resume_tokens: list[int] = ()) -> AsyncIterator[RequestOutput]:
-        """The request's output deltas (``resume_tokens``: ``Engine.add``)."""
+                       priority: int = 0, resume_tokens: list[int] = (), lora: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's output deltas (``resume_tokens``, ``lora``: ``Engine.add``)."""
         self._check_accepting()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        self.engine.validate(prompt_token_ids, params, priority, resume_tokens)
+        self.engine.validate(prompt_token_ids, params, priority, resume_tokens, lora)
         limit = self.config.scheduler.max_queued_requests
         with self._lock:
             if self._stats.num_waiting + self._pending_adds >= limit:
@@ -156,7 +159,7 @@ class AsyncEngine:
                 self._first_add_at = self._clock()
             self._pending_adds += 1
             self._commands.append(AddCommand(request_id, list(prompt_token_ids), params, priority,
-                                             list(resume_tokens)))
+                                             list(resume_tokens), lora))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._num_samples[request_id] = params.n
@@ -312,7 +315,8 @@ class AsyncEngine:
                     self._pending_adds -= 1
                 try:
                     self.engine.add(command.request_id, command.prompt_token_ids, command.params,
-                                    command.priority, command.resume_tokens, validated=True)   # at intake
+                                    command.priority, command.resume_tokens, validated=True,   # at intake
+                                    lora=command.lora)
                 except (ValueError, QueueFullError, EngineDeadError) as exc:
                     errors.append((command.request_id, exc))
             elif isinstance(command, ReadCommand):

@@ -17,12 +17,15 @@ from dataclasses import dataclass, replace
 
 from pagedray.block_manager import BlockManager
 from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import StepPlan, StepResult
-from pagedray.workers.models.model_info import model_info
+from pagedray.workers.lora.model_lora import module_shapes
+from pagedray.workers.models.model_info import load_hf_config, model_info
 from pagedray.workers.weights.default_model import resolve_model_path
 
 from .executor import Executor, create_executor
+from .lora_slots import AdapterSlots, LoraRegistry
 from .output_builder import OutputBuilder
 from .outputs import EngineDeadError, RequestOutput
 from .plan_builder import PlanBuilder
@@ -60,6 +63,11 @@ class Engine:
         self.max_model_len = self._effective_max_model_len()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    eos_token_ids=frozenset(self.model_info.eos_token_ids))
+        self.lora_registry: LoraRegistry | None = None    # enable_lora: the adapters requests may name
+        if config.model.enable_lora:
+            shapes = module_shapes(load_hf_config(self.model_path), self.max_model_len)
+            self.lora_registry = LoraRegistry(shapes, config.model.max_lora_rank, config.model.lora_module_paths())
+            self.scheduler.lora_slots = AdapterSlots(config.model.max_loras)
         self.plan_builder = self._plan_builder()
         self.output_builder = OutputBuilder()
         self._pending: list[RequestOutput] = []
@@ -93,10 +101,16 @@ class Engine:
 
     # -- intake -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                 resume_tokens: list[int] = ()) -> None:
+                 resume_tokens: list[int] = (), lora: LoRARequest | None = None) -> None:
         """A request's argument checks (safe from any thread, no queue state): ValueError naming the argument,
-        or EngineDeadError when dead."""
+        or EngineDeadError when dead. ``lora``: its adapter, checked once per (name, path) from its files."""
         self._raise_if_dead()
+        if lora is not None:
+            if self.lora_registry is None:
+                raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora)")
+            if not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request: must be a LoRARequest, got {type(lora).__name__}")
+            self.lora_registry.check(lora)
         check_arguments(prompt_token_ids, params, priority, resume_tokens, self.max_model_len,
                         self.config.scheduler.max_num_seqs)
         vocab = self.model_info.vocab_size
@@ -109,7 +123,7 @@ class Engine:
             raise ValueError(f"logit_bias: token {biased} is not an id in [0, {vocab})")
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-            resume_tokens: list[int] = (), *, validated: bool = False) -> None:
+            resume_tokens: list[int] = (), *, validated: bool = False, lora: LoRARequest | None = None) -> None:
         """Admits a request: ``validate`` (unless ``validated``: the AsyncEngine and ``LLM`` validate at
         intake, so each request is validated once), the admission checks (a live engine, the id, the queue),
         then the enqueue; a refused request raises and changes nothing. ``params`` is immutable and the
@@ -119,10 +133,10 @@ class Engine:
         the next position as that run would have (greedy and seeded draws depend on the position, penalties
         see them)."""
         if not validated:
-            self.validate(prompt_token_ids, params, priority, resume_tokens)
+            self.validate(prompt_token_ids, params, priority, resume_tokens, lora)
         self._raise_if_dead()
         self.scheduler.check_admission(request_id)
-        self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority, resume_tokens)
+        self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority, resume_tokens, lora)
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.abort(request_id, FinishReason.ABORT)

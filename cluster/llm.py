@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from pagedray.workers.contract.config import SECTIONS, EngineConfig
+from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 from .engine import Engine
@@ -93,6 +94,14 @@ class LLM:
             raise ValueError(f"params: give one SamplingParams or a list of {len(prompts)} (one per prompt)")
         return list(prompts), list(params)
 
+    @staticmethod
+    def _loras(lora_request, count: int) -> list:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * count
+        if not isinstance(lora_request, (list, tuple)) or len(lora_request) != count:
+            raise ValueError(f"lora_request: give one LoRARequest, None, or a list of {count} (one per prompt)")
+        return list(lora_request)
+
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             tokenizer = self._tokenizer_or_none()
@@ -103,17 +112,20 @@ class LLM:
             return None, list(prompt)
         raise ValueError(f"prompts: each prompt must be a string or a list of token ids, got {prompt!r:.60}")
 
-    def generate(self, prompts, params: SamplingParams | list | None = None,
-                 use_tqdm: bool = True) -> list[GenerationResult]:
+    def generate(self, prompts, params: SamplingParams | list | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | list | None = None) -> list[GenerationResult]:
+        """``lora_request``: one adapter for every prompt, or a list with one per prompt (None: the base model);
+        needs ``enable_lora``."""
         prompts, params = self._normalize(prompts, params)
+        loras = self._loras(lora_request, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         ids = [f"llm-{self._next_id + i}" for i in range(len(prompts))]
         self._next_id += len(prompts)
-        for (_, token_ids), p in zip(encoded, params):  # validate all before adding any
-            self.engine.validate(token_ids, p)
+        for (_, token_ids), p, lora in zip(encoded, params, loras):  # validate all before adding any
+            self.engine.validate(token_ids, p, lora=lora)
         results = {rid: GenerationResult(text, token_ids, [SampleOutput(i, [], None, None) for i in range(p.n)])
                    for rid, (text, token_ids), p in zip(ids, encoded, params)}
-        self._run(list(zip(ids, encoded, params)), results, use_tqdm)
+        self._run(list(zip(ids, encoded, params, loras)), results, use_tqdm)
         tokenizer = self._tokenizer_or_none()
         for result in results.values():
             for sample in result.outputs:
@@ -130,8 +142,8 @@ class LLM:
         with tqdm(total=len(results), disable=not use_tqdm, desc="generate", unit="req") as bar:
             while todo or engine.has_unfinished_requests():
                 while todo and engine.scheduler.num_waiting < limit:
-                    rid, (_, token_ids), p = todo.pop()
-                    engine.add(rid, token_ids, p, validated=True)   # checked in generate()
+                    rid, (_, token_ids), p, lora = todo.pop()
+                    engine.add(rid, token_ids, p, validated=True, lora=lora)   # checked in generate()
                 for out in engine.step():
                     result = results[out.request_id]
                     if out.num_cached_prompt_tokens:

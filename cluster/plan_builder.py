@@ -51,7 +51,8 @@ class PlanBuilder:
 
     def build(self, out: SchedulerOutput) -> StepPlan:
         released = [seq_id for seq_id in out.released_seq_ids if self._known.pop(seq_id, None) is not None]
-        plan = StepPlan(step_id=out.step_id, released_seq_ids=released, block_copies=list(out.block_copies))
+        plan = StepPlan(step_id=out.step_id, released_seq_ids=released, block_copies=list(out.block_copies),
+                        lora_loads=list(out.lora_loads))
         for seq_id, kept in out.kept_blocks.items():       # told with the sequence's next delta
             mirror = self._known.get(seq_id)
             if mirror is not None and kept < mirror.num_blocks:
@@ -82,6 +83,7 @@ class PlanBuilder:
                     block_ids=table,
                     sampling_params=seq.params,
                     draft_token_ids=list(sched.draft_token_ids),
+                    lora_slot=seq.lora_slot,
                 ))
                 self._known[seq.seq_id] = _Mirror(num_blocks=len(table), num_tokens=seq.num_tokens)
                 continue

@@ -23,6 +23,7 @@ import enum
 import time
 from dataclasses import dataclass, field, replace
 
+from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import PromptLogprobs
 
@@ -66,6 +67,7 @@ class Sequence:
     # continuation): computed like a prompt's, never streamed again, no logprobs
     num_resumed: int = 0
     num_in_flight: int = 0           # tokens scheduled in steps not applied yet
+    lora_slot: int = -1              # while running with an adapter: the slot it holds a reference on
     num_pending: int = 0             # tokens those steps sample (ids not known yet)
     # the OutputBuilder's cursor: output tokens streamed so far (from ``num_resumed``), and whether the
     # finish was streamed
@@ -150,6 +152,7 @@ class Request:
     error: str | None = None            # why the request ended with finish_reason "error", for its caller
     num_finished: int = 0               # samples FINISHED (the scheduler's ``_finish`` counts them)
     streamed: bool = False              # its first output (the one with the prompt) was built
+    lora: LoRARequest | None = None      # the LoRA adapter its samples run with (None: the base model)
 
     def record_prompt_logprobs(self, entry: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:

@@ -60,11 +60,13 @@ from __future__ import annotations
 import collections
 import time
 
-from pagedray.block_manager import CannotAllocateError
+from pagedray.block_manager import CannotAllocateError, namespace_root
 from pagedray.workers.contract.config import SchedulerConfig
+from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import MODEL_DRAFT, PromptLogprobs, SampledToken
 
+from .lora_slots import AdapterSlots
 from .outputs import QueueFullError
 from .request import FinishReason, Request, Sequence, SequenceStatus
 from .scheduler_output import ScheduledSequence, SchedulerOutput
@@ -100,6 +102,7 @@ class Scheduler:
             self.proposer = (RankDraftSlots() if config.speculative_model is not None
                              else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
         self.speculation = SpeculationStats()
+        self.lora_slots: AdapterSlots | None = None   # set by the engine with enable_lora (cluster/lora_slots.py)
 
     # -- intake -------------------------------------------------------------------------------
     def check_admission(self, request_id: str) -> None:
@@ -114,13 +117,15 @@ class Scheduler:
                                  f"{self.config.max_queued_requests}); retry later")
 
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                priority: int = 0, resume_tokens: list[int] = ()) -> Request:
+                priority: int = 0, resume_tokens: list[int] = (), lora: LoRARequest | None = None) -> Request:
         """Adds a request whose arguments passed ``check_arguments`` and whose id passed ``check_admission``
         (``Engine.add`` does both, validating each request once). ``resume_tokens``: output tokens the request
-        produced elsewhere (a continuation, ``Engine.add``)."""
+        produced elsewhere (a continuation, ``Engine.add``). ``lora``: its adapter (checked by the engine)."""
+        if lora is not None and self.lora_slots is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters (enable_lora is off)")
         request = Request(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids],
                           params=params, arrival=self._next_arrival, priority=priority,
-                          num_unforked=params.n - 1)
+                          num_unforked=params.n - 1, lora=lora)
         self._next_arrival += 1
         self.num_prompt_tokens += len(request.prompt_token_ids)
         request.sequences.append(self._new_sequence(request, 0, [int(t) for t in resume_tokens]))
@@ -194,6 +199,8 @@ class Scheduler:
                 budget -= num
         if not out.preempted:
             self._admit_waiting(out, budget)
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
         return out
 
     def _schedule_decodes(self, budget: int, out: SchedulerOutput) -> tuple[int, list]:
@@ -314,6 +321,7 @@ class Scheduler:
         """Frees ``seq``'s blocks and puts it back at the front of the waiting queue (``out``: the step
         being built; None between steps, from ``update``)."""
         self.block_manager.free(seq.seq_id)
+        self._drop_lora(seq)
         self.running.remove(seq)
         (self._released if out is None else out.released_seq_ids).append(seq.seq_id)
         seq.status = SequenceStatus.WAITING
@@ -345,18 +353,24 @@ class Scheduler:
             taken += seats
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
-        """Registers ``seq`` with the BlockManager and schedules its first chunk; None if it does not fit."""
+        """Registers ``seq`` with the BlockManager and schedules its first chunk; None if it does not fit
+        (or its LoRA adapter finds no free slot)."""
         bm = self.block_manager
         tokens = seq.token_ids
+        lora = seq.request.lora
+        root = None if lora is None else namespace_root(lora.cache_namespace)   # an adapter's own prefix chains
         reuse = seq.request.params.prompt_logprobs is None   # prompt logprobs need every position's logits
-        hit = bm.num_cached_prefix_tokens(tokens) if reuse else 0
+        hit = bm.num_cached_prefix_tokens(tokens, root) if reuse else 0
         target = seq.request.fork_at if seq.must_fork_first else len(tokens)
         num = min(target - hit, budget)
-        if num > 0 and not bm.can_allocate(seq.seq_id, tokens, num, reuse):
+        if not bm.can_allocate(seq.seq_id, tokens, max(num, 1), reuse, root=root):   # num 0: fork, then 1 token
             return None
-        if num == 0 and not bm.can_allocate(seq.seq_id, tokens, 1, reuse):  # fork right away, then 1 token
-            return None
-        allocation = bm.allocate_slots(seq.seq_id, tokens, num, reuse)
+        if lora is not None:
+            seq.lora_slot = self.lora_slots.acquire(lora)
+            if seq.lora_slot is None:
+                seq.lora_slot = -1
+                return None
+        allocation = bm.allocate_slots(seq.seq_id, tokens, num, reuse, root=root)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = allocation.num_cached_tokens
@@ -408,6 +422,8 @@ class Scheduler:
             # the parent's in-flight prefill runs before this step's block copies and forward
             child.num_computed_tokens = parent.num_scheduled_through
             child.status = SequenceStatus.RUNNING
+            if parent.lora_slot >= 0:       # the parent's adapter is resident: this cannot fail
+                child.lora_slot = self.lora_slots.acquire(request.lora)
             request.sequences.append(child)
             self.running.append(child)
             self._running_sorted = False
@@ -528,9 +544,16 @@ class Scheduler:
         elif num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH)
 
+    def _drop_lora(self, seq: Sequence) -> None:
+        """``seq`` leaves the running set: its reference on its adapter's slot goes."""
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1
+
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.block_manager.free(seq.seq_id)
+            self._drop_lora(seq)
             self.running.remove(seq)
             self._released.append(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
@@ -573,6 +596,7 @@ class Scheduler:
         requeued = sorted(self.running, key=self._key)
         for seq in reversed(requeued):
             self.block_manager.free(seq.seq_id)
+            self._drop_lora(seq)
             seq.status = SequenceStatus.WAITING
             seq.reset_computed()
             seq.num_preemptions += 1
@@ -580,6 +604,8 @@ class Scheduler:
         self.running = []
         self._released = []
         self._block_copies, self._kept_blocks = [], {}
+        if self.lora_slots is not None:
+            self.lora_slots.forget_resident()     # the new ranks hold no adapter
         old = self.block_manager
         old.check_invariants()
         if old.num_free_blocks != old.num_blocks:

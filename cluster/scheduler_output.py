@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedray.workers.contract.wire import LoraLoad
+
 from .request import Sequence
 
 
@@ -41,6 +43,8 @@ class SchedulerOutput:
     kept_blocks: dict[int, int] = field(default_factory=dict)
     # sequences preempted while building this step (already counted and requeued)
     preempted: list[Sequence] = field(default_factory=list)
+    # LoRA adapters to load into the ranks' slots before this step (cluster/lora_slots.py)
+    lora_loads: list[LoraLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

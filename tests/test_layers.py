@@ -105,12 +105,13 @@ def test_deploy_rooms_import_only_the_rooms_below_them():
 
 
 # pagedray.workers' rooms (workers/__init__.py): the contract at the bottom, then the rank's foundations
-# (kv_cache, tp_group, host_memory), weights, layers, models, sampling and runner; worker, ray_worker and
+# (kv_cache, tp_group, host_memory), weights, layers, models, lora, sampling and runner; worker, ray_worker and
 # step_channel, the rank itself, stand on top and may import any of them
 WORKER_ROOMS = {"contract": set(), "kv_cache": set(), "tp_group": set(), "host_memory": set(),
                 "weights": {"contract"}, "sampling": {"contract"},
                 "layers": {"weights", "kv_cache", "tp_group"},
                 "models": {"contract", "weights", "layers", "kv_cache", "tp_group"},
+                "lora": {"layers", "models"},
                 "runner": {"contract", "weights", "layers", "models", "sampling", "kv_cache", "tp_group"}}
 RANK = ("worker", "ray_worker", "step_channel", "__init__")
 

@@ -5,6 +5,7 @@ Rooms, from the bottom (tests/test_layers.py holds each to the rooms below it):
 - ``kv_cache``, ``tp_group``, ``host_memory``: the rank's KV tensors, its process group, its allocator;
 - ``weights/``: checkpoint reading, quantization formats, the default model, the dtype choice;
 - ``layers/``: the tensor-parallel layers; ``models/``: the model families on them, model loading and info;
+- ``lora/``: LoRA adapters on the layers (PEFT files checked, per-layer slots, the grouped product);
 - ``sampling/``: logits -> tokens (sampler, grammar masks, draft verification);
 - ``runner/``: one step (the plan's mirror, the inputs, the forward, decode graphs, the draft model);
 - ``worker``, ``ray_worker``, ``step_channel``: the rank itself, as a class, a Ray actor and a byte channel.

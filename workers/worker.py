@@ -22,6 +22,7 @@ from .contract.wire import PENDING_TOKEN, SampledToken, StepPlan, StepResult, de
 from .host_memory import keep_freed_memory
 from .kv_cache import KVCacheSpec
 from .layers.packed_gemm import PackReport
+from .lora.model_lora import ModelLora
 from .models.model_info import load_hf_config, model_info
 from .models.model_loading import load_model, pack_for_cpu, settle_cpu_decode
 from .models.registry import model_class
@@ -73,6 +74,8 @@ class Worker:
         if quantization.method != "none":
             log.info("rank %d: %s weights (%d bits), dequantized to %s when loaded", rank, quantization.method,
                      quantization.bits, self.dtype)
+        if config.model.enable_lora:
+            ModelLora.attach(self.model, config.model.max_loras, config.model.max_lora_rank)
         self.pack_report: PackReport | None = pack_for_cpu(self.model, config.model, config.scheduler.max_num_seqs,
                                                            self.dtype, self.device)
         if self.pack_report is not None:
@@ -96,7 +99,8 @@ class Worker:
     @property
     def uses_decode_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.config.model.enforce_eager
-                and self.config.parallel.tensor_parallel_size == 1)
+                and self.config.parallel.tensor_parallel_size == 1
+                and not self.config.model.enable_lora)    # the graphs would not take the LoRA rows (limitations)
 
     def available_kv_blocks(self) -> int:
         """KV blocks this rank can hold (collective on GPU with TP > 1: call on every rank). With a draft

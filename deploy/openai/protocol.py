@@ -284,8 +284,6 @@ class ModelCard(BaseModel):
     owned_by: str = "pagedray"
     max_model_len: int
     dtype: str | None = None      # the dtype the model runs in ("auto" resolved: dtype_choice.py)
+    root: str | None = None       # a LoRA adapter's folder (vLLM's field)
+    parent: str | None = None     # a LoRA adapter's base model (vLLM's field)
 
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

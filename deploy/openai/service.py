@@ -38,6 +38,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
+from pagedray.workers.contract.lora_request import LoRARequest
 from pydantic import ValidationError
 
 from .errors import bad_request, to_api_error
@@ -63,7 +64,6 @@ from .protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
-    ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -294,6 +294,11 @@ class OpenAIService:
         run.on_close(lambda outcome: self._finish(run, endpoint, outcome))
         return req, run
 
+    def _answering(self, run: _Run) -> str:
+        """The ``model`` a response names: the LoRA adapter the request chose, else the served name."""
+        lora = run.prepared[0].lora
+        return self.limits.served_name if lora is None else lora.name
+
     # ------------------------------------------------------------------ completions
     def _prepare_completion(self, body: dict) -> tuple[CompletionRequest, list[PreparedRequest]]:
         req = parse_body(CompletionRequest, body)
@@ -310,7 +315,7 @@ class OpenAIService:
         weight = sum(prompt_logprob_weight(a.prompt_logprobs, params.prompt_logprobs)
                      + prompt_logprob_weight(a.logprobs, params.logprobs) for a in accs)
         return await off_loop_if(weight > BIG_RESPONSE_ENTRIES, functools.partial(
-            completion_response, run.rid, run.created, self.limits.served_name, accs, self.logprob_format, use,
+            completion_response, run.rid, run.created, self._answering(run), accs, self.logprob_format, use,
             req.logprobs is not None, req.echo, req.prompt_logprobs is not None))
 
     async def open_completion_stream(self, body: dict) -> ChunkStream:
@@ -318,7 +323,7 @@ class OpenAIService:
         return ChunkStream(self._completion_chunks(req, run), run)
 
     async def _completion_chunks(self, req: CompletionRequest, run: _Run) -> AsyncIterator[dict]:
-        chunks = _CompletionChunks(req, run, self.logprob_format, self.limits.served_name)
+        chunks = _CompletionChunks(req, run, self.logprob_format, self._answering(run))
         k = run.prepared[0].params.prompt_logprobs
         async for index, delta in self._deltas(run):
             # a choice's first delta carries its prompt's logprobs: a big one is formatted off the loop
@@ -348,7 +353,7 @@ class OpenAIService:
                     None if start is None else sum(acc.reasoning.tokens for acc in accs))
         weight = sum(prompt_logprob_weight(a.logprobs, run.prepared[0].params.logprobs) for a in accs)
         return await off_loop_if(weight > BIG_RESPONSE_ENTRIES, functools.partial(
-            chat_response, run.rid, run.created, self.limits.served_name, accs, self.logprob_format, use,
+            chat_response, run.rid, run.created, self._answering(run), accs, self.logprob_format, use,
             req.logprobs, run.prepared[0].tools))
 
     async def open_chat_stream(self, body: dict) -> ChunkStream:
@@ -356,7 +361,7 @@ class OpenAIService:
         return ChunkStream(self._chat_chunks(req, run), run)
 
     async def _chat_chunks(self, req: ChatCompletionRequest, run: _Run) -> AsyncIterator[dict]:
-        model, rid, created = self.limits.served_name, run.rid, run.created
+        model, rid, created = self._answering(run), run.rid, run.created
         for index in range(run.n):
             yield chat_chunk(rid, created, model, index, {"role": "assistant", "content": ""})
         tools, start = run.prepared[0].tools, run.prepared[0].reasoning
@@ -436,17 +441,22 @@ class OpenAIService:
         return await self._on_prepare_thread(self._detokenize, body)
 
     # ------------------------------------------------------------------ models, health, metrics
-    def _model_card(self) -> ModelCard:
-        return ModelCard(id=self.limits.served_name, created=0, max_model_len=self.limits.max_model_len,
-                         dtype=self.limits.dtype)
+    def _model_card(self, lora: LoRARequest | None = None) -> dict:
+        limits = self.limits
+        if lora is None:     # the base model's card has no root / parent
+            return ModelCard(id=limits.served_name, created=0, max_model_len=limits.max_model_len,
+                             dtype=limits.dtype).model_dump(exclude={"root", "parent"})
+        return ModelCard(id=lora.name, created=0, max_model_len=limits.max_model_len, dtype=limits.dtype,
+                         root=lora.path, parent=limits.served_name).model_dump()
 
     def models(self) -> dict:
-        return ModelList(data=[self._model_card()]).model_dump()
+        """GET /v1/models: the base model, then each LoRA adapter served (``parent``: the base model)."""
+        adapters = [LoRARequest(name, path) for name, path in self.limits.lora_adapters]
+        return {"object": "list", "data": [self._model_card(), *map(self._model_card, adapters)]}
 
     def model(self, model_id: str) -> dict:
-        """GET /v1/models/{id}: the model card for any name this model is served under; 404 otherwise."""
-        check_model(model_id, self.limits)
-        return self._model_card().model_dump()
+        """GET /v1/models/{id}: the card of the model or adapter this name chooses; 404 otherwise."""
+        return self._model_card(check_model(model_id, self.limits))
 
     async def check_ready(self) -> None:
         await self.engine.check_ready()

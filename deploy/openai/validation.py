@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingParams
 
 from .errors import APIError, bad_request
@@ -44,6 +45,9 @@ class ModelLimits:
     # sequences (prompts x n) of one request in the engine at once (service.py); None: no bound.
     # The ingress sets half the engine's max_num_seqs.
     sequences_in_flight: int | None = None
+    # (name, folder) of the LoRA adapters served (lora_modules): ``model`` may name one, alone or as
+    # "<served name>:<adapter>"
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,12 +63,21 @@ class PreparedRequest:
     reasoning: ReasoningStart | None = None
     # the detokenizer keeps special tokens (a tool-call format whose marker is one: tool_parsers.py)
     keep_special_tokens: bool = False
+    lora: LoRARequest | None = None     # the LoRA adapter ``model`` named (None: the base model)
 
 
-def check_model(name: str | None, limits: ModelLimits) -> None:
-    if name is not None and name not in limits.aliases:
-        raise APIError(404, f"model: {name!r} is not served here; available: {limits.served_name!r}",
-                       "not_found_error", param="model", code="model_not_found")
+def check_model(name: str | None, limits: ModelLimits) -> LoRARequest | None:
+    """The LoRA adapter ``name`` chooses (None: the base model, or no name); 404 for a name not served."""
+    if name is None or name in limits.aliases:
+        return None
+    adapters = dict(limits.lora_adapters)
+    base, sep, adapter = name.rpartition(":")
+    chosen = adapter if sep and base in limits.aliases else name
+    if chosen in adapters:
+        return LoRARequest(chosen, adapters[chosen])
+    available = ", ".join(repr(n) for n in [limits.served_name, *adapters])
+    raise APIError(404, f"model: {name!r} is not served here; available: {available}",
+                   "not_found_error", param="model", code="model_not_found")
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
@@ -306,7 +319,7 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
                        check_grammar: Callable[[str, str], None] | None = None) -> list[PreparedRequest]:
     """One PreparedRequest per prompt of a /v1/completions request (``decode``: token ids -> the text
     that ``echo`` shows for a token-id prompt)."""
-    check_model(req.model, limits)
+    lora = check_model(req.model, limits)
     check_fields(req)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(req, name)
@@ -333,7 +346,7 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
         max_tokens = _check_max_tokens(req.max_tokens, len(token_ids), limits, "max_tokens", 16)
         params = sampling_params(req, max_tokens, req.logprobs, limits.vocab_size, grammar, prompt_logprobs)
         echo_text = None if not req.echo else prompt if isinstance(prompt, str) else decode(token_ids)
-        prepared.append(PreparedRequest(token_ids, params, stops, echo_text))
+        prepared.append(PreparedRequest(token_ids, params, stops, echo_text, lora=lora))
     _check_request_cost(prepared, limits)
     _check_prompt_logprobs_size(prepared, limits, "logprobs" if req.prompt_logprobs is None else "prompt_logprobs")
     return prepared
@@ -393,7 +406,7 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     token ids, its text and, when its last argument is true, the generation prompt's text; ``reasoning``: the
     reasoning parser's tags (None: no parsing, reasoning.py);
     ``tool_parser``: the model's tool-call format (tool_parsers.py)."""
-    check_model(req.model, limits)
+    lora = check_model(req.model, limits)
     check_fields(req)
     logprobs = chat_logprobs(req)
     stops = stop_strings(req.stop)
@@ -431,4 +444,4 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
                                    limits.max_model_len - len(token_ids))
     return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size, grammar), stops,
                            tools=tools, reasoning=start,
-                           keep_special_tokens=tools is not None and keeps_special_tokens(tool_parser))
+                           keep_special_tokens=tools is not None and keeps_special_tokens(tool_parser), lora=lora)

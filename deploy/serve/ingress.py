@@ -109,9 +109,9 @@ class HandleEngineClient:
         return [ReplicaState(replica, stats)]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       resume_tokens: list[int] = ()) -> AsyncIterator:
+                       resume_tokens: list[int] = (), lora=None) -> AsyncIterator:
         response = self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params,
-                                                                     list(resume_tokens))
+                                                                     list(resume_tokens), lora)
         exhausted = False
         try:
             async for output in response:
@@ -172,7 +172,7 @@ class OpenAIIngress:
         tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)
         limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len,
                              max_prompt_chars(tokenizer, meta.max_model_len), meta.dtype,
-                             sequences_in_flight=max(1, meta.max_num_seqs // 2))
+                             sequences_in_flight=max(1, meta.max_num_seqs // 2), lora_adapters=meta.lora_adapters)
         self._engine, self._limits_meta = engine, meta
         self._client = client
         self._metrics = ServerMetrics(name)

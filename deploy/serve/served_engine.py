@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from pagedray.cluster.outputs import EngineDrainingError, RequestOutput
 from pagedray.workers.contract.config import EngineConfig
+from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 from ..openai.metrics import ReplicaState
@@ -53,6 +54,7 @@ class ModelMeta:
     max_model_len: int
     dtype: str                # the dtype the ranks run (``dtype`` "auto" resolved)
     max_num_seqs: int         # the scheduler's sequences per step
+    lora_adapters: tuple[tuple[str, str], ...] = ()   # (name, folder) of the adapters served (lora_modules)
 
 
 class ServedEngine:
@@ -65,10 +67,12 @@ class ServedEngine:
         self._engine = AsyncEngine(config)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       resume_tokens: list[int] = ()) -> AsyncIterator[RequestOutput]:
+                       resume_tokens: list[int] = (), lora: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         # an async generator function, not a method returning AsyncEngine's generator: Serve runs a
         # plain method in its thread pool and streams only what a generator function yields
-        async for output in self._engine.generate(request_id, prompt_token_ids, params, resume_tokens=resume_tokens):
+        async for output in self._engine.generate(request_id, prompt_token_ids, params, resume_tokens=resume_tokens,
+                                                  lora=lora):
             yield output
 
     async def abort(self, request_id: str) -> bool:
@@ -142,7 +146,8 @@ class ServedEngine:
         return ModelMeta(model_path=engine.model_path,
                          tokenizer_path=self._config.model.tokenizer or engine.model_path,
                          vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
-                         dtype=engine.dtype, max_num_seqs=self._config.scheduler.max_num_seqs)
+                         dtype=engine.dtype, max_num_seqs=self._config.scheduler.max_num_seqs,
+                         lora_adapters=tuple(self._config.model.lora_module_paths().items()))
 
     async def close(self, hand_over: bool = False) -> None:
         """Stops the engine; the requests still in flight are aborted, or (``hand_over``) end as the

@@ -508,7 +508,7 @@ def test_a_batch_request_keeps_a_bounded_number_of_prompts_in_the_engine(tokeniz
         batch_in_flight: int = 0
         most_in_flight: int = 0
 
-        async def generate(self, request_id, prompt_token_ids, params):
+        async def generate(self, request_id, prompt_token_ids, params, lora=None):
             batch = params.max_tokens == 3          # the batch request's prompts wait for the gate
             if batch:
                 self.batch_in_flight += 1
@@ -566,3 +566,32 @@ def test_stop_reason_names_what_stopped_a_choice(client_and_engine, tokenizer):
     message = client.post("/v1/messages", json={"messages": chat["messages"], "max_tokens": 30,
                                                 "stop_sequences": ["fox"]}).json()
     assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "fox")
+
+
+def test_the_model_name_chooses_a_lora_adapter_and_models_lists_them(tokenizer):
+    from pagedray.workers.contract.lora_request import LoRARequest
+
+    engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
+    limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN,
+                         lora_adapters=(("sql", "/adapters/sql"), ("chat", "/adapters/chat")))
+    client = TestClient(create_api(OpenAIService(engine, tokenizer, limits, ServerMetrics(MODEL))))
+    sql, chat = LoRARequest("sql", "/adapters/sql"), LoRARequest("chat", "/adapters/chat")
+    for model, expected in [(MODEL, None), ("sql", sql), (f"{MODEL}:chat", chat), ("default:sql", sql)]:
+        response = client.post("/v1/completions", json={"model": model, "prompt": "Say:", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        assert engine.loras[-1] == expected
+        assert response.json()["model"] == (MODEL if expected is None else expected.name)
+    response = client.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 2,
+                                                         "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 200 and engine.loras[-1] == chat and response.json()["model"] == "chat"
+    calls = len(engine.calls)
+    for model in ("nope", f"{MODEL}:nope", "sql:chat"):
+        response = client.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+        assert_openai_error(response, 404, "model")
+        assert "'sql'" in response.json()["error"]["message"]
+    assert len(engine.calls) == calls
+    cards = client.get("/v1/models").json()["data"]
+    assert [(c["id"], c.get("parent"), c.get("root")) for c in cards] == [
+        (MODEL, None, None), ("sql", MODEL, "/adapters/sql"), ("chat", MODEL, "/adapters/chat")]
+    assert client.get("/v1/models/sql").json()["parent"] == MODEL
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL

@@ -40,8 +40,10 @@ NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "
                 "cpu_gemm": "onednn",
                 "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5,
                 "speculative_model": "/models/draft", "warm_prefix_tokens": 0}
-# options whose non-default value conflicts with one above (async_scheduling needs tensor_parallel_size 1)
-NON_DEFAULTS_ALONE = {"async_scheduling": True}
+# options whose non-default value conflicts with one above (async_scheduling needs tensor_parallel_size 1, LoRA
+# no speculative_model)
+NON_DEFAULTS_ALONE = {"async_scheduling": True, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+                      "lora_modules": "sql=/adapters/sql"}
 
 
 def engine_settings() -> set[str]:

@@ -71,33 +71,63 @@ def thread_tp_workers(monkeypatch, model_path: str, tp: int, num_blocks: int = 6
     return workers
 
 
+def run_on_ranks(workers: list[worker_module.Worker], plan):
+    """``plan`` on every rank at once (a thread each, joined before returning); rank 0's result."""
+    exchange = workers[0].tp.exchange
+    results: list = [None] * len(workers)
+    errors: list[BaseException | None] = [None] * len(workers)
+
+    def run_rank(rank: int) -> None:
+        try:
+            results[rank] = workers[rank].execute(plan)
+        except BaseException as exc:   # noqa: BLE001 - handed to the caller below
+            errors[rank] = exc
+            exchange.barrier.abort()   # the other ranks stop at their next collective instead of waiting
+
+    threads = [threading.Thread(target=run_rank, args=(rank,), name=f"tp-rank-{rank}")
+               for rank in range(len(workers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [e for e in errors if e is not None]
+    if failed:   # the rank that failed, not the peers whose barrier it broke
+        raise next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
+    assert all(result is None for result in results[1:]), "only rank 0 may return a result"
+    return results[0]
+
+
 def thread_tp_driver(workers: list[worker_module.Worker], block_size: int = 8, num_blocks: int = 64,
                      **driver_kwargs) -> PlanDriver:
-    """A plan driver whose every step runs on all ranks at once (a thread each, joined before the step
-    returns); rank 0's result."""
-    exchange = workers[0].tp.exchange
+    """A plan driver whose every step runs on all ranks at once (``run_on_ranks``)."""
+    return PlanDriver(lambda plan: run_on_ranks(workers, plan), block_size, num_blocks, **driver_kwargs)
 
-    def execute(plan):
-        results: list = [None] * len(workers)
-        errors: list[BaseException | None] = [None] * len(workers)
 
-        def run_rank(rank: int) -> None:
-            try:
-                results[rank] = workers[rank].execute(plan)
-            except BaseException as exc:   # noqa: BLE001 - handed to the caller below
-                errors[rank] = exc
-                exchange.barrier.abort()   # the other ranks stop at their next collective instead of waiting
+class ThreadTPExecutor:
+    """An engine executor (``cluster.executor.Executor``) over ``thread_tp_workers``: the whole engine path at
+    TP > 1 in one process, without Ray."""
 
-        threads = [threading.Thread(target=run_rank, args=(rank,), name=f"tp-rank-{rank}")
-                   for rank in range(len(workers))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        failed = [e for e in errors if e is not None]
-        if failed:   # the rank that failed, not the peers whose barrier it broke
-            raise next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
-        assert all(result is None for result in results[1:]), "only rank 0 may return a result"
-        return results[0]
+    def __init__(self, workers: list[worker_module.Worker], num_blocks: int) -> None:
+        self.workers, self.num_blocks = workers, num_blocks
+        self.dtype = workers[0].dtype_choice.name
 
-    return PlanDriver(execute, block_size, num_blocks, **driver_kwargs)
+    def execute(self, plan):
+        return run_on_ranks(self.workers, plan)
+
+    def submit(self, plan):
+        return self.execute(plan)
+
+    def wait(self, handle):
+        return handle
+
+    def check_health(self) -> None:
+        pass
+
+    def is_rank_failure(self, exc: BaseException) -> bool:
+        return False
+
+    def rebuild(self) -> None:
+        raise RuntimeError("ThreadTPExecutor: no rank ever fails")
+
+    def shutdown(self) -> None:
+        pass

@@ -64,6 +64,15 @@ class ModelConfig:
     cpu_keep_freed_memory: bool = option(True, "CPU: glibc malloc keeps freed memory for the next step instead of "
                                                "returning it to the OS (no page faults on each step's activations; "
                                                "resident memory stays at its peak)")
+    enable_lora: bool = option(False, "serve LoRA adapters of this model (PEFT folders: adapter_config.json + "
+                                      "adapter_model.safetensors; q/k/v/o and gate/up/down targets); a request "
+                                      "names one (LLM: lora_request; HTTP: its model name); runs decode steps layer "
+                                      "by layer (no CUDA graphs, no one-call CPU decode)")
+    max_loras: int = option(4, "LoRA: adapters resident on the ranks at once; a request whose adapter finds no free "
+                               "slot waits until one is")
+    max_lora_rank: int = option(16, "LoRA: the largest adapter rank accepted (every slot is this wide)")
+    lora_modules: str | None = option(None, "LoRA: adapters served by name, 'name=folder[,name=folder...]' (every "
+                                            "rank reads the folder)")
 
     def validate(self) -> None:
         _require(isinstance(self.model, str) and self.model != "",
@@ -81,6 +90,27 @@ class ModelConfig:
                  f"cpu_keep_freed_memory: must be true or false, got {self.cpu_keep_freed_memory!r}")
         _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len > 0),
                  f"max_model_len: must be a positive integer or None, got {self.max_model_len!r}")
+        _require(isinstance(self.enable_lora, bool), f"enable_lora: must be true or false, got {self.enable_lora!r}")
+        _require(type(self.max_loras) is int and 1 <= self.max_loras <= 256,   # noqa: E721
+                 f"max_loras: must be an integer in [1, 256], got {self.max_loras!r}")
+        _require(type(self.max_lora_rank) is int and 1 <= self.max_lora_rank <= 512,   # noqa: E721
+                 f"max_lora_rank: must be an integer in [1, 512], got {self.max_lora_rank!r}")
+        modules = self.lora_module_paths()
+        _require(not modules or self.enable_lora, "lora_modules: set enable_lora to serve adapters")
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """``lora_modules`` as {name: folder} (ValueError naming the entry when it is malformed)."""
+        if self.lora_modules is None:
+            return {}
+        _require(isinstance(self.lora_modules, str), f"lora_modules: must be a string, got {self.lora_modules!r}")
+        modules: dict[str, str] = {}
+        for entry in self.lora_modules.split(","):
+            name, sep, path = entry.strip().partition("=")
+            _require(bool(sep and name.strip() and path.strip()),
+                     f"lora_modules: entry {entry.strip()!r} is not name=folder")
+            _require(name.strip() not in modules, f"lora_modules: adapter {name.strip()!r} is named twice")
+            modules[name.strip()] = path.strip()
+        return modules
 
 
 @dataclass(frozen=True)
@@ -229,6 +259,8 @@ class EngineConfig:
         _require(isinstance(self.idle_batch_wait_ms, (int, float)) and not isinstance(self.idle_batch_wait_ms, bool)
                  and 0 <= self.idle_batch_wait_ms <= 1000,
                  f"idle_batch_wait_ms: must be a number of milliseconds in [0, 1000], got {self.idle_batch_wait_ms!r}")
+        _require(not (self.model.enable_lora and self.scheduler.speculative_model is not None),
+                 "enable_lora: not with speculative_model (the draft model would run without the adapters)")
         _require(not self.scheduler.async_scheduling or self.parallel.tensor_parallel_size == 1,
                  "async_scheduling: needs tensor_parallel_size 1 (the ranks would need the sampled ids of the "
                  f"step still running), got tensor_parallel_size={self.parallel.tensor_parallel_size}")

@@ -44,6 +44,8 @@ in the cache), ``block_ids`` and the sampling params.
   drop their mirrors (applied before anything else in the plan).
 - ``block_copies``: (src, dst) block pairs to copy in every layer's K and V before the forward
   (copy-on-write at fork/truncate).
+- ``lora_loads``: LoRA adapters to load into slots before the forward; a ``NewSequence``'s ``lora_slot``
+  names the slot its tokens use for as long as it is mirrored (-1: the base model).
 
 A result carries one ``SampledToken`` per sampling sequence, in batch order; a sequence with drafts
 has one per accepted draft first, then the step's own token, in position order (a row rank 0 could not
@@ -79,6 +81,7 @@ class NewSequence:
     block_ids: list[int]
     sampling_params: SamplingParams
     draft_token_ids: list[int] = field(default_factory=list)   # as RunningDelta's
+    lora_slot: int = -1        # the LoRA adapter slot its tokens use (a ``LoraLoad`` filled it); -1: none
 
     @property
     def token_ids(self) -> list[int]:
@@ -111,6 +114,16 @@ class DecodeRows:
 
 
 @dataclass
+class LoraLoad:
+    """Before this step's forward, adapter ``name`` (PEFT files at ``path``, readable on every rank) goes into
+    LoRA slot ``slot``, replacing whatever was there (workers/lora/model_lora.py)."""
+
+    slot: int
+    name: str
+    path: str
+
+
+@dataclass
 class StepPlan:
     step_id: int
     new_seqs: list[NewSequence] = field(default_factory=list)
@@ -118,6 +131,7 @@ class StepPlan:
     released_seq_ids: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     decodes: DecodeRows = field(default_factory=DecodeRows)
+    lora_loads: list[LoraLoad] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -190,7 +204,7 @@ def encode_plan(plan: StepPlan) -> bytes:
            "new_seqs": [{**vars(new), "sampling_params": new.sampling_params.to_dict()} for new in plan.new_seqs],
            "running": [vars(delta) for delta in plan.running],
            "released_seq_ids": plan.released_seq_ids, "block_copies": plan.block_copies,
-           "decodes": vars(plan.decodes)}
+           "decodes": vars(plan.decodes), "lora_loads": [vars(load) for load in plan.lora_loads]}
     return _pack(obj)
 
 
@@ -209,9 +223,17 @@ def decode_plan(data: bytes) -> StepPlan:
             released_seq_ids=list(obj["released_seq_ids"]),
             block_copies=[(int(s), int(d)) for s, d in obj["block_copies"]],
             decodes=_decode_rows(obj["decodes"]),
+            lora_loads=[_lora_load(load) for load in obj.get("lora_loads", [])],
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed StepPlan: {exc}") from exc
+
+
+def _lora_load(obj: dict) -> LoraLoad:
+    load = LoraLoad(**obj)
+    if type(load.slot) is not int or not isinstance(load.name, str) or not isinstance(load.path, str):  # noqa: E721
+        raise ValueError("lora_loads: slot must be an integer, name and path strings")
+    return load
 
 
 def _decode_rows(obj: dict) -> DecodeRows:

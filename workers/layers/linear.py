@@ -22,6 +22,7 @@ layer's device only when the checkpoint gives it dense, so a packed model never 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -41,6 +42,12 @@ def allocate_dense(layer: nn.Module) -> None:
     """Replace the layer's meta ``weight`` with real storage on ``layer.device`` (once)."""
     if layer.weight.is_meta:
         layer.weight = empty_param(tuple(layer.weight.shape), layer.weight.dtype, layer.device)
+
+
+class LinearDelta(Protocol):
+    """Adds a per-token low-rank product to a layer's output (``workers/lora/slots.LoraLinearSlots``)."""
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = empty_param((out_local,), dtype, device) if bias else None       # [out_local]
         self.packed_weight: PackedLinear | None = None
         self.quant: list[PackedIntWeight] | None = None
+        self.lora: LinearDelta | None = None      # LoRA slots (workers/lora), added to the output when set
 
     @classmethod
     def split(cls, input_size: int, output_size: int, bias: bool, tp: TPGroup, dtype, device,
@@ -147,9 +155,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [tokens, in] -> [tokens, out_local]
         if self.quant is None:
-            return linear(x, self.weight, self.bias, self.packed_weight)
-        y = torch.cat([part.matmul(x) for part in self.quant], -1)
-        return y if self.bias is None else y + self.bias
+            y = linear(x, self.weight, self.bias, self.packed_weight)
+        else:
+            y = torch.cat([part.matmul(x) for part in self.quant], -1)
+            y = y if self.bias is None else y + self.bias
+        if self.lora is not None:
+            self.lora.add_delta(x, y)
+        return y
 
 
 class RowParallelLinear(nn.Module):
@@ -165,6 +177,7 @@ class RowParallelLinear(nn.Module):
         self.bias = empty_param((output_size,), dtype, device) if bias else None    # [out]
         self.packed_weight: PackedLinear | None = None
         self.quant: PackedIntWeight | None = None
+        self.lora: LinearDelta | None = None      # LoRA slots: their partial product joins the all-reduce
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         start = self.tp.rank * self.cols
@@ -186,6 +199,8 @@ class RowParallelLinear(nn.Module):
             y = linear(x, self.weight, None, self.packed_weight)
         else:
             y = self.quant.matmul(x)
+        if self.lora is not None:
+            self.lora.add_delta(x, y)
         self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -66,8 +66,11 @@ class CpuDecodeLayers:
         self._cache_key: tuple | None = None
 
     def takes(self, kv_cache: KVCache, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """True for a decode step (one token per sequence) over a cache this path can use (``_prepare``)."""
+        """True for a decode step (one token per sequence) over a cache this path can use (``_prepare``), in
+        which no row runs a LoRA adapter (the C call runs the base layers only)."""
+        lora = self.model.lora
         return (meta.max_query_len == 1 and hidden.shape[0] == meta.seq_lens_k.shape[0]
+                and (lora is None or not lora.batch.groups)
                 and bucket_index(hidden.shape[0]) in self.buckets and self._prepare(kv_cache, hidden.dtype) is not None)
 
     def _prepare(self, kv_cache: KVCache, dtype: torch.dtype) -> ctypes.Array | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ... import kernels
@@ -56,6 +57,7 @@ class PreparedStep:
     rows: MirrorStep                 # the forward's sequences, in batch order
     host: HostBatch                  # checked host inputs (padded to the bucket when ``bucket`` is set)
     bucket: int | None               # decode-graph bucket, or None for the eager forward
+    token_slots: np.ndarray | None = None   # [tokens] each token's LoRA slot (-1: none); None without LoRA
 
 
 class ModelRunner:
@@ -68,6 +70,7 @@ class ModelRunner:
         self.drafter = drafter          # speculative_model: fills MODEL_DRAFT placeholders in ``prepare``
         self.mirror = SequenceMirror(block_size, num_blocks=kv_cache.num_blocks, model_drafts=drafter is not None)
         self.decode_graphs: DecodeGraphs | None = None   # set by the worker (CUDA graphs) or a test
+        self.lora = getattr(model, "lora", None)          # workers/lora/model_lora.ModelLora, when enabled
 
     def use_decode_graphs(self, graphs: DecodeGraphs) -> None:
         """Route decode-only steps through ``graphs`` (captured or, on CPU, run eagerly)."""
@@ -87,6 +90,8 @@ class ModelRunner:
             output = StepOutput(self.decode_graphs.run(step.host), step.host.sampling_seqs)
         else:
             rows = step.rows
+            if self.lora is not None:
+                self.lora.batch.set(step.token_slots)
             output = self.forward(step.host.to_device(self.device),
                                   plan_prompt_rows(rows.batch, first_row=len(rows.decode_states)))
         self.mirror.mark_computed(step.rows)
@@ -95,6 +100,7 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> PreparedStep | None:
         """Steps 1-3 up to the copy: mirror update, block copies, checked host inputs (None: nothing to run)."""
         check_block_copies(plan.block_copies, self.kv_cache.num_blocks)
+        self._load_adapters(plan)
         rows = self.mirror.apply(plan)
         copy_blocks(self.kv_cache, plan.block_copies)
         if self.drafter is not None:
@@ -111,7 +117,29 @@ class ModelRunner:
             host = build_decode_host_batch(rows.decode_states, self.mirror.table_rows.tables, self.block_size,
                                            pin_memory=self.device.type == "cuda")
         self.check_host_metadata(host)
-        return PreparedStep(rows, host, bucket)
+        return PreparedStep(rows, host, bucket, self._token_slots(rows, host) if self.lora is not None else None)
+
+    def _load_adapters(self, plan: StepPlan) -> None:
+        """The plan's LoRA loads, after checking every slot it names (ValueError, nothing loaded)."""
+        loads, used = plan.lora_loads, [new.lora_slot for new in plan.new_seqs if new.lora_slot != -1]
+        if (loads or used) and self.lora is None:
+            raise ValueError("lora_loads / lora_slot: this model runs without LoRA (enable_lora is off)")
+        if not (loads or used):
+            return
+        resident = set(self.lora.resident) | {load.slot for load in loads}
+        for slot in used:
+            if slot not in resident:
+                raise ValueError(f"new_seqs: lora_slot {slot} holds no adapter")
+        for load in loads:
+            self.lora.load(load.slot, load.name, load.path)
+
+    @staticmethod
+    def _token_slots(rows: MirrorStep, host: HostBatch) -> np.ndarray:
+        """[tokens] the LoRA slot of each token of the step, in batch order (decode rows, then the rest)."""
+        states = rows.decode_states + [item.state for item in rows.batch]
+        per_seq = np.fromiter((state.lora_slot for state in states), dtype=np.int64, count=len(states))
+        counts = np.diff(host.inputs.meta.cu_seqlens_q.numpy())[:len(states)]
+        return np.repeat(per_seq, counts)
 
     def check_host_metadata(self, host: HostBatch) -> None:
         """Every metadata check (values included) on the host tensors, against this cache's shape."""

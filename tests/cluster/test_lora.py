@@ -1,0 +1,156 @@
+"""LoRA adapters end to end (fp32, CPU): greedy tokens with an adapter equal transformers' with the adapter
+merged into its weights (``W + scale B A``), with the C product and with the torch one, at TP=1 (LLM +
+LocalExecutor) and TP=2 (two thread ranks under the real engine); a batch mixing three adapters and the base model equals each run alone, also when fewer
+slots than adapters make requests wait and slots change hands; prefix blocks are never shared across
+adapters; a bad adapter is a ValueError naming it and the engine serves on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers.hf_oracle import hf_greedy
+from helpers.lora_adapters import merged_hf_model, save_adapter
+from helpers.thread_tp import ThreadTPExecutor, thread_tp_workers
+from helpers.worker_setup import engine_config
+from pagedray.cluster import LLM, LoRARequest, SamplingParams
+from pagedray.cluster.engine import Engine
+
+MAX_TOKENS = 12
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _prompts(seed: int, count: int, length: tuple[int, int] = (5, 30)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 512) for _ in range(rng.randrange(*length))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_path, tmp_path_factory):
+    """Three adapters: every target at rank 8, attention only at rank 4 with rsLoRA, MLP only at rank 2
+    on layer 1."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "all": save_adapter(root / "all", tiny_llama_path, ALL, rank=8, alpha=16, seed=1),
+        "attn": save_adapter(root / "attn", tiny_llama_path, ALL[:4], rank=4, alpha=8, seed=2, rslora=True),
+        "mlp": save_adapter(root / "mlp", tiny_llama_path, ALL[4:], rank=2, alpha=4, seed=3, layers=[1]),
+    }
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_path, tiny_hf_model, adapters):
+    models = {None: tiny_hf_model, **{name: merged_hf_model(tiny_llama_path, path) for name, path in adapters.items()}}
+    cache = {}
+
+    def ref(prompt, adapter):
+        key = (tuple(prompt), adapter)
+        if key not in cache:
+            cache[key] = hf_greedy(models[adapter], prompt, MAX_TOKENS)
+        return cache[key]
+    return ref
+
+
+def _llm(path, **kwargs) -> LLM:
+    options = dict(dtype="float32", block_size=8, watermark=0.0, threads_per_worker=1, enable_lora=True,
+                   max_lora_rank=8)
+    return LLM(path, **{**options, **kwargs})
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("product", ["c", "torch"])
+def test_each_adapter_alone_equals_transformers_with_it_merged(tiny_llama_path, adapters, references, product,
+                                                               monkeypatch):
+    if product == "torch":          # the products CUDA (or a machine without a C compiler) runs
+        from pagedray.kernels.cpu import cpu_lora
+        monkeypatch.setattr(cpu_lora, "available", lambda dtype: False)
+    prompts = _prompts(0, 3)
+    with _llm(tiny_llama_path) as llm:
+        for name, path in [(None, None), *adapters.items()]:
+            lora = None if name is None else LoRARequest(name, path)
+            results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
+            for prompt, result in zip(prompts, results):
+                assert result.outputs[0].token_ids == references(prompt, name), (name, prompt[:4])
+    for prompt in prompts:          # each adapter changes the output: the test sees whether it is applied
+        assert len({tuple(references(prompt, name)) for name in (None, *adapters)}) > 1
+
+
+@pytest.mark.parametrize("max_loras", [4, 2], ids=["a-slot-each", "slots-change-hands"])
+def test_a_batch_mixing_adapters_and_the_base_equals_each_run_alone(tiny_llama_path, adapters, references,
+                                                                    max_loras):
+    prompts = _prompts(1, 8)
+    names = [None, "all", "attn", "mlp"] * 2
+    loras = [None if name is None else LoRARequest(name, adapters[name]) for name in names]
+    with _llm(tiny_llama_path, max_loras=max_loras) as llm:
+        slots, loads = llm.engine.scheduler.lora_slots, []
+        take_loads = slots.take_loads
+        slots.take_loads = lambda: loads.extend(taken := take_loads()) or taken      # counts the plans' loads
+        results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert slots.refs == [0] * max_loras                                   # every reference given back
+        # a slot each: each adapter loaded once; two slots for three adapters: some loaded again, none lost
+        assert len(loads) == 3 if max_loras == 4 else len(loads) > 3
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    for prompt, name, result in zip(prompts, names, results):
+        assert result.outputs[0].token_ids == references(prompt, name), (name, prompt[:4])
+
+
+def test_prefix_blocks_are_never_shared_across_adapters(tiny_llama_path, adapters):
+    prompt = _prompts(2, 1, (40, 41))[0]          # five full blocks of 8
+    one = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    runs = [("all", adapters["all"]), ("attn", adapters["attn"]), None, ("all", adapters["all"]), None]
+    cached = []
+    with _llm(tiny_llama_path) as llm:
+        for run in runs:
+            lora = None if run is None else LoRARequest(*run)
+            (result,) = llm.generate([prompt], one, use_tqdm=False, lora_request=lora)
+            cached.append(result.num_cached_prompt_tokens)
+    # first use under each adapter and the base: nothing cached; the same adapter (or the base) again: a hit
+    assert cached[:3] == [0, 0, 0]
+    assert cached[3] > 0 and cached[4] > 0
+
+
+def test_bad_adapters_are_named_and_the_engine_serves_on(tiny_llama_path, adapters, tmp_path, references):
+    wide = save_adapter(tmp_path / "wide", tiny_llama_path, ["q_proj"], rank=16, alpha=16, seed=4)
+    lm_head = save_adapter(tmp_path / "head", tiny_llama_path, ["q_proj"], rank=2, alpha=2, seed=5)
+    (tmp_path / "head" / "adapter_config.json").write_text(
+        (tmp_path / "head" / "adapter_config.json").read_text().replace('["q_proj"]', '["q_proj", "lm_head"]'))
+    shape = save_adapter(tmp_path / "shape", tiny_llama_path, ["k_proj"], rank=2, alpha=2, seed=6)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(tmp_path / "shape" / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("lora_B.weight"))
+    tensors[key] = tensors[key][:-1]
+    save_file(tensors, str(tmp_path / "shape" / "adapter_model.safetensors"))
+    cases = [(LoRARequest("wide", wide), "rank 16 is over max_lora_rank 8"),
+             (LoRARequest("head", lm_head), "target module 'lm_head'"),
+             (LoRARequest("shape", shape), "has shape"),
+             (LoRARequest("gone", str(tmp_path / "missing")), "no adapter_config.json"),
+             (LoRARequest("all", adapters["attn"]), "already served from")]
+    prompt = _prompts(3, 1)[0]
+    with _llm(tiny_llama_path, lora_modules=f"all={adapters['all']}") as llm:
+        for lora, message in cases:
+            with pytest.raises(ValueError, match=message) as info:
+                llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+            assert repr(lora.name) in str(info.value) or lora.name == "all"
+            assert not llm.engine.has_unfinished_requests()
+        (result,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("all", adapters["all"]))
+        assert result.outputs[0].token_ids == references(prompt, "all")
+    with _llm(tiny_llama_path, enable_lora=False) as llm, pytest.raises(ValueError, match="enable_lora"):
+        llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("all", adapters["all"]))
+
+
+def test_tensor_parallel_ranks_shard_each_adapter_like_its_layer(tiny_llama_path, adapters, references, monkeypatch):
+    workers = thread_tp_workers(monkeypatch, tiny_llama_path, tp=2, num_blocks=64, enable_lora=True,
+                                max_lora_rank=8)
+    config = engine_config(tiny_llama_path, tp=2, num_blocks=64, enable_lora=True, max_lora_rank=8)
+    engine = Engine(config, executor=ThreadTPExecutor(workers, 64))
+    prompts = _prompts(4, 4)
+    names = ["all", None, "attn", "mlp"]
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        engine.add(f"r{i}", prompt, GREEDY, lora=None if name is None else LoRARequest(name, adapters[name]))
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.outputs[0].token_ids)
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        assert tokens[f"r{i}"] == references(prompt, name), name

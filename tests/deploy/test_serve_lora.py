@@ -1,0 +1,58 @@
+"""LoRA adapters through the served app (Ray Serve, the engine in its own deployment, fp32): ``lora_modules``
+serves an adapter under its name and as ``<model>:<adapter>``; its greedy tokens equal transformers with the
+adapter merged into the weights, the base model's stay the base model's, both names reach the same adapter,
+``/v1/models`` lists it with its parent, and an unknown adapter name is a 404 that changes nothing."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from helpers.hf_oracle import hf_greedy, load_hf_model
+from helpers.lora_adapters import merged_hf_model, save_adapter
+from helpers.serve_fixtures import API_KEY, start_app, stop_app
+
+pytestmark = pytest.mark.integration   # starts Ray and Serve (tests/conftest.py)
+
+PROMPT = [1, 504, 3145, 314, 260, 2491, 282, 3916, 30]     # SmolLM2 token ids
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapter(default_model_path, tmp_path_factory):
+    return save_adapter(tmp_path_factory.mktemp("sql-adapter"), default_model_path, ["q_proj", "v_proj", "down_proj"],
+                        rank=8, alpha=16, seed=11, std=0.08)
+
+
+@pytest.fixture(scope="module")
+def app(ray_session, default_model_path, adapter):
+    running = start_app(default_model_path, enable_lora=True, max_lora_rank=8, lora_modules=f"sql={adapter}")
+    yield running
+    stop_app(running)
+
+
+def _completion(http: httpx.Client, model: str) -> str:
+    response = http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                                  "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == ("sql" if model.endswith("sql") else model)
+    return body["choices"][0]["text"]
+
+
+def test_an_adapter_is_served_by_name_exactly_as_transformers_with_it_merged(app, default_model_path, adapter):
+    expected = hf_greedy(merged_hf_model(default_model_path, adapter), PROMPT, MAX_TOKENS)
+    base = hf_greedy(load_hf_model(default_model_path), PROMPT, MAX_TOKENS)
+    assert expected != base                                    # the adapter changes the output
+    with httpx.Client(base_url=app.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300,
+                      trust_env=False) as http:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+        text = tokenizer.decode(expected, skip_special_tokens=True)
+        assert _completion(http, "sql") == text
+        assert _completion(http, f"{app.model}:sql") == text
+        assert _completion(http, app.model) == tokenizer.decode(base, skip_special_tokens=True)
+        cards = http.get("/v1/models").json()["data"]
+        assert [(c["id"], c.get("parent")) for c in cards] == [(app.model, None), ("sql", app.model)]
+        missing = http.post("/v1/completions", json={"model": "nope", "prompt": PROMPT, "max_tokens": 2})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
