@@ -15,6 +15,10 @@
  *   normed, residual = norm(attn @ Wo^T + residual)
  *   hidden = silu_mul(normed @ Wgu^T (+ bias)) @ Wdown^T
  *
+ * With LoRA rows in the step (``lora_count`` > 0), each of the four products that has LoRA slots
+ * (``layer_args.lora[i].a`` set) then adds their rows' adapter products (cpu_lora.c's lora_add, as the
+ * layer loop's ``LoraLinearSlots.add_delta`` calls it).
+ *
  * Returns the last layer's hidden and the residual stream (the final norm stays in Python). */
 #include <stdint.h>
 #include <string.h>
@@ -37,12 +41,23 @@ typedef void (*decode_fn)(const void *q, int64_t q_tok, int64_t q_head, const vo
                           int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap, int cache_dtype,
                           const uint16_t *k_scale, const uint16_t *v_scale, uint16_t k_static, uint16_t v_static);
 
+typedef int (*lora_fn)(const void *x, int64_t xs, int64_t in, const void *a, const void *e, int64_t nr, int64_t out,
+                       const int64_t *seg_off, int64_t nseg, const int32_t *order, int64_t count, const int32_t *slots,
+                       const float *scales, void *y, int64_t ys, int dtype, int threads);
+
 struct kernel_table {            /* the other libraries' functions (cpu_layers.py fills it once) */
     gemm_fn gemm;
     norm_fn norm;
     rotary_fn rotary;
     silu_fn silu;
     decode_fn decode;
+    lora_fn lora;                /* NULL where cpu_lora.c is not built */
+};
+
+struct lora_proj {               /* one product's LoRA slots (workers/lora/slots.py); a == NULL: none */
+    const void *a, *e;           /* [S, nr, in], [S, nr, out] */
+    const int64_t *seg_off;      /* [nseg + 1] */
+    int64_t nseg, nr;
 };
 
 struct layer_args {              /* one layer: tile-packed weights, optional qkv bias, norms, its caches */
@@ -53,6 +68,7 @@ struct layer_args {              /* one layer: tile-packed weights, optional qkv
     int64_t window;              /* sliding window (0: none) */
     float scale;
     uint16_t k_static, v_static; /* a float8 cache's checkpoint scales, float16 bits (0: each row its own) */
+    struct lora_proj lora[4];    /* qkv, o, gate_up, down */
 };
 
 struct step_args {
@@ -65,7 +81,20 @@ struct step_args {
     const void *cos, *signed_sin;                             /* [rows, 1, D] */
     /* buffers, contiguous, the step's dtype; hidden_buf in: the embeddings, out: the last layer's output */
     void *hidden_buf, *residual, *spare_residual, *normed, *qkv, *qk, *attn, *o, *gate_up, *act;
+    /* LoRA rows (lora_count 0: none): the tokens with a slot sorted by slot, each token's slot, each slot's scale */
+    const int32_t *lora_order, *lora_slots;
+    int64_t lora_count;
+    const float *lora_scales;
 };
+
+/* y += the step's LoRA rows' products of x for product p of layer l (nothing without LoRA rows or slots) */
+static inline void add_lora(const struct kernel_table *k, const struct layer_args *l, int p, const struct step_args *s,
+                            const void *x, int64_t in, void *y, int64_t out) {
+    const struct lora_proj *q = &l->lora[p];
+    if (s->lora_count == 0 || q->a == NULL) return;
+    k->lora(x, in, in, q->a, q->e, q->nr, out, q->seg_off, q->nseg, s->lora_order, s->lora_count, s->lora_slots,
+            s->lora_scales, y, out, s->dtype, s->threads);
+}
 
 void decode_layers(const struct kernel_table *k, const struct layer_args *layers, int64_t num_layers,
                    const struct step_args *s) {
@@ -84,6 +113,7 @@ void decode_layers(const struct kernel_table *k, const struct layer_args *layers
             char *t = residual; residual = spare; spare = t;
         }
         k->gemm(s->normed, H, rows, H, l->qkv, qkv_width, l->qkv_bias, s->qkv, qkv_width, dt, th);
+        add_lora(k, l, 0, s, s->normed, H, s->qkv, qkv_width);
         k->rotary(s->qkv, qkv_width, s->cos, s->signed_sin, s->qk, rows, Hq + Hkv, D, dt, th);
         k->decode(s->qk, qk_width, D, l->k_cache, l->v_cache, s->c_block, s->c_tok, s->c_head, s->num_blocks,
                   s->block_size, Hkv, D, rows, Hq / Hkv, s->block_tables, s->bt_row, s->seq_lens, l->scale, NULL,
@@ -92,11 +122,14 @@ void decode_layers(const struct kernel_table *k, const struct layer_args *layers
                   (const char *)s->qkv + qk_width * elem, qkv_width, D, s->slots, 0.0f, s->cache_dtype,
                   l->k_scale, l->v_scale, l->k_static, l->v_static);
         k->gemm(s->attn, Hq * D, rows, Hq * D, l->o, H, NULL, s->o, H, dt, th);
+        add_lora(k, l, 1, s, s->attn, Hq * D, s->o, H);
         k->norm(s->o, H, residual, H, l->post_norm, s->normed, H, spare, H, rows, H, s->eps, dt, th);
         { char *t = residual; residual = spare; spare = t; }
         k->gemm(s->normed, H, rows, H, l->gate_up, 2 * I, NULL, s->gate_up, 2 * I, dt, th);
+        add_lora(k, l, 2, s, s->normed, H, s->gate_up, 2 * I);
         k->silu(s->gate_up, 2 * I, s->act, I, rows, I, dt, th);
         k->gemm(s->act, I, rows, I, l->down, H, NULL, s->hidden_buf, H, dt, th);
+        add_lora(k, l, 3, s, s->act, I, s->hidden_buf, H);
     }
     if (residual != (char *)s->residual) memcpy(s->residual, residual, (size_t)(rows * H * elem));
 }

@@ -16,7 +16,7 @@ import pathlib
 
 import torch
 
-from . import cpu_build, cpu_decode, cpu_fused, cpu_gemm
+from . import cpu_build, cpu_decode, cpu_fused, cpu_gemm, cpu_lora
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_layers.c")
 DTYPE_CODES = cpu_build.DTYPE_CODES
@@ -24,13 +24,19 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 
 class KernelTable(ctypes.Structure):
-    _fields_ = [("gemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("decode", _P)]
+    _fields_ = [("gemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("decode", _P), ("lora", _P)]
+
+
+class LoraProj(ctypes.Structure):
+    """One product's LoRA slots (``workers/lora/slots.LoraLinearSlots``: a, e, seg_off); a None: none."""
+    _fields_ = [("a", _P), ("e", _P), ("seg_off", _P), ("nseg", _I64), ("nr", _I64)]
 
 
 class LayerArgs(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("gate_up", _P),
                 ("down", _P), ("k_cache", _P), ("v_cache", _P), ("k_scale", _P), ("v_scale", _P), ("window", _I64),
-                ("scale", _F32), ("k_static", ctypes.c_uint16), ("v_static", ctypes.c_uint16)]
+                ("scale", _F32), ("k_static", ctypes.c_uint16), ("v_static", ctypes.c_uint16),
+                ("lora", LoraProj * 4)]
 
 
 class StepArgs(ctypes.Structure):
@@ -40,7 +46,8 @@ class StepArgs(ctypes.Structure):
                 ("block_tables", _P), ("seq_lens", _P), ("slots", _P), ("bt_row", _I64),
                 ("cos", _P), ("signed_sin", _P),
                 ("hidden_buf", _P), ("residual", _P), ("spare_residual", _P), ("normed", _P), ("qkv", _P),
-                ("qk", _P), ("attn", _P), ("o", _P), ("gate_up", _P), ("act", _P)]
+                ("qk", _P), ("attn", _P), ("o", _P), ("gate_up", _P), ("act", _P),
+                ("lora_order", _P), ("lora_slots", _P), ("lora_count", _I64), ("lora_scales", _P)]
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -61,10 +68,16 @@ def _address(function) -> int:
 @functools.lru_cache(maxsize=1)
 def kernel_table() -> KernelTable:
     """The other libraries' functions (call ``available`` first)."""
-    fused = cpu_fused._library()
+    fused, lora = cpu_fused._library(), cpu_lora._library()
     return KernelTable(_address(cpu_gemm._library().gemm), _address(fused.rms_norm_rows),
                        _address(fused.rotary_rows), _address(fused.silu_mul_rows),
-                       _address(cpu_decode._library().paged_decode_cpu))
+                       _address(cpu_decode._library().paged_decode_cpu),
+                       None if lora is None else _address(lora.lora_add))
+
+
+def takes_lora() -> bool:
+    """True when the one call can add LoRA rows' products (``cpu_lora.c`` is built)."""
+    return cpu_lora._library() is not None
 
 
 def available(dtype: torch.dtype) -> bool:

@@ -1,14 +1,16 @@
 """LoRA adapters end to end (fp32, CPU): greedy tokens with an adapter equal transformers' with the adapter
 merged into its weights (``W + scale B A``), with the C product and with the torch one, at TP=1 (LLM +
-LocalExecutor) and TP=2 (two thread ranks under the real engine); a batch mixing three adapters and the base model equals each run alone, also when fewer
-slots than adapters make requests wait and slots change hands; prefix blocks are never shared across
-adapters; a bad adapter is a ValueError naming it and the engine serves on."""
+LocalExecutor) and TP=2 (two thread ranks under the real engine); a batch mixing three adapters and the base
+model equals each run alone, also when fewer slots than adapters make requests wait and slots change hands;
+prefix blocks are never shared across adapters; a bad adapter is a ValueError naming it and the engine serves
+on."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 from helpers.hf_oracle import hf_greedy
 from helpers.lora_adapters import merged_hf_model, save_adapter
 from helpers.thread_tp import ThreadTPExecutor, thread_tp_workers
@@ -62,9 +64,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.mark.parametrize("product", ["c", "torch"])
 def test_each_adapter_alone_equals_transformers_with_it_merged(tiny_llama_path, adapters, references, product,
                                                                monkeypatch):
+    from pagedray.kernels.cpu import cpu_layers, cpu_lora
+
     if product == "torch":          # the products CUDA (or a machine without a C compiler) runs
-        from pagedray.kernels.cpu import cpu_lora
         monkeypatch.setattr(cpu_lora, "available", lambda dtype: False)
+    one_call_lora_rows = []         # LoRA rows of the decode steps that ran as one C call over every layer
+    decode_layers = cpu_layers.decode_layers
+    monkeypatch.setattr(cpu_layers, "decode_layers",
+                        lambda layers, step: one_call_lora_rows.append(step.lora_count) or decode_layers(layers, step))
     prompts = _prompts(0, 3)
     with _llm(tiny_llama_path) as llm:
         for name, path in [(None, None), *adapters.items()]:
@@ -72,6 +79,8 @@ def test_each_adapter_alone_equals_transformers_with_it_merged(tiny_llama_path, 
             results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
             for prompt, result in zip(prompts, results):
                 assert result.outputs[0].token_ids == references(prompt, name), (name, prompt[:4])
+    if cpu_layers.available(torch.float32):      # the one call takes LoRA rows only with the C product
+        assert any(one_call_lora_rows) == (product == "c") and 0 in one_call_lora_rows
     for prompt in prompts:          # each adapter changes the output: the test sees whether it is applied
         assert len({tuple(references(prompt, name)) for name in (None, *adapters)}) > 1
 

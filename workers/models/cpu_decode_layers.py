@@ -64,13 +64,16 @@ class CpuDecodeLayers:
         self.eps = float(model.layers[0].input_layernorm.eps)
         self._layers: ctypes.Array | None = None
         self._cache_key: tuple | None = None
+        linears = [lin for layer in model.layers for lin in _linears(layer)]
+        self._lora_in_c = (model.lora is not None and cpu_layers.takes_lora()
+                           and all(getattr(lin.lora, "in_c", False) for lin in linears))
 
     def takes(self, kv_cache: KVCache, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """True for a decode step (one token per sequence) over a cache this path can use (``_prepare``), in
-        which no row runs a LoRA adapter (the C call runs the base layers only)."""
+        """True for a decode step (one token per sequence) over a cache this path can use (``_prepare``); a
+        step with LoRA rows only where the call can add their products (every product's slots in C)."""
         lora = self.model.lora
         return (meta.max_query_len == 1 and hidden.shape[0] == meta.seq_lens_k.shape[0]
-                and (lora is None or not lora.batch.groups)
+                and (lora is None or not lora.batch.groups or self._lora_in_c)
                 and bucket_index(hidden.shape[0]) in self.buckets and self._prepare(kv_cache, hidden.dtype) is not None)
 
     def _prepare(self, kv_cache: KVCache, dtype: torch.dtype) -> ctypes.Array | None:
@@ -106,7 +109,8 @@ class CpuDecodeLayers:
                 None if kv.v_scale is None else kv.v_scale.data_ptr(),
                 int(attn.attn.sliding_window or 0), float(attn.attn.scale),
                 *cpu_decode.static_scale_bits(attn.attn.checkpoint_kv_scales if kv.k.dtype == torch.float8_e4m3fn
-                                              else None))
+                                              else None),
+                (cpu_layers.LoraProj * 4)(*(_lora_proj(lin) for lin in _linears(layer))))
         return array
 
     def forward_layers(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: KVCache, meta: AttentionMetadata
@@ -130,8 +134,22 @@ class CpuDecodeLayers:
             k_cache.shape[0], k_cache.shape[1], *k_cache.stride()[:3],
             tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), tables.stride(0), cos.data_ptr(), sin.data_ptr(),
             hidden.data_ptr(), *(b.data_ptr() for b in bufs))
+        lora = self.model.lora
+        if lora is not None and lora.batch.groups:       # takes() checked that the call adds their products
+            batch = lora.batch
+            step.lora_order, step.lora_slots = batch.order.data_ptr(), batch.slots.data_ptr()
+            step.lora_count, step.lora_scales = batch.order.numel(), batch.scales.data_ptr()
         cpu_layers.decode_layers(self._prepare(kv_cache, hidden.dtype), step)   # takes() said it is not None
         return hidden, residual
+
+
+def _lora_proj(lin) -> cpu_layers.LoraProj:
+    """The LoRA slots of one product for the C call (all None / 0 without slots)."""
+    slots = lin.lora
+    if slots is None:
+        return cpu_layers.LoraProj()
+    return cpu_layers.LoraProj(slots.a.data_ptr(), slots.e.data_ptr(), slots.seg_off.data_ptr(),
+                               slots.seg_off.numel() - 1, slots.a.shape[1])
 
 
 def _linears(layer) -> tuple:
