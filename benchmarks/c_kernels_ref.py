@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("c_kernels_ref: the C kernels are unavailable here (no compiler, or PAGEDRAY_CPU_KERNELS=0)")
     cases = build_cases(args.dry_run)
     budget = 0.002 if args.dry_run else 0.05
+    originals = {name: module._library for name, module in MODULES.items()}
     with ref_import_root(args.ref) as root:
         libraries = {THIS: load_libraries(pathlib.Path(__file__).resolve().parents[1]),
                      args.ref: load_libraries(root / "pagedray")}
@@ -137,7 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
             use(libraries[system])
             return {name: time_us(call, budget) for name, call in cases.items()}
 
-        runs = run_rounds([THIS, args.ref], args.rounds, measure, on_run=print_run)
+        try:
+            runs = run_rounds([THIS, args.ref], args.rounds, measure, on_run=print_run)
+        finally:                       # the wrappers call their own (cached) library loaders again
+            for name, module in MODULES.items():
+                module._library = originals[name]
     metrics = [Metric(name, f"{name} us", higher_is_better=False) for name in cases]
     out = "/dev/null" if args.dry_run and args.out == parser.get_default("out") else args.out
     return finish_rounds("c_kernels_ref", out, runs, metrics, [Ratio(THIS, (args.ref,), None, f"this / {args.ref}")],

@@ -29,7 +29,8 @@ def test_sources_are_found_under_kernels_cpu_or_the_flat_kernels_folder(tmp_path
 
 
 def test_the_wrappers_call_the_library_a_system_names(monkeypatch):
-    monkeypatch.setattr(cpu_fused, "_library", cpu_fused._library)     # restored after the test
+    for module in c_kernels_ref.MODULES.values():                        # restored after the test
+        monkeypatch.setattr(module, "_library", module._library)
     with ref_import_root("HEAD") as root:
         this, ref = c_kernels_ref.load_libraries(REPO), c_kernels_ref.load_libraries(root / "pagedray")
     calls = []
@@ -52,8 +53,7 @@ def test_the_wrappers_call_the_library_a_system_names(monkeypatch):
 
 
 def test_a_dry_run_reports_every_case_for_both_systems_and_their_ratio(monkeypatch, tmp_path):
-    for module in c_kernels_ref.MODULES.values():                        # restored after the test
-        monkeypatch.setattr(module, "_library", module._library)
+    loaders = {name: module._library for name, module in c_kernels_ref.MODULES.items()}
     # a loaded machine: no waiting for the load to settle (the numbers of a dry run mean nothing)
     monkeypatch.setattr(c_kernels_ref, "run_rounds", functools.partial(rounds.run_rounds, sleep=lambda s: None))
     report = c_kernels_ref.main(["--dry-run", "--ref", "HEAD", "--out", str(tmp_path / "out.json")])
@@ -62,3 +62,4 @@ def test_a_dry_run_reports_every_case_for_both_systems_and_their_ratio(monkeypat
     ratio = report["summary"]["ratios"]["this / HEAD"]
     assert set(ratio) == set(cases) and all(value["median"] > 0 for value in ratio.values())
     assert (tmp_path / "out.json").is_file()
+    assert {name: module._library for name, module in c_kernels_ref.MODULES.items()} == loaders   # put back
