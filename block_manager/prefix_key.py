@@ -68,13 +68,14 @@ def is_namespace_root(key: BlockKey) -> bool:
     return key.parent is None and len(key.token_ids) == 2 and key.token_ids[0] == -1
 
 
-def prefix_block_hashes(token_ids, block_size: int) -> list[int]:
+def prefix_block_hashes(token_ids, block_size: int, namespace: int | None = None) -> list[int]:
     """Hashes of the chained keys of every full block of ``token_ids``, first block first: what
-    ``BlockManager.cached_prefix_hashes`` reports for the same blocks once they are cached. Deterministic
-    across processes (tuples of ints are not hash-randomised), so a router in another process can
-    compare a prompt with a replica's cache (``pagedray.deploy.routing.router``)."""
+    ``BlockManager.cached_prefix_hashes`` reports for the same blocks once they are cached (``namespace``:
+    the chains of a LoRA adapter's sequences, ``namespace_root``). Deterministic across processes (tuples of
+    ints are not hash-randomised), so a router in another process can compare a prompt with a replica's
+    cache (``pagedray.deploy.routing.router``)."""
     hashes: list[int] = []
-    key: BlockKey | None = None
+    key: BlockKey | None = None if namespace is None else namespace_root(namespace)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         key = BlockKey(key, tuple(token_ids[start:start + block_size]))
         hashes.append(hash(key))

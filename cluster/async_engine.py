@@ -381,6 +381,11 @@ class AsyncEngine:
     async def stats(self) -> EngineStats:
         return self._stats
 
+    def resident_adapters(self) -> list[str]:
+        """The names of the LoRA adapters in the ranks' slots (a snapshot; empty without ``enable_lora``)."""
+        slots = self.engine.scheduler.lora_slots
+        return [] if slots is None else [name for name in list(slots.names) if name is not None]
+
     async def cached_prefix_hashes(self, limit: int) -> list[int]:
         """``BlockManager.cached_prefix_hashes`` read on the step thread (between steps, never during one)."""
         return await self._between_steps(lambda: self.engine.block_manager.cached_prefix_hashes(limit))

@@ -19,6 +19,10 @@ matches) and picks:
   8 prefixes and 2 replicas, least-load alone often put 5 prefixes on one replica and 3 on the other);
 - a prompt shorter than one block (no full block to cache or find): the least-loaded eligible replicas.
   Footprint first would send every such prompt to the same replica, since they add nothing to it.
+- a request with a LoRA adapter (the call's ``lora``): only the eligible replicas where the adapter is
+  resident (each replica's summary lists them) take part in the rules above, when there is one; and the
+  prompt's hashes are the adapter's chains (``prefix_block_hashes(..., namespace)``), the ones its blocks
+  are cached under.
 
 Other calls (stats, health, drain, model_meta, warm_up_report) go to any replica as with Serve's default
 router: every candidate, in random order (Serve takes the first of the shortest queues, so a fixed order
@@ -47,6 +51,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from pagedray.block_manager import prefix_block_hashes
+from pagedray.workers.contract.lora_request import LoRARequest
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from . import registry as router_registry
@@ -64,6 +69,7 @@ class ReplicaView:
     cached: Container[int]     # hashes of the blocks it holds
     load: int                  # requests in flight there
     footprint: int = 0         # distinct prompt blocks this router has sent there (its remembered share)
+    adapters: Container[str] = ()   # the LoRA adapters resident in its slots
 
 
 class HeldBlocks:
@@ -86,19 +92,22 @@ def leading_blocks_held(prompt_hashes: list[int], cached) -> int:
     return count
 
 
-def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_imbalance: int) -> tuple[list, int]:
+def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_imbalance: int,
+                     adapter: str | None = None) -> tuple[list, int]:
     """(the replicas to send to, in one rank; the prompt blocks the chosen one holds).
 
-    Eligible: the replicas within ``max_imbalance`` of the least load. The eligible replica with the most
-    leading prompt blocks (ties: less load, then the order given); when no eligible replica holds a
-    block: every eligible replica with the smallest ``(footprint, load)``, or with the least load for a
-    prompt shorter than one block."""
+    Eligible: the replicas within ``max_imbalance`` of the least load; with an ``adapter``, only those of them
+    where it is resident when any is. The eligible replica with the most leading prompt blocks (ties: less
+    load, then the order given); when no eligible replica holds a block: every eligible replica with the
+    smallest ``(footprint, load)``, or with the least load for a prompt shorter than one block."""
     if not replicas:
         raise ValueError("replicas: at least one replica is needed")
     if max_imbalance < 0:
         raise ValueError(f"max_imbalance: must be >= 0, got {max_imbalance}")
     least = min(view.load for view in replicas)
     eligible = [view for view in replicas if view.load - least <= max_imbalance]
+    if adapter is not None:
+        eligible = [view for view in eligible if adapter in view.adapters] or eligible
     best, best_held = None, 0
     for view in eligible:
         held = leading_blocks_held(prompt_hashes, view.cached)
@@ -129,6 +138,17 @@ def generate_prompt(pending_request: PendingRequest | None) -> list[int] | None:
         return None
     args = pending_request.args
     return args[1] if len(args) > 1 and isinstance(args[1], list) else None
+
+
+def generate_adapter(pending_request: PendingRequest) -> LoRARequest | None:
+    """The LoRA adapter of an engine ``generate`` call (its fifth argument: ``ServedEngine.generate``), or None."""
+    args = pending_request.args
+    return args[4] if len(args) > 4 and isinstance(args[4], LoRARequest) else None
+
+
+def prompt_hashes(prompt: list[int], block_size: int, adapter: LoRARequest | None) -> list[int]:
+    """The hashes the prompt's blocks are cached under: the base model's chains, or its adapter's."""
+    return prefix_block_hashes(prompt, block_size, None if adapter is None else adapter.cache_namespace)
 
 
 def replica_summaries(app_name: str, deployment_name: str) -> list[dict] | None:
@@ -176,10 +196,11 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
             return [candidate_replicas]
         if prompt is None:   # in random order: Serve takes the first of the shortest queues, ties are common here
             return [random.sample(candidate_replicas, len(candidate_replicas))]
-        hashes = prefix_block_hashes(prompt, self._block_size)
-        views = [ReplicaView(r, self._cached(r), self._load(r), len(self._sent.get(r.replica_id, ())))
-                 for r in candidate_replicas]
-        chosen, _ = choose_by_prefix(hashes, views, self._max_imbalance)
+        adapter = generate_adapter(pending_request)
+        hashes = prompt_hashes(prompt, self._block_size, adapter)
+        views = [ReplicaView(r, self._cached(r), self._load(r), len(self._sent.get(r.replica_id, ())),
+                             frozenset((r.routing_stats or {}).get("lora_resident") or ())) for r in candidate_replicas]
+        chosen, _ = choose_by_prefix(hashes, views, self._max_imbalance, None if adapter is None else adapter.name)
         return [chosen]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -187,7 +208,7 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         if prompt is None:
             return
         remember_sent(self._sent.setdefault(replica_id, collections.OrderedDict()),
-                      prefix_block_hashes(prompt, self._block_size))
+                      prompt_hashes(prompt, self._block_size, generate_adapter(pending_request)))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -116,13 +116,14 @@ class ServedEngine:
     async def routing_stats(self, replica: str, max_blocks: int) -> dict:
         """The replica's summary for cache-aware routing (``routing/router.py``) and for the ingress'
         /metrics and /health: hashes of at most ``max_blocks`` cached prefix blocks, its EngineStats as a
-        dict (the router reads the load from it) and whether its engine is healthy (dead / stalled;
-        draining is not unhealthy here). ``max_blocks`` 0: no hashes, and no wait for the step thread."""
+        dict (the router reads the load from it), whether its engine is healthy (dead / stalled;
+        draining is not unhealthy here) and the LoRA adapters resident in its slots. ``max_blocks`` 0: no
+        hashes, and no wait for the step thread."""
         stats = await self._engine.stats()
         healthy, reason = await self._health_state()
         hashes = await self._engine.cached_prefix_hashes(max_blocks) if max_blocks else []
         return {"replica": replica, "prefix_hashes": hashes, "stats": stats.to_dict(), "healthy": healthy,
-                "reason": reason}
+                "reason": reason, "lora_resident": self._engine.resident_adapters()}
 
     async def hot_prefixes(self, max_tokens: int) -> list[list[int]]:
         """The prefixes this replica's prefix hits reused most, within ``max_tokens`` tokens (``warm_up.py``)."""

@@ -258,6 +258,9 @@ class SummaryEngine:
         self.hash_reads.append(limit)
         return [11, 22, 33][:limit]
 
+    def resident_adapters(self) -> list[str]:
+        return ["sql"]
+
 
 def test_a_summary_of_zero_blocks_reads_no_cache_keys_but_still_reports_load():
     """Serve's own router reads no prefix hashes: build_app gives its replicas ``prefix_summary_blocks`` 0,
@@ -274,3 +277,48 @@ def test_a_summary_of_zero_blocks_reads_no_cache_keys_but_still_reports_load():
     assert served._engine.hash_reads == [2] and with_hashes["prefix_hashes"] == [11, 22]
     assert {k: v for k, v in with_hashes.items() if k != "prefix_hashes"} == \
         {k: v for k, v in without.items() if k != "prefix_hashes"}
+    assert with_hashes["lora_resident"] == ["sql"]
+
+
+def test_an_adapter_prompt_hashes_like_the_blocks_its_adapter_caches():
+    from pagedray.block_manager import namespace_root
+    from pagedray.deploy.routing.router import prompt_hashes
+    from pagedray.workers.contract.lora_request import LoRARequest
+
+    sql = LoRARequest("sql", "/adapters/sql")
+    manager = BlockManager(BS, 16)
+    prompt = list(range(100, 111))
+    manager.allocate_slots("a", prompt, len(prompt), root=namespace_root(sql.cache_namespace))
+    hashes = prompt_hashes(prompt, BS, sql)
+    assert len(hashes) == 2 and set(manager.cached_prefix_hashes(10)) == set(hashes)
+    assert not set(hashes) & set(prompt_hashes(prompt, BS, None))          # never the base model's blocks
+    assert not set(hashes) & set(prompt_hashes(prompt, BS, LoRARequest("sql", "/adapters/other")))
+
+
+def test_an_adapter_request_goes_where_its_adapter_is_resident_within_the_imbalance():
+    hot = [ReplicaView("x", {11}, 0), ReplicaView("y", set(), 1, adapters={"sql"}), ReplicaView("z", set(), 0)]
+    assert choose_by_prefix([11], hot, max_imbalance=2, adapter="sql") == (["y"], 0)   # cold there, but resident
+    assert choose_by_prefix([11], hot, max_imbalance=2) == (["x"], 1)                 # no adapter: the prefix
+    assert choose_by_prefix([11], hot, max_imbalance=0, adapter="sql") == (["x"], 1)  # y too loaded: as without
+    nowhere = [ReplicaView("x", set(), 0), ReplicaView("y", set(), 0)]
+    assert choose_by_prefix([11], nowhere, max_imbalance=2, adapter="sql") == (["x", "y"], 0)
+
+
+def test_the_router_reads_the_call_adapter_and_the_replicas_resident_adapters():
+    from pagedray.deploy.routing.router import prompt_hashes
+    from pagedray.workers.contract.lora_request import LoRARequest
+
+    async def scenario():
+        router = make_router()
+        sql = LoRARequest("sql", "/adapters/sql")
+        prompt = list(range(300, 312))
+        stats = {"stats": {"num_running": 0, "num_waiting": 0}}
+        base_holder = FakeReplica("a", {**stats, "prefix_hashes": prompt_hashes(prompt, BS, None)})
+        resident = FakeReplica("b", {**stats, "prefix_hashes": [], "lora_resident": ["sql"]})
+        call = FakeRequest(["req", prompt, None, [], sql], FakeMetadata("generate"))
+        assert await router.choose_replicas([base_holder, resident], call) == [[resident]]
+        assert await router.choose_replicas([base_holder, resident], generate_call(prompt)) == [[base_holder]]
+        router.on_request_routed(call, "b", None)      # remembered under the adapter's chains
+        assert set(router._sent["b"]) == set(prompt_hashes(prompt, BS, sql))
+
+    asyncio.run(scenario())
