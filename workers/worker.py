@@ -75,7 +75,7 @@ class Worker:
             log.info("rank %d: %s weights (%d bits), dequantized to %s when loaded", rank, quantization.method,
                      quantization.bits, self.dtype)
         if config.model.enable_lora:
-            ModelLora.attach(self.model, config.model.max_loras, config.model.max_lora_rank)
+            ModelLora.attach(self.model, config.model.max_loras, config.model.max_lora_rank, config.model.max_cpu_loras)
         self.pack_report: PackReport | None = pack_for_cpu(self.model, config.model, config.scheduler.max_num_seqs,
                                                            self.dtype, self.device)
         if self.pack_report is not None:

@@ -43,7 +43,7 @@ NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "
 # options whose non-default value conflicts with one above (async_scheduling needs tensor_parallel_size 1, LoRA
 # no speculative_model)
 NON_DEFAULTS_ALONE = {"async_scheduling": True, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
-                      "lora_modules": "sql=/adapters/sql"}
+                      "max_cpu_loras": 3, "lora_modules": "sql=/adapters/sql"}
 
 
 def engine_settings() -> set[str]:

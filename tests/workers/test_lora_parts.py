@@ -211,3 +211,24 @@ def test_a_lora_request_is_checked_and_has_a_stable_namespace():
         LoRARequest("x", "")
     assert LoRARequest("x", "/p").cache_namespace == LoRARequest("x", "/p").cache_namespace
     assert LoRARequest("x", "/p").cache_namespace != LoRARequest("x", "/q").cache_namespace
+
+
+@pytest.mark.parametrize("max_cpu_loras,reads", [(2, ["a", "b"]), (1, ["a", "b", "a"])])
+def test_adapters_stay_read_in_host_memory_up_to_max_cpu_loras(model_path, tmp_path, monkeypatch, max_cpu_loras,
+                                                               reads):
+    from helpers.worker_setup import local_driver
+    from pagedray.workers.lora import model_lora
+
+    paths = {n: save_adapter(tmp_path / n, model_path, ["q_proj", "down_proj"], 4, 8, seed) for n, seed in
+             (("a", 1), ("b", 2))}
+    worker, _ = local_driver(model_path, enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=max_cpu_loras)
+    lora, read = worker.model.lora, []
+    real = model_lora.read_adapter
+    monkeypatch.setattr(model_lora, "read_adapter", lambda name, *args: read.append(name) or real(name, *args))
+    qkv = worker.model.layers[0].self_attn.qkv_proj.lora
+    lora.load(0, "a", paths["a"])
+    first = qkv.a[0].clone()
+    lora.load(0, "b", paths["b"])                   # a leaves its slot
+    assert not torch.equal(qkv.a[0], first)
+    lora.load(0, "a", paths["a"])                   # back: from host memory while it is among the last loaded
+    assert torch.equal(qkv.a[0], first) and read == reads

@@ -71,6 +71,9 @@ class ModelConfig:
     max_loras: int = option(4, "LoRA: adapters resident on the ranks at once; a request whose adapter finds no free "
                                "slot waits until one is")
     max_lora_rank: int = option(16, "LoRA: the largest adapter rank accepted (every slot is this wide)")
+    max_cpu_loras: int | None = option(None, "LoRA: adapters kept read in host memory on each rank (least recently "
+                                             "loaded out first), so that one evicted from its slot loads again "
+                                             "without reading its files; at least max_loras (default: max_loras)")
     lora_modules: str | None = option(None, "LoRA: adapters served by name, 'name=folder[,name=folder...]' (every "
                                             "rank reads the folder)")
 
@@ -95,6 +98,9 @@ class ModelConfig:
                  f"max_loras: must be an integer in [1, 256], got {self.max_loras!r}")
         _require(type(self.max_lora_rank) is int and 1 <= self.max_lora_rank <= 512,   # noqa: E721
                  f"max_lora_rank: must be an integer in [1, 512], got {self.max_lora_rank!r}")
+        _require(self.max_cpu_loras is None or (type(self.max_cpu_loras) is int   # noqa: E721
+                                                and self.max_cpu_loras >= self.max_loras),
+                 f"max_cpu_loras: must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
         modules = self.lora_module_paths()
         _require(not modules or self.enable_lora, "lora_modules: set enable_lora to serve adapters")
 

@@ -1,6 +1,8 @@
 """LoRA slots on one rank's model: ``ModelLora.attach`` gives every adaptable linear layer of a dense
 decoder (``models/decoder.py``) its ``LoraLinearSlots``, all sharing one ``LoraBatch``; ``load`` writes an
-adapter into a slot of every layer (sharded like each layer), ``unload`` zeroes it.
+adapter into a slot of every layer (sharded like each layer), ``unload`` zeroes it. The last
+``max_cpu_loras`` adapters loaded stay read in host memory (an LRU), so one evicted from its slot loads again
+without reading its files.
 
 Adaptable: the merged q/k/v projection, o_proj, and the merged gate/up and down_proj of a dense MLP (a
 sparse-expert layer's MLP is not: its targets are refused by the adapter check). A model whose checkpoint
@@ -12,18 +14,23 @@ decode step with an adapter row runs the layers one by one (``cpu_decode_layers.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..models.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP, ModelDims
 from ..models.registry import model_class
-from .adapter import ModuleShapes, read_adapter
+from .adapter import Adapter, ModuleShapes, read_adapter
 from .slots import LoraBatch, LoraLinearSlots
 
 
 class ModelLora:
-    def __init__(self, model: DecoderForCausalLM, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model: DecoderForCausalLM, max_loras: int, max_rank: int, max_cpu_loras: int | None = None
+                 ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        self._read: OrderedDict[tuple[str, str], Adapter] = OrderedDict()   # (name, path) -> read, newest last
         self.dtype = model.embed_tokens.weight.dtype        # the products run in the model's dtype
         self.batch = LoraBatch(model.embed_tokens.weight.device, max_loras)
         self.resident: dict[int, str] = {}                   # slot -> adapter name
@@ -43,11 +50,12 @@ class ModelLora:
                 self._row(index, layer.mlp.down_proj, "down_proj")
 
     @classmethod
-    def attach(cls, model: torch.nn.Module, max_loras: int, max_rank: int) -> ModelLora:
+    def attach(cls, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int | None = None
+               ) -> ModelLora:
         """The slots on ``model``'s layers (ValueError naming the model when it has no LoRA support)."""
         if not isinstance(model, DecoderForCausalLM):
             raise ValueError(f"enable_lora: {type(model).__name__} has no LoRA support (dense decoders only)")
-        lora = cls(model, max_loras, max_rank)
+        lora = cls(model, max_loras, max_rank, max_cpu_loras)
         model.lora = lora
         return lora
 
@@ -69,7 +77,10 @@ class ModelLora:
         """Adapter ``name`` (PEFT files at ``path``) into ``slot`` of every layer; LoRAError before any write."""
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot: {slot} is outside 0..{self.max_loras - 1}")
-        adapter = read_adapter(name, path, self.shapes, self.max_rank)
+        adapter = self._read.pop((name, path), None) or read_adapter(name, path, self.shapes, self.max_rank)
+        self._read[(name, path)] = adapter                   # the most recently loaded last
+        while len(self._read) > self.max_cpu_loras:
+            self._read.popitem(last=False)
         for index, slots in self.layers:
             slots.write(slot, index, adapter)
         self.batch.scales[slot] = adapter.config.scale
