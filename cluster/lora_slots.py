@@ -8,8 +8,8 @@ each of the ranks' ``max_loras`` slots (``AdapterSlots``).
   adapter's slot; it gives it back when it leaves the running set (finished, preempted, aborted). An adapter
   not resident takes a free slot (one never used first, then the one whose last reference went longest
   ago) and the next plan carries the load (``wire.LoraLoad``); with every slot referenced the sequence
-  waits. A slot's adapter stays loaded after its last reference, so the next request with it loads
-  nothing.
+  waits, and the scheduler admits the sequences queued after it meanwhile (their adapter resident, or none).
+  A slot's adapter stays loaded after its last reference, so the next request with it loads nothing.
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ class AdapterSlots:
         self._slot_of: dict[str, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(max_loras))   # refs == 0
         self._loads: list[LoraLoad] = []
+
+    def can_acquire(self, lora: LoRARequest) -> bool:
+        """Whether ``acquire(lora)`` would give a slot (it is resident, or a slot is idle)."""
+        return lora.name in self._slot_of or bool(self._idle)
 
     def acquire(self, lora: LoRARequest) -> int | None:
         """A reference on ``lora``'s slot (loading it into a free one if needed), or None: every slot is in use."""

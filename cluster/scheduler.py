@@ -332,17 +332,23 @@ class Scheduler:
         if out is not None:
             out.preempted.append(seq)
 
-    def _next_waiting(self) -> Sequence:
+    def _next_waiting(self, passed: set[Sequence]) -> Sequence:
+        """The next sequence to admit (queue order, or priority), among those not ``passed`` over this step."""
         if self.config.policy == "priority":
-            return min(self.waiting, key=self._key)
-        return self.waiting[0]
+            return min((s for s in self.waiting if s not in passed), key=self._key)
+        return self.waiting[0] if not passed else next(s for s in self.waiting if s not in passed)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting:
             return
         taken = self._seats_taken()
-        while self.waiting and budget > 0:
-            seq = self._next_waiting()
+        passed: set[Sequence] = set()    # waiting for a LoRA slot: the sequences after them go on meanwhile
+        while len(passed) < len(self.waiting) and budget > 0:
+            seq = self._next_waiting(passed)
+            lora = seq.request.lora
+            if lora is not None and not self.lora_slots.can_acquire(lora):
+                passed.add(seq)
+                continue
             seats = 1 + (seq.request.num_unforked if seq.must_fork_first else 0)
             if taken + seats > self.config.max_num_seqs:
                 return
