@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_check.sh quick   # install, then the stages in STAGES (default below)
 #   bash benchmarks/gpu_check.sh full    # the same, with benchmarks.gpu_engine at its full shape if "engine" is asked
 # Stages: "kv8goal" (benchmarks.kv8_goal: issue #37's goal shape alone, bf16 against the 8-bit decode's default
-# and its best-ranked candidates, interleaved rounds), "tests" (the -m gpu tests), "engine"
+# and its best-ranked candidates, interleaved rounds), "tests" (the -m gpu tests; they include LoRA's Triton
+# product and the engine with adapters on CUDA, never run on a GPU yet), "engine"
 # (benchmarks.gpu_engine), "moe" (benchmarks.moe_kernel: the fused-MoE kernel against the loop over experts,
 # 4-bit packed experts against bf16 ones), "kv8" (benchmarks.kv8_kernel: decode over an 8-bit KV cache against
 # bf16 at 9 shapes, and prefill), "kvsweep" (benchmarks.kernel_sweep over each 8-bit cache's tiles, warps, code

@@ -182,3 +182,16 @@ def test_requests_queued_behind_one_waiting_for_a_slot_go_on(tiny_llama_path, ad
                 tokens[out.request_id].extend(out.outputs[0].token_ids)
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         assert tokens[f"r{i}"] == references(prompt, name), name
+
+
+@pytest.mark.gpu
+def test_on_cuda_adapters_equal_transformers_with_them_merged(tiny_llama_path, adapters, references):
+    """The Triton product (kernels/triton/lora_triton.py) under the real engine, eager decode (no CUDA graphs with
+    LoRA), a mixed batch."""
+    prompts = _prompts(6, 4)
+    names = ["all", None, "attn", "mlp"]
+    loras = [None if name is None else LoRARequest(name, adapters[name]) for name in names]
+    with _llm(tiny_llama_path, device="cuda") as llm:
+        results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    for prompt, name, result in zip(prompts, names, results):
+        assert result.outputs[0].token_ids == references(prompt, name), name

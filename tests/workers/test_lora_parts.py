@@ -97,7 +97,8 @@ def test_the_grouped_slot_product_equals_the_dense_merged_weight_per_row(model_p
                             torch.device("cpu"), batch)
     slots.write(0, 1, adapters[0])
     slots.write(2, 1, adapters[1])
-    batch.scales[0], batch.scales[2] = adapters[0].config.scale, adapters[1].config.scale
+    batch.set_scale(0, adapters[0].config.scale)
+    batch.set_scale(2, adapters[1].config.scale)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 64, generator=gen, dtype=torch.float64)
     y = torch.zeros(7, 64, dtype=torch.float64)

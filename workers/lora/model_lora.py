@@ -83,13 +83,13 @@ class ModelLora:
             self._read.popitem(last=False)
         for index, slots in self.layers:
             slots.write(slot, index, adapter)
-        self.batch.scales[slot] = adapter.config.scale
+        self.batch.set_scale(slot, adapter.config.scale)
         self.resident[slot] = name
 
     def unload(self, slot: int) -> None:
         for _, slots in self.layers:
             slots.clear(slot)
-        self.batch.scales[slot] = 0.0
+        self.batch.set_scale(slot, 0.0)
         self.resident.pop(slot, None)
 
 

@@ -15,7 +15,8 @@ Per step the runner sets ``LoraBatch`` from each token's slot (-1: the base mode
 ``scale * (x @ A^T) @ E`` per token, in PEFT's order of operations (shrink, expand, then the scale): on CPU
 in one C call for every adapter of the step (``kernels/cpu/cpu_lora.c``: blocks of up to 8 tokens of one
 slot; measured 1.7x faster than two torch GEMMs a slot on a 2,000-token prefill, and 3.7 against 5.6 ms
-a 32-row decode step token by token), elsewhere (CUDA, or no compiler) two torch products per slot present.
+a 32-row decode step token by token), on CUDA in two Triton launches (``kernels/triton/lora_triton.py``), and
+on a CPU without a compiler with two torch products per slot present.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class LoraBatch:
     def __init__(self, device: torch.device, max_loras: int) -> None:
         self.device = device
         self.scales = torch.zeros(max_loras, dtype=torch.float32)
+        self.device_scales = self.scales.to(device)      # the same, where the Triton product reads them
         self.slots = torch.empty(0, dtype=torch.int32)
         self.order = torch.empty(0, dtype=torch.int32)
         self.groups: list[tuple[int, torch.Tensor]] = []
@@ -50,6 +52,10 @@ class LoraBatch:
         self.slots = torch.from_numpy(token_slots.astype(np.int32)).to(self.device)
         listed = np.flatnonzero(token_slots >= 0)
         self.order = torch.from_numpy(listed[np.argsort(token_slots[listed], kind="stable")].astype(np.int32))
+
+    def set_scale(self, slot: int, scale: float) -> None:
+        self.scales[slot] = scale
+        self.device_scales = self.scales.to(self.device)
 
 
 class LoraLinearSlots:
@@ -102,6 +108,12 @@ class LoraLinearSlots:
         if self.in_c and y.stride(1) == 1:      # the step's slots were checked by LoraBatch.set
             cpu_lora.lora_add_checked(x if x.stride(1) == 1 else x.contiguous(), self.a, self.e, self.seg_off,
                                       batch.slots, batch.scales, y, batch.order)
+            return
+        if x.device.type == "cuda" and y.stride(1) == 1:
+            from pagedray.kernels.triton.lora_triton import lora_add_triton
+
+            lora_add_triton(x if x.stride(1) == 1 else x.contiguous(), self.a, self.e, batch.slots,
+                            batch.device_scales, y)
             return
         for slot, rows in batch.groups:
             delta = (x.index_select(0, rows) @ self.a[slot].T) @ self.e[slot] * float(batch.scales[slot])
