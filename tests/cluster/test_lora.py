@@ -85,18 +85,20 @@ def test_each_adapter_alone_equals_transformers_with_it_merged(tiny_llama_path, 
         assert len({tuple(references(prompt, name)) for name in (None, *adapters)}) > 1
 
 
-@pytest.mark.parametrize("max_loras", [4, 2], ids=["a-slot-each", "slots-change-hands"])
+@pytest.mark.parametrize("max_loras,num_blocks", [(4, None), (2, None), (2, 14)],
+                         ids=["a-slot-each", "slots-change-hands", "preempted"])
 def test_a_batch_mixing_adapters_and_the_base_equals_each_run_alone(tiny_llama_path, adapters, references,
-                                                                    max_loras):
+                                                                    max_loras, num_blocks):
     prompts = _prompts(1, 8)
     names = [None, "all", "attn", "mlp"] * 2
     loras = [None if name is None else LoRARequest(name, adapters[name]) for name in names]
-    with _llm(tiny_llama_path, max_loras=max_loras) as llm:
+    with _llm(tiny_llama_path, max_loras=max_loras, num_blocks=num_blocks) as llm:
         slots, loads = llm.engine.scheduler.lora_slots, []
         take_loads = slots.take_loads
         slots.take_loads = lambda: loads.extend(taken := take_loads()) or taken      # counts the plans' loads
         results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
         assert slots.refs == [0] * max_loras                                   # every reference given back
+        assert (llm.engine.scheduler.num_preemptions > 0) == (num_blocks is not None)   # re-admitted: slot again
         # a slot each: each adapter loaded once; two slots for three adapters: a slot changed hands
         assert len(loads) == 3 if max_loras == 4 else len(loads) >= 3 and len({load.slot for load in loads}) == 2
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
@@ -195,3 +197,13 @@ def test_on_cuda_adapters_equal_transformers_with_them_merged(tiny_llama_path, a
         results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     for prompt, name, result in zip(prompts, names, results):
         assert result.outputs[0].token_ids == references(prompt, name), name
+
+
+def test_forked_samples_keep_their_adapter(tiny_llama_path, adapters, references):
+    prompts = _prompts(7, 2)
+    two = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    with _llm(tiny_llama_path, max_loras=1) as llm:
+        results = llm.generate(prompts, two, use_tqdm=False, lora_request=LoRARequest("attn", adapters["attn"]))
+        assert llm.engine.scheduler.lora_slots.refs == [0]
+    for prompt, result in zip(prompts, results):
+        assert [o.token_ids for o in result.outputs] == [references(prompt, "attn")] * 2
