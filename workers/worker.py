@@ -143,7 +143,8 @@ class Worker:
                                                           or _all_plain_greedy(step.host.sampling_seqs))):
             output = self.runner.run(step)       # no grammar, processor or logprobs (or no rows): one argmax
             seq_ids = [state.seq_id for state in output.sampling_seqs]
-            sampled = self._last_sampled = [] if output.logits is None else self.sampler.argmax(seq_ids, output.logits)
+            sampled = [] if output.logits is None else self.sampler.argmax(seq_ids, output.logits)
+            sampled = self._last_sampled = self._fail_lora_rows(sampled)
             return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs)
         rows = [] if step is None else _sampling_rows(step.host.sampling_seqs, step.host.row_drafts)
         masks = self.grammars.submit(rows)   # grammar masks on their own thread while the forward runs
@@ -153,8 +154,18 @@ class Worker:
             if masks is not None:
                 wait([masks])   # the mask thread is done with the matchers before anything else touches them
             raise
-        sampled = self._last_sampled = self.sample(output, rows, masks)
+        sampled = self._last_sampled = self._fail_lora_rows(self.sample(output, rows, masks))
         return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs)
+
+    def _fail_lora_rows(self, sampled: list[SampledToken]) -> list[SampledToken]:
+        """Rank 0: the rows of a LoRA slot whose adapter failed to load carry that error instead of a token
+        (their requests end with it; the others go on)."""
+        lora = self.model.lora
+        if lora is None or not lora.failed:
+            return sampled
+        mirror = self.runner.mirror
+        return [SampledToken(token.seq_id, PLACEHOLDER_TOKEN, error=lora.failed[slot])
+                if (slot := mirror.state(token.seq_id).lora_slot) in lora.failed else token for token in sampled]
 
     def _resolve_pending(self, plan: StepPlan) -> StepPlan:
         """``plan`` with each ``PENDING_TOKEN`` replaced by the token this rank drew for that sequence at

@@ -207,3 +207,25 @@ def test_forked_samples_keep_their_adapter(tiny_llama_path, adapters, references
         assert llm.engine.scheduler.lora_slots.refs == [0]
     for prompt, result in zip(prompts, results):
         assert [o.token_ids for o in result.outputs] == [references(prompt, "attn")] * 2
+
+
+def test_an_adapter_whose_files_break_after_intake_ends_only_its_requests(tiny_llama_path, tmp_path, references):
+    path = save_adapter(tmp_path / "fragile", tiny_llama_path, ["q_proj"], rank=4, alpha=8, seed=9)
+    prompts = _prompts(8, 3)
+    with _llm(tiny_llama_path) as llm:
+        engine, fragile = llm.engine, LoRARequest("fragile", path)
+        engine.validate(prompts[0], GREEDY, lora=fragile)                       # checked at intake ...
+        (tmp_path / "fragile" / "adapter_model.safetensors").write_bytes(b"not safetensors any more")
+        engine.add("broken", prompts[0], GREEDY, validated=True, lora=fragile)  # ... unreadable at its load
+        engine.add("base", prompts[1], GREEDY)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+        broken, base = outputs["broken"][-1], outputs["base"]
+        assert broken.finished and broken.outputs[0].finish_reason == "error"
+        assert "lora adapter 'fragile'" in broken.error
+        assert [t for out in base for t in out.outputs[0].token_ids] == references(prompts[1], None)
+        (result,) = llm.generate([prompts[2]], GREEDY, use_tqdm=False)           # the engine serves on
+        assert result.outputs[0].token_ids == references(prompts[2], None)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

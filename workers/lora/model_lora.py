@@ -34,6 +34,7 @@ class ModelLora:
         self.dtype = model.embed_tokens.weight.dtype        # the products run in the model's dtype
         self.batch = LoraBatch(model.embed_tokens.weight.device, max_loras)
         self.resident: dict[int, str] = {}                   # slot -> adapter name
+        self.failed: dict[int, str] = {}                     # slot -> why its last load failed (slot left empty)
         self.layers: list[tuple[int, LoraLinearSlots]] = []
         dims = model.dims
         dense_mlp = all(isinstance(layer.mlp, DecoderMLP) for layer in model.layers)
@@ -74,10 +75,18 @@ class ModelLora:
         self.layers.append((index, slots))
 
     def load(self, slot: int, name: str, path: str) -> None:
-        """Adapter ``name`` (PEFT files at ``path``) into ``slot`` of every layer; LoRAError before any write."""
+        """Adapter ``name`` (PEFT files at ``path``) into ``slot`` of every layer. Files that cannot be read
+        (changed since the engine checked them at intake) leave the slot empty and ``failed[slot]`` saying why:
+        the rows of that slot then end their requests with that error (``Worker``), never the step."""
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot: {slot} is outside 0..{self.max_loras - 1}")
-        adapter = self._read.pop((name, path), None) or read_adapter(name, path, self.shapes, self.max_rank)
+        self.failed.pop(slot, None)
+        try:
+            adapter = self._read.pop((name, path), None) or read_adapter(name, path, self.shapes, self.max_rank)
+        except (ValueError, OSError) as exc:          # LoRAError is a ValueError
+            self.unload(slot)
+            self.failed[slot] = str(exc)
+            return
         self._read[(name, path)] = adapter                   # the most recently loaded last
         while len(self._read) > self.max_cpu_loras:
             self._read.popitem(last=False)
