@@ -200,6 +200,8 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """Subclasses define ``arch_spec(hf_config, max_model_len) -> ArchSpec`` (and may reject configs)."""
 
+    lora = None     # workers/lora/model_lora.ModelLora once LoRA slots are attached (enable_lora)
+
     @staticmethod
     def arch_spec(hf_config, max_model_len: int) -> ArchSpec:
         raise NotImplementedError
@@ -230,7 +232,6 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=dims.tie_word_embeddings)
         self.cpu_decode: DecodeShortcut | None = None   # set when the weights are packed (model_loading)
-        self.lora = None          # workers/lora/model_lora.ModelLora once LoRA slots are attached (enable_lora)
 
     @property
     def num_local_kv_heads(self) -> int:
