@@ -14,11 +14,14 @@
 # (benchmarks.quant_gemm: 4- and 8-bit weight GEMM against dense bf16), "spec" (benchmarks.spec_decode; needs
 # the SmolLM2 folder, ~/.cache/pagedray, which a lent machine lacks) and "hoststep" (benchmarks.host_step on the
 # lent machine's CPU: the engine's host work per decode step at batch 64 / 256 / 512 with the forward stubbed,
-# issue #60; run it next to "engine", whose busy fraction it explains).
+# issue #60; run it next to "engine", whose busy fraction it explains) and "lora" (benchmarks.lora_kernel: the
+# LoRA product of a 64-row batch over 8 adapters against the layer alone and the dense-merged product, after
+# checking it against the dense reference; then benchmarks.lora --random-qwen3: 8 adapters of rank 16 against
+# the base model with 64 requests at once, the issue #63 goal >= 0.85x).
 #
 # Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, *.json the figures.
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
-# first when present. KV8GOAL_S, TEST_S, BENCH_S, MOE_S, KV8_S, KVSWEEP_S (each half), QGEMM_S, SPEC_S and HOSTSTEP_S bound
+# first when present. KV8GOAL_S, TEST_S, BENCH_S, MOE_S, KV8_S, KVSWEEP_S (each half), QGEMM_S, SPEC_S, HOSTSTEP_S and LORA_S bound
 # the stages in seconds, so that a stage that hangs or crawls still leaves the others' output; every result
 # is printed as it comes. A lease is 15 minutes of device time, the machine's start included, and one call
 # at most 10: the default STAGES="kv8goal tests kv8" takes about 6 minutes on an H100 with a cold Triton cache
@@ -50,6 +53,16 @@ only=()
 if [[ -n "${KV8GOAL_CANDIDATES:-}" ]]; then IFS="|" read -ra names <<< "$KV8GOAL_CANDIDATES"; only=(--candidates "${names[@]}"); fi
 timeout "${KV8GOAL_S:-300}" python3 -m benchmarks.kv8_goal --rounds 5 --out "$OUT/kv8_goal.json" "${only[@]}"
 echo "kv8_goal exit: $?"
+fi
+
+if wanted lora; then
+echo "== benchmarks.lora_kernel (a 64-row batch over 8 adapters of rank 16: LoRA against base and dense-merged) =="
+timeout "${LORA_S:-300}" python3 -m benchmarks.lora_kernel --rounds 3 --out "$OUT/lora_kernel.json"
+echo "lora_kernel exit: $?"
+echo "== benchmarks.lora --random-qwen3 (8 adapters of rank 16 against the base model, 64 requests at once) =="
+timeout "${LORA_S:-300}" python3 -m benchmarks.lora --random-qwen3 --num-requests 64 --max-tokens 128 --rounds 3 \
+    --out "$OUT/lora.json"
+echo "lora exit: $?"
 fi
 
 if wanted hoststep; then

@@ -381,6 +381,16 @@ class AsyncEngine:
     async def stats(self) -> EngineStats:
         return self._stats
 
+    async def check_lora(self, lora: LoRARequest) -> None:
+        """ValueError naming the problem unless this engine can serve ``lora`` (its files read anew, off the
+        event loop: a run-time load, ``deploy/openai/lora_adapters.py``)."""
+        registry = self.engine.lora_registry
+        if registry is None:
+            raise ValueError("lora_name: this engine serves no LoRA adapters (start it with enable_lora)")
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request: must be a LoRARequest, got {type(lora).__name__}")
+        await asyncio.to_thread(registry.check, lora, True)
+
     def resident_adapters(self) -> list[str]:
         """The names of the LoRA adapters in the ranks' slots (a snapshot; empty without ``enable_lora``)."""
         slots = self.engine.scheduler.lora_slots

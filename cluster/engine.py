@@ -67,7 +67,7 @@ class Engine:
         if config.model.enable_lora:
             shapes = module_shapes(load_hf_config(self.model_path), self.max_model_len)
             self.lora_registry = LoraRegistry(shapes, config.model.max_lora_rank, config.model.lora_module_paths())
-            self.scheduler.lora_slots = AdapterSlots(config.model.max_loras)
+            self.scheduler.lora_slots = AdapterSlots(config.model.max_loras, config.model.max_cpu_loras)
         self.plan_builder = self._plan_builder()
         self.output_builder = OutputBuilder()
         self._pending: list[RequestOutput] = []
@@ -162,7 +162,8 @@ class Engine:
             return outputs
         out = self.scheduler.schedule()
         plan = self.plan_builder.build(out)
-        has_work = bool(plan.decodes or plan.new_seqs or plan.running or plan.released_seq_ids)
+        has_work = bool(plan.decodes or plan.new_seqs or plan.running or plan.released_seq_ids or plan.lora_reads
+                        or plan.lora_drops or self._lora_reads_in_flight)
         if self._async_scheduling:
             return outputs + self._step_ahead(out, plan, has_work)
         if not has_work:
@@ -176,6 +177,13 @@ class Engine:
             failure = self._recover(exc)
             return outputs if failure is None else outputs + self._fail(failure)
         return outputs + self._outputs_of(touched)
+
+    @property
+    def _lora_reads_in_flight(self) -> bool:
+        """Adapter reads the ranks have not reported finished: a step with nothing else to run still goes out,
+        so that rank 0 can report them (it waits for one a moment first: ``Worker``)."""
+        slots = self.scheduler.lora_slots
+        return slots is not None and slots.reads_in_flight
 
     def _step_ahead(self, out, plan: StepPlan, has_work: bool) -> list[RequestOutput]:
         """Async scheduling: submit this plan behind the one in flight, then wait for that one and apply it."""
@@ -204,7 +212,8 @@ class Engine:
     def _apply(self, out, plan: StepPlan, result: StepResult) -> list:
         if result.step_id != plan.step_id:
             raise RuntimeError(f"executor answered step {result.step_id} for plan {plan.step_id}")
-        return self.scheduler.update(out, result.sampled, result.prompt_logprobs)
+        touched = self.scheduler.update(out, result.sampled, result.prompt_logprobs)
+        return touched + self.scheduler.apply_lora_reads(result.lora_reads) if result.lora_reads else touched
 
     def _outputs_of(self, touched: list) -> list[RequestOutput]:
         outputs, warm_up, make = [], self._warm_up_ids, self.output_builder.make

@@ -74,6 +74,7 @@ class LLM:
         self.config = build_engine_config(model, tensor_parallel_size, dtype, **engine_kwargs)
         self.engine = Engine(self.config)
         self._next_id = 0
+        self._lora_folders = self.config.model.lora_module_paths()   # one folder per adapter name
 
     def _tokenizer_or_none(self):
         try:
@@ -94,13 +95,20 @@ class LLM:
             raise ValueError(f"params: give one SamplingParams or a list of {len(prompts)} (one per prompt)")
         return list(prompts), list(params)
 
-    @staticmethod
-    def _loras(lora_request, count: int) -> list:
+    def _loras(self, lora_request, count: int) -> list:
+        """One adapter (or None) per prompt; ValueError for a name already given with another folder."""
         if lora_request is None or isinstance(lora_request, LoRARequest):
-            return [lora_request] * count
-        if not isinstance(lora_request, (list, tuple)) or len(lora_request) != count:
+            loras = [lora_request] * count
+        elif not isinstance(lora_request, (list, tuple)) or len(lora_request) != count:
             raise ValueError(f"lora_request: give one LoRARequest, None, or a list of {count} (one per prompt)")
-        return list(lora_request)
+        else:
+            loras = list(lora_request)
+        folders = dict(self._lora_folders)
+        for lora in loras:
+            if isinstance(lora, LoRARequest) and folders.setdefault(lora.name, lora.path) != lora.path:
+                raise ValueError(f"lora_request: adapter {lora.name!r} is already served from "
+                                 f"{folders[lora.name]}, not {lora.path}")
+        return loras
 
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -123,6 +131,7 @@ class LLM:
         self._next_id += len(prompts)
         for (_, token_ids), p, lora in zip(encoded, params, loras):  # validate all before adding any
             self.engine.validate(token_ids, p, lora=lora)
+        self._lora_folders.update((lora.name, lora.path) for lora in loras if lora is not None)
         results = {rid: GenerationResult(text, token_ids, [SampleOutput(i, [], None, None) for i in range(p.n)])
                    for rid, (text, token_ids), p in zip(ids, encoded, params)}
         self._run(list(zip(ids, encoded, params, loras)), results, use_tqdm)

@@ -64,7 +64,7 @@ from pagedray.block_manager import CannotAllocateError, namespace_root
 from pagedray.workers.contract.config import SchedulerConfig
 from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.contract.wire import MODEL_DRAFT, PromptLogprobs, SampledToken
+from pagedray.workers.contract.wire import MODEL_DRAFT, LoraRead, PromptLogprobs, SampledToken
 
 from .lora_slots import AdapterSlots
 from .outputs import QueueFullError
@@ -133,6 +133,8 @@ class Scheduler:
         self.waiting.append(request.sequences[0])
         if request.num_unforked:
             self._unforked.add(request.sequences[0])
+        if lora is not None:
+            self.lora_slots.want(lora)      # its read starts with the next plan, while the queue ahead runs
         return request
 
     def _new_sequence(self, request: Request, index: int, resume_tokens: list[int] = ()) -> Sequence:
@@ -201,6 +203,7 @@ class Scheduler:
             self._admit_waiting(out, budget)
         if self.lora_slots is not None:
             out.lora_loads = self.lora_slots.take_loads()
+            out.lora_reads, out.lora_drops = self.lora_slots.take_orders()
         return out
 
     def _schedule_decodes(self, budget: int, out: SchedulerOutput) -> tuple[int, list]:
@@ -342,11 +345,14 @@ class Scheduler:
         if not self.waiting:
             return
         taken = self._seats_taken()
-        passed: set[Sequence] = set()    # waiting for a LoRA slot: the sequences after them go on meanwhile
+        passed: set[Sequence] = set()    # waiting for a LoRA read or slot: the sequences after them go on
+        if self.lora_slots is not None:
+            self.lora_slots.begin_pass()
         while len(passed) < len(self.waiting) and budget > 0:
             seq = self._next_waiting(passed)
             lora = seq.request.lora
             if lora is not None and not self.lora_slots.can_acquire(lora):
+                self.lora_slots.want(lora)
                 passed.add(seq)
                 continue
             seats = 1 + (seq.request.num_unforked if seq.must_fork_first else 0)
@@ -549,6 +555,21 @@ class Scheduler:
             self._finish(seq, FinishReason.STOP)
         elif num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH)
+
+    def apply_lora_reads(self, reads: list[LoraRead]) -> list[Request]:
+        """Rank 0's finished adapter reads: each read adapter may take a slot from the next step on; a failed
+        read ends every request waiting for that adapter with its error. Returns the requests ended."""
+        ended = []
+        for read in reads:
+            error = self.lora_slots.read_done(read)
+            if error is None:
+                continue
+            lora = LoRARequest(read.name, read.path)
+            for seq in [s for s in self.waiting if s.request.lora == lora]:
+                if not seq.is_finished:
+                    self._fail_request(seq, error)
+                    ended.append(seq.request)
+        return ended
 
     def _drop_lora(self, seq: Sequence) -> None:
         """``seq`` leaves the running set: its reference on its adapter's slot goes."""

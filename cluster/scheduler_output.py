@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedray.workers.contract.wire import LoraLoad
+from pagedray.workers.contract.wire import LoraFiles, LoraLoad
 
 from .request import Sequence
 
@@ -45,6 +45,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # LoRA adapters to load into the ranks' slots before this step (cluster/lora_slots.py)
     lora_loads: list[LoraLoad] = field(default_factory=list)
+    # LoRA adapters the ranks start reading into host memory / forget from it (cluster/lora_slots.py)
+    lora_reads: list[LoraFiles] = field(default_factory=list)
+    lora_drops: list[LoraFiles] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -111,7 +111,7 @@ WORKER_ROOMS = {"contract": set(), "kv_cache": set(), "tp_group": set(), "host_m
                 "weights": {"contract"}, "sampling": {"contract"},
                 "layers": {"weights", "kv_cache", "tp_group"},
                 "models": {"contract", "weights", "layers", "kv_cache", "tp_group"},
-                "lora": {"layers", "models"},
+                "lora": {"contract", "layers", "models"},
                 "runner": {"contract", "weights", "layers", "models", "sampling", "kv_cache", "tp_group"}}
 RANK = ("worker", "ray_worker", "step_channel", "__init__")
 

@@ -18,7 +18,7 @@ import torch
 from pagedray.kernels import kv_quant
 
 from .contract.config import EngineConfig
-from .contract.wire import PENDING_TOKEN, SampledToken, StepPlan, StepResult, decode_plan, encode_result
+from .contract.wire import PENDING_TOKEN, LoraRead, SampledToken, StepPlan, StepResult, decode_plan, encode_result
 from .host_memory import keep_freed_memory
 from .kv_cache import KVCacheSpec
 from .layers.packed_gemm import PackReport
@@ -36,6 +36,10 @@ from .sampling.speculative import cut_after_errors, verify
 from .tp_group import TPGroup
 from .weights.default_model import resolve_model_path
 from .weights.dtype_choice import resolve_dtype
+
+# a plan with nothing to run while an adapter read is in flight: how long rank 0 waits for the read to finish
+# before it answers (the pace of an engine whose only work is waiting for adapters, not a deadline)
+LORA_READ_POLL_S = 0.02
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class Worker:
             log.info("rank %d: %s weights (%d bits), dequantized to %s when loaded", rank, quantization.method,
                      quantization.bits, self.dtype)
         if config.model.enable_lora:
-            ModelLora.attach(self.model, config.model.max_loras, config.model.max_lora_rank, config.model.max_cpu_loras)
+            ModelLora.attach(self.model, config.model.max_loras, config.model.max_lora_rank)
         self.pack_report: PackReport | None = pack_for_cpu(self.model, config.model, config.scheduler.max_num_seqs,
                                                            self.dtype, self.device)
         if self.pack_report is not None:
@@ -99,8 +103,7 @@ class Worker:
     @property
     def uses_decode_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.config.model.enforce_eager
-                and self.config.parallel.tensor_parallel_size == 1
-                and not self.config.model.enable_lora)    # the graphs would not take the LoRA rows (limitations)
+                and self.config.parallel.tensor_parallel_size == 1)
 
     def available_kv_blocks(self) -> int:
         """KV blocks this rank can hold (collective on GPU with TP > 1: call on every rank). With a draft
@@ -136,6 +139,8 @@ class Worker:
         plan = self._resolve_pending(plan)
         if not self.tp.is_first:
             self.runner.execute(plan)
+            if self.model.lora is not None:
+                self.model.lora.finished_reads()    # only rank 0 reports them; the others drop failed copies
             return None
         self.grammars.release(plan.released_seq_ids)
         step = self.runner.prepare(plan)
@@ -144,8 +149,9 @@ class Worker:
             output = self.runner.run(step)       # no grammar, processor or logprobs (or no rows): one argmax
             seq_ids = [state.seq_id for state in output.sampling_seqs]
             sampled = [] if output.logits is None else self.sampler.argmax(seq_ids, output.logits)
-            sampled = self._last_sampled = self._fail_lora_rows(sampled)
-            return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs)
+            self._last_sampled = sampled
+            return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
+                              lora_reads=self._finished_lora_reads(step is None))
         rows = [] if step is None else _sampling_rows(step.host.sampling_seqs, step.host.row_drafts)
         masks = self.grammars.submit(rows)   # grammar masks on their own thread while the forward runs
         try:
@@ -154,18 +160,16 @@ class Worker:
             if masks is not None:
                 wait([masks])   # the mask thread is done with the matchers before anything else touches them
             raise
-        sampled = self._last_sampled = self._fail_lora_rows(self.sample(output, rows, masks))
-        return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs)
+        sampled = self._last_sampled = self.sample(output, rows, masks)
+        return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
+                          lora_reads=self._finished_lora_reads(False))
 
-    def _fail_lora_rows(self, sampled: list[SampledToken]) -> list[SampledToken]:
-        """Rank 0: the rows of a LoRA slot whose adapter failed to load carry that error instead of a token
-        (their requests end with it; the others go on)."""
+    def _finished_lora_reads(self, idle: bool) -> list[LoraRead]:
+        """Rank 0: the adapter reads finished since its last result. A plan with nothing to run (``idle``: the
+        engine is waiting for a read) first waits up to LORA_READ_POLL_S for one, so that an engine with
+        nothing else to do does not spin."""
         lora = self.model.lora
-        if lora is None or not lora.failed:
-            return sampled
-        mirror = self.runner.mirror
-        return [SampledToken(token.seq_id, PLACEHOLDER_TOKEN, error=lora.failed[slot])
-                if (slot := mirror.state(token.seq_id).lora_slot) in lora.failed else token for token in sampled]
+        return [] if lora is None else lora.finished_reads(LORA_READ_POLL_S if idle else 0.0)
 
     def _resolve_pending(self, plan: StepPlan) -> StepPlan:
         """``plan`` with each ``PENDING_TOKEN`` replaced by the token this rank drew for that sequence at

@@ -4,8 +4,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with ``stream: tru
 POST /v1/responses (OpenAI's Responses API) and POST /v1/messages (Anthropic's Messages API), both
 translated to a chat request (bridges/responses_api.py, bridges/messages_api.py) and streamed with named
 SSE events; /v1/messages answers every error in Anthropic's shape and takes the key from ``x-api-key``
-too. GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes), GET /health,
-GET /metrics.
+too. GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter,
+POST /v1/unload_lora_adapter (vLLM's shapes; openai/lora_adapters.py), GET /health, GET /metrics.
 
 Decisions: docs/design/deploy.md, ``pagedray.deploy.http.routes``.
 """
@@ -232,6 +232,16 @@ def create_api(service: OpenAIService, api_key: str | None = None,
             raise StarletteHTTPException(404, "Not Found")
         check_api_key(request, api_key)
         return JSONResponse(service.model(model_id))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        check_api_key(request, api_key)
+        return PlainTextResponse(await service.load_lora_adapter(await read_json_body(request, max_body_bytes)))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        check_api_key(request, api_key)
+        return PlainTextResponse(await service.unload_lora_adapter(await read_json_body(request, max_body_bytes)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

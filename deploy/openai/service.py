@@ -56,6 +56,7 @@ from .formatting import (
     usage_chunk_chat,
     usage_chunk_completion,
 )
+from .lora_adapters import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, adapter_to_load, adapter_to_unload
 from .metrics import ServerMetrics
 from .prepare_lanes import PrepareLanes, off_loop_if
 from .protocol import (
@@ -192,6 +193,9 @@ class OpenAIService:
         self.limits = limits
         self.metrics = metrics
         self.logprob_format = LogprobFormatter(tokenizer)
+        # run-time adapter loading: refused (with this reason) where a table of this replica's would not be the
+        # app's (several ingress replicas: lora_adapters.py)
+        self.lora_refusal: str | None = None
         self.grammars = GrammarChecker(tokenizer)
 
     # ------------------------------------------------------------------ plumbing
@@ -451,12 +455,37 @@ class OpenAIService:
 
     def models(self) -> dict:
         """GET /v1/models: the base model, then each LoRA adapter served (``parent``: the base model)."""
-        adapters = [LoRARequest(name, path) for name, path in self.limits.lora_adapters]
+        adapters = self.limits.lora_adapters.adapters()
         return {"object": "list", "data": [self._model_card(), *map(self._model_card, adapters)]}
 
     def model(self, model_id: str) -> dict:
         """GET /v1/models/{id}: the card of the model or adapter this name chooses; 404 otherwise."""
         return self._model_card(check_model(model_id, self.limits))
+
+    # ------------------------------------------------------------------ LoRA adapters at run time
+    async def load_lora_adapter(self, body) -> str:
+        """POST /v1/load_lora_adapter (lora_adapters.py): the adapter is checked by the engine, then served."""
+        if self.lora_refusal is not None:
+            raise bad_request(self.lora_refusal, param="lora_name")
+        table = self.limits.lora_adapters
+        lora = adapter_to_load(parse_body(LoadLoraAdapterRequest, body), table, self.limits.aliases)
+        try:
+            await self.engine.check_lora(lora)
+        except Exception as exc:  # noqa: BLE001 - the engine's refusal, named for the field that chose it
+            err = to_api_error(exc)
+            if err.status == 400 and err.param is None:      # the adapter's own problem: its folder's
+                err = bad_request(f"lora_path: {err.message}", param="lora_path")
+            raise err from None
+        table.put(lora)
+        return f"Success: LoRA adapter '{lora.name}' added successfully."
+
+    async def unload_lora_adapter(self, body) -> str:
+        """POST /v1/unload_lora_adapter: new requests naming the adapter get 404; running ones finish."""
+        if self.lora_refusal is not None:
+            raise bad_request(self.lora_refusal, param="lora_name")
+        table = self.limits.lora_adapters
+        table.remove(adapter_to_unload(parse_body(UnloadLoraAdapterRequest, body), table))
+        return f"Success: LoRA adapter '{body['lora_name']}' removed successfully."
 
     async def check_ready(self) -> None:
         await self.engine.check_ready()

@@ -42,6 +42,8 @@ class EngineClient(Protocol):
 
     async def check_ready(self) -> None: ...   # alive and taking requests (/health), else raises
 
+    async def check_lora(self, lora) -> None: ...   # ValueError naming the problem unless the engine can serve it
+
 
 @dataclass
 class ChoiceDelta:

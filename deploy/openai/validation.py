@@ -16,6 +16,7 @@ from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingParams
 
 from .errors import APIError, bad_request
+from .lora_adapters import AdapterTable
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .reasoning import ReasoningStart, ThinkTags, grammar_after_reasoning
 from .structured_output import requested_grammar
@@ -45,9 +46,13 @@ class ModelLimits:
     # sequences (prompts x n) of one request in the engine at once (service.py); None: no bound.
     # The ingress sets half the engine's max_num_seqs.
     sequences_in_flight: int | None = None
-    # (name, folder) of the LoRA adapters served (lora_modules): ``model`` may name one, alone or as
-    # "<served name>:<adapter>"
-    lora_adapters: tuple[tuple[str, str], ...] = ()
+    # the LoRA adapters served (lora_modules, and those loaded at run time): ``model`` may name one, alone or
+    # as "<served name>:<adapter>". Given as (name, folder) pairs, kept as the (mutable) AdapterTable
+    lora_adapters: AdapterTable | tuple = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_adapters, AdapterTable):
+            object.__setattr__(self, "lora_adapters", AdapterTable(self.lora_adapters))
 
 
 @dataclass(frozen=True)
@@ -70,12 +75,12 @@ def check_model(name: str | None, limits: ModelLimits) -> LoRARequest | None:
     """The LoRA adapter ``name`` chooses (None: the base model, or no name); 404 for a name not served."""
     if name is None or name in limits.aliases:
         return None
-    adapters = dict(limits.lora_adapters)
+    adapters = limits.lora_adapters
     base, sep, adapter = name.rpartition(":")
-    chosen = adapter if sep and base in limits.aliases else name
-    if chosen in adapters:
-        return LoRARequest(chosen, adapters[chosen])
-    available = ", ".join(repr(n) for n in [limits.served_name, *adapters])
+    lora = adapters.get(adapter if sep and base in limits.aliases else name)
+    if lora is not None:
+        return lora
+    available = ", ".join(repr(n) for n in [limits.served_name, *adapters.names()])
     raise APIError(404, f"model: {name!r} is not served here; available: {available}",
                    "not_found_error", param="model", code="model_not_found")
 

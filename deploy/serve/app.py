@@ -128,7 +128,7 @@ def build_app(args: dict | None = None) -> Application:
                         tool_call_parser=parsed.tool_call_parser)
     if engine_in_ingress(parsed, most_replicas):
         return OpenAIIngress.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
-            config, **ingress_args)
+            config, **ingress_args, ingress_replicas=most_replicas)
     routing = router_config(parsed, most_replicas, config.cache.block_size)
     summary_blocks = PREFIX_SUMMARY_BLOCKS if routing else 0   # Serve's own router reads no prefix summary
     engine = EngineDeployment.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,

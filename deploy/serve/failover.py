@@ -182,6 +182,9 @@ class FailoverEngineClient:
     async def check_ready(self) -> None:
         await self._inner.check_ready()
 
+    async def check_lora(self, lora) -> None:
+        await self._inner.check_lora(lora)
+
 
 async def _merged(streams: list[AsyncIterator[RequestOutput]], indices: list[int]) -> AsyncIterator[RequestOutput]:
     """Per-sample continuation streams as one: each output's sample 0 renamed to its original index."""

@@ -124,6 +124,10 @@ class HandleEngineClient:
     async def stats(self):
         return await self._handle.stats.remote()
 
+    async def check_lora(self, lora) -> None:
+        """The check of the replica this call reaches (every replica reads the same folder, as for requests)."""
+        await self._handle.check_lora.remote(lora)
+
     async def check_ready(self) -> None:
         for summary in self._summaries() or []:
             if not summary["healthy"]:
@@ -152,9 +156,10 @@ class OpenAIIngress:
     async def __init__(self, engine: DeploymentHandle | EngineConfig, model: str = "default",
                        served_model_name: str | None = None, api_key: str | None = None,
                        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto",
-                       tool_call_parser: str = "auto") -> None:
+                       tool_call_parser: str = "auto", ingress_replicas: int = 1) -> None:
         """``engine``: a handle to the engine deployment, or (``engine_in_ingress``) the EngineConfig of
-        the engine this replica runs itself."""
+        the engine this replica runs itself. ``ingress_replicas``: the most replicas this deployment may
+        have (more than one: LoRA adapters are not loaded at run time, ``openai/lora_adapters.py``)."""
         from transformers import AutoTokenizer
 
         use_bounded_protocol()   # before Serve starts this replica's own HTTP server (direct ingress)
@@ -177,6 +182,10 @@ class OpenAIIngress:
         self._client = client
         self._metrics = ServerMetrics(name)
         self._service = OpenAIService(client, tokenizer, limits, self._metrics, reasoning_parser, tool_call_parser)
+        if ingress_replicas > 1:
+            self._service.lora_refusal = (
+                f"lora_name: this app has up to {ingress_replicas} ingress replicas (engine_in_ingress), each with "
+                "its own adapter table, so adapters are not loaded at run time here; list them in lora_modules")
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
 
@@ -248,6 +257,14 @@ class OpenAIIngress:
         if self._served is not None:
             return await self._served.drain(timeout_s)
         return await self._engine.drain.remote(timeout_s)
+
+    async def load_lora_adapter(self, body: dict) -> str:
+        """POST /v1/load_lora_adapter as a Python call: ``{"lora_name": ..., "lora_path": ...}``."""
+        return await self._service.load_lora_adapter(body)
+
+    async def unload_lora_adapter(self, body: dict) -> str:
+        """POST /v1/unload_lora_adapter as a Python call: ``{"lora_name": ...}``."""
+        return await self._service.unload_lora_adapter(body)
 
     async def stats(self):
         """EngineStats of the engine replica this call reaches."""

@@ -81,6 +81,10 @@ class ServedEngine:
     async def stats(self):
         return await self._engine.stats()
 
+    async def check_lora(self, lora: LoRARequest) -> None:
+        """ValueError naming the problem unless this replica can serve adapter ``lora`` (a run-time load)."""
+        await self._engine.check_lora(lora)
+
     async def check_health(self) -> None:
         """Alive (Serve's replica health hook): raises for a dead rank, a failed step loop or a stalled step."""
         await self._engine.check_health()

@@ -168,28 +168,72 @@ def test_tensor_parallel_ranks_shard_each_adapter_like_its_layer(tiny_llama_path
 
 
 def test_requests_queued_behind_one_waiting_for_a_slot_go_on(tiny_llama_path, adapters, references):
+    """One slot and one adapter read in host memory: "all" is read off the step (the base request runs from the
+    first step on, before any read is done), then "all" takes the slot for r0 and r3; "attn" waits for it."""
     prompts = _prompts(5, 4)
-    names = ["all", "attn", None, "all"]          # one slot: "attn" waits for it, the base and "all" do not
+    names = ["all", "attn", None, "all"]
     with _llm(tiny_llama_path, max_loras=1) as llm:
         engine = llm.engine
         for i, (prompt, name) in enumerate(zip(prompts, names)):
             engine.add(f"r{i}", prompt, GREEDY, lora=None if name is None else LoRARequest(name, adapters[name]))
         tokens = {f"r{i}": [] for i in range(4)}
-        for out in engine.step():
-            tokens[out.request_id].extend(out.outputs[0].token_ids)
-        running = {seq.request.request_id for seq in engine.scheduler.running}
-        assert running == {"r0", "r2", "r3"} and [s.request.request_id for s in engine.scheduler.waiting] == ["r1"]
-        while engine.has_unfinished_requests():
+
+        def step() -> set[str]:
             for out in engine.step():
                 tokens[out.request_id].extend(out.outputs[0].token_ids)
+            return {seq.request.request_id for seq in engine.scheduler.running}
+
+        assert step() == {"r2"}               # the adapters are being read: the base model goes on meanwhile
+        while "r0" not in step():
+            assert [s.request.request_id for s in engine.scheduler.waiting] == ["r0", "r1", "r3"]
+        assert {"r0", "r3"} <= step() and [s.request.request_id for s in engine.scheduler.waiting] == ["r1"]
+        while engine.has_unfinished_requests():
+            step()
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         assert tokens[f"r{i}"] == references(prompt, name), name
 
 
+@pytest.mark.integration
+def test_tensor_parallel_ranks_over_ray_serve_a_mixed_batch_exactly(ray_session, tiny_llama_path, adapters,
+                                                                    references):
+    """TP=2 rank actors (Ray executor): every rank reads each adapter on its own thread and shards it; two slots
+    for three adapters, so one waits for a slot and another's is reused."""
+    prompts = _prompts(9, 5)
+    names = ["all", None, "attn", "mlp", "all"]
+    loras = [None if name is None else LoRARequest(name, adapters[name]) for name in names]
+    with _llm(tiny_llama_path, tensor_parallel_size=2, max_loras=2) as llm:
+        assert llm.config.parallel.use_ray
+        results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert llm.engine.scheduler.lora_slots.refs == [0, 0]
+    for prompt, name, result in zip(prompts, names, results):
+        assert result.outputs[0].token_ids == references(prompt, name), name
+
+
+def test_decode_buckets_take_each_rows_adapter_slot(tiny_llama_path, adapters, references):
+    """The CUDA-graph decode path (run eagerly on CPU: the same static buffers and padded buckets) with adapter
+    rows, base rows and padding rows in one bucket."""
+    from helpers.worker_plans import log_bucket_runs
+    from pagedray.workers.runner.decode_graphs import DecodeGraphs
+
+    prompts = _prompts(10, 5)
+    names = ["all", None, "attn", "mlp", "all"]
+    loras = [None if name is None else LoRARequest(name, adapters[name]) for name in names]
+    with _llm(tiny_llama_path, max_num_seqs=6, max_loras=3) as llm:
+        worker = llm.engine.executor.worker
+        runner = worker.runner
+        graphs = DecodeGraphs(worker.model, runner.kv_cache, runner.block_size, 6, worker.max_model_len, worker.device)
+        runner.use_decode_graphs(graphs)
+        log = log_bucket_runs(graphs)
+        results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    assert any(rows < bucket for rows, bucket in log) and any(rows >= 3 for rows, _ in log), log
+    for prompt, name, result in zip(prompts, names, results):
+        assert result.outputs[0].token_ids == references(prompt, name), name
+
+
 @pytest.mark.gpu
 def test_on_cuda_adapters_equal_transformers_with_them_merged(tiny_llama_path, adapters, references):
-    """The Triton product (kernels/triton/lora_triton.py) under the real engine, eager decode (no CUDA graphs with
-    LoRA), a mixed batch."""
+    """The Triton product (kernels/triton/lora_triton.py) under the real engine, a mixed batch; TP=1 on CUDA
+    captures decode CUDA graphs, so the decode steps replay them with the rows' adapter slots as an input."""
     prompts = _prompts(6, 4)
     names = ["all", None, "attn", "mlp"]
     loras = [None if name is None else LoRARequest(name, adapters[name]) for name in names]
@@ -215,7 +259,9 @@ def test_an_adapter_whose_files_break_after_intake_ends_only_its_requests(tiny_l
     with _llm(tiny_llama_path) as llm:
         engine, fragile = llm.engine, LoRARequest("fragile", path)
         engine.validate(prompts[0], GREEDY, lora=fragile)                       # checked at intake ...
-        (tmp_path / "fragile" / "adapter_model.safetensors").write_bytes(b"not safetensors any more")
+        weights = tmp_path / "fragile" / "adapter_model.safetensors"
+        good = weights.read_bytes()
+        weights.write_bytes(b"not safetensors any more")
         engine.add("broken", prompts[0], GREEDY, validated=True, lora=fragile)  # ... unreadable at its load
         engine.add("base", prompts[1], GREEDY)
         outputs = {}
@@ -229,3 +275,6 @@ def test_an_adapter_whose_files_break_after_intake_ends_only_its_requests(tiny_l
         (result,) = llm.generate([prompts[2]], GREEDY, use_tqdm=False)           # the engine serves on
         assert result.outputs[0].token_ids == references(prompts[2], None)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        weights.write_bytes(good)                                   # mended: the next request reads it again
+        (result,) = llm.generate([prompts[0]], GREEDY, use_tqdm=False, lora_request=fragile)
+        assert result.outputs[0].token_ids == hf_greedy(merged_hf_model(tiny_llama_path, path), prompts[0], MAX_TOKENS)

@@ -595,3 +595,52 @@ def test_the_model_name_chooses_a_lora_adapter_and_models_lists_them(tokenizer):
         (MODEL, None, None), ("sql", MODEL, "/adapters/sql"), ("chat", MODEL, "/adapters/chat")]
     assert client.get("/v1/models/sql").json()["parent"] == MODEL
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+
+
+def test_adapters_load_and_unload_at_run_time_and_bad_loads_change_nothing(tokenizer):
+    from pagedray.workers.contract.lora_request import LoRARequest
+
+    engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT), eos_token_id=tokenizer.eos_token_id)
+    limits = ModelLimits(MODEL, frozenset({MODEL, "default"}), VOCAB, MAX_MODEL_LEN,
+                         lora_adapters=(("sql", "/adapters/sql"),))
+    service = OpenAIService(engine, tokenizer, limits, ServerMetrics(MODEL))
+    client = TestClient(create_api(service, api_key="k"))
+    auth = {"Authorization": "Bearer k"}
+
+    def names() -> list[str]:
+        return [card["id"] for card in client.get("/v1/models", headers=auth).json()["data"]]
+
+    def complete(model: str):
+        return client.post("/v1/completions", headers=auth, json={"model": model, "prompt": "Say:", "max_tokens": 2})
+
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/a/x"}).status_code == 401
+    load = client.post("/v1/load_lora_adapter", headers=auth, json={"lora_name": "chat", "lora_path": "/a/chat"})
+    assert load.status_code == 200 and "chat" in load.text
+    assert names() == [MODEL, "sql", "chat"]
+    assert complete("chat").status_code == 200 and engine.loras[-1] == LoRARequest("chat", "/a/chat")
+    refused = [({"lora_name": "chat", "lora_path": "/a/other"}, "lora_name", "already loaded"),
+               ({"lora_name": "chat", "lora_path": "/a/chat", "load_inplace": True}, "load_inplace", "new folder"),
+               ({"lora_name": "b", "lora_path": "/a/bad"}, "lora_path", "rank 99"),
+               ({"lora_name": "a:b", "lora_path": "/a/ab"}, "lora_name", "without ':'"),
+               ({"lora_name": MODEL, "lora_path": "/a/m"}, "lora_name", "base model"),
+               ({"lora_name": "c"}, "lora_path", "Field required"),
+               ({"lora_name": "c", "lora_path": ""}, "lora_path", "non-empty")]
+    for body, param, message in refused:
+        error = assert_openai_error(client.post("/v1/load_lora_adapter", headers=auth, json=body), 400, param)
+        assert message in error["message"], error
+    assert names() == [MODEL, "sql", "chat"]
+    moved = client.post("/v1/load_lora_adapter", headers=auth,
+                        json={"lora_name": "chat", "lora_path": "/a/chat2", "load_inplace": True})
+    assert moved.status_code == 200
+    assert complete("chat").status_code == 200 and engine.loras[-1] == LoRARequest("chat", "/a/chat2")
+    unload = client.post("/v1/unload_lora_adapter", headers=auth, json={"lora_name": "sql"})
+    assert unload.status_code == 200 and names() == [MODEL, "chat"]
+    calls = len(engine.calls)
+    assert_openai_error(complete("sql"), 404, "model")
+    assert_openai_error(client.post("/v1/unload_lora_adapter", headers=auth, json={"lora_name": "sql"}), 404,
+                        "lora_name")
+    assert len(engine.calls) == calls
+    service.lora_refusal = "lora_name: not here"
+    assert_openai_error(client.post("/v1/load_lora_adapter", headers=auth, json={"lora_name": "d", "lora_path": "/d"}),
+                        400, "lora_name")
+    assert names() == [MODEL, "chat"]

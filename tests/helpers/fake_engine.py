@@ -114,6 +114,11 @@ class ScriptedEngine:
         reason = "rank 1 is dead" if self.dead else ""
         return [ReplicaState("fake-replica", await self.stats(), not self.dead, reason)]
 
+    async def check_lora(self, lora) -> None:
+        """Refuses an adapter whose folder ends with "bad" (as the engine's check would, naming it)."""
+        if lora.path.endswith("bad"):
+            raise ValueError(f"lora adapter {lora.name!r}: rank 99 is over max_lora_rank 16")
+
     async def check_ready(self) -> None:
         if self.dead:
             raise EngineDeadError("rank 1 is dead")

@@ -139,9 +139,9 @@ def log_bucket_runs(graphs) -> list[tuple[int, int]]:
     log: list[tuple[int, int]] = []
     run = graphs.run
 
-    def logged(host):
+    def logged(host, token_slots=None):
         log.append((host.num_real_rows, host.shape.seqs))
-        return run(host)
+        return run(host, token_slots)
 
     graphs.run = logged
     return log

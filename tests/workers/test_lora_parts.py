@@ -16,7 +16,19 @@ from pagedray.cluster.lora_slots import AdapterSlots, LoraRegistry
 from pagedray.workers.contract.config import EngineConfig, ModelConfig, SchedulerConfig
 from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.contract.wire import LoraLoad, NewSequence, StepPlan, WireError, decode_plan, encode_plan
+from pagedray.workers.contract.wire import (
+    LoraFiles,
+    LoraLoad,
+    LoraRead,
+    NewSequence,
+    StepPlan,
+    StepResult,
+    WireError,
+    decode_plan,
+    decode_result,
+    encode_plan,
+    encode_result,
+)
 from pagedray.workers.lora.adapter import LoRAError, ModuleShapes, read_adapter, read_adapter_config
 from pagedray.workers.lora.slots import LoraBatch, LoraLinearSlots
 
@@ -125,9 +137,18 @@ def test_the_grouped_slot_product_equals_the_dense_merged_weight_per_row(model_p
     assert torch.count_nonzero(y) == 0
 
 
+def _read(slots: AdapterSlots, *loras: LoRARequest) -> None:
+    """Order each adapter's read and report it finished, as rank 0 would."""
+    for lora in loras:
+        slots.want(lora)
+        assert slots.read_done(LoraRead(lora.name, lora.path)) is None
+
+
 def test_slots_go_to_never_used_ones_first_then_the_least_recently_released():
-    slots = AdapterSlots(2)
+    slots = AdapterSlots(2, max_host=3)
     a, b, c = (LoRARequest(n, f"/adapters/{n}") for n in "abc")
+    assert not slots.can_acquire(a) and slots.acquire(a) is None     # not read yet: no slot
+    _read(slots, a, b, c)
     assert slots.acquire(a) == 0 and slots.acquire(b) == 1
     assert [(load.slot, load.name) for load in slots.take_loads()] == [(0, "a"), (1, "b")]
     assert slots.take_loads() == []
@@ -145,19 +166,45 @@ def test_slots_go_to_never_used_ones_first_then_the_least_recently_released():
     with pytest.raises(RuntimeError, match="released more often"):
         slots.release(1)
     slots.forget_resident()
+    assert slots.acquire(c) is None                            # the new ranks hold no copy either: read again
+    _read(slots, c)
     assert slots.acquire(c) == 0 and slots.take_loads() == [LoraLoad(0, "c", "/adapters/c")]
 
 
-def test_the_registry_checks_once_and_keeps_one_folder_per_name(model_path, tmp_path):
+def test_host_copies_are_read_once_dropped_least_recent_first_and_a_failed_read_is_forgotten():
+    slots = AdapterSlots(1, max_host=2)
+    a, b, c = (LoRARequest(n, f"/adapters/{n}") for n in "abc")
+    files = [LoraFiles(n, f"/adapters/{n}") for n in "abc"]
+    slots.want(a)
+    slots.want(a)                                              # already ordered: one read
+    slots.want(b)
+    assert slots.take_orders() == ([files[0], files[1]], []) and slots.reads_in_flight
+    slots.want(c)                                              # both held are still being read: c waits
+    assert slots.take_orders() == ([], [])
+    assert slots.read_done(LoraRead("a", "/adapters/a")) is None
+    assert slots.read_done(LoraRead("b", "/adapters/b", error="lora adapter 'b': gone")) == "lora adapter 'b': gone"
+    assert not slots.can_acquire(b) and slots.take_orders() == ([], [])   # b is not held after its failed read
+    slots.begin_pass()
+    slots.want(a)                                              # wanted in this pass: not dropped for c
+    slots.want(b)
+    slots.want(c)
+    assert slots.take_orders() == ([files[1]], []) and slots.reads_in_flight
+    assert slots.read_done(LoraRead("b", "/adapters/b")) is None and not slots.reads_in_flight
+    slots.begin_pass()
+    slots.want(c)                                              # a is the least recently wanted: dropped for c
+    assert slots.take_orders() == ([files[2]], [files[0]])
+    assert slots.read_done(LoraRead("zzz", "/nowhere")) is None   # a read no longer held is ignored
+
+
+def test_the_registry_checks_each_folder_once_unless_asked_again(model_path, tmp_path):
     first = save_adapter(tmp_path / "one", model_path, ["q_proj"], 2, 2, 0)
-    other = save_adapter(tmp_path / "two", model_path, ["q_proj"], 2, 2, 1)
+    other = save_adapter(tmp_path / "two", model_path, ["q_proj", "v_proj"], 2, 2, 1)
     registry = LoraRegistry(SHAPES, 8, {"one": first})
-    assert registry.names == {"one": first} and registry.resolve("one") == LoRARequest("one", first)
-    with pytest.raises(ValueError, match="already served from"):
-        registry.check(LoRARequest("one", other))
+    assert registry.check(LoRARequest("one", other)).targets == ("q_proj", "v_proj")   # another folder: another adapter
     (tmp_path / "one" / "adapter_config.json").unlink()          # checked once: not read again
     assert registry.check(LoRARequest("one", first)).rank == 2
-    assert registry.resolve("two") is None
+    with pytest.raises(LoRAError, match="no adapter_config.json"):
+        registry.check(LoRARequest("one", first), again=True)
 
 
 def test_lora_fields_cross_the_wire_and_malformed_ones_are_refused():
@@ -170,6 +217,19 @@ def test_lora_fields_cross_the_wire_and_malformed_ones_are_refused():
     raw["lora_loads"] = [{"slot": "1", "name": "x", "path": "/a/x"}]
     with pytest.raises(WireError, match="lora_loads"):
         decode_plan(msgpack.packb(raw, use_bin_type=True))
+    orders = StepPlan(8, lora_reads=[LoraFiles("y", "/a/y")], lora_drops=[LoraFiles("x", "/a/x")])
+    back = decode_plan(encode_plan(orders))
+    assert back.lora_reads == [LoraFiles("y", "/a/y")] and back.lora_drops == [LoraFiles("x", "/a/x")]
+    raw = msgpack.unpackb(encode_plan(orders), raw=False)
+    raw["lora_drops"] = [{"name": "x", "path": 3}]
+    with pytest.raises(WireError, match="lora_drops"):
+        decode_plan(msgpack.packb(raw, use_bin_type=True))
+    result = StepResult(8, lora_reads=[LoraRead("y", "/a/y"), LoraRead("z", "/a/z", "lora adapter 'z': gone")])
+    assert decode_result(encode_result(result)).lora_reads == result.lora_reads
+    raw = msgpack.unpackb(encode_result(result), raw=False)
+    raw["lora_reads"][0]["error"] = 5
+    with pytest.raises(WireError, match="lora_reads"):
+        decode_result(msgpack.packb(raw, use_bin_type=True))
 
 
 def test_a_plan_naming_an_empty_slot_is_refused_before_anything_runs(model_path):
@@ -214,22 +274,48 @@ def test_a_lora_request_is_checked_and_has_a_stable_namespace():
     assert LoRARequest("x", "/p").cache_namespace != LoRARequest("x", "/q").cache_namespace
 
 
-@pytest.mark.parametrize("max_cpu_loras,reads", [(2, ["a", "b"]), (1, ["a", "b", "a"])])
-def test_adapters_stay_read_in_host_memory_up_to_max_cpu_loras(model_path, tmp_path, monkeypatch, max_cpu_loras,
-                                                               reads):
+def test_a_rank_reads_adapters_on_its_reader_thread_and_loads_slots_from_the_copy(model_path, tmp_path, monkeypatch):
+    """The plan's reads run on the rank's reader thread (a step goes on while one is blocked); a slot load copies
+    from the host copy without reading the files again; a dropped copy is read anew; rank 0 reports each
+    finished read once, a failed one with its error (the copy forgotten)."""
+    import threading
+
     from helpers.worker_setup import local_driver
     from pagedray.workers.lora import model_lora
 
     paths = {n: save_adapter(tmp_path / n, model_path, ["q_proj", "down_proj"], 4, 8, seed) for n, seed in
              (("a", 1), ("b", 2))}
-    worker, _ = local_driver(model_path, enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=max_cpu_loras)
-    lora, read = worker.model.lora, []
+    worker, _ = local_driver(model_path, enable_lora=True, max_lora_rank=8, max_loras=1)
+    lora, read, release = worker.model.lora, [], threading.Event()
     real = model_lora.read_adapter
-    monkeypatch.setattr(model_lora, "read_adapter", lambda name, *args: read.append(name) or real(name, *args))
+
+    def slow_read(name, *args):
+        release.wait()
+        read.append(name)
+        return real(name, *args)
+    monkeypatch.setattr(model_lora, "read_adapter", slow_read)
+    result = worker.execute(StepPlan(0, lora_reads=[LoraFiles("a", paths["a"])]))
+    assert result.lora_reads == [] and read == []          # the step answered while the read is blocked
+    release.set()
+    result = worker.execute(StepPlan(1))                    # nothing to run: waits a moment for the read
+    while not result.lora_reads:
+        result = worker.execute(StepPlan(2))
+    assert result.lora_reads == [LoraRead("a", paths["a"])] and read == ["a"]
     qkv = worker.model.layers[0].self_attn.qkv_proj.lora
-    lora.load(0, "a", paths["a"])
+    worker.execute(StepPlan(3, lora_loads=[LoraLoad(0, "a", paths["a"])]))
     first = qkv.a[0].clone()
-    lora.load(0, "b", paths["b"])                   # a leaves its slot
-    assert not torch.equal(qkv.a[0], first)
-    lora.load(0, "a", paths["a"])                   # back: from host memory while it is among the last loaded
-    assert torch.equal(qkv.a[0], first) and read == reads
+    assert read == ["a"] and torch.count_nonzero(first) > 0 and lora.resident == {0: "a"}
+    worker.execute(StepPlan(4, lora_loads=[LoraLoad(0, "b", paths["b"])]))    # no copy held: read now
+    assert read == ["a", "b"] and not torch.equal(qkv.a[0], first)
+    worker.execute(StepPlan(5, lora_loads=[LoraLoad(0, "a", paths["a"])], lora_drops=[LoraFiles("a", paths["a"])]))
+    assert torch.equal(qkv.a[0], first) and read == ["a", "b"]              # loaded from the copy, then dropped
+    (tmp_path / "b" / "adapter_model.safetensors").write_bytes(b"broken")
+    reads = worker.execute(StepPlan(6, lora_reads=[LoraFiles("b", paths["b"])])).lora_reads
+    while not reads:
+        reads = worker.execute(StepPlan(7)).lora_reads
+    assert reads[0].name == "b" and "lora adapter 'b'" in reads[0].error
+    with pytest.raises(LoRAError, match="lora adapter 'b'"):       # the failed copy is gone: read again, fails
+        worker.execute(StepPlan(8, lora_loads=[LoraLoad(0, "b", paths["b"])]))
+    assert lora.resident == {}
+
+

@@ -66,14 +66,15 @@ class ModelConfig:
                                                "resident memory stays at its peak)")
     enable_lora: bool = option(False, "serve LoRA adapters of this model (PEFT folders: adapter_config.json + "
                                       "adapter_model.safetensors; q/k/v/o and gate/up/down targets); a request "
-                                      "names one (LLM: lora_request; HTTP: its model name); runs decode steps layer "
-                                      "by layer (no CUDA graphs, no one-call CPU decode)")
+                                      "names one (LLM: lora_request; HTTP: its model name; more adapters load at "
+                                      "run time through POST /v1/load_lora_adapter)")
     max_loras: int = option(4, "LoRA: adapters resident on the ranks at once; a request whose adapter finds no free "
                                "slot waits until one is")
     max_lora_rank: int = option(16, "LoRA: the largest adapter rank accepted (every slot is this wide)")
-    max_cpu_loras: int | None = option(None, "LoRA: adapters kept read in host memory on each rank (least recently "
-                                             "loaded out first), so that one evicted from its slot loads again "
-                                             "without reading its files; at least max_loras (default: max_loras)")
+    max_cpu_loras: int | None = option(None, "LoRA: adapters kept read in host memory on each rank (read on a "
+                                             "thread beside the steps; the least recently wanted goes first), so "
+                                             "that one evicted from its slot loads again without reading its "
+                                             "files; at least max_loras (default: max_loras)")
     lora_modules: str | None = option(None, "LoRA: adapters served by name, 'name=folder[,name=folder...]' (every "
                                             "rank reads the folder)")
 

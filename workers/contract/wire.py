@@ -44,13 +44,19 @@ in the cache), ``block_ids`` and the sampling params.
   drop their mirrors (applied before anything else in the plan).
 - ``block_copies``: (src, dst) block pairs to copy in every layer's K and V before the forward
   (copy-on-write at fork/truncate).
-- ``lora_loads``: LoRA adapters to load into slots before the forward; a ``NewSequence``'s ``lora_slot``
-  names the slot its tokens use for as long as it is mirrored (-1: the base model).
+- ``lora_loads``: LoRA adapters to copy into slots before the forward, each from the rank's host copy (read
+  earlier, off the step: ``lora_reads``); a ``NewSequence``'s ``lora_slot`` names the slot its tokens use for
+  as long as it is mirrored (-1: the base model).
+- ``lora_reads`` / ``lora_drops``: adapters each rank starts reading into host memory on a thread of its own
+  (the step does not wait for them) / forgets from host memory; applied after ``lora_loads``. The engine
+  decides which adapters are held (``max_cpu_loras``), so every rank holds the same ones.
 
 A result carries one ``SampledToken`` per sampling sequence, in batch order; a sequence with drafts
 has one per accepted draft first, then the step's own token, in position order (a row rank 0 could not
 sample carries ``error`` instead of a real token: the failure is that request's, not the step's), and one
-``PromptLogprobs`` per sequence that asked for prompt logprobs and computed prompt positions this step.
+``PromptLogprobs`` per sequence that asked for prompt logprobs and computed prompt positions this step,
+and one ``LoraRead`` per adapter read that rank 0 finished since its last result (``error`` when the files
+could not be read).
 """
 
 from __future__ import annotations
@@ -124,6 +130,23 @@ class LoraLoad:
 
 
 @dataclass
+class LoraFiles:
+    """An adapter's identity on the ranks: ``name`` served from the PEFT folder ``path``."""
+
+    name: str
+    path: str
+
+
+@dataclass
+class LoraRead:
+    """Rank 0 finished reading adapter ``name`` from ``path`` into host memory (``error``: why it could not)."""
+
+    name: str
+    path: str
+    error: str | None = None
+
+
+@dataclass
 class StepPlan:
     step_id: int
     new_seqs: list[NewSequence] = field(default_factory=list)
@@ -132,6 +155,8 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     decodes: DecodeRows = field(default_factory=DecodeRows)
     lora_loads: list[LoraLoad] = field(default_factory=list)
+    lora_reads: list[LoraFiles] = field(default_factory=list)
+    lora_drops: list[LoraFiles] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -168,6 +193,7 @@ class StepResult:
     step_id: int
     sampled: list[SampledToken] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    lora_reads: list[LoraRead] = field(default_factory=list)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -205,6 +231,8 @@ def encode_plan(plan: StepPlan) -> bytes:
            "running": [vars(delta) for delta in plan.running],
            "released_seq_ids": plan.released_seq_ids, "block_copies": plan.block_copies,
            "decodes": vars(plan.decodes), "lora_loads": [vars(load) for load in plan.lora_loads]}
+    if plan.lora_reads or plan.lora_drops:
+        obj["lora_reads"], obj["lora_drops"] = list(map(vars, plan.lora_reads)), list(map(vars, plan.lora_drops))
     return _pack(obj)
 
 
@@ -224,6 +252,8 @@ def decode_plan(data: bytes) -> StepPlan:
             block_copies=[(int(s), int(d)) for s, d in obj["block_copies"]],
             decodes=_decode_rows(obj["decodes"]),
             lora_loads=[_lora_load(load) for load in obj.get("lora_loads", [])],
+            lora_reads=[_lora_files(files, "lora_reads") for files in obj.get("lora_reads", [])],
+            lora_drops=[_lora_files(files, "lora_drops") for files in obj.get("lora_drops", [])],
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed StepPlan: {exc}") from exc
@@ -234,6 +264,13 @@ def _lora_load(obj: dict) -> LoraLoad:
     if type(load.slot) is not int or not isinstance(load.name, str) or not isinstance(load.path, str):  # noqa: E721
         raise ValueError("lora_loads: slot must be an integer, name and path strings")
     return load
+
+
+def _lora_files(obj: dict, field_name: str) -> LoraFiles:
+    files = LoraFiles(**obj)
+    if not isinstance(files.name, str) or not isinstance(files.path, str):
+        raise ValueError(f"{field_name}: name and path must be strings")
+    return files
 
 
 def _decode_rows(obj: dict) -> DecodeRows:
@@ -251,9 +288,12 @@ def encode_result(result: StepResult) -> bytes:
     sampled = result.sampled
     extras = [[i, s.logprob, s.top_logprobs, s.error] for i, s in enumerate(sampled)
               if s.logprob is not None or s.top_logprobs is not None or s.error is not None]
-    return _pack({"step_id": result.step_id, "seq_ids": [s.seq_id for s in sampled],
-                  "token_ids": [s.token_id for s in sampled], "extras": extras,
-                  "prompt_logprobs": [vars(p) for p in result.prompt_logprobs]})
+    obj = {"step_id": result.step_id, "seq_ids": [s.seq_id for s in sampled],
+           "token_ids": [s.token_id for s in sampled], "extras": extras,
+           "prompt_logprobs": [vars(p) for p in result.prompt_logprobs]}
+    if result.lora_reads:
+        obj["lora_reads"] = [vars(read) for read in result.lora_reads]
+    return _pack(obj)
 
 
 def decode_result(data: bytes) -> StepResult:
@@ -274,6 +314,10 @@ def decode_result(data: bytes) -> StepResult:
             if p.get("top_logprobs") is not None:
                 p["top_logprobs"] = [[(int(t), float(lp)) for t, lp in row] for row in p["top_logprobs"]]
             prompt.append(PromptLogprobs(**p))
-        return StepResult(step_id=obj["step_id"], sampled=sampled, prompt_logprobs=prompt)
+        reads = [LoraRead(**read) for read in obj.get("lora_reads", [])]
+        if not all(isinstance(r.name, str) and isinstance(r.path, str) and isinstance(r.error, (str, type(None)))
+                   for r in reads):
+            raise ValueError("lora_reads: name and path must be strings, error a string or null")
+        return StepResult(step_id=obj["step_id"], sampled=sampled, prompt_logprobs=prompt, lora_reads=reads)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise WireError(f"malformed StepResult: {exc}") from exc

@@ -1,40 +1,43 @@
 """LoRA slots on one rank's model: ``ModelLora.attach`` gives every adaptable linear layer of a dense
 decoder (``models/decoder.py``) its ``LoraLinearSlots``, all sharing one ``LoraBatch``; ``load`` writes an
-adapter into a slot of every layer (sharded like each layer), ``unload`` zeroes it. The last
-``max_cpu_loras`` adapters loaded stay read in host memory (an LRU), so one evicted from its slot loads again
-without reading its files.
+adapter into a slot of every layer (sharded like each layer), ``unload`` zeroes it.
+
+Reading an adapter's files never holds up a step: the engine orders a read (``start_read``) when a request
+names an adapter the ranks do not hold in host memory; the read runs on this rank's reader thread while steps
+go on, rank 0 reports it finished (``finished_reads``, in its StepResult), and only then does the engine give
+the adapter a slot (``load``: a copy from host memory into the slot tensors). Which adapters stay read
+(``max_cpu_loras``) is the engine's choice (``drop``), so every rank holds the same ones.
 
 Adaptable: the merged q/k/v projection, o_proj, and the merged gate/up and down_proj of a dense MLP (a
 sparse-expert layer's MLP is not: its targets are refused by the adapter check). A model whose checkpoint
 fuses qkv_proj / gate_up_proj (Phi-3) names its modules differently from the targets here, so its
-adapters are refused too. The one-call CPU decode path and CUDA graphs do not run the slots' products: a
-decode step with an adapter row runs the layers one by one (``cpu_decode_layers.takes`` checks the step's
-``LoraBatch``), and a model with LoRA captures no CUDA graphs (``Worker.uses_decode_graphs``).
+adapters are refused too. The one-call CPU decode path adds the slots' products inside its C call
+(``cpu_decode_layers``); a model with LoRA captures no CUDA graphs (``Worker.uses_decode_graphs``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
+from pagedray.workers.contract.wire import LoraRead
 
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..models.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP, ModelDims
 from ..models.registry import model_class
-from .adapter import Adapter, ModuleShapes, read_adapter
+from .adapter import Adapter, LoRAError, ModuleShapes, read_adapter
 from .slots import LoraBatch, LoraLinearSlots
 
 
 class ModelLora:
-    def __init__(self, model: DecoderForCausalLM, max_loras: int, max_rank: int, max_cpu_loras: int | None = None
-                 ) -> None:
+    def __init__(self, model: DecoderForCausalLM, max_loras: int, max_rank: int) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.max_cpu_loras = max_cpu_loras or max_loras
-        self._read: OrderedDict[tuple[str, str], Adapter] = OrderedDict()   # (name, path) -> read, newest last
+        self._reads: dict[tuple[str, str], Future] = {}     # (name, path) -> its host copy (read or being read)
+        self._unreported: list[tuple[tuple[str, str], Future]] = []   # reads not yet in a finished_reads() answer
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
         self.dtype = model.embed_tokens.weight.dtype        # the products run in the model's dtype
         self.batch = LoraBatch(model.embed_tokens.weight.device, max_loras)
         self.resident: dict[int, str] = {}                   # slot -> adapter name
-        self.failed: dict[int, str] = {}                     # slot -> why its last load failed (slot left empty)
         self.layers: list[tuple[int, LoraLinearSlots]] = []
         dims = model.dims
         dense_mlp = all(isinstance(layer.mlp, DecoderMLP) for layer in model.layers)
@@ -51,12 +54,11 @@ class ModelLora:
                 self._row(index, layer.mlp.down_proj, "down_proj")
 
     @classmethod
-    def attach(cls, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int | None = None
-               ) -> ModelLora:
+    def attach(cls, model: torch.nn.Module, max_loras: int, max_rank: int) -> ModelLora:
         """The slots on ``model``'s layers (ValueError naming the model when it has no LoRA support)."""
         if not isinstance(model, DecoderForCausalLM):
             raise ValueError(f"enable_lora: {type(model).__name__} has no LoRA support (dense decoders only)")
-        lora = cls(model, max_loras, max_rank, max_cpu_loras)
+        lora = cls(model, max_loras, max_rank)
         model.lora = lora
         return lora
 
@@ -74,22 +76,48 @@ class ModelLora:
         layer.lora = slots
         self.layers.append((index, slots))
 
+    # -- host copies: read on this rank's reader thread, as the engine orders (wire.StepPlan.lora_reads) ----------
+    def start_read(self, name: str, path: str) -> None:
+        """Begin reading adapter ``name`` from ``path`` into host memory on the reader thread (the step goes on)."""
+        key = (name, path)
+        if key not in self._reads:
+            future = self._reader.submit(_read_named, name, path, self.shapes, self.max_rank)
+            self._reads[key] = future
+            self._unreported.append((key, future))
+
+    def drop(self, name: str, path: str) -> None:
+        """Forget the host copy (a read still running finishes and is thrown away)."""
+        self._reads.pop((name, path), None)
+
+    def finished_reads(self, wait_s: float = 0.0) -> list[LoraRead]:
+        """The reads finished since the last call (``error`` for one that failed: its copy is forgotten). With
+        ``wait_s``, first waits up to that long for one to finish when none has (a plan with nothing to run)."""
+        if not self._unreported:
+            return []
+        if wait_s > 0 and not any(future.done() for _, future in self._unreported):
+            wait([future for _, future in self._unreported], timeout=wait_s, return_when=FIRST_COMPLETED)
+        done = [(key, future) for key, future in self._unreported if future.done()]
+        self._unreported = [(key, future) for key, future in self._unreported if not future.done()]
+        reads = []
+        for (name, path), future in done:
+            error = future.exception()
+            if error is not None and self._reads.get((name, path)) is future:
+                del self._reads[(name, path)]
+            reads.append(LoraRead(name, path, None if error is None else str(error)))
+        return reads
+
     def load(self, slot: int, name: str, path: str) -> None:
-        """Adapter ``name`` (PEFT files at ``path``) into ``slot`` of every layer. Files that cannot be read
-        (changed since the engine checked them at intake) leave the slot empty and ``failed[slot]`` saying why:
-        the rows of that slot then end their requests with that error (``Worker``), never the step."""
+        """Adapter ``name`` into ``slot`` of every layer (sharded like each layer), from its host copy (waiting
+        for its read if it is still running), or read now when this rank holds none. LoRAError naming the
+        adapter when its files cannot be read (the slot is then left empty)."""
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot: {slot} is outside 0..{self.max_loras - 1}")
-        self.failed.pop(slot, None)
+        future = self._reads.get((name, path))
         try:
-            adapter = self._read.pop((name, path), None) or read_adapter(name, path, self.shapes, self.max_rank)
-        except (ValueError, OSError) as exc:          # LoRAError is a ValueError
+            adapter = _read_named(name, path, self.shapes, self.max_rank) if future is None else future.result()
+        except LoRAError:
             self.unload(slot)
-            self.failed[slot] = str(exc)
-            return
-        self._read[(name, path)] = adapter                   # the most recently loaded last
-        while len(self._read) > self.max_cpu_loras:
-            self._read.popitem(last=False)
+            raise
         for index, slots in self.layers:
             slots.write(slot, index, adapter)
         self.batch.set_scale(slot, adapter.config.scale)
@@ -100,6 +128,16 @@ class ModelLora:
             slots.clear(slot)
         self.batch.set_scale(slot, 0.0)
         self.resident.pop(slot, None)
+
+
+def _read_named(name: str, path: str, shapes: ModuleShapes, max_rank: int) -> Adapter:
+    """``read_adapter``, with any failure (a file changed since the engine checked it) a LoRAError naming it."""
+    try:
+        return read_adapter(name, path, shapes, max_rank)
+    except LoRAError:
+        raise
+    except Exception as exc:   # OSError, safetensors' own error types
+        raise LoRAError(f"lora adapter {name!r}: {path} could not be read ({exc})") from None
 
 
 def module_shapes(hf_config, max_model_len: int) -> ModuleShapes:

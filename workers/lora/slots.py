@@ -53,9 +53,18 @@ class LoraBatch:
         listed = np.flatnonzero(token_slots >= 0)
         self.order = torch.from_numpy(listed[np.argsort(token_slots[listed], kind="stable")].astype(np.int32))
 
+    def use_static(self, slots: torch.Tensor) -> None:
+        """CUDA graph capture: every layer launches the Triton product over ``slots`` [rows] int32 (a static
+        buffer the graph's runner fills before each replay; -1 rows add nothing), whatever the rows hold now."""
+        if slots.device.type != "cuda" or slots.dtype != torch.int32:
+            raise ValueError(f"slots: an int32 CUDA buffer (graph capture), got {slots.dtype} on {slots.device}")
+        self.slots = slots
+        self.groups = [(-1, slots)]     # not empty: the layers' products are captured
+        self.order = torch.empty(0, dtype=torch.int32)
+
     def set_scale(self, slot: int, scale: float) -> None:
         self.scales[slot] = scale
-        self.device_scales = self.scales.to(self.device)
+        self.device_scales.copy_(self.scales)    # in place: captured graphs hold its address
 
 
 class LoraLinearSlots:

@@ -17,6 +17,11 @@ the graphs hold are measured and logged and returned as a ``CaptureReport``.
 Without capture (CPU, or before ``capture``), ``run`` calls the same static forward eagerly over the
 same buffers and padding: the CPU tests check the bucket/padding path this way.
 
+With LoRA (``model.lora``): each row's adapter slot is one more static input (``slots``, -1 for the base model
+and for padding); the graphs capture the Triton LoRA product of every adapted layer over it, so a step with
+adapter rows replays like any other (rows without one add nothing). Without capture the rows' slots go to the
+usual per-step ``LoraBatch.set``.
+
 Invariants:
 - the static buffers and the KV cache never move after capture (graphs hold their addresses);
 - a padding row writes no KV slot (slot -1) and its logits are never returned;
@@ -29,6 +34,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kv_cache import KVCache
@@ -71,6 +77,8 @@ class DecodeGraphs:
         self.static = torch.zeros(self._shape(largest).size, dtype=torch.int32, device=device)
         self.logits = torch.zeros(largest, model.dims.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora = getattr(model, "lora", None)          # workers/lora/model_lora.ModelLora, when enabled
+        self.slots = torch.full((largest,), -1, dtype=torch.int32, device=device)   # [max bucket] LoRA slot per row
 
     def _shape(self, bucket: int) -> PackedShape:
         return PackedShape(tokens=bucket, seqs=bucket, logits=bucket, width=self.width)
@@ -97,13 +105,25 @@ class DecodeGraphs:
         self.logits[:bucket].copy_(self.model.compute_logits(hidden))                        # [bucket, vocab]
 
     @torch.inference_mode()
-    def run(self, host: HostBatch) -> torch.Tensor:
-        """One padded decode step -> logits ``[real rows, vocab]`` (a view, valid until the next run)."""
+    def run(self, host: HostBatch, token_slots: np.ndarray | None = None) -> torch.Tensor:
+        """One padded decode step -> logits ``[real rows, vocab]`` (a view, valid until the next run).
+        ``token_slots`` [real rows]: each row's LoRA slot (-1: none); needed exactly when the model has LoRA."""
         bucket = host.shape.seqs
         if host.shape != self._shape(bucket) or bucket not in self.buckets:
             raise ValueError(f"host: shape {host.shape} is not a decode bucket of this runner")
+        if (token_slots is None) != (self.lora is None) or (token_slots is not None
+                                                           and len(token_slots) != host.num_real_rows):
+            raise ValueError(f"token_slots: one LoRA slot per real row with LoRA, none without; got "
+                             f"{None if token_slots is None else len(token_slots)} for {host.num_real_rows} rows")
         self.static[:host.shape.size].copy_(host.packed, non_blocking=True)
         graph = self.graphs.get(bucket)
+        if self.lora is not None:
+            padded = np.full(bucket, -1, dtype=np.int32)                                    # [bucket]
+            padded[:len(token_slots)] = token_slots
+            if graph is None:
+                self.lora.batch.set(padded)
+            else:
+                self.slots[:bucket].copy_(torch.from_numpy(padded))
         if graph is None:
             self._forward(bucket)
         else:
@@ -122,6 +142,8 @@ class DecodeGraphs:
         for bucket in reversed(self.buckets):
             padding = self.host_batch(MirrorStep(), bucket)
             self.static[:padding.shape.size].copy_(padding.packed)
+            if self.lora is not None:
+                self.lora.batch.use_static(self.slots[:bucket])
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):          # warm-up (Triton compiles, allocator settles) off the capture

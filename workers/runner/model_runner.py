@@ -87,7 +87,7 @@ class ModelRunner:
         if step is None:
             return StepOutput(None, [])
         if step.bucket is not None:
-            output = StepOutput(self.decode_graphs.run(step.host), step.host.sampling_seqs)
+            output = StepOutput(self.decode_graphs.run(step.host, step.token_slots), step.host.sampling_seqs)
         else:
             rows = step.rows
             if self.lora is not None:
@@ -120,11 +120,13 @@ class ModelRunner:
         return PreparedStep(rows, host, bucket, self._token_slots(rows, host) if self.lora is not None else None)
 
     def _load_adapters(self, plan: StepPlan) -> None:
-        """The plan's LoRA loads, after checking every slot it names (ValueError, nothing loaded)."""
+        """The plan's LoRA loads, after checking every slot it names (ValueError, nothing loaded); then its
+        host-memory drops and reads (wire.py: the reads run on the adapters' reader thread)."""
         loads, used = plan.lora_loads, [new.lora_slot for new in plan.new_seqs if new.lora_slot != -1]
-        if (loads or used) and self.lora is None:
-            raise ValueError("lora_loads / lora_slot: this model runs without LoRA (enable_lora is off)")
-        if not (loads or used):
+        orders = plan.lora_reads or plan.lora_drops
+        if (loads or used or orders) and self.lora is None:
+            raise ValueError("lora_loads / lora_slot / lora_reads: this model runs without LoRA (enable_lora is off)")
+        if not (loads or used or orders):
             return
         resident = set(self.lora.resident) | {load.slot for load in loads}
         for slot in used:
@@ -132,6 +134,10 @@ class ModelRunner:
                 raise ValueError(f"new_seqs: lora_slot {slot} holds no adapter")
         for load in loads:
             self.lora.load(load.slot, load.name, load.path)
+        for files in plan.lora_drops:
+            self.lora.drop(files.name, files.path)
+        for files in plan.lora_reads:
+            self.lora.start_read(files.name, files.path)
 
     @staticmethod
     def _token_slots(rows: MirrorStep, host: HostBatch) -> np.ndarray:
