@@ -61,6 +61,23 @@ def _llm(path, **kwargs) -> LLM:
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
+def test_peft_running_each_adapter_gives_the_engines_tokens(tiny_llama_path, adapters, references):
+    """The oracle itself: PEFT's PeftModel over transformers, loading the adapter folders as they are, generates
+    what the engine does (and what the merged-weight references of the other tests say)."""
+    from helpers.hf_oracle import load_hf_model
+    from peft import PeftModel
+
+    prompts = _prompts(11, 2)
+    with _llm(tiny_llama_path) as llm:
+        for name, path in adapters.items():
+            peft_model = PeftModel.from_pretrained(load_hf_model(tiny_llama_path), path).eval()
+            lora = LoRARequest(name, path)
+            results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
+            for prompt, result in zip(prompts, results):
+                expected = hf_greedy(peft_model, prompt, MAX_TOKENS)
+                assert result.outputs[0].token_ids == expected == references(prompt, name), name
+
+
 @pytest.mark.parametrize("product", ["c", "torch"])
 def test_each_adapter_alone_equals_transformers_with_it_merged(tiny_llama_path, adapters, references, product,
                                                                monkeypatch):
