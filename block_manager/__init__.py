@@ -4,6 +4,7 @@
   slot mapping, prefix cache, stats, invariant checks).
 - ``BlockPool``: ref-counted blocks, the free queue in eviction order, the prefix-cache map.
 - ``BlockKey``: chained content key of a full block.
+- ``SessionPins``: the blocks of each session's last prompt and output, evicted last until their TTL.
 - Errors: ``BlockManagerError`` and its subclasses (see ``errors``).
 
 Benchmark (from a checkout): ``python -m benchmarks.block_manager``.
@@ -21,6 +22,7 @@ from .free_queue import FreeBlockQueue
 from .manager import BlockManager
 from .prefix_key import BlockKey, namespace_root, prefix_block_hashes
 from .records import Allocation, BlockManagerStats
+from .session_pins import SessionPins
 
 __all__ = [
     "Allocation",
@@ -33,6 +35,7 @@ __all__ = [
     "DoubleFreeError",
     "FreeBlockQueue",
     "SequenceExistsError",
+    "SessionPins",
     "UnknownSequenceError",
     "namespace_root",
     "prefix_block_hashes",

@@ -8,7 +8,10 @@ Invariants (checked by ``check_invariants``):
 - ``num_free_blocks == len(free queue)``;
 - the cache map and the per-block keys agree: ``cached[key] == b`` exactly when ``key_of(b) is key``;
   a block with a key is either referenced or free-but-findable (a "cached free" block);
-- a free block keeps its key until ``allocate`` hands it out again: only then is the key evicted.
+- a free block keeps its key until ``allocate`` hands it out again: only then is the key evicted;
+- pins (session pins, ``session_pins.py``): a free block with a pin count > 0 waits in the pinned free queue,
+  every other free block in the free queue; ``allocate`` takes from the free queue first, so pinned blocks
+  are evicted last. A pinned block handed out anyway loses its pins (``num_pin_evictions``).
 
 Decisions: docs/design/block_manager.md, ``pagedray.block_manager.block_pool``.
 """
@@ -30,18 +33,21 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._keys: list[BlockKey | None] = [None] * num_blocks
         self._free = FreeBlockQueue(num_blocks)
+        self._free_pinned = FreeBlockQueue(num_blocks, empty=True)   # free blocks with pins: evicted last
+        self._pins = [0] * num_blocks
         self._cached: dict[BlockKey, int] = {}
         self.num_evictions = 0
+        self.num_pin_evictions = 0
 
     # -- counts -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_pinned)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by at least one sequence (0..1)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -52,8 +58,11 @@ class BlockPool:
         return self._ref_counts[block_id]
 
     def free_block_ids(self) -> list[int]:
-        """Free blocks in eviction order (head first)."""
-        return list(self._free)
+        """Free blocks in eviction order (head first): the unpinned ones, then the pinned ones."""
+        return list(self._free) + list(self._free_pinned)
+
+    def pin_count(self, block_id: int) -> int:
+        return self._pins[block_id]
 
     # -- allocate / touch / free --------------------------------------------------------------
     def allocate(self, count: int) -> list[int]:
@@ -63,13 +72,18 @@ class BlockPool:
         CannotAllocateError and changes nothing when fewer than ``count`` blocks are free.
         """
         free = self._free
-        if count > len(free):
-            raise CannotAllocateError(count, len(free))
+        if count > len(free) + len(self._free_pinned):
+            raise CannotAllocateError(count, self.num_free_blocks)
         ref_counts = self._ref_counts
         keys = self._keys
         blocks = []
         for _ in range(count):
-            block_id = free.popleft()
+            if len(free):
+                block_id = free.popleft()
+            else:                                   # only pinned blocks are left: the oldest pinned goes
+                block_id = self._free_pinned.popleft()
+                self._pins[block_id] = 0
+                self.num_pin_evictions += 1
             key = keys[block_id]
             if key is not None:
                 del self._cached[key]
@@ -83,7 +97,7 @@ class BlockPool:
         """Add one reference; a free (cached) block leaves the free queue in O(1)."""
         ref = self._ref_counts[block_id]
         if ref == 0:
-            self._free.remove(block_id)
+            (self._free_pinned if self._pins[block_id] else self._free).remove(block_id)
         self._ref_counts[block_id] = ref + 1
 
     def release(self, block_id: int) -> None:
@@ -93,6 +107,25 @@ class BlockPool:
             raise DoubleFreeError(f"block {block_id} released while its ref count is already 0")
         self._ref_counts[block_id] = ref - 1
         if ref == 1:
+            (self._free_pinned if self._pins[block_id] else self._free).append(block_id)
+
+    def pin(self, block_id: int) -> None:
+        """One more pin on ``block_id`` (a free one moves to the pinned free queue's tail)."""
+        pins = self._pins[block_id]
+        if pins == 0 and self._ref_counts[block_id] == 0:
+            self._free.remove(block_id)
+            self._free_pinned.append(block_id)
+        self._pins[block_id] = pins + 1
+
+    def unpin(self, block_id: int) -> None:
+        """One pin less (at 0 a free block moves to the free queue's tail). A block without pins is left as
+        it is: its pins went when it was handed out again (``allocate``)."""
+        pins = self._pins[block_id]
+        if pins == 0:
+            return
+        self._pins[block_id] = pins - 1
+        if pins == 1 and self._ref_counts[block_id] == 0:
+            self._free_pinned.remove(block_id)
             self._free.append(block_id)
 
     # -- prefix cache ---------------------------------------------------------------------------
@@ -135,11 +168,15 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first violated invariant (see the module docstring)."""
-        queued = list(self._free)
+        queued = list(self._free) + list(self._free_pinned)
         queued_set = set(queued)
-        assert len(queued) == len(queued_set), f"free queue holds a block twice: {queued}"
-        assert len(queued) == len(self._free), (
-            f"free queue length {len(self._free)} != {len(queued)} linked blocks")
+        assert len(queued) == len(queued_set), f"free queues hold a block twice: {queued}"
+        assert len(queued) == self.num_free_blocks, (
+            f"free queue lengths {self.num_free_blocks} != {len(queued)} linked blocks")
+        for block_id in self._free_pinned:
+            assert self._pins[block_id] > 0, f"block {block_id} waits in the pinned free queue without a pin"
+        for block_id in self._free:
+            assert self._pins[block_id] == 0, f"block {block_id} has pins but waits in the unpinned free queue"
         for block_id, ref in enumerate(self._ref_counts):
             assert ref >= 0, f"block {block_id} has negative ref count {ref}"
             assert (ref == 0) == (block_id in queued_set), (

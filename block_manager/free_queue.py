@@ -23,8 +23,9 @@ class FreeBlockQueue:
 
     __slots__ = ("_next", "_prev", "_sentinel", "_size")
 
-    def __init__(self, num_blocks: int) -> None:
-        """Start with every block queued in id order: 0 at the head, ``num_blocks - 1`` at the tail."""
+    def __init__(self, num_blocks: int, empty: bool = False) -> None:
+        """Start with every block queued in id order: 0 at the head, ``num_blocks - 1`` at the tail (``empty``:
+        none queued; block ids up to ``num_blocks - 1`` may be appended)."""
         sentinel = num_blocks
         self._sentinel = sentinel
         # block i -> i + 1 (the last block -> the sentinel); the sentinel -> the head (block 0)
@@ -34,6 +35,9 @@ class FreeBlockQueue:
         if num_blocks:
             self._prev[0] = sentinel
         self._size = num_blocks
+        if empty:
+            self._next[sentinel] = self._prev[sentinel] = sentinel
+            self._size = 0
 
     def __len__(self) -> int:
         return self._size

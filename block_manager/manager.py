@@ -33,6 +33,7 @@ from .block_pool import BlockPool
 from .errors import CannotAllocateError, DoubleFreeError, SequenceExistsError, UnknownSequenceError
 from .prefix_key import BlockKey, is_namespace_root
 from .records import Allocation, BlockManagerStats
+from .session_pins import SessionPins
 
 _NEVER = float("inf")  # next_hash_at when prefix caching is off
 
@@ -61,7 +62,8 @@ class BlockManager:
     """Global KV block allocator: block tables, prefix cache, fork/CoW, slot mapping."""
 
     def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True,
-                 watermark: float = 0.0) -> None:
+                 watermark: float = 0.0, pin_budget: int = 0, pin_ttl_s: float = 300.0) -> None:
+        """``pin_budget``: blocks session pins may hold (0: no pins; ``session_pins.py``), for ``pin_ttl_s``."""
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block_size: must be an integer >= 1, got {block_size!r}")
         if type(num_blocks) is not int or num_blocks < 1:
@@ -76,6 +78,7 @@ class BlockManager:
         self.watermark = float(watermark)
         self.watermark_blocks = int(watermark * num_blocks)
         self.pool = BlockPool(num_blocks)
+        self.pins = SessionPins(self.pool, pin_budget, pin_ttl_s) if pin_budget and enable_prefix_caching else None
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self._recently_freed: OrderedDict[Hashable, None] = OrderedDict()
         self._recently_freed_cap = max(1024, num_blocks)
@@ -351,6 +354,16 @@ class BlockManager:
         if len(self._recently_freed) > self._recently_freed_cap:
             self._recently_freed.popitem(last=False)
 
+    def pin_session(self, session: Hashable, seq_id: Hashable, now: float) -> int:
+        """Pins the cached blocks of ``seq_id`` (its hashed prefix) for ``session`` in place of the session's
+        earlier pins (call before ``free``); returns how many were pinned (0 without pins)."""
+        seq = self._get(seq_id)
+        return 0 if self.pins is None else self.pins.pin(session, seq.table[:seq.num_hashed], now)
+
+    def expire_pins(self, now: float) -> int:
+        """Unpins the sessions whose pins expired by ``now``; returns how many."""
+        return 0 if self.pins is None else self.pins.expire(now)
+
     def _get(self, seq_id: Hashable, freeing: bool = False) -> _SeqBlocks:
         seq = self._seqs.get(seq_id)
         if seq is not None:
@@ -417,7 +430,10 @@ class BlockManager:
             num_blocks=self.num_blocks, num_free_blocks=self.pool.num_free_blocks, usage=self.pool.usage,
             prefix_query_tokens=query, prefix_hit_tokens=hit, prefix_hit_rate=hit / query if query else 0.0,
             num_sequences=len(self._seqs), num_cached_blocks=self.pool.num_cached_blocks,
-            num_evictions=self.pool.num_evictions)
+            num_evictions=self.pool.num_evictions,
+            num_pinned_blocks=0 if self.pins is None else self.pins.num_pinned,
+            num_pinned_sessions=0 if self.pins is None else self.pins.num_sessions,
+            num_pin_evictions=self.pool.num_pin_evictions)
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first violated invariant (module and pool docstrings)."""

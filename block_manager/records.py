@@ -29,3 +29,6 @@ class BlockManagerStats:
     num_sequences: int = 0
     num_cached_blocks: int = 0  # blocks findable by the prefix cache (referenced or free)
     num_evictions: int = 0  # cached keys dropped because their block was handed out again
+    num_pinned_blocks: int = 0  # blocks pinned by sessions (session_pins.py)
+    num_pinned_sessions: int = 0
+    num_pin_evictions: int = 0  # pinned blocks handed out anyway (no unpinned block was free)

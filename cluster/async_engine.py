@@ -75,6 +75,7 @@ class AddCommand:
     priority: int
     resume_tokens: list[int]
     lora: LoRARequest | None = None
+    session: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,13 +145,13 @@ class AsyncEngine:
 
     # -- intake -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, resume_tokens: list[int] = (), lora: LoRARequest | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """The request's output deltas (``resume_tokens``, ``lora``: ``Engine.add``)."""
+                       priority: int = 0, resume_tokens: list[int] = (), lora: LoRARequest | None = None,
+                       session: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's output deltas (``resume_tokens``, ``lora``, ``session``: ``Engine.add``)."""
         self._check_accepting()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        self.engine.validate(prompt_token_ids, params, priority, resume_tokens, lora)
+        self.engine.validate(prompt_token_ids, params, priority, resume_tokens, lora, session)
         limit = self.config.scheduler.max_queued_requests
         with self._lock:
             if self._stats.num_waiting + self._pending_adds >= limit:
@@ -159,7 +160,7 @@ class AsyncEngine:
                 self._first_add_at = self._clock()
             self._pending_adds += 1
             self._commands.append(AddCommand(request_id, list(prompt_token_ids), params, priority,
-                                             list(resume_tokens), lora))
+                                             list(resume_tokens), lora, session))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._num_samples[request_id] = params.n
@@ -316,7 +317,7 @@ class AsyncEngine:
                 try:
                     self.engine.add(command.request_id, command.prompt_token_ids, command.params,
                                     command.priority, command.resume_tokens, validated=True,   # at intake
-                                    lora=command.lora)
+                                    lora=command.lora, session=command.session)
                 except (ValueError, QueueFullError, EngineDeadError) as exc:
                     errors.append((command.request_id, exc))
             elif isinstance(command, ReadCommand):

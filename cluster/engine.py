@@ -36,6 +36,7 @@ from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 # what callers (and so HTTP clients) are told; the failure itself goes to the log, never to a client
+MAX_SESSION_CHARS = 256   # a session id (prompt_cache_key, X-Session-Id)
 ENGINE_DEAD_MESSAGE = "engine dead: a step failed (the server log has the details)"
 
 
@@ -56,10 +57,7 @@ class Engine:
         self.model_info = model_info(self.model_path)
         self.executor = executor if executor is not None else create_executor(config)
         self.dtype = self.executor.dtype      # what dtype "auto" became on the ranks (dtype_choice.py)
-        cache = config.cache
-        self.block_manager = BlockManager(cache.block_size, self.executor.num_blocks,
-                                          enable_prefix_caching=cache.enable_prefix_caching,
-                                          watermark=cache.watermark)
+        self.block_manager = self._new_block_manager(self.executor.num_blocks)
         self.max_model_len = self._effective_max_model_len()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    eos_token_ids=frozenset(self.model_info.eos_token_ids))
@@ -101,10 +99,13 @@ class Engine:
 
     # -- intake -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                 resume_tokens: list[int] = (), lora: LoRARequest | None = None) -> None:
+                 resume_tokens: list[int] = (), lora: LoRARequest | None = None, session: str | None = None) -> None:
         """A request's argument checks (safe from any thread, no queue state): ValueError naming the argument,
-        or EngineDeadError when dead. ``lora``: its adapter, checked once per (name, path) from its files."""
+        or EngineDeadError when dead. ``lora``: its adapter, checked once per (name, path) from its files;
+        ``session``: its session (``block_manager/session_pins.py``), a string of 1-256 characters."""
         self._raise_if_dead()
+        if session is not None and (not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_CHARS):
+            raise ValueError(f"session: must be a string of 1-{MAX_SESSION_CHARS} characters, got {session!r:.80}")
         if lora is not None:
             if self.lora_registry is None:
                 raise ValueError("lora_request: this engine serves no LoRA adapters (start it with enable_lora)")
@@ -123,7 +124,8 @@ class Engine:
             raise ValueError(f"logit_bias: token {biased} is not an id in [0, {vocab})")
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-            resume_tokens: list[int] = (), *, validated: bool = False, lora: LoRARequest | None = None) -> None:
+            resume_tokens: list[int] = (), *, validated: bool = False, lora: LoRARequest | None = None,
+            session: str | None = None) -> None:
         """Admits a request: ``validate`` (unless ``validated``: the AsyncEngine and ``LLM`` validate at
         intake, so each request is validated once), the admission checks (a live engine, the id, the queue),
         then the enqueue; a refused request raises and changes nothing. ``params`` is immutable and the
@@ -133,10 +135,10 @@ class Engine:
         the next position as that run would have (greedy and seeded draws depend on the position, penalties
         see them)."""
         if not validated:
-            self.validate(prompt_token_ids, params, priority, resume_tokens, lora)
+            self.validate(prompt_token_ids, params, priority, resume_tokens, lora, session)
         self._raise_if_dead()
         self.scheduler.check_admission(request_id)
-        self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority, resume_tokens, lora)
+        self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority, resume_tokens, lora, session)
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.abort(request_id, FinishReason.ABORT)
@@ -288,8 +290,13 @@ class Engine:
         stats = old.stats()
         query, hit = self._prefix_totals_before
         self._prefix_totals_before = (query + stats.prefix_query_tokens, hit + stats.prefix_hit_tokens)
-        return BlockManager(old.block_size, old.num_blocks, enable_prefix_caching=old.enable_prefix_caching,
-                            watermark=self.config.cache.watermark)
+        return self._new_block_manager(old.num_blocks)
+
+    def _new_block_manager(self, num_blocks: int) -> BlockManager:
+        cache = self.config.cache
+        return BlockManager(cache.block_size, num_blocks, enable_prefix_caching=cache.enable_prefix_caching,
+                            watermark=cache.watermark, pin_budget=int(cache.kv_pin_max_fraction * num_blocks),
+                            pin_ttl_s=cache.kv_pin_ttl_s)
 
     def fail(self, exc: BaseException) -> list[RequestOutput]:
         """Marks the engine dead and ends every in-flight request with "error" (blocks freed); returns

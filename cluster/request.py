@@ -153,6 +153,7 @@ class Request:
     num_finished: int = 0               # samples FINISHED (the scheduler's ``_finish`` counts them)
     streamed: bool = False              # its first output (the one with the prompt) was built
     lora: LoRARequest | None = None      # the LoRA adapter its samples run with (None: the base model)
+    session: str | None = None           # its session: sample 0's blocks are pinned when it finishes
 
     def record_prompt_logprobs(self, entry: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:

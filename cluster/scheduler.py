@@ -103,6 +103,7 @@ class Scheduler:
                              else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
         self.speculation = SpeculationStats()
         self.lora_slots: AdapterSlots | None = None   # set by the engine with enable_lora (cluster/lora_slots.py)
+        self.clock = time.monotonic                   # session pins' time (tests set their own)
 
     # -- intake -------------------------------------------------------------------------------
     def check_admission(self, request_id: str) -> None:
@@ -117,15 +118,17 @@ class Scheduler:
                                  f"{self.config.max_queued_requests}); retry later")
 
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                priority: int = 0, resume_tokens: list[int] = (), lora: LoRARequest | None = None) -> Request:
+                priority: int = 0, resume_tokens: list[int] = (), lora: LoRARequest | None = None,
+                session: str | None = None) -> Request:
         """Adds a request whose arguments passed ``check_arguments`` and whose id passed ``check_admission``
         (``Engine.add`` does both, validating each request once). ``resume_tokens``: output tokens the request
-        produced elsewhere (a continuation, ``Engine.add``). ``lora``: its adapter (checked by the engine)."""
+        produced elsewhere (a continuation, ``Engine.add``). ``lora``: its adapter (checked by the engine);
+        ``session``: pins sample 0's blocks when it finishes (``block_manager/session_pins.py``)."""
         if lora is not None and self.lora_slots is None:
             raise ValueError("lora_request: this engine serves no LoRA adapters (enable_lora is off)")
         request = Request(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids],
                           params=params, arrival=self._next_arrival, priority=priority,
-                          num_unforked=params.n - 1, lora=lora)
+                          num_unforked=params.n - 1, lora=lora, session=session)
         self._next_arrival += 1
         self.num_prompt_tokens += len(request.prompt_token_ids)
         request.sequences.append(self._new_sequence(request, 0, [int(t) for t in resume_tokens]))
@@ -173,6 +176,8 @@ class Scheduler:
                               block_copies=self._block_copies, kept_blocks=self._kept_blocks)
         self._released, self._block_copies, self._kept_blocks = [], [], {}
         self._next_step_id += 1
+        if self.block_manager.pins is not None:
+            self.block_manager.expire_pins(self.clock())
         self._fork_ready_parents(out)
         if not self._running_sorted:       # only admissions and forks unsort it (removals keep the order)
             self.running.sort(key=self._key)
@@ -579,6 +584,8 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
+            if seq.request.session is not None and seq.index == 0:   # its prompt and output: the next turn's prefix
+                self.block_manager.pin_session(seq.request.session, seq.seq_id, self.clock())
             self.block_manager.free(seq.seq_id)
             self._drop_lora(seq)
             self.running.remove(seq)

@@ -23,8 +23,9 @@ Translated (each malformed value is a 400 naming the Responses field):
 - Stateless: ``store: true``, ``previous_response_id``, ``conversation``, ``background: true`` are a 400
   naming the field; so are ``include``, ``prompt``, ``top_logprobs``, ``max_tool_calls``, ``truncation:
   "auto"``, ``stream_options.include_obfuscation: true``, ``prompt_cache_retention`` and
-  ``context_management`` with a value that asks for something. Accepted without effect: ``service_tier``,
-  ``prompt_cache_key``, ``safety_identifier``. Any other field is a 400 naming it (chat_bridge.py).
+  ``context_management`` with a value that asks for something. ``prompt_cache_key`` names the session whose
+  blocks stay cached (chat's field of that name). Accepted without effect: ``service_tier``,
+  ``safety_identifier``. Any other field is a 400 naming it (chat_bridge.py).
 
 Output: ``{"id": "resp_...", "object": "response", "created_at", "status": "completed" | "incomplete"
 (with ``incomplete_details.reason`` "max_output_tokens" when the output was cut at the limit), "model",
@@ -213,7 +214,8 @@ def to_chat(body) -> ResponsesCall:
             "tools": chat_tools(body.get("tools")), "tool_choice": chat_tool_choice(body.get("tool_choice")),
             "parallel_tool_calls": body.get("parallel_tool_calls"),
             "response_format": response_format(body.get("text")),
-            "chat_template_kwargs": thinking_kwargs(body.get("reasoning"))}
+            "chat_template_kwargs": thinking_kwargs(body.get("reasoning")),
+            "prompt_cache_key": body.get("prompt_cache_key")}
     chat = {key: value for key, value in chat.items() if value is not None}
     if stream:
         chat.update(stream=True, stream_options={"include_usage": True})

@@ -5,7 +5,8 @@ POST /v1/responses (OpenAI's Responses API) and POST /v1/messages (Anthropic's M
 translated to a chat request (bridges/responses_api.py, bridges/messages_api.py) and streamed with named
 SSE events; /v1/messages answers every error in Anthropic's shape and takes the key from ``x-api-key``
 too. GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter,
-POST /v1/unload_lora_adapter (vLLM's shapes; openai/lora_adapters.py), GET /health, GET /metrics.
+POST /v1/unload_lora_adapter (vLLM's shapes; openai/lora_adapters.py), GET /health, GET /metrics. An
+``X-Session-Id`` header on completions, chat and responses stands for the body's ``prompt_cache_key``.
 
 Decisions: docs/design/deploy.md, ``pagedray.deploy.http.routes``.
 """
@@ -123,6 +124,15 @@ async def read_json_body(request: Request, max_bytes: int):
     return decode_json(b"".join(chunks))
 
 
+def with_session_header(request: Request, body):
+    """An ``X-Session-Id`` header is the body's ``prompt_cache_key`` (the session whose blocks stay cached) when
+    the body names none."""
+    session = request.headers.get("x-session-id")
+    if session is None or not isinstance(body, dict) or body.get("prompt_cache_key") is not None:
+        return body
+    return {**body, "prompt_cache_key": session}
+
+
 # a body with more string characters + entries than this is encoded on a worker thread (module docstring)
 SMALL_OUTPUT = 16_384
 
@@ -183,7 +193,7 @@ def create_api(service: OpenAIService, api_key: str | None = None,
 
     async def _generate(request: Request, whole, open_stream):
         check_api_key(request, api_key)
-        body = await read_json_body(request, max_body_bytes)
+        body = with_session_header(request, await read_json_body(request, max_body_bytes))
         if isinstance(body, dict) and body.get("stream") is True:
             chunks = await open_stream(body)
             return StreamingResponse(sse_body(chunks), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
@@ -209,7 +219,8 @@ def create_api(service: OpenAIService, api_key: str | None = None,
     @app.post("/v1/responses")
     async def responses(request: Request):
         check_api_key(request, api_key)
-        return await _bridged(await read_json_body(request, max_body_bytes), responses_api, response_events)
+        body = with_session_header(request, await read_json_body(request, max_body_bytes))
+        return await _bridged(body, responses_api, response_events)
 
     @app.post("/v1/messages")
     async def messages(request: Request):

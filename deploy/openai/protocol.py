@@ -50,6 +50,8 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's field: the session whose last prompt and output stay cached (block_manager/session_pins.py)
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
 
 
 class CompletionRequest(SamplingFields):

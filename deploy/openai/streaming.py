@@ -34,7 +34,8 @@ class EngineClient(Protocol):
     """What the ingress needs from the engine (the Serve engine deployment, or a test double)."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, lora=None) -> AsyncIterator[RequestOutput]: ...   # lora: a LoRARequest
+                 params: SamplingParams, lora=None, session=None
+                 ) -> AsyncIterator[RequestOutput]: ...   # lora: a LoRARequest; session: its session id (str)
 
     async def stats(self): ...
 
@@ -125,7 +126,8 @@ async def stream_choices(engine: EngineClient, request_id: str, prepared: Prepar
         hidden_ids |= frozenset(tokenizer.all_special_ids)
     timer.prompt_tokens += len(prepared.prompt_token_ids)
     prompt_logprobs, cached = None, 0
-    async with aclosing(engine.generate(request_id, prepared.prompt_token_ids, params, lora=prepared.lora)) as outputs:
+    async with aclosing(engine.generate(request_id, prepared.prompt_token_ids, params, lora=prepared.lora,
+                                        session=prepared.session)) as outputs:
         async for output in outputs:
             if output.error is not None or any(o.finish_reason == "error" for o in output.outputs):
                 raise EngineRequestError(output.error or "the engine failed while generating")

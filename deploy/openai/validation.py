@@ -69,6 +69,7 @@ class PreparedRequest:
     # the detokenizer keeps special tokens (a tool-call format whose marker is one: tool_parsers.py)
     keep_special_tokens: bool = False
     lora: LoRARequest | None = None     # the LoRA adapter ``model`` named (None: the base model)
+    session: str | None = None          # prompt_cache_key: the session whose blocks stay cached
 
 
 def check_model(name: str | None, limits: ModelLimits) -> LoRARequest | None:
@@ -351,7 +352,8 @@ def prepare_completion(req: CompletionRequest, limits: ModelLimits, encode: Call
         max_tokens = _check_max_tokens(req.max_tokens, len(token_ids), limits, "max_tokens", 16)
         params = sampling_params(req, max_tokens, req.logprobs, limits.vocab_size, grammar, prompt_logprobs)
         echo_text = None if not req.echo else prompt if isinstance(prompt, str) else decode(token_ids)
-        prepared.append(PreparedRequest(token_ids, params, stops, echo_text, lora=lora))
+        prepared.append(PreparedRequest(token_ids, params, stops, echo_text, lora=lora,
+                                        session=req.prompt_cache_key))
     _check_request_cost(prepared, limits)
     _check_prompt_logprobs_size(prepared, limits, "logprobs" if req.prompt_logprobs is None else "prompt_logprobs")
     return prepared
@@ -449,4 +451,5 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
                                    limits.max_model_len - len(token_ids))
     return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size, grammar), stops,
                            tools=tools, reasoning=start,
-                           keep_special_tokens=tools is not None and keeps_special_tokens(tool_parser), lora=lora)
+                           keep_special_tokens=tools is not None and keeps_special_tokens(tool_parser), lora=lora,
+                           session=req.prompt_cache_key)

@@ -109,9 +109,9 @@ class HandleEngineClient:
         return [ReplicaState(replica, stats)]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       resume_tokens: list[int] = (), lora=None) -> AsyncIterator:
+                       resume_tokens: list[int] = (), lora=None, session=None) -> AsyncIterator:
         response = self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params,
-                                                                     list(resume_tokens), lora)
+                                                                     list(resume_tokens), lora, session)
         exhausted = False
         try:
             async for output in response:

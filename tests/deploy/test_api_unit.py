@@ -508,7 +508,7 @@ def test_a_batch_request_keeps_a_bounded_number_of_prompts_in_the_engine(tokeniz
         batch_in_flight: int = 0
         most_in_flight: int = 0
 
-        async def generate(self, request_id, prompt_token_ids, params, lora=None):
+        async def generate(self, request_id, prompt_token_ids, params, lora=None, session=None):
             batch = params.max_tokens == 3          # the batch request's prompts wait for the gate
             if batch:
                 self.batch_in_flight += 1
@@ -644,3 +644,23 @@ def test_adapters_load_and_unload_at_run_time_and_bad_loads_change_nothing(token
     assert_openai_error(client.post("/v1/load_lora_adapter", headers=auth, json={"lora_name": "d", "lora_path": "/d"}),
                         400, "lora_name")
     assert names() == [MODEL, "chat"]
+
+
+def test_prompt_cache_key_or_an_x_session_id_header_names_the_requests_session(tokenizer):
+    client, engine = make_client(tokenizer)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [("/v1/completions", {"prompt": "Say:", "max_tokens": 2, "prompt_cache_key": "s1"}, {}, "s1"),
+             ("/v1/chat/completions", chat, {"X-Session-Id": "s2"}, "s2"),
+             ("/v1/chat/completions", {**chat, "prompt_cache_key": "s3"}, {"X-Session-Id": "s2"}, "s3"),
+             ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "prompt_cache_key": "s4"}, {}, "s4"),
+             ("/v1/responses", {"input": "hi", "max_output_tokens": 2}, {"X-Session-Id": "s5"}, "s5"),
+             ("/v1/completions", {"prompt": "Say:", "max_tokens": 2}, {}, None)]
+    for path, body, headers, session in cases:
+        response = client.post(path, json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        assert engine.sessions[-1] == session, (path, body, headers)
+    calls = len(engine.calls)
+    for key in ("x" * 257, "", 5):
+        response = client.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 2, "prompt_cache_key": key})
+        assert_openai_error(response, 400, "prompt_cache_key")
+    assert len(engine.calls) == calls

@@ -44,6 +44,7 @@ class ScriptedEngine:
     cached_prompt_tokens: int = 0   # reported as the prefix-cache hit of every request
     calls: list[tuple[str, list[int], object]] = field(default_factory=list)
     loras: list = field(default_factory=list)    # the lora argument of each call, in order
+    sessions: list = field(default_factory=list)  # the session argument of each call, in order
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     active: set[str] = field(default_factory=set)
@@ -81,13 +82,14 @@ class ScriptedEngine:
             entries.append(TokenLogprob(token, -0.25 * i, top[:k], rank=i))
         return entries
 
-    async def generate(self, request_id, prompt_token_ids, params, lora=None):
+    async def generate(self, request_id, prompt_token_ids, params, lora=None, session=None):
         if self.reject_with is not None:
             raise self.reject_with
         if self.dead:
             raise EngineDeadError("engine is dead")
         self.calls.append((request_id, list(prompt_token_ids), params))
         self.loras.append(lora)
+        self.sessions.append(session)
         self.active.add(request_id)
         done = [False] * params.n
         try:

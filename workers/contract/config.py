@@ -131,6 +131,10 @@ class CacheConfig:
                                          "each with a float16 scale: about twice the sequences per byte; fp8_e4m3 "
                                          "takes a checkpoint's k_scale / v_scale where present)")
     watermark: float = option(0.01, "fraction of KV blocks kept free when admitting (avoids instant preemption)")
+    kv_pin_ttl_s: float = option(300.0, "session pins: a session's (prompt_cache_key / X-Session-Id) blocks of its "
+                                        "last prompt and output are evicted last for this many seconds")
+    kv_pin_max_fraction: float = option(0.5, "session pins: at most this fraction of the KV blocks pinned in all "
+                                             "(0: no pins); the sessions pinned longest ago make room first")
     warm_prefix_tokens: int = option(8192, "prefix-cache warm-up, in tokens of the most reused prefixes: a new "
                                            "engine replica prefills a running one's before taking traffic, a "
                                            "rebuilt TP group its own from before (0: off)")
@@ -144,6 +148,11 @@ class CacheConfig:
         _require(self.num_blocks is None or (isinstance(self.num_blocks, int) and self.num_blocks >= 2),
                  f"num_blocks: must be None or an integer >= 2, got {self.num_blocks!r}")
         _require(0 <= self.watermark < 0.5, f"watermark: must be in [0, 0.5), got {self.watermark!r}")
+        _require(not isinstance(self.kv_pin_ttl_s, bool) and isinstance(self.kv_pin_ttl_s, (int, float))
+                 and self.kv_pin_ttl_s > 0, f"kv_pin_ttl_s: must be a number > 0, got {self.kv_pin_ttl_s!r}")
+        _require(not isinstance(self.kv_pin_max_fraction, bool) and isinstance(self.kv_pin_max_fraction, (int, float))
+                 and 0 <= self.kv_pin_max_fraction <= 1,
+                 f"kv_pin_max_fraction: must be in [0, 1], got {self.kv_pin_max_fraction!r}")
         _require(type(self.warm_prefix_tokens) is int and self.warm_prefix_tokens >= 0,   # noqa: E721
                  f"warm_prefix_tokens: must be an integer >= 0, got {self.warm_prefix_tokens!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
