@@ -1,0 +1,112 @@
+"""Multi-turn agent sessions next to one-shot traffic, with session pins off and on (#64):
+``python -m benchmarks.agent_sessions [--sessions 6] [--turns 5] [--rounds 3] [--dry-run]``
+
+Workload (fixed seed, token ids): ``--sessions`` sessions, each starting from a system prompt of its own
+(``--system-tokens``); each turn appends ``--turn-tokens`` new tokens to the session's last prompt and output
+and generates ``--max-tokens`` (EOS ignored, greedy). Turns go round-robin over the sessions (turn t of every
+session, then turn t + 1), and after each round of turns ``--flood`` one-shot prompts of ``--flood-tokens``
+tokens run: together they need more blocks than the pool has (an LRU cache evicts the previous flood's blocks
+first, then every session's), so without pins the sessions' contexts are gone by their next turn. The pool
+(``--num-blocks`` of 16 tokens) holds every session's final context within the pin budget (half the pool) with
+room to spare for one flood prompt at a time; requests run one at a time (an agent waits for its answer), the
+offline engine in this process, the model at its default dtype.
+
+Systems, interleaved by rounds, each in a fresh engine: ``pins-off`` (``kv_pin_max_fraction`` 0: plain LRU
+prefix cache) and ``pins-on`` (each turn's request carries its session: ``kv_pin_max_fraction`` 0.5).
+
+Reported, over the turns >= 2: mean TTFT (add -> first token, ms) and prompt tokens prefilled (not served
+from the prefix cache), and the ratios pins-off / pins-on (how many times lower with pins). The issue's goal
+(>= 3x lower TTFT, >= 5x fewer prefill tokens) is for pins with a second KV tier; this measures pins alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # `python benchmarks/<name>.py`: import from the repo root, not from benchmarks/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common import add_round_args, finish_rounds, print_run
+from benchmarks.rounds import Metric, Ratio, run_rounds
+
+SYSTEMS = ("pins-off", "pins-on")
+
+
+def run_request(engine, request_id: str, prompt: list[int], params, session: str | None) -> tuple[list[int], float, int]:
+    """(output tokens, TTFT seconds, prompt tokens prefilled) of one request run alone."""
+    start = time.perf_counter()
+    engine.add(request_id, prompt, params, session=session)
+    tokens, ttft, cached = [], None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids and ttft is None:
+                ttft = time.perf_counter() - start
+            tokens += out.outputs[0].token_ids if out.outputs else []
+            cached = max(cached, out.num_cached_prompt_tokens)
+    return tokens, ttft, len(prompt) - cached
+
+
+def measure(system: str, args, vocab: int) -> dict:
+    from pagedray.cluster import LLM, SamplingParams
+
+    rng = random.Random(args.seed)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    contexts = {f"s{i}": [rng.randrange(2, vocab) for _ in range(args.system_tokens)] for i in range(args.sessions)}
+    ttfts, prefilled = [], 0
+    with LLM(args.model, block_size=16, num_blocks=args.num_blocks, watermark=0.0,
+             kv_pin_max_fraction=0.5 if system == "pins-on" else 0.0) as llm:
+        engine = llm.engine
+        for turn in range(args.turns):
+            for session, context in contexts.items():
+                context += [rng.randrange(2, vocab) for _ in range(args.turn_tokens)]
+                output, ttft, computed = run_request(engine, f"{session}-{turn}", context, params,
+                                                     session if system == "pins-on" else None)
+                context += output
+                if turn >= 1:
+                    ttfts.append(ttft)
+                    prefilled += computed
+            for i in range(args.flood):
+                run_request(engine, f"flood-{turn}-{i}", [rng.randrange(2, vocab) for _ in range(args.flood_tokens)],
+                            params, None)
+        stats = engine.block_manager.stats()
+    return {"mean_ttft_ms": 1000 * sum(ttfts) / len(ttfts), "prefill_tokens": prefilled,
+            "pinned_blocks_at_end": stats.num_pinned_blocks, "pin_evictions": stats.num_pin_evictions}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="benchmarks.agent_sessions", description=__doc__.split("\n\n")[0])
+    add_round_args(parser, "agent_sessions")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--sessions", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--system-tokens", type=int, default=256)
+    parser.add_argument("--turn-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--flood", type=int, default=5)
+    parser.add_argument("--flood-tokens", type=int, default=2500)
+    parser.add_argument("--num-blocks", type=int, default=768)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dry-run", action="store_true", help="2 sessions, 2 turns, small prompts: the plumbing")
+    args = parser.parse_args(argv)
+    from pagedray.workers.models.model_info import model_info
+    from pagedray.workers.weights.default_model import resolve_model_path
+
+    if args.dry_run:
+        args.sessions, args.turns, args.system_tokens, args.turn_tokens = 2, 2, 32, 16
+        args.max_tokens, args.flood, args.flood_tokens, args.num_blocks = 4, 2, 120, 24
+    args.model = str(resolve_model_path(args.model))
+    vocab = model_info(args.model).vocab_size
+    runs = run_rounds(SYSTEMS, args.rounds, lambda system, _: measure(system, args, vocab), on_run=print_run)
+    metrics = [Metric("mean_ttft_ms", "mean TTFT turn>=2 ms", higher_is_better=False),
+               Metric("prefill_tokens", "prefill tokens turn>=2", higher_is_better=False)]
+    ratios = [Ratio("pins-off", ("pins-on",), None, "pins-off / pins-on")]
+    out = "/dev/null" if args.dry_run and args.out == parser.get_default("out") else args.out
+    return finish_rounds("agent_sessions", out, runs, metrics, ratios, vars(args))
+
+
+if __name__ == "__main__":
+    main()
