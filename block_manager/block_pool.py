@@ -38,6 +38,7 @@ class BlockPool:
         self._cached: dict[BlockKey, int] = {}
         self.num_evictions = 0
         self.num_pin_evictions = 0
+        self.on_evict = None     # (block_id, key) -> None, called before a handed-out block loses its key
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -86,6 +87,8 @@ class BlockPool:
                 self.num_pin_evictions += 1
             key = keys[block_id]
             if key is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block_id, key)
                 del self._cached[key]
                 keys[block_id] = None
                 self.num_evictions += 1

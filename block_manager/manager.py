@@ -31,6 +31,7 @@ from collections.abc import Hashable, Sequence
 
 from .block_pool import BlockPool
 from .errors import CannotAllocateError, DoubleFreeError, SequenceExistsError, UnknownSequenceError
+from .offload_tier import OffloadTier
 from .prefix_key import BlockKey, is_namespace_root
 from .records import Allocation, BlockManagerStats
 from .session_pins import SessionPins
@@ -62,8 +63,9 @@ class BlockManager:
     """Global KV block allocator: block tables, prefix cache, fork/CoW, slot mapping."""
 
     def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True,
-                 watermark: float = 0.0, pin_budget: int = 0, pin_ttl_s: float = 300.0) -> None:
-        """``pin_budget``: blocks session pins may hold (0: no pins; ``session_pins.py``), for ``pin_ttl_s``."""
+                 watermark: float = 0.0, pin_budget: int = 0, pin_ttl_s: float = 300.0, tier_slots: int = 0) -> None:
+        """``pin_budget``: blocks session pins may hold (0: no pins; ``session_pins.py``), for ``pin_ttl_s``;
+        ``tier_slots``: blocks the ranks' second KV tier holds (0: none; ``offload_tier.py``)."""
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block_size: must be an integer >= 1, got {block_size!r}")
         if type(num_blocks) is not int or num_blocks < 1:
@@ -79,6 +81,13 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.pool = BlockPool(num_blocks)
         self.pins = SessionPins(self.pool, pin_budget, pin_ttl_s) if pin_budget and enable_prefix_caching else None
+        self.tier = OffloadTier(tier_slots) if tier_slots and enable_prefix_caching else None
+        self._saves: list[tuple[int, int]] = []           # (block, slot) for the next plan
+        self._loads: list[tuple[int, int]] = []           # (slot, block) for the next plan
+        self._loading: dict[int, tuple[int, BlockKey]] = {}   # slot -> (block, key) of loads not yet finished
+        self.num_tier_loaded = self.num_tier_load_failures = 0
+        if self.tier is not None:
+            self.pool.on_evict = self._save_evicted
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self._recently_freed: OrderedDict[Hashable, None] = OrderedDict()
         self._recently_freed_cap = max(1024, num_blocks)
@@ -354,6 +363,62 @@ class BlockManager:
         if len(self._recently_freed) > self._recently_freed_cap:
             self._recently_freed.popitem(last=False)
 
+    # -- the second KV tier ---------------------------------------------------------------------
+    def _save_evicted(self, block_id: int, key: BlockKey) -> None:
+        self._saves.append((block_id, self.tier.save(key)))
+
+    def tier_prefix(self, token_ids: Sequence[int], root: BlockKey | None = None) -> list[tuple[BlockKey, int]]:
+        """The (key, tier slot) of each block of ``token_ids`` right after its cached prefix that the tier
+        holds, in order (none without a tier); the same bound as the prefix cache (>= 1 token left)."""
+        if self.tier is None:
+            return []
+        blocks, key = self._cached_prefix(token_ids, root)
+        bs, hits = self.block_size, []
+        for i in range(len(blocks), max(0, (len(token_ids) - 1) // bs)):
+            key = BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs]))
+            slot = self.tier.lookup(key)
+            if slot is None:
+                break
+            hits.append((key, slot))
+        return hits
+
+    def start_loads(self, hits: list[tuple[BlockKey, int]]) -> list[int]:
+        """Loads ``tier_prefix``'s hits into free blocks (the next plan carries them); returns their slots.
+        The blocks stay referenced and uncached until ``finish_loads``. CannotAllocateError (nothing changed)
+        when fewer blocks are free."""
+        if len(hits) > self.pool.num_free_blocks:
+            raise CannotAllocateError(len(hits), self.pool.num_free_blocks, "second-tier loads")
+        slots = [self.tier.take(key) for key, _ in hits]     # first: the allocation below may save into the tier
+        for (key, _), slot, block in zip(hits, slots, self.pool.allocate(len(hits))):
+            self._loads.append((slot, block))
+            self._loading[slot] = (block, key)
+        return slots
+
+    def loads_in_flight(self, slots: list[int]) -> bool:
+        return any(slot in self._loading for slot in slots)
+
+    def finish_loads(self, loads: list[tuple[int, int]], failed: list[int]) -> None:
+        """A plan's loads ran: each loaded block joins the prefix cache under its key (then free, findable), a
+        failed one is freed uncached."""
+        failed_set = set(failed)
+        for slot, _ in loads:
+            block, key = self._loading.pop(slot)
+            if slot in failed_set:
+                self.num_tier_load_failures += 1
+            else:
+                self.pool.cache(block, key)
+                self.num_tier_loaded += 1
+            self.pool.release(block)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The saves and loads the next plan carries (each once); the slots its loads read are free again."""
+        transfers = (self._saves, self._loads)
+        self._saves, self._loads = [], []
+        if self.tier is not None:
+            self.tier.release_held()
+        return transfers
+
+    # -- session pins -----------------------------------------------------------------------------
     def pin_session(self, session: Hashable, seq_id: Hashable, now: float) -> int:
         """Pins the cached blocks of ``seq_id`` (its hashed prefix) for ``session`` in place of the session's
         earlier pins (call before ``free``); returns how many were pinned (0 without pins)."""
@@ -433,12 +498,19 @@ class BlockManager:
             num_evictions=self.pool.num_evictions,
             num_pinned_blocks=0 if self.pins is None else self.pins.num_pinned,
             num_pinned_sessions=0 if self.pins is None else self.pins.num_sessions,
-            num_pin_evictions=self.pool.num_pin_evictions)
+            num_pin_evictions=self.pool.num_pin_evictions,
+            num_tier_blocks=0 if self.tier is None else len(self.tier),
+            num_tier_saves=0 if self.tier is None else self.tier.num_saved,
+            num_tier_loaded=self.num_tier_loaded, num_tier_load_failures=self.num_tier_load_failures)
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first violated invariant (module and pool docstrings)."""
         self.pool.check_invariants()
         holders = [0] * self.num_blocks
+        for block_id, _ in self._loading.values():        # a second-tier load holds its block until it finishes
+            holders[block_id] += 1
+        if self.tier is not None:
+            self.tier.check_invariants()
         bs = self.block_size
         for seq_id, seq in self._seqs.items():
             table = seq.table

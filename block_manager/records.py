@@ -32,3 +32,7 @@ class BlockManagerStats:
     num_pinned_blocks: int = 0  # blocks pinned by sessions (session_pins.py)
     num_pinned_sessions: int = 0
     num_pin_evictions: int = 0  # pinned blocks handed out anyway (no unpinned block was free)
+    num_tier_blocks: int = 0  # blocks held by the second KV tier (offload_tier.py)
+    num_tier_saves: int = 0  # evicted cached blocks saved to the tier
+    num_tier_loaded: int = 0  # tier blocks loaded back into the cache (prefix hits in the second tier)
+    num_tier_load_failures: int = 0  # loads that failed on a rank (a miss: computed again)

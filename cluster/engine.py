@@ -165,7 +165,7 @@ class Engine:
         out = self.scheduler.schedule()
         plan = self.plan_builder.build(out)
         has_work = bool(plan.decodes or plan.new_seqs or plan.running or plan.released_seq_ids or plan.lora_reads
-                        or plan.lora_drops or self._lora_reads_in_flight)
+                        or plan.lora_drops or self._lora_reads_in_flight or plan.kv_saves or plan.kv_loads)
         if self._async_scheduling:
             return outputs + self._step_ahead(out, plan, has_work)
         if not has_work:
@@ -215,6 +215,8 @@ class Engine:
         if result.step_id != plan.step_id:
             raise RuntimeError(f"executor answered step {result.step_id} for plan {plan.step_id}")
         touched = self.scheduler.update(out, result.sampled, result.prompt_logprobs)
+        if plan.kv_loads:
+            self.block_manager.finish_loads(plan.kv_loads, result.kv_load_failures)
         return touched + self.scheduler.apply_lora_reads(result.lora_reads) if result.lora_reads else touched
 
     def _outputs_of(self, touched: list) -> list[RequestOutput]:
@@ -296,7 +298,7 @@ class Engine:
         cache = self.config.cache
         return BlockManager(cache.block_size, num_blocks, enable_prefix_caching=cache.enable_prefix_caching,
                             watermark=cache.watermark, pin_budget=int(cache.kv_pin_max_fraction * num_blocks),
-                            pin_ttl_s=cache.kv_pin_ttl_s)
+                            pin_ttl_s=cache.kv_pin_ttl_s, tier_slots=getattr(self.executor, "num_tier_slots", 0))
 
     def fail(self, exc: BaseException) -> list[RequestOutput]:
         """Marks the engine dead and ends every in-flight request with "error" (blocks freed); returns

@@ -68,6 +68,7 @@ class LocalExecutor:
         self.worker = Worker(config, rank=0)
         self.dtype = self.worker.dtype_choice.name
         self.num_blocks = self.worker.available_kv_blocks()
+        self.num_tier_slots = self.worker.kv_tier_slots()
         self.worker.init_kv_cache(self.num_blocks)
         self._closed = False
         self._step_thread: ThreadPoolExecutor | None = None   # created by the first submit

@@ -205,6 +205,7 @@ class RayExecutor:
                              "rank order; their CPUs differ): set dtype to one of them")
         self.dtype = dtypes[0]
         self.num_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors], timeout=START_TIMEOUT_S))
+        self.num_tier_slots = min(ray.get([a.kv_tier_slots.remote() for a in self.actors], timeout=START_TIMEOUT_S))
         ray.get([a.init_kv_cache.remote(self.num_blocks) for a in self.actors], timeout=START_TIMEOUT_S)
         self.rank_pids = ray.get([a.process_id.remote() for a in self.actors], timeout=START_TIMEOUT_S)
 

@@ -104,6 +104,7 @@ class Scheduler:
         self.speculation = SpeculationStats()
         self.lora_slots: AdapterSlots | None = None   # set by the engine with enable_lora (cluster/lora_slots.py)
         self.clock = time.monotonic                   # session pins' time (tests set their own)
+        self._tier_loads: dict[Sequence, list[int]] = {}   # waiting sequences -> their second-tier loads' slots
 
     # -- intake -------------------------------------------------------------------------------
     def check_admission(self, request_id: str) -> None:
@@ -209,6 +210,7 @@ class Scheduler:
         if self.lora_slots is not None:
             out.lora_loads = self.lora_slots.take_loads()
             out.lora_reads, out.lora_drops = self.lora_slots.take_orders()
+        out.kv_saves, out.kv_loads = self.block_manager.take_transfers()   # last: every allocation is done
         return out
 
     def _schedule_decodes(self, budget: int, out: SchedulerOutput) -> tuple[int, list]:
@@ -360,6 +362,9 @@ class Scheduler:
                 self.lora_slots.want(lora)
                 passed.add(seq)
                 continue
+            if self._waits_for_tier(seq):
+                passed.add(seq)
+                continue
             seats = 1 + (seq.request.num_unforked if seq.must_fork_first else 0)
             if taken + seats > self.config.max_num_seqs:
                 return
@@ -368,6 +373,26 @@ class Scheduler:
                 return
             budget -= num
             taken += seats
+
+    def _waits_for_tier(self, seq: Sequence) -> bool:
+        """Whether ``seq`` waits for blocks of its prompt coming back from the second KV tier: the first time it
+        is considered, the tier blocks right after its cached prefix are loaded (when the free blocks allow);
+        it is admitted once those loads finished, with whatever they put in the prefix cache."""
+        bm = self.block_manager
+        if bm.tier is None or seq.request.params.prompt_logprobs is not None:
+            return False
+        pending = self._tier_loads.get(seq)
+        if pending is not None:
+            if bm.loads_in_flight(pending):
+                return True
+            del self._tier_loads[seq]
+            return False
+        lora = seq.request.lora
+        hits = bm.tier_prefix(seq.token_ids, None if lora is None else namespace_root(lora.cache_namespace))
+        if not hits or bm.num_free_blocks - bm.watermark_blocks < len(hits):
+            return False
+        self._tier_loads[seq] = bm.start_loads(hits)
+        return True
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Registers ``seq`` with the BlockManager and schedules its first chunk; None if it does not fit
@@ -583,6 +608,7 @@ class Scheduler:
             seq.lora_slot = -1
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self._tier_loads.pop(seq, None)
         if seq.status is SequenceStatus.RUNNING:
             if seq.request.session is not None and seq.index == 0:   # its prompt and output: the next turn's prefix
                 self.block_manager.pin_session(seq.request.session, seq.seq_id, self.clock())
@@ -638,6 +664,7 @@ class Scheduler:
         self.running = []
         self._released = []
         self._block_copies, self._kept_blocks = [], {}
+        self._tier_loads = {}                     # the old manager's loads never finish; the new ranks hold no tier
         if self.lora_slots is not None:
             self.lora_slots.forget_resident()     # the new ranks hold no adapter
         old = self.block_manager

@@ -48,6 +48,9 @@ class SchedulerOutput:
     # LoRA adapters the ranks start reading into host memory / forget from it (cluster/lora_slots.py)
     lora_reads: list[LoraFiles] = field(default_factory=list)
     lora_drops: list[LoraFiles] = field(default_factory=list)
+    # the second KV tier: (block, slot) saves and (slot, block) loads (block_manager/offload_tier.py)
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

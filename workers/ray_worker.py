@@ -68,6 +68,9 @@ class RayWorkerBody:
     def available_kv_blocks(self) -> int:
         return self._get().available_kv_blocks()
 
+    def kv_tier_slots(self) -> int:
+        return self._get().kv_tier_slots()
+
     def dtype_name(self) -> str:
         """The dtype this rank resolved (``dtype_choice``), e.g. "bfloat16"."""
         return self._get().dtype_choice.name

@@ -21,6 +21,7 @@ from .contract.config import EngineConfig
 from .contract.wire import PENDING_TOKEN, LoraRead, SampledToken, StepPlan, StepResult, decode_plan, encode_result
 from .host_memory import keep_freed_memory
 from .kv_cache import KVCacheSpec
+from .kv_tier import KVTierStore
 from .layers.packed_gemm import PackReport
 from .lora.model_lora import ModelLora
 from .models.model_info import load_hf_config, model_info
@@ -97,6 +98,7 @@ class Worker:
                         if self.tp.is_first else None)
         self.grammars = GrammarBook(str(config.model.tokenizer or model_path)) if self.tp.is_first else None
         self.runner: ModelRunner | None = None
+        self.kv_tier: KVTierStore | None = None   # the second KV tier (kv_offload_gib), once the cache exists
         self.graph_report: CaptureReport | None = None
         self._last_sampled: list[SampledToken] = []   # rank 0: what its last step drew (the list it returned)
 
@@ -121,8 +123,14 @@ class Worker:
         own = self.kv_spec.bytes_per_block
         return blocks * own // (own + self.drafter.kv_spec.bytes_per_block)
 
+    def kv_tier_slots(self) -> int:
+        """Blocks the second KV tier holds on this rank (``kv_offload_gib`` of this rank's block bytes; 0: off)."""
+        return int(self.config.cache.kv_offload_gib * 2**30 // self.kv_spec.bytes_per_block)
+
     def init_kv_cache(self, num_blocks: int) -> None:
         kv_cache = self.kv_spec.allocate(num_blocks, self.device)
+        if self.kv_tier_slots():
+            self.kv_tier = KVTierStore(kv_cache, self.config.cache.kv_offload_path, self.rank)
         settle_cpu_decode(self.model, kv_cache, self.config.cache.block_size)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks)
@@ -136,6 +144,7 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult | None:
         if self.runner is None:
             raise RuntimeError("Worker.execute: call init_kv_cache(num_blocks) first")
+        tier_failures = self._move_tier_blocks(plan)
         plan = self._resolve_pending(plan)
         if not self.tp.is_first:
             self.runner.execute(plan)
@@ -151,7 +160,7 @@ class Worker:
             sampled = [] if output.logits is None else self.sampler.argmax(seq_ids, output.logits)
             self._last_sampled = sampled
             return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
-                              lora_reads=self._finished_lora_reads(step is None))
+                              lora_reads=self._finished_lora_reads(step is None), kv_load_failures=tier_failures)
         rows = [] if step is None else _sampling_rows(step.host.sampling_seqs, step.host.row_drafts)
         masks = self.grammars.submit(rows)   # grammar masks on their own thread while the forward runs
         try:
@@ -162,7 +171,27 @@ class Worker:
             raise
         sampled = self._last_sampled = self.sample(output, rows, masks)
         return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
-                          lora_reads=self._finished_lora_reads(False))
+                          lora_reads=self._finished_lora_reads(False), kv_load_failures=tier_failures)
+
+    def _move_tier_blocks(self, plan: StepPlan) -> list[int]:
+        """The plan's second-tier saves, then its loads (``kv_tier.py``); the slots whose load failed on any rank
+        (a collective with TP > 1: every rank gets the same plan, so every rank takes part)."""
+        if not (plan.kv_saves or plan.kv_loads):
+            return []
+        if self.kv_tier is None:
+            raise ValueError("kv_saves / kv_loads: this rank has no second KV tier (kv_offload_gib is 0)")
+        num_blocks = self.runner.kv_cache.num_blocks
+        for block, slot in plan.kv_saves + [(block, slot) for slot, block in plan.kv_loads]:
+            if not 0 <= block < num_blocks or slot < 0:
+                raise ValueError(f"kv_saves / kv_loads: block {block} / slot {slot} outside the cache "
+                                 f"(0..{num_blocks - 1}) or negative")
+        for block, slot in plan.kv_saves:
+            self.kv_tier.save(block, slot)
+        failed = [0 if self.kv_tier.load(slot, block) else 1 for slot, block in plan.kv_loads]
+        if self.tp.world_size > 1 and failed:
+            flags = torch.tensor(failed, dtype=torch.int32, device=self.device)
+            failed = self.tp.all_reduce(flags).tolist()
+        return [slot for (slot, _), bad in zip(plan.kv_loads, failed) if bad]
 
     def _finished_lora_reads(self, idle: bool) -> list[LoraRead]:
         """Rank 0: the adapter reads finished since its last result. A plan with nothing to run (``idle``: the
@@ -232,6 +261,8 @@ class Worker:
             torch.cuda.empty_cache()
         if self.grammars is not None:
             self.grammars.shutdown()
+        if self.kv_tier is not None:
+            self.kv_tier.close()
         self.tp.destroy()
 
 

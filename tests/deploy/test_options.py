@@ -42,9 +42,10 @@ NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "
                 "speculative_model": "/models/draft", "warm_prefix_tokens": 0, "kv_pin_ttl_s": 60.0,
                 "kv_pin_max_fraction": 0.25}
 # options whose non-default value conflicts with one above (async_scheduling needs tensor_parallel_size 1, LoRA
-# no speculative_model)
+# and the second KV tier no speculative_model)
 NON_DEFAULTS_ALONE = {"async_scheduling": True, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
-                      "max_cpu_loras": 3, "lora_modules": "sql=/adapters/sql"}
+                      "max_cpu_loras": 3, "lora_modules": "sql=/adapters/sql", "kv_offload_gib": 0.5,
+                      "kv_offload_path": "/tmp/tier"}
 
 
 def engine_settings() -> set[str]:

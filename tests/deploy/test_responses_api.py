@@ -95,7 +95,7 @@ def test_fields_that_ask_for_nothing_are_accepted():
     call = to_chat({"input": "hi", "store": False, "truncation": "disabled", "include": [], "service_tier": "auto",
                     "prompt_cache_key": "k", "safety_identifier": "s", "top_logprobs": 0, "previous_response_id": None,
                     "reasoning": {"effort": None, "summary": "auto"}, "text": {"format": {"type": "text"}}})
-    assert call.chat_body == {"messages": [{"role": "user", "content": "hi"}]}
+    assert call.chat_body == {"messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "k"}   # a session
     with pytest.raises(APIError) as info:
         to_chat({"model": "m"})
     assert info.value.param == "input"

@@ -109,6 +109,7 @@ class ThreadTPExecutor:
 
     def __init__(self, workers: list[worker_module.Worker], num_blocks: int) -> None:
         self.workers, self.num_blocks = workers, num_blocks
+        self.num_tier_slots = min(worker.kv_tier_slots() for worker in workers)
         self.dtype = workers[0].dtype_choice.name
 
     def execute(self, plan):

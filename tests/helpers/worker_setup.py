@@ -3,6 +3,8 @@ plan driver, and TP groups of Ray worker actors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedray.workers.worker import Worker
 
@@ -11,8 +13,12 @@ from helpers.worker_plans import PlanDriver
 
 def engine_config(model_path: str, tp: int = 1, num_blocks: int = 64, block_size: int = 8,
                   kv_cache_dtype: str = "auto", **model_kwargs) -> EngineConfig:
+    """``model_kwargs``: ModelConfig fields, and CacheConfig ones (kv_offload_gib, ...)."""
+    cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    cache_kwargs = {k: model_kwargs.pop(k) for k in list(model_kwargs) if k in cache_fields}
     return EngineConfig(model=ModelConfig(**{"dtype": "float32", "model": model_path, **model_kwargs}),
-                        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
+                        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype,
+                                          **cache_kwargs),
                         parallel=ParallelConfig(tensor_parallel_size=tp, executor="ray" if tp > 1 else "local",
                                                 threads_per_worker=1),
                         scheduler=SchedulerConfig(max_num_batched_tokens=256))

@@ -135,6 +135,11 @@ class CacheConfig:
                                         "last prompt and output are evicted last for this many seconds")
     kv_pin_max_fraction: float = option(0.5, "session pins: at most this fraction of the KV blocks pinned in all "
                                              "(0: no pins); the sessions pinned longest ago make room first")
+    kv_offload_gib: float = option(0.0, "second KV tier per rank: a cached prefix block evicted from the KV cache is "
+                                        "saved here (files in kv_offload_path) and loaded back when a prompt "
+                                        "reaches it again; 0: off")
+    kv_offload_path: str | None = option(None, "second KV tier: the folder of its files (one sub-folder per rank; "
+                                               "default: a temporary folder, removed at shutdown)")
     warm_prefix_tokens: int = option(8192, "prefix-cache warm-up, in tokens of the most reused prefixes: a new "
                                            "engine replica prefills a running one's before taking traffic, a "
                                            "rebuilt TP group its own from before (0: off)")
@@ -153,6 +158,8 @@ class CacheConfig:
         _require(not isinstance(self.kv_pin_max_fraction, bool) and isinstance(self.kv_pin_max_fraction, (int, float))
                  and 0 <= self.kv_pin_max_fraction <= 1,
                  f"kv_pin_max_fraction: must be in [0, 1], got {self.kv_pin_max_fraction!r}")
+        _require(not isinstance(self.kv_offload_gib, bool) and isinstance(self.kv_offload_gib, (int, float))
+                 and self.kv_offload_gib >= 0, f"kv_offload_gib: must be a number >= 0, got {self.kv_offload_gib!r}")
         _require(type(self.warm_prefix_tokens) is int and self.warm_prefix_tokens >= 0,   # noqa: E721
                  f"warm_prefix_tokens: must be an integer >= 0, got {self.warm_prefix_tokens!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
@@ -277,6 +284,8 @@ class EngineConfig:
                  f"idle_batch_wait_ms: must be a number of milliseconds in [0, 1000], got {self.idle_batch_wait_ms!r}")
         _require(not (self.model.enable_lora and self.scheduler.speculative_model is not None),
                  "enable_lora: not with speculative_model (the draft model would run without the adapters)")
+        _require(not (self.cache.kv_offload_gib > 0 and self.scheduler.speculative_model is not None),
+                 "kv_offload_gib: not with speculative_model (the draft model's cache has no second tier)")
         _require(not self.scheduler.async_scheduling or self.parallel.tensor_parallel_size == 1,
                  "async_scheduling: needs tensor_parallel_size 1 (the ranks would need the sampled ids of the "
                  f"step still running), got tensor_parallel_size={self.parallel.tensor_parallel_size}")

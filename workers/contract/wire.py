@@ -47,6 +47,9 @@ in the cache), ``block_ids`` and the sampling params.
 - ``lora_loads``: LoRA adapters to copy into slots before the forward, each from the rank's host copy (read
   earlier, off the step: ``lora_reads``); a ``NewSequence``'s ``lora_slot`` names the slot its tokens use for
   as long as it is mirrored (-1: the base model).
+- ``kv_saves`` / ``kv_loads``: the second KV tier (``workers/kv_tier.py``): evicted blocks whose bytes go to a
+  tier slot (applied first of all), and tier slots whose bytes come back into a block (after the saves);
+  rank 0's result lists the slots that failed to load (on any rank).
 - ``lora_reads`` / ``lora_drops``: adapters each rank starts reading into host memory on a thread of its own
   (the step does not wait for them) / forgets from host memory; applied after ``lora_loads``. The engine
   decides which adapters are held (``max_cpu_loras``), so every rank holds the same ones.
@@ -157,6 +160,8 @@ class StepPlan:
     lora_loads: list[LoraLoad] = field(default_factory=list)
     lora_reads: list[LoraFiles] = field(default_factory=list)
     lora_drops: list[LoraFiles] = field(default_factory=list)
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)     # (block, tier slot): before anything else
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)     # (tier slot, block): after the saves
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -194,6 +199,7 @@ class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     lora_reads: list[LoraRead] = field(default_factory=list)
+    kv_load_failures: list[int] = field(default_factory=list)   # tier slots of this plan's kv_loads that failed
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -231,6 +237,8 @@ def encode_plan(plan: StepPlan) -> bytes:
            "running": [vars(delta) for delta in plan.running],
            "released_seq_ids": plan.released_seq_ids, "block_copies": plan.block_copies,
            "decodes": vars(plan.decodes), "lora_loads": [vars(load) for load in plan.lora_loads]}
+    if plan.kv_saves or plan.kv_loads:
+        obj["kv_saves"], obj["kv_loads"] = plan.kv_saves, plan.kv_loads
     if plan.lora_reads or plan.lora_drops:
         obj["lora_reads"], obj["lora_drops"] = list(map(vars, plan.lora_reads)), list(map(vars, plan.lora_drops))
     return _pack(obj)
@@ -254,6 +262,8 @@ def decode_plan(data: bytes) -> StepPlan:
             lora_loads=[_lora_load(load) for load in obj.get("lora_loads", [])],
             lora_reads=[_lora_files(files, "lora_reads") for files in obj.get("lora_reads", [])],
             lora_drops=[_lora_files(files, "lora_drops") for files in obj.get("lora_drops", [])],
+            kv_saves=_int_pairs(obj.get("kv_saves", []), "kv_saves"),
+            kv_loads=_int_pairs(obj.get("kv_loads", []), "kv_loads"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed StepPlan: {exc}") from exc
@@ -264,6 +274,12 @@ def _lora_load(obj: dict) -> LoraLoad:
     if type(load.slot) is not int or not isinstance(load.name, str) or not isinstance(load.path, str):  # noqa: E721
         raise ValueError("lora_loads: slot must be an integer, name and path strings")
     return load
+
+
+def _int_pairs(pairs: list, field_name: str) -> list[tuple[int, int]]:
+    if not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(type(v) is int for v in p) for p in pairs):  # noqa: E721
+        raise ValueError(f"{field_name}: must be a list of integer pairs")
+    return [(p[0], p[1]) for p in pairs]
 
 
 def _lora_files(obj: dict, field_name: str) -> LoraFiles:
@@ -293,6 +309,8 @@ def encode_result(result: StepResult) -> bytes:
            "prompt_logprobs": [vars(p) for p in result.prompt_logprobs]}
     if result.lora_reads:
         obj["lora_reads"] = [vars(read) for read in result.lora_reads]
+    if result.kv_load_failures:
+        obj["kv_load_failures"] = result.kv_load_failures
     return _pack(obj)
 
 
@@ -318,6 +336,10 @@ def decode_result(data: bytes) -> StepResult:
         if not all(isinstance(r.name, str) and isinstance(r.path, str) and isinstance(r.error, (str, type(None)))
                    for r in reads):
             raise ValueError("lora_reads: name and path must be strings, error a string or null")
-        return StepResult(step_id=obj["step_id"], sampled=sampled, prompt_logprobs=prompt, lora_reads=reads)
+        failures = obj.get("kv_load_failures", [])
+        if not all(type(slot) is int for slot in failures):  # noqa: E721
+            raise ValueError("kv_load_failures: must be a list of integers")
+        return StepResult(step_id=obj["step_id"], sampled=sampled, prompt_logprobs=prompt, lora_reads=reads,
+                          kv_load_failures=list(failures))
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise WireError(f"malformed StepResult: {exc}") from exc

@@ -1,0 +1,49 @@
+"""A rank's second-tier store: a saved block comes back bit for bit (bf16, and int8 rows with their scales), and
+a corrupt, short or missing file is a failed load that leaves the block as it was."""
+
+import pytest
+import torch
+from pagedray.workers.kv_cache import KVCache
+from pagedray.workers.kv_tier import KVTierStore
+
+
+def _cache(quantized: bool) -> KVCache:
+    gen = torch.Generator().manual_seed(0)
+    shape = (3, 2, 6, 4, 2, 8)                                    # [layers, 2, blocks, block_size, heads, dim]
+    if quantized:
+        data = torch.randint(-128, 127, shape, generator=gen, dtype=torch.int8)
+        return KVCache(data, torch.rand(shape[:-1], generator=gen).to(torch.float16))
+    return KVCache(torch.randn(shape, generator=gen).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_saved_block_loads_back_exactly(tmp_path, quantized):
+    cache = _cache(quantized)
+    store = KVTierStore(cache, str(tmp_path), rank=1)
+    tensors = [cache.data] + ([cache.scales] if quantized else [])
+    original = [t[:, :, 2].clone() for t in tensors]
+    store.save(2, 7)
+    for t in tensors:
+        t[:, :, 2].zero_()
+    assert store.load(7, 4)                                        # into another block
+    for t, before in zip(tensors, original):
+        assert torch.equal(t[:, :, 4], before)
+    assert (tmp_path / "rank1" / "7.kv").stat().st_size == store.block_bytes
+    store.close()
+    assert not (tmp_path / "rank1").exists()
+
+
+def test_corrupt_short_or_missing_files_are_failed_loads(tmp_path):
+    cache = _cache(False)
+    store = KVTierStore(cache, str(tmp_path), rank=0)
+    for slot, block in ((0, 0), (1, 1), (2, 2)):
+        store.save(block, slot)
+    raw = bytearray((tmp_path / "rank0" / "0.kv").read_bytes())
+    raw[100] ^= 0xFF
+    (tmp_path / "rank0" / "0.kv").write_bytes(bytes(raw))
+    (tmp_path / "rank0" / "1.kv").write_bytes(raw[:-2])
+    (tmp_path / "rank0" / "2.kv").unlink()
+    before = cache.data[:, :, 5].clone()
+    assert [store.load(slot, 5) for slot in (0, 1, 2)] == [False, False, False]
+    assert store.load(3, 5) is False                               # never saved
+    assert torch.equal(cache.data[:, :, 5], before)

@@ -1,0 +1,73 @@
+"""This rank's second KV tier: blocks evicted from the paged cache, kept as files, loaded back on a prefix hit.
+
+The engine decides everything (``block_manager/offload_tier.py``): which evicted block goes to which tier slot
+(``StepPlan.kv_saves``: (block, slot) pairs) and which slot comes back into which free block
+(``StepPlan.kv_loads``: (slot, block)). The rank moves its own shard's bytes: a block's K/V rows of every layer
+(and their scales with an 8-bit cache), ``block_bytes`` of them, in one file per slot under its folder.
+
+- Saves run before anything else in the plan (the evicted block may be written again in this very step: a new
+  owner's K/V, a copy-on-write); loads run after the saves, before the forward.
+- Every file carries a CRC-32 of its bytes, kept in memory when saved. A load whose file is missing, has the
+  wrong size or a different CRC is a failure (the block is left as it was): the engine then treats the prefix
+  as not cached and computes it again, never a wrong token.
+- On CUDA the bytes go through host memory to the same files (a pinned host tier is not built).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import torch
+
+from .kv_cache import KVCache
+
+
+class KVTierStore:
+    def __init__(self, kv_cache: KVCache, folder: str | None, rank: int) -> None:
+        """Files under ``folder``/rank<rank> (a fresh temporary folder when ``folder`` is None); whatever an
+        earlier run left there is removed first (its CRCs are gone, so it could only ever fail to load)."""
+        self.kv_cache = kv_cache
+        self._tensors = [kv_cache.data] + ([kv_cache.scales] if kv_cache.scales is not None else [])
+        self.block_bytes = sum(t[:, :, 0].numel() * t.element_size() for t in self._tensors)
+        self._owns_root = folder is None
+        root = Path(tempfile.mkdtemp(prefix="pagedray-kv-tier-")) if folder is None else Path(folder)
+        self.root = root
+        self.folder = root / f"rank{rank}"
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._crc: dict[int, int] = {}
+
+    def _file(self, slot: int) -> Path:
+        return self.folder / f"{slot}.kv"
+
+    def save(self, block: int, slot: int) -> None:
+        """Block ``block``'s bytes (every layer, K and V, scales) into slot ``slot``'s file."""
+        parts = [t[:, :, block].contiguous().cpu().view(torch.uint8).reshape(-1) for t in self._tensors]
+        data = torch.cat(parts).numpy().tobytes()                                        # [block_bytes]
+        self._file(slot).write_bytes(data)
+        self._crc[slot] = zlib.crc32(data)
+
+    def load(self, slot: int, block: int) -> bool:
+        """Slot ``slot``'s bytes into block ``block``; False (block untouched) when the file is missing, short
+        or its CRC differs from the one saved."""
+        crc = self._crc.pop(slot, None)
+        try:
+            data = self._file(slot).read_bytes()
+        except OSError:
+            return False
+        if crc is None or len(data) != self.block_bytes or zlib.crc32(data) != crc:
+            return False
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)                     # [block_bytes]
+        offset = 0
+        for t in self._tensors:
+            view = t[:, :, block]
+            size = view.numel() * t.element_size()
+            view.copy_(flat[offset:offset + size].view(t.dtype).reshape(view.shape))
+            offset += size
+        return True
+
+    def close(self) -> None:
+        shutil.rmtree(self.root if self._owns_root else self.folder, ignore_errors=True)
