@@ -15,6 +15,7 @@ The engine decides everything (``block_manager/offload_tier.py``): which evicted
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import zlib
@@ -24,16 +25,36 @@ import torch
 
 from .kv_cache import KVCache
 
+DEFAULT_PREFIX = "pagedray-kv-tier-"
+
+
+def _remove_orphans() -> None:
+    """Removes the default folders of rank processes that no longer run on this machine."""
+    for path in Path(tempfile.gettempdir()).glob(f"{DEFAULT_PREFIX}*"):
+        pid = path.name.removeprefix(DEFAULT_PREFIX)
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:       # another user's process: alive
+            pass
+
 
 class KVTierStore:
     def __init__(self, kv_cache: KVCache, folder: str | None, rank: int) -> None:
-        """Files under ``folder``/rank<rank> (a fresh temporary folder when ``folder`` is None); whatever an
-        earlier run left there is removed first (its CRCs are gone, so it could only ever fail to load)."""
+        """Files under ``folder``/rank<rank>; whatever an earlier run left there is removed first (its CRCs are
+        gone, so it could only ever fail to load). ``folder`` None: ``pagedray-kv-tier-<pid>`` in the temporary
+        directory, removed by ``close``; a rank actor killed without ``close`` leaves its folder, which the next
+        rank to start on that machine removes (its process is gone)."""
         self.kv_cache = kv_cache
         self._tensors = [kv_cache.data] + ([kv_cache.scales] if kv_cache.scales is not None else [])
         self.block_bytes = sum(t[:, :, 0].numel() * t.element_size() for t in self._tensors)
         self._owns_root = folder is None
-        root = Path(tempfile.mkdtemp(prefix="pagedray-kv-tier-")) if folder is None else Path(folder)
+        if folder is None:
+            _remove_orphans()
+        root = Path(tempfile.gettempdir()) / f"{DEFAULT_PREFIX}{os.getpid()}" if folder is None else Path(folder)
         self.root = root
         self.folder = root / f"rank{rank}"
         shutil.rmtree(self.folder, ignore_errors=True)

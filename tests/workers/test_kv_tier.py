@@ -47,3 +47,20 @@ def test_corrupt_short_or_missing_files_are_failed_loads(tmp_path):
     assert [store.load(slot, 5) for slot in (0, 1, 2)] == [False, False, False]
     assert store.load(3, 5) is False                               # never saved
     assert torch.equal(cache.data[:, :, 5], before)
+
+
+def test_the_default_folder_is_per_process_and_orphans_are_removed(tmp_path, monkeypatch):
+    import os
+    import tempfile
+
+    from pagedray.workers import kv_tier
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    orphan = tmp_path / f"{kv_tier.DEFAULT_PREFIX}999999999"      # no such process
+    (orphan / "rank0").mkdir(parents=True)
+    store = KVTierStore(_cache(False), None, rank=0)
+    assert not orphan.exists() and store.folder.parent.name == f"{kv_tier.DEFAULT_PREFIX}{os.getpid()}"
+    store.save(1, 0)
+    assert store.load(0, 2)
+    store.close()
+    assert not store.folder.parent.exists()
