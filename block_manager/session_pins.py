@@ -55,6 +55,8 @@ class SessionPins:
         keyed = [(b, key) for b in blocks if (key := self.pool.key_of(b)) is not None][:self.budget]
         while self.num_pinned + len(keyed) > self.budget:
             self._drop(next(iter(self._sessions)))
+        if not keyed:                 # nothing to keep: no entry (a flood of one-off sessions holds no memory)
+            return 0
         for block_id, _ in keyed:
             self.pool.pin(block_id)
         self._sessions[session] = (now + self.ttl_s, keyed)

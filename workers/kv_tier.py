@@ -15,6 +15,7 @@ The engine decides everything (``block_manager/offload_tier.py``): which evicted
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -26,6 +27,7 @@ import torch
 from .kv_cache import KVCache
 
 DEFAULT_PREFIX = "pagedray-kv-tier-"
+log = logging.getLogger(__name__)
 
 
 def _remove_orphans() -> None:
@@ -68,7 +70,12 @@ class KVTierStore:
         """Block ``block``'s bytes (every layer, K and V, scales) into slot ``slot``'s file."""
         parts = [t[:, :, block].contiguous().cpu().view(torch.uint8).reshape(-1) for t in self._tensors]
         data = torch.cat(parts).numpy().tobytes()                                        # [block_bytes]
-        self._file(slot).write_bytes(data)
+        try:
+            self._file(slot).write_bytes(data)
+        except OSError as exc:        # a full or unwritable disk: this slot cannot load (a miss), the step goes on
+            self._crc.pop(slot, None)
+            log.warning("second KV tier: slot %d not saved (%s); a prompt reaching it computes it again", slot, exc)
+            return
         self._crc[slot] = zlib.crc32(data)
 
     def load(self, slot: int, block: int) -> bool:

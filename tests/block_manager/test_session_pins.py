@@ -93,3 +93,9 @@ def test_the_routing_summary_lists_pinned_blocks_before_other_free_ones():
     _run(manager, "later", list(range(200, 217)))
     manager.free("later")                                  # freed after the session's blocks
     assert set(manager.cached_prefix_hashes(2)) == pinned
+
+
+def test_a_session_with_nothing_cached_holds_no_entry():
+    manager = BlockManager(BS, 8, pin_budget=4)
+    _run(manager, "short", [1, 2, 3])                     # no full block
+    assert manager.pin_session("one-off", "short", now=0.0) == 0 and manager.stats().num_pinned_sessions == 0

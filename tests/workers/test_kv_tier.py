@@ -64,3 +64,13 @@ def test_the_default_folder_is_per_process_and_orphans_are_removed(tmp_path, mon
     assert store.load(0, 2)
     store.close()
     assert not store.folder.parent.exists()
+
+
+def test_a_save_the_disk_refuses_is_a_miss_not_a_failed_step(tmp_path):
+    cache = _cache(False)
+    store = KVTierStore(cache, str(tmp_path), rank=0)
+    (store.folder / "3.kv").mkdir()                  # writing the slot's file fails (a directory is in the way)
+    store.save(1, 3)
+    assert store.load(3, 2) is False
+    store.save(1, 4)
+    assert store.load(4, 2)
