@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.engine_runs import run_alone
 from helpers.hf_oracle import hf_greedy
 from helpers.thread_tp import ThreadTPExecutor, thread_tp_workers
 from helpers.worker_setup import engine_config
@@ -19,30 +20,20 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 TIER = {"kv_offload_gib": 0.002}     # ~2 MB a rank: hundreds of the tiny model's blocks
 
 
-def _run(engine: Engine, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
-    engine.add(request_id, prompt, GREEDY)
-    tokens, cached = [], 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.outputs[0].token_ids
-            cached = max(cached, out.num_cached_prompt_tokens)
-    return tokens, cached
-
-
 def _evict_then_return(engine: Engine, corrupt=None) -> tuple[list[int], list[int], int]:
     """A prompt, a flood that evicts every block it left, then the prompt again with more tokens:
     (that prompt, its tokens, its cached prompt tokens). ``corrupt()`` runs before the return."""
     rng = random.Random(5)
     first = [rng.randrange(2, 500) for _ in range(35)]
-    _run(engine, "first", first)
+    run_alone(engine, "first", first, GREEDY)
     for i in range(3):
-        _run(engine, f"flood{i}", [rng.randrange(2, 500) for _ in range(60)])
+        run_alone(engine, f"flood{i}", [rng.randrange(2, 500) for _ in range(60)], GREEDY)
     assert engine.block_manager.num_cached_prefix_tokens(first) == 0       # gone from the cache ...
     assert engine.block_manager.stats().num_tier_blocks > 0                 # ... into the tier
     if corrupt is not None:
         corrupt()
     again = first + [rng.randrange(2, 500) for _ in range(6)]
-    tokens, cached = _run(engine, "again", again)
+    tokens, cached = run_alone(engine, "again", again, GREEDY)
     engine.block_manager.check_invariants()
     return again, tokens, cached
 

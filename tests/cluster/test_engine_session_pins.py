@@ -7,24 +7,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.engine_runs import run_alone
 from helpers.hf_oracle import hf_greedy
 from pagedray.cluster import LLM, SamplingParams
 
 BLOCK = 8
 TURN_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=TURN_TOKENS, ignore_eos=True)
-
-
-def _run(llm: LLM, request_id: str, prompt: list[int], session: str | None = None) -> tuple[list[int], int]:
-    """(output tokens, prompt tokens served from the prefix cache) of one request run alone."""
-    engine = llm.engine
-    engine.add(request_id, prompt, GREEDY, session=session)
-    tokens, cached = [], 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.outputs[0].token_ids
-            cached = max(cached, out.num_cached_prompt_tokens)
-    return tokens, cached
 
 
 def _two_turns(path: str, session: str | None, pause_s: float = 0.0) -> tuple[list[int], list[int], int]:
@@ -37,12 +26,12 @@ def _two_turns(path: str, session: str | None, pause_s: float = 0.0) -> tuple[li
     with LLM(path, dtype="float32", block_size=BLOCK, num_blocks=24, watermark=0.0, threads_per_worker=1,
              kv_pin_ttl_s=60.0, kv_pin_max_fraction=0.5) as llm:
         llm.engine.scheduler.clock = lambda: now[0]
-        output, _ = _run(llm, "turn1", first, session)
+        output, _ = run_alone(llm.engine, "turn1", first, GREEDY, session=session)
         now[0] += pause_s                                    # the pins expire at the flood's first step
         for i in range(6):                                   # 6 x 6 blocks: every unpinned block is taken
-            _run(llm, f"flood{i}", [rng.randrange(2, 500) for _ in range(40)])
+            run_alone(llm.engine, f"flood{i}", [rng.randrange(2, 500) for _ in range(40)], GREEDY)
         second = first + output + [rng.randrange(2, 500) for _ in range(5)]
-        tokens, cached = _run(llm, "turn2", second, session)
+        tokens, cached = run_alone(llm.engine, "turn2", second, GREEDY, session=session)
         stats = llm.engine.block_manager.stats()
         assert stats.num_pinned_blocks <= 12
         llm.engine.block_manager.check_invariants()
