@@ -35,6 +35,8 @@ from ..openai.service import OpenAIService
 from ..openai.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 from .guard import DEFAULT_MAX_BODY_BYTES
 
+MAX_SESSION_CHARS = 256     # as prompt_cache_key (openai/protocol.py)
+
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -130,6 +132,9 @@ def with_session_header(request: Request, body):
     session = request.headers.get("x-session-id")
     if session is None or not isinstance(body, dict) or body.get("prompt_cache_key") is not None:
         return body
+    if not 0 < len(session) <= MAX_SESSION_CHARS:
+        raise bad_request(f"X-Session-Id: must be 1-{MAX_SESSION_CHARS} characters, got {len(session)}",
+                          param="X-Session-Id")
     return {**body, "prompt_cache_key": session}
 
 

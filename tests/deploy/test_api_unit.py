@@ -663,4 +663,8 @@ def test_prompt_cache_key_or_an_x_session_id_header_names_the_requests_session(t
     for key in ("x" * 257, "", 5):
         response = client.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 2, "prompt_cache_key": key})
         assert_openai_error(response, 400, "prompt_cache_key")
+    for header in ("x" * 257, ""):
+        response = client.post("/v1/completions", json={"prompt": "Say:", "max_tokens": 2},
+                               headers={"X-Session-Id": header})
+        assert_openai_error(response, 400, "X-Session-Id")
     assert len(engine.calls) == calls
