@@ -466,6 +466,11 @@ class BlockManager:
     def num_slots(self, seq_id: Hashable) -> int:
         return self._get(seq_id).num_slots
 
+    def num_blocks_of(self, seq_id: Hashable) -> int:
+        """How many blocks the sequence holds (0 for one that is not registered)."""
+        seq = self._seqs.get(seq_id)
+        return 0 if seq is None else len(seq.table)
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         """A copy of the sequence's block table."""
         return list(self._get(seq_id).table)

@@ -76,6 +76,7 @@ class AddCommand:
     resume_tokens: list[int]
     lora: LoRARequest | None = None
     session: str | None = None
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -146,12 +147,12 @@ class AsyncEngine:
     # -- intake -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, resume_tokens: list[int] = (), lora: LoRARequest | None = None,
-                       session: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's output deltas (``resume_tokens``, ``lora``, ``session``: ``Engine.add``)."""
+                       session: str | None = None, tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's output deltas (``resume_tokens``, ``lora``, ``session``, ``tenant``: ``Engine.add``)."""
         self._check_accepting()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        self.engine.validate(prompt_token_ids, params, priority, resume_tokens, lora, session)
+        self.engine.validate(prompt_token_ids, params, priority, resume_tokens, lora, session, tenant)
         limit = self.config.scheduler.max_queued_requests
         with self._lock:
             if self._stats.num_waiting + self._pending_adds >= limit:
@@ -160,7 +161,7 @@ class AsyncEngine:
                 self._first_add_at = self._clock()
             self._pending_adds += 1
             self._commands.append(AddCommand(request_id, list(prompt_token_ids), params, priority,
-                                             list(resume_tokens), lora, session))
+                                             list(resume_tokens), lora, session, tenant))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._num_samples[request_id] = params.n
@@ -317,7 +318,7 @@ class AsyncEngine:
                 try:
                     self.engine.add(command.request_id, command.prompt_token_ids, command.params,
                                     command.priority, command.resume_tokens, validated=True,   # at intake
-                                    lora=command.lora, session=command.session)
+                                    lora=command.lora, session=command.session, tenant=command.tenant)
                 except (ValueError, QueueFullError, EngineDeadError) as exc:
                     errors.append((command.request_id, exc))
             elif isinstance(command, ReadCommand):

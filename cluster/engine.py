@@ -99,11 +99,16 @@ class Engine:
 
     # -- intake -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                 resume_tokens: list[int] = (), lora: LoRARequest | None = None, session: str | None = None) -> None:
+                 resume_tokens: list[int] = (), lora: LoRARequest | None = None, session: str | None = None,
+                 tenant: str | None = None) -> None:
         """A request's argument checks (safe from any thread, no queue state): ValueError naming the argument,
         or EngineDeadError when dead. ``lora``: its adapter, checked once per (name, path) from its files;
-        ``session``: its session (``block_manager/session_pins.py``), a string of 1-256 characters."""
+        ``session``: its session (``block_manager/session_pins.py``), a string of 1-256 characters; ``tenant``:
+        a tenant of ``SchedulerConfig.tenants`` (None: the default tenant; cluster/fair_share.py)."""
         self._raise_if_dead()
+        if tenant is not None and (not isinstance(tenant, str) or self.config.scheduler.tenant(tenant) is None):
+            names = [t.name for t in self.config.scheduler.tenants]
+            raise ValueError(f"tenant: {tenant!r:.80} is not a configured tenant (tenants: {names})")
         if session is not None and (not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_CHARS):
             raise ValueError(f"session: must be a string of 1-{MAX_SESSION_CHARS} characters, got {session!r:.80}")
         if lora is not None:
@@ -125,7 +130,7 @@ class Engine:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
             resume_tokens: list[int] = (), *, validated: bool = False, lora: LoRARequest | None = None,
-            session: str | None = None) -> None:
+            session: str | None = None, tenant: str | None = None) -> None:
         """Admits a request: ``validate`` (unless ``validated``: the AsyncEngine and ``LLM`` validate at
         intake, so each request is validated once), the admission checks (a live engine, the id, the queue),
         then the enqueue; a refused request raises and changes nothing. ``params`` is immutable and the
@@ -135,10 +140,11 @@ class Engine:
         the next position as that run would have (greedy and seeded draws depend on the position, penalties
         see them)."""
         if not validated:
-            self.validate(prompt_token_ids, params, priority, resume_tokens, lora, session)
+            self.validate(prompt_token_ids, params, priority, resume_tokens, lora, session, tenant)
         self._raise_if_dead()
-        self.scheduler.check_admission(request_id)
-        self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority, resume_tokens, lora, session)
+        self.scheduler.check_admission(request_id, tenant, len(prompt_token_ids) + len(resume_tokens))
+        self.scheduler.enqueue(request_id, list(prompt_token_ids), params, priority, resume_tokens, lora, session,
+                               tenant)
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.abort(request_id, FinishReason.ABORT)
@@ -362,6 +368,7 @@ class Engine:
             spec_decode_accepted_per_position=tuple(
                 (i, proposed, accepted) for i, (proposed, accepted)
                 in enumerate(zip(spec.proposed_per_position, spec.accepted_per_position))),
+            tenants=() if sched.fair is None else sched.fair.stats(sched.waiting, sched.running),
         )
 
     def shutdown(self) -> None:

@@ -49,6 +49,8 @@ class RequestOutput:
     # the request ended with ``error`` because its engine failed (dead, stalled), not through anything of
     # its own: another replica may continue it (deploy/serve/failover.py)
     engine_failed: bool = False
+    # KV blocks the request's samples have held so far, integrated over time (usage.kv_block_seconds)
+    kv_block_seconds: float = 0.0
 
 
 def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -66,7 +68,8 @@ def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     return RequestOutput(first.request_id, [merged[i] for i in sorted(merged)], later.finished,
                          first.prompt_token_ids or later.prompt_token_ids, later.error or first.error,
                          max(first.num_cached_prompt_tokens, later.num_cached_prompt_tokens),
-                         first.prompt_logprobs or later.prompt_logprobs)
+                         first.prompt_logprobs or later.prompt_logprobs,
+                         kv_block_seconds=max(first.kv_block_seconds, later.kv_block_seconds))
 
 
 class EngineError(RuntimeError):

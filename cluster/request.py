@@ -69,6 +69,8 @@ class Sequence:
     num_in_flight: int = 0           # tokens scheduled in steps not applied yet
     lora_slot: int = -1              # while running with an adapter: the slot it holds a reference on
     num_pending: int = 0             # tokens those steps sample (ids not known yet)
+    kv_blocks: int = 0               # KV blocks it held at ``kv_since`` (the scheduler's ``_kv_mark``)
+    kv_since: float = 0.0
     # the OutputBuilder's cursor: output tokens streamed so far (from ``num_resumed``), and whether the
     # finish was streamed
     num_streamed: int = field(init=False)
@@ -154,6 +156,8 @@ class Request:
     streamed: bool = False              # its first output (the one with the prompt) was built
     lora: LoRARequest | None = None      # the LoRA adapter its samples run with (None: the base model)
     session: str | None = None           # its session: sample 0's blocks are pinned when it finishes
+    tenant: str | None = None            # its tenant (cluster/fair_share.py; None: the default tenant)
+    kv_block_seconds: float = 0.0        # KV blocks its samples held, integrated over the scheduler's clock
 
     def record_prompt_logprobs(self, entry: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:

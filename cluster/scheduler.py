@@ -61,17 +61,21 @@ import collections
 import time
 
 from pagedray.block_manager import CannotAllocateError, namespace_root
-from pagedray.workers.contract.config import SchedulerConfig
+from pagedray.workers.contract.config import DEFAULT_TENANT, SchedulerConfig
 from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 from pagedray.workers.contract.wire import MODEL_DRAFT, LoraRead, PromptLogprobs, SampledToken
 
+from .fair_share import FairShare, TenantQuotaError
 from .lora_slots import AdapterSlots
 from .outputs import QueueFullError
 from .request import FinishReason, Request, Sequence, SequenceStatus
 from .scheduler_output import ScheduledSequence, SchedulerOutput
 from .speculation import NgramProposer, Proposer, RankDraftSlots, SpeculationStats
 from .stats import QueueTimeHistogram
+
+_PASSED = -1    # _try_admit: the sequence waits for its adapter or its tier loads; those behind it go on
+_BLOCKED = -2   # _try_admit: no seat or no blocks for it
 
 
 class Scheduler:
@@ -105,10 +109,16 @@ class Scheduler:
         self.lora_slots: AdapterSlots | None = None   # set by the engine with enable_lora (cluster/lora_slots.py)
         self.clock = time.monotonic                   # session pins' time (tests set their own)
         self._tier_loads: dict[Sequence, list[int]] = {}   # waiting sequences -> their second-tier loads' slots
+        self.fair: FairShare | None = None
+        if config.tenants:
+            bm = block_manager
+            self.fair = FairShare(config.tenants, bm.num_blocks, bm.num_blocks - bm.watermark_blocks,
+                                  config.max_num_seqs, config.max_num_batched_tokens)
 
     # -- intake -------------------------------------------------------------------------------
-    def check_admission(self, request_id: str) -> None:
-        """The checks that depend on the queue state: ValueError (bad or duplicate id) / QueueFullError.
+    def check_admission(self, request_id: str, tenant: str | None = None, num_prompt_tokens: int = 0) -> None:
+        """The checks that depend on the queue state: ValueError (bad or duplicate id) / QueueFullError, and
+        with fair share the tenant's quotas (TenantQuotaError: its queue limit, a prompt past its KV cap).
         The arguments' own checks are ``check_arguments`` (``Engine.validate`` runs them)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
@@ -117,24 +127,45 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_queued_requests:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queued_requests="
                                  f"{self.config.max_queued_requests}); retry later")
+        if self.fair is not None:
+            self._check_tenant_quota(tenant, num_prompt_tokens)
+
+    def _check_tenant_quota(self, tenant: str | None, num_prompt_tokens: int) -> None:
+        state = self.fair.tenants.get(tenant or DEFAULT_TENANT)
+        if state is None:
+            raise ValueError(f"tenant: {tenant!r} is not configured (tenants: {sorted(self.fair.tenants)})")
+        name, limit = state.config.name, state.config.max_queued_requests
+        if limit is not None:
+            num = sum(1 for s in self.waiting if (s.request.tenant or DEFAULT_TENANT) == name and s.index == 0)
+            if num >= limit:
+                raise TenantQuotaError(f"tenant {name!r}: {num} requests are waiting (its max_queued_requests="
+                                       f"{limit}); retry later")
+        blocks = -(-num_prompt_tokens // self.block_manager.block_size)
+        if blocks > state.cap_blocks:
+            raise TenantQuotaError(f"tenant {name!r}: the prompt needs {blocks} KV blocks, more than its "
+                                   f"max_kv_fraction={state.config.max_kv_fraction} allows ({state.cap_blocks} "
+                                   "blocks); shorten the prompt")
 
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 priority: int = 0, resume_tokens: list[int] = (), lora: LoRARequest | None = None,
-                session: str | None = None) -> Request:
+                session: str | None = None, tenant: str | None = None) -> Request:
         """Adds a request whose arguments passed ``check_arguments`` and whose id passed ``check_admission``
         (``Engine.add`` does both, validating each request once). ``resume_tokens``: output tokens the request
         produced elsewhere (a continuation, ``Engine.add``). ``lora``: its adapter (checked by the engine);
-        ``session``: pins sample 0's blocks when it finishes (``block_manager/session_pins.py``)."""
+        ``session``: pins sample 0's blocks when it finishes (``block_manager/session_pins.py``); ``tenant``: its
+        tenant's fair share (``fair_share.py``; checked by ``check_admission``)."""
         if lora is not None and self.lora_slots is None:
             raise ValueError("lora_request: this engine serves no LoRA adapters (enable_lora is off)")
         request = Request(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids],
                           params=params, arrival=self._next_arrival, priority=priority,
-                          num_unforked=params.n - 1, lora=lora, session=session)
+                          num_unforked=params.n - 1, lora=lora, session=session, tenant=tenant)
         self._next_arrival += 1
         self.num_prompt_tokens += len(request.prompt_token_ids)
         request.sequences.append(self._new_sequence(request, 0, [int(t) for t in resume_tokens]))
         self.requests[request_id] = request
         self.waiting.append(request.sequences[0])
+        if self.fair is not None:
+            self.fair.joined(self.fair.state(request.sequences[0]))
         if request.num_unforked:
             self._unforked.add(request.sequences[0])
         if lora is not None:
@@ -180,10 +211,14 @@ class Scheduler:
         if self.block_manager.pins is not None:
             self.block_manager.expire_pins(self.clock())
         self._fork_ready_parents(out)
-        if not self._running_sorted:       # only admissions and forks unsort it (removals keep the order)
+        if self.fair is not None:
+            self._sort_running_by_share()
+        elif not self._running_sorted:     # only admissions and forks unsort it (removals keep the order)
             self.running.sort(key=self._key)
             self._running_sorted = True
         budget = self.config.max_num_batched_tokens
+        if self.fair is not None and self.waiting:
+            self._make_room_for_fair_share(out, budget)
         proposals = self._proposals()
         if proposals:
             decodes, prefills = [], []     # queue order; a preemption below changes only its victim's state
@@ -196,17 +231,13 @@ class Scheduler:
             budget = self._schedule_speculative_decodes(decodes, proposals, budget, out)
         else:
             budget, prefills = self._schedule_decodes(budget, out)
-        for seq, left in prefills:
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            num = min(left, budget)
-            if self._reserve(seq, num, out):
-                self._schedule_tokens(seq, num, out)
-                budget -= num
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        if self.fair is not None:
+            self._fair_prefills_and_admissions(prefills, budget, out)
+            self.fair.charge(out.scheduled)
+        else:
+            budget = self._schedule_prefills(prefills, budget, out)
+            if not out.preempted:
+                self._admit_waiting(out, budget)
         if self.lora_slots is not None:
             out.lora_loads = self.lora_slots.take_loads()
             out.lora_reads, out.lora_drops = self.lora_slots.take_orders()
@@ -247,6 +278,20 @@ class Scheduler:
             append(ScheduledSequence(seq, 1, start, samples, seq.num_preemptions))
             budget -= 1
         return budget, prefills
+
+    def _schedule_prefills(self, prefills: list, budget: int, out: SchedulerOutput) -> int:
+        """Step 3: the partial prefills ``(seq, left)`` in order, each ``min(left, budget)`` tokens. Returns the
+        budget left."""
+        for seq, left in prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num = min(left, budget)
+            if self._reserve(seq, num, out):
+                self._schedule_tokens(seq, num, out)
+                budget -= num
+        return budget
 
     def _schedule_speculative_decodes(self, decodes: list[Sequence], proposals: dict[int, list[int]], budget: int,
                                       out: SchedulerOutput) -> int:
@@ -317,20 +362,70 @@ class Scheduler:
             # the slot lies in the last block the sequence holds already: no block to find, nobody to preempt
             bm.allocate_slots(seq.seq_id, seq.token_ids, 1, pending_tokens=pending)
             return True
-        while not bm.can_allocate(seq.seq_id, seq.token_ids, num, pending_tokens=pending):
+        while True:
+            capped = self.fair is not None and self._passes_cap(seq, num)
+            if not capped and bm.can_allocate(seq.seq_id, seq.token_ids, num, pending_tokens=pending):
+                break
             scheduled = {sched.seq.seq_id for sched in out.scheduled}    # never preempted for this step
             victims = [s for s in self.running if s.seq_id not in scheduled]
-            victim = max(victims, key=self._key)
+            if capped:      # past its tenant's KV cap: one of the tenant's own sequences makes room
+                tenant = self.fair.state(seq)
+                victim = max((s for s in victims if self.fair.state(s) is tenant), key=self._key)
+            else:
+                victim = self._victim(victims)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         bm.allocate_slots(seq.seq_id, seq.token_ids, num, pending_tokens=pending)
+        self._kv_mark(seq)
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput | None) -> None:
+    def _passes_cap(self, seq: Sequence, num: int) -> bool:
+        """Whether ``num`` more slots take ``seq``'s tenant past its KV cap while another sequence of the tenant
+        runs (its only running sequence may outgrow the cap)."""
+        blocks_after = -(-(seq.num_scheduled_through + num) // self.block_manager.block_size)
+        if blocks_after <= seq.kv_blocks or not self.fair.passes_cap(seq, blocks_after):
+            return False
+        tenant = self.fair.state(seq)
+        return any(s is not seq and self.fair.state(s) is tenant for s in self.running)
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """Whom a sequence that finds no free block preempts: the last in queue order, or with fair share the
+        last of the tenant furthest over its share."""
+        if self.fair is None:
+            return max(candidates, key=self._key)
+        return self.fair.victim(candidates, self._key, self._seats_by_tenant())
+
+    def _sort_running_by_share(self) -> None:
+        """With fair share the running sequences go tenant by tenant, the tenant least over its share first (each
+        tenant's in queue order): one that needs a block finds the sequences of tenants further over their
+        share not scheduled yet, so those are the victims."""
+        fair, seats = self.fair, self._seats_by_tenant()
+        rank = {id(t): fair.overage(t, seats) for t in fair.tenants.values()}
+        self.running.sort(key=lambda s: (rank[id(fair.state(s))], self._key(s)))
+
+    def _seats_by_tenant(self) -> dict[str, int]:
+        seats: dict[str, int] = {}
+        for seq in self.running:
+            name = seq.request.tenant or DEFAULT_TENANT
+            seats[name] = seats.get(name, 0) + 1 + seq.request.num_unforked * seq.must_fork_first
+        return seats
+
+    def _kv_mark(self, seq: Sequence) -> None:
+        """``seq``'s block count may have changed: its request's KV-block-seconds so far, its tenant's blocks."""
+        blocks = self.block_manager.num_blocks_of(seq.seq_id)
+        now = self.clock()
+        seq.request.kv_block_seconds += seq.kv_blocks * (now - seq.kv_since)
+        if self.fair is not None:
+            self.fair.state(seq).blocks += blocks - seq.kv_blocks
+        seq.kv_blocks, seq.kv_since = blocks, now
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput | None, stops_admission: bool = True) -> None:
         """Frees ``seq``'s blocks and puts it back at the front of the waiting queue (``out``: the step
-        being built; None between steps, from ``update``)."""
+        being built; None between steps, from ``update``). ``stops_admission`` False: a fair-share
+        preemption, made for an admission of this step."""
         self.block_manager.free(seq.seq_id)
+        self._kv_mark(seq)
         self._drop_lora(seq)
         self.running.remove(seq)
         (self._released if out is None else out.released_seq_ids).append(seq.seq_id)
@@ -339,7 +434,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        if out is not None:
+        if out is not None and stops_admission:
             out.preempted.append(seq)
 
     def _next_waiting(self, passed: set[Sequence]) -> Sequence:
@@ -357,22 +452,136 @@ class Scheduler:
             self.lora_slots.begin_pass()
         while len(passed) < len(self.waiting) and budget > 0:
             seq = self._next_waiting(passed)
-            lora = seq.request.lora
-            if lora is not None and not self.lora_slots.can_acquire(lora):
-                self.lora_slots.want(lora)
+            seats = self._seats_of(seq)
+            num = self._try_admit(seq, budget, out, taken)
+            if num == _PASSED:
                 passed.add(seq)
                 continue
-            if self._waits_for_tier(seq):
-                passed.add(seq)
-                continue
-            seats = 1 + (seq.request.num_unforked if seq.must_fork_first else 0)
-            if taken + seats > self.config.max_num_seqs:
-                return
-            num = self._admit(seq, budget, out)
-            if num is None:
+            if num == _BLOCKED:
                 return
             budget -= num
             taken += seats
+
+    @staticmethod
+    def _seats_of(seq: Sequence) -> int:
+        return 1 + (seq.request.num_unforked if seq.must_fork_first else 0)
+
+    def _try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput, taken: int) -> int:
+        """Admits the waiting ``seq`` when it can run now: the tokens it scheduled, or _PASSED (it waits for its
+        adapter or its second-tier loads; the sequences behind it go on) or _BLOCKED (no seat or no blocks)."""
+        lora = seq.request.lora
+        if lora is not None and not self.lora_slots.can_acquire(lora):
+            self.lora_slots.want(lora)
+            return _PASSED
+        if self._waits_for_tier(seq):
+            return _PASSED
+        if taken + self._seats_of(seq) > self.config.max_num_seqs:
+            return _BLOCKED
+        num = self._admit(seq, budget, out)
+        return _BLOCKED if num is None else num
+
+    def _waiting_in_order(self) -> list[Sequence] | collections.deque[Sequence]:
+        return sorted(self.waiting, key=self._key) if self.config.policy == "priority" else self.waiting
+
+    def _fair_order(self, name: str, spent: dict[str, float]) -> tuple[float, int]:
+        """Who goes first with fair share: the lowest counter (with this step's tokens so far), then the fewest
+        blocks held."""
+        tenant = self.fair.tenants[name]
+        return tenant.counter + spent.get(name, 0.0), tenant.blocks
+
+    def _fair_prefills_and_admissions(self, prefills: list, budget: int, out: SchedulerOutput) -> None:
+        """Steps 3 and 4 with fair share: the partial prefills and the waiting sequences, tenant by tenant, the
+        one lowest in ``_fair_order`` first (each tenant's own in queue order, its prefills before its
+        admissions). A tenant whose next sequence cannot be admitted admits nothing more this step; a
+        tenant at its KV cap admits nothing."""
+        fair = self.fair
+        queues: dict[str, list] = {}
+        for seq, left in prefills:
+            queues.setdefault(fair.state(seq).config.name, []).append((seq, left))
+        admitting = not out.preempted and bool(self.waiting)
+        taken = 0
+        if admitting:
+            taken = self._seats_taken()
+            if self.lora_slots is not None:
+                self.lora_slots.begin_pass()
+            for seq in self._waiting_in_order():
+                queues.setdefault(fair.state(seq).config.name, []).append((seq, None))
+        cursors = dict.fromkeys(queues, 0)
+        spent: dict[str, float] = {}
+        while budget > 0 and cursors:
+            name = min(cursors, key=lambda n: self._fair_order(n, spent))
+            queue, index = queues[name], cursors[name]
+            cursors[name] = index + 1
+            if index + 1 == len(queue):
+                del cursors[name]
+            seq, left = queue[index]
+            if left is not None:                     # a running partial prefill
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                num = min(left, budget)
+                if not self._reserve(seq, num, out):
+                    continue
+                self._schedule_tokens(seq, num, out)
+                admitting = admitting and not out.preempted
+            else:
+                if not admitting or seq.status is not SequenceStatus.WAITING:
+                    continue
+                seats = self._seats_of(seq)
+                num = _BLOCKED if self._admission_passes_cap(seq, budget) else self._try_admit(seq, budget, out, taken)
+                if num == _PASSED:
+                    continue
+                if num == _BLOCKED:
+                    cursors.pop(name, None)          # its later sequences wait behind it
+                    continue
+                taken += seats
+            budget -= num
+            spent[name] = spent.get(name, 0.0) + num / fair.tenants[name].config.weight
+
+    def _first_chunk(self, seq: Sequence, budget: int) -> tuple[int, int, bool, int | None]:
+        """(cached prefix tokens, tokens of its first chunk, whether it reuses the prefix cache, its prefix root)
+        for the waiting ``seq`` admitted under ``budget``."""
+        lora = seq.request.lora
+        root = None if lora is None else namespace_root(lora.cache_namespace)   # an adapter's own prefix chains
+        reuse = seq.request.params.prompt_logprobs is None   # prompt logprobs need every position's logits
+        hit = self.block_manager.num_cached_prefix_tokens(seq.token_ids, root) if reuse else 0
+        target = seq.request.fork_at if seq.must_fork_first else len(seq.token_ids)
+        return hit, min(target - hit, budget), reuse, root
+
+    def _admission_passes_cap(self, seq: Sequence, budget: int) -> bool:
+        """Whether admitting ``seq`` takes its tenant, which runs something already, past its KV cap."""
+        tenant = self.fair.state(seq)
+        if not tenant.blocks:
+            return False
+        hit, num, _, _ = self._first_chunk(seq, budget)
+        return tenant.blocks + -(-(hit + num) // self.block_manager.block_size) > tenant.cap_blocks
+
+    def _make_room_for_fair_share(self, out: SchedulerOutput, budget: int) -> None:
+        """Before the step: for each tenant's first waiting sequence (lowest counter first) that does not fit,
+        and that its tenant may take within its share, the running sequences of tenants over their share are
+        preempted (``FairShare.victim``) until it fits. These preemptions do not stop this step's admissions."""
+        fair, bm = self.fair, self.block_manager
+        heads: dict[str, Sequence] = {}
+        for seq in self._waiting_in_order():
+            heads.setdefault(fair.state(seq).config.name, seq)
+        seats = self._seats_by_tenant()
+        for name in sorted(heads, key=lambda n: self._fair_order(n, {})):
+            seq, tenant = heads[name], fair.tenants[name]
+            lora = seq.request.lora
+            if (lora is not None and not self.lora_slots.can_acquire(lora)) or seq in self._tier_loads:
+                continue
+            hit, num, reuse, root = self._first_chunk(seq, budget)
+            need_seats = self._seats_of(seq)
+            if not fair.within_share(tenant, seats, -(-(hit + num) // bm.block_size), need_seats):
+                continue
+            while (sum(seats.values()) + need_seats > self.config.max_num_seqs
+                   or not bm.can_allocate(seq.seq_id, seq.token_ids, max(num, 1), reuse, root=root)):
+                over = [s for s in self.running
+                        if fair.state(s) is not tenant and fair.overage(fair.state(s), seats) > 1]
+                if not over:
+                    break
+                victim = fair.victim(over, self._key, seats)
+                seats[fair.state(victim).config.name] -= self._seats_of(victim)
+                self._preempt(victim, out, stops_admission=False)
 
     def _waits_for_tier(self, seq: Sequence) -> bool:
         """Whether ``seq`` waits for blocks of its prompt coming back from the second KV tier: the first time it
@@ -400,11 +609,7 @@ class Scheduler:
         bm = self.block_manager
         tokens = seq.token_ids
         lora = seq.request.lora
-        root = None if lora is None else namespace_root(lora.cache_namespace)   # an adapter's own prefix chains
-        reuse = seq.request.params.prompt_logprobs is None   # prompt logprobs need every position's logits
-        hit = bm.num_cached_prefix_tokens(tokens, root) if reuse else 0
-        target = seq.request.fork_at if seq.must_fork_first else len(tokens)
-        num = min(target - hit, budget)
+        _, num, reuse, root = self._first_chunk(seq, budget)
         if not bm.can_allocate(seq.seq_id, tokens, max(num, 1), reuse, root=root):   # num 0: fork, then 1 token
             return None
         if lora is not None:
@@ -413,6 +618,7 @@ class Scheduler:
                 seq.lora_slot = -1
                 return None
         allocation = bm.allocate_slots(seq.seq_id, tokens, num, reuse, root=root)
+        self._kv_mark(seq)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = allocation.num_cached_tokens
@@ -431,6 +637,7 @@ class Scheduler:
         for member in seq.request.sequences:
             if taken < budget and bm.can_allocate(member.seq_id, member.token_ids, 1):
                 bm.allocate_slots(member.seq_id, member.token_ids, 1)
+                self._kv_mark(member)
                 self._schedule_tokens(member, 1, out)
                 taken += 1
         return taken
@@ -449,7 +656,7 @@ class Scheduler:
             partial = seq.num_scheduled_through % self.block_manager.block_size != 0
             needed = seq.request.num_unforked if partial else 0
             while self.block_manager.num_free_blocks < needed:
-                victim = max(self.running, key=self._key)
+                victim = self._victim(self.running)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -461,6 +668,7 @@ class Scheduler:
         for index in range(1, request.num_unforked + 1):
             child = self._new_sequence(request, index)
             out.block_copies.extend(self.block_manager.fork(parent.seq_id, child.seq_id))
+            self._kv_mark(child)
             # the parent's in-flight prefill runs before this step's block copies and forward
             child.num_computed_tokens = parent.num_scheduled_through
             child.status = SequenceStatus.RUNNING
@@ -469,6 +677,8 @@ class Scheduler:
             request.sequences.append(child)
             self.running.append(child)
             self._running_sorted = False
+        if self.fair is not None:
+            self.fair.joined(self.fair.state(parent), request.num_unforked)
         request.num_unforked = 0
 
     # -- results ------------------------------------------------------------------------------
@@ -567,6 +777,7 @@ class Scheduler:
         except CannotAllocateError:
             self._preempt(seq, None)
             return
+        self._kv_mark(seq)
         kept = len(bm.block_table(seq.seq_id)) - len(copies)      # a copied last block changed its id
         if kept < before:
             self._kept_blocks[seq.seq_id] = kept
@@ -613,6 +824,7 @@ class Scheduler:
             if seq.request.session is not None and seq.index == 0:   # its prompt and output: the next turn's prefix
                 self.block_manager.pin_session(seq.request.session, seq.seq_id, self.clock())
             self.block_manager.free(seq.seq_id)
+            self._kv_mark(seq)
             self._drop_lora(seq)
             self.running.remove(seq)
             self._released.append(seq.seq_id)
@@ -620,6 +832,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.status is not SequenceStatus.FINISHED:
             seq.request.num_finished += 1
+            if self.fair is not None:
+                self.fair.left(self.fair.state(seq))
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.request.is_finished:
@@ -656,6 +870,7 @@ class Scheduler:
         requeued = sorted(self.running, key=self._key)
         for seq in reversed(requeued):
             self.block_manager.free(seq.seq_id)
+            self._kv_mark(seq)
             self._drop_lora(seq)
             seq.status = SequenceStatus.WAITING
             seq.reset_computed()

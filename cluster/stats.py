@@ -61,6 +61,7 @@ class EngineStats:
     spec_decode_num_draft_tokens_total: int = 0    # draft tokens proposed
     spec_decode_num_accepted_tokens_total: int = 0
     spec_decode_accepted_per_position: tuple = ()  # ((position, proposed, accepted), ...)
+    tenants: tuple = ()                            # fair share: ((name, kv_blocks, num_waiting, num_running), ...)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -36,17 +36,19 @@ class BridgedStream:
         await self._chunks.aclose()   # also when the events never started
 
 
-async def run_bridged(service, api: ModuleType, events_of: Callable, body, stream: bool | None = None):
+async def run_bridged(service, api: ModuleType, events_of: Callable, body, stream: bool | None = None,
+                      tenant: str | None = None):
     """``api``: responses_api or messages_api; ``events_of(chunks, call)``: its stream translator.
-    ``stream`` overrides the body's ``stream`` (the handle API's whole / streaming methods)."""
+    ``stream`` overrides the body's ``stream`` (the handle API's whole / streaming methods); ``tenant``: the
+    caller's (``http/tenants.py``)."""
     if stream is not None and isinstance(body, dict):
         body = {**body, "stream": stream}
     call = await off_loop_if(not input_within(body, SMALL_BODY), functools.partial(api.to_chat, body))
     try:
         if call.stream:
-            chunks = await service.open_chat_stream(call.chat_body)
+            chunks = await service.open_chat_stream(call.chat_body, tenant)
         else:
-            return api.from_chat(await service.chat(call.chat_body), call)
+            return api.from_chat(await service.chat(call.chat_body, tenant), call)
     except Exception as exc:
         raise renamed(to_api_error(exc), api.CHAT_NAMES) from exc
     return BridgedStream(events_of(chunks, call), chunks)

@@ -14,7 +14,6 @@ Decisions: docs/design/deploy.md, ``pagedray.deploy.http.routes``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from collections.abc import AsyncIterator
 
@@ -28,12 +27,13 @@ from ..bridges.bridged import run_bridged
 from ..bridges.chat_bridge import named_sse_event
 from ..bridges.messages_stream import message_events
 from ..bridges.responses_stream import response_events
-from ..openai.errors import APIError, bad_request, health_reason, invalid_api_key, to_api_error
+from ..openai.errors import APIError, bad_request, health_reason, to_api_error
 from ..openai.metrics import METRICS_CONTENT_TYPE
 from ..openai.prepare_lanes import input_within
 from ..openai.service import OpenAIService
 from ..openai.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 from .guard import DEFAULT_MAX_BODY_BYTES
+from .tenants import ApiKeys
 
 MAX_SESSION_CHARS = 256     # as prompt_cache_key (openai/protocol.py)
 
@@ -42,16 +42,21 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def check_api_key(request: Request, api_key: str | None, x_api_key: bool = False) -> None:
-    """``Authorization: Bearer <key>``; with ``x_api_key`` (Anthropic's clients) an ``x-api-key`` header too."""
-    if not api_key:
-        return
-    if x_api_key and hmac.compare_digest(request.headers.get("x-api-key", "").strip().encode(), api_key.encode()):
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise invalid_api_key()
+def presented_key(request: Request) -> str | None:
+    """The key of ``Authorization: Bearer <key>``."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token if scheme.lower() == "bearer" else None
+
+
+def check_api_key(request: Request, keys: ApiKeys, x_api_key: bool = False) -> str | None:
+    """401 unless the request's key is one ``keys`` takes (``Authorization: Bearer``; with ``x_api_key``, for
+    Anthropic's clients, an ``x-api-key`` header too); returns its tenant (None: the default one)."""
+    if x_api_key and request.headers.get("x-api-key") is not None:
+        try:
+            return keys.tenant_of(request.headers["x-api-key"])
+        except APIError:
+            pass
+    return keys.tenant_of(presented_key(request))
 
 
 def check_content_type(request: Request) -> None:
@@ -179,7 +184,9 @@ async def named_sse_body(events) -> AsyncIterator[str]:
 
 
 def create_api(service: OpenAIService, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenant_keys: dict[bytes, str] | None = None) -> FastAPI:
+    """``api_key``: the admin key; ``tenant_keys``: the tenants' keys (``tenants.parse_tenants``)."""
+    keys = ApiKeys(api_key, tenant_keys)
     # redirect_slashes off: Starlette's trailing-slash redirect builds its Location from the Host header
     app = FastAPI(title="pagedray", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
 
@@ -197,13 +204,13 @@ def create_api(service: OpenAIService, api_key: str | None = None,
         return error_response(to_api_error(exc))
 
     async def _generate(request: Request, whole, open_stream):
-        check_api_key(request, api_key)
+        tenant = check_api_key(request, keys)
         body = with_session_header(request, await read_json_body(request, max_body_bytes))
         if isinstance(body, dict) and body.get("stream") is True:
-            chunks = await open_stream(body)
+            chunks = await open_stream(body, tenant)
             return StreamingResponse(sse_body(chunks), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
                                      background=BackgroundTask(chunks.aclose))
-        return await json_response(await whole(body))
+        return await json_response(await whole(body, tenant))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -213,9 +220,9 @@ def create_api(service: OpenAIService, api_key: str | None = None,
     async def chat_completions(request: Request):
         return await _generate(request, service.chat, service.open_chat_stream)
 
-    async def _bridged(body, api, events_of) -> Response:
+    async def _bridged(body, api, events_of, tenant: str | None) -> Response:
         """Run a Responses / Messages body through the chat path (``api``: its translation module)."""
-        result = await run_bridged(service, api, events_of, body)
+        result = await run_bridged(service, api, events_of, body, tenant=tenant)
         if isinstance(result, dict):
             return await json_response(result)
         return StreamingResponse(named_sse_body(result), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
@@ -223,50 +230,50 @@ def create_api(service: OpenAIService, api_key: str | None = None,
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        check_api_key(request, api_key)
+        tenant = check_api_key(request, keys)
         body = with_session_header(request, await read_json_body(request, max_body_bytes))
-        return await _bridged(body, responses_api, response_events)
+        return await _bridged(body, responses_api, response_events, tenant)
 
     @app.post("/v1/messages")
     async def messages(request: Request):
         try:
-            check_api_key(request, api_key, x_api_key=True)
+            tenant = check_api_key(request, keys, x_api_key=True)
             body = await read_json_body(request, max_body_bytes)
-            return await _bridged(body, messages_api, message_events)
+            return await _bridged(body, messages_api, message_events, tenant)
         except Exception as exc:  # noqa: BLE001 - every error in Anthropic's shape
             err = to_api_error(exc)
             return JSONResponse(messages_api.error_body(err), status_code=err.status, headers=err.headers)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        check_api_key(request, api_key)
+        check_api_key(request, keys)
         return JSONResponse(service.models())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         if not model_id:   # "/v1/models/": an unknown route, like any other trailing slash
             raise StarletteHTTPException(404, "Not Found")
-        check_api_key(request, api_key)
+        check_api_key(request, keys)
         return JSONResponse(service.model(model_id))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
-        check_api_key(request, api_key)
+        keys.check_admin(presented_key(request))
         return PlainTextResponse(await service.load_lora_adapter(await read_json_body(request, max_body_bytes)))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
-        check_api_key(request, api_key)
+        keys.check_admin(presented_key(request))
         return PlainTextResponse(await service.unload_lora_adapter(await read_json_body(request, max_body_bytes)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        check_api_key(request, api_key)
+        check_api_key(request, keys)
         return await json_response(await service.tokenize(await read_json_body(request, max_body_bytes)))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        check_api_key(request, api_key)
+        check_api_key(request, keys)
         return await json_response(await service.detokenize(await read_json_body(request, max_body_bytes)))
 
     @app.get("/health")
@@ -279,7 +286,7 @@ def create_api(service: OpenAIService, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        check_api_key(request, api_key)
+        check_api_key(request, keys)
         return Response(await service.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
     return app

@@ -163,13 +163,13 @@ class ChoiceAccumulator:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-          reasoning_tokens: int | None = None) -> UsageInfo:
+          reasoning_tokens: int | None = None, kv_block_seconds: float = 0.0) -> UsageInfo:
     """``reasoning_tokens``: set (also 0) on chat with a reasoning parser, None elsewhere."""
     details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-                     completion_tokens_details=details)
+                     completion_tokens_details=details, kv_block_seconds=round(kv_block_seconds, 6))
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[ChoiceAccumulator],

@@ -46,6 +46,10 @@ SPEC_POSITION_SERIES = "pagedray:spec_decode_num_accepted_tokens_per_pos"
 HEALTHY_SERIES = "pagedray:engine_healthy"
 QUEUE_TIME_SERIES = "pagedray:request_queue_time_seconds"
 FAILOVER_SERIES = "pagedray:request_failovers"
+# fair share (the ``tenants`` option): per tenant and replica; the labels are the configured names, never keys
+TENANT_SERIES = (("pagedray:tenant_kv_blocks", "KV blocks held by the tenant's running sequences.", 1),
+                 ("pagedray:tenant_num_requests_waiting", "The tenant's sequences waiting for admission.", 2),
+                 ("pagedray:tenant_num_requests_running", "The tenant's sequences being generated.", 3))
 REQUEST_SERIES = ("pagedray:requests", "pagedray:prompt_tokens", "pagedray:generation_tokens",
                   "pagedray:time_to_first_token_seconds", "pagedray:inter_token_latency_seconds",
                   "pagedray:e2e_request_latency_seconds")
@@ -97,6 +101,12 @@ class EngineStatsCollector:
             for position, _, accepted in getattr(state.stats, "spec_decode_accepted_per_position", ()):
                 per_position.add_metric([self._model_name, state.replica, str(position)], float(accepted))
         yield per_position
+        for name, help_text, column in TENANT_SERIES:
+            family = GaugeMetricFamily(name, help_text, labels=(*ENGINE_LABELS, "tenant"))
+            for state in self._states:
+                for row in getattr(state.stats, "tenants", ()):
+                    family.add_metric([self._model_name, state.replica, str(row[0])], float(row[column]))
+            yield family
         healthy = GaugeMetricFamily(HEALTHY_SERIES, "1 when the engine replica is healthy, else 0.",
                                     labels=ENGINE_LABELS)
         for state in self._states:

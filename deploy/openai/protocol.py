@@ -159,6 +159,7 @@ class UsageInfo(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None   # set on chat with a reasoning parser
+    kv_block_seconds: float = 0.0   # pagedray's: the KV blocks the request held, integrated over seconds
 
     @model_serializer(mode="wrap")
     def _without_unset_details(self, handler):

@@ -101,6 +101,11 @@ def parse_body(model_cls, body):
         raise bad_request(f"{where}: {first['msg']}", param=param) from None
 
 
+def _usage(timer: RequestTimer, reasoning_tokens: int | None = None):
+    return usage(timer.prompt_tokens, timer.completion_tokens, timer.cached_prompt_tokens, reasoning_tokens,
+                 timer.kv_block_seconds)
+
+
 def outcome_of(exc: BaseException) -> str:
     api = to_api_error(exc)
     if api.status in (429, 503):
@@ -243,10 +248,10 @@ class OpenAIService:
         suffix = generation_prompt_of(text, render(False)) if with_generation_prompt and add_generation_prompt else ""
         return tokenizer.encode(text, add_special_tokens=False), text, suffix
 
-    async def _admit(self, prefix: str, prepared: list[PreparedRequest]) -> _Run:
+    async def _admit(self, prefix: str, prepared: list[PreparedRequest], tenant: str | None = None) -> _Run:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         timer = RequestTimer()
-        streams = [stream_choices(self.engine, f"{rid}-{i}", p, self.tokenizer, timer)
+        streams = [stream_choices(self.engine, f"{rid}-{i}", p, self.tokenizer, timer, tenant)
                    for i, p in enumerate(prepared)]
         bound = self.limits.sequences_in_flight
         window = None if bound is None else max(1, bound // prepared[0].params.n)
@@ -286,12 +291,13 @@ class OpenAIService:
         finally:
             await run.close(outcome)
 
-    async def _open(self, endpoint: str, prefix: str, prepare: Callable, body) -> tuple[object, _Run]:
-        """Parse + validate (``prepare(body)``, on the body's prepare lane), then admit; any failure is
-        counted and raised as APIError."""
+    async def _open(self, endpoint: str, prefix: str, prepare: Callable, body,
+                    tenant: str | None = None) -> tuple[object, _Run]:
+        """Parse + validate (``prepare(body)``, on the body's prepare lane), then admit (for ``tenant``: the
+        caller's, from its API key); any failure is counted and raised as APIError."""
         try:
             req, prepared = await self._lanes.call(prepare, body)
-            run = await self._admit(prefix, prepared)
+            run = await self._admit(prefix, prepared, tenant)
         except Exception as exc:
             self.metrics.record_outcome(endpoint, outcome_of(exc))
             raise to_api_error(exc) from exc
@@ -308,13 +314,13 @@ class OpenAIService:
         req = parse_body(CompletionRequest, body)
         return req, prepare_completion(req, self.limits, self._encode, self._decode_prompt, self.grammars.check)
 
-    async def completion(self, body: dict) -> dict:
-        req, run = await self._open("completions", "cmpl", self._prepare_completion, body)
+    async def completion(self, body: dict, tenant: str | None = None) -> dict:
+        req, run = await self._open("completions", "cmpl", self._prepare_completion, body, tenant)
         accs = [ChoiceAccumulator(prefix=p.echo_text or "", prompt_token_ids=p.prompt_token_ids)
                 for p in run.prepared for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             accs[index].add(delta)
-        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
+        use = _usage(run.timer)
         params = run.prepared[0].params
         weight = sum(prompt_logprob_weight(a.prompt_logprobs, params.prompt_logprobs)
                      + prompt_logprob_weight(a.logprobs, params.logprobs) for a in accs)
@@ -322,8 +328,8 @@ class OpenAIService:
             completion_response, run.rid, run.created, self._answering(run), accs, self.logprob_format, use,
             req.logprobs is not None, req.echo, req.prompt_logprobs is not None))
 
-    async def open_completion_stream(self, body: dict) -> ChunkStream:
-        req, run = await self._open("completions", "cmpl", self._prepare_completion, body)
+    async def open_completion_stream(self, body: dict, tenant: str | None = None) -> ChunkStream:
+        req, run = await self._open("completions", "cmpl", self._prepare_completion, body, tenant)
         return ChunkStream(self._completion_chunks(req, run), run)
 
     async def _completion_chunks(self, req: CompletionRequest, run: _Run) -> AsyncIterator[dict]:
@@ -336,7 +342,7 @@ class OpenAIService:
             if chunk is not None:
                 yield chunk
         if req.stream_options is not None and req.stream_options.include_usage:
-            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens)
+            use = _usage(run.timer)
             yield usage_chunk_completion(run.rid, run.created, chunks.model, use).model_dump()
 
     # ------------------------------------------------------------------ chat
@@ -347,21 +353,20 @@ class OpenAIService:
         return req, [prepare_chat(req, self.limits, self._render_chat, self.grammars.check, self.reasoning,
                                   self.tool_parser)]
 
-    async def chat(self, body: dict) -> dict:
-        req, run = await self._open("chat", "chatcmpl", self._prepare_chat, body)
+    async def chat(self, body: dict, tenant: str | None = None) -> dict:
+        req, run = await self._open("chat", "chatcmpl", self._prepare_chat, body, tenant)
         start = run.prepared[0].reasoning
         accs = [ChoiceAccumulator(reasoning=None if start is None else ReasoningTracker(start)) for _ in range(run.n)]
         async for index, delta in self._deltas(run):
             accs[index].add(delta)
-        use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens,
-                    None if start is None else sum(acc.reasoning.tokens for acc in accs))
+        use = _usage(run.timer, None if start is None else sum(acc.reasoning.tokens for acc in accs))
         weight = sum(prompt_logprob_weight(a.logprobs, run.prepared[0].params.logprobs) for a in accs)
         return await off_loop_if(weight > BIG_RESPONSE_ENTRIES, functools.partial(
             chat_response, run.rid, run.created, self._answering(run), accs, self.logprob_format, use,
             req.logprobs, run.prepared[0].tools))
 
-    async def open_chat_stream(self, body: dict) -> ChunkStream:
-        req, run = await self._open("chat", "chatcmpl", self._prepare_chat, body)
+    async def open_chat_stream(self, body: dict, tenant: str | None = None) -> ChunkStream:
+        req, run = await self._open("chat", "chatcmpl", self._prepare_chat, body, tenant)
         return ChunkStream(self._chat_chunks(req, run), run)
 
     async def _chat_chunks(self, req: ChatCompletionRequest, run: _Run) -> AsyncIterator[dict]:
@@ -394,8 +399,7 @@ class OpenAIService:
                     fields["content"] = content
                 yield chat_chunk(rid, created, model, index, fields, logprobs, delta.finish_reason, delta.stop_reason)
         if req.stream_options is not None and req.stream_options.include_usage:
-            use = usage(run.timer.prompt_tokens, run.timer.completion_tokens, run.timer.cached_prompt_tokens,
-                        None if start is None else sum(t.tokens for t in trackers))
+            use = _usage(run.timer, None if start is None else sum(t.tokens for t in trackers))
             yield usage_chunk_chat(rid, created, model, use).model_dump()
 
     # ------------------------------------------------------------------ tokenizer endpoints

@@ -34,8 +34,8 @@ class EngineClient(Protocol):
     """What the ingress needs from the engine (the Serve engine deployment, or a test double)."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, lora=None, session=None
-                 ) -> AsyncIterator[RequestOutput]: ...   # lora: a LoRARequest; session: its session id (str)
+                 params: SamplingParams, lora=None, session=None, tenant=None
+                 ) -> AsyncIterator[RequestOutput]: ...   # lora: a LoRARequest; session, tenant: names (str)
 
     async def stats(self): ...
 
@@ -70,6 +70,7 @@ class RequestTimer:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0   # prompt tokens whose KV came from the prefix cache
+    kv_block_seconds: float = 0.0   # KV blocks held, integrated over the engine's seconds (usage)
 
     def on_tokens(self, count: int) -> None:
         now = time.monotonic()
@@ -116,8 +117,9 @@ class _ChoiceState:
 
 
 async def stream_choices(engine: EngineClient, request_id: str, prepared: PreparedRequest, tokenizer,
-                         timer: RequestTimer) -> AsyncIterator[list[ChoiceDelta]]:
-    """Yield, per engine step, the deltas of the choices that advanced (see the module docstring)."""
+                         timer: RequestTimer, tenant: str | None = None) -> AsyncIterator[list[ChoiceDelta]]:
+    """Yield, per engine step, the deltas of the choices that advanced (see the module docstring); ``tenant``:
+    the caller's tenant (its API key's, ``deploy/serve/tenants.py``)."""
     params = prepared.params
     states = [_ChoiceState(tokenizer, prepared.prompt_token_ids, prepared.stop, params.min_tokens,
                            not prepared.keep_special_tokens) for _ in range(params.n)]
@@ -125,15 +127,19 @@ async def stream_choices(engine: EngineClient, request_id: str, prepared: Prepar
     if prepared.keep_special_tokens:   # the text keeps special tokens: not the EOS that ended the choice
         hidden_ids |= frozenset(tokenizer.all_special_ids)
     timer.prompt_tokens += len(prepared.prompt_token_ids)
-    prompt_logprobs, cached = None, 0
+    prompt_logprobs, cached, kv_seen = None, 0, 0.0
     async with aclosing(engine.generate(request_id, prepared.prompt_token_ids, params, lora=prepared.lora,
-                                        session=prepared.session)) as outputs:
+                                        session=prepared.session, tenant=tenant)) as outputs:
         async for output in outputs:
             if output.error is not None or any(o.finish_reason == "error" for o in output.outputs):
                 raise EngineRequestError(output.error or "the engine failed while generating")
             if output.num_cached_prompt_tokens > cached:   # first admission's count (a preemption may change it)
                 timer.cached_prompt_tokens += output.num_cached_prompt_tokens - cached
                 cached = output.num_cached_prompt_tokens
+            if output.kv_block_seconds < kv_seen:   # a continuation on another replica counts from 0 again
+                kv_seen = 0.0
+            timer.kv_block_seconds += output.kv_block_seconds - kv_seen
+            kv_seen = output.kv_block_seconds
             prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             deltas = [states[o.index].advance(o, hidden_ids, stop_ids) for o in output.outputs
                       if not states[o.index].finished]

@@ -10,9 +10,12 @@ Decisions: docs/design/deploy.md, ``pagedray.deploy.serve.app``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pydantic import BaseModel, ValidationError
 from ray.serve import Application
 
+from ..http.tenants import parse_tenants
 from ..openai.reasoning import PARSER_ALIASES, REASONING_PARSERS
 from ..openai.tool_parsers import TOOL_CALL_PARSERS
 from ..routing.router import PREFIX_SUMMARY_BLOCKS
@@ -109,7 +112,9 @@ def wants_gpu(device: str) -> bool:
 
 def build_app(args: dict | None = None) -> Application:
     parsed = parse_args(args)
+    tenants, tenant_keys = parse_tenants(parsed.tenants)
     config = engine_config(parsed)
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, tenants=tenants))
     use_gpu, in_process = wants_gpu(parsed.device), not config.parallel.use_ray
     admission = parsed.max_num_seqs + parsed.max_queued_requests
     in_flight = admission + max(admission, REJECTION_HEADROOM_MIN) + CONTROL_CALL_HEADROOM
@@ -125,7 +130,7 @@ def build_app(args: dict | None = None) -> Application:
     )
     ingress_args = dict(model=parsed.model, served_model_name=parsed.served_model_name, api_key=parsed.api_key,
                         max_body_bytes=parsed.max_body_bytes, reasoning_parser=parsed.reasoning_parser,
-                        tool_call_parser=parsed.tool_call_parser)
+                        tool_call_parser=parsed.tool_call_parser, tenant_keys=tenant_keys)
     if engine_in_ingress(parsed, most_replicas):
         return OpenAIIngress.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
             config, **ingress_args, ingress_replicas=most_replicas)

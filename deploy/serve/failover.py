@@ -107,7 +107,7 @@ class FailoverEngineClient:
         self._sleep = sleep
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       lora=None, session=None) -> AsyncIterator[RequestOutput]:
+                       lora=None, session=None, tenant=None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as one stream, its lost parts continued (at most ``max_failovers`` times).
 
         Invariants: each sample's tokens reach the caller once and in order (``produced[i]`` is exactly what
@@ -116,7 +116,7 @@ class FailoverEngineClient:
         produced: list[list[int]] = [[] for _ in range(params.n)]     # per sample: tokens streamed so far
         done = [False] * params.n
         cached, failovers = 0, 0
-        stream = self._inner.generate(request_id, prompt_token_ids, params, lora=lora, session=session)
+        stream = self._inner.generate(request_id, prompt_token_ids, params, lora=lora, session=session, tenant=tenant)
         while True:
             try:
                 async with aclosing(stream) as outputs:
@@ -150,17 +150,18 @@ class FailoverEngineClient:
             self._on_failover()
             await self._sleep(BACKOFF_S[min(failovers, len(BACKOFF_S)) - 1])
             stream = self._continuation(f"{request_id}:failover{failovers}", prompt_token_ids, params, produced, done,
-                                        lora, session)
+                                        lora, session, tenant)
 
     def _continuation(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      produced: list[list[int]], done: list[bool], lora=None, session=None
+                      produced: list[list[int]], done: list[bool], lora=None, session=None, tenant=None
                       ) -> AsyncIterator[RequestOutput]:
         """One stream of the unfinished samples' continuations, under their own indices; each of them must
         be placed within the placement timeout."""
         def placed(rid: str, sample_params: SamplingParams, tokens: list[int]) -> AsyncIterator[RequestOutput]:
             resume = list(tokens)        # a snapshot: ``produced`` keeps growing as the continuation streams
             return _placed_within(lambda: self._inner.generate(rid, prompt_token_ids, sample_params,
-                                                               resume_tokens=resume, lora=lora, session=session),
+                                                               resume_tokens=resume, lora=lora, session=session,
+                                                               tenant=tenant),
                                   self._placement_timeout_s, self._sleep)
 
         if params.n == 1:

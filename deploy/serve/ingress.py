@@ -109,9 +109,9 @@ class HandleEngineClient:
         return [ReplicaState(replica, stats)]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       resume_tokens: list[int] = (), lora=None, session=None) -> AsyncIterator:
+                       resume_tokens: list[int] = (), lora=None, session=None, tenant=None) -> AsyncIterator:
         response = self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params,
-                                                                     list(resume_tokens), lora, session)
+                                                                     list(resume_tokens), lora, session, tenant)
         exhausted = False
         try:
             async for output in response:
@@ -156,10 +156,12 @@ class OpenAIIngress:
     async def __init__(self, engine: DeploymentHandle | EngineConfig, model: str = "default",
                        served_model_name: str | None = None, api_key: str | None = None,
                        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto",
-                       tool_call_parser: str = "auto", ingress_replicas: int = 1) -> None:
+                       tool_call_parser: str = "auto", ingress_replicas: int = 1,
+                       tenant_keys: dict[bytes, str] | None = None) -> None:
         """``engine``: a handle to the engine deployment, or (``engine_in_ingress``) the EngineConfig of
         the engine this replica runs itself. ``ingress_replicas``: the most replicas this deployment may
-        have (more than one: LoRA adapters are not loaded at run time, ``openai/lora_adapters.py``)."""
+        have (more than one: LoRA adapters are not loaded at run time, ``openai/lora_adapters.py``).
+        ``tenant_keys``: the tenants' API keys (``http/tenants.py``)."""
         from transformers import AutoTokenizer
 
         use_bounded_protocol()   # before Serve starts this replica's own HTTP server (direct ingress)
@@ -187,34 +189,37 @@ class OpenAIIngress:
                 f"lora_name: this app has up to {ingress_replicas} ingress replicas (engine_in_ingress), each with "
                 "its own adapter table, so adapters are not loaded at run time here; list them in lora_modules")
         self._api_key = api_key
+        self._tenant_keys = tenant_keys
         self._max_body_bytes = max_body_bytes
 
     def __serve_build_asgi_app__(self):
-        return create_api(self._service, self._api_key, self._max_body_bytes)
+        return create_api(self._service, self._api_key, self._max_body_bytes, self._tenant_keys)
 
     # ------------------------------------------------------------------ handle API
-    async def completions(self, body: dict) -> dict:
-        """POST /v1/completions with ``stream`` false, as a Python call."""
-        return await self._service.completion({**body, "stream": False})
+    async def completions(self, body: dict, tenant: str | None = None) -> dict:
+        """POST /v1/completions with ``stream`` false, as a Python call. ``tenant`` (this and the methods below):
+        the tenant the request counts for (a name of the ``tenants`` option; handle callers are trusted)."""
+        return await self._service.completion({**body, "stream": False}, tenant)
 
-    async def completions_stream(self, body: dict) -> AsyncIterator[dict]:
+    async def completions_stream(self, body: dict, tenant: str | None = None) -> AsyncIterator[dict]:
         """POST /v1/completions with ``stream`` true: yields the chunk objects (no ``[DONE]``)."""
-        async for chunk in self._stream(self._service.open_completion_stream, body):
+        async for chunk in self._stream(self._service.open_completion_stream, body, tenant):
             yield chunk
 
-    async def chat(self, body: dict) -> dict:
-        return await self._service.chat({**body, "stream": False})
+    async def chat(self, body: dict, tenant: str | None = None) -> dict:
+        return await self._service.chat({**body, "stream": False}, tenant)
 
-    async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
-        async for chunk in self._stream(self._service.open_chat_stream, body):
+    async def chat_stream(self, body: dict, tenant: str | None = None) -> AsyncIterator[dict]:
+        async for chunk in self._stream(self._service.open_chat_stream, body, tenant):
             yield chunk
 
-    async def generate(self, prompt: str | list[int], params: dict | None = None) -> dict:
+    async def generate(self, prompt: str | list[int], params: dict | None = None, tenant: str | None = None) -> dict:
         """Complete ``prompt`` (text or token ids) with OpenAI completion ``params``; the whole result."""
-        return await self.completions({**(params or {}), "prompt": prompt})
+        return await self.completions({**(params or {}), "prompt": prompt}, tenant)
 
-    async def generate_stream(self, prompt: str | list[int], params: dict | None = None) -> AsyncIterator[dict]:
-        async for chunk in self.completions_stream({**(params or {}), "prompt": prompt}):
+    async def generate_stream(self, prompt: str | list[int], params: dict | None = None,
+                              tenant: str | None = None) -> AsyncIterator[dict]:
+        async for chunk in self.completions_stream({**(params or {}), "prompt": prompt}, tenant):
             yield chunk
 
     async def responses(self, body: dict) -> dict:
@@ -285,9 +290,9 @@ class OpenAIIngress:
         if getattr(self, "_served", None) is not None:
             await self._served.close()
 
-    async def _stream(self, open_stream, body: dict) -> AsyncIterator[dict]:
+    async def _stream(self, open_stream, body: dict, tenant: str | None = None) -> AsyncIterator[dict]:
         try:
-            chunks = await open_stream({**body, "stream": True})
+            chunks = await open_stream({**body, "stream": True}, tenant)
         except Exception as exc:
             raise to_api_error(exc) from None
         try:

@@ -47,6 +47,8 @@ SERVED_DEFAULTS = {"parallel.executor": "ray"}
 NOT_OPTIONS = {
     "parallel.placement_strategy": "in Serve the replica's placement group is always PACK (build_app); "
                                    "the setting only applies to an engine that creates its own group",
+    "scheduler.tenants": "served as the Serve option 'tenants', which also maps API keys to tenants "
+                         "(deploy/http/tenants.py)",
 }
 SERVE_OPTIONS = (
     Option("served_model_name", "the model name clients pass (default: the model folder's name)",
@@ -74,6 +76,10 @@ SERVE_OPTIONS = (
            "blocks), 'hermes', 'llama3_json', 'mistral' or 'pythonic'", kind=str, default="auto"),
     Option("autoscaling_config", "Serve's autoscaling of the engine replicas (min_replicas, max_replicas, "
            "target_ongoing_requests, upscale_delay_s, ...; replaces num_replicas)", kind=dict, optional=True),
+    Option("tenants", "fair share among tenants: {name: {api_keys: [...], weight, max_kv_fraction, "
+           "max_queued_requests}}; every route then needs a tenant's key or api_key (tenant 'default'); each "
+           "engine replica admits and preempts by weighted share and enforces the quotas (429 naming them)",
+           kind=dict, optional=True),
 )
 
 

@@ -67,12 +67,12 @@ class ServedEngine:
         self._engine = AsyncEngine(config)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       resume_tokens: list[int] = (), lora: LoRARequest | None = None, session: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       resume_tokens: list[int] = (), lora: LoRARequest | None = None, session: str | None = None,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         # an async generator function, not a method returning AsyncEngine's generator: Serve runs a
         # plain method in its thread pool and streams only what a generator function yields
         async for output in self._engine.generate(request_id, prompt_token_ids, params, resume_tokens=resume_tokens,
-                                                  lora=lora, session=session):
+                                                  lora=lora, session=session, tenant=tenant):
             yield output
 
     async def abort(self, request_id: str) -> bool:

@@ -60,7 +60,7 @@ def test_completion_text_matches_script(client_and_engine, tokenizer):
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": len(tokenizer.encode("Say:")), "completion_tokens": 5,
                              "total_tokens": len(tokenizer.encode("Say:")) + 5,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0}, "kv_block_seconds": 0.0}
 
 
 def test_usage_counts_cached_prompt_tokens_once_per_prompt(client_and_engine):
@@ -508,7 +508,7 @@ def test_a_batch_request_keeps_a_bounded_number_of_prompts_in_the_engine(tokeniz
         batch_in_flight: int = 0
         most_in_flight: int = 0
 
-        async def generate(self, request_id, prompt_token_ids, params, lora=None, session=None):
+        async def generate(self, request_id, prompt_token_ids, params, lora=None, session=None, tenant=None):
             batch = params.max_tokens == 3          # the batch request's prompts wait for the gate
             if batch:
                 self.batch_in_flight += 1

@@ -482,3 +482,19 @@ def test_serve_run_as_the_program_exits_without_the_interpreters_teardown(monkey
     assert cli.main(["serve"]) == 3 and exits == [3]
     monkeypatch.setattr(sys, "argv", ["pagedray", "serve", "--address", "auto"])
     assert cli.main() == 3 and exits == [3]
+
+
+def test_tenants_give_the_engine_its_policy_and_the_ingress_the_keys():
+    from pagedray.deploy.serve.app import build_app
+    from pagedray.workers.contract.config import TenantConfig
+
+    table = {"acme": {"api_keys": ["sk-a"], "weight": 3}, "beta": {"api_keys": ["sk-b"], "max_kv_fraction": 0.25}}
+    ingress = build_app({"tenants": table})._bound_deployment
+    config = ingress.init_args[0]
+    assert config.scheduler.tenants == (TenantConfig("acme", weight=3), TenantConfig("beta", max_kv_fraction=0.25))
+    assert sorted(ingress.init_kwargs["tenant_keys"].values()) == ["acme", "beta"]
+    assert "sk-a" not in repr(config)
+    split = build_app({"tenants": table, "num_replicas": 2})._bound_deployment
+    assert split.init_args[0]._bound_deployment.init_args[0].scheduler.tenants == config.scheduler.tenants
+    with pytest.raises(ValueError, match="tenants.beta.weight"):
+        build_app({"tenants": {"beta": {"api_keys": ["k"], "weight": -1}}})

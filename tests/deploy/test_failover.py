@@ -40,7 +40,8 @@ class FakeReplicas:
     plan: list[tuple[int | None, str | None]]
     calls: list[tuple[str, list[int], SamplingParams, list[int]]] = field(default_factory=list)
 
-    async def generate(self, request_id, prompt_token_ids, params, resume_tokens=(), lora=None, session=None):
+    async def generate(self, request_id, prompt_token_ids, params, resume_tokens=(), lora=None, session=None,
+                           tenant=None):
         die_after, death = self.plan[len(self.calls)] if len(self.calls) < len(self.plan) else (None, None)
         self.calls.append((request_id, list(prompt_token_ids), params, list(resume_tokens)))
         produced = [len(resume_tokens)] * params.n
@@ -188,7 +189,8 @@ def test_the_last_engine_failure_is_passed_through_as_an_error_output():
 
 def test_a_requests_own_error_is_not_retried():
     class OwnError(FakeReplicas):
-        async def generate(self, request_id, prompt_token_ids, params, resume_tokens=(), lora=None, session=None):
+        async def generate(self, request_id, prompt_token_ids, params, resume_tokens=(), lora=None, session=None,
+                           tenant=None):
             self.calls.append(request_id)
             yield RequestOutput(request_id, [CompletionOutput(0, [], None, "error")], True,
                                 error="grammar: the matcher failed")
@@ -201,7 +203,8 @@ def test_a_requests_own_error_is_not_retried():
 
 def test_a_continuation_nobody_takes_ends_the_request_after_the_placement_timeout():
     class Silent(FakeReplicas):
-        async def generate(self, request_id, prompt_token_ids, params, resume_tokens=(), lora=None, session=None):
+        async def generate(self, request_id, prompt_token_ids, params, resume_tokens=(), lora=None, session=None,
+                           tenant=None):
             if self.calls:
                 self.calls.append(request_id)
                 await asyncio.Event().wait()           # never placed: no output ever comes

@@ -25,7 +25,7 @@ class LeakyEngine(ScriptedEngine):
     async def check_ready(self) -> None:
         raise RuntimeError(SECRET)
 
-    async def generate(self, request_id, prompt_token_ids, params, lora=None, session=None):
+    async def generate(self, request_id, prompt_token_ids, params, lora=None, session=None, tenant=None):
         raise RuntimeError(SECRET)
         yield  # pragma: no cover - makes this an async generator
 

@@ -82,11 +82,11 @@ class CannedChat:
         self.bodies: list[dict] = []
         self.streams: list[_Chunks] = []
 
-    async def chat(self, body: dict) -> dict:
+    async def chat(self, body: dict, tenant=None) -> dict:
         self.bodies.append(body)
         return self.response
 
-    async def open_chat_stream(self, body: dict) -> _Chunks:
+    async def open_chat_stream(self, body: dict, tenant=None) -> _Chunks:
         self.bodies.append(body)
         self.streams.append(_Chunks(self.chunks, self.fail_after))
         return self.streams[-1]

@@ -45,6 +45,7 @@ class ScriptedEngine:
     calls: list[tuple[str, list[int], object]] = field(default_factory=list)
     loras: list = field(default_factory=list)    # the lora argument of each call, in order
     sessions: list = field(default_factory=list)  # the session argument of each call, in order
+    tenants: list = field(default_factory=list)   # the tenant argument of each call, in order
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     active: set[str] = field(default_factory=set)
@@ -82,7 +83,7 @@ class ScriptedEngine:
             entries.append(TokenLogprob(token, -0.25 * i, top[:k], rank=i))
         return entries
 
-    async def generate(self, request_id, prompt_token_ids, params, lora=None, session=None):
+    async def generate(self, request_id, prompt_token_ids, params, lora=None, session=None, tenant=None):
         if self.reject_with is not None:
             raise self.reject_with
         if self.dead:
@@ -90,6 +91,7 @@ class ScriptedEngine:
         self.calls.append((request_id, list(prompt_token_ids), params))
         self.loras.append(lora)
         self.sessions.append(session)
+        self.tenants.append(tenant)
         self.active.add(request_id)
         done = [False] * params.n
         try:

@@ -12,6 +12,7 @@ are no environment-variable switches for behaviour: everything a run does is in 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -204,6 +205,34 @@ class ParallelConfig:
         return self.executor == "ray" or (self.executor == "auto" and self.tensor_parallel_size > 1)
 
 
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+DEFAULT_TENANT = "default"   # the tenant of requests that name none (no tenants table, or the admin api_key)
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant of an engine's fair share (cluster/fair_share.py). Its API keys live with the ingress only
+    (deploy/serve/tenants.py): the engine knows tenants by name."""
+
+    name: str
+    weight: float = 1.0                     # its share of the KV pool, the seats and the compute, relative to others
+    max_kv_fraction: float = 1.0            # at most this fraction of the replica's KV blocks in use at once
+    max_queued_requests: int | None = None  # its requests waiting for admission; beyond it they are refused (429)
+
+    def validate(self) -> None:
+        _require(isinstance(self.name, str) and TENANT_NAME.fullmatch(self.name) is not None,
+                 f"tenants: a tenant name must be 1-64 letters, digits, '_', '.' or '-', got {self.name!r}")
+        where = f"tenants.{self.name}"
+        _require(not isinstance(self.weight, bool) and isinstance(self.weight, (int, float)) and 0 < self.weight <= 1e6,
+                 f"{where}.weight: must be a number in (0, 1e6], got {self.weight!r}")
+        _require(not isinstance(self.max_kv_fraction, bool) and isinstance(self.max_kv_fraction, (int, float))
+                 and 0 < self.max_kv_fraction <= 1,
+                 f"{where}.max_kv_fraction: must be in (0, 1], got {self.max_kv_fraction!r}")
+        _require(self.max_queued_requests is None or (type(self.max_queued_requests) is int   # noqa: E721
+                                                      and self.max_queued_requests >= 1),
+                 f"{where}.max_queued_requests: must be an integer >= 1 or unset, got {self.max_queued_requests!r}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = option(128, "sequences per step")
@@ -223,6 +252,10 @@ class SchedulerConfig:
                                                  "vocabulary that proposes the drafts instead of prompt lookup "
                                                  "(greedy, sharded over the same TP ranks, its own paged KV "
                                                  "cache under the same block ids)")
+    tenants: tuple[TenantConfig, ...] = option((), "fair share among tenants (cluster/fair_share.py): admission and "
+                                                   "preemption by weighted share instead of queue order across "
+                                                   "tenants, per-tenant KV caps and queue limits; served as the "
+                                                   "'tenants' option, which also maps API keys to tenants")
 
     def validate(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs!r}")
@@ -247,6 +280,19 @@ class SchedulerConfig:
         _require(not (self.num_speculative_tokens and self.async_scheduling),
                  "num_speculative_tokens: speculative decoding needs async_scheduling off (a step's accepted "
                  "tokens decide the next step's inputs)")
+        _require(isinstance(self.tenants, tuple) and all(isinstance(t, TenantConfig) for t in self.tenants),
+                 f"tenants: must be a tuple of TenantConfig, got {self.tenants!r:.80}")
+        for tenant in self.tenants:
+            tenant.validate()
+        names = [t.name for t in self.tenants]
+        _require(len(set(names)) == len(names), f"tenants: a tenant is named twice in {names}")
+
+    def tenant(self, name: str | None) -> TenantConfig | None:
+        """The configured tenant ``name`` (None: the default tenant, which exists whenever any tenant is
+        configured); None when there is no such tenant."""
+        name = DEFAULT_TENANT if name is None else name
+        found = next((t for t in self.tenants if t.name == name), None)
+        return TenantConfig(name) if found is None and name == DEFAULT_TENANT and self.tenants else found
 
 
 @dataclass(frozen=True)
