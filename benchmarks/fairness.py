@@ -59,7 +59,8 @@ def measure(system: str, args, vocab: int) -> dict:
             now = time.perf_counter() - start
             while len(arrivals) < args.light and now >= len(arrivals) * args.light_interval_s:
                 rid = f"light-{len(arrivals)}"
-                engine.add(rid, [rng.randrange(2, vocab) for _ in range(args.light_tokens)], params, tenant=light_tenant)
+                prompt = [rng.randrange(2, vocab) for _ in range(args.light_tokens)]
+                engine.add(rid, prompt, params, tenant=light_tenant)
                 arrivals[rid] = time.perf_counter()
             if system != "solo":
                 waiting = sum(1 for s in engine.scheduler.waiting if s.request.request_id in flood_ids)

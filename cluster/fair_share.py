@@ -99,18 +99,27 @@ class FairShare:
         return (tenant.blocks + more_blocks <= share * self.usable_blocks
                 and seats.get(tenant.config.name, 0) + more_seats <= share * self.max_num_seqs)
 
-    def overage(self, tenant: TenantState, seats: dict[str, int]) -> float:
-        """How far past its share ``tenant`` is (> 1: over it), in blocks or seats, whichever is more."""
+    def overage(self, tenant: TenantState, seats: dict[str, int], more_blocks: int = 0) -> float:
+        """How far past its share ``tenant`` is (> 1: over it), in blocks or seats, whichever is more
+        (``more_blocks``: after taking that many blocks more)."""
         share = self.share(tenant)
-        return max(tenant.blocks / (share * self.usable_blocks),
+        return max((tenant.blocks + more_blocks) / (share * self.usable_blocks),
                    seats.get(tenant.config.name, 0) / (share * self.max_num_seqs))
 
-    def victim(self, candidates: list[Sequence], key: Callable, seats: dict[str, int]) -> Sequence:
-        """The sequence to preempt when blocks run out: the last (``key``) of the tenant furthest over its
-        share among the candidates' (on a tie, the one with the higher counter)."""
-        worst = max({id(self.state(s)): self.state(s) for s in candidates}.values(),
+    def victim(self, candidates: list[Sequence], key: Callable, seats: dict[str, int], running: dict[str, int],
+               than: float = 1.0) -> Sequence | None:
+        """The sequence fair share preempts among ``candidates``: the last (``key``) of the tenant furthest over its
+        share (on a tie, the one with the higher counter), when that tenant is further over than ``than`` and
+        runs another sequence (``running``: sequences per tenant; a tenant's only running sequence is never a
+        fair-share victim, so every tenant keeps making progress). None when there is no such sequence."""
+        eligible = [s for s in candidates if running.get(self.state(s).config.name, 0) >= 2]
+        if not eligible:
+            return None
+        worst = max({id(self.state(s)): self.state(s) for s in eligible}.values(),
                     key=lambda t: (self.overage(t, seats), t.counter))
-        return max((s for s in candidates if self.state(s) is worst), key=key)
+        if self.overage(worst, seats) <= than:
+            return None
+        return max((s for s in eligible if self.state(s) is worst), key=key)
 
     def passes_cap(self, seq: Sequence, blocks_after: int) -> bool:
         """Whether ``seq`` holding ``blocks_after`` blocks takes its tenant past its cap."""

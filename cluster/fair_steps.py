@@ -59,6 +59,13 @@ class FairSteps:
             seats[name] = seats.get(name, 0) + 1 + seq.request.num_unforked * seq.must_fork_first
         return seats
 
+    def _running_by_tenant(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for seq in self.running:
+            name = seq.request.tenant or DEFAULT_TENANT
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
     def _fair_order(self, name: str, spent: dict[str, float]) -> tuple[float, int]:
         """Who goes first with fair share: the lowest counter (with this step's tokens so far), then the fewest
         blocks held."""
@@ -95,10 +102,11 @@ class FairSteps:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
                 num = min(left, budget)
-                if not self._reserve(seq, num, out):
+                reserved = self._reserve(seq, num, out)
+                admitting = admitting and not out.preempted    # freed blocks go to the running sequences first
+                if not reserved:
                     continue
                 self._schedule_tokens(seq, num, out)
-                admitting = admitting and not out.preempted
             else:
                 if not admitting or seq.status is not SequenceStatus.WAITING:
                     continue
@@ -129,7 +137,7 @@ class FairSteps:
         heads: dict[str, Sequence] = {}
         for seq in self._waiting_in_order():
             heads.setdefault(fair.state(seq).config.name, seq)
-        seats = self._seats_by_tenant()
+        seats, running = self._seats_by_tenant(), self._running_by_tenant()
         for name in sorted(heads, key=lambda n: self._fair_order(n, {})):
             seq, tenant = heads[name], fair.tenants[name]
             lora = seq.request.lora
@@ -141,10 +149,11 @@ class FairSteps:
                 continue
             while (sum(seats.values()) + need_seats > self.config.max_num_seqs
                    or not bm.can_allocate(seq.seq_id, seq.token_ids, max(num, 1), reuse, root=root)):
-                over = [s for s in self.running
-                        if fair.state(s) is not tenant and fair.overage(fair.state(s), seats) > 1]
-                if not over:
+                others = [s for s in self.running if fair.state(s) is not tenant]
+                victim = fair.victim(others, self._key, seats, running) if others else None
+                if victim is None:
                     break
-                victim = fair.victim(over, self._key, seats)
-                seats[fair.state(victim).config.name] -= self._seats_of(victim)
+                victim_name = fair.state(victim).config.name
+                seats[victim_name] -= self._seats_of(victim)
+                running[victim_name] -= 1
                 self._preempt(victim, out, stops_admission=False)

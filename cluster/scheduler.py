@@ -359,7 +359,7 @@ class Scheduler(FairSteps):
                 tenant = self.fair.state(seq)
                 victim = max((s for s in victims if self.fair.state(s) is tenant), key=self._key)
             else:
-                victim = self._victim(victims)
+                victim = self._victim(victims, seq, num)
             self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -367,12 +367,16 @@ class Scheduler(FairSteps):
         self._kv_mark(seq)
         return True
 
-    def _victim(self, candidates: list[Sequence]) -> Sequence:
-        """Whom a sequence that finds no free block preempts: the last in queue order, or with fair share the
-        last of the tenant furthest over its share."""
+    def _victim(self, candidates: list[Sequence], grower: Sequence, more_blocks: int) -> Sequence:
+        """Whom ``grower``, which needs ``more_blocks`` blocks that are not free, preempts: the last candidate in
+        queue order; with fair share, the last of a tenant further over its share than the grower's tenant will
+        be (``FairShare.victim``) when there is one."""
+        fifo = max(candidates, key=self._key)
         if self.fair is None:
-            return max(candidates, key=self._key)
-        return self.fair.victim(candidates, self._key, self._seats_by_tenant())
+            return fifo
+        seats = self._seats_by_tenant()
+        than = self.fair.overage(self.fair.state(grower), seats, more_blocks)
+        return self.fair.victim(candidates, self._key, seats, self._running_by_tenant(), than) or fifo
 
     def _kv_mark(self, seq: Sequence) -> None:
         """``seq``'s block count may have changed: its request's KV-block-seconds so far, its tenant's blocks."""
@@ -529,7 +533,7 @@ class Scheduler(FairSteps):
             partial = seq.num_scheduled_through % self.block_manager.block_size != 0
             needed = seq.request.num_unforked if partial else 0
             while self.block_manager.num_free_blocks < needed:
-                victim = self._victim(self.running)
+                victim = self._victim(self.running, seq, needed)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
