@@ -122,6 +122,12 @@ class BlockManager:
         _require_count("limit", limit)
         return self.pool.cached_key_hashes(limit) if self.enable_prefix_caching else []
 
+    def tier_key_hashes(self, limit: int) -> list[int]:
+        """Hashes of at most ``limit`` keys in the second tier (none without one), most recently used first: what
+        a prompt reaching them would load instead of computing (``prefix_block_hashes`` gives a prompt's)."""
+        _require_count("limit", limit)
+        return self.tier.key_hashes(limit) if self.tier is not None else []
+
     def _count_hit(self, key: BlockKey) -> None:
         hits = self._prefix_hits
         hits[key] = hits.get(key, 0) + 1

@@ -48,6 +48,15 @@ class OffloadTier:
         self._slot_of[key] = slot
         return slot
 
+    def key_hashes(self, limit: int) -> list[int]:
+        """Hashes of at most ``limit`` keys in the tier, the most recently used first (routing summaries)."""
+        out = []
+        for key in reversed(self._slot_of):
+            if len(out) >= limit:
+                break
+            out.append(hash(key))
+        return out
+
     def lookup(self, key: BlockKey) -> int | None:
         slot = self._slot_of.get(key)
         if slot is not None:

@@ -402,6 +402,11 @@ class AsyncEngine:
         """``BlockManager.cached_prefix_hashes`` read on the step thread (between steps, never during one)."""
         return await self._between_steps(lambda: self.engine.block_manager.cached_prefix_hashes(limit))
 
+    async def tier_summary(self, limit: int) -> tuple[list[int], float]:
+        """(``BlockManager.tier_key_hashes``, ``Engine.tier_cost.weight``), read on the step thread (between steps)."""
+        return await self._between_steps(lambda: (self.engine.block_manager.tier_key_hashes(limit),
+                                                  self.engine.tier_cost.weight))
+
     async def hot_prefixes(self, max_tokens: int) -> list[list[int]]:
         """``BlockManager.hot_prefixes`` read on the step thread (between steps)."""
         return await self._between_steps(lambda: self.engine.block_manager.hot_prefixes(max_tokens))

@@ -33,6 +33,7 @@ from .request import FinishReason
 from .scheduler import Scheduler, check_arguments
 from .scheduler_output import SchedulerOutput
 from .stats import EngineStats
+from .tier_cost import TierCost
 
 logger = logging.getLogger(__name__)
 # what callers (and so HTTP clients) are told; the failure itself goes to the log, never to a client
@@ -79,6 +80,7 @@ class Engine:
         self._prefix_totals_before = (0, 0)     # prefix query/hit tokens of BlockManagers replaced by recovery
         self._async_scheduling = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None   # async scheduling: the submitted step not applied yet
+        self.tier_cost = TierCost(config.cache.block_size)   # what a second-tier block saves (routing)
 
     def _plan_builder(self) -> PlanBuilder:
         # speculative steps keep one RunningDelta per sequence (the rows of their batch stay in scheduling order)
@@ -179,7 +181,11 @@ class Engine:
         self._num_steps += 1
         self.step_limit_s = self.config.step_limit_s(plan.num_scheduled_tokens)
         try:
+            started = time.perf_counter()
             result = self.executor.execute(plan)
+            if self.block_manager.tier is not None:
+                self.tier_cost.observe(plan.num_scheduled_tokens, time.perf_counter() - started, len(plan.kv_loads),
+                                       result.kv_load_seconds)
             touched = self._apply(out, plan, result)
         except Exception as exc:  # a curable rank failure is recovered from; any other ends the requests
             failure = self._recover(exc)

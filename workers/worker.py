@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import Future, wait
 from dataclasses import replace
 
@@ -144,7 +145,7 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult | None:
         if self.runner is None:
             raise RuntimeError("Worker.execute: call init_kv_cache(num_blocks) first")
-        tier_failures = self._move_tier_blocks(plan)
+        tier_failures, load_s = self._move_tier_blocks(plan)
         plan = self._resolve_pending(plan)
         if not self.tp.is_first:
             self.runner.execute(plan)
@@ -160,7 +161,8 @@ class Worker:
             sampled = [] if output.logits is None else self.sampler.argmax(seq_ids, output.logits)
             self._last_sampled = sampled
             return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
-                              lora_reads=self._finished_lora_reads(step is None), kv_load_failures=tier_failures)
+                              lora_reads=self._finished_lora_reads(step is None), kv_load_failures=tier_failures,
+                              kv_load_seconds=load_s)
         rows = [] if step is None else _sampling_rows(step.host.sampling_seqs, step.host.row_drafts)
         masks = self.grammars.submit(rows)   # grammar masks on their own thread while the forward runs
         try:
@@ -171,13 +173,15 @@ class Worker:
             raise
         sampled = self._last_sampled = self.sample(output, rows, masks)
         return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
-                          lora_reads=self._finished_lora_reads(False), kv_load_failures=tier_failures)
+                          lora_reads=self._finished_lora_reads(False), kv_load_failures=tier_failures,
+                          kv_load_seconds=load_s)
 
-    def _move_tier_blocks(self, plan: StepPlan) -> list[int]:
-        """The plan's second-tier saves, then its loads (``kv_tier.py``); the slots whose load failed on any rank
-        (a collective with TP > 1: every rank gets the same plan, so every rank takes part)."""
+    def _move_tier_blocks(self, plan: StepPlan) -> tuple[list[int], float]:
+        """The plan's second-tier saves, then its loads (``kv_tier.py``): (the slots whose load failed on any rank
+        (a collective with TP > 1: every rank gets the same plan, so every rank takes part), the seconds this
+        rank spent reading its loads)."""
         if not (plan.kv_saves or plan.kv_loads):
-            return []
+            return [], 0.0
         if self.kv_tier is None:
             raise ValueError("kv_saves / kv_loads: this rank has no second KV tier (kv_offload_gib is 0)")
         num_blocks = self.runner.kv_cache.num_blocks
@@ -187,11 +191,13 @@ class Worker:
                                  f"(0..{num_blocks - 1}) or negative")
         for block, slot in plan.kv_saves:
             self.kv_tier.save(block, slot)
+        started = time.perf_counter()
         failed = [0 if self.kv_tier.load(slot, block) else 1 for slot, block in plan.kv_loads]
+        load_s = time.perf_counter() - started
         if self.tp.world_size > 1 and failed:
             flags = torch.tensor(failed, dtype=torch.int32, device=self.device)
             failed = self.tp.all_reduce(flags).tolist()
-        return [slot for (slot, _), bad in zip(plan.kv_loads, failed) if bad]
+        return [slot for (slot, _), bad in zip(plan.kv_loads, failed) if bad], load_s
 
     def _finished_lora_reads(self, idle: bool) -> list[LoraRead]:
         """Rank 0: the adapter reads finished since its last result. A plan with nothing to run (``idle``: the

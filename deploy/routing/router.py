@@ -10,7 +10,9 @@ matches) and picks:
 
 - the replica holding the longest run of the prompt's leading blocks, among the replicas whose load
   (requests in flight there) is at most ``max_imbalance`` above the least-loaded replica's;
-  ties go to the less loaded;
+  ties go to the less loaded. With a second KV tier a replica also reports the hashes of blocks there and
+  what one saves against computing it (``tier_weight``, measured: cluster/tier_cost.py); the blocks of the
+  prompt in its tier right after its cached run count ``tier_weight`` each;
 - when no such replica holds any block (a cold prompt): among the same eligible replicas, those with
   the smallest cache footprint this router has placed there (the distinct prompt blocks it sent them,
   ``on_request_routed``), then the least load; Serve probes their queues and takes the shortest. This
@@ -70,6 +72,8 @@ class ReplicaView:
     load: int                  # requests in flight there
     footprint: int = 0         # distinct prompt blocks this router has sent there (its remembered share)
     adapters: Container[str] = ()   # the LoRA adapters resident in its slots
+    tiered: Container[int] = ()     # hashes of the blocks in its second KV tier
+    tier_weight: float = 0.0        # what a tier block is worth against a cached one (0..1, measured)
 
 
 class HeldBlocks:
@@ -92,12 +96,21 @@ def leading_blocks_held(prompt_hashes: list[int], cached) -> int:
     return count
 
 
+def prefix_score(prompt_hashes: list[int], view: ReplicaView) -> tuple[float, int]:
+    """(the prompt's leading blocks ``view`` holds, plus ``tier_weight`` for each block after them in its tier;
+    the cached ones alone)."""
+    held = leading_blocks_held(prompt_hashes, view.cached)
+    if not view.tier_weight:
+        return float(held), held
+    return held + view.tier_weight * leading_blocks_held(prompt_hashes[held:], view.tiered), held
+
+
 def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_imbalance: int,
                      adapter: str | None = None) -> tuple[list, int]:
-    """(the replicas to send to, in one rank; the prompt blocks the chosen one holds).
+    """(the replicas to send to, in one rank; the prompt blocks the chosen one holds in its KV cache).
 
     Eligible: the replicas within ``max_imbalance`` of the least load; with an ``adapter``, only those of them
-    where it is resident when any is. The eligible replica with the most leading prompt blocks (ties: less
+    where it is resident when any is. The eligible replica with the highest ``prefix_score`` (ties: less
     load, then the order given); when no eligible replica holds a block: every eligible replica with the
     smallest ``(footprint, load)``, or with the least load for a prompt shorter than one block."""
     if not replicas:
@@ -108,11 +121,11 @@ def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_
     eligible = [view for view in replicas if view.load - least <= max_imbalance]
     if adapter is not None:
         eligible = [view for view in eligible if adapter in view.adapters] or eligible
-    best, best_held = None, 0
+    best, best_score, best_held = None, 0.0, 0
     for view in eligible:
-        held = leading_blocks_held(prompt_hashes, view.cached)
-        if held > best_held or (held == best_held and held > 0 and view.load < best.load):
-            best, best_held = view, held
+        score, held = prefix_score(prompt_hashes, view)
+        if score > best_score or (score == best_score and score > 0 and view.load < best.load):
+            best, best_score, best_held = view, score, held
     if best is not None:
         return [best.replica], best_held
     if not prompt_hashes:   # no full block: nothing to place in a cache, so load alone decides
@@ -170,15 +183,25 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         self._block_size = block_size
         self._max_imbalance = max_imbalance
         self._sent: dict[ReplicaID, collections.OrderedDict[int, None]] = {}
-        self._reported: dict[ReplicaID, tuple[list, frozenset[int]]] = {}   # (the reported list, its set)
+        self._reported: dict[tuple, tuple[list, frozenset[int]]] = {}   # (the reported list, its set)
 
-    def _cached(self, replica: RunningReplica) -> HeldBlocks:
-        hashes = (replica.routing_stats or {}).get("prefix_hashes") or []
-        memo = self._reported.get(replica.replica_id)
+    def _reported_set(self, replica: RunningReplica, field: str) -> frozenset[int]:
+        hashes = (replica.routing_stats or {}).get(field) or []
+        memo = self._reported.get((replica.replica_id, field))
         if memo is None or memo[0] is not hashes:   # a new report (the memo keeps the old list alive)
             memo = (hashes, frozenset(hashes))
-            self._reported[replica.replica_id] = memo
-        return HeldBlocks(memo[1], self._sent.get(replica.replica_id, {}))
+            self._reported[(replica.replica_id, field)] = memo
+        return memo[1]
+
+    def _cached(self, replica: RunningReplica) -> HeldBlocks:
+        return HeldBlocks(self._reported_set(replica, "prefix_hashes"), self._sent.get(replica.replica_id, {}))
+
+    def _view(self, replica: RunningReplica) -> ReplicaView:
+        stats = replica.routing_stats or {}
+        footprint = len(self._sent.get(replica.replica_id, ()))
+        return ReplicaView(replica, self._cached(replica), self._load(replica), footprint,
+                           frozenset(stats.get("lora_resident") or ()), self._reported_set(replica, "tier_hashes"),
+                           float(stats.get("tier_weight") or 0.0))
 
     def _load(self, replica: RunningReplica) -> int:
         queued = self.replica_queue_len_cache.get(replica.replica_id)
@@ -198,8 +221,7 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
             return [random.sample(candidate_replicas, len(candidate_replicas))]
         adapter = generate_adapter(pending_request)
         hashes = prompt_hashes(prompt, self._block_size, adapter)
-        views = [ReplicaView(r, self._cached(r), self._load(r), len(self._sent.get(r.replica_id, ())),
-                             frozenset((r.routing_stats or {}).get("lora_resident") or ())) for r in candidate_replicas]
+        views = [self._view(r) for r in candidate_replicas]
         chosen, _ = choose_by_prefix(hashes, views, self._max_imbalance, None if adapter is None else adapter.name)
         return [chosen]
 
@@ -213,4 +235,5 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._sent.pop(replica_id, None)
-        self._reported.pop(replica_id, None)
+        for field in ("prefix_hashes", "tier_hashes"):
+            self._reported.pop((replica_id, field), None)

@@ -121,13 +121,18 @@ class ServedEngine:
         """The replica's summary for cache-aware routing (``routing/router.py``) and for the ingress'
         /metrics and /health: hashes of at most ``max_blocks`` cached prefix blocks, its EngineStats as a
         dict (the router reads the load from it), whether its engine is healthy (dead / stalled;
-        draining is not unhealthy here) and the LoRA adapters resident in its slots. ``max_blocks`` 0: no
-        hashes, and no wait for the step thread."""
+        draining is not unhealthy here), the LoRA adapters resident in its slots, and with a second KV tier the
+        hashes of at most ``max_blocks`` blocks there with what one is worth against a cached block
+        (``cluster/tier_cost.py``). ``max_blocks`` 0: no hashes, and no wait for the step thread."""
         stats = await self._engine.stats()
         healthy, reason = await self._health_state()
         hashes = await self._engine.cached_prefix_hashes(max_blocks) if max_blocks else []
+        tier_hashes, tier_weight = [], 0.0
+        if max_blocks and self._config.cache.kv_offload_gib > 0:
+            tier_hashes, tier_weight = await self._engine.tier_summary(max_blocks)
         return {"replica": replica, "prefix_hashes": hashes, "stats": stats.to_dict(), "healthy": healthy,
-                "reason": reason, "lora_resident": self._engine.resident_adapters()}
+                "reason": reason, "lora_resident": self._engine.resident_adapters(), "tier_hashes": tier_hashes,
+                "tier_weight": tier_weight}
 
     async def hot_prefixes(self, max_tokens: int) -> list[list[int]]:
         """The prefixes this replica's prefix hits reused most, within ``max_tokens`` tokens (``warm_up.py``)."""

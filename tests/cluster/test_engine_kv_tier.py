@@ -49,6 +49,8 @@ def test_an_evicted_prefix_comes_back_from_the_tier_exactly(tiny_llama_path, tin
         stats = llm.engine.block_manager.stats()
     assert cached == 32 and stats.num_tier_loaded == 4 and stats.num_tier_load_failures == 0
     assert tokens == hf_greedy(tiny_hf_model, again, NEW)
+    cost = llm.engine.tier_cost        # measured for the router: both sides were seen
+    assert cost.load_s_per_block > 0 and cost.compute_s_per_token > 0 and 0.0 <= cost.weight <= 1.0
 
 
 def test_corrupt_tier_files_are_a_miss_never_a_wrong_token(tiny_llama_path, tiny_hf_model, tmp_path):

@@ -55,6 +55,17 @@ def test_result_round_trip_is_exact():
     assert decode_result(encode_result(result)) == result
 
 
+def test_a_results_tier_fields_round_trip_and_a_bad_load_time_is_refused():
+    result = StepResult(step_id=4, sampled=[SampledToken(seq_id=1, token_id=5)], kv_load_failures=[3, 9],
+                        kv_load_seconds=0.0125)
+    assert decode_result(encode_result(result)) == result
+    for bad in (-1.0, "1", True):
+        data = msgpack.packb({"step_id": 1, "seq_ids": [], "token_ids": [], "extras": [], "prompt_logprobs": [],
+                              "kv_load_seconds": bad})
+        with pytest.raises(WireError, match="kv_load_seconds: must be a number >= 0"):
+            decode_result(data)
+
+
 def test_a_result_whose_columns_disagree_is_refused():
     data = msgpack.packb({"step_id": 1, "seq_ids": [1, 2], "token_ids": [3], "extras": [], "prompt_logprobs": []})
     with pytest.raises(WireError, match="malformed StepResult"):

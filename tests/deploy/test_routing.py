@@ -18,6 +18,7 @@ from pagedray.deploy.routing.router import (
     choose_by_prefix,
     generate_prompt,
     leading_blocks_held,
+    prefix_score,
 )
 
 BS = 4
@@ -72,6 +73,20 @@ def test_choose_the_longest_cached_prefix_within_the_imbalance_else_the_least_lo
         choose_by_prefix(prompt, [], 8)
     with pytest.raises(ValueError, match="max_imbalance"):
         choose_by_prefix(prompt, [a], -1)
+
+
+def test_blocks_in_a_second_tier_count_their_measured_weight_after_the_cached_run():
+    prompt = [11, 12, 13, 14, 15]
+    cached = ReplicaView("cached", {11, 12}, 1)
+    tiered = ReplicaView("tiered", {11}, 1, tiered={12, 13, 14, 99}, tier_weight=0.6)    # 1 + 3 x 0.6 = 2.8
+    assert choose_by_prefix(prompt, [cached, tiered], 8) == (["tiered"], 1)
+    cheap = ReplicaView("tiered", {11}, 1, tiered={12, 13, 14}, tier_weight=0.2)         # 1 + 0.6 < 2
+    assert choose_by_prefix(prompt, [cached, cheap], 8) == (["cached"], 2)
+    gap = ReplicaView("gap", {11}, 1, tiered={13, 14, 15}, tier_weight=0.9)              # 12 is nowhere: 1
+    assert choose_by_prefix(prompt, [cached, gap], 8) == (["cached"], 2)
+    unmeasured = ReplicaView("tiered", set(), 0, tiered={11, 12, 13}, tier_weight=0.0)   # counts for nothing
+    assert choose_by_prefix(prompt, [cached, unmeasured], 8) == (["cached"], 2)
+    assert prefix_score(prompt, tiered) == (pytest.approx(2.8), 1)
 
 
 def test_a_cold_prompt_goes_to_the_smallest_footprint_within_the_imbalance():
@@ -266,9 +281,11 @@ def test_a_summary_of_zero_blocks_reads_no_cache_keys_but_still_reports_load():
     """Serve's own router reads no prefix hashes: build_app gives its replicas ``prefix_summary_blocks`` 0,
     and their summaries then skip the walk over the cache (a wait for the step thread)."""
     from pagedray.deploy.serve.served_engine import ServedEngine
+    from pagedray.workers.contract.config import EngineConfig
 
     served = object.__new__(ServedEngine)
     served._engine, served._draining, served._closed = SummaryEngine(), False, False
+    served._config = EngineConfig()          # no second tier: no tier summary either
     without = asyncio.run(served.routing_stats("r0", 0))
     assert served._engine.hash_reads == [] and without["prefix_hashes"] == []
     load = (without["replica"], without["stats"]["num_running"], without["stats"]["num_waiting"], without["healthy"])
@@ -278,6 +295,7 @@ def test_a_summary_of_zero_blocks_reads_no_cache_keys_but_still_reports_load():
     assert {k: v for k, v in with_hashes.items() if k != "prefix_hashes"} == \
         {k: v for k, v in without.items() if k != "prefix_hashes"}
     assert with_hashes["lora_resident"] == ["sql"]
+    assert (with_hashes["tier_hashes"], with_hashes["tier_weight"]) == ([], 0.0)
 
 
 def test_an_adapter_prompt_hashes_like_the_blocks_its_adapter_caches():

@@ -200,6 +200,7 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     lora_reads: list[LoraRead] = field(default_factory=list)
     kv_load_failures: list[int] = field(default_factory=list)   # tier slots of this plan's kv_loads that failed
+    kv_load_seconds: float = 0.0    # how long rank 0 took to read this plan's kv_loads (the tier's measured cost)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -311,6 +312,8 @@ def encode_result(result: StepResult) -> bytes:
         obj["lora_reads"] = [vars(read) for read in result.lora_reads]
     if result.kv_load_failures:
         obj["kv_load_failures"] = result.kv_load_failures
+    if result.kv_load_seconds:
+        obj["kv_load_seconds"] = float(result.kv_load_seconds)
     return _pack(obj)
 
 
@@ -339,7 +342,10 @@ def decode_result(data: bytes) -> StepResult:
         failures = obj.get("kv_load_failures", [])
         if not all(type(slot) is int for slot in failures):  # noqa: E721
             raise ValueError("kv_load_failures: must be a list of integers")
+        load_s = obj.get("kv_load_seconds", 0.0)
+        if isinstance(load_s, bool) or not isinstance(load_s, (int, float)) or not load_s >= 0:
+            raise ValueError("kv_load_seconds: must be a number >= 0")
         return StepResult(step_id=obj["step_id"], sampled=sampled, prompt_logprobs=prompt, lora_reads=reads,
-                          kv_load_failures=list(failures))
+                          kv_load_failures=list(failures), kv_load_seconds=float(load_s))
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise WireError(f"malformed StepResult: {exc}") from exc
