@@ -13,6 +13,10 @@ sequence, from the stub rows at the smallest and the largest batch.
 
     python -m benchmarks.host_step [--batches 64,256,512] [--rounds 3] [--steps 32] [--ref REF] [--dry-run]
 
+``--tenants N`` adds a ``fair-B`` row per stub batch B: the same, with fair share among N tenants
+(``SchedulerConfig.tenants``, cluster/fair_share.py), the requests spread over them round-robin, and the ratio
+``fair-B / stub-B``: what fair share costs the host step.
+
 ``--ref REF`` (a git commit) measures every system twice, ``name`` on this checkout and ``name@REF`` on a
 worktree of REF, each run in a fresh process (this script with ``--child``), interleaved: the before and
 after of a change in one run. ``--dry-run`` (CI): batches 4 and 8, 3 steps, no JSON unless ``--out`` is given.
@@ -109,8 +113,18 @@ class StepClock:
         return {"step": total, **{part: seconds * 1e3 for part, seconds in self.parts.items()}}
 
 
+def _tenants_field(tenants: int) -> dict:
+    """``SchedulerConfig(tenants=...)`` for ``tenants`` tenants; nothing for none (a ``--ref`` commit may predate
+    the field)."""
+    if not tenants:
+        return {}
+    from pagedray.workers.contract.config import TenantConfig
+
+    return {"tenants": tuple(TenantConfig(f"t{i}") for i in range(tenants))}
+
+
 def build_engine(model_path: str, batch: int, prompt_len: int, steps: int, stub_forward: bool,
-                 device: str = "cpu"):
+                 device: str = "cpu", tenants: int = 0):
     from pagedray.cluster.engine import Engine
     from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -119,21 +133,25 @@ def build_engine(model_path: str, batch: int, prompt_len: int, steps: int, stub_
     config = EngineConfig(model=ModelConfig(model=model_path, dtype="float32", device=device),
                           cache=CacheConfig(block_size=block_size, num_blocks=blocks),
                           scheduler=SchedulerConfig(max_num_seqs=batch,
-                                                    max_num_batched_tokens=max(2048, batch * prompt_len)))
+                                                    max_num_batched_tokens=max(2048, batch * prompt_len),
+                                                    **_tenants_field(tenants)))
     engine = Engine(config)
     return engine, StepClock(engine, stub_forward)
 
 
-def measure(engine, clock: StepClock, batch: int, prompt_len: int, steps: int, round_index: int) -> dict:
-    """Adds ``batch`` requests, steps to an all-decode batch, times ``steps`` steps, finishes the requests."""
+def measure(engine, clock: StepClock, batch: int, prompt_len: int, steps: int, round_index: int,
+            tenants: int = 0) -> dict:
+    """Adds ``batch`` requests (round-robin over ``tenants`` tenants), steps to an all-decode batch, times
+    ``steps`` steps, finishes the requests."""
     from pagedray.workers.contract.sampling_params import SamplingParams
     from pagedray.workers.contract.wire import decode_plan, encode_plan
 
     rng = random.Random(round_index)
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     ids = [f"r{round_index}-{i}" for i in range(batch)]
-    for request_id in ids:
-        engine.add(request_id, [rng.randrange(2, VOCAB) for _ in range(prompt_len)], params)
+    for i, request_id in enumerate(ids):
+        tenant = {"tenant": f"t{i % tenants}"} if tenants else {}
+        engine.add(request_id, [rng.randrange(2, VOCAB) for _ in range(prompt_len)], params, **tenant)
     while engine.scheduler.waiting or any(s.num_computed_tokens < len(s.prompt_token_ids)
                                           for s in engine.scheduler.running):
         engine.step()
@@ -165,7 +183,7 @@ def run_child(name: str, round_index: int, args: argparse.Namespace, import_root
         env["PYTHONPATH"] = str(import_root)
     argv = [sys.executable, "-m", "benchmarks.host_step", "--child", name, "--child-round", str(round_index),
             "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
-            "--device", args.device]
+            "--device", args.device, "--tenants", str(args.tenants)]
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith(CHILD_MARK):
@@ -177,13 +195,14 @@ def child(name: str, round_index: int, args: argparse.Namespace) -> None:
     """``--child``: measure system ``name`` once and print its values as one JSON line."""
     import pagedray.cluster
 
-    batch, stub = int(name.split("-")[1]), name.startswith("stub")
+    batch, stub = int(name.split("-")[1]), not name.startswith("tiny")
+    tenants = args.tenants if name.startswith("fair") else 0
     with tempfile.TemporaryDirectory() as folder:
         engine, clock = build_engine(save_tiny_model(Path(folder)), batch, args.prompt_len, args.steps, stub,
-                                     args.device)
+                                     args.device, tenants)
         try:
-            measure(engine, clock, batch, args.prompt_len, args.steps, round_index + 1000)   # warm-up
-            values = measure(engine, clock, batch, args.prompt_len, args.steps, round_index)
+            measure(engine, clock, batch, args.prompt_len, args.steps, round_index + 1000, tenants)   # warm-up
+            values = measure(engine, clock, batch, args.prompt_len, args.steps, round_index, tenants)
         finally:
             engine.shutdown()
     values["code"] = str(Path(pagedray.cluster.__file__).resolve().parents[1])   # a detail: which tree ran
@@ -202,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                                                          "machine too, where its CPU is another model)")
     parser.add_argument("--dry-run", action="store_true", help="tiny batches and few steps (CI)")
     parser.add_argument("--ref", default=None, help="also measure this git commit's code (NAME@REF rows)")
+    parser.add_argument("--tenants", type=int, default=0, help="also fair-B rows: fair share among this many tenants")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-round", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -213,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         args.batches, args.tiny_batch, args.steps = "4,8", 4, 3
     batches = [int(b) for b in args.batches.split(",")]
     names = [f"stub-{b}" for b in batches] + ([f"tiny-{args.tiny_batch}"] if args.tiny_batch else [])
-    systems = names + ([f"{n}@{args.ref}" for n in names] if args.ref else [])
+    fair = [f"fair-{b}" for b in batches] if args.tenants else []
+    systems = names + fair + ([f"{n}@{args.ref}" for n in names] if args.ref else [])
     metrics = [Metric(f"{key}_ms", f"{key} ms", higher_is_better=False) for key in ("step", *PARTS, "wire")]
     with ref_import_root(args.ref) if args.ref else contextlib.nullcontext() as root:
         runs = run_rounds(systems, args.rounds,
@@ -229,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             print(f"-- {high}: one more running sequence costs {slopes[high]:.2f} us per step ({low} -> {high} "
                   f"medians: {medians[0]:.3f} -> {medians[1]:.3f} ms)")
     ratios = [Ratio(n, (f"{n}@{args.ref}",), ("step_ms",), f"{n} / {n}@{args.ref}") for n in names] if args.ref else []
+    ratios += [Ratio(f"fair-{b}", (f"stub-{b}",), ("step_ms",), f"fair-{b} / stub-{b}") for b in batches if fair]
     out = None if args.dry_run and args.out == parser.get_default("out") else args.out
     return finish_rounds("host_step", out or "/dev/null", runs, metrics, ratios, vars(args),
                          {"slope_us_per_sequence": slopes})
