@@ -44,6 +44,16 @@ class FairSteps:
         tenant = self.fair.state(seq)
         return any(s is not seq and self.fair.state(s) is tenant for s in self.running)
 
+    def _may_preempt(self) -> bool:
+        """Whether a running sequence may find no free block this step: fewer blocks free than each running
+        sequence's decode can take (one block, more with speculative drafts) plus the step budget's worth (an
+        upper bound of what decodes and prefills can take; forks have taken theirs already). When none may,
+        the order of the running set decides nothing."""
+        bm = self.block_manager
+        per_sequence = 1 + -(-self.config.num_speculative_tokens // bm.block_size)
+        return (bm.num_free_blocks
+                < per_sequence * len(self.running) + self.config.max_num_batched_tokens // bm.block_size + 2)
+
     def _sort_running_by_share(self) -> None:
         """With fair share the running sequences go tenant by tenant, the tenant least over its share first (each
         tenant's in queue order): one that needs a block finds the sequences of tenants further over their
@@ -51,6 +61,7 @@ class FairSteps:
         fair, seats = self.fair, self._seats_by_tenant()
         rank = {id(t): fair.overage(t, seats) for t in fair.tenants.values()}
         self.running.sort(key=lambda s: (rank[id(fair.state(s))], self._key(s)))
+        self._running_sorted = False          # not in queue order: a step without fair sorting sorts it back
 
     def _seats_by_tenant(self) -> dict[str, int]:
         seats: dict[str, int] = {}
@@ -137,7 +148,7 @@ class FairSteps:
         heads: dict[str, Sequence] = {}
         for seq in self._waiting_in_order():
             heads.setdefault(fair.state(seq).config.name, seq)
-        seats, running = self._seats_by_tenant(), self._running_by_tenant()
+        taken, seats, running = self._seats_taken(), None, None
         for name in sorted(heads, key=lambda n: self._fair_order(n, {})):
             seq, tenant = heads[name], fair.tenants[name]
             lora = seq.request.lora
@@ -145,6 +156,11 @@ class FairSteps:
                 continue
             hit, num, reuse, root = self._first_chunk(seq, budget)
             need_seats = self._seats_of(seq)
+            if (taken + need_seats <= self.config.max_num_seqs
+                    and bm.can_allocate(seq.seq_id, seq.token_ids, max(num, 1), reuse, root=root)):
+                continue                             # it fits: nobody is preempted for it
+            if seats is None:                        # per-tenant counts, once a head does not fit
+                seats, running = self._seats_by_tenant(), self._running_by_tenant()
             if not fair.within_share(tenant, seats, -(-(hit + num) // bm.block_size), need_seats):
                 continue
             while (sum(seats.values()) + need_seats > self.config.max_num_seqs

@@ -198,7 +198,7 @@ class Scheduler(FairSteps):
         if self.block_manager.pins is not None:
             self.block_manager.expire_pins(self.clock())
         self._fork_ready_parents(out)
-        if self.fair is not None:
+        if self.fair is not None and self._may_preempt():
             self._sort_running_by_share()
         elif not self._running_sorted:     # only admissions and forks unsort it (removals keep the order)
             self.running.sort(key=self._key)
