@@ -81,9 +81,13 @@ class FairShare:
 
     def charge(self, scheduled: Iterable) -> None:
         """One step's cost: every scheduled token, and every block held, to its tenant's counter."""
+        tokens: dict[str | None, int] = {}           # by Request.tenant (None: the default tenant)
         for sched in scheduled:
-            tenant = self.state(sched.seq)
-            tenant.counter += sched.num_tokens / tenant.config.weight
+            name = sched.seq.request.tenant
+            tokens[name] = tokens.get(name, 0) + sched.num_tokens
+        for name, num in tokens.items():
+            tenant = self.tenants[name or DEFAULT_TENANT]
+            tenant.counter += num / tenant.config.weight
         for tenant in self.tenants.values():
             if tenant.blocks:
                 tenant.counter += tenant.blocks * self._block_cost / tenant.config.weight

@@ -59,8 +59,10 @@ class FairSteps:
         tenant's in queue order): one that needs a block finds the sequences of tenants further over their
         share not scheduled yet, so those are the victims."""
         fair, seats = self.fair, self._seats_by_tenant()
-        rank = {id(t): fair.overage(t, seats) for t in fair.tenants.values()}
-        self.running.sort(key=lambda s: (rank[id(fair.state(s))], self._key(s)))
+        rank = {name: fair.overage(t, seats) for name, t in fair.tenants.items()}
+        rank[None] = rank[DEFAULT_TENANT]                # Request.tenant None: the default tenant
+        key = self._key
+        self.running.sort(key=lambda s: (rank[s.request.tenant], key(s)))
         self._running_sorted = False          # not in queue order: a step without fair sorting sorts it back
 
     def _seats_by_tenant(self) -> dict[str, int]:
