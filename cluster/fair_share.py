@@ -19,8 +19,11 @@ Decisions:
 - A tenant's share is its weight over the weights of the active tenants, of the usable blocks and of
   ``max_num_seqs``. When the head of a tenant's queue does not fit and taking it keeps the tenant within
   its share, the running sequences of tenants over their share are preempted (the one furthest over
-  first, its last sequence in queue order). A tenant within its share is never preempted for another
-  one, so two tenants cannot preempt each other back and forth.
+  first, its last sequence in queue order); a tenant within its share is never preempted for a waiting one.
+- A running sequence that finds no free block preempts the last sequence of a tenant further over its share
+  than its own tenant will be, else (as without tenants) the last in queue order.
+- A tenant's only running sequence is never a fair-share victim (either rule above), so every tenant keeps
+  making progress and two tenants cannot preempt each other back and forth.
 - ``max_kv_fraction``: a tenant whose blocks would pass its cap admits nothing more, and a running
   sequence that needs a block past the cap preempts the tenant's own last sequence; a tenant's only
   running sequence may outgrow the cap (so that every admitted request can finish). A prompt that alone
