@@ -10,7 +10,10 @@ default dtype), its steps run back to back on the wall clock:
 
 Systems, interleaved by rounds, each in a fresh engine: ``solo`` (the light tenant alone), ``fifo`` (both, no
 tenants: today's queue order) and ``fair`` (both, as tenants of equal weight: cluster/fair_share.py).
-``--max-num-batched-tokens`` is the step budget of all three (the engine's default unless given).
+``--max-num-batched-tokens`` is the step budget of all three (the engine's default unless given). With
+``--vllm``, the peer too: ``vllm-solo`` and ``vllm-fifo``, vLLM for CPU's engine driven the same way in its own
+venv (``vllm_fairness_run.py``; it has no tenants, so FIFO is what it offers), at its defaults. A flood
+prompt counts as waiting until its first token (the same rule for both engines).
 
 Reported: the light tenant's TTFT (its request's arrival -> first token, ms) p50 and p99, and the flood's
 output tok/s; ratios fifo / solo and fair / solo (how many times the solo TTFT). The issue's goal: fair's p99
@@ -32,6 +35,7 @@ from benchmarks.common import add_round_args, finish_rounds, print_ratio, print_
 from benchmarks.rounds import Metric, Ratio, run_rounds
 
 SYSTEMS = ("solo", "fifo", "fair")
+PEER_SYSTEMS = ("vllm-solo", "vllm-fifo")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -53,7 +57,7 @@ def measure(system: str, args, vocab: int) -> dict:
         engine.add("warm-up", [rng.randrange(2, vocab) for _ in range(32)], params)
         while engine.has_unfinished_requests():
             engine.step()
-        arrivals, first, flood_ids, flood_tokens = {}, {}, set(), 0
+        arrivals, first, flood_ids, flood_waiting, flood_tokens = {}, {}, set(), set(), 0
         start = time.perf_counter()
         while len(first) < args.light:
             now = time.perf_counter() - start
@@ -63,12 +67,12 @@ def measure(system: str, args, vocab: int) -> dict:
                 engine.add(rid, prompt, params, tenant=light_tenant)
                 arrivals[rid] = time.perf_counter()
             if system != "solo":
-                waiting = sum(1 for s in engine.scheduler.waiting if s.request.request_id in flood_ids)
-                for _ in range(args.flood_queue - waiting):
+                for _ in range(args.flood_queue - len(flood_waiting)):
                     rid = f"flood-{len(flood_ids)}"
                     engine.add(rid, [rng.randrange(2, vocab) for _ in range(args.flood_tokens)], params,
                                tenant=flood_tenant)
                     flood_ids.add(rid)
+                    flood_waiting.add(rid)
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, len(arrivals) * args.light_interval_s - (time.perf_counter() - start)))
                 continue
@@ -78,10 +82,40 @@ def measure(system: str, args, vocab: int) -> dict:
                     first[out.request_id] = time.perf_counter()
                 if out.request_id in flood_ids:
                     flood_tokens += got
+                    if got:
+                        flood_waiting.discard(out.request_id)
         elapsed = time.perf_counter() - start
     ttfts = [1000 * (first[r] - arrivals[r]) for r in arrivals]
     return {"light_ttft_p50_ms": _percentile(ttfts, 0.5), "light_ttft_p99_ms": _percentile(ttfts, 0.99),
             "flood_tok_s": flood_tokens / elapsed}
+
+
+def measure_vllm(system: str, args, vocab: int) -> dict:
+    """The workload on vLLM for CPU (``vllm_fairness_run.py`` in its venv, at its defaults)."""
+    import json
+    import os
+    import subprocess
+
+    from benchmarks import vllm_cpu
+    from benchmarks.vllm_fairness_run import RESULT_PREFIX
+
+    if vllm_cpu.version() is None:
+        raise RuntimeError(f"no vLLM in {vllm_cpu.venv()}: run `python -m benchmarks.vllm_cpu install`")
+    job = {"model": args.model, "flood": system == "vllm-fifo", "light": args.light, "light_tokens": args.light_tokens,
+           "light_interval_s": args.light_interval_s, "flood_queue": args.flood_queue,
+           "flood_tokens": args.flood_tokens, "max_tokens": args.max_tokens, "seed": args.seed, "vocab": vocab,
+           "max_num_batched_tokens": args.max_num_batched_tokens,
+           "gpu_memory_utilization": float(vllm_cpu.MEMORY_FRACTION)}
+    script = Path(__file__).with_name("vllm_fairness_run.py")
+    done = subprocess.run([str(vllm_cpu.python()), str(script)], input=json.dumps(job), capture_output=True, text=True,
+                          env={**os.environ, **vllm_cpu.environment("vllm")}, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    ttfts = result["ttfts_ms"]
+    return {"light_ttft_p50_ms": _percentile(ttfts, 0.5), "light_ttft_p99_ms": _percentile(ttfts, 0.99),
+            "flood_tok_s": result["flood_tok_s"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm", action="store_true", help="also vLLM for CPU (vllm-solo, vllm-fifo), at its defaults")
     parser.add_argument("--dry-run", action="store_true", help="3 light requests, small prompts: the plumbing")
     args = parser.parse_args(argv)
     from pagedray.workers.models.model_info import model_info
@@ -107,17 +142,27 @@ def main(argv: list[str] | None = None) -> dict:
         args.flood_queue, args.flood_tokens, args.max_tokens, args.num_blocks = 2, 96, 4, 64
     args.model = str(resolve_model_path(args.model))
     vocab = model_info(args.model).vocab_size
-    runs = run_rounds(SYSTEMS, args.rounds, lambda system, _: measure(system, args, vocab), on_run=print_run)
+    systems = SYSTEMS + (PEER_SYSTEMS if args.vllm else ())
+    runs = run_rounds(systems, args.rounds, lambda system, _: (measure_vllm if system in PEER_SYSTEMS else measure)(
+        system, args, vocab), on_run=print_run)
     metrics = [Metric("light_ttft_p50_ms", "light TTFT p50 ms", higher_is_better=False),
                Metric("light_ttft_p99_ms", "light TTFT p99 ms", higher_is_better=False),
                Metric("flood_tok_s", "flood output tok/s")]
     ratios = [Ratio("fifo", ("solo",), ("light_ttft_p50_ms", "light_ttft_p99_ms"), "fifo / solo"),
               Ratio("fair", ("solo",), ("light_ttft_p50_ms", "light_ttft_p99_ms"), "fair / solo"),
               Ratio("fair", ("fifo",), ("flood_tok_s",), "fair / fifo")]
+    if args.vllm:
+        ttft = ("light_ttft_p50_ms", "light_ttft_p99_ms")
+        ratios += [Ratio("vllm-fifo", ("vllm-solo",), ttft, "vllm-fifo / vllm-solo"),
+                   Ratio("fair", ("vllm-fifo",), ttft, "fair / vllm-fifo"),
+                   Ratio("fifo", ("vllm-fifo",), ttft, "fifo / vllm-fifo"),
+                   Ratio("fair", ("vllm-fifo",), ("flood_tok_s",), "fair / vllm-fifo flood")]
     out = "/dev/null" if args.dry_run and args.out == parser.get_default("out") else args.out
     report = finish_rounds("fairness", out, runs, metrics, ratios, vars(args))
     print_ratio(report, "fair / solo", "light_ttft_p99_ms", "light TTFT p99, fair / solo", "<= 1.5x")
     print_ratio(report, "fifo / solo", "light_ttft_p99_ms", "light TTFT p99, fifo / solo", "none: today's FIFO")
+    if args.vllm:
+        print_ratio(report, "fair / vllm-fifo", "light_ttft_p99_ms", "light TTFT p99, fair / vLLM", "< 1")
     return report
 
 
