@@ -41,6 +41,17 @@ def _check_blocks(sched):
         assert tenant.blocks == held, name
 
 
+def _finish_all(sched, max_steps=2000):
+    """Steps until every request is done (no livelock), checking the tenants' block counts; then the pool is empty."""
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+        _check_blocks(sched)
+    assert not sched.has_unfinished()
+    assert_pool_empty(sched)
+
+
 def _first_token_step(sched, request_id, max_steps=200):
     for index in range(max_steps):
         step(sched)
@@ -208,13 +219,7 @@ def test_random_workloads_of_tenants_keep_the_accounting_and_end_empty(ops, pref
             sched.abort(str(op[1]))
         bm.check_invariants()
         _check_blocks(sched)
-    for _ in range(2000):
-        if not sched.has_unfinished():
-            break
-        step(sched)
-        _check_blocks(sched)
-    assert not sched.has_unfinished()
-    assert_pool_empty(sched)
+    _finish_all(sched)
     assert all(t.blocks == 0 and t.live == 0 for t in sched.fair.tenants.values())
 
 
@@ -238,10 +243,4 @@ def test_seeded_runs_that_once_livelocked_finish(seed):
         else:
             sched.abort(str(rng.randint(0, 40)))
         _check_blocks(sched)
-    for _ in range(2000):
-        if not sched.has_unfinished():
-            break
-        step(sched)
-        _check_blocks(sched)
-    assert not sched.has_unfinished()
-    assert_pool_empty(sched)
+    _finish_all(sched)
