@@ -58,26 +58,22 @@ class FairSteps:
         """With fair share the running sequences go tenant by tenant, the tenant least over its share first (each
         tenant's in queue order): one that needs a block finds the sequences of tenants further over their
         share not scheduled yet, so those are the victims."""
-        fair, seats = self.fair, self._seats_by_tenant()
+        fair, (seats, _) = self.fair, self._tenant_counts()
         rank = {name: fair.overage(t, seats) for name, t in fair.tenants.items()}
         rank[None] = rank[DEFAULT_TENANT]                # Request.tenant None: the default tenant
         key = self._key
         self.running.sort(key=lambda s: (rank[s.request.tenant], key(s)))
         self._running_sorted = False          # not in queue order: a step without fair sorting sorts it back
 
-    def _seats_by_tenant(self) -> dict[str, int]:
+    def _tenant_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(seats, running sequences) per tenant, in one pass over the running set."""
         seats: dict[str, int] = {}
+        running: dict[str, int] = {}
         for seq in self.running:
             name = seq.request.tenant or DEFAULT_TENANT
             seats[name] = seats.get(name, 0) + 1 + seq.request.num_unforked * seq.must_fork_first
-        return seats
-
-    def _running_by_tenant(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for seq in self.running:
-            name = seq.request.tenant or DEFAULT_TENANT
-            counts[name] = counts.get(name, 0) + 1
-        return counts
+            running[name] = running.get(name, 0) + 1
+        return seats, running
 
     def _fair_order(self, name: str, spent: dict[str, float]) -> tuple[float, int]:
         """Who goes first with fair share: the lowest counter (with this step's tokens so far), then the fewest
@@ -162,7 +158,7 @@ class FairSteps:
                     and bm.can_allocate(seq.seq_id, seq.token_ids, max(num, 1), reuse, root=root)):
                 continue                             # it fits: nobody is preempted for it
             if seats is None:                        # per-tenant counts, once a head does not fit
-                seats, running = self._seats_by_tenant(), self._running_by_tenant()
+                seats, running = self._tenant_counts()
             if not fair.within_share(tenant, seats, -(-(hit + num) // bm.block_size), need_seats):
                 continue
             while (sum(seats.values()) + need_seats > self.config.max_num_seqs

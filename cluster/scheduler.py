@@ -374,9 +374,9 @@ class Scheduler(FairSteps):
         fifo = max(candidates, key=self._key)
         if self.fair is None:
             return fifo
-        seats = self._seats_by_tenant()
+        seats, running = self._tenant_counts()
         than = self.fair.overage(self.fair.state(grower), seats, more_blocks)
-        return self.fair.victim(candidates, self._key, seats, self._running_by_tenant(), than) or fifo
+        return self.fair.victim(candidates, self._key, seats, running, than) or fifo
 
     def _kv_mark(self, seq: Sequence) -> None:
         """``seq``'s block count may have changed: its request's KV-block-seconds so far, its tenant's blocks."""
