@@ -26,6 +26,7 @@ Decisions: docs/design/block_manager.md, ``pagedray.block_manager.manager``.
 
 from __future__ import annotations
 
+import collections
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -86,6 +87,7 @@ class BlockManager:
         self._loads: list[tuple[int, int]] = []           # (slot, block) for the next plan
         self._loading: dict[int, tuple[int, BlockKey]] = {}   # slot -> (block, key) of loads not yet finished
         self.num_tier_loaded = self.num_tier_load_failures = 0
+        self._transfer_holds: collections.Counter[int] = collections.Counter()   # block -> exports/imports on it
         if self.tier is not None:
             self.pool.on_evict = self._save_evicted
         self._seqs: dict[Hashable, _SeqBlocks] = {}
@@ -96,18 +98,18 @@ class BlockManager:
         self._prefix_hits: dict[BlockKey, int] = {}   # deepest block a prefix hit reused -> hits (hot_prefixes)
 
     # -- prefix lookup ----------------------------------------------------------------------------
-    def _cached_prefix(self, token_ids: Sequence[int], root: BlockKey | None = None
+    def _cached_prefix(self, token_ids: Sequence[int], root: BlockKey | None = None, whole: bool = False
                        ) -> tuple[list[int], BlockKey | None]:
-        """Blocks of the longest cached run of full blocks of ``token_ids`` (leaving >= 1 token) under
-        ``root`` (``prefix_key.namespace_root``; None: the base model's chains), and the last one's key (the
-        root itself when none is cached)."""
+        """Blocks of the longest cached run of full blocks of ``token_ids`` (leaving >= 1 token, unless
+        ``whole``) under ``root`` (``prefix_key.namespace_root``; None: the base model's chains), and the last
+        one's key (the root itself when none is cached)."""
         blocks: list[int] = []
         key = root
         if not self.enable_prefix_caching:
             return blocks, key
         bs = self.block_size
         pool = self.pool
-        for i in range(max(0, (len(token_ids) - 1) // bs)):
+        for i in range(len(token_ids) // bs if whole else max(0, (len(token_ids) - 1) // bs)):
             block_id = pool.lookup(BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs])))
             if block_id is None:
                 break
@@ -424,6 +426,50 @@ class BlockManager:
             self.tier.release_held()
         return transfers
 
+    # -- moving blocks between replicas (cluster/kv_transfers.py) -----------------------------------
+    def hold_cached_blocks(self, token_ids: Sequence[int], root: BlockKey | None = None) -> list[int]:
+        """The blocks of the longest cached run of full blocks of ``token_ids`` (every full block may count),
+        each held (one reference more) until ``release_transfer``: an export reads them in a later plan."""
+        blocks, _ = self._cached_prefix(token_ids, root, whole=True)
+        for block in blocks:
+            self.pool.touch(block)
+            self._transfer_holds[block] += 1
+        return blocks
+
+    def start_import(self, token_ids: Sequence[int], root: BlockKey | None, max_blocks: int
+                     ) -> tuple[int, list[int], list[BlockKey]]:
+        """Room for the full blocks of ``token_ids`` not cached here: (the cached leading blocks, at most
+        ``max_blocks`` free blocks allocated for the next ones, held and uncached until ``finish_import``,
+        and their keys). The free blocks are capped by the watermark, so that an import never takes the room
+        of running sequences."""
+        cached, key = self._cached_prefix(token_ids, root, whole=True)
+        bs = self.block_size
+        room = max(0, self.pool.num_free_blocks - self.watermark_blocks)
+        count = max(0, min(max_blocks, room, len(token_ids) // bs - len(cached)))
+        keys = []
+        for i in range(len(cached), len(cached) + count):
+            key = BlockKey(key, tuple(token_ids[i * bs:(i + 1) * bs]))
+            keys.append(key)
+        blocks = self.pool.allocate(count) if count else []
+        for block in blocks:
+            self._transfer_holds[block] += 1
+        return len(cached), blocks, keys
+
+    def finish_import(self, blocks: list[int], keys: list[BlockKey]) -> None:
+        """The ranks wrote ``blocks``: each joins the prefix cache under its key (a key cached meanwhile keeps
+        its block, and this one is freed uncached), then is released."""
+        for block, key in zip(blocks, keys, strict=True):
+            self.pool.cache(block, key)
+        self.release_transfer(blocks)
+
+    def release_transfer(self, blocks: list[int]) -> None:
+        """Drops the hold of an export (or of an import that never ran) on each of ``blocks``."""
+        for block in blocks:
+            self._transfer_holds[block] -= 1
+            if not self._transfer_holds[block]:
+                del self._transfer_holds[block]
+            self.pool.release(block)
+
     # -- session pins -----------------------------------------------------------------------------
     def pin_session(self, session: Hashable, seq_id: Hashable, now: float) -> int:
         """Pins the cached blocks of ``seq_id`` (its hashed prefix) for ``session`` in place of the session's
@@ -520,6 +566,8 @@ class BlockManager:
         holders = [0] * self.num_blocks
         for block_id, _ in self._loading.values():        # a second-tier load holds its block until it finishes
             holders[block_id] += 1
+        for block_id, count in self._transfer_holds.items():   # so do exports and imports
+            holders[block_id] += count
         if self.tier is not None:
             self.tier.check_invariants()
         bs = self.block_size

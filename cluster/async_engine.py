@@ -52,6 +52,7 @@ from pagedray.workers.contract.sampling_params import SamplingParams
 
 from .engine import Engine
 from .executor import Executor
+from .kv_transfers import KVExport, Transfer
 from .outputs import (
     CompletionOutput,
     EngineDeadError,
@@ -410,6 +411,23 @@ class AsyncEngine:
     async def hot_prefixes(self, max_tokens: int) -> list[list[int]]:
         """``BlockManager.hot_prefixes`` read on the step thread (between steps)."""
         return await self._between_steps(lambda: self.engine.block_manager.hot_prefixes(max_tokens))
+
+    async def export_prefix(self, token_ids: list[int], lora: LoRARequest | None = None) -> KVExport:
+        """``Engine.start_export`` between two steps; the KVExport once the next steps read the blocks."""
+        return await self._transfer(lambda: self.engine.start_export(token_ids, lora))
+
+    async def import_prefix(self, export: KVExport) -> int:
+        """``Engine.start_import`` between two steps; the tokens of ``export`` cached here once they are written."""
+        return await self._transfer(lambda: self.engine.start_import(export))
+
+    async def _transfer(self, start: Callable[[], Transfer]):
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def begin() -> None:
+            start().on_done(lambda t: loop.call_soon_threadsafe(_settle, done, t.result, t.error))
+        await self._between_steps(begin)
+        return await done
 
     @property
     def model_path(self) -> str:

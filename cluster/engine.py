@@ -25,6 +25,7 @@ from pagedray.workers.models.model_info import load_hf_config, model_info
 from pagedray.workers.weights.default_model import resolve_model_path
 
 from .executor import Executor, create_executor
+from .kv_transfers import KVExport, KVLayout, KVTransfers, Transfer
 from .lora_slots import AdapterSlots, LoraRegistry
 from .output_builder import OutputBuilder
 from .outputs import EngineDeadError, RequestOutput
@@ -80,7 +81,8 @@ class Engine:
         self._prefix_totals_before = (0, 0)     # prefix query/hit tokens of BlockManagers replaced by recovery
         self._async_scheduling = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None   # async scheduling: the submitted step not applied yet
-        self.tier_cost = TierCost(config.cache.block_size)   # what a second-tier block saves (routing)
+        self.tier_cost = TierCost(config.cache.block_size)   # a computed token's cost, a second-tier block's worth
+        self.transfers = KVTransfers(self.kv_layout())       # blocks moving to and from other replicas
 
     def _plan_builder(self) -> PlanBuilder:
         # speculative steps keep one RunningDelta per sequence (the rows of their batch stay in scheduling order)
@@ -163,7 +165,8 @@ class Engine:
     def has_requests(self) -> bool:
         """Requests running or waiting, a step in flight, or outputs not handed out yet; unlike
         ``has_unfinished_requests``, finished sequences whose release the ranks still await do not count."""
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
+        return (self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
+                or self.transfers.has_work)
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -172,8 +175,10 @@ class Engine:
             return outputs
         out = self.scheduler.schedule()
         plan = self.plan_builder.build(out)
+        self.transfers.fill(plan)
         has_work = bool(plan.decodes or plan.new_seqs or plan.running or plan.released_seq_ids or plan.lora_reads
-                        or plan.lora_drops or self._lora_reads_in_flight or plan.kv_saves or plan.kv_loads)
+                        or plan.lora_drops or self._lora_reads_in_flight or plan.kv_saves or plan.kv_loads
+                        or plan.kv_exports or plan.kv_imports)
         if self._async_scheduling:
             return outputs + self._step_ahead(out, plan, has_work)
         if not has_work:
@@ -183,7 +188,7 @@ class Engine:
         try:
             started = time.perf_counter()
             result = self.executor.execute(plan)
-            if self.block_manager.tier is not None:
+            if not (plan.kv_exports or plan.kv_imports):   # a transfer's bytes are no compute
                 self.tier_cost.observe(plan.num_scheduled_tokens, time.perf_counter() - started, len(plan.kv_loads),
                                        result.kv_load_seconds)
             touched = self._apply(out, plan, result)
@@ -229,6 +234,8 @@ class Engine:
         touched = self.scheduler.update(out, result.sampled, result.prompt_logprobs)
         if plan.kv_loads:
             self.block_manager.finish_loads(plan.kv_loads, result.kv_load_failures)
+        if plan.kv_exports or plan.kv_imports:
+            self.transfers.finish(self.block_manager, plan, result)
         return touched + self.scheduler.apply_lora_reads(result.lora_reads) if result.lora_reads else touched
 
     def _outputs_of(self, touched: list) -> list[RequestOutput]:
@@ -264,6 +271,7 @@ class Engine:
 
     def _recover(self, exc: Exception) -> Exception | None:
         """Rebuilds the TP group after a rank failure; returns None when recovered, else the failure."""
+        self.transfers.fail_all(self.block_manager, exc)
         if not self.executor.is_rank_failure(exc):
             return exc
         limit = self.config.parallel.max_rank_restarts
@@ -299,6 +307,53 @@ class Engine:
                 self.scheduler.enqueue(request_id, tokens, params)
                 self._warm_up_ids.add(request_id)
 
+    # -- moving KV blocks between replicas (kv_transfers.py) ------------------------------------------
+    def kv_layout(self) -> KVLayout:
+        info, cache = self.model_info, self.config.cache
+        return KVLayout(self.config.model.model, info.architecture, info.num_hidden_layers, info.num_attention_heads,
+                        info.num_key_value_heads, info.head_dim, cache.block_size, self.dtype, cache.kv_cache_dtype,
+                        self.config.parallel.tensor_parallel_size)
+
+    def start_export(self, token_ids: list[int], lora: LoRARequest | None = None) -> Transfer:
+        """Starts exporting the longest cached run of full blocks of ``token_ids`` (under ``lora``'s chains);
+        the Transfer's result is a KVExport once the next steps read them (no cached block: an empty one)."""
+        self._check_transfers("export")
+        if not isinstance(token_ids, (list, tuple)) or not all(type(t) is int for t in token_ids):  # noqa: E721
+            raise ValueError("token_ids: must be a list of integers")
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request: must be a LoRARequest, got {type(lora).__name__}")
+        return self.transfers.start_export(self.block_manager, list(token_ids),
+                                           None if lora is None else lora.cache_namespace)
+
+    def start_import(self, export: KVExport) -> Transfer:
+        """Starts importing ``export`` into the prefix cache (ValueError naming what does not match, nothing
+        changed); the Transfer's result is how many of its tokens are cached here once the next steps wrote them."""
+        self._check_transfers("import")
+        return self.transfers.start_import(self.block_manager, export)
+
+    def export_prefix(self, token_ids: list[int], lora: LoRARequest | None = None) -> KVExport:
+        """``start_export``, stepping until it is done (other requests' outputs wait for the next ``step``)."""
+        return self._run_transfer(self.start_export(token_ids, lora))
+
+    def import_prefix(self, export: KVExport) -> int:
+        """``start_import``, stepping until it is done: the tokens of ``export`` now cached here."""
+        return self._run_transfer(self.start_import(export))
+
+    def _check_transfers(self, what: str) -> None:
+        self._raise_if_dead()
+        if not self.config.cache.enable_prefix_caching:
+            raise ValueError(f"{what}: blocks move between prefix caches, and enable_prefix_caching is off")
+        if self.config.scheduler.speculative_model is not None:
+            raise ValueError(f"{what}: not with speculative_model (the draft model's cache does not move)")
+
+    def _run_transfer(self, transfer: Transfer):
+        while not transfer.done and self._dead is None:
+            self._pending = self.step()
+        if transfer.error is not None:
+            raise transfer.error
+        self._raise_if_dead()
+        return transfer.result
+
     def _fresh_block_manager(self) -> BlockManager:
         old = self.block_manager
         stats = old.stats()
@@ -322,6 +377,7 @@ class Engine:
     def _fail(self, exc: BaseException) -> list[RequestOutput]:
         self._in_flight = None   # its sequences end here; a stalled executor is not waited for again
         self._dead = exc
+        self.transfers.fail_all(self.block_manager, exc)
         logger.error("the engine is dead: %s: %s", type(exc).__name__, exc, exc_info=exc)
         message = ENGINE_DEAD_MESSAGE
         failed = [r for r in self.scheduler.abort_all(FinishReason.ERROR) if r.request_id not in self._warm_up_ids]

@@ -7,6 +7,8 @@ Both figures are exponential moving averages of what the engine saw:
   nothing, per token scheduled, times the block size (a prefill-heavy step's cost of a block);
 - load: rank 0's ``StepResult.kv_load_seconds`` per block loaded.
 Until both have been seen the weight is 0: a tier block counts for nothing before its cost is known.
+The engine times every synchronous step, with or without a tier (steps moving blocks between replicas aside):
+``compute_s_per_token`` is also what a pull from a peer replica is weighed against (``deploy/serve/kv_pull.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 - Triton kernels run under the interpreter when there is no CUDA device (set before triton loads).
 - ``ray_session``: one local Ray instance for the whole test session (Ray takes seconds to start).
 - ``default_model_path``: the embedded SmolLM2-135M-Instruct, fetched and converted once;
-  ``tokenizer``: its tokenizer.
+  ``tokenizer``: its tokenizer. ``tiny_llama_path``: a tiny random Llama folder (fast breadth), and
+  ``tiny_hf_model`` transformers' model of it (the oracle: ``helpers.hf_oracle.hf_greedy``; EOS is
+  ``helpers.tiny_models.TINY_LLAMA_EOS``).
 - Shared helpers (the HF oracle, tiny models, fakes, ports) are modules of ``tests/helpers/``.
 - Tests marked ``gpu`` are skipped without CUDA.
 - CPU linear products: forced to the C GEMM (``PAGEDRAY_CPU_GEMM=c``, inherited by Ray workers and server
@@ -78,6 +80,20 @@ def tokenizer(default_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory):
+    from helpers.tiny_models import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_llama_path):
+    from helpers.hf_oracle import load_hf_model
+
+    return load_hf_model(tiny_llama_path)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])

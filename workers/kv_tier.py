@@ -3,7 +3,8 @@
 The engine decides everything (``block_manager/offload_tier.py``): which evicted block goes to which tier slot
 (``StepPlan.kv_saves``: (block, slot) pairs) and which slot comes back into which free block
 (``StepPlan.kv_loads``: (slot, block)). The rank moves its own shard's bytes: a block's K/V rows of every layer
-(and their scales with an 8-bit cache), ``block_bytes`` of them, in one file per slot under its folder.
+(and their scales with an 8-bit cache), ``block_bytes`` of them in ``kv_blocks.py``'s layout, in one file per slot
+under its folder.
 
 - Saves run before anything else in the plan (the evicted block may be written again in this very step: a new
   owner's K/V, a copy-on-write); loads run after the saves, before the forward.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .kv_blocks import block_bytes, read_blocks, write_blocks
 from .kv_cache import KVCache
 
 DEFAULT_PREFIX = "pagedray-kv-tier-"
@@ -51,8 +53,7 @@ class KVTierStore:
         directory, removed by ``close``; a rank actor killed without ``close`` leaves its folder, which the next
         rank to start on that machine removes (its process is gone)."""
         self.kv_cache = kv_cache
-        self._tensors = [kv_cache.data] + ([kv_cache.scales] if kv_cache.scales is not None else [])
-        self.block_bytes = sum(t[:, :, 0].numel() * t.element_size() for t in self._tensors)
+        self.block_bytes = block_bytes(kv_cache)
         self._owns_root = folder is None
         if folder is None:
             _remove_orphans()
@@ -68,8 +69,7 @@ class KVTierStore:
 
     def save(self, block: int, slot: int) -> None:
         """Block ``block``'s bytes (every layer, K and V, scales) into slot ``slot``'s file."""
-        parts = [t[:, :, block].contiguous().cpu().view(torch.uint8).reshape(-1) for t in self._tensors]
-        data = torch.cat(parts).numpy().tobytes()                                        # [block_bytes]
+        data = read_blocks(self.kv_cache, [block]).numpy().tobytes()                   # [block_bytes]
         try:
             self._file(slot).write_bytes(data)
         except OSError as exc:        # a full or unwritable disk: this slot cannot load (a miss), the step goes on
@@ -88,13 +88,8 @@ class KVTierStore:
             return False
         if crc is None or len(data) != self.block_bytes or zlib.crc32(data) != crc:
             return False
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)                     # [block_bytes]
-        offset = 0
-        for t in self._tensors:
-            view = t[:, :, block]
-            size = view.numel() * t.element_size()
-            view.copy_(flat[offset:offset + size].view(t.dtype).reshape(view.shape))
-            offset += size
+        rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(1, -1)      # [1, block_bytes]
+        write_blocks(self.kv_cache, [block], rows)
         return True
 
     def close(self) -> None:

@@ -21,9 +21,11 @@ from pagedray.kernels import kv_quant
 from .contract.config import EngineConfig
 from .contract.wire import PENDING_TOKEN, LoraRead, SampledToken, StepPlan, StepResult, decode_plan, encode_result
 from .host_memory import keep_freed_memory
+from .kv_blocks import read_blocks, reshard_rows, write_blocks
 from .kv_cache import KVCacheSpec
 from .kv_tier import KVTierStore
 from .layers.packed_gemm import PackReport
+from .layers.partition import HeadPartition
 from .lora.model_lora import ModelLora
 from .models.model_info import load_hf_config, model_info
 from .models.model_loading import load_model, pack_for_cpu, settle_cpu_decode
@@ -146,6 +148,8 @@ class Worker:
         if self.runner is None:
             raise RuntimeError("Worker.execute: call init_kv_cache(num_blocks) first")
         tier_failures, load_s = self._move_tier_blocks(plan)
+        exported = self._export_blocks(plan.kv_exports)
+        self._import_blocks(plan)
         plan = self._resolve_pending(plan)
         if not self.tp.is_first:
             self.runner.execute(plan)
@@ -162,7 +166,7 @@ class Worker:
             self._last_sampled = sampled
             return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
                               lora_reads=self._finished_lora_reads(step is None), kv_load_failures=tier_failures,
-                              kv_load_seconds=load_s)
+                              kv_load_seconds=load_s, kv_export=exported)
         rows = [] if step is None else _sampling_rows(step.host.sampling_seqs, step.host.row_drafts)
         masks = self.grammars.submit(rows)   # grammar masks on their own thread while the forward runs
         try:
@@ -174,7 +178,7 @@ class Worker:
         sampled = self._last_sampled = self.sample(output, rows, masks)
         return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
                           lora_reads=self._finished_lora_reads(False), kv_load_failures=tier_failures,
-                          kv_load_seconds=load_s)
+                          kv_load_seconds=load_s, kv_export=exported)
 
     def _move_tier_blocks(self, plan: StepPlan) -> tuple[list[int], float]:
         """The plan's second-tier saves, then its loads (``kv_tier.py``): (the slots whose load failed on any rank
@@ -198,6 +202,39 @@ class Worker:
             flags = torch.tensor(failed, dtype=torch.int32, device=self.device)
             failed = self.tp.all_reduce(flags).tolist()
         return [slot for (slot, _), bad in zip(plan.kv_loads, failed) if bad], load_s
+
+    def _export_blocks(self, blocks: list[int]) -> list[bytes]:
+        """Rank 0: each rank's bytes of ``blocks`` (a collective with TP > 1: every rank reads its own shard and
+        rank 0 gathers them); [] elsewhere and without exports. The draft model's cache is not exported."""
+        if not blocks:
+            return []
+        rows = read_blocks(self.runner.kv_cache, blocks, host=False)              # [n, block_bytes] on the device
+        gathered = self.tp.gather_to_first(rows)                                   # [n, world * block_bytes] on 0
+        if gathered is None:
+            return []
+        return [part.cpu().numpy().tobytes() for part in gathered.chunk(self.tp.world_size, dim=1)]
+
+    def _import_blocks(self, plan: StepPlan) -> None:
+        """Writes ``plan.kv_imports`` from the source replica's shards: this rank's own when the TP sizes match,
+        else its KV heads gathered from the source ranks that hold them (``kv_blocks.reshard_rows``)."""
+        blocks, shards, source_tp = plan.kv_imports, plan.kv_import_shards, plan.kv_import_tp
+        if not blocks:
+            return
+        if source_tp < 1 or len(shards) != source_tp:
+            raise ValueError(f"kv_import_shards: {len(shards)} shards for kv_import_tp={source_tp}")
+        rows = [torch.frombuffer(bytearray(shard), dtype=torch.uint8) for shard in shards]
+        if any(r.numel() % len(blocks) for r in rows):
+            raise ValueError(f"kv_import_shards: shard sizes {[r.numel() for r in rows]} do not split into "
+                             f"{len(blocks)} blocks")
+        rows = [r.reshape(len(blocks), -1) for r in rows]                          # per source rank [n, its bytes]
+        world, dims, kv = self.tp.world_size, self.model.dims, self.runner.kv_cache
+        if source_tp == world:
+            own = rows[self.rank]
+        else:
+            partitions = [HeadPartition(dims.num_heads, dims.num_kv_heads, source_tp, s) for s in range(source_tp)]
+            own = reshard_rows(kv, rows, partitions, HeadPartition(dims.num_heads, dims.num_kv_heads, world,
+                                                                   self.rank))
+        write_blocks(kv, blocks, own)
 
     def _finished_lora_reads(self, idle: bool) -> list[LoraRead]:
         """Rank 0: the adapter reads finished since its last result. A plan with nothing to run (``idle``: the

@@ -26,6 +26,12 @@ matches) and picks:
   prompt's hashes are the adapter's chains (``prefix_block_hashes(..., namespace)``), the ones its blocks
   are cached under.
 
+An ``export_prefix`` call (a replica pulling a prefix from a peer: ``serve/kv_pull.py``) goes to the replica
+holding the longest run of its tokens' leading blocks, whatever its load (an export reads blocks, it computes
+nothing), and never to the calling replica (its ``exclude`` argument). An ``import_prefix`` call (a KVExport
+pushed from outside: tests, tools, rebalancing) goes to the replica holding the fewest of its blocks, the one it
+is for.
+
 Other calls (stats, health, drain, model_meta, warm_up_report) go to any replica as with Serve's default
 router: every candidate, in random order (Serve takes the first of the shortest queues, so a fixed order
 sent every such call between idle replicas to the same one).
@@ -61,6 +67,8 @@ from . import registry as router_registry
 PREFIX_SUMMARY_BLOCKS = 8192     # block hashes one replica reports (8 bytes each on the wire)
 ROUTING_STATS_PERIOD_S = 1.0     # how often Serve polls each replica's record_routing_stats
 GENERATE_METHOD = "generate"     # the engine deployment's streaming method whose args[1] is the prompt
+EXPORT_METHOD = "export_prefix"  # the engine deployment's method whose args are (token_ids, lora)
+IMPORT_METHOD = "import_prefix"  # ... whose args[0] is a KVExport
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,33 @@ def generate_adapter(pending_request: PendingRequest) -> LoRARequest | None:
     return args[4] if len(args) > 4 and isinstance(args[4], LoRARequest) else None
 
 
+def choose_exporter(pending_request: PendingRequest, candidates: list[RunningReplica], cached,
+                    block_size: int) -> list:
+    """The replicas for an ``export_prefix`` call: the one (not its caller) whose ``cached(replica)`` holds the
+    longest run of the tokens' leading blocks; every replica but the caller when none holds any."""
+    args, exclude = pending_request.args, pending_request.kwargs.get("exclude")
+    tokens = args[0] if args and isinstance(args[0], list) else []
+    adapter = args[1] if len(args) > 1 and isinstance(args[1], LoRARequest) else None
+    peers = [r for r in candidates if r.replica_id.unique_id != exclude] or candidates
+    hashes = prompt_hashes(tokens, block_size, adapter)
+    held = [(leading_blocks_held(hashes, cached(r)), r) for r in peers]
+    best = max(count for count, _ in held)
+    return [r for count, r in held if count == best] if best else peers
+
+
+def choose_importer(pending_request: PendingRequest, candidates: list[RunningReplica], cached,
+                    block_size: int) -> list:
+    """The replicas for an ``import_prefix`` call: those holding the fewest leading blocks of its export."""
+    export = pending_request.args[0] if pending_request.args else None
+    tokens, namespace = getattr(export, "token_ids", None), getattr(export, "namespace", None)
+    if not isinstance(tokens, list):
+        return candidates
+    hashes = prefix_block_hashes(tokens, block_size, namespace)
+    held = [(leading_blocks_held(hashes, cached(r)), r) for r in candidates]
+    fewest = min(count for count, _ in held)
+    return [r for count, r in held if count == fewest]
+
+
 def prompt_hashes(prompt: list[int], block_size: int, adapter: LoRARequest | None) -> list[int]:
     """The hashes the prompt's blocks are cached under: the base model's chains, or its adapter's."""
     return prefix_block_hashes(prompt, block_size, None if adapter is None else adapter.cache_namespace)
@@ -217,6 +252,10 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         prompt = generate_prompt(pending_request)
         if len(candidate_replicas) < 2:
             return [candidate_replicas]
+        if pending_request is not None and pending_request.metadata.call_method == EXPORT_METHOD:
+            return [choose_exporter(pending_request, candidate_replicas, self._cached, self._block_size)]
+        if pending_request is not None and pending_request.metadata.call_method == IMPORT_METHOD:
+            return [choose_importer(pending_request, candidate_replicas, self._cached, self._block_size)]
         if prompt is None:   # in random order: Serve takes the first of the shortest queues, ties are common here
             return [random.sample(candidate_replicas, len(candidate_replicas))]
         adapter = generate_adapter(pending_request)

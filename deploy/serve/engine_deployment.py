@@ -56,6 +56,7 @@ from ray import serve
 from ..routing.autoscaling import autoscaling_stats
 from ..routing.router import PREFIX_SUMMARY_BLOCKS
 from .failover import PLACEMENT_TIMEOUT_S
+from .kv_pull import serve_peer_pull
 from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
 from .served_engine import ServedEngine, replica_id
@@ -86,12 +87,15 @@ class EngineDeployment(ServedEngine):
     ``drain``, ``model_meta``); this class adds Serve's hooks and the per-replica calls.
     ``prefix_summary_blocks``: cached prefix-block hashes per routing summary (0: none, no router reads them).
     Before taking traffic the replica prefills up to ``cache.warm_prefix_tokens`` tokens of a running
-    replica's most reused prefixes (``warm_up.py``)."""
+    replica's most reused prefixes (``warm_up.py``), pulled from it when ``cache.kv_peer_pull`` (``kv_pull.py``:
+    also what a prompt whose prefix a peer holds does)."""
 
     async def __init__(self, config, prefix_summary_blocks: int = PREFIX_SUMMARY_BLOCKS) -> None:
         bind_replica_grpc_to_loopback()   # before Serve starts the replica's gRPC server (loopback nodes)
         super().__init__(config)
         self._prefix_summary_blocks = prefix_summary_blocks
+        if config.cache.kv_peer_pull and prefix_summary_blocks and config.cache.enable_prefix_caching:
+            self._pull = serve_peer_pull(self._engine)    # the cache-aware router's summaries say who holds what
         self.warm_report = await warm_from_peers(self, config.cache.warm_prefix_tokens)
 
     def process_id(self) -> int:
@@ -106,6 +110,10 @@ class EngineDeployment(ServedEngine):
     def warm_up_report(self) -> tuple[str, dict]:
         """(this replica's Serve id, what its warm-up did: prefixes, tokens, seconds, why it was skipped)."""
         return replica_id(), self.warm_report
+
+    def peer_pull_report(self) -> tuple[str, dict | None]:
+        """(this replica's Serve id, its pulls from peers so far: ``kv_pull.PeerPull.report``; None when off)."""
+        return replica_id(), None if self._pull is None else self._pull.report()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """For Serve's custom autoscaling policies (``autoscaling.kv_pressure_policy``)."""

@@ -22,12 +22,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pagedray.cluster.kv_transfers import KVExport
 from pagedray.cluster.outputs import EngineDrainingError, RequestOutput
 from pagedray.workers.contract.config import EngineConfig
 from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 from ..openai.metrics import ReplicaState
+from .kv_pull import PeerPull, fetch_shards, put_shards
 
 
 def replica_id() -> str:
@@ -65,15 +67,28 @@ class ServedEngine:
         self._draining = False
         self._closed = False
         self._engine = AsyncEngine(config)
+        self._pull: PeerPull | None = None     # set by the engine deployment when peers may hold prefixes
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        resume_tokens: list[int] = (), lora: LoRARequest | None = None, session: str | None = None,
                        tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         # an async generator function, not a method returning AsyncEngine's generator: Serve runs a
         # plain method in its thread pool and streams only what a generator function yields
+        if self._pull is not None and not self._draining:
+            await self._pull.before_prefill(prompt_token_ids, lora)
         async for output in self._engine.generate(request_id, prompt_token_ids, params, resume_tokens=resume_tokens,
                                                   lora=lora, session=session, tenant=tenant):
             yield output
+
+    async def export_prefix(self, token_ids: list[int], lora: LoRARequest | None = None,
+                            exclude: str | None = None) -> KVExport:
+        """This replica's cached blocks of ``token_ids`` (``kv_pull.py``), each rank's shard in the object store.
+        ``exclude``: the calling replica, which the router never sends this call to."""
+        return await put_shards(await self._engine.export_prefix(token_ids, lora))
+
+    async def import_prefix(self, export: KVExport) -> int:
+        """Imports another replica's export (shards as bytes or ObjectRefs): the tokens of it cached here."""
+        return await self._engine.import_prefix(await fetch_shards(export))
 
     async def abort(self, request_id: str) -> bool:
         return await self._engine.abort(request_id)
@@ -138,9 +153,19 @@ class ServedEngine:
         """The prefixes this replica's prefix hits reused most, within ``max_tokens`` tokens (``warm_up.py``)."""
         return await self._engine.hot_prefixes(max_tokens)
 
-    async def warm_up(self, prefixes: list[list[int]]) -> int:
-        """Prefills ``prefixes`` (one token generated each, thrown away) so that they sit in this replica's
-        prefix cache; returns the prompt tokens run."""
+    async def warm_up(self, prefixes: list[list[int]]) -> tuple[int, int]:
+        """Puts ``prefixes`` into this replica's prefix cache: pulled from the peer holding them (``kv_pull.py``,
+        when pulls are on), else prefilled (one token generated each, thrown away); returns (the prompt tokens
+        run, the tokens pulled)."""
+        pulled = 0
+        if self._pull is not None:
+            bs, left = self._config.cache.block_size, []
+            for tokens in prefixes:
+                got = await self._pull.pull(tokens, None)
+                pulled += got
+                if got < len(tokens) // bs * bs:
+                    left.append(tokens)
+            prefixes = left
         async def prefill(i: int, tokens: list[int]) -> None:
             async for _ in self._engine.generate(f"warm-up-{i}", tokens, SamplingParams(max_tokens=1, temperature=0)):
                 pass
@@ -149,7 +174,7 @@ class ServedEngine:
         batch = max(1, min(self._config.scheduler.max_queued_requests, self._config.scheduler.max_num_seqs))
         for start in range(0, len(usable), batch):     # within the admission queue's bound
             await asyncio.gather(*(prefill(start + i, p) for i, p in enumerate(usable[start:start + batch])))
-        return sum(len(p) for p in usable)
+        return sum(len(p) for p in usable), pulled
 
     def model_meta(self) -> ModelMeta:
         engine = self._engine

@@ -102,3 +102,15 @@ def test_decoder_rejects_bad_sampling_params():
     obj["new_seqs"][0]["sampling_params"]["temperature"] = -1.0
     with pytest.raises(WireError, match="temperature"):
         decode_plan(msgpack.packb(obj))
+
+
+def test_transfer_fields_round_trip_and_malformed_ones_are_refused():
+    plan = StepPlan(step_id=5, kv_exports=[3, 4], kv_imports=[7], kv_import_shards=[b"\x01\x02", b"\x03\x04"],
+                    kv_import_tp=2)
+    assert decode_plan(encode_plan(plan)) == plan
+    result = StepResult(step_id=5, kv_export=[b"\x00" * 6, b"\xff" * 6])
+    assert decode_result(encode_result(result)) == result
+    base = msgpack.unpackb(encode_plan(StepPlan(step_id=1)))
+    for field_name, bad in (("kv_exports", [1.5]), ("kv_import_shards", ["text"]), ("kv_import_tp", -1)):
+        with pytest.raises(WireError, match=field_name):
+            decode_plan(msgpack.packb({**base, field_name: bad}, use_bin_type=True))

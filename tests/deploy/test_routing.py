@@ -340,3 +340,32 @@ def test_the_router_reads_the_call_adapter_and_the_replicas_resident_adapters():
         assert set(router._sent["b"]) == set(prompt_hashes(prompt, BS, sql))
 
     asyncio.run(scenario())
+
+
+@dataclass(frozen=True)
+class FakeReplicaID:
+    unique_id: str
+
+
+def test_exports_go_to_the_holder_never_the_caller_and_imports_to_the_replica_lacking_the_blocks():
+    from pagedray.cluster.kv_transfers import KVExport
+
+    async def scenario():
+        router = make_router()
+        shared = list(range(300, 312))                  # 3 full blocks
+        busy = {"stats": {"num_running": 9, "num_waiting": 9}}
+        a = FakeReplica(FakeReplicaID("a"), {"stats": {}, "prefix_hashes": []})
+        b = FakeReplica(FakeReplicaID("b"), {**busy, "prefix_hashes": prefix_block_hashes(shared, BS)})
+        c = FakeReplica(FakeReplicaID("c"), {"stats": {}, "prefix_hashes": prefix_block_hashes(shared[:4], BS)})
+
+        def export_call(caller):
+            return FakeRequest([shared, None], FakeMetadata("export_prefix"), {"exclude": caller})
+        assert await router.choose_replicas([a, b, c], export_call("a")) == [[b]]     # loaded, but it holds most
+        assert await router.choose_replicas([a, b, c], export_call("b")) == [[c]]     # never back to the caller
+        nobody = FakeRequest([list(range(900, 912)), None], FakeMetadata("export_prefix"), {"exclude": "a"})
+        assert await router.choose_replicas([a, b, c], nobody) == [[b, c]]
+        export = KVExport(None, None, shared, [])
+        imports = FakeRequest([export], FakeMetadata("import_prefix"))
+        assert await router.choose_replicas([a, b, c], imports) == [[a]]
+
+    asyncio.run(scenario())

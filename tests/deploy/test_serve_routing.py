@@ -62,3 +62,48 @@ def test_metrics_and_health_cover_both_replicas(app):
             assert f'pagedray:prefix_cache_queries_total{{model_name="{app.model}",replica="{replica}"}}' in text
         assert http.get("/health").status_code == 200
 
+
+
+def test_a_cached_prefix_moves_to_the_other_replica_through_the_object_store(app, default_model_path):
+    """The driver's handle: ``export_prefix`` goes to the replica that cached the prefix, its shards come back as
+    object-store refs, and ``import_prefix`` goes to the replica without it (routing/router.py), after which both
+    replicas report the prefix's blocks. Both replicas run a PeerPull (serve/kv_pull.py)."""
+    import ray
+    from helpers.serve_fixtures import APP_NAME
+    from pagedray.block_manager import prefix_block_hashes
+    from pagedray.deploy.routing.router import replica_summaries
+    from transformers import AutoTokenizer
+
+    text = "A different shop: a florist that sells tulips, roses and lilies by the stem, and ferns by the pot. "
+    shared = AutoTokenizer.from_pretrained(default_model_path).encode(text * 3)
+    tokens = shared[:len(shared) // 16 * 16]
+    hashes = prefix_block_hashes(tokens, 16)
+    with httpx.Client(base_url=app.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300,
+                      trust_env=False) as http:
+        response = http.post("/v1/completions", json={"prompt": text * 3, "max_tokens": 1, "temperature": 0})
+        assert response.status_code == 200, response.text
+    handle = app.engine_handle()
+
+    def holders() -> int:
+        return sum(set(hashes) <= set(s.get("prefix_hashes") or ())
+                   for s in replica_summaries(APP_NAME, app.engine_deployment) or [])
+
+    deadline = time.monotonic() + 120        # hang guard: the summaries reach the driver's router once a second
+    while holders() < 1:
+        assert time.monotonic() < deadline
+        handle.stats.remote().result()        # a call: the driver's router exists from the handle's first one
+        time.sleep(0.5)
+    export = handle.export_prefix.remote(tokens, None, exclude="the driver").result()
+    assert export.token_ids == tokens and len(export.shards) == 1
+    assert isinstance(export.shards[0], ray.ObjectRef)
+    assert len(ray.get(export.shards[0])) == export.num_blocks * export.layout.rank_block_bytes
+    assert handle.import_prefix.remote(export).result() == len(tokens)
+    while holders() < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    reports = {}
+    while len(reports) < 2:
+        assert time.monotonic() < deadline
+        replica, report = handle.peer_pull_report.remote().result()
+        reports[replica] = report
+    assert all(report is not None for report in reports.values())

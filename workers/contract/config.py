@@ -144,6 +144,10 @@ class CacheConfig:
     warm_prefix_tokens: int = option(8192, "prefix-cache warm-up, in tokens of the most reused prefixes: a new "
                                            "engine replica prefills a running one's before taking traffic, a "
                                            "rebuilt TP group its own from before (0: off)")
+    kv_peer_pull: bool = option(True, "serving with several engine replicas: a replica that gets a prompt whose "
+                                      "cached prefix a peer holds copies the peer's KV blocks instead of "
+                                      "computing them, when its measured pull cost beats its measured prefill "
+                                      "cost (warm scale-up pulls too)")
 
     def validate(self) -> None:
         _require(self.block_size in BLOCK_SIZES,

@@ -50,6 +50,11 @@ in the cache), ``block_ids`` and the sampling params.
 - ``kv_saves`` / ``kv_loads``: the second KV tier (``workers/kv_tier.py``): evicted blocks whose bytes go to a
   tier slot (applied first of all), and tier slots whose bytes come back into a block (after the saves);
   rank 0's result lists the slots that failed to load (on any rank).
+- ``kv_exports`` / ``kv_imports``: moving blocks between replicas (``cluster/kv_transfers.py``): every rank
+  reads the exported blocks (after the tier's saves, before anything writes) and rank 0's result carries each
+  rank's bytes (``kv_export``, one entry per rank, ``workers/kv_blocks.py``'s layout); the imported blocks are
+  written after the tier's loads, from ``kv_import_shards`` (one entry per rank of the source replica, whose TP
+  size is ``kv_import_tp``: every rank receives every shard and takes or re-shards its own heads).
 - ``lora_reads`` / ``lora_drops``: adapters each rank starts reading into host memory on a thread of its own
   (the step does not wait for them) / forgets from host memory; applied after ``lora_loads``. The engine
   decides which adapters are held (``max_cpu_loras``), so every rank holds the same ones.
@@ -162,6 +167,10 @@ class StepPlan:
     lora_drops: list[LoraFiles] = field(default_factory=list)
     kv_saves: list[tuple[int, int]] = field(default_factory=list)     # (block, tier slot): before anything else
     kv_loads: list[tuple[int, int]] = field(default_factory=list)     # (tier slot, block): after the saves
+    kv_exports: list[int] = field(default_factory=list)               # blocks whose bytes rank 0's result carries
+    kv_imports: list[int] = field(default_factory=list)               # blocks written from kv_import_shards
+    kv_import_shards: list[bytes] = field(default_factory=list)       # per source rank: [imports, its block bytes]
+    kv_import_tp: int = 0                                             # the source replica's TP size
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -201,6 +210,7 @@ class StepResult:
     lora_reads: list[LoraRead] = field(default_factory=list)
     kv_load_failures: list[int] = field(default_factory=list)   # tier slots of this plan's kv_loads that failed
     kv_load_seconds: float = 0.0    # how long rank 0 took to read this plan's kv_loads (the tier's measured cost)
+    kv_export: list[bytes] = field(default_factory=list)   # per rank: the plan's kv_exports, [exports, block bytes]
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -240,6 +250,11 @@ def encode_plan(plan: StepPlan) -> bytes:
            "decodes": vars(plan.decodes), "lora_loads": [vars(load) for load in plan.lora_loads]}
     if plan.kv_saves or plan.kv_loads:
         obj["kv_saves"], obj["kv_loads"] = plan.kv_saves, plan.kv_loads
+    if plan.kv_exports:
+        obj["kv_exports"] = plan.kv_exports
+    if plan.kv_imports:
+        obj["kv_imports"], obj["kv_import_shards"] = plan.kv_imports, plan.kv_import_shards
+        obj["kv_import_tp"] = plan.kv_import_tp
     if plan.lora_reads or plan.lora_drops:
         obj["lora_reads"], obj["lora_drops"] = list(map(vars, plan.lora_reads)), list(map(vars, plan.lora_drops))
     return _pack(obj)
@@ -265,6 +280,10 @@ def decode_plan(data: bytes) -> StepPlan:
             lora_drops=[_lora_files(files, "lora_drops") for files in obj.get("lora_drops", [])],
             kv_saves=_int_pairs(obj.get("kv_saves", []), "kv_saves"),
             kv_loads=_int_pairs(obj.get("kv_loads", []), "kv_loads"),
+            kv_exports=_ints(obj.get("kv_exports", []), "kv_exports"),
+            kv_imports=_ints(obj.get("kv_imports", []), "kv_imports"),
+            kv_import_shards=_byte_strings(obj.get("kv_import_shards", []), "kv_import_shards"),
+            kv_import_tp=_count(obj.get("kv_import_tp", 0), "kv_import_tp"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed StepPlan: {exc}") from exc
@@ -281,6 +300,24 @@ def _int_pairs(pairs: list, field_name: str) -> list[tuple[int, int]]:
     if not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(type(v) is int for v in p) for p in pairs):  # noqa: E721
         raise ValueError(f"{field_name}: must be a list of integer pairs")
     return [(p[0], p[1]) for p in pairs]
+
+
+def _ints(values: list, field_name: str) -> list[int]:
+    if not isinstance(values, list) or not all(type(v) is int for v in values):  # noqa: E721
+        raise ValueError(f"{field_name}: must be a list of integers")
+    return values
+
+
+def _count(value: object, field_name: str) -> int:
+    if type(value) is not int or value < 0:  # noqa: E721
+        raise ValueError(f"{field_name}: must be an integer >= 0")
+    return value
+
+
+def _byte_strings(values: list, field_name: str) -> list[bytes]:
+    if not isinstance(values, list) or not all(isinstance(v, bytes) for v in values):
+        raise ValueError(f"{field_name}: must be a list of byte strings")
+    return values
 
 
 def _lora_files(obj: dict, field_name: str) -> LoraFiles:
@@ -314,6 +351,8 @@ def encode_result(result: StepResult) -> bytes:
         obj["kv_load_failures"] = result.kv_load_failures
     if result.kv_load_seconds:
         obj["kv_load_seconds"] = float(result.kv_load_seconds)
+    if result.kv_export:
+        obj["kv_export"] = result.kv_export
     return _pack(obj)
 
 
@@ -346,6 +385,7 @@ def decode_result(data: bytes) -> StepResult:
         if isinstance(load_s, bool) or not isinstance(load_s, (int, float)) or not load_s >= 0:
             raise ValueError("kv_load_seconds: must be a number >= 0")
         return StepResult(step_id=obj["step_id"], sampled=sampled, prompt_logprobs=prompt, lora_reads=reads,
-                          kv_load_failures=list(failures), kv_load_seconds=float(load_s))
+                          kv_load_failures=list(failures), kv_load_seconds=float(load_s),
+                          kv_export=_byte_strings(obj.get("kv_export", []), "kv_export"))
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise WireError(f"malformed StepResult: {exc}") from exc
