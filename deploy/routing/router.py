@@ -66,7 +66,7 @@ from . import registry as router_registry
 
 PREFIX_SUMMARY_BLOCKS = 8192     # block hashes one replica reports (8 bytes each on the wire)
 ROUTING_STATS_PERIOD_S = 1.0     # how often Serve polls each replica's record_routing_stats
-GENERATE_METHOD = "generate"     # the engine deployment's streaming method whose args[1] is the prompt
+GENERATE_METHODS = ("generate", "prefill")   # the engine deployment's methods whose args[1] is the prompt
 EXPORT_METHOD = "export_prefix"  # the engine deployment's method whose args are (token_ids, lora)
 IMPORT_METHOD = "import_prefix"  # ... whose args[0] is a KVExport
 
@@ -155,16 +155,15 @@ def remember_sent(sent: collections.OrderedDict[int, None], prompt_hashes: list[
 
 def generate_prompt(pending_request: PendingRequest | None) -> list[int] | None:
     """The prompt token ids of an engine ``generate`` call, else None."""
-    if pending_request is None or pending_request.metadata.call_method != GENERATE_METHOD:
+    if pending_request is None or pending_request.metadata.call_method not in GENERATE_METHODS:
         return None
     args = pending_request.args
     return args[1] if len(args) > 1 and isinstance(args[1], list) else None
 
 
 def generate_adapter(pending_request: PendingRequest) -> LoRARequest | None:
-    """The LoRA adapter of an engine ``generate`` call (its fifth argument: ``ServedEngine.generate``), or None."""
-    args = pending_request.args
-    return args[4] if len(args) > 4 and isinstance(args[4], LoRARequest) else None
+    """The LoRA adapter of an engine ``generate`` or ``prefill`` call (an argument after the prompt), or None."""
+    return next((arg for arg in pending_request.args[2:] if isinstance(arg, LoRARequest)), None)
 
 
 def choose_exporter(pending_request: PendingRequest, candidates: list[RunningReplica], cached,

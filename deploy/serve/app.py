@@ -19,6 +19,7 @@ from ..http.tenants import parse_tenants
 from ..openai.reasoning import PARSER_ALIASES, REASONING_PARSERS
 from ..openai.tool_parsers import TOOL_CALL_PARSERS
 from ..routing.router import PREFIX_SUMMARY_BLOCKS
+from .disaggregation import PREFILL_DEPLOYMENT_NAME
 from .engine_deployment import SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
 from .ingress import OpenAIIngress
 from .options import AppArgs, engine_config
@@ -58,7 +59,23 @@ def parse_args(args: dict | None) -> BaseModel:
         if "num_replicas" in parsed.model_fields_set:
             raise ValueError("num_replicas: give either num_replicas or autoscaling_config, not both")
         check_autoscaling(parsed.autoscaling_config)
+    check_disaggregation(parsed)
     return parsed
+
+
+def check_disaggregation(parsed: BaseModel) -> None:
+    """Prefill/decode disaggregation's options (``disaggregation.py``): ValueError naming the one that conflicts."""
+    if parsed.prefill_replicas < 0:
+        raise ValueError(f"prefill_replicas: must be >= 0, got {parsed.prefill_replicas}")
+    if parsed.decode_replicas is not None:
+        if not parsed.prefill_replicas:
+            raise ValueError("decode_replicas: only with prefill_replicas (else the engine replicas are num_replicas)")
+        if parsed.decode_replicas < 1:
+            raise ValueError(f"decode_replicas: must be >= 1, got {parsed.decode_replicas}")
+        if "num_replicas" in parsed.model_fields_set or parsed.autoscaling_config is not None:
+            raise ValueError("decode_replicas: give decode_replicas, num_replicas or autoscaling_config, one of them")
+    if parsed.prefill_replicas and parsed.engine_in_ingress is True:
+        raise ValueError("engine_in_ingress: prefill_replicas needs the engines in deployments of their own")
 
 
 def check_autoscaling(config: dict) -> int:
@@ -119,8 +136,9 @@ def build_app(args: dict | None = None) -> Application:
     admission = parsed.max_num_seqs + parsed.max_queued_requests
     in_flight = admission + max(admission, REJECTION_HEADROOM_MIN) + CONTROL_CALL_HEADROOM
     scaling = parsed.autoscaling_config
-    replicas = {"num_replicas": parsed.num_replicas} if scaling is None else {"autoscaling_config": scaling}
-    most_replicas = parsed.num_replicas if scaling is None else check_autoscaling(scaling)
+    count = parsed.decode_replicas or parsed.num_replicas
+    replicas = {"num_replicas": count} if scaling is None else {"autoscaling_config": scaling}
+    most_replicas = count if scaling is None else check_autoscaling(scaling)
     engine_replica = dict(
         **replicas,
         placement_group_bundles=placement_bundles(parsed.tensor_parallel_size, use_gpu, in_process),
@@ -131,13 +149,19 @@ def build_app(args: dict | None = None) -> Application:
     ingress_args = dict(model=parsed.model, served_model_name=parsed.served_model_name, api_key=parsed.api_key,
                         max_body_bytes=parsed.max_body_bytes, reasoning_parser=parsed.reasoning_parser,
                         tool_call_parser=parsed.tool_call_parser, tenant_keys=tenant_keys)
-    if engine_in_ingress(parsed, most_replicas):
+    if not parsed.prefill_replicas and engine_in_ingress(parsed, most_replicas):
         return OpenAIIngress.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
             config, **ingress_args, ingress_replicas=most_replicas)
     routing = router_config(parsed, most_replicas, config.cache.block_size)
     summary_blocks = PREFIX_SUMMARY_BLOCKS if routing else 0   # Serve's own router reads no prefix summary
     engine = EngineDeployment.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
                                       **routing).bind(config, prefix_summary_blocks=summary_blocks)
+    if parsed.prefill_replicas:
+        prefill_routing = router_config(parsed, parsed.prefill_replicas, config.cache.block_size)
+        ingress_args["prefill_engine"] = EngineDeployment.options(
+            **{**engine_replica, "num_replicas": parsed.prefill_replicas, "autoscaling_config": None},
+            name=PREFILL_DEPLOYMENT_NAME, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s, **prefill_routing,
+        ).bind(config, prefix_summary_blocks=PREFIX_SUMMARY_BLOCKS if prefill_routing else 0)
     return OpenAIIngress.options(max_ongoing_requests=in_flight * most_replicas,
                                  graceful_shutdown_timeout_s=parsed.graceful_shutdown_s + SHUTDOWN_MARGIN_S).bind(
         engine, **ingress_args)

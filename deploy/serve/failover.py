@@ -107,8 +107,11 @@ class FailoverEngineClient:
         self._sleep = sleep
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       lora=None, session=None, tenant=None) -> AsyncIterator[RequestOutput]:
+                       lora=None, session=None, tenant=None, resume_tokens: list[int] = (), kv=None
+                       ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as one stream, its lost parts continued (at most ``max_failovers`` times).
+        ``resume_tokens`` / ``kv`` (n=1): the request already produced these tokens elsewhere (a prefill replica,
+        ``disaggregation.py``), whose prompt blocks ``kv`` brings; its first stream starts after them.
 
         Invariants: each sample's tokens reach the caller once and in order (``produced[i]`` is exactly what
         was yielded for sample i); each sample's finish is yielded once; the prompt fields come from the
@@ -116,7 +119,15 @@ class FailoverEngineClient:
         produced: list[list[int]] = [[] for _ in range(params.n)]     # per sample: tokens streamed so far
         done = [False] * params.n
         cached, failovers = 0, 0
-        stream = self._inner.generate(request_id, prompt_token_ids, params, lora=lora, session=session, tenant=tenant)
+        if resume_tokens or kv is not None:
+            if params.n != 1:
+                raise ValueError("resume_tokens: only for n=1")
+            produced[0] = list(resume_tokens)
+            stream = self._inner.generate(request_id, prompt_token_ids, params, resume_tokens=list(resume_tokens),
+                                          lora=lora, session=session, tenant=tenant, kv=kv)
+        else:
+            stream = self._inner.generate(request_id, prompt_token_ids, params, lora=lora, session=session,
+                                          tenant=tenant)
         while True:
             try:
                 async with aclosing(stream) as outputs:

@@ -69,6 +69,7 @@ from ..openai.prompt_bound import max_prompt_chars
 from ..openai.service import OpenAIService
 from ..openai.validation import ModelLimits
 from ..routing.router import replica_summaries
+from .disaggregation import DisaggregatedEngineClient
 from .engine_deployment import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S
 from .failover import FailoverEngineClient, app_being_deleted
 from .loopback import bind_replica_grpc_to_loopback
@@ -109,9 +110,9 @@ class HandleEngineClient:
         return [ReplicaState(replica, stats)]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       resume_tokens: list[int] = (), lora=None, session=None, tenant=None) -> AsyncIterator:
-        response = self._handle.options(stream=True).generate.remote(request_id, prompt_token_ids, params,
-                                                                     list(resume_tokens), lora, session, tenant)
+                       resume_tokens: list[int] = (), lora=None, session=None, tenant=None, kv=None) -> AsyncIterator:
+        args = (request_id, prompt_token_ids, params, list(resume_tokens), lora, session, tenant)
+        response = self._handle.options(stream=True).generate.remote(*args, *(() if kv is None else (kv,)))
         exhausted = False
         try:
             async for output in response:
@@ -157,11 +158,13 @@ class OpenAIIngress:
                        served_model_name: str | None = None, api_key: str | None = None,
                        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto",
                        tool_call_parser: str = "auto", ingress_replicas: int = 1,
-                       tenant_keys: dict[bytes, str] | None = None) -> None:
+                       tenant_keys: dict[bytes, str] | None = None,
+                       prefill_engine: DeploymentHandle | None = None) -> None:
         """``engine``: a handle to the engine deployment, or (``engine_in_ingress``) the EngineConfig of
         the engine this replica runs itself. ``ingress_replicas``: the most replicas this deployment may
         have (more than one: LoRA adapters are not loaded at run time, ``openai/lora_adapters.py``).
-        ``tenant_keys``: the tenants' API keys (``http/tenants.py``)."""
+        ``tenant_keys``: the tenants' API keys (``http/tenants.py``). ``prefill_engine``: a handle to the prefill
+        replicas (prefill/decode disaggregation, ``disaggregation.py``; ``engine`` is then the decode one)."""
         from transformers import AutoTokenizer
 
         use_bounded_protocol()   # before Serve starts this replica's own HTTP server (direct ingress)
@@ -175,6 +178,8 @@ class OpenAIIngress:
             app_name = engine.deployment_id.app_name
             client = FailoverEngineClient(HandleEngineClient(engine), on_failover=lambda: self._metrics.failovers.inc(),
                                           app_deleting=lambda: app_being_deleted(app_name))
+            if prefill_engine is not None:
+                client = DisaggregatedEngineClient(prefill_engine, client)
         name, aliases = served_names(model, meta, served_model_name)
         tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)
         limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len,

@@ -54,6 +54,11 @@ SERVE_OPTIONS = (
     Option("served_model_name", "the model name clients pass (default: the model folder's name)",
            kind=str, optional=True),
     Option("num_replicas", "engine replicas (each a full TP group)", kind=int, default=1),
+    Option("prefill_replicas", "prefill/decode disaggregation: engine replicas that only run prompts (0: off). A "
+           "prompt runs there to its first token, and the request goes on in a decode replica (num_replicas of "
+           "them) with the prompt's KV blocks moved over (deploy/serve/disaggregation.py)", kind=int, default=0),
+    Option("decode_replicas", "prefill/decode disaggregation: the decode replicas (default: num_replicas)", kind=int,
+           optional=True),
     Option("api_key", "require 'Authorization: Bearer KEY' (all routes but /health)", kind=str, optional=True),
     Option("max_body_bytes", "request body limit (413 above it)", kind=int, default=DEFAULT_MAX_BODY_BYTES),
     Option("graceful_shutdown_s", "on shutdown, how long in-flight requests may finish", kind=float,

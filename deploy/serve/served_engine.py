@@ -18,18 +18,22 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from pagedray.cluster.kv_transfers import KVExport
-from pagedray.cluster.outputs import EngineDrainingError, RequestOutput
+from pagedray.cluster.outputs import EngineDrainingError, RequestOutput, merge_deltas
 from pagedray.workers.contract.config import EngineConfig
 from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
 
 from ..openai.metrics import ReplicaState
 from .kv_pull import PeerPull, fetch_shards, put_shards
+
+log = logging.getLogger(__name__)
 
 
 def replica_id() -> str:
@@ -71,14 +75,42 @@ class ServedEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        resume_tokens: list[int] = (), lora: LoRARequest | None = None, session: str | None = None,
-                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None, kv: KVExport | None = None) -> AsyncIterator[RequestOutput]:
+        """``kv``: the prompt's blocks from the replica that ran it (prefill/decode disaggregation), imported first;
+        an import that fails (a lost exporter, another layout) leaves the prompt to be computed here."""
         # an async generator function, not a method returning AsyncEngine's generator: Serve runs a
         # plain method in its thread pool and streams only what a generator function yields
-        if self._pull is not None and not self._draining:
+        if kv is not None and not self._draining:
+            await self._import_handed_over(kv)
+        elif self._pull is not None and not self._draining:
             await self._pull.before_prefill(prompt_token_ids, lora)
         async for output in self._engine.generate(request_id, prompt_token_ids, params, resume_tokens=resume_tokens,
                                                   lora=lora, session=session, tenant=tenant):
             yield output
+
+    async def _import_handed_over(self, kv: KVExport) -> None:
+        try:
+            await self.import_prefix(kv)
+        except Exception as exc:  # noqa: BLE001 - the blocks are an optimisation: the prompt is computed instead
+            log.warning("the prompt's KV blocks could not be imported (%s: %s); they are computed here",
+                        type(exc).__name__, exc)
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      lora: LoRARequest | None = None, session: str | None = None, tenant: str | None = None
+                      ) -> tuple[RequestOutput, KVExport | None]:
+        """Prefill/decode disaggregation, the prefill side (``disaggregation.py``): runs the request to its first
+        output with tokens, stops it there, and exports the prompt's cached blocks (shards in the object store).
+        (that output, the export; None when the output is the request's last)."""
+        first = None
+        async with aclosing(self._engine.generate(request_id, prompt_token_ids, params, lora=lora, session=session,
+                                                  tenant=tenant)) as outputs:
+            async for out in outputs:
+                first = out if first is None else merge_deltas(first, out)
+                if out.finished or any(c.token_ids for c in out.outputs):
+                    break
+        if first is None or first.finished:   # closing the stream above aborted the request: its blocks stay cached
+            return first, None
+        return first, await self.export_prefix(prompt_token_ids, lora)
 
     async def export_prefix(self, token_ids: list[int], lora: LoRARequest | None = None,
                             exclude: str | None = None) -> KVExport:
