@@ -83,6 +83,7 @@ class Engine:
         self._in_flight: _InFlight | None = None   # async scheduling: the submitted step not applied yet
         self.tier_cost = TierCost(config.cache.block_size)   # a computed token's cost, a second-tier block's worth
         self.transfers = KVTransfers(self.kv_layout())       # blocks moving to and from other replicas
+        self._last_transfer_only = False                     # the last plan carried transfers and nothing else
 
     def _plan_builder(self) -> PlanBuilder:
         # speculative steps keep one RunningDelta per sequence (the rows of their batch stay in scheduling order)
@@ -173,7 +174,9 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self._dead is not None:
             return outputs
-        out = self.scheduler.schedule()
+        transfer_only = self.transfers.has_unsent and not self._last_transfer_only   # every other step at most
+        self._last_transfer_only = transfer_only
+        out = self.scheduler.transfer_output() if transfer_only else self.scheduler.schedule()
         plan = self.plan_builder.build(out)
         self.transfers.fill(plan)
         has_work = bool(plan.decodes or plan.new_seqs or plan.running or plan.released_seq_ids or plan.lora_reads

@@ -17,7 +17,9 @@ dimensions, block size, dtype, KV cache dtype); otherwise ValueError names the f
 instead. The shards must have the sizes the layout gives.
 
 Pace: a plan carries at most ``TRANSFER_BYTES_PER_PLAN`` bytes of one export and of one import (all ranks'
-shards counted), so a long prefix moves over several steps, and the steps of running requests go on between.
+shards counted), so a long prefix moves over several steps. A transfer does not wait behind a long step: when
+chunks are waiting, the engine sends them in a plan of their own (nothing scheduled), every other step at most,
+so the steps of running requests go on between.
 Transfers are settled on the step thread; ``Transfer.on_done`` callbacks run there. A failed step or a rebuilt
 TP group fails the transfers in flight (``fail_all``): an export's holds are dropped, an import's blocks go
 with the lost cache. The draft model's cache (``speculative_model``) is not moved: the drafts of an imported
@@ -143,6 +145,11 @@ class KVTransfers:
     @property
     def has_work(self) -> bool:
         return bool(self._exports or self._imports)
+
+    @property
+    def has_unsent(self) -> bool:
+        """Chunks not handed to a plan yet."""
+        return any(e.sent < len(e.blocks) for e in self._exports) or any(i.sent < len(i.blocks) for i in self._imports)
 
     def _blocks_per_plan(self, tp: int) -> int:
         return max(1, TRANSFER_BYTES_PER_PLAN // (tp * self.layout.rank_block_bytes))

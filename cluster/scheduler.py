@@ -231,6 +231,15 @@ class Scheduler(FairSteps):
         out.kv_saves, out.kv_loads = self.block_manager.take_transfers()   # last: every allocation is done
         return out
 
+    def transfer_output(self) -> SchedulerOutput:
+        """An output that schedules nothing, for a plan that carries blocks moving between replicas ahead of the
+        next step (``Engine.step``), and the second tier's copies its allocations caused (saved before any
+        imported block is written over an evicted one)."""
+        out = SchedulerOutput(step_id=self._next_step_id)
+        self._next_step_id += 1
+        out.kv_saves, out.kv_loads = self.block_manager.take_transfers()
+        return out
+
     def _schedule_decodes(self, budget: int, out: SchedulerOutput) -> tuple[int, list]:
         """Step 2 without drafts, in one pass over the running queue: each sequence with one computable
         token (``_computable``, inlined: this loop runs over every running sequence at every step) is

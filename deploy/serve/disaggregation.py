@@ -2,10 +2,11 @@
 
 ``prefill_replicas: N`` (build_app) adds a second engine deployment, ``PagedEnginePrefill``, beside the decode
 one (``num_replicas`` / ``decode_replicas``). For each request the ingress's ``DisaggregatedEngineClient``:
-1. calls a prefill replica's ``prefill`` (routed by the cache-aware router among the prefill replicas): the
-   replica runs the request until its first output with tokens, stops it there, and returns that output with
-   a KVExport of the prompt's cached blocks, each rank's shard in the object store (``kv_pull.put_shards``);
-2. streams that first output to the client at once (its TTFT is the prefill replica's);
+1. streams a prefill replica's ``prefill`` (routed by the cache-aware router among the prefill replicas): the
+   replica runs the request until its first output with tokens and sends it, stops the request there, and
+   sends a KVExport of the prompt's cached blocks, each rank's shard in the object store
+   (``kv_pull.put_shards``);
+2. passes that first output to the client as it arrives (its TTFT is the prefill replica's);
 3. continues the request on a decode replica (chosen by the router: its load, and the prompt's blocks it may
    hold) as a continuation (``resume_tokens``: the tokens the prefill produced) that imports the blocks first
    (``ServedEngine.generate(kv=...)``): the decode replica computes only the prompt's last partial block and
@@ -49,9 +50,10 @@ class DisaggregatedEngineClient:
                        lora=None, session=None, tenant=None) -> AsyncIterator[RequestOutput]:
         first, export = None, None
         if disaggregable(params):
+            stream = self._prefill.options(stream=True).prefill.remote(f"{request_id}:prefill", prompt_token_ids,
+                                                                       params, lora, session, tenant)
             try:
-                first, export = await self._prefill.prefill.remote(f"{request_id}:prefill", prompt_token_ids, params,
-                                                                   lora, session, tenant)
+                first = await anext(aiter(stream), None)
             except (*REPLICA_LOST, QueueFullError, EngineDrainingError):
                 first = None        # the decode replicas run it from the start
         if first is None:
@@ -62,6 +64,10 @@ class DisaggregatedEngineClient:
         yield replace(first, request_id=request_id)
         if first.finished:
             return
+        try:
+            export = await anext(aiter(stream), None)
+        except REPLICA_LOST:
+            export = None           # the prefill replica went after the first token: the decode side computes it
         tokens = first.outputs[0].token_ids
         async for out in self._decode.generate(request_id, prompt_token_ids, params, lora=lora, session=session,
                                                tenant=tenant, resume_tokens=tokens, kv=export):

@@ -97,10 +97,10 @@ class ServedEngine:
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       lora: LoRARequest | None = None, session: str | None = None, tenant: str | None = None
-                      ) -> tuple[RequestOutput, KVExport | None]:
+                      ) -> AsyncIterator[RequestOutput | KVExport]:
         """Prefill/decode disaggregation, the prefill side (``disaggregation.py``): runs the request to its first
-        output with tokens, stops it there, and exports the prompt's cached blocks (shards in the object store).
-        (that output, the export; None when the output is the request's last)."""
+        output with tokens and yields it at once, stops the request there, and yields a KVExport of the prompt's
+        cached blocks (shards in the object store) unless that output was the request's last."""
         first = None
         async with aclosing(self._engine.generate(request_id, prompt_token_ids, params, lora=lora, session=session,
                                                   tenant=tenant)) as outputs:
@@ -108,9 +108,11 @@ class ServedEngine:
                 first = out if first is None else merge_deltas(first, out)
                 if out.finished or any(c.token_ids for c in out.outputs):
                     break
-        if first is None or first.finished:   # closing the stream above aborted the request: its blocks stay cached
-            return first, None
-        return first, await self.export_prefix(prompt_token_ids, lora)
+        if first is None:
+            return
+        yield first
+        if not first.finished:              # closing the stream above aborted the request: its blocks stay cached
+            yield await self.export_prefix(prompt_token_ids, lora)
 
     async def export_prefix(self, token_ids: list[int], lora: LoRARequest | None = None,
                             exclude: str | None = None) -> KVExport:

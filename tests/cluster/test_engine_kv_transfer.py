@@ -87,7 +87,11 @@ def test_an_export_while_requests_run_keeps_their_outputs(tiny_llama_path, tiny_
     other = _prompts(seed=9)[0]
     source.add("running", other, GREEDY)
     tokens = source.step()[0].outputs[0].token_ids               # its prefill; its decodes go on during the export
+    plans, execute = [], source.executor.execute
+    source.executor.execute = lambda plan: plans.append(plan) or execute(plan)
     export = source.export_prefix(first)
+    # the export went out in a plan of its own, not behind the running request's step
+    assert [(bool(p.kv_exports), bool(p.decodes or p.running or p.new_seqs)) for p in plans] == [(True, False)]
     while source.has_unfinished_requests():
         for out in source.step():
             tokens += out.outputs[0].token_ids

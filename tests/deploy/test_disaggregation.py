@@ -10,6 +10,7 @@ import asyncio
 import random
 from types import SimpleNamespace
 
+from pagedray.cluster.outputs import RequestOutput
 from pagedray.deploy.serve.disaggregation import DisaggregatedEngineClient
 from pagedray.deploy.serve.failover import FailoverEngineClient
 from pagedray.deploy.serve.served_engine import ServedEngine
@@ -29,17 +30,21 @@ def _engine(path) -> ServedEngine:
 
 
 class PrefillHandle:
-    """A handle to one prefill replica (``prefill.remote(...)`` is awaited); ``lost``: its actor died."""
+    """A streaming handle to one prefill replica; ``lost``: its actor died before answering."""
 
     def __init__(self, engine: ServedEngine, lost: bool = False) -> None:
         async def prefill(*args):
             if lost:
                 raise RayActorError()
-            first, export = await engine.prefill(*args)
             self.calls += 1
-            return first, self.spoil(export) if export is not None else None
+            async for item in engine.prefill(*args):
+                yield item if isinstance(item, RequestOutput) else self.spoil(item)
         self.calls, self.spoil = 0, lambda export: export
         self.prefill = SimpleNamespace(remote=prefill)
+
+    def options(self, stream: bool):
+        assert stream
+        return self
 
 
 async def _collect(stream) -> tuple[list[int], list]:
