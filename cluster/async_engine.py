@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedray.workers.contract.config import EngineConfig
 from pagedray.workers.contract.lora_request import LoRARequest
@@ -416,6 +416,19 @@ class AsyncEngine:
         """``Engine.start_export`` between two steps; the KVExport once the next steps read the blocks."""
         return await self._transfer(lambda: self.engine.start_export(token_ids, lora))
 
+    async def export_request(self, request_id: str) -> KVExport | None:
+        """``Engine.start_request_export`` between two steps: a running request's blocks, or None."""
+        return await self._transfer(lambda: self.engine.start_request_export(request_id))
+
+    async def _handed_over_kv(self, request_id: str, pack: Callable[[KVExport], Awaitable[KVExport]]):
+        try:
+            export = await self.export_request(request_id)
+            return None if export is None or export.num_blocks == 0 else await pack(export)
+        except Exception as exc:  # noqa: BLE001 - without its blocks the continuation computes them
+            logger.warning("request %s is handed over without its KV blocks (%s: %s)", request_id,
+                           type(exc).__name__, exc)
+            return None
+
     async def import_prefix(self, export: KVExport) -> int:
         """``Engine.start_import`` between two steps; the tokens of ``export`` cached here once they are written."""
         return await self._transfer(lambda: self.engine.start_import(export))
@@ -451,20 +464,28 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def drain(self, timeout_s: float, hand_over: bool = False) -> int:
+    async def drain(self, timeout_s: float, hand_over: bool = False,
+                    pack: Callable[[KVExport], Awaitable[KVExport]] | None = None) -> int:
         """Refuse new requests, wait up to ``timeout_s`` for the in-flight ones, abort the rest; returns
         how many were aborted. ``hand_over``: the rest end with an ``engine_failed`` output instead of
         finish_reason "abort", so that the ingress continues them on another replica (a replica that
-        Serve removes: deploy/serve/failover.py)."""
+        Serve removes: deploy/serve/failover.py); with ``pack`` each n=1 request's blocks are exported first and
+        that output carries them (``RequestOutput.kv``, ``pack``ed: put in the object store), so that its
+        continuation imports them instead of computing its prompt and output again."""
         self._draining = True
         deadline = self._clock() + timeout_s
         while self._streams and self._clock() < deadline:
             await asyncio.sleep(0.05)
         unfinished = list(self._streams)
+        kvs: dict[str, KVExport | None] = {}
+        if hand_over and pack is not None and not self._closed and self._stalled is None:
+            kvs = dict(zip(unfinished, await asyncio.gather(*(self._handed_over_kv(r, pack) for r in unfinished))))
         for request_id in unfinished:
             if hand_over:
-                self._streams.pop(request_id).put_nowait(
-                    self._failed_output(request_id, "engine dead: the engine replica was shut down"))
+                queue = self._streams.pop(request_id, None)
+                if queue is not None:         # not finished while its blocks were exported
+                    failed = self._failed_output(request_id, "engine dead: the engine replica was shut down")
+                    queue.put_nowait(replace(failed, kv=kvs.get(request_id)))
                 self._push(AbortCommand(request_id))
             else:
                 await self.abort(request_id)

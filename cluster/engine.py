@@ -334,6 +334,20 @@ class Engine:
         self._check_transfers("import")
         return self.transfers.start_import(self.block_manager, export)
 
+    def start_request_export(self, request_id: str) -> Transfer:
+        """An export of a running n=1 request's blocks (its prompt and output so far: what its continuation on
+        another replica would compute again); a Transfer settled with None when the request is not here, has
+        several samples, or this engine cannot export."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and request.params.n == 1 and request.sequences:
+            try:
+                return self.start_export(list(request.sequences[0].token_ids), request.lora)
+            except ValueError:
+                pass
+        transfer = Transfer()
+        transfer.settle(None)
+        return transfer
+
     def export_prefix(self, token_ids: list[int], lora: LoRARequest | None = None) -> KVExport:
         """``start_export``, stepping until it is done (other requests' outputs wait for the next ``step``)."""
         return self._run_transfer(self.start_export(token_ids, lora))

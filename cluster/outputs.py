@@ -51,6 +51,9 @@ class RequestOutput:
     engine_failed: bool = False
     # KV blocks the request's samples have held so far, integrated over time (usage.kv_block_seconds)
     kv_block_seconds: float = 0.0
+    # a request handed over by a replica that Serve removes (n=1): its blocks (a KVExport), which its
+    # continuation on another replica imports instead of computing them (deploy/serve/failover.py)
+    kv: object | None = None
 
 
 def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -69,7 +72,8 @@ def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                          first.prompt_token_ids or later.prompt_token_ids, later.error or first.error,
                          max(first.num_cached_prompt_tokens, later.num_cached_prompt_tokens),
                          first.prompt_logprobs or later.prompt_logprobs,
-                         kv_block_seconds=max(first.kv_block_seconds, later.kv_block_seconds))
+                         kv_block_seconds=max(first.kv_block_seconds, later.kv_block_seconds),
+                         kv=later.kv or first.kv)
 
 
 class EngineError(RuntimeError):

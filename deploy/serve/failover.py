@@ -30,6 +30,11 @@ stream: continuation outputs carry no prompt fields, and usage counts the prompt
   continuation, and waiting for one kept the stream open until Ray was shut down under it (a cut
   connection instead of an SSE error event). A redeploy or a scale-down still fails over.
 - Unseeded sampling continues too, but not reproducibly (it never was).
+- Migration without re-prefill: a replica that Serve removes (scale-down, redeploy) hands its n=1 requests over
+  with their KV blocks (``AsyncEngine.drain(hand_over, pack)``: prompt and output so far, the bytes inside the
+  hand-over output, since the replica's own object-store entries go with it); the continuation imports them
+  (``kv``) and computes only the last partial block. A crashed replica's KV is gone: its continuations compute
+  their prompt again, or pull it from a peer that holds it (``kv_pull.py``).
 
 ``pagedray:request_failovers_total`` counts failovers (``on_failover``): one per request and lost replica,
 whatever its n.
@@ -118,7 +123,7 @@ class FailoverEngineClient:
         first replica only; an output is ``finished`` only once every sample is done."""
         produced: list[list[int]] = [[] for _ in range(params.n)]     # per sample: tokens streamed so far
         done = [False] * params.n
-        cached, failovers = 0, 0
+        cached, failovers, handed_kv = 0, 0, None
         if resume_tokens or kv is not None:
             if params.n != 1:
                 raise ValueError("resume_tokens: only for n=1")
@@ -134,9 +139,10 @@ class FailoverEngineClient:
                     async for out in outputs:
                         lost = out.engine_failed and failovers < self._max_failovers
                         if lost:             # its tokens are real; its "error" finish is the replica's
+                            handed_kv = out.kv if params.n == 1 else None   # a removed replica's blocks
                             out = replace(out, outputs=[replace(c, finish_reason=None) for c in out.outputs
                                                         if c.token_ids], error=None, finished=False,
-                                          engine_failed=False)
+                                          engine_failed=False, kv=None)
                         if failovers:        # the prompt was reported once, by the first replica
                             out = replace(out, prompt_token_ids=None, prompt_logprobs=None,
                                           num_cached_prompt_tokens=cached)
@@ -161,22 +167,24 @@ class FailoverEngineClient:
             self._on_failover()
             await self._sleep(BACKOFF_S[min(failovers, len(BACKOFF_S)) - 1])
             stream = self._continuation(f"{request_id}:failover{failovers}", prompt_token_ids, params, produced, done,
-                                        lora, session, tenant)
+                                        lora, session, tenant, handed_kv)
+            handed_kv = None
 
     def _continuation(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      produced: list[list[int]], done: list[bool], lora=None, session=None, tenant=None
+                      produced: list[list[int]], done: list[bool], lora=None, session=None, tenant=None, kv=None
                       ) -> AsyncIterator[RequestOutput]:
         """One stream of the unfinished samples' continuations, under their own indices; each of them must
-        be placed within the placement timeout."""
-        def placed(rid: str, sample_params: SamplingParams, tokens: list[int]) -> AsyncIterator[RequestOutput]:
+        be placed within the placement timeout. ``kv`` (n=1): the blocks the lost replica handed over."""
+        def placed(rid: str, sample_params: SamplingParams, tokens: list[int], kv=None) -> AsyncIterator[RequestOutput]:
             resume = list(tokens)        # a snapshot: ``produced`` keeps growing as the continuation streams
+            extra = {} if kv is None else {"kv": kv}
             return _placed_within(lambda: self._inner.generate(rid, prompt_token_ids, sample_params,
                                                                resume_tokens=resume, lora=lora, session=session,
-                                                               tenant=tenant),
+                                                               tenant=tenant, **extra),
                                   self._placement_timeout_s, self._sleep)
 
         if params.n == 1:
-            return placed(request_id, params, produced[0])
+            return placed(request_id, params, produced[0], kv)
         streams, indices = [], []
         for i in range(params.n):
             if not done[i]:

@@ -36,6 +36,10 @@ from .kv_pull import PeerPull, fetch_shards, put_shards
 log = logging.getLogger(__name__)
 
 
+async def _as_is(export: KVExport) -> KVExport:
+    return export
+
+
 def replica_id() -> str:
     """This Serve replica's id."""
     from ray import serve
@@ -225,6 +229,7 @@ class ServedEngine:
             return
         self._closed, self._draining = True, True
         try:
-            await self._engine.drain(0.0, hand_over=hand_over)
+            # the blocks travel inside the hand-over outputs: this replica's object-store entries would go with it
+            await self._engine.drain(0.0, hand_over=hand_over, pack=_as_is if hand_over else None)
         finally:
             self._engine.shutdown()
