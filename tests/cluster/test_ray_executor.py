@@ -95,7 +95,8 @@ def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, t
 
 
 @pytest.mark.timeout(400)
-def test_tp2_across_two_simulated_nodes_with_spread_matches_local(tiny_llama_path, local_tokens):
+def test_tp2_across_two_simulated_nodes_with_spread_matches_local_and_moves_blocks_to_a_third(tiny_llama_path,
+                                                                                               local_tokens):
     script = pathlib.Path(__file__).with_name("two_node_check.py")
     proc = subprocess.run([sys.executable, str(script), tiny_llama_path, json.dumps(PROMPTS), str(MAX_TOKENS)],
                           capture_output=True, text=True, timeout=360)
@@ -104,6 +105,9 @@ def test_tp2_across_two_simulated_nodes_with_spread_matches_local(tiny_llama_pat
     assert result["tokens"] == local_tokens
     assert len(set(result["nodes"])) == 2                 # SPREAD put the two ranks on different nodes
     assert result["leaks"] == [0, 0]
+    moved = result["moved"]                               # the last prompt's blocks, to a TP=1 rank on a third node
+    assert moved["shards"] == 2 and moved["moved"] == moved["cached"] == 32 and moved["node"] not in result["nodes"]
+    assert moved["tokens"] == local_tokens[-1]
 
 
 def test_health_does_not_ping_ranks_during_a_step():
