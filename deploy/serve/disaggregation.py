@@ -44,14 +44,14 @@ class DisaggregatedEngineClient:
     ``decode`` (the failover client of the decode deployment); everything but ``generate`` is ``decode``'s."""
 
     def __init__(self, prefill, decode) -> None:
-        self._prefill, self._decode = prefill, decode
+        self._prefill, self._decode = prefill.options(stream=True), decode
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        lora=None, session=None, tenant=None) -> AsyncIterator[RequestOutput]:
         first, export = None, None
         if disaggregable(params):
-            stream = self._prefill.options(stream=True).prefill.remote(f"{request_id}:prefill", prompt_token_ids,
-                                                                       params, lora, session, tenant)
+            stream = self._prefill.prefill.remote(f"{request_id}:prefill", prompt_token_ids, params, lora, session,
+                                                  tenant)
             try:
                 first = await anext(aiter(stream), None)
             except (*REPLICA_LOST, QueueFullError, EngineDrainingError):

@@ -102,6 +102,11 @@ class EngineDeployment(ServedEngine):
         """The replica's pid (memory checks from tests and benchmarks on the same machine)."""
         return os.getpid()
 
+    def process_load(self) -> tuple[str, int, int]:
+        """(this replica's Serve id, its pid, the requests it is serving): which process to disturb in a fault
+        test or a chaos run so that it hits requests (a call reaches whichever replica the router picks)."""
+        return replica_id(), os.getpid(), self._engine.num_in_flight
+
     async def replica_stats(self):
         """(this replica's Serve id, its EngineStats): per-replica figures for the ingress' /metrics with one
         replica, benchmarks and tools (a call reaches whichever replica the router picks)."""

@@ -128,15 +128,40 @@ def _streams_survive(app, disrupt, count_failovers: bool = True) -> None:
         assert failovers_total(http) > before
 
 
+def _replica_pids(app) -> dict[str, int]:
+    """Each engine replica's pid, by replica id (``process_load`` calls, while the replicas are idle: a call then
+    reaches either; Serve sends a control call to the shorter queue)."""
+    pids: dict[str, int] = {}
+    deadline = time.monotonic() + 120                 # hang guard
+    while len(pids) < 2:
+        assert time.monotonic() < deadline, pids
+        replica, pid, _ = app.engine_handle().process_load.remote().result()
+        pids[replica] = pid
+    return pids
+
+
+def _replica_serving_requests(app) -> str:
+    """The id of an engine replica whose /metrics line counts running requests (the summaries, once a second)."""
+    line = re.compile(r'pagedray:num_requests_running\{model_name="[^"]+",replica="([^"]+)"\} ([0-9.]+)')
+    deadline = time.monotonic() + 120                 # hang guard: the streams have started somewhere
+    with httpx.Client(base_url=app.url, headers=AUTH, timeout=60, trust_env=False) as http:
+        while True:
+            busy = [replica for replica, running in line.findall(http.get("/metrics").text) if float(running) > 0]
+            if busy:
+                return busy[0]
+            assert time.monotonic() < deadline, "no engine replica reports the streams"
+            time.sleep(0.1)
+
+
 def test_streams_of_a_killed_replica_finish_exactly_on_the_other(app):
-    """SIGKILL of one engine replica's process (the replica a ``process_id`` call reaches)."""
+    """SIGKILL of an engine replica's process that serves some of the streams (the router may place all four on
+    one replica: killing the other would test nothing)."""
     import os
     import signal
 
     assert len(_engine_replicas()) == 2
-    before = _engine_replicas()
-    pid = app.engine_handle().process_id.remote().result()
-    _streams_survive(app, lambda: os.kill(pid, signal.SIGKILL))
+    before, pids = _engine_replicas(), _replica_pids(app)
+    _streams_survive(app, lambda: os.kill(pids[_replica_serving_requests(app)], signal.SIGKILL))
     _replacement_warmed_from_its_peer(app, before)
 
 
