@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import socket
 import statistics
@@ -31,6 +30,7 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
 
 from benchmarks.common import add_round_args, finish_rounds, print_ratio, print_run
 from benchmarks.rounds import Metric, Ratio, run_rounds
+from benchmarks.routing import one_request, stream_body
 
 APP_NAME = "disaggregation"
 SPLIT, MIXED = "1P1D", "2 mixed"
@@ -50,26 +50,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def stream(client, prompt: list[int], max_tokens: int, start_at: float) -> dict:
-    """One streaming completion sent at ``start_at``: its chunk arrival times (after the send) and token count."""
-    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    sent, times, tokens = time.monotonic(), [], 0
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                return {"ok": False}
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("choices") and event["choices"][0].get("text"):
-                    times.append(time.monotonic() - sent)
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-    except Exception:  # noqa: BLE001 - a failed request is counted, not raised
-        return {"ok": False}
-    return {"ok": bool(times) and tokens == max_tokens, "times": times, "tokens": tokens}
+    """One streaming completion sent at ``start_at`` (``routing.one_request``): ok only with every token."""
+    result = await one_request(client, stream_body(prompt, max_tokens), start_at)
+    return {**result, "ok": result["ok"] and bool(result["times"]) and result["completion_tokens"] == max_tokens}
 
 
 async def workload(url: str, args: argparse.Namespace) -> tuple[list[dict], list[dict], float]:
@@ -111,7 +94,7 @@ def run(system: str, args: argparse.Namespace) -> dict:
     return {"failed": len(decoders) + len(longs) - len(done),
             "itl_p99_s": percentile(gaps, 0.99), "itl_p50_s": percentile(gaps, 0.5),
             "long_ttft_mean_s": statistics.mean(ttfts), "long_ttft_p99_s": percentile(ttfts, 0.99),
-            "output_tok_s": sum(r["tokens"] for r in done) / wall, "wall_s": wall}
+            "output_tok_s": sum(r["completion_tokens"] for r in done) / wall, "wall_s": wall}
 
 
 def main(argv: list[str] | None = None) -> dict:

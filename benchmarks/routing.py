@@ -128,11 +128,12 @@ def stream_body(prompt: list[int], max_tokens: int) -> dict:
 
 
 async def one_request(client, body: dict, start_at: float) -> dict:
-    """Send ``body`` at ``start_at`` (monotonic); TTFT, cached prompt tokens and the generated text."""
+    """Send ``body`` at ``start_at`` (monotonic); TTFT, cached prompt tokens, the generated text, the arrival of
+    each chunk with text (seconds after the send) and the completion tokens counted in its usage."""
     import json
 
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-    sent, first, cached, text = time.monotonic(), None, None, []
+    sent, first, cached, text, times, completion = time.monotonic(), None, None, [], [], None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -144,12 +145,16 @@ async def one_request(client, body: dict, start_at: float) -> dict:
                 if event.get("choices") and event["choices"][0].get("text") is not None:
                     first = first or time.monotonic()
                     text.append(event["choices"][0]["text"])
+                    if text[-1]:
+                        times.append(time.monotonic() - sent)
                 if event.get("usage"):
                     cached = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    completion = event["usage"]["completion_tokens"]
     except Exception:  # noqa: BLE001 - a failed request is counted, not raised
         return {"ok": False}
     return {"ok": first is not None and cached is not None, "ttft_s": (first or sent) - sent, "cached": cached or 0,
-            "prompt_tokens": len(body["prompt"]), "text": "".join(text)}
+            "prompt_tokens": len(body["prompt"]), "text": "".join(text), "times": times,
+            "completion_tokens": completion or 0}
 
 
 async def send_independent(client, prompts: list[list[int]], offsets: list[float], max_tokens: int) -> list[dict]:
