@@ -42,7 +42,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Container
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -52,7 +52,7 @@ from pagedray.workers.contract.sampling_params import SamplingParams
 
 from .engine import Engine
 from .executor import Executor
-from .kv_transfers import KVExport, Transfer
+from .kv_transfers import KVExport, Transfer, movable_requests
 from .outputs import (
     CompletionOutput,
     EngineDeadError,
@@ -416,18 +416,50 @@ class AsyncEngine:
         """``Engine.start_export`` between two steps; the KVExport once the next steps read the blocks."""
         return await self._transfer(lambda: self.engine.start_export(token_ids, lora))
 
-    async def export_request(self, request_id: str) -> KVExport | None:
-        """``Engine.start_request_export`` between two steps: a running request's blocks, or None."""
-        return await self._transfer(lambda: self.engine.start_request_export(request_id))
+    async def export_request(self, request_id: str, sample: int = 0) -> KVExport | None:
+        """``Engine.start_request_export`` between two steps: the blocks of a running request's sample, or None."""
+        return await self._transfer(lambda: self.engine.start_request_export(request_id, sample))
 
     async def _handed_over_kv(self, request_id: str, pack: Callable[[KVExport], Awaitable[KVExport]]):
+        """The blocks a handed-over request takes along: its KVExport (n=1), or one per sample (a tuple; None for a
+        finished sample), each ``pack``ed; None for what could not be exported."""
+        n = self._num_samples.get(request_id, 1)
+        exports = await asyncio.gather(*(self._handed_over_sample(request_id, i, pack) for i in range(n)))
+        return exports[0] if n == 1 else (None if all(e is None for e in exports) else tuple(exports))
+
+    async def _handed_over_sample(self, request_id: str, sample: int, pack: Callable[[KVExport], Awaitable[KVExport]]):
         try:
-            export = await self.export_request(request_id)
+            export = await self.export_request(request_id, sample)
             return None if export is None or export.num_blocks == 0 else await pack(export)
         except Exception as exc:  # noqa: BLE001 - without its blocks the continuation computes them
             logger.warning("request %s is handed over without its KV blocks (%s: %s)", request_id,
                            type(exc).__name__, exc)
             return None
+
+    async def hand_over(self, count: int, source: str, pack: Callable[[KVExport], Awaitable[KVExport]],
+                        keep: Container[str] = ()) -> list[str]:
+        """Moves up to ``count`` n=1 requests away (rebalancing between live replicas: deploy/serve/rebalance.py):
+        each one's blocks are exported and ``pack``ed, and its stream ends with an ``engine_failed`` output carrying
+        them (``kv``) and ``moved_from=source``, which the ingress continues on another replica. Waiting requests go
+        first (they lose nothing), then the running ones with the most tokens left to generate. ``keep``: request
+        ids never moved (those moved here, so that a request is not bounced back). Returns the ids moved."""
+        if count < 0:
+            raise ValueError(f"count: must be >= 0, got {count}")
+        if count == 0 or self._closed or self._stalled is not None:
+            return []
+        in_flight = set(self._streams) - set(keep)
+        chosen = await self._between_steps(lambda: movable_requests(self.engine.scheduler, in_flight, count))
+        kvs = await asyncio.gather(*(self._handed_over_kv(r, pack) for r in chosen))
+        moved = []
+        for request_id, kv in zip(chosen, kvs):
+            queue = self._streams.pop(request_id, None)
+            if queue is None:                  # it finished while its blocks were exported
+                continue
+            failed = self._failed_output(request_id, f"moved: the engine replica {source} handed the request over")
+            queue.put_nowait(replace(failed, kv=kv, moved_from=source))
+            self._push(AbortCommand(request_id))
+            moved.append(request_id)
+        return moved
 
     async def import_prefix(self, export: KVExport) -> int:
         """``Engine.start_import`` between two steps; the tokens of ``export`` cached here once they are written."""
@@ -469,9 +501,9 @@ class AsyncEngine:
         """Refuse new requests, wait up to ``timeout_s`` for the in-flight ones, abort the rest; returns
         how many were aborted. ``hand_over``: the rest end with an ``engine_failed`` output instead of
         finish_reason "abort", so that the ingress continues them on another replica (a replica that
-        Serve removes: deploy/serve/failover.py); with ``pack`` each n=1 request's blocks are exported first and
-        that output carries them (``RequestOutput.kv``, ``pack``ed: put in the object store), so that its
-        continuation imports them instead of computing its prompt and output again."""
+        Serve removes: deploy/serve/failover.py); with ``pack`` each request's blocks are exported first (per sample
+        when n > 1) and that output carries them (``RequestOutput.kv``, ``pack``ed: put in the object store), so
+        that its continuations import them instead of computing the prompt and outputs again."""
         self._draining = True
         deadline = self._clock() + timeout_s
         while self._streams and self._clock() < deadline:

@@ -334,16 +334,20 @@ class Engine:
         self._check_transfers("import")
         return self.transfers.start_import(self.block_manager, export)
 
-    def start_request_export(self, request_id: str) -> Transfer:
-        """An export of a running n=1 request's blocks (its prompt and output so far: what its continuation on
-        another replica would compute again); a Transfer settled with None when the request is not here, has
-        several samples, or this engine cannot export."""
+    def start_request_export(self, request_id: str, sample: int = 0) -> Transfer:
+        """An export of the blocks of a running request's sample ``sample`` (its prompt and that sample's output so
+        far: what its continuation on another replica would compute again; a sample not forked yet: the prompt's);
+        a Transfer settled with None when the request is not here, the sample is finished, or this engine cannot
+        export."""
         request = self.scheduler.requests.get(request_id)
-        if request is not None and request.params.n == 1 and request.sequences:
-            try:
-                return self.start_export(list(request.sequences[0].token_ids), request.lora)
-            except ValueError:
-                pass
+        if request is not None and request.sequences and 0 <= sample < request.params.n:
+            seq = next((s for s in request.sequences if s.index == sample), None)
+            tokens = request.prompt_token_ids if seq is None else seq.token_ids
+            if seq is None or not seq.is_finished:
+                try:
+                    return self.start_export(list(tokens), request.lora)
+                except ValueError:
+                    pass
         transfer = Transfer()
         transfer.settle(None)
         return transfer

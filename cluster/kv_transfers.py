@@ -37,6 +37,8 @@ from pagedray.block_manager import BlockManager, namespace_root
 from pagedray.kernels.kv_quant import SCALE_DTYPE, cache_dtype, is_quantized
 from pagedray.workers.contract.wire import StepPlan, StepResult
 
+from .request import SequenceStatus
+
 TRANSFER_BYTES_PER_PLAN = 32 * 1024 * 1024
 
 
@@ -257,3 +259,20 @@ class KVTransfers:
             if bm is not None:
                 bm.release_transfer(imp.blocks[imp.written:])
             imp.transfer.settle(error=error)
+
+
+def movable_requests(scheduler, request_ids: set[str], count: int) -> list[str]:
+    """Up to ``count`` of ``request_ids`` that a rebalancing may move to another replica, best first: n=1 requests
+    not finished; the waiting ones first (oldest first: they have waited longest), then the running ones with the
+    most tokens left to generate (they gain the most from a less loaded replica)."""
+    waiting, running = [], []
+    for seq in list(scheduler.waiting) + list(scheduler.running):
+        request = seq.request
+        if request.request_id not in request_ids or request.params.n != 1 or seq.is_finished:
+            continue
+        if seq.status is SequenceStatus.WAITING:
+            waiting.append(request.request_id)
+        else:
+            left = request.params.max_tokens - len(seq.output_token_ids)
+            running.append((-left, len(running), request.request_id))
+    return (waiting + [request_id for *_, request_id in sorted(running)])[:count]

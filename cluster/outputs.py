@@ -51,9 +51,13 @@ class RequestOutput:
     engine_failed: bool = False
     # KV blocks the request's samples have held so far, integrated over time (usage.kv_block_seconds)
     kv_block_seconds: float = 0.0
-    # a request handed over by a replica that Serve removes (n=1): its blocks (a KVExport), which its
-    # continuation on another replica imports instead of computing them (deploy/serve/failover.py)
+    # a request handed over by a replica that Serve removes or that moves it: its blocks (a KVExport; n > 1: a
+    # tuple with one per sample, None for a finished one), which its continuations on other replicas import
+    # instead of computing them (deploy/serve/failover.py)
     kv: object | None = None
+    # the request was moved on purpose (rebalancing: ``AsyncEngine.hand_over``) from the replica with this id; its
+    # continuation goes to another replica and is not a failover (deploy/serve/failover.py)
+    moved_from: str | None = None
 
 
 def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -73,7 +77,7 @@ def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                          max(first.num_cached_prompt_tokens, later.num_cached_prompt_tokens),
                          first.prompt_logprobs or later.prompt_logprobs,
                          kv_block_seconds=max(first.kv_block_seconds, later.kv_block_seconds),
-                         kv=later.kv or first.kv)
+                         kv=later.kv or first.kv, moved_from=later.moved_from or first.moved_from)
 
 
 class EngineError(RuntimeError):

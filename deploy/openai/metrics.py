@@ -46,6 +46,7 @@ SPEC_POSITION_SERIES = "pagedray:spec_decode_num_accepted_tokens_per_pos"
 HEALTHY_SERIES = "pagedray:engine_healthy"
 QUEUE_TIME_SERIES = "pagedray:request_queue_time_seconds"
 FAILOVER_SERIES = "pagedray:request_failovers"
+MOVE_SERIES = "pagedray:request_moves"
 # fair share (the ``tenants`` option): per tenant and replica; the labels are the configured names, never keys
 TENANT_SERIES = (("pagedray:tenant_kv_blocks", "KV blocks held by the tenant's running sequences.", 1),
                  ("pagedray:tenant_num_requests_waiting", "The tenant's sequences waiting for admission.", 2),
@@ -137,6 +138,9 @@ class ServerMetrics:
         self.failovers = Counter(FAILOVER_SERIES, "Requests continued on another engine replica after theirs was "
                                  "lost (deploy/serve/failover.py).", ["model_name"],
                                  registry=self.registry).labels(model_name)
+        self.moves = Counter(MOVE_SERIES, "Requests moved with their KV blocks from a busy engine replica to a less "
+                             "loaded one (deploy/serve/rebalance.py).", ["model_name"],
+                             registry=self.registry).labels(model_name)
         self.engine = EngineStatsCollector(model_name)
         self.registry.register(self.engine)
 

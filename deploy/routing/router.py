@@ -26,6 +26,10 @@ matches) and picks:
   prompt's hashes are the adapter's chains (``prefix_block_hashes(..., namespace)``), the ones its blocks
   are cached under.
 
+A ``generate`` call of a request moved from a busy replica (``serve/rebalance.py``) names that replica
+(``exclude``) and brings its KV blocks (``kv``): it goes to the least-loaded other replica. A call that brings
+``kv`` without ``exclude`` (prefill/decode disaggregation) goes to the least-loaded replica too.
+
 An ``export_prefix`` call (a replica pulling a prefix from a peer: ``serve/kv_pull.py``) goes to the replica
 holding the longest run of its tokens' leading blocks, whatever its load (an export reads blocks, it computes
 nothing), and never to the calling replica (its ``exclude`` argument). An ``import_prefix`` call (a KVExport
@@ -137,10 +141,15 @@ def choose_by_prefix(prompt_hashes: list[int], replicas: list[ReplicaView], max_
     if best is not None:
         return [best.replica], best_held
     if not prompt_hashes:   # no full block: nothing to place in a cache, so load alone decides
-        least_eligible = min(view.load for view in eligible)
-        return [view.replica for view in eligible if view.load == least_eligible], 0
+        return least_loaded(eligible), 0
     emptiest = min((view.footprint, view.load) for view in eligible)
     return [view.replica for view in eligible if (view.footprint, view.load) == emptiest], 0
+
+
+def least_loaded(replicas: list[ReplicaView]) -> list:
+    """The replicas with the least load."""
+    least = min(view.load for view in replicas)
+    return [view.replica for view in replicas if view.load == least]
 
 
 def remember_sent(sent: collections.OrderedDict[int, None], prompt_hashes: list[int]) -> None:
@@ -257,6 +266,12 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
             return [choose_importer(pending_request, candidate_replicas, self._cached, self._block_size)]
         if prompt is None:   # in random order: Serve takes the first of the shortest queues, ties are common here
             return [random.sample(candidate_replicas, len(candidate_replicas))]
+        exclude, kwargs = pending_request.kwargs.get("exclude"), pending_request.kwargs
+        if exclude is not None:   # a moved request (serve/rebalance.py): never back to the replica it left
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != exclude] \
+                or candidate_replicas
+        if kwargs.get("kv") is not None:   # it brings its blocks: the load alone decides
+            return [least_loaded([self._view(r) for r in candidate_replicas])]
         adapter = generate_adapter(pending_request)
         hashes = prompt_hashes(prompt, self._block_size, adapter)
         views = [self._view(r) for r in candidate_replicas]

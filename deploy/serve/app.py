@@ -60,7 +60,20 @@ def parse_args(args: dict | None) -> BaseModel:
             raise ValueError("num_replicas: give either num_replicas or autoscaling_config, not both")
         check_autoscaling(parsed.autoscaling_config)
     check_disaggregation(parsed)
+    check_rebalancing(parsed)
     return parsed
+
+
+def check_rebalancing(parsed: BaseModel) -> None:
+    """``rebalance_threshold`` (``rebalance.py``): ValueError naming it when it is negative or cannot work."""
+    if parsed.rebalance_threshold < 0:
+        raise ValueError(f"rebalance_threshold: must be >= 0, got {parsed.rebalance_threshold}")
+    if parsed.rebalance_threshold and parsed.request_router == "serve":
+        raise ValueError("rebalance_threshold: needs request_router 'cache_aware' or 'auto' (its summaries give "
+                         "each replica its peers' loads)")
+    if parsed.rebalance_threshold and parsed.engine_in_ingress is True:
+        raise ValueError("rebalance_threshold: moves requests between engine replicas; with engine_in_ingress "
+                         "there is one engine per ingress and nothing to move them to")
 
 
 def check_disaggregation(parsed: BaseModel) -> None:
@@ -155,7 +168,8 @@ def build_app(args: dict | None = None) -> Application:
     routing = router_config(parsed, most_replicas, config.cache.block_size)
     summary_blocks = PREFIX_SUMMARY_BLOCKS if routing else 0   # Serve's own router reads no prefix summary
     engine = EngineDeployment.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
-                                      **routing).bind(config, prefix_summary_blocks=summary_blocks)
+                                      **routing).bind(config, prefix_summary_blocks=summary_blocks,
+                                                      rebalance_threshold=parsed.rebalance_threshold)
     if parsed.prefill_replicas:
         prefill_routing = router_config(parsed, parsed.prefill_replicas, config.cache.block_size)
         ingress_args["prefill_engine"] = EngineDeployment.options(

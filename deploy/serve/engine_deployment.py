@@ -49,6 +49,7 @@ Draining (``served_engine.py`` holds the state; the same with ``engine_in_ingres
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from ray import serve
@@ -59,6 +60,8 @@ from .failover import PLACEMENT_TIMEOUT_S
 from .kv_pull import serve_peer_pull
 from .loopback import bind_replica_grpc_to_loopback
 from .options import GRACEFUL_SHUTDOWN_S
+from .peers import own_deployment
+from .rebalance import Rebalancer
 from .served_engine import ServedEngine, replica_id
 from .warm_up import warm_from_peers
 
@@ -88,15 +91,26 @@ class EngineDeployment(ServedEngine):
     ``prefix_summary_blocks``: cached prefix-block hashes per routing summary (0: none, no router reads them).
     Before taking traffic the replica prefills up to ``cache.warm_prefix_tokens`` tokens of a running
     replica's most reused prefixes (``warm_up.py``), pulled from it when ``cache.kv_peer_pull`` (``kv_pull.py``:
-    also what a prompt whose prefix a peer holds does)."""
+    also what a prompt whose prefix a peer holds does). With ``rebalance_threshold`` it moves requests, with their
+    blocks, to less loaded peers (``rebalance.py``)."""
 
-    async def __init__(self, config, prefix_summary_blocks: int = PREFIX_SUMMARY_BLOCKS) -> None:
+    async def __init__(self, config, prefix_summary_blocks: int = PREFIX_SUMMARY_BLOCKS,
+                       rebalance_threshold: int = 0) -> None:
         bind_replica_grpc_to_loopback()   # before Serve starts the replica's gRPC server (loopback nodes)
         super().__init__(config)
         self._prefix_summary_blocks = prefix_summary_blocks
-        if config.cache.kv_peer_pull and prefix_summary_blocks and config.cache.enable_prefix_caching:
-            self._pull = serve_peer_pull(self._engine)    # the cache-aware router's summaries say who holds what
+        self._rebalancer: Rebalancer | None = None
+        self._rebalancing: asyncio.Task | None = None
+        pull = config.cache.kv_peer_pull and prefix_summary_blocks and config.cache.enable_prefix_caching
+        if pull or (rebalance_threshold and prefix_summary_blocks):
+            peers = own_deployment()      # the cache-aware router's summaries say who holds what, and their loads
+            if pull:
+                self._pull = serve_peer_pull(self._engine, peers)
+            if rebalance_threshold and prefix_summary_blocks:
+                self._rebalancer = Rebalancer(self, peers.me, peers.summaries, rebalance_threshold)
         self.warm_report = await warm_from_peers(self, config.cache.warm_prefix_tokens)
+        if self._rebalancer is not None:
+            self._rebalancing = asyncio.get_running_loop().create_task(self._rebalancer.run())
 
     def process_id(self) -> int:
         """The replica's pid (memory checks from tests and benchmarks on the same machine)."""
@@ -120,6 +134,10 @@ class EngineDeployment(ServedEngine):
         """(this replica's Serve id, its pulls from peers so far: ``kv_pull.PeerPull.report``; None when off)."""
         return replica_id(), None if self._pull is None else self._pull.report()
 
+    def rebalance_report(self) -> tuple[str, dict | None]:
+        """(this replica's Serve id, the requests it moved to peers so far: ``Rebalancer.report``; None when off)."""
+        return replica_id(), None if self._rebalancer is None else self._rebalancer.report()
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """For Serve's custom autoscaling policies (``autoscaling.kv_pressure_policy``)."""
         return autoscaling_stats(await self.stats())
@@ -131,5 +149,7 @@ class EngineDeployment(ServedEngine):
         # Serve calls this once the ongoing calls are done (or its wait was cut short): hand the rest over
         # (the ingress continues them on another replica). A replica whose constructor failed has no
         # engine: nothing to stop (and no noise in the log).
+        if getattr(self, "_rebalancing", None) is not None:
+            self._rebalancing.cancel()
         if getattr(self, "_engine", None) is not None:
             await self.close(hand_over=True)

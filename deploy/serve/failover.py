@@ -30,14 +30,19 @@ stream: continuation outputs carry no prompt fields, and usage counts the prompt
   continuation, and waiting for one kept the stream open until Ray was shut down under it (a cut
   connection instead of an SSE error event). A redeploy or a scale-down still fails over.
 - Unseeded sampling continues too, but not reproducibly (it never was).
-- Migration without re-prefill: a replica that Serve removes (scale-down, redeploy) hands its n=1 requests over
-  with their KV blocks (``AsyncEngine.drain(hand_over, pack)``: prompt and output so far, the bytes inside the
-  hand-over output, since the replica's own object-store entries go with it); the continuation imports them
-  (``kv``) and computes only the last partial block. A crashed replica's KV is gone: its continuations compute
+- Migration without re-prefill: a replica that Serve removes (scale-down, redeploy) hands its requests over
+  with their KV blocks (``AsyncEngine.drain(hand_over, pack)``: prompt and output so far, per sample when n > 1,
+  the bytes inside the hand-over output, since the replica's own object-store entries go with it); each
+  continuation imports its sample's blocks (``kv``) and computes only the last partial block. A crashed replica's KV is gone: its continuations compute
   their prompt again, or pull it from a peer that holds it (``kv_pull.py``).
 
+- Planned moves (rebalancing between live replicas, ``rebalance.py``): an output marked ``moved_from`` ends the
+  request on a replica that is alive and handed it over on purpose (with its blocks, ``kv``). Its continuation
+  is sent at once, with ``exclude`` naming that replica (the router places it on another one), and is not a
+  failover: at most ``MAX_MOVES`` of them per request, which do not use up ``MAX_FAILOVERS``.
+
 ``pagedray:request_failovers_total`` counts failovers (``on_failover``): one per request and lost replica,
-whatever its n.
+whatever its n; ``pagedray:request_moves_total`` counts planned moves (``on_move``).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from ..openai.errors import engine_error_message
 from ..openai.streaming import merge_streams
 
 MAX_FAILOVERS = 3
+MAX_MOVES = 8   # planned moves of one request (rebalance.py) that are not failovers; a later one counts as one
 BACKOFF_S = (0.0, 1.0, 4.0)
 # a continuation that a full admission queue or a draining replica refuses is sent again after this
 REFUSED_RETRY_S = 0.5
@@ -103,11 +109,13 @@ class FailoverEngineClient:
     def __init__(self, inner, on_failover: Callable[[], None] = lambda: None, max_failovers: int = MAX_FAILOVERS,
                  sleep: Callable[[float], object] = asyncio.sleep,
                  placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
-                 app_deleting: Callable[[], Awaitable[bool]] = _never_deleting) -> None:
+                 app_deleting: Callable[[], Awaitable[bool]] = _never_deleting,
+                 on_move: Callable[[], None] = lambda: None) -> None:
         self._inner = inner
         self._app_deleting = app_deleting
         self._placement_timeout_s = placement_timeout_s
         self._on_failover = on_failover
+        self._on_move = on_move
         self._max_failovers = max_failovers
         self._sleep = sleep
 
@@ -123,7 +131,7 @@ class FailoverEngineClient:
         first replica only; an output is ``finished`` only once every sample is done."""
         produced: list[list[int]] = [[] for _ in range(params.n)]     # per sample: tokens streamed so far
         done = [False] * params.n
-        cached, failovers, handed_kv = 0, 0, None
+        cached, failovers, moves, handed_kv, moved_from = 0, 0, 0, None, None
         if resume_tokens or kv is not None:
             if params.n != 1:
                 raise ValueError("resume_tokens: only for n=1")
@@ -137,20 +145,22 @@ class FailoverEngineClient:
             try:
                 async with aclosing(stream) as outputs:
                     async for out in outputs:
-                        lost = out.engine_failed and failovers < self._max_failovers
+                        moved = out.engine_failed and out.moved_from is not None and moves < MAX_MOVES
+                        lost = moved or (out.engine_failed and failovers < self._max_failovers)
                         if lost:             # its tokens are real; its "error" finish is the replica's
-                            handed_kv = out.kv if params.n == 1 else None   # a removed replica's blocks
+                            handed_kv = out.kv            # a removed or moving replica's blocks (per sample: n > 1)
+                            moved_from = out.moved_from if moved else None
                             out = replace(out, outputs=[replace(c, finish_reason=None) for c in out.outputs
                                                         if c.token_ids], error=None, finished=False,
-                                          engine_failed=False, kv=None)
-                        if failovers:        # the prompt was reported once, by the first replica
+                                          engine_failed=False, kv=None, moved_from=None)
+                        if failovers or moves:   # the prompt was reported once, by the first replica
                             out = replace(out, prompt_token_ids=None, prompt_logprobs=None,
                                           num_cached_prompt_tokens=cached)
                         cached = out.num_cached_prompt_tokens
                         for completion in out.outputs:
                             produced[completion.index] += completion.token_ids
                             done[completion.index] |= completion.finish_reason is not None
-                        if failovers:        # each continuation finishes its own sample only
+                        if failovers or moves:   # each continuation finishes its own sample only
                             out = replace(out, finished=all(done))
                         if out.outputs or out.finished or out.error is not None:
                             yield out
@@ -158,26 +168,36 @@ class FailoverEngineClient:
                             raise ReplicaLost("the engine failed under the request")
                 return
             except (*REPLICA_LOST, ReplicaLost) as exc:
-                if failovers >= self._max_failovers or all(done) or isinstance(exc, NotPlaced):
-                    raise
-                if await self._app_deleting():
-                    raise NotPlaced("engine dead: the app is being deleted (the server is stopping); "
-                                    "no engine replica will take the request's continuation") from exc
-            failovers += 1
-            self._on_failover()
-            await self._sleep(BACKOFF_S[min(failovers, len(BACKOFF_S)) - 1])
-            stream = self._continuation(f"{request_id}:failover{failovers}", prompt_token_ids, params, produced, done,
-                                        lora, session, tenant, handed_kv)
-            handed_kv = None
+                if moved_from is None:
+                    if failovers >= self._max_failovers or all(done) or isinstance(exc, NotPlaced):
+                        raise
+                    if await self._app_deleting():
+                        raise NotPlaced("engine dead: the app is being deleted (the server is stopping); "
+                                        "no engine replica will take the request's continuation") from exc
+            if moved_from is not None:   # a planned move: at once, to another replica, not a failover
+                moves += 1
+                self._on_move()
+                name = f"{request_id}:moved{moves}"
+            else:
+                failovers += 1
+                self._on_failover()
+                await self._sleep(BACKOFF_S[min(failovers, len(BACKOFF_S)) - 1])
+                name = f"{request_id}:failover{failovers}"
+            stream = self._continuation(name, prompt_token_ids, params, produced, done, lora, session, tenant,
+                                        handed_kv, moved_from)
+            handed_kv, moved_from = None, None
 
     def _continuation(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      produced: list[list[int]], done: list[bool], lora=None, session=None, tenant=None, kv=None
-                      ) -> AsyncIterator[RequestOutput]:
+                      produced: list[list[int]], done: list[bool], lora=None, session=None, tenant=None, kv=None,
+                      exclude: str | None = None) -> AsyncIterator[RequestOutput]:
         """One stream of the unfinished samples' continuations, under their own indices; each of them must
-        be placed within the placement timeout. ``kv`` (n=1): the blocks the lost replica handed over."""
+        be placed within the placement timeout. ``kv``: the blocks the lost replica handed over (n > 1: a tuple,
+        one per sample); ``exclude``: the replica a moved request left (the router places it elsewhere)."""
         def placed(rid: str, sample_params: SamplingParams, tokens: list[int], kv=None) -> AsyncIterator[RequestOutput]:
             resume = list(tokens)        # a snapshot: ``produced`` keeps growing as the continuation streams
             extra = {} if kv is None else {"kv": kv}
+            if exclude is not None:
+                extra["exclude"] = exclude
             return _placed_within(lambda: self._inner.generate(rid, prompt_token_ids, sample_params,
                                                                resume_tokens=resume, lora=lora, session=session,
                                                                tenant=tenant, **extra),
@@ -189,7 +209,8 @@ class FailoverEngineClient:
         for i in range(params.n):
             if not done[i]:
                 seed = None if params.seed is None else sibling_seed(params.seed, i)
-                streams.append(placed(f"{request_id}:{i}", replace(params, n=1, seed=seed), produced[i]))
+                sample_kv = kv[i] if isinstance(kv, tuple) and i < len(kv) else None
+                streams.append(placed(f"{request_id}:{i}", replace(params, n=1, seed=seed), produced[i], sample_kv))
                 indices.append(i)
         return _merged(streams, indices)
 

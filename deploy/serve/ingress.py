@@ -110,9 +110,11 @@ class HandleEngineClient:
         return [ReplicaState(replica, stats)]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       resume_tokens: list[int] = (), lora=None, session=None, tenant=None, kv=None) -> AsyncIterator:
+                       resume_tokens: list[int] = (), lora=None, session=None, tenant=None, kv=None,
+                       exclude: str | None = None) -> AsyncIterator:
         args = (request_id, prompt_token_ids, params, list(resume_tokens), lora, session, tenant)
-        response = self._handle.options(stream=True).generate.remote(*args, *(() if kv is None else (kv,)))
+        moved = {name: value for name, value in (("kv", kv), ("exclude", exclude)) if value is not None}
+        response = self._handle.options(stream=True).generate.remote(*args, **moved)
         exhausted = False
         try:
             async for output in response:
@@ -177,7 +179,8 @@ class OpenAIIngress:
             meta = await engine.model_meta.remote()
             app_name = engine.deployment_id.app_name
             client = FailoverEngineClient(HandleEngineClient(engine), on_failover=lambda: self._metrics.failovers.inc(),
-                                          app_deleting=lambda: app_being_deleted(app_name))
+                                          app_deleting=lambda: app_being_deleted(app_name),
+                                          on_move=lambda: self._metrics.moves.inc())
             if prefill_engine is not None:
                 client = DisaggregatedEngineClient(prefill_engine, client)
         name, aliases = served_names(model, meta, served_model_name)

@@ -30,6 +30,7 @@ from pagedray.cluster.kv_transfers import KVExport
 from pagedray.workers.contract.lora_request import LoRARequest
 
 from ..routing.router import leading_blocks_held
+from .peers import OwnDeployment
 
 log = logging.getLogger(__name__)
 
@@ -145,28 +146,10 @@ async def put_shards(export: KVExport) -> KVExport:
     return KVExport(export.layout, export.namespace, export.token_ids, refs)
 
 
-def serve_peer_pull(engine) -> PeerPull:
-    """The PeerPull of the engine replica running this code (``engine``: its AsyncEngine): its summaries come from
-    the cache-aware router of a handle to its own deployment, which this starts at once (one call, in the
-    background: a router exists in this process from a handle's first call), so that it knows its peers before
-    the first prompt arrives."""
-    from ray import serve
-
-    from ..routing.router import replica_summaries
-
-    context = serve.get_replica_context()
-    app, deployment, me = context.app_name, context.deployment, context.replica_id.unique_id
-    handle = serve.get_deployment_handle(deployment, app)
-
+def serve_peer_pull(engine, peers: OwnDeployment) -> PeerPull:
+    """The PeerPull of the engine replica running this code (``engine``: its AsyncEngine; ``peers``: a handle to its
+    own deployment, whose cache-aware router holds every replica's summary)."""
     async def export(tokens: list[int], lora: LoRARequest | None) -> KVExport:
-        return await handle.export_prefix.remote(tokens, lora, exclude=me)
+        return await peers.handle.export_prefix.remote(tokens, lora, exclude=peers.me)
 
-    async def start_router() -> None:
-        try:
-            await handle.model_meta.remote()
-        except Exception as exc:  # noqa: BLE001 - without a router there are no summaries, so no pulls
-            log.warning("pulls from peers are off: the handle to %s did not answer (%s)", deployment, exc)
-
-    pull = PeerPull(engine, engine.config.cache.block_size, me, lambda: replica_summaries(app, deployment), export)
-    pull.router_started = asyncio.get_running_loop().create_task(start_router())
-    return pull
+    return PeerPull(engine, engine.config.cache.block_size, peers.me, peers.summaries, export)

@@ -74,6 +74,10 @@ SERVE_OPTIONS = (
     Option("router_max_imbalance", "cache_aware routing: requests in flight above the least-loaded replica "
            "that a replica holding the prompt's prefix may have and still be chosen", kind=int,
            default=DEFAULT_MAX_IMBALANCE),
+    Option("rebalance_threshold", "several engine replicas: a replica whose requests (running + waiting) exceed the "
+           "least-loaded replica's by more than this moves half the difference there, running requests with their "
+           "KV blocks, streams going on token for token (deploy/serve/rebalance.py; 0: off). Needs the cache_aware "
+           "router", kind=int, default=0),
     Option("reasoning_parser", "chat: split <think>...</think> into reasoning_content: 'auto' (when the chat "
            "template has both tags), 'think' (also 'qwen3', 'deepseek_r1') or 'none'", kind=str, default="auto"),
     Option("tool_call_parser", "chat with tools: the model's tool-call format, 'auto' (read off a chat template "

@@ -76,21 +76,39 @@ class ServedEngine:
         self._closed = False
         self._engine = AsyncEngine(config)
         self._pull: PeerPull | None = None     # set by the engine deployment when peers may hold prefixes
+        self._moved_in: set[str] = set()       # requests in flight here that another replica moved here
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        resume_tokens: list[int] = (), lora: LoRARequest | None = None, session: str | None = None,
-                       tenant: str | None = None, kv: KVExport | None = None) -> AsyncIterator[RequestOutput]:
-        """``kv``: the prompt's blocks from the replica that ran it (prefill/decode disaggregation), imported first;
-        an import that fails (a lost exporter, another layout) leaves the prompt to be computed here."""
+                       tenant: str | None = None, kv: KVExport | None = None, exclude: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """``kv``: the prompt's blocks from the replica that ran it (prefill/decode disaggregation, a moved request),
+        imported first; an import that fails (a lost exporter, another layout) leaves the prompt to be computed here.
+        ``exclude``: the replica a moved request left (``hand_over``; the router never sends it back there): this
+        replica never moves it again."""
         # an async generator function, not a method returning AsyncEngine's generator: Serve runs a
         # plain method in its thread pool and streams only what a generator function yields
         if kv is not None and not self._draining:
             await self._import_handed_over(kv)
         elif self._pull is not None and not self._draining:
             await self._pull.before_prefill(prompt_token_ids, lora)
-        async for output in self._engine.generate(request_id, prompt_token_ids, params, resume_tokens=resume_tokens,
-                                                  lora=lora, session=session, tenant=tenant):
-            yield output
+        if exclude is not None:
+            self._moved_in.add(request_id)
+        try:
+            async for output in self._engine.generate(request_id, prompt_token_ids, params,
+                                                      resume_tokens=resume_tokens, lora=lora, session=session,
+                                                      tenant=tenant):
+                yield output
+        finally:
+            self._moved_in.discard(request_id)
+
+    async def hand_over(self, count: int, source: str) -> list[str]:
+        """Moves up to ``count`` of this replica's requests to other replicas, with their KV blocks (each rank's
+        shard put into the object store; ``AsyncEngine.hand_over``, ``rebalance.py``); ``source``: this replica's
+        id, which their continuations avoid. Requests moved here are never moved again. Returns the ids moved."""
+        if self._draining:
+            return []
+        return await self._engine.hand_over(count, source, put_shards, keep=frozenset(self._moved_in))
 
     async def _import_handed_over(self, kv: KVExport) -> None:
         try:

@@ -52,7 +52,12 @@ def test_engine_config_from_args():
                                          ({"request_router": "random"}, "request_router"),
                                          ({"router_max_imbalance": -1}, "router_max_imbalance"),
                                          ({"engine_in_ingress": True, "request_router": "cache_aware"},
-                                          "request_router")])
+                                          "request_router"),
+                                         ({"rebalance_threshold": -1}, "rebalance_threshold"),
+                                         ({"rebalance_threshold": 2, "request_router": "serve", "num_replicas": 2},
+                                          "rebalance_threshold"),
+                                         ({"rebalance_threshold": 2, "engine_in_ingress": True},
+                                          "rebalance_threshold")])
 def test_build_app_rejects_bad_args_naming_the_field(args, field):
     with pytest.raises(ValueError, match=field):
         build_app(args)
@@ -196,11 +201,14 @@ def test_the_cache_aware_router_is_used_where_there_is_a_choice_of_replicas():
         config = engine_router({**args, "block_size": 32, "router_max_imbalance": 3})
         assert config.get_request_router_class() is CacheAwareRouter, args
         assert config.request_router_kwargs == {"block_size": 32, "max_imbalance": 3}
-        assert engine(args).init_kwargs == {"prefix_summary_blocks": PREFIX_SUMMARY_BLOCKS}, args
+        assert engine(args).init_kwargs == {"prefix_summary_blocks": PREFIX_SUMMARY_BLOCKS,
+                                            "rebalance_threshold": 0}, args
+    assert engine(
+        {"num_replicas": 2, "rebalance_threshold": 3}).init_kwargs["rebalance_threshold"] == 3   # rebalance.py
     assert engine_router({"num_replicas": 2, "request_router": "serve"}).request_router_class == default_router
     # Serve's router reads no prefix summary: its replicas build none
     for args in ({"num_replicas": 2, "request_router": "serve"}, {"engine_in_ingress": False}):
-        assert engine(args).init_kwargs == {"prefix_summary_blocks": 0}, args
+        assert engine(args).init_kwargs == {"prefix_summary_blocks": 0, "rebalance_threshold": 0}, args
 
 
 def test_engine_in_ingress_gives_the_ingress_the_engines_replicas_and_placement():

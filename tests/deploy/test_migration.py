@@ -9,6 +9,7 @@ import asyncio
 import random
 
 import pytest
+from helpers.engine_runs import collect_tokens
 from pagedray.deploy.serve.failover import FailoverEngineClient
 from pagedray.deploy.serve.served_engine import ServedEngine
 from pagedray.workers.contract.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
@@ -37,13 +38,18 @@ class FirstThenSecond:
         return engine.generate(request_id, prompt, params, resume_tokens, lora, session, tenant, kv)
 
 
-async def _collect(stream, on_token=None) -> list[int]:
-    tokens = []
-    async for out in stream:
-        tokens += out.outputs[0].token_ids if out.outputs else []
-        if on_token is not None:
-            on_token(len(tokens))
-    return tokens
+async def _removing_first_after_four(first, second, prompt, params, collect):
+    """The request through the failover client on ``first``, which Serve removes (it hands its requests over) once
+    ``collect``'s count reaches 4: (what ``collect`` returns, the calls the routing saw)."""
+    routing = FirstThenSecond(first, second)
+    closing = []
+
+    def remove_first_after_four(count: int) -> None:
+        if count >= 4 and not closing:
+            closing.append(asyncio.ensure_future(first.close(hand_over=True)))
+    tokens = await collect(FailoverEngineClient(routing).generate("req", prompt, params), remove_first_after_four)
+    await closing[0]
+    return tokens, routing.calls
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
@@ -55,17 +61,9 @@ def test_a_removed_replicas_requests_move_with_their_blocks_and_go_on_exactly(ti
     async def main():
         single, first, second = _engine(tiny_llama_path), _engine(tiny_llama_path), _engine(tiny_llama_path)
         try:
-            expected = await _collect(single.generate("single", prompt, params))
-            routing = FirstThenSecond(first, second)
-            client = FailoverEngineClient(routing)
-            closing = []
-
-            def remove_first_after_four(count: int) -> None:
-                if count >= 4 and not closing:   # Serve removes the replica: it hands its requests over
-                    closing.append(asyncio.ensure_future(first.close(hand_over=True)))
-            tokens = await _collect(client.generate("req", prompt, params), remove_first_after_four)
-            await closing[0]
-            return expected, tokens, routing.calls, await second.stats()
+            expected = await collect_tokens(single.generate("single", prompt, params))
+            tokens, calls = await _removing_first_after_four(first, second, prompt, params, collect_tokens)
+            return expected, tokens, calls, await second.stats()
         finally:
             await single.close()
             await second.close()
@@ -77,3 +75,38 @@ def test_a_removed_replicas_requests_move_with_their_blocks_and_go_on_exactly(ti
     assert kv.token_ids == (prompt + expected)[:kv.num_blocks * BLOCK] and kv.num_blocks >= PROMPT_LEN // BLOCK
     # the continuation found the prompt and the output so far cached: only the last partial block was computed
     assert second_stats.prefix_hit_tokens_total >= PROMPT_LEN
+
+
+def test_each_sample_of_a_removed_replicas_n3_request_moves_with_its_own_blocks(tiny_llama_path):
+    """n > 1: each unfinished sample goes on as a request of its own (its sibling seed), importing the blocks of
+    the prompt and of its own output so far."""
+    prompt = [random.Random(21).randrange(2, 500) for _ in range(PROMPT_LEN)]
+    params = SamplingParams(n=3, temperature=0.9, seed=4, max_tokens=150, ignore_eos=True)
+
+    async def samples(stream, on_token=None) -> dict[int, list[int]]:
+        tokens: dict[int, list[int]] = {}
+        async for out in stream:
+            for completion in out.outputs:
+                tokens.setdefault(completion.index, []).extend(completion.token_ids)
+            if on_token is not None:
+                on_token(min((len(t) for t in tokens.values()), default=0) if len(tokens) == 3 else 0)
+        return tokens
+
+    async def main():
+        single, first, second = _engine(tiny_llama_path), _engine(tiny_llama_path), _engine(tiny_llama_path)
+        try:
+            expected = await samples(single.generate("single", prompt, params))
+            tokens, calls = await _removing_first_after_four(first, second, prompt, params, samples)
+            return expected, tokens, calls, await second.stats()
+        finally:
+            await single.close()
+            await second.close()
+
+    expected, tokens, calls, second_stats = asyncio.run(main())
+    assert tokens == expected and len(set(map(tuple, expected.values()))) == 3
+    assert calls[0] == ([], None) and len(calls) == 4          # the request, then one continuation per sample
+    for resumed, kv in calls[1:]:
+        sample = next(i for i, out in expected.items() if out[:len(resumed)] == resumed)
+        assert len(resumed) >= 4 and kv is not None
+        assert kv.token_ids == (prompt + expected[sample])[:kv.num_blocks * BLOCK]
+    assert second_stats.prefix_hit_tokens_total >= 3 * PROMPT_LEN

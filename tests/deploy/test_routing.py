@@ -369,3 +369,26 @@ def test_exports_go_to_the_holder_never_the_caller_and_imports_to_the_replica_la
         assert await router.choose_replicas([a, b, c], imports) == [[a]]
 
     asyncio.run(scenario())
+
+
+def test_a_moved_request_goes_to_the_least_loaded_other_replica_whatever_the_caches():
+    """Rebalancing (serve/rebalance.py): the continuation of a moved request names the replica it left
+    (``exclude``) and brings its blocks (``kv``): prefix holdings do not matter, load does, and never back."""
+    async def scenario():
+        router = make_router()
+        prompt = list(range(400, 412))                  # 3 full blocks, cached on a (the replica it left)
+        held = prefix_block_hashes(prompt, BS)
+        a = FakeReplica(FakeReplicaID("a"), {"stats": {"num_running": 0}, "prefix_hashes": held})
+        b = FakeReplica(FakeReplicaID("b"), {"stats": {"num_running": 1}, "prefix_hashes": held})
+        c = FakeReplica(FakeReplicaID("c"), {"stats": {"num_running": 0}, "prefix_hashes": []})
+
+        def call(**kwargs):
+            return FakeRequest(["req:moved1", prompt, None], FakeMetadata("generate"), kwargs)
+        assert await router.choose_replicas([a, b, c], call()) == [[a]]                      # a plain prompt
+        assert await router.choose_replicas([a, b, c], call(exclude="a", kv=object())) == [[c]]
+        assert await router.choose_replicas([a, b, c], call(exclude="c", kv=object())) == [[a]]
+        assert await router.choose_replicas([a, b, c], call(exclude="a")) == [[b]]   # no blocks: the prefix rules
+        assert await router.choose_replicas([a, c], call(exclude="a", kv=object())) == [[c]]
+        assert await router.choose_replicas([a, b], call(kv=object())) == [[a]]     # disaggregation: least load
+
+    asyncio.run(scenario())

@@ -13,3 +13,13 @@ def run_alone(engine, request_id: str, prompt: list[int], params, **add_kwargs) 
             tokens += out.outputs[0].token_ids
             cached = max(cached, out.num_cached_prompt_tokens)
     return tokens, cached
+
+
+async def collect_tokens(stream, on_token=None) -> list[int]:
+    """Sample 0's tokens of a stream of RequestOutputs; ``on_token(count so far)`` after each output."""
+    tokens = []
+    async for out in stream:
+        tokens += out.outputs[0].token_ids if out.outputs else []
+        if on_token is not None:
+            on_token(len(tokens))
+    return tokens

@@ -75,11 +75,15 @@ def stop_app(app: RunningApp) -> None:
     serve.shutdown()
 
 
-def failovers_total(client: httpx.Client) -> float:
-    """The ingress's ``pagedray:request_failovers_total`` from /metrics (``client``: its base URL set)."""
-    line = next(line for line in client.get("/metrics").text.splitlines()
-                if line.startswith("pagedray:request_failovers_total"))
+def counter_total(client: httpx.Client, series: str) -> float:
+    """The ingress's counter ``series`` (``pagedray:..._total``) from /metrics (``client``: its base URL set)."""
+    line = next(line for line in client.get("/metrics").text.splitlines() if line.startswith(series))
     return float(line.rsplit(" ", 1)[1])
+
+
+def failovers_total(client: httpx.Client) -> float:
+    """The ingress's ``pagedray:request_failovers_total``."""
+    return counter_total(client, "pagedray:request_failovers_total")
 
 
 def stream_in_thread(url: str, body: dict, started: threading.Event, out: dict,
