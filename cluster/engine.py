@@ -132,6 +132,11 @@ class Engine:
         biased = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if biased is not None:
             raise ValueError(f"logit_bias: token {biased} is not an id in [0, {vocab})")
+        scored = next((t for t in params.pooling_token_ids if t >= vocab), None)
+        if scored is not None:
+            raise ValueError(f"pooling_token_ids: token {scored} is not an id in [0, {vocab})")
+        if params.pooling is not None and resume_tokens:
+            raise ValueError("resume_tokens: a pooling request has no output to resume")
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
             resume_tokens: list[int] = (), *, validated: bool = False, lora: LoRARequest | None = None,
@@ -234,7 +239,7 @@ class Engine:
     def _apply(self, out, plan: StepPlan, result: StepResult) -> list:
         if result.step_id != plan.step_id:
             raise RuntimeError(f"executor answered step {result.step_id} for plan {plan.step_id}")
-        touched = self.scheduler.update(out, result.sampled, result.prompt_logprobs)
+        touched = self.scheduler.update(out, result.sampled, result.prompt_logprobs, result.pooled)
         if plan.kv_loads:
             self.block_manager.finish_loads(plan.kv_loads, result.kv_load_failures)
         if plan.kv_exports or plan.kv_imports:

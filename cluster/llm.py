@@ -11,7 +11,8 @@ ValueError. ``generate`` feeds requests as the bounded waiting queue allows, ste
 all are done (a tqdm bar counts finished requests) and returns results in input order, with
 ``params.n`` outputs each. Strings are tokenized with the model's tokenizer (its default special
 tokens, as ``tokenizer(text)`` does); token-id lists are used as given. Output text is decoded with
-``skip_special_tokens=True``; it is None when the model folder has no tokenizer.
+``skip_special_tokens=True``; it is None when the model folder has no tokenizer. ``embed`` and ``score`` run
+pooling requests (cluster/pooling.py): embeddings, and a yes/no reranker's scores.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ from pagedray.workers.contract.sampling_params import SamplingParams
 
 from .engine import Engine
 from .outputs import EngineDeadError
+from .pooling import (
+    embedding_params,
+    finish_embedding,
+    rerank_prompt,
+    score_params,
+    yes_no_ids,
+    yes_no_score,
+)
 
 _SECTIONS = tuple(SECTIONS.items())
 
@@ -46,6 +55,23 @@ class GenerationResult:
     num_cached_prompt_tokens: int = 0
     # params.prompt_logprobs set: one TokenLogprob per prompt token (None for the first)
     prompt_logprobs: list | None = None
+    # a pooling request (params.pooling): the pooled hidden state and its pooling_token_ids' logits
+    pooled: list[float] | None = None
+    pooled_logits: list[float] | None = None
+
+
+@dataclass
+class EmbeddingResult:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+
+@dataclass
+class ScoreResult:
+    index: int                 # the document's position in the list given
+    document: str
+    score: float               # P(yes) of a yes/no reranker, in [0, 1]
 
 
 def build_engine_config(model: str = "default", tensor_parallel_size: int = 1, dtype: str = "auto",
@@ -142,6 +168,41 @@ class LLM:
                     sample.text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         return [results[rid] for rid in ids]
 
+    def embed(self, prompts, normalize: bool | None = None, dimensions: int | None = None,
+              pooling_type: str | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | list | None = None) -> list[EmbeddingResult]:
+        """Embeddings of ``prompts`` (strings or token-id lists; cluster/pooling.py): the final hidden state pooled
+        ``pooling_type`` (default: the ``pooling_type`` option), truncated to ``dimensions`` (Matryoshka models
+        only) and L2-normalized unless ``normalize`` is False (default: the ``embed_normalize`` option)."""
+        model = self.config.model
+        normalize = model.embed_normalize if normalize is None else normalize
+        if not isinstance(normalize, bool):
+            raise ValueError(f"normalize: must be true or false, got {normalize!r}")
+        params = embedding_params(pooling_type or model.pooling_type)
+        matryoshka = self.engine.model_info.matryoshka
+        if dimensions is not None:   # checked before anything runs
+            finish_embedding([0.0] * self.engine.model_info.hidden_size, False, dimensions, matryoshka)
+        results = self.generate(prompts, params, use_tqdm, lora_request)
+        return [EmbeddingResult(r.prompt, r.prompt_token_ids, finish_embedding(r.pooled, normalize, dimensions,
+                                                                                matryoshka)) for r in results]
+
+    def score(self, query: str, documents: list[str], instruction: str | None = None,
+              use_tqdm: bool = True) -> list[ScoreResult]:
+        """A yes/no reranker's relevance of each document to ``query`` (Qwen3-Reranker's template and score:
+        cluster/pooling.py), in the documents' order."""
+        if not isinstance(query, str) or not query:
+            raise ValueError("query: must be a non-empty string")
+        if not isinstance(documents, (list, tuple)) or not documents or not all(isinstance(d, str) for d in documents):
+            raise ValueError("documents: must be a non-empty list of strings")
+        tokenizer = self._tokenizer_or_none()
+        if tokenizer is None:
+            raise ValueError("model: this model folder has no tokenizer, which scoring needs")
+        params = score_params(*yes_no_ids(tokenizer))
+        prompts = [rerank_prompt(query, document, instruction) for document in documents]
+        results = self.generate(prompts, params, use_tqdm)
+        return [ScoreResult(i, document, yes_no_score(r.pooled_logits))
+                for i, (document, r) in enumerate(zip(documents, results))]
+
     def _run(self, todo: list, results: dict[str, GenerationResult], use_tqdm: bool) -> None:
         from tqdm.auto import tqdm
 
@@ -159,6 +220,8 @@ class LLM:
                         result.num_cached_prompt_tokens = out.num_cached_prompt_tokens
                     if out.prompt_logprobs is not None:
                         result.prompt_logprobs = out.prompt_logprobs
+                    if out.pooled is not None:
+                        result.pooled, result.pooled_logits = out.pooled, out.pooled_logits
                     for completion in out.outputs:
                         sample = result.outputs[completion.index]
                         sample.token_ids.extend(completion.token_ids)

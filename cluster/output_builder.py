@@ -29,10 +29,13 @@ class OutputBuilder:
             completions = [c for c in map(_completion, sequences) if c is not None]
         finished = request.num_unforked == 0 and request.num_finished == len(sequences)   # request.is_finished
         # positional arguments: cheaper than keywords, and this runs once per request and step
-        return RequestOutput(request.request_id, completions, finished,
-                             list(request.prompt_token_ids) if first else None, error or request.error,
-                             request.num_cached_prompt_tokens, _prompt_logprobs(request) if first else None, False,
-                             request.kv_block_seconds)
+        out = RequestOutput(request.request_id, completions, finished,
+                            list(request.prompt_token_ids) if first else None, error or request.error,
+                            request.num_cached_prompt_tokens, _prompt_logprobs(request) if first else None, False,
+                            request.kv_block_seconds)
+        if finished and request.params.pooling is not None:
+            out.pooled, out.pooled_logits = request.pooled_result(), request.pooled_logits
+        return out
 
 
 def _prompt_logprobs(request: Request) -> list[TokenLogprob | None] | None:

@@ -58,6 +58,10 @@ class RequestOutput:
     # the request was moved on purpose (rebalancing: ``AsyncEngine.hand_over``) from the replica with this id; its
     # continuation goes to another replica and is not a failover (deploy/serve/failover.py)
     moved_from: str | None = None
+    # a pooling request's result (params.pooling), on its finished output: the pooled final hidden state
+    # (floats, not normalized) and the logits of its pooling_token_ids at the last prompt position
+    pooled: list[float] | None = None
+    pooled_logits: list[float] | None = None
 
 
 def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -77,7 +81,8 @@ def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                          max(first.num_cached_prompt_tokens, later.num_cached_prompt_tokens),
                          first.prompt_logprobs or later.prompt_logprobs,
                          kv_block_seconds=max(first.kv_block_seconds, later.kv_block_seconds),
-                         kv=later.kv or first.kv, moved_from=later.moved_from or first.moved_from)
+                         kv=later.kv or first.kv, moved_from=later.moved_from or first.moved_from,
+                         pooled=later.pooled or first.pooled, pooled_logits=later.pooled_logits or first.pooled_logits)
 
 
 class EngineError(RuntimeError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.contract.wire import PromptLogprobs
+from pagedray.workers.contract.wire import PooledPart, PromptLogprobs
 
 from .outputs import TokenLogprob
 
@@ -158,6 +158,11 @@ class Request:
     session: str | None = None           # its session: sample 0's blocks are pinned when it finishes
     tenant: str | None = None            # its tenant (cluster/fair_share.py; None: the default tenant)
     kv_block_seconds: float = 0.0        # KV blocks its samples held, integrated over the scheduler's clock
+    # a pooling request (params.pooling): the parts so far (workers/runner/pooling.py). "mean": the sum of the hidden
+    # rows of prompt positions [0, pooled_count); "last": the last position's row (pooled_count = prompt length)
+    pooled_sum: list[float] | None = None
+    pooled_count: int = 0
+    pooled_logits: list[float] | None = None
 
     def record_prompt_logprobs(self, entry: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:
@@ -171,6 +176,35 @@ class Request:
             if self.prompt_logprobs[i] is None:
                 top = entry.top_logprobs[j] if entry.top_logprobs is not None else []
                 self.prompt_logprobs[i] = TokenLogprob(self.prompt_token_ids[i], logprob, list(top), entry.ranks[j])
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Prompt logprobs and mean pooling read every prompt position's result: the prefix cache (and its second
+        tier) cannot serve any of its positions."""
+        return self.params.prompt_logprobs is not None or self.params.pooling == "mean"
+
+    def record_pooled(self, part: PooledPart) -> None:
+        """Adds a step's pooling part; a "mean" part at position 0 starts the sum again (a recomputation)."""
+        if self.params.pooling == "mean":
+            if part.start == 0:
+                self.pooled_sum, self.pooled_count = [0.0] * len(part.values), 0
+            if self.pooled_sum is None or part.start != self.pooled_count:
+                raise RuntimeError(f"pooled part for positions [{part.start}, {part.start + part.count}) after "
+                                   f"{self.pooled_count} positions")
+            self.pooled_sum = [a + b for a, b in zip(self.pooled_sum, part.values)]
+            self.pooled_count += part.count
+        else:
+            self.pooled_sum, self.pooled_count = list(part.values), len(self.prompt_token_ids)
+        if part.logits:
+            self.pooled_logits = list(part.logits)
+
+    def pooled_result(self) -> list[float] | None:
+        """The pooled hidden state once every prompt position is in (the mean, or the last row); else None."""
+        if self.pooled_sum is None or self.pooled_count != len(self.prompt_token_ids):
+            return None
+        if self.params.pooling == "mean":
+            return [value / self.pooled_count for value in self.pooled_sum]
+        return list(self.pooled_sum)
 
     @property
     def fork_at(self) -> int:

@@ -69,7 +69,7 @@ from pagedray.block_manager import CannotAllocateError, namespace_root
 from pagedray.workers.contract.config import SchedulerConfig
 from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
-from pagedray.workers.contract.wire import MODEL_DRAFT, LoraRead, PromptLogprobs, SampledToken
+from pagedray.workers.contract.wire import MODEL_DRAFT, LoraRead, PooledPart, PromptLogprobs, SampledToken
 
 from .fair_share import FairShare
 from .fair_steps import _BLOCKED, _PASSED, FairSteps
@@ -464,7 +464,7 @@ class Scheduler(FairSteps):
         for the waiting ``seq`` admitted under ``budget``."""
         lora = seq.request.lora
         root = None if lora is None else namespace_root(lora.cache_namespace)   # an adapter's own prefix chains
-        reuse = seq.request.params.prompt_logprobs is None   # prompt logprobs need every position's logits
+        reuse = seq.request.needs_every_position is False   # prompt logprobs, mean pooling: no cached position
         hit = self.block_manager.num_cached_prefix_tokens(seq.token_ids, root) if reuse else 0
         target = seq.request.fork_at if seq.must_fork_first else len(seq.token_ids)
         return hit, min(target - hit, budget), reuse, root
@@ -474,7 +474,7 @@ class Scheduler(FairSteps):
         is considered, the tier blocks right after its cached prefix are loaded (when the free blocks allow);
         it is admitted once those loads finished, with whatever they put in the prefix cache."""
         bm = self.block_manager
-        if bm.tier is None or seq.request.params.prompt_logprobs is not None:
+        if bm.tier is None or seq.request.needs_every_position:
             return False
         pending = self._tier_loads.get(seq)
         if pending is not None:
@@ -569,14 +569,18 @@ class Scheduler(FairSteps):
 
     # -- results ------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[SampledToken],
-               prompt_logprobs: list[PromptLogprobs] = ()) -> list[Request]:
+               prompt_logprobs: list[PromptLogprobs] = (), pooled: list[PooledPart] = ()) -> list[Request]:
         """Applies a step's result; returns the requests that got tokens or finished (each once)."""
-        if prompt_logprobs:
+        if prompt_logprobs or pooled:
             scheduled = {sched.seq.seq_id: sched.seq for sched in out.scheduled}
-            for entry in prompt_logprobs:
+            for entry in list(prompt_logprobs) + list(pooled):
                 if entry.seq_id not in scheduled:
-                    raise RuntimeError(f"step {out.step_id}: prompt logprobs for unscheduled sequence {entry.seq_id}")
-                scheduled[entry.seq_id].request.record_prompt_logprobs(entry)
+                    raise RuntimeError(f"step {out.step_id}: prompt results for unscheduled sequence {entry.seq_id}")
+                request = scheduled[entry.seq_id].request
+                if isinstance(entry, PooledPart):
+                    request.record_pooled(entry)
+                else:
+                    request.record_prompt_logprobs(entry)
         if self.proposer is None or not any(sched.draft_token_ids for sched in out.scheduled):
             return self._update_plain(out, sampled)
         by_seq: dict[int, list[SampledToken]] = {}

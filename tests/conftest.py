@@ -90,6 +90,21 @@ def tiny_llama_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """kind -> a tiny random model saved as an HF folder (``helpers.tiny_models``), built once per session."""
+    from helpers.tiny_models import save_tiny_model
+
+    paths: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in paths:
+            paths[kind] = save_tiny_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
+        return paths[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_model(tiny_llama_path):
     from helpers.hf_oracle import load_hf_model
 

@@ -166,7 +166,7 @@ class Worker:
             self._last_sampled = sampled
             return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
                               lora_reads=self._finished_lora_reads(step is None), kv_load_failures=tier_failures,
-                              kv_load_seconds=load_s, kv_export=exported)
+                              kv_load_seconds=load_s, kv_export=exported, pooled=output.pooled)
         rows = [] if step is None else _sampling_rows(step.host.sampling_seqs, step.host.row_drafts)
         masks = self.grammars.submit(rows)   # grammar masks on their own thread while the forward runs
         try:
@@ -178,7 +178,7 @@ class Worker:
         sampled = self._last_sampled = self.sample(output, rows, masks)
         return StepResult(step_id=plan.step_id, sampled=sampled, prompt_logprobs=output.prompt_logprobs,
                           lora_reads=self._finished_lora_reads(False), kv_load_failures=tier_failures,
-                          kv_load_seconds=load_s, kv_export=exported)
+                          kv_load_seconds=load_s, kv_export=exported, pooled=output.pooled)
 
     def _move_tier_blocks(self, plan: StepPlan) -> tuple[list[int], float]:
         """The plan's second-tier saves, then its loads (``kv_tier.py``): (the slots whose load failed on any rank

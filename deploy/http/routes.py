@@ -5,7 +5,8 @@ POST /v1/responses (OpenAI's Responses API) and POST /v1/messages (Anthropic's M
 translated to a chat request (bridges/responses_api.py, bridges/messages_api.py) and streamed with named
 SSE events; /v1/messages answers every error in Anthropic's shape and takes the key from ``x-api-key``
 too. GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter,
-POST /v1/unload_lora_adapter (vLLM's shapes; openai/lora_adapters.py), GET /health, GET /metrics. An
+POST /v1/unload_lora_adapter (vLLM's shapes; openai/lora_adapters.py), POST /v1/embeddings, POST /v1/rerank (also
+/rerank), POST /score (also /v1/score) (openai/embeddings.py), GET /health, GET /metrics. An
 ``X-Session-Id`` header on completions, chat and responses stands for the body's ``prompt_cache_key``.
 
 Decisions: docs/design/deploy.md, ``pagedray.deploy.http.routes``.
@@ -27,6 +28,7 @@ from ..bridges.bridged import run_bridged
 from ..bridges.chat_bridge import named_sse_event
 from ..bridges.messages_stream import message_events
 from ..bridges.responses_stream import response_events
+from ..openai.embeddings import PoolingEndpoints
 from ..openai.errors import APIError, bad_request, health_reason, to_api_error
 from ..openai.metrics import METRICS_CONTENT_TYPE
 from ..openai.prepare_lanes import input_within
@@ -255,6 +257,26 @@ def create_api(service: OpenAIService, api_key: str | None = None,
             raise StarletteHTTPException(404, "Not Found")
         check_api_key(request, keys)
         return JSONResponse(service.model(model_id))
+
+    pooling = PoolingEndpoints(service)
+
+    async def _pooled(request: Request, run):
+        tenant = check_api_key(request, keys)
+        return await json_response(await run(await read_json_body(request, max_body_bytes), tenant))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await _pooled(request, pooling.embeddings)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    async def rerank(request: Request):
+        return await _pooled(request, pooling.rerank)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: Request):
+        return await _pooled(request, pooling.score)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from pagedray.cluster.pooling import PoolingSettings
 from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -49,6 +50,7 @@ class ModelLimits:
     # the LoRA adapters served (lora_modules, and those loaded at run time): ``model`` may name one, alone or
     # as "<served name>:<adapter>". Given as (name, folder) pairs, kept as the (mutable) AdapterTable
     lora_adapters: AdapterTable | tuple = ()
+    pooling: PoolingSettings = PoolingSettings()   # the pooling endpoints' settings (embeddings.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_adapters, AdapterTable):

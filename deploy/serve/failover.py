@@ -33,8 +33,8 @@ stream: continuation outputs carry no prompt fields, and usage counts the prompt
 - Migration without re-prefill: a replica that Serve removes (scale-down, redeploy) hands its requests over
   with their KV blocks (``AsyncEngine.drain(hand_over, pack)``: prompt and output so far, per sample when n > 1,
   the bytes inside the hand-over output, since the replica's own object-store entries go with it); each
-  continuation imports its sample's blocks (``kv``) and computes only the last partial block. A crashed replica's KV is gone: its continuations compute
-  their prompt again, or pull it from a peer that holds it (``kv_pull.py``).
+  continuation imports its sample's blocks (``kv``) and computes only the last partial block. A crashed replica's
+  KV is gone: its continuations compute their prompt again, or pull it from a peer that holds it (``kv_pull.py``).
 
 - Planned moves (rebalancing between live replicas, ``rebalance.py``): an output marked ``moved_from`` ends the
   request on a replica that is alive and handed it over on purpose (with its blocks, ``kv``). Its continuation

@@ -187,7 +187,8 @@ class OpenAIIngress:
         tokenizer = AutoTokenizer.from_pretrained(meta.tokenizer_path)
         limits = ModelLimits(name, aliases, meta.vocab_size, meta.max_model_len,
                              max_prompt_chars(tokenizer, meta.max_model_len), meta.dtype,
-                             sequences_in_flight=max(1, meta.max_num_seqs // 2), lora_adapters=meta.lora_adapters)
+                             sequences_in_flight=max(1, meta.max_num_seqs // 2), lora_adapters=meta.lora_adapters,
+                             pooling=meta.pooling)
         self._engine, self._limits_meta = engine, meta
         self._client = client
         self._metrics = ServerMetrics(name)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from pagedray.cluster.kv_transfers import KVExport
 from pagedray.cluster.outputs import EngineDrainingError, RequestOutput, merge_deltas
+from pagedray.cluster.pooling import PoolingSettings
 from pagedray.workers.contract.config import EngineConfig
 from pagedray.workers.contract.lora_request import LoRARequest
 from pagedray.workers.contract.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class ModelMeta:
     dtype: str                # the dtype the ranks run (``dtype`` "auto" resolved)
     max_num_seqs: int         # the scheduler's sequences per step
     lora_adapters: tuple[tuple[str, str], ...] = ()   # (name, folder) of the adapters served (lora_modules)
+    pooling: PoolingSettings = PoolingSettings()      # task, pooling type, ... (the pooling endpoints)
 
 
 class ServedEngine:
@@ -238,7 +240,8 @@ class ServedEngine:
                          tokenizer_path=self._config.model.tokenizer or engine.model_path,
                          vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
                          dtype=engine.dtype, max_num_seqs=self._config.scheduler.max_num_seqs,
-                         lora_adapters=tuple(self._config.model.lora_module_paths().items()))
+                         lora_adapters=tuple(self._config.model.lora_module_paths().items()),
+                         pooling=PoolingSettings.of(self._config.model, engine.engine.model_info))
 
     async def close(self, hand_over: bool = False) -> None:
         """Stops the engine; the requests still in flight are aborted, or (``hand_over``) end as the

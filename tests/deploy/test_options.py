@@ -40,7 +40,8 @@ NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "
                 "cpu_gemm": "onednn",
                 "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5,
                 "speculative_model": "/models/draft", "warm_prefix_tokens": 0, "kv_pin_ttl_s": 60.0,
-                "kv_pin_max_fraction": 0.25, "kv_peer_pull": False}
+                "kv_pin_max_fraction": 0.25, "kv_peer_pull": False, "task": "embed", "pooling_type": "mean",
+                "embed_normalize": False}
 # options whose non-default value conflicts with one above (async_scheduling needs tensor_parallel_size 1, LoRA
 # and the second KV tier no speculative_model)
 NON_DEFAULTS_ALONE = {"async_scheduling": True, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,

@@ -120,3 +120,18 @@ def save_tiny_llama(folder) -> str:
     model.save_pretrained(folder)
     GenerationConfig(bos_token_id=0, eos_token_id=TINY_LLAMA_EOS).save_pretrained(folder)
     return str(folder)
+
+
+def save_tiny_reranker(folder, tokenizer_path: str) -> str:
+    """A Qwen3-Reranker-shaped random model: Qwen3ForCausalLM with the tokenizer of ``tokenizer_path`` (the default
+    model's has single "yes" and "no" tokens) and that tokenizer's vocabulary size."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    config = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=512,
+                         initializer_range=0.25, tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(7)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -25,6 +25,8 @@ BLOCK_SIZES = (8, 16, 32, 64)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")     # names of kernels.kv_quant.KV_CACHE_DTYPES, plus auto
 QUANTIZATIONS = ("auto", "none", "int8", "fp8")     # workers.quantization resolves them with the checkpoint's
 CPU_GEMMS = ("auto", "c", "onednn", "mkl")          # kernels.cpu_choice.PRODUCTS
+TASKS = ("generate", "embed", "score")              # cluster/pooling.py: what a model is served for
+POOLING_TYPES = ("last", "mean")                    # workers/runner/pooling.py
 
 
 def option(default, help: str):
@@ -78,6 +80,13 @@ class ModelConfig:
                                              "files; at least max_loras (default: max_loras)")
     lora_modules: str | None = option(None, "LoRA: adapters served by name, 'name=folder[,name=folder...]' (every "
                                             "rank reads the folder)")
+    task: str = option("generate", "what the model is served for: generate (completions and chat) | embed (an "
+                                   "embedding model, e.g. Qwen3-Embedding: /v1/embeddings, LLM.embed) | score (a "
+                                   "yes/no reranker, e.g. Qwen3-Reranker: /v1/rerank, /score, LLM.score). Every task "
+                                   "also answers the others' requests; it sets which the HTTP server advertises")
+    pooling_type: str = option("last", "embeddings: last (the last token's final hidden state: Qwen3-Embedding, "
+                                       "decoder embedders) | mean (the mean over the input's tokens)")
+    embed_normalize: bool = option(True, "embeddings: L2-normalize each vector (after any Matryoshka truncation)")
 
     def validate(self) -> None:
         _require(isinstance(self.model, str) and self.model != "",
@@ -87,6 +96,11 @@ class ModelConfig:
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization: must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _require(self.cpu_gemm in CPU_GEMMS, f"cpu_gemm: must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
+        _require(self.task in TASKS, f"task: must be one of {TASKS}, got {self.task!r}")
+        _require(self.pooling_type in POOLING_TYPES,
+                 f"pooling_type: must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+        _require(isinstance(self.embed_normalize, bool),
+                 f"embed_normalize: must be true or false, got {self.embed_normalize!r}")
         _require(isinstance(self.enforce_eager, bool),
                  f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         _require(isinstance(self.cpu_packed_weights, bool),

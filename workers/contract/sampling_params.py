@@ -25,6 +25,11 @@ Conventions (settled here, shared by the Sampler and the scheduler):
   (workers/sampling/grammar.py).
 - ``speculative``: False opts this request out of speculative decoding (the engine's
   ``num_speculative_tokens``); its output is the same either way.
+- ``pooling``: "last" or "mean": a pooling request (embeddings, scores; workers/runner/pooling.py). Its result is
+  the model's final hidden state (after the last norm) at the last prompt position, or its mean over the
+  prompt's positions, plus with ``pooling_token_ids`` the logits of those tokens at the last prompt position
+  (a yes/no reranker's score). It runs as a prefill: n=1, and it ends after one token, which is not part of
+  the result. "mean" does not read the prefix cache (cached positions have no hidden states).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024   # entries per request: bounds the sampler's per-step work for one row
 MAX_STOP_TOKEN_IDS = 1024   # the scheduler checks each sampled token against them on the step thread
 MAX_GRAMMAR_CHARS = 256 * 1024
+POOLING_KINDS = ("last", "mean")
+MAX_POOLING_TOKEN_IDS = 64
 # Bounds that keep every sampling transform finite in float32 (the Sampler's dtype): a repetition penalty
 # of 1e-50 is 0 in float32, and a masked logit (-inf) times 0 is NaN; logits divided by a penalty of
 # 1e-40 overflow; a temperature above float32's range is inf, and -inf / inf is NaN. Inside these ranges
@@ -82,6 +89,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     grammar: str | None = None   # an llguidance grammar (JSON text): workers/sampling/grammar.py
     speculative: bool = True     # False: never propose speculative tokens for this request
+    pooling: str | None = None   # "last" / "mean": a pooling request (see the module docstring)
+    pooling_token_ids: tuple[int, ...] = field(default_factory=tuple)   # their logits at the last prompt position
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -121,6 +130,21 @@ class SamplingParams:
         _check(self.grammar is None or (isinstance(self.grammar, str) and 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS),
                "grammar", f"must be None or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
         _check(isinstance(self.speculative, bool), "speculative", f"must be a bool, got {self.speculative!r}")
+        self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        _check(self.pooling is None or self.pooling in POOLING_KINDS, "pooling",
+               f"must be None or one of {POOLING_KINDS}, got {self.pooling!r}")
+        if not isinstance(self.pooling_token_ids, tuple):
+            _check(isinstance(self.pooling_token_ids, list), "pooling_token_ids",
+                   f"must be a list of token ids, got {self.pooling_token_ids!r}")
+            object.__setattr__(self, "pooling_token_ids", tuple(self.pooling_token_ids))
+        _check(all(_is_int(t) and t >= 0 for t in self.pooling_token_ids)
+               and len(self.pooling_token_ids) <= MAX_POOLING_TOKEN_IDS, "pooling_token_ids",
+               f"must hold at most {MAX_POOLING_TOKEN_IDS} non-negative token ids")
+        _check(not self.pooling_token_ids or self.pooling is not None, "pooling_token_ids", "only with pooling")
+        if self.pooling is not None:
+            _check(self.n == 1, "n", f"a pooling request has one result: n must be 1, got {self.n}")
 
     def _normalise_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -147,6 +171,7 @@ class SamplingParams:
         out = asdict(self)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        out["pooling_token_ids"] = list(self.pooling_token_ids)
         return out
 
     @classmethod

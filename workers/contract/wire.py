@@ -203,6 +203,19 @@ class PromptLogprobs:
 
 
 @dataclass
+class PooledPart:
+    """A pooling sequence's part of a step (workers/runner/pooling.py): prompt positions ``[start, start +
+    count)``; ``values`` their hidden rows summed ("mean") or the last one ("last"); ``logits`` of the request's
+    ``pooling_token_ids`` at the last prompt position when this part ends there ([] otherwise)."""
+
+    seq_id: int
+    start: int
+    count: int
+    values: list[float]
+    logits: list[float] = field(default_factory=list)
+
+
+@dataclass
 class StepResult:
     step_id: int
     sampled: list[SampledToken] = field(default_factory=list)
@@ -211,6 +224,7 @@ class StepResult:
     kv_load_failures: list[int] = field(default_factory=list)   # tier slots of this plan's kv_loads that failed
     kv_load_seconds: float = 0.0    # how long rank 0 took to read this plan's kv_loads (the tier's measured cost)
     kv_export: list[bytes] = field(default_factory=list)   # per rank: the plan's kv_exports, [exports, block bytes]
+    pooled: list[PooledPart] = field(default_factory=list)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -337,6 +351,15 @@ def _decode_rows(obj: dict) -> DecodeRows:
     return rows
 
 
+def _pooled_part(obj: dict) -> PooledPart:
+    part = PooledPart(**obj)
+    if not all(type(v) is int for v in (part.seq_id, part.start, part.count)) or part.count < 1:  # noqa: E721
+        raise ValueError("pooled: seq_id, start and count must be integers (count >= 1)")
+    if not all(isinstance(v, float) for v in part.values + part.logits):
+        raise ValueError("pooled: values and logits must be lists of floats")
+    return part
+
+
 def encode_result(result: StepResult) -> bytes:
     # columns for the ids (every row has them); the other fields only for the rows that carry one
     sampled = result.sampled
@@ -353,6 +376,8 @@ def encode_result(result: StepResult) -> bytes:
         obj["kv_load_seconds"] = float(result.kv_load_seconds)
     if result.kv_export:
         obj["kv_export"] = result.kv_export
+    if result.pooled:
+        obj["pooled"] = [vars(part) for part in result.pooled]
     return _pack(obj)
 
 
@@ -386,6 +411,7 @@ def decode_result(data: bytes) -> StepResult:
             raise ValueError("kv_load_seconds: must be a number >= 0")
         return StepResult(step_id=obj["step_id"], sampled=sampled, prompt_logprobs=prompt, lora_reads=reads,
                           kv_load_failures=list(failures), kv_load_seconds=float(load_s),
-                          kv_export=_byte_strings(obj.get("kv_export", []), "kv_export"))
+                          kv_export=_byte_strings(obj.get("kv_export", []), "kv_export"),
+                          pooled=[_pooled_part(part) for part in obj.get("pooled", [])])
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise WireError(f"malformed StepResult: {exc}") from exc

@@ -65,6 +65,7 @@ class ModelInfo:
     head_dim: int
     hidden_size: int
     tie_word_embeddings: bool
+    matryoshka: bool = False   # its config declares Matryoshka embeddings (is_matryoshka / matryoshka_dimensions)
 
     def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
         """ValueError naming tensor_parallel_size when the heads cannot be split over that many ranks."""
@@ -94,4 +95,5 @@ def model_info(model_path) -> ModelInfo:
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
         hidden_size=cfg.hidden_size,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        matryoshka=bool(getattr(cfg, "is_matryoshka", False) or getattr(cfg, "matryoshka_dimensions", None)),
     )

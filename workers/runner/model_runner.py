@@ -27,11 +27,12 @@ import numpy as np
 import torch
 
 from ... import kernels
-from ..contract.wire import PromptLogprobs, StepPlan
+from ..contract.wire import PooledPart, PromptLogprobs, StepPlan
 from ..kv_cache import KVCache, check_block_copies, copy_blocks
 from ..models.decoder import DecoderForCausalLM
 from .decode_graphs import DecodeGraphs
 from .input_batch import BatchInputs, HostBatch, build_decode_host_batch, build_host_batch
+from .pooling import PoolRows, compute_pooled, plan_pool_rows
 from .prompt_logprobs import PromptRows, compute_prompt_logprobs, plan_prompt_rows
 from .seq_mirror import BatchedSequence, MirrorStep, SequenceMirror, SequenceState
 
@@ -50,6 +51,7 @@ class StepOutput:
     sampling_seqs: list[SequenceState]     # one per logits row, in batch order
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)   # rank 0 only
     row_drafts: tuple[tuple[int, ...], ...] = ()   # per logits row: drafts before its position (input_batch)
+    pooled: list[PooledPart] = field(default_factory=list)   # rank 0 only (pooling.py)
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,9 @@ class ModelRunner:
             rows = step.rows
             if self.lora is not None:
                 self.lora.batch.set(step.token_slots)
-            output = self.forward(step.host.to_device(self.device),
-                                  plan_prompt_rows(rows.batch, first_row=len(rows.decode_states)))
+            first_row = len(rows.decode_states)
+            output = self.forward(step.host.to_device(self.device), plan_prompt_rows(rows.batch, first_row),
+                                  plan_pool_rows(rows.batch, first_row))
         self.mirror.mark_computed(step.rows)
         return output
 
@@ -155,12 +158,14 @@ class ModelRunner:
                                          meta.block_tables, meta.max_query_len)
 
     @torch.inference_mode()
-    def forward(self, inputs: BatchInputs, prompt_rows: list[PromptRows] | None = None) -> StepOutput:
+    def forward(self, inputs: BatchInputs, prompt_rows: list[PromptRows] | None = None,
+                pool_rows: list[PoolRows] | None = None) -> StepOutput:
         """The eager model forward over the batch, then the LM head at the sampling rows (and at the
-        prompt rows of sequences that asked for prompt logprobs)."""
+        prompt rows of sequences that asked for prompt logprobs), and the pooling requests' parts."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)   # [tokens, hidden]
         logits = None
         if inputs.sampling_seqs:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])                 # [rows, vocab]
         prompt = compute_prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else []
-        return StepOutput(logits, inputs.sampling_seqs, prompt, inputs.row_drafts)
+        pooled = compute_pooled(self.model, hidden, pool_rows) if pool_rows else []
+        return StepOutput(logits, inputs.sampling_seqs, prompt, inputs.row_drafts, pooled)
