@@ -88,7 +88,7 @@ class StepClock:
 
             logits = torch.randn(4096, VOCAB, generator=torch.Generator().manual_seed(1))   # [rows, vocab]
 
-            def forward(inputs, prompt_rows=None):
+            def forward(inputs, prompt_rows=None, pool_rows=None):
                 rows = len(inputs.sampling_seqs)
                 return StepOutput(logits[:rows] if rows else None, inputs.sampling_seqs, [], inputs.row_drafts)
             worker.runner.forward = forward

@@ -26,14 +26,7 @@ from pagedray.workers.contract.sampling_params import SamplingParams
 
 from .engine import Engine
 from .outputs import EngineDeadError
-from .pooling import (
-    embedding_params,
-    finish_embedding,
-    rerank_prompt,
-    score_params,
-    yes_no_ids,
-    yes_no_score,
-)
+from .pooling import PoolingSettings, Scorer, embedding_params, finish_embedding, rerank_prompt
 
 _SECTIONS = tuple(SECTIONS.items())
 
@@ -71,7 +64,7 @@ class EmbeddingResult:
 class ScoreResult:
     index: int                 # the document's position in the list given
     document: str
-    score: float               # P(yes) of a yes/no reranker, in [0, 1]
+    score: float               # in [0, 1]: P(yes) of a yes/no reranker, or its classifier head's (cluster/pooling.py)
 
 
 def build_engine_config(model: str = "default", tensor_parallel_size: int = 1, dtype: str = "auto",
@@ -101,6 +94,7 @@ class LLM:
         self.engine = Engine(self.config)
         self._next_id = 0
         self._lora_folders = self.config.model.lora_module_paths()   # one folder per adapter name
+        self._scorer: Scorer | None = None    # built by the first score()
 
     def _tokenizer_or_none(self):
         try:
@@ -188,8 +182,8 @@ class LLM:
 
     def score(self, query: str, documents: list[str], instruction: str | None = None,
               use_tqdm: bool = True) -> list[ScoreResult]:
-        """A yes/no reranker's relevance of each document to ``query`` (Qwen3-Reranker's template and score:
-        cluster/pooling.py), in the documents' order."""
+        """A reranker's relevance of each document to ``query`` (Qwen3-Reranker's template; a yes/no reranker's
+        score, or a sequence-classification checkpoint's head: cluster/pooling.py), in the documents' order."""
         if not isinstance(query, str) or not query:
             raise ValueError("query: must be a non-empty string")
         if not isinstance(documents, (list, tuple)) or not documents or not all(isinstance(d, str) for d in documents):
@@ -197,10 +191,11 @@ class LLM:
         tokenizer = self._tokenizer_or_none()
         if tokenizer is None:
             raise ValueError("model: this model folder has no tokenizer, which scoring needs")
-        params = score_params(*yes_no_ids(tokenizer))
+        if self._scorer is None:
+            self._scorer = Scorer(PoolingSettings.of(self.config.model, self.engine.model_info), tokenizer)
         prompts = [rerank_prompt(query, document, instruction) for document in documents]
-        results = self.generate(prompts, params, use_tqdm)
-        return [ScoreResult(i, document, yes_no_score(r.pooled_logits))
+        results = self.generate(prompts, self._scorer.params, use_tqdm)
+        return [ScoreResult(i, document, self._scorer.score(r))
                 for i, (document, r) in enumerate(zip(documents, results))]
 
     def _run(self, todo: list, results: dict[str, GenerationResult], use_tqdm: bool) -> None:

@@ -9,6 +9,10 @@ workers/runner/pooling.py). Shared by ``LLM.embed`` / ``LLM.score`` and the HTTP
 - A rerank score is a yes/no reranker's (Qwen3-Reranker): the query and the document go into its prompt
   template, and the score is P("yes") against "no" at the last position: sigmoid(logit_yes - logit_no), what
   the model card computes as the softmax over the two logits.
+- A sequence-classification checkpoint (``*ForSequenceClassification``: a ``score`` head of ``num_labels`` rows
+  instead of the LM head, as rerankers converted from yes/no models ship) takes the same prompt; its score is the
+  head applied to the last token's hidden state (``ClassifierHead``, read from the checkpoint by the front, in
+  float64): sigmoid of the one logit, or with two labels the second one's softmax.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ class PoolingSettings:
     embed_normalize: bool = True
     matryoshka: bool = False      # its config declares Matryoshka embeddings: ``dimensions`` may truncate
     hidden_size: int = 0
+    num_labels: int = 0           # a sequence-classification checkpoint's score head outputs (0: none)
+    model_path: str = ""
 
     @classmethod
     def of(cls, model_config, model_info) -> PoolingSettings:
         return cls(model_config.task, model_config.pooling_type, model_config.embed_normalize, model_info.matryoshka,
-                   model_info.hidden_size)
+                   model_info.hidden_size, model_info.num_labels, str(model_info.path))
 
 
 def embedding_params(pooling_type: str) -> SamplingParams:
@@ -80,6 +86,40 @@ def yes_no_score(logits: list[float]) -> float:
     """P(yes) from the [yes, no] logits: sigmoid(yes - no)."""
     diff = logits[0] - logits[1]
     return 1.0 / (1.0 + math.exp(-diff)) if diff >= 0 else math.exp(diff) / (1.0 + math.exp(diff))
+
+
+class ClassifierHead:
+    """The ``score`` head of a sequence-classification checkpoint ([num_labels, hidden]), as float64."""
+
+    def __init__(self, model_path: str, num_labels: int, hidden_size: int) -> None:
+        from pagedray.workers.weights.weight_loader import CheckpointReader
+
+        if num_labels not in (1, 2):
+            raise ValueError(f"model: a score head of {num_labels} labels is not a relevance score (1 or 2 labels)")
+        with CheckpointReader(model_path) as reader:
+            self.weight = reader.read("score.weight", expect_shape=[num_labels, hidden_size]).double()
+
+    def score(self, hidden: list[float]) -> float:
+        import torch
+
+        logits = (self.weight @ torch.tensor(hidden, dtype=torch.float64)).tolist()   # [num_labels]
+        return yes_no_score([logits[0], 0.0]) if len(logits) == 1 else yes_no_score([logits[1], logits[0]])
+
+
+class Scorer:
+    """How one model scores (query, document) pairs: the engine request of a pair's prompt, and the score of its
+    finished output (``pooled`` / ``pooled_logits``): a yes/no reranker's logits, or a classifier head's."""
+
+    def __init__(self, settings: PoolingSettings, tokenizer) -> None:
+        if settings.num_labels:
+            self.head: ClassifierHead | None = ClassifierHead(settings.model_path, settings.num_labels,
+                                                              settings.hidden_size)
+            self.params = embedding_params("last")
+        else:
+            self.head, self.params = None, score_params(*yes_no_ids(tokenizer))
+
+    def score(self, output) -> float:
+        return self.head.score(output.pooled) if self.head is not None else yes_no_score(output.pooled_logits)
 
 
 def yes_no_ids(tokenizer) -> tuple[int, int]:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from ..serve.loopback import LOOPBACK_NODE_IP, LOOPBACK_RAY_ENV
-from ..serve.options import OPTIONS, cli_type, engine_options, llm_kwargs
+from ..serve.options import OPTIONS, cli_type, engine_config, engine_options, llm_kwargs
 from .cluster_deploy import answers_health, run_deploy
 from .ray_env import LOCAL_RAY_ENV
 from .shutdown import stop_on_signals, stop_serving
@@ -54,15 +54,21 @@ APP_NAME = "pagedray"
 PACKAGED_CONFIG = Path(__file__).resolve().parents[1] / "serve" / "serve.yaml"
 
 
-def json_object(text: str) -> dict:
-    """argparse type of dict options: a JSON object."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
+def _json_of(kind: type, name: str):
+    """An argparse type: JSON text whose value is a ``kind`` (``name``: what the error calls it)."""
+    def parse(text: str):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"must be a JSON {name}")
+        return value
+    return parse
+
+
+json_object = _json_of(dict, "object")   # dict options
+json_list = _json_of(list, "array")      # list options
 
 
 def port_number(text: str) -> int:
@@ -76,11 +82,17 @@ def port_number(text: str) -> int:
     return port
 
 
-def _add_options(parser: argparse.ArgumentParser, options) -> None:
-    """One flag per option (options.py), default None: an option left unset keeps build_app's default."""
+def _add_options(parser: argparse.ArgumentParser, options, repeatable: tuple[str, ...] = ()) -> None:
+    """One flag per option (options.py), default None: an option left unset keeps build_app's default. A
+    ``repeatable`` option's flag may be given several times (a list of its values)."""
     for option in options:
         kind = cli_type(option)
-        if kind is dict:
+        if option.name in repeatable:
+            parser.add_argument(option.flag, type=kind, action="append", default=None,
+                                help=option.help + " (repeat the flag for several)")
+        elif kind is list:
+            parser.add_argument(option.flag, type=json_list, default=None, help=option.help + " (JSON)")
+        elif kind is dict:
             parser.add_argument(option.flag, type=json_object, default=None, help=option.help + " (JSON)")
         elif kind is bool:
             parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None, help=option.help)
@@ -102,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve_p = sub.add_parser("serve", help="deploy the OpenAI-compatible server on Ray Serve")
-    _add_options(serve_p, OPTIONS)
+    _add_options(serve_p, OPTIONS, repeatable=("model",))
     serve_p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     serve_p.add_argument("--port", type=port_number, default=8000, help="HTTP port, 1-65535 (default 8000)")
     serve_p.add_argument("--address", default=None,
@@ -139,18 +151,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve_args(ns: argparse.Namespace) -> dict:
-    """build_app args from parsed ``serve`` options (only those given)."""
-    return _given(ns, OPTIONS)
+    """build_app args from parsed ``serve`` options (only those given). ``--model`` given several times: the first
+    is the app's model, each other one an entry of ``models`` (after those of ``--models``)."""
+    args = _given(ns, OPTIONS)
+    models = args.pop("model", None) or []
+    if models:
+        args["model"] = models[0]
+    if len(models) > 1:
+        args["models"] = list(args.get("models") or []) + [{"model": m} for m in models[1:]]
+    return args
 
 
 def check_serve_options(ns: argparse.Namespace):
     """Every ``serve`` option before anything starts (OptionError). With a private Ray, everything runs on
     this machine: the model folder must exist here and the KV caches must fit in its memory; with
     ``--address`` the replicas may run on other nodes, which are theirs to check. The parsed build_app args."""
+    from ..serve.app import parse_models  # imports Ray: after a private Ray's environment is set
+
     parsed, config, replicas = checked_options(serve_args(ns))
     if not ns.address:
-        check_model_folder(ns.model)
+        check_model_folder(parsed.model)
         check_kv_cache_memory(config, replicas)
+        for model in parse_models(parsed):      # each model's own folder and KV caches (checked one at a time)
+            check_model_folder(model.model)
+            scaling = model.autoscaling_config
+            check_kv_cache_memory(engine_config(model), model.num_replicas if scaling is None
+                                  else scaling.get("max_replicas", model.num_replicas))
     return parsed
 
 
@@ -220,7 +246,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         os.environ.update(LOOPBACK_RAY_ENV)
     from ray import serve
 
-    from ..serve.app import build_app
+    from ..serve.app import build_app, parse_models
 
     parsed = check_serve_options(ns)   # OptionError (exit status 2) before anything starts
     app = build_app(serve_args(ns))
@@ -230,7 +256,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     stop_on_signals()   # from here SIGTERM and Ctrl-C stop everything started, start-up included
     status, serve_started = 1, False  # status 1 until the app is up
     try:
-        _prepare_model(ns.model)
+        for model in {parsed.model, *(m.model for m in parse_models(parsed))}:
+            _prepare_model(model)
         started_ray = _start_or_join_ray(ns.address, local_ray_num_cpus(needed["CPU"]), ns.port, ns.api_key)
         stop_on_signals()   # again: ray.init sets a SIGTERM handler of its own (sys.exit: no clean-up)
         direct = started_ray and uses_direct_ingress(os.environ)

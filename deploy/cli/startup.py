@@ -201,10 +201,11 @@ def checked_options(values: dict):
     """(parsed build_app args, EngineConfig, most engine replicas) from option values, checked where they are
     checked for ``serve deploy`` (build_app's ``parse_args``, the config dataclasses): OptionError naming the
     flag. Imports Ray (through app.py): a private Ray's environment must be set before."""
-    from ..serve.app import check_autoscaling, parse_args
+    from ..serve.app import check_autoscaling, parse_args, parse_models
 
     try:
         parsed = parse_args(values)
+        parse_models(parsed)
         config = engine_config(parsed)
         scaling = parsed.autoscaling_config
         return parsed, config, parsed.num_replicas if scaling is None else check_autoscaling(scaling)
@@ -213,11 +214,19 @@ def checked_options(values: dict):
 
 
 def _bound_deployments(app) -> list:
-    """The deployments of a built Serve app: its ingress and those bound into its arguments."""
+    """The deployments of a built Serve app: its ingress and those bound into its arguments (also inside lists
+    and dicts: the engines of ``models``)."""
     from ray.serve.deployment import Application
 
+    def applications(value) -> list:
+        if isinstance(value, Application):
+            return [value]
+        if isinstance(value, dict):
+            value = list(value.values())
+        return [a for item in value for a in applications(item)] if isinstance(value, (list, tuple)) else []
+
     deployment = app._bound_deployment
-    bound = [arg for arg in (*deployment.init_args, *deployment.init_kwargs.values()) if isinstance(arg, Application)]
+    bound = applications([*deployment.init_args, *deployment.init_kwargs.values()])
     return [deployment] + [d for arg in bound for d in _bound_deployments(arg)]
 
 

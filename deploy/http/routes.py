@@ -33,6 +33,7 @@ from ..openai.errors import APIError, bad_request, health_reason, to_api_error
 from ..openai.metrics import METRICS_CONTENT_TYPE
 from ..openai.prepare_lanes import input_within
 from ..openai.service import OpenAIService
+from ..openai.service_table import ServiceTable
 from ..openai.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 from .guard import DEFAULT_MAX_BODY_BYTES
 from .tenants import ApiKeys
@@ -185,9 +186,12 @@ async def named_sse_body(events) -> AsyncIterator[str]:
         await events.aclose()
 
 
-def create_api(service: OpenAIService, api_key: str | None = None,
+def create_api(services: OpenAIService | ServiceTable, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tenant_keys: dict[bytes, str] | None = None) -> FastAPI:
-    """``api_key``: the admin key; ``tenant_keys``: the tenants' keys (``tenants.parse_tenants``)."""
+    """``services``: the served model's OpenAIService, or a ServiceTable of several models (a request goes to the
+    model its body names: service_table.py). ``api_key``: the admin key; ``tenant_keys``: the tenants' keys
+    (``tenants.parse_tenants``)."""
+    table = services if isinstance(services, ServiceTable) else ServiceTable([services])
     keys = ApiKeys(api_key, tenant_keys)
     # redirect_slashes off: Starlette's trailing-slash redirect builds its Location from the Host header
     app = FastAPI(title="pagedray", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -205,9 +209,12 @@ def create_api(service: OpenAIService, api_key: str | None = None,
     async def _any_error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(to_api_error(exc))
 
-    async def _generate(request: Request, whole, open_stream):
+    async def _generate(request: Request, chat: bool):
         tenant = check_api_key(request, keys)
         body = with_session_header(request, await read_json_body(request, max_body_bytes))
+        service = table.for_body(body)
+        whole, open_stream = ((service.chat, service.open_chat_stream) if chat
+                              else (service.completion, service.open_completion_stream))
         if isinstance(body, dict) and body.get("stream") is True:
             chunks = await open_stream(body, tenant)
             return StreamingResponse(sse_body(chunks), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
@@ -216,15 +223,15 @@ def create_api(service: OpenAIService, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(request, service.completion, service.open_completion_stream)
+        return await _generate(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(request, service.chat, service.open_chat_stream)
+        return await _generate(request, chat=True)
 
     async def _bridged(body, api, events_of, tenant: str | None) -> Response:
         """Run a Responses / Messages body through the chat path (``api``: its translation module)."""
-        result = await run_bridged(service, api, events_of, body, tenant=tenant)
+        result = await run_bridged(table.for_body(body), api, events_of, body, tenant=tenant)
         if isinstance(result, dict):
             return await json_response(result)
         return StreamingResponse(named_sse_body(result), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS,
@@ -249,59 +256,67 @@ def create_api(service: OpenAIService, api_key: str | None = None,
     @app.get("/v1/models")
     async def models(request: Request):
         check_api_key(request, keys)
-        return JSONResponse(service.models())
+        return JSONResponse(table.models())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         if not model_id:   # "/v1/models/": an unknown route, like any other trailing slash
             raise StarletteHTTPException(404, "Not Found")
         check_api_key(request, keys)
-        return JSONResponse(service.model(model_id))
+        return JSONResponse(table.for_model(model_id).model(model_id))
 
-    pooling = PoolingEndpoints(service)
-
-    async def _pooled(request: Request, run):
+    async def _pooled(request: Request, endpoint):
         tenant = check_api_key(request, keys)
-        return await json_response(await run(await read_json_body(request, max_body_bytes), tenant))
+        body = await read_json_body(request, max_body_bytes)
+        return await json_response(await endpoint(PoolingEndpoints(table.for_body(body)))(body, tenant))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        return await _pooled(request, pooling.embeddings)
+        return await _pooled(request, lambda pooling: pooling.embeddings)
 
     @app.post("/v1/rerank")
     @app.post("/rerank")
     async def rerank(request: Request):
-        return await _pooled(request, pooling.rerank)
+        return await _pooled(request, lambda pooling: pooling.rerank)
 
     @app.post("/score")
     @app.post("/v1/score")
     async def score(request: Request):
-        return await _pooled(request, pooling.score)
+        return await _pooled(request, lambda pooling: pooling.score)
+
+    async def _admin(request: Request, load: bool) -> Response:
+        keys.check_admin(presented_key(request))
+        body = await read_json_body(request, max_body_bytes)
+        service = table.for_body(body)
+        run = service.load_lora_adapter if load else service.unload_lora_adapter
+        return PlainTextResponse(await run(body))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
-        keys.check_admin(presented_key(request))
-        return PlainTextResponse(await service.load_lora_adapter(await read_json_body(request, max_body_bytes)))
+        return await _admin(request, load=True)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
-        keys.check_admin(presented_key(request))
-        return PlainTextResponse(await service.unload_lora_adapter(await read_json_body(request, max_body_bytes)))
+        return await _admin(request, load=False)
+
+    async def _tokenizer_call(request: Request, encode: bool) -> Response:
+        check_api_key(request, keys)
+        body = await read_json_body(request, max_body_bytes)
+        service = table.for_body(body)
+        return await json_response(await (service.tokenize if encode else service.detokenize)(body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        check_api_key(request, keys)
-        return await json_response(await service.tokenize(await read_json_body(request, max_body_bytes)))
+        return await _tokenizer_call(request, encode=True)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        check_api_key(request, keys)
-        return await json_response(await service.detokenize(await read_json_body(request, max_body_bytes)))
+        return await _tokenizer_call(request, encode=False)
 
     @app.get("/health")
     async def health() -> Response:
         try:
-            await service.check_ready()
+            await table.check_ready()
         except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
             return JSONResponse({"status": "unhealthy", "reason": health_reason(exc)}, status_code=503)
         return PlainTextResponse("ok")
@@ -309,6 +324,6 @@ def create_api(service: OpenAIService, api_key: str | None = None,
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         check_api_key(request, keys)
-        return Response(await service.metrics_text(), media_type=METRICS_CONTENT_TYPE)
+        return Response(await table.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
     return app

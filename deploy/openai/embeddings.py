@@ -8,7 +8,8 @@ asked and what is done with the result), run as a prefill beside the generation 
   ``pooling_type`` option says. Usage counts the input tokens.
 - /v1/rerank: ``query``, ``documents`` (strings, or {"text": ...}), ``top_n`` (default: all), ``return_documents``
   (default true), ``instruction`` (an extension: the reranker's task instruction). Results sorted by
-  ``relevance_score``, P("yes") of a yes/no reranker (Qwen3-Reranker).
+  ``relevance_score``: P("yes") of a yes/no reranker (Qwen3-Reranker), or a sequence-classification checkpoint's
+  score head (cluster/pooling.py).
 - /score: ``text_1`` (a string, or a list as long as ``text_2``) against ``text_2`` (a string or a list): one
   score per pair, in ``text_2``'s order.
 Rerank and score need a model served with ``task: score`` (its template is a yes/no reranker's); embeddings work
@@ -26,14 +27,7 @@ import uuid
 from contextlib import aclosing
 from typing import Literal, Union
 
-from pagedray.cluster.pooling import (
-    embedding_params,
-    finish_embedding,
-    rerank_prompt,
-    score_params,
-    yes_no_ids,
-    yes_no_score,
-)
+from pagedray.cluster.pooling import Scorer, embedding_params, finish_embedding, rerank_prompt
 from pydantic import Field
 
 from .errors import bad_request, to_api_error
@@ -175,10 +169,11 @@ class PoolingEndpoints:
         if service.limits.pooling.task != "score":
             raise bad_request(f"model: {service.limits.served_name!r} is not served as a reranker (start it with "
                               f"task: score)", param="model")
-        params = score_params(*yes_no_ids(service._tok))
+        if service.scorer is None:     # the model's way of scoring, built once (a classifier head is read)
+            service.scorer = Scorer(service.limits.pooling, service._tok)
         ids = [self._tokens(rerank_prompt(query, document, req.instruction), f"documents[{i}]")
                for i, (query, document) in enumerate(pairs)]
-        return {"req": req, "ids": ids, "lora": lora, "params": params}
+        return {"req": req, "ids": ids, "lora": lora, "params": service.scorer.params}
 
     def _prepare_rerank(self, body) -> dict:
         req = parse_body(RerankRequest, body)
@@ -190,7 +185,8 @@ class PoolingEndpoints:
     async def rerank(self, body, tenant: str | None = None) -> dict:
         prepared, outputs = await self._run("rerank", self._prepare_rerank, body, tenant)
         req, texts = prepared["req"], prepared["texts"]
-        results = [{"index": i, "relevance_score": yes_no_score(out.pooled_logits)} for i, out in enumerate(outputs)]
+        scorer = self.service.scorer
+        results = [{"index": i, "relevance_score": scorer.score(out)} for i, out in enumerate(outputs)]
         results.sort(key=lambda r: -r["relevance_score"])
         for result in results:
             if req.return_documents:
@@ -212,7 +208,7 @@ class PoolingEndpoints:
 
     async def score(self, body, tenant: str | None = None) -> dict:
         prepared, outputs = await self._run("score", self._prepare_score, body, tenant)
-        data = [{"index": i, "object": "score", "score": yes_no_score(out.pooled_logits)}
+        data = [{"index": i, "object": "score", "score": self.service.scorer.score(out)}
                 for i, out in enumerate(outputs)]
         tokens = sum(map(len, prepared["ids"]))
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),

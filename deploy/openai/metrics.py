@@ -67,82 +67,110 @@ class ReplicaState:
 
 
 class EngineStatsCollector:
-    """Exposes the most recent ReplicaState snapshots; series whose attribute is missing are skipped."""
+    """Exposes the most recent ReplicaState snapshots of each model's engine replicas; series whose attribute is
+    missing are skipped."""
 
-    def __init__(self, model_name: str) -> None:
-        self._model_name = model_name
-        self._states: list[ReplicaState] = []
+    def __init__(self) -> None:
+        self._states: dict[str, list[ReplicaState]] = {}     # model name -> its replicas' last states
 
-    def update(self, states: list[ReplicaState]) -> None:
-        self._states = list(states)
+    def update(self, model_name: str, states: list[ReplicaState]) -> None:
+        self._states[model_name] = list(states)
+
+    def _labelled(self):
+        return [(model, state) for model, states in self._states.items() for state in states]
 
     def collect(self):
-        if not self._states:
+        labelled = self._labelled()
+        if not labelled:
             return
         for name, help_text, attr, kind in ENGINE_SERIES:
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
                 name, help_text, labels=ENGINE_LABELS)
-            for state in self._states:
+            for model, state in labelled:
                 value = getattr(state.stats, attr, None)
                 if value is not None:
-                    family.add_metric([self._model_name, state.replica], float(value))
+                    family.add_metric([model, state.replica], float(value))
             yield family
         queue_time = HistogramMetricFamily(QUEUE_TIME_SERIES, "Arrival at the engine's scheduler to first admission.",
                                            labels=ENGINE_LABELS)
-        for state in self._states:
+        for model, state in labelled:
             count = getattr(state.stats, "queue_time_count", None)
             if count is not None:
                 buckets = [(repr(float(le)), n) for le, n in state.stats.queue_time_buckets] + [("+Inf", count)]
-                queue_time.add_metric([self._model_name, state.replica], buckets, state.stats.queue_time_sum_s)
+                queue_time.add_metric([model, state.replica], buckets, state.stats.queue_time_sum_s)
         yield queue_time
         per_position = CounterMetricFamily(SPEC_POSITION_SERIES, "Speculative tokens accepted at each draft "
                                            "position (0: the first draft of a step).",
                                            labels=(*ENGINE_LABELS, "position"))
-        for state in self._states:
+        for model, state in labelled:
             for position, _, accepted in getattr(state.stats, "spec_decode_accepted_per_position", ()):
-                per_position.add_metric([self._model_name, state.replica, str(position)], float(accepted))
+                per_position.add_metric([model, state.replica, str(position)], float(accepted))
         yield per_position
         for name, help_text, column in TENANT_SERIES:
             family = GaugeMetricFamily(name, help_text, labels=(*ENGINE_LABELS, "tenant"))
-            for state in self._states:
+            for model, state in labelled:
                 for row in getattr(state.stats, "tenants", ()):
-                    family.add_metric([self._model_name, state.replica, str(row[0])], float(row[column]))
+                    family.add_metric([model, state.replica, str(row[0])], float(row[column]))
             yield family
         healthy = GaugeMetricFamily(HEALTHY_SERIES, "1 when the engine replica is healthy, else 0.",
                                     labels=ENGINE_LABELS)
-        for state in self._states:
-            healthy.add_metric([self._model_name, state.replica], 1.0 if state.healthy else 0.0)
+        for model, state in labelled:
+            healthy.add_metric([model, state.replica], 1.0 if state.healthy else 0.0)
         yield healthy
 
     def describe(self):
         return []
 
 
-class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+class MetricFamilies:
+    """The metric families of one ingress, in one registry: shared by the models it serves (each labels them with
+    its ``model_name``; service_table.py), so /metrics declares each family once."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.model_name = model_name
         requests, prompt, generation, ttft, itl, e2e = REQUEST_SERIES
+        model = ["model_name"]
         self.requests = Counter(requests, "Finished HTTP / handle requests by outcome.",
                                 ["model_name", "endpoint", "outcome"], registry=self.registry)
-        self.prompt_tokens = Counter(prompt, "Prompt tokens of admitted requests.", ["model_name"],
-                                     registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter(generation, "Generated tokens.", ["model_name"],
-                                         registry=self.registry).labels(model_name)
-        self.ttft = Histogram(ttft, "Arrival to first token.", ["model_name"], buckets=LATENCY_BUCKETS,
-                              registry=self.registry).labels(model_name)
-        self.inter_token = Histogram(itl, "Time between consecutive token deliveries.", ["model_name"],
-                                     buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram(e2e, "Arrival to last token.", ["model_name"], buckets=LATENCY_BUCKETS,
-                             registry=self.registry).labels(model_name)
+        self.prompt_tokens = Counter(prompt, "Prompt tokens of admitted requests.", model, registry=self.registry)
+        self.generation_tokens = Counter(generation, "Generated tokens.", model, registry=self.registry)
+        self.ttft = Histogram(ttft, "Arrival to first token.", model, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token = Histogram(itl, "Time between consecutive token deliveries.", model,
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(e2e, "Arrival to last token.", model, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.failovers = Counter(FAILOVER_SERIES, "Requests continued on another engine replica after theirs was "
-                                 "lost (deploy/serve/failover.py).", ["model_name"],
-                                 registry=self.registry).labels(model_name)
+                                 "lost (deploy/serve/failover.py).", model, registry=self.registry)
         self.moves = Counter(MOVE_SERIES, "Requests moved with their KV blocks from a busy engine replica to a less "
-                             "loaded one (deploy/serve/rebalance.py).", ["model_name"],
-                             registry=self.registry).labels(model_name)
-        self.engine = EngineStatsCollector(model_name)
+                             "loaded one (deploy/serve/rebalance.py).", model, registry=self.registry)
+        self.engine = EngineStatsCollector()
         self.registry.register(self.engine)
+
+
+class ModelEngineStats:
+    """One model's view of the shared engine collector: ``update`` replaces that model's replica states."""
+
+    def __init__(self, collector: EngineStatsCollector, model_name: str) -> None:
+        self._collector, self._model_name = collector, model_name
+
+    def update(self, states: list[ReplicaState]) -> None:
+        self._collector.update(self._model_name, states)
+
+
+class ServerMetrics:
+    """One served model's metrics (``families``: the ingress's shared ones; None: families of its own)."""
+
+    def __init__(self, model_name: str, families: MetricFamilies | None = None) -> None:
+        families = families or MetricFamilies()
+        self.families, self.registry, self.model_name = families, families.registry, model_name
+        self.requests = families.requests
+        self.prompt_tokens = families.prompt_tokens.labels(model_name)
+        self.generation_tokens = families.generation_tokens.labels(model_name)
+        self.ttft = families.ttft.labels(model_name)
+        self.inter_token = families.inter_token.labels(model_name)
+        self.e2e = families.e2e.labels(model_name)
+        self.failovers = families.failovers.labels(model_name)
+        self.moves = families.moves.labels(model_name)
+        self.engine = ModelEngineStats(families.engine, model_name)
 
     def record_outcome(self, endpoint: str, outcome: str) -> None:
         if outcome not in OUTCOMES:

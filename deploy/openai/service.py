@@ -202,6 +202,7 @@ class OpenAIService:
         # app's (several ingress replicas: lora_adapters.py)
         self.lora_refusal: str | None = None
         self.grammars = GrammarChecker(tokenizer)
+        self.scorer = None   # cluster.pooling.Scorer of this model, built by the first rerank / score (embeddings.py)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -494,9 +495,13 @@ class OpenAIService:
     async def check_ready(self) -> None:
         await self.engine.check_ready()
 
-    async def metrics_text(self) -> bytes:
+    async def refresh_engine_metrics(self) -> None:
+        """The engine replicas' gauges from their last states (a dead engine leaves the last values)."""
         try:
             self.metrics.engine.update(await self.engine.replica_states())
         except Exception:  # noqa: BLE001 - a dead engine must not break /metrics; gauges keep last values
             pass
+
+    async def metrics_text(self) -> bytes:
+        await self.refresh_engine_metrics()
         return self.metrics.render()

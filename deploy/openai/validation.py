@@ -74,13 +74,22 @@ class PreparedRequest:
     session: str | None = None          # prompt_cache_key: the session whose blocks stay cached
 
 
+def _adapter_of(name: str, limits: ModelLimits) -> LoRARequest | None:
+    base, sep, adapter = name.rpartition(":")
+    return limits.lora_adapters.get(adapter if sep and base in limits.aliases else name)
+
+
+def serves(name: str, limits: ModelLimits) -> bool:
+    """Whether ``name`` is the model of ``limits`` or one of its LoRA adapters (alone or as "<model>:<adapter>")."""
+    return name in limits.aliases or _adapter_of(name, limits) is not None
+
+
 def check_model(name: str | None, limits: ModelLimits) -> LoRARequest | None:
     """The LoRA adapter ``name`` chooses (None: the base model, or no name); 404 for a name not served."""
     if name is None or name in limits.aliases:
         return None
     adapters = limits.lora_adapters
-    base, sep, adapter = name.rpartition(":")
-    lora = adapters.get(adapter if sep and base in limits.aliases else name)
+    lora = _adapter_of(name, limits)
     if lora is not None:
         return lora
     available = ", ".join(repr(n) for n in [limits.served_name, *adapters.names()])

@@ -11,7 +11,9 @@ Decisions: docs/design/deploy.md, ``pagedray.deploy.serve.app``.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
+from pagedray.workers.contract.config import EngineConfig
 from pydantic import BaseModel, ValidationError
 from ray.serve import Application
 
@@ -20,7 +22,7 @@ from ..openai.reasoning import PARSER_ALIASES, REASONING_PARSERS
 from ..openai.tool_parsers import TOOL_CALL_PARSERS
 from ..routing.router import PREFIX_SUMMARY_BLOCKS
 from .disaggregation import PREFILL_DEPLOYMENT_NAME
-from .engine_deployment import SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
+from .engine_deployment import ENGINE_DEPLOYMENT_NAME, SHUTDOWN_MARGIN_S, EngineDeployment, placement_bundles
 from .ingress import OpenAIIngress
 from .options import AppArgs, engine_config
 
@@ -61,7 +63,39 @@ def parse_args(args: dict | None) -> BaseModel:
         check_autoscaling(parsed.autoscaling_config)
     check_disaggregation(parsed)
     check_rebalancing(parsed)
+    if parsed.models is not None and parsed.engine_in_ingress is True:
+        raise ValueError("engine_in_ingress: with models, each model's engine runs in a deployment of its own")
+    if parsed.models is not None and parsed.prefill_replicas:
+        raise ValueError("prefill_replicas: not with models (disaggregation serves one model)")
     return parsed
+
+
+# options of the whole app, not of one model of ``models``
+APP_WIDE = ("api_key", "max_body_bytes", "graceful_shutdown_s", "engine_in_ingress", "tenants", "models",
+            "prefill_replicas", "decode_replicas")
+
+
+def parse_models(parsed: BaseModel) -> list[BaseModel]:
+    """The parsed options of each entry of ``models`` (the models served beside the first; every option but the
+    app-wide ones, defaults for those not given): ValueError naming ``models[i].field``."""
+    entries = []
+    for i, entry in enumerate(parsed.models or []):
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+            raise ValueError(f"models[{i}]: must be an object of options with its 'model'")
+        app_wide = sorted(set(entry) & set(APP_WIDE))
+        if app_wide:
+            raise ValueError(f"models[{i}].{app_wide[0]}: an option of the whole app, not of one model")
+        try:
+            entry_args = parse_args({**entry, "engine_in_ingress": False})
+            engine_config(entry_args)           # the config dataclasses' own checks
+            entries.append(entry_args)
+        except ValueError as exc:
+            raise ValueError(f"models[{i}].{exc}") from None
+    names = [parsed.served_model_name or parsed.model] + [e.served_model_name or e.model for e in entries]
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"models: two models would be served as {twice!r}; give each a served_model_name")
+    return entries
 
 
 def check_rebalancing(parsed: BaseModel) -> None:
@@ -140,9 +174,18 @@ def wants_gpu(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def build_app(args: dict | None = None) -> Application:
-    parsed = parse_args(args)
-    tenants, tenant_keys = parse_tenants(parsed.tenants)
+@dataclass(frozen=True)
+class ModelEngine:
+    """One model's engine replicas as build_app lays them out."""
+
+    config: EngineConfig
+    replica: dict            # its deployment's options: replicas, placement, max_ongoing_requests
+    most_replicas: int
+    in_flight: int           # calls one replica takes at once
+
+
+def model_engine(parsed: BaseModel, tenants: tuple) -> ModelEngine:
+    """The engine config and replica options of one model's parsed args (``tenants``: the app's)."""
     config = engine_config(parsed)
     config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, tenants=tenants))
     use_gpu, in_process = wants_gpu(parsed.device), not config.parallel.use_ray
@@ -152,30 +195,54 @@ def build_app(args: dict | None = None) -> Application:
     count = parsed.decode_replicas or parsed.num_replicas
     replicas = {"num_replicas": count} if scaling is None else {"autoscaling_config": scaling}
     most_replicas = count if scaling is None else check_autoscaling(scaling)
-    engine_replica = dict(
+    replica = dict(
         **replicas,
         placement_group_bundles=placement_bundles(parsed.tensor_parallel_size, use_gpu, in_process),
         placement_group_strategy="PACK",
         ray_actor_options={"num_cpus": 1, "num_gpus": 1 if use_gpu and in_process else 0},
         max_ongoing_requests=in_flight,
     )
+    return ModelEngine(config, replica, most_replicas, in_flight)
+
+
+def engine_deployment(parsed: BaseModel, engine: ModelEngine, name: str) -> Application:
+    """The engine deployment of one model: its replicas, routed by the cache-aware router when it has a choice."""
+    routing = router_config(parsed, engine.most_replicas, engine.config.cache.block_size)
+    summary_blocks = PREFIX_SUMMARY_BLOCKS if routing else 0   # Serve's own router reads no prefix summary
+    return EngineDeployment.options(**engine.replica, name=name, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
+                                    **routing).bind(engine.config, prefix_summary_blocks=summary_blocks,
+                                                    rebalance_threshold=parsed.rebalance_threshold)
+
+
+def build_app(args: dict | None = None) -> Application:
+    parsed = parse_args(args)
+    more = parse_models(parsed)
+    tenants, tenant_keys = parse_tenants(parsed.tenants)
+    first = model_engine(parsed, tenants)
+    config = first.config
     ingress_args = dict(model=parsed.model, served_model_name=parsed.served_model_name, api_key=parsed.api_key,
                         max_body_bytes=parsed.max_body_bytes, reasoning_parser=parsed.reasoning_parser,
                         tool_call_parser=parsed.tool_call_parser, tenant_keys=tenant_keys)
-    if not parsed.prefill_replicas and engine_in_ingress(parsed, most_replicas):
-        return OpenAIIngress.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
-            config, **ingress_args, ingress_replicas=most_replicas)
-    routing = router_config(parsed, most_replicas, config.cache.block_size)
-    summary_blocks = PREFIX_SUMMARY_BLOCKS if routing else 0   # Serve's own router reads no prefix summary
-    engine = EngineDeployment.options(**engine_replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s,
-                                      **routing).bind(config, prefix_summary_blocks=summary_blocks,
-                                                      rebalance_threshold=parsed.rebalance_threshold)
+    if not parsed.prefill_replicas and not more and engine_in_ingress(parsed, first.most_replicas):
+        return OpenAIIngress.options(**first.replica, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s).bind(
+            config, **ingress_args, ingress_replicas=first.most_replicas)
+    engine = engine_deployment(parsed, first, ENGINE_DEPLOYMENT_NAME)
     if parsed.prefill_replicas:
         prefill_routing = router_config(parsed, parsed.prefill_replicas, config.cache.block_size)
         ingress_args["prefill_engine"] = EngineDeployment.options(
-            **{**engine_replica, "num_replicas": parsed.prefill_replicas, "autoscaling_config": None},
+            **{**first.replica, "num_replicas": parsed.prefill_replicas, "autoscaling_config": None},
             name=PREFILL_DEPLOYMENT_NAME, graceful_shutdown_timeout_s=parsed.graceful_shutdown_s, **prefill_routing,
         ).bind(config, prefix_summary_blocks=PREFIX_SUMMARY_BLOCKS if prefill_routing else 0)
-    return OpenAIIngress.options(max_ongoing_requests=in_flight * most_replicas,
+    in_flight = first.in_flight * first.most_replicas
+    if more:
+        ingress_args["models"] = []
+        for i, model_args in enumerate(more, start=1):
+            layout = model_engine(model_args, tenants)
+            in_flight += layout.in_flight * layout.most_replicas
+            ingress_args["models"].append({
+                "engine": engine_deployment(model_args, layout, f"{ENGINE_DEPLOYMENT_NAME}-{i}"),
+                "model": model_args.model, "served_model_name": model_args.served_model_name,
+                "reasoning_parser": model_args.reasoning_parser, "tool_call_parser": model_args.tool_call_parser})
+    return OpenAIIngress.options(max_ongoing_requests=in_flight,
                                  graceful_shutdown_timeout_s=parsed.graceful_shutdown_s + SHUTDOWN_MARGIN_S).bind(
         engine, **ingress_args)

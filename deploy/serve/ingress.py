@@ -63,10 +63,12 @@ from ..bridges.messages_stream import message_events
 from ..bridges.responses_stream import response_events
 from ..http.guard import use_bounded_protocol
 from ..http.routes import DEFAULT_MAX_BODY_BYTES, create_api
+from ..openai.embeddings import PoolingEndpoints
 from ..openai.errors import to_api_error
-from ..openai.metrics import ReplicaState, ServerMetrics
+from ..openai.metrics import MetricFamilies, ReplicaState, ServerMetrics
 from ..openai.prompt_bound import max_prompt_chars
 from ..openai.service import OpenAIService
+from ..openai.service_table import ServiceTable
 from ..openai.validation import ModelLimits
 from ..routing.router import replica_summaries
 from .disaggregation import DisaggregatedEngineClient
@@ -161,26 +163,56 @@ class OpenAIIngress:
                        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto",
                        tool_call_parser: str = "auto", ingress_replicas: int = 1,
                        tenant_keys: dict[bytes, str] | None = None,
-                       prefill_engine: DeploymentHandle | None = None) -> None:
+                       prefill_engine: DeploymentHandle | None = None, models: list[dict] | None = None) -> None:
         """``engine``: a handle to the engine deployment, or (``engine_in_ingress``) the EngineConfig of
         the engine this replica runs itself. ``ingress_replicas``: the most replicas this deployment may
         have (more than one: LoRA adapters are not loaded at run time, ``openai/lora_adapters.py``).
         ``tenant_keys``: the tenants' API keys (``http/tenants.py``). ``prefill_engine``: a handle to the prefill
-        replicas (prefill/decode disaggregation, ``disaggregation.py``; ``engine`` is then the decode one)."""
-        from transformers import AutoTokenizer
-
+        replicas (prefill/decode disaggregation, ``disaggregation.py``; ``engine`` is then the decode one).
+        ``models``: more models behind this API, each ``{"engine": handle, "model", "served_model_name",
+        "reasoning_parser", "tool_call_parser"}`` (service_table.py: a request goes to the model it names; one
+        without a name to the first)."""
         use_bounded_protocol()   # before Serve starts this replica's own HTTP server (direct ingress)
         bind_replica_grpc_to_loopback()   # before Serve starts the replica's gRPC server (loopback nodes)
         self._served: ServedEngine | None = None
+        self._families = MetricFamilies()
+        self._metas: list[ModelMeta] = []       # each model's, in table order
         if isinstance(engine, EngineConfig):
             self._served = ServedEngine(engine)
+        first = await self._model_service(engine, model, served_model_name, reasoning_parser, tool_call_parser,
+                                          prefill_engine)
+        services = [first] + [await self._model_service(entry["engine"], entry["model"],
+                                                        entry.get("served_model_name"),
+                                                        entry.get("reasoning_parser", "auto"),
+                                                        entry.get("tool_call_parser", "auto"))
+                              for entry in models or []]
+        self._table = ServiceTable(services)
+        self._service, self._metrics, self._client = first, first.metrics, first.engine
+        self._engine, self._limits_meta = engine, self._metas[0]
+        if ingress_replicas > 1:
+            for service in services:
+                service.lora_refusal = (
+                    f"lora_name: this app has up to {ingress_replicas} ingress replicas (engine_in_ingress), each "
+                    "with its own adapter table, so adapters are not loaded at run time here; list them in "
+                    "lora_modules")
+        self._api_key = api_key
+        self._tenant_keys = tenant_keys
+        self._max_body_bytes = max_body_bytes
+
+    async def _model_service(self, engine, model: str, served_model_name: str | None, reasoning_parser: str,
+                             tool_call_parser: str, prefill_engine: DeploymentHandle | None = None) -> OpenAIService:
+        """The OpenAIService of one served model (its engine: this replica's own, or a handle's replicas)."""
+        from transformers import AutoTokenizer
+
+        holder: list[ServerMetrics] = []
+        if isinstance(engine, EngineConfig):
             meta, client = self._served.model_meta(), self._served
         else:           # streams continue on another replica when theirs is lost (failover.py)
             meta = await engine.model_meta.remote()
             app_name = engine.deployment_id.app_name
-            client = FailoverEngineClient(HandleEngineClient(engine), on_failover=lambda: self._metrics.failovers.inc(),
+            client = FailoverEngineClient(HandleEngineClient(engine), on_failover=lambda: holder[0].failovers.inc(),
                                           app_deleting=lambda: app_being_deleted(app_name),
-                                          on_move=lambda: self._metrics.moves.inc())
+                                          on_move=lambda: holder[0].moves.inc())
             if prefill_engine is not None:
                 client = DisaggregatedEngineClient(prefill_engine, client)
         name, aliases = served_names(model, meta, served_model_name)
@@ -189,37 +221,29 @@ class OpenAIIngress:
                              max_prompt_chars(tokenizer, meta.max_model_len), meta.dtype,
                              sequences_in_flight=max(1, meta.max_num_seqs // 2), lora_adapters=meta.lora_adapters,
                              pooling=meta.pooling)
-        self._engine, self._limits_meta = engine, meta
-        self._client = client
-        self._metrics = ServerMetrics(name)
-        self._service = OpenAIService(client, tokenizer, limits, self._metrics, reasoning_parser, tool_call_parser)
-        if ingress_replicas > 1:
-            self._service.lora_refusal = (
-                f"lora_name: this app has up to {ingress_replicas} ingress replicas (engine_in_ingress), each with "
-                "its own adapter table, so adapters are not loaded at run time here; list them in lora_modules")
-        self._api_key = api_key
-        self._tenant_keys = tenant_keys
-        self._max_body_bytes = max_body_bytes
+        holder.append(ServerMetrics(name, self._families))
+        self._metas.append(meta)
+        return OpenAIService(client, tokenizer, limits, holder[0], reasoning_parser, tool_call_parser)
 
     def __serve_build_asgi_app__(self):
-        return create_api(self._service, self._api_key, self._max_body_bytes, self._tenant_keys)
+        return create_api(self._table, self._api_key, self._max_body_bytes, self._tenant_keys)
 
     # ------------------------------------------------------------------ handle API
     async def completions(self, body: dict, tenant: str | None = None) -> dict:
         """POST /v1/completions with ``stream`` false, as a Python call. ``tenant`` (this and the methods below):
         the tenant the request counts for (a name of the ``tenants`` option; handle callers are trusted)."""
-        return await self._service.completion({**body, "stream": False}, tenant)
+        return await self._table.for_body(body).completion({**body, "stream": False}, tenant)
 
     async def completions_stream(self, body: dict, tenant: str | None = None) -> AsyncIterator[dict]:
         """POST /v1/completions with ``stream`` true: yields the chunk objects (no ``[DONE]``)."""
-        async for chunk in self._stream(self._service.open_completion_stream, body, tenant):
+        async for chunk in self._stream(self._table.for_body(body).open_completion_stream, body, tenant):
             yield chunk
 
     async def chat(self, body: dict, tenant: str | None = None) -> dict:
-        return await self._service.chat({**body, "stream": False}, tenant)
+        return await self._table.for_body(body).chat({**body, "stream": False}, tenant)
 
     async def chat_stream(self, body: dict, tenant: str | None = None) -> AsyncIterator[dict]:
-        async for chunk in self._stream(self._service.open_chat_stream, body, tenant):
+        async for chunk in self._stream(self._table.for_body(body).open_chat_stream, body, tenant):
             yield chunk
 
     async def generate(self, prompt: str | list[int], params: dict | None = None, tenant: str | None = None) -> dict:
@@ -233,7 +257,7 @@ class OpenAIIngress:
 
     async def responses(self, body: dict) -> dict:
         """POST /v1/responses (OpenAI's Responses API) with ``stream`` false, as a Python call."""
-        return await run_bridged(self._service, responses_api, response_events, body, stream=False)
+        return await run_bridged(self._table.for_body(body), responses_api, response_events, body, stream=False)
 
     async def responses_stream(self, body: dict) -> AsyncIterator[dict]:
         """POST /v1/responses with ``stream`` true: yields the Responses event objects."""
@@ -242,7 +266,7 @@ class OpenAIIngress:
 
     async def messages(self, body: dict) -> dict:
         """POST /v1/messages (Anthropic's Messages API) with ``stream`` false, as a Python call."""
-        return await run_bridged(self._service, messages_api, message_events, body, stream=False)
+        return await run_bridged(self._table.for_body(body), messages_api, message_events, body, stream=False)
 
     async def messages_stream(self, body: dict) -> AsyncIterator[dict]:
         """POST /v1/messages with ``stream`` true: yields the Messages event objects."""
@@ -250,7 +274,7 @@ class OpenAIIngress:
             yield event
 
     async def _bridged_stream(self, api, events_of, body: dict) -> AsyncIterator[dict]:
-        events = await run_bridged(self._service, api, events_of, body, stream=True)
+        events = await run_bridged(self._table.for_body(body), api, events_of, body, stream=True)
         try:
             async for event in events:
                 yield event
@@ -259,11 +283,24 @@ class OpenAIIngress:
 
     async def tokenize(self, body: dict) -> dict:
         """POST /tokenize as a Python call: ``{"prompt": ...}`` or ``{"messages": [...]}``."""
-        return await self._service.tokenize(body)
+        return await self._table.for_body(body).tokenize(body)
 
     async def detokenize(self, body: dict) -> dict:
         """POST /detokenize as a Python call: ``{"tokens": [...]}`` -> ``{"prompt": text}``."""
-        return await self._service.detokenize(body)
+        return await self._table.for_body(body).detokenize(body)
+
+    async def embeddings(self, body: dict, tenant: str | None = None) -> dict:
+        """POST /v1/embeddings as a Python call: ``{"input": ...}`` -> OpenAI's embeddings list."""
+        return await PoolingEndpoints(self._table.for_body(body)).embeddings(body, tenant)
+
+    async def rerank(self, body: dict, tenant: str | None = None) -> dict:
+        """POST /v1/rerank as a Python call: ``{"query": ..., "documents": [...]}`` (a model served with task
+        score)."""
+        return await PoolingEndpoints(self._table.for_body(body)).rerank(body, tenant)
+
+    async def score(self, body: dict, tenant: str | None = None) -> dict:
+        """POST /score as a Python call: ``{"text_1": ..., "text_2": ...}``."""
+        return await PoolingEndpoints(self._table.for_body(body)).score(body, tenant)
 
     async def drain(self, timeout_s: float = GRACEFUL_SHUTDOWN_S) -> DrainReport:
         """Drain the engine replica this call reaches (see served_engine.py): new requests get 503,
@@ -274,11 +311,11 @@ class OpenAIIngress:
 
     async def load_lora_adapter(self, body: dict) -> str:
         """POST /v1/load_lora_adapter as a Python call: ``{"lora_name": ..., "lora_path": ...}``."""
-        return await self._service.load_lora_adapter(body)
+        return await self._table.for_body(body).load_lora_adapter(body)
 
     async def unload_lora_adapter(self, body: dict) -> str:
         """POST /v1/unload_lora_adapter as a Python call: ``{"lora_name": ...}``."""
-        return await self._service.unload_lora_adapter(body)
+        return await self._table.for_body(body).unload_lora_adapter(body)
 
     async def stats(self):
         """EngineStats of the engine replica this call reaches."""

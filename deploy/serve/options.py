@@ -85,6 +85,11 @@ SERVE_OPTIONS = (
            "blocks), 'hermes', 'llama3_json', 'mistral' or 'pythonic'", kind=str, default="auto"),
     Option("autoscaling_config", "Serve's autoscaling of the engine replicas (min_replicas, max_replicas, "
            "target_ongoing_requests, upscale_delay_s, ...; replaces num_replicas)", kind=dict, optional=True),
+    Option("models", "more models behind the same API, each an object of this model's options ({model, "
+           "served_model_name, task, num_replicas, tensor_parallel_size, ...}: all but the app-wide api_key, "
+           "max_body_bytes, graceful_shutdown_s, engine_in_ingress, tenants, prefill/decode_replicas); each gets "
+           "its own engine deployment, and a request goes to the model its 'model' names (the first one without "
+           "a name). CLI: --model A --model B, or a JSON list", kind=list, optional=True),
     Option("tenants", "fair share among tenants: {name: {api_keys: [...], weight, max_kv_fraction, "
            "max_queued_requests}}; every route then needs a tenant's key or api_key (tenant 'default'); each "
            "engine replica admits and preempts by weighted share and enforces the quotas (429 naming them)",
@@ -140,7 +145,7 @@ def option_default(option: Option) -> object:
 def cli_type(option: Option) -> type:
     """The plain type an argparse flag converts to (bool: a --flag/--no-flag pair)."""
     annotation = option_type(option)
-    return next(t for t in (bool, int, float, str, dict) if annotation in (t, t | None))
+    return next(t for t in (bool, int, float, str, dict, list) if annotation in (t, t | None))
 
 
 def engine_options() -> tuple[Option, ...]:

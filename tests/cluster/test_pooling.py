@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from helpers.hf_oracle import hf_greedy, load_hf_model
-from helpers.tiny_models import save_tiny_reranker
+from helpers.tiny_models import save_tiny_classifier, save_tiny_reranker
 from pagedray.cluster import LLM, SamplingParams
 from pagedray.cluster.pooling import finish_embedding, rerank_prompt, yes_no_score
 from pagedray.cluster.request import Request
@@ -161,6 +161,28 @@ def test_rerank_scores_equal_transformers_yes_no_logits_and_order(tmp_path, defa
     assert [s.score for s in scores] == pytest.approx(expected, abs=1e-5)
     assert sorted(range(4), key=lambda i: -scores[i].score) == sorted(range(4), key=lambda i: -expected[i])
     assert len(set(round(e, 4) for e in expected)) == 4                 # distinct: the ordering means something
+
+
+@pytest.mark.parametrize("num_labels", [1, 2])
+def test_a_sequence_classification_reranker_scores_with_its_head_as_transformers(tmp_path, default_model_path,
+                                                                                 num_labels):
+    """A ``*ForSequenceClassification`` checkpoint: the engine pools the last token's hidden state and the front
+    applies the checkpoint's ``score`` head (sigmoid of one logit; the second label's softmax of two)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = save_tiny_classifier(tmp_path / "classifier", default_model_path, num_labels)
+    query, documents = "Which animals live in the forest?", ["Deer and owls.", "Stock prices.", "Bears in dens."]
+    with _llm(path, max_num_batched_tokens=64, num_blocks=256) as llm:
+        scores = llm.score(query, documents, use_tqdm=False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    expected = []
+    for document in documents:
+        with torch.inference_mode():
+            logits = model(torch.tensor([tokenizer(rerank_prompt(query, document)).input_ids])).logits[0]
+        expected.append(torch.sigmoid(logits[0]).item() if num_labels == 1 else torch.softmax(logits, 0)[1].item())
+    assert [s.score for s in scores] == pytest.approx(expected, abs=1e-5)
+    assert len(set(round(e, 4) for e in expected)) == 3
 
 
 def test_yes_no_score_is_the_two_way_softmax():

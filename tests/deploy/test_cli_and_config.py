@@ -57,7 +57,14 @@ def test_engine_config_from_args():
                                          ({"rebalance_threshold": 2, "request_router": "serve", "num_replicas": 2},
                                           "rebalance_threshold"),
                                          ({"rebalance_threshold": 2, "engine_in_ingress": True},
-                                          "rebalance_threshold")])
+                                          "rebalance_threshold"),
+                                         ({"models": [{"task": "embed"}]}, r"models\[0\]"),
+                                         ({"models": [{"model": "/m", "api_key": "k"}]}, r"models\[0\]\.api_key"),
+                                         ({"models": [{"model": "/m", "task": "chat"}]}, r"models\[0\]\.task"),
+                                         ({"models": [{"model": "/m"}, {"model": "/m"}]}, "models: two models"),
+                                         ({"models": [{"model": "/m"}], "engine_in_ingress": True},
+                                          "engine_in_ingress"),
+                                         ({"models": [{"model": "/m"}], "prefill_replicas": 1}, "prefill_replicas")])
 def test_build_app_rejects_bad_args_naming_the_field(args, field):
     with pytest.raises(ValueError, match=field):
         build_app(args)
@@ -506,3 +513,26 @@ def test_tenants_give_the_engine_its_policy_and_the_ingress_the_keys():
     assert split.init_args[0]._bound_deployment.init_args[0].scheduler.tenants == config.scheduler.tenants
     with pytest.raises(ValueError, match="tenants.beta.weight"):
         build_app({"tenants": {"beta": {"api_keys": ["k"], "weight": -1}}})
+
+
+def test_models_get_an_engine_deployment_each_behind_one_ingress():
+    from pagedray.deploy.serve.app import build_app
+
+    app = build_app({"models": [{"model": "/models/embedder", "task": "embed", "num_replicas": 2,
+                                 "served_model_name": "emb"}]})
+    ingress = app._bound_deployment
+    first = ingress.init_args[0]._bound_deployment             # the first model leaves the ingress: a deployment
+    (entry,) = ingress.init_kwargs["models"]
+    second = entry["engine"]._bound_deployment
+    assert (first.name, second.name) == ("PagedEngine", "PagedEngine-1")
+    assert entry["model"] == "/models/embedder" and entry["served_model_name"] == "emb"
+    assert second._deployment_config.num_replicas == 2
+    assert second.init_args[0].model.task == "embed" and first.init_args[0].model.task == "generate"
+    assert {d.name for d in startup._bound_deployments(app)} == {"OpenAIIngress", "PagedEngine", "PagedEngine-1"}
+
+
+def test_the_cli_takes_several_models_as_repeated_model_flags():
+    ns = cli.build_parser().parse_args(["serve", "--model", "/a", "--model", "/b", "--models",
+                                        '[{"model": "/c", "task": "embed"}]'])
+    assert cli.serve_args(ns) == {"model": "/a", "models": [{"model": "/c", "task": "embed"}, {"model": "/b"}]}
+    assert cli.serve_args(cli.build_parser().parse_args(["serve", "--model", "/a"])) == {"model": "/a"}

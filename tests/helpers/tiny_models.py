@@ -135,3 +135,19 @@ def save_tiny_reranker(folder, tokenizer_path: str) -> str:
     Qwen3ForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def save_tiny_classifier(folder, tokenizer_path: str, num_labels: int = 1) -> str:
+    """A reranker converted to sequence classification: Qwen3ForSequenceClassification (a ``score`` head of
+    ``num_labels`` rows, no LM head) with the tokenizer of ``tokenizer_path``."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    config = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=512,
+                         initializer_range=0.25, tie_word_embeddings=False, num_labels=num_labels,
+                         pad_token_id=tokenizer.pad_token_id, architectures=["Qwen3ForSequenceClassification"])
+    torch.manual_seed(8)
+    Qwen3ForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

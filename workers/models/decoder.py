@@ -89,9 +89,17 @@ class ModelDims:
             raise ValueError(f"model: hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # a sequence-classification checkpoint has a ``score`` head instead of an LM head: the LM head reuses the
+        # embedding (its logits mean nothing), and the front applies ``score`` to the pooled hidden state
+        # (cluster/pooling.py)
+        tied = bool(getattr(cfg, "tie_word_embeddings", False)) or is_classifier(cfg)
         return cls(cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
-                   cfg.num_attention_heads, num_kv_heads, head_dim, cfg.rms_norm_eps,
-                   bool(getattr(cfg, "tie_word_embeddings", False)))
+                   cfg.num_attention_heads, num_kv_heads, head_dim, cfg.rms_norm_eps, tied)
+
+
+def is_classifier(cfg) -> bool:
+    """A ``*ForSequenceClassification`` checkpoint (its head is ``score.weight``, [num_labels, hidden])."""
+    return any(str(name).endswith("ForSequenceClassification") for name in getattr(cfg, "architectures", None) or [])
 
 
 class DecoderAttention(nn.Module):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..layers.partition import check_head_split
+from .decoder import is_classifier
 from .registry import architecture_of
 
 
@@ -66,6 +67,7 @@ class ModelInfo:
     hidden_size: int
     tie_word_embeddings: bool
     matryoshka: bool = False   # its config declares Matryoshka embeddings (is_matryoshka / matryoshka_dimensions)
+    num_labels: int = 0        # a *ForSequenceClassification checkpoint: its score head's outputs (else 0)
 
     def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
         """ValueError naming tensor_parallel_size when the heads cannot be split over that many ranks."""
@@ -96,4 +98,5 @@ def model_info(model_path) -> ModelInfo:
         hidden_size=cfg.hidden_size,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         matryoshka=bool(getattr(cfg, "is_matryoshka", False) or getattr(cfg, "matryoshka_dimensions", None)),
+        num_labels=int(getattr(cfg, "num_labels", 0)) if is_classifier(cfg) else 0,
     )

@@ -27,6 +27,10 @@ MODEL_CLASSES = MappingProxyType({
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    # a score head instead of the LM head (decoder.is_classifier): rerankers converted to sequence classification
+    "LlamaForSequenceClassification": LlamaForCausalLM,
+    "Qwen2ForSequenceClassification": Qwen2ForCausalLM,
+    "Qwen3ForSequenceClassification": Qwen3ForCausalLM,
 })
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
