@@ -20,7 +20,7 @@ class ServiceTable:
         if not services:
             raise ValueError("services: at least one model is needed")
         seen: dict[str, int] = {}            # name -> the index of the model it names
-        for index, service in enumerate(services):
+        for index, service in enumerate(services if len(services) > 1 else ()):   # one model: nothing to clash
             for name in service.limits.aliases:
                 if seen.setdefault(name, index) != index:
                     raise ValueError(f"served_model_name: {name!r} would name two models (models {seen[name]} "
