@@ -187,7 +187,7 @@ class OpenAIIngress:
                                                         entry.get("tool_call_parser", "auto"))
                               for entry in models or []]
         self._table = ServiceTable(services)
-        self._service, self._metrics, self._client = first, first.metrics, first.engine
+        self._client = first.engine           # the first model's: stats(), as with one model
         self._engine, self._limits_meta = engine, self._metas[0]
         if ingress_replicas > 1:
             for service in services:
