@@ -58,7 +58,7 @@ from triton.backends.compiler import GPUTarget
 
 TARGET = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "cu_q_ptr", "rows_ptr", "experts_ptr"}
-FP32_POINTERS = {"alibi_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr", "inv_freq_ptr"}
+FP32_POINTERS = {"alibi_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr", "inv_freq_ptr", "sinks_ptr"}
 INT64_POINTERS = {"slot_ptr", "keys_ptr", "pos_ptr"}
 FP32_SCALARS = {"scale_log2", "eps", "scale", "softcap", "k_static", "v_static"}
 NOT_DIVISIBLE = {"group_size", "stride_bt", "sliding_window", "num_splits", "num_seqs", "block_size", "num_heads",

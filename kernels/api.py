@@ -73,8 +73,9 @@ def _check_softcap(logit_softcap) -> None:
 
 
 def _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap=None,
-                  k_scale=None, v_scale=None) -> None:
+                  k_scale=None, v_scale=None, sinks=None) -> None:
     _check_softcap(logit_softcap)
+    v.check_sinks(sinks, q)
     v.check_caches(k_cache, v_cache)
     v.check_kv_scales(k_cache, k_scale, v_scale)
     v.check_heads_tensor("q", q, k_cache, num_kv_heads_match=False)
@@ -85,27 +86,32 @@ def _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out,
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None, sliding_window=None,
-                 out=None, *, validate_values=None, use_triton=None, logit_softcap=None, k_scale=None, v_scale=None):
+                 out=None, *, validate_values=None, use_triton=None, logit_softcap=None, k_scale=None, v_scale=None,
+                 sinks=None):
     """One query token per sequence at position seq_len - 1.
 
     q [num_seqs, num_q_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
     seq_lens [num_seqs] int32 -> out [num_seqs, num_q_heads, head_dim] (q.dtype).
-    ``logit_softcap`` (Gemma 2): the scaled scores become ``softcap * tanh(score / softcap)``.
+    ``logit_softcap`` (Gemma 2): the scaled scores become ``softcap * tanh(score / softcap)``. ``sinks``
+    (gpt-oss; float32 [num_q_heads]): one more logit per head in each softmax, with no value row.
     """
-    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap, k_scale, v_scale)
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap, k_scale, v_scale,
+                  sinks)
     v.check_block_tables(block_tables, seq_lens, q.shape[0], q.device)
     if v.values_checked(validate_values, q.device):
         v.check_seq_len_values("seq_lens", seq_lens, block_tables, k_cache)
     run = _decode_kernel(_triton_wanted(use_triton, q.device), q, k_cache)
     return run(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window, out,
-               **_extras_kw(logit_softcap, k_scale, v_scale))
+               **_extras_kw(logit_softcap, k_scale, v_scale, sinks))
 
 
-def _extras_kw(logit_softcap, k_scale=None, v_scale=None) -> dict:
+def _extras_kw(logit_softcap, k_scale=None, v_scale=None, sinks=None) -> dict:
     """The optional keywords a kernel takes: only those in use, so that every kernel keeps its defaults."""
     extras = {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
     if k_scale is not None:
         extras.update(k_scale=k_scale, v_scale=v_scale)
+    if sinks is not None:
+        extras["sinks"] = sinks
     return extras
 
 
@@ -169,39 +175,40 @@ def check_host_step_metadata(cache_shape, cache_dtype: torch.dtype, num_tokens: 
 
 def paged_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
                   out=None, *, sliding_window=None, validate_values=None, use_triton=None, logit_softcap=None,
-                  k_scale=None, v_scale=None):
+                  k_scale=None, v_scale=None, sinks=None):
     """Causal varlen chunks over cached history.
 
     q [total_q, num_q_heads, head_dim]; cu_seqlens_q [num_seqs + 1] int32; seq_lens_k [num_seqs] int32
     (history + chunk; the chunk's keys are already stored); block_tables [num_seqs, max_blocks] int32
     -> out [total_q, num_q_heads, head_dim] (q.dtype). Query i of a chunk sees keys
-    [0, seq_len_k - q_len + i]. ``logit_softcap`` as ``paged_decode``'s.
+    [0, seq_len_k - q_len + i]. ``logit_softcap`` and ``sinks`` as ``paged_decode``'s.
     """
-    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap, k_scale, v_scale)
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap, k_scale, v_scale,
+                  sinks)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables,
                   v.values_checked(validate_values, q.device))
     return _prefill(_triton_wanted(use_triton, q.device), q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
-                    block_tables, scale, alibi_slopes, out, sliding_window, logit_softcap, k_scale, v_scale)
+                    block_tables, scale, alibi_slopes, out, sliding_window, logit_softcap, k_scale, v_scale, sinks)
 
 
 def _prefill(triton_path: bool, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
-             out, sliding_window, logit_softcap=None, k_scale=None, v_scale=None):
+             out, sliding_window, logit_softcap=None, k_scale=None, v_scale=None, sinks=None):
     """Triton on CUDA; on CPU the torch prefill reference, whose short chunks go to the C kernels (length 1: the
     decode kernel; longer: the prefill kernel where it takes the layout, else decode rows)."""
     if triton_path:
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                     alibi_slopes, out, sliding_window=sliding_window,
-                                    **_extras_kw(logit_softcap, k_scale, v_scale))
+                                    **_extras_kw(logit_softcap, k_scale, v_scale, sinks))
     rows = {}
     if cpu_decode.supports(q, k_cache):   # chunks up to the length timed on this CPU run in C (cpu_twins)
-        by_chunks = k_scale is None and cpu_prefill.supports(q, k_cache, alibi_slopes, logit_softcap)
+        by_chunks = k_scale is None and sinks is None and cpu_prefill.supports(q, k_cache, alibi_slopes, logit_softcap)
         rows = {"decode_rows": cpu_decode.paged_decode_cpu,
                 "chunk_rows": cpu_prefill.paged_prefill_cpu if by_chunks else None,
                 "row_chunk_max": cpu_twins.prefill_c_max(q.dtype, q.shape[1], k_cache.shape[2], q.shape[2],
                                                             by_chunks)}
     return paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                    alibi_slopes, out, sliding_window=sliding_window,
-                                   logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale, **rows)
+                                   logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks, **rows)
 
 
 def _is_all_decode(q, cu_seqlens_q, num_seqs: int, max_query_len, values_known: bool) -> bool:
@@ -219,10 +226,11 @@ def _is_all_decode(q, cu_seqlens_q, num_seqs: int, max_query_len, values_known: 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes=None,
                     max_query_len=None, out=None, *, sliding_window=None, validate_values=None,
-                    use_triton=None, logit_softcap=None, k_scale=None, v_scale=None):
+                    use_triton=None, logit_softcap=None, k_scale=None, v_scale=None, sinks=None):
     """Mixed batch (decode rows and prefill chunks, shapes as ``paged_prefill``): the decode kernel when
     every chunk is one token, else the prefill kernel. ``max_query_len`` (optional host int) is a hint."""
-    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap, k_scale, v_scale)
+    _check_common(q, k_cache, v_cache, scale, alibi_slopes, sliding_window, out, logit_softcap, k_scale, v_scale,
+                  sinks)
     validate = v.values_checked(validate_values, q.device)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
     _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
@@ -230,14 +238,14 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
     if _is_all_decode(q, cu_seqlens_q, seq_lens_k.shape[0], max_query_len, validate):
         run = _decode_kernel(triton_path, q, k_cache)
         return run(q, k_cache, v_cache, block_tables, seq_lens_k, scale, alibi_slopes, sliding_window, out,
-                   **_extras_kw(logit_softcap, k_scale, v_scale))
+                   **_extras_kw(logit_softcap, k_scale, v_scale, sinks))
     return _prefill(triton_path, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
-                    out, sliding_window, logit_softcap, k_scale, v_scale)
+                    out, sliding_window, logit_softcap, k_scale, v_scale, sinks)
 
 
 def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables,
                         scale, *, max_query_len=None, sliding_window=None, validate_values=None, use_triton=None,
-                        logit_softcap=None, k_scale=None, v_scale=None, static_scales=None):
+                        logit_softcap=None, k_scale=None, v_scale=None, static_scales=None, sinks=None):
     """``store_kv(key, value, ...)`` then ``paged_attention(q, ...)`` (no ALiBi): one call where one kernel
     does both (a decode step on CPU into a cache in q's dtype or of 8-bit rows: the C decode kernel stores each
     sequence's new key / value, quantized for an 8-bit cache, then reads them), else the two calls. Shapes and checks as
@@ -255,13 +263,13 @@ def store_kv_and_attend(q, key, value, k_cache, v_cache, slot_mapping, cu_seqlen
         return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                max_query_len=max_query_len, sliding_window=sliding_window,
                                validate_values=validate, use_triton=use_triton, logit_softcap=logit_softcap,
-                               k_scale=k_scale, v_scale=v_scale)
+                               k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, validate)
-    _check_common(q, k_cache, v_cache, scale, None, sliding_window, None, logit_softcap, k_scale, v_scale)
+    _check_common(q, k_cache, v_cache, scale, None, sliding_window, None, logit_softcap, k_scale, v_scale, sinks)
     _check_varlen(q.shape[0], q.device, k_cache, cu_seqlens_q, seq_lens_k, block_tables, validate)
     _check_max_query_len(max_query_len, cu_seqlens_q, seq_lens_k, validate)
     slots = slot_mapping if slot_mapping.dtype == torch.int32 else slot_mapping.to(torch.int32)   # held by the call
     return cpu_decode.paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens_k, scale, None, sliding_window,
                                        new_kv=(key, value, slots.contiguous()), logit_softcap=logit_softcap,
-                                       k_scale=k_scale, v_scale=v_scale, static_scales=static_scales)
+                                       k_scale=k_scale, v_scale=v_scale, static_scales=static_scales, sinks=sinks)
 

@@ -130,14 +130,27 @@ def check_scale(scale) -> None:
         _fail("scale", f"expected a positive finite float, got {scale!r}")
 
 
-def check_alibi(alibi_slopes, q: torch.Tensor) -> None:
-    if alibi_slopes is None:
+def _check_per_head(name: str, values, q: torch.Tensor) -> None:
+    """None, or a float32 [num_q_heads] tensor on q's device."""
+    if values is None:
         return
-    check_tensor("alibi_slopes", alibi_slopes, 1, q.device)
-    if alibi_slopes.dtype != torch.float32:
-        _fail("alibi_slopes", f"expected dtype torch.float32, got {alibi_slopes.dtype}")
-    if alibi_slopes.shape[0] != q.shape[1]:
-        _fail("alibi_slopes", f"expected shape [{q.shape[1]}] (num_q_heads), got {tuple(alibi_slopes.shape)}")
+    check_tensor(name, values, 1, q.device)
+    if values.dtype != torch.float32:
+        _fail(name, f"expected dtype torch.float32, got {values.dtype}")
+    if values.shape[0] != q.shape[1]:
+        _fail(name, f"expected shape [{q.shape[1]}] (num_q_heads), got {tuple(values.shape)}")
+
+
+def check_alibi(alibi_slopes, q: torch.Tensor) -> None:
+    _check_per_head("alibi_slopes", alibi_slopes, q)
+
+
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """gpt-oss's attention sinks: None, or float32 [num_q_heads] contiguous on q's device (finite values: the
+    kernels add exp(sink - max) to each softmax's denominator)."""
+    _check_per_head("sinks", sinks, q)
+    if sinks is not None and not sinks.is_contiguous():
+        _fail("sinks", "expected a contiguous tensor")
 
 
 def check_sliding_window(sliding_window) -> None:

@@ -108,7 +108,7 @@ class Worker:
     @property
     def uses_decode_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.config.model.enforce_eager
-                and self.config.parallel.tensor_parallel_size == 1)
+                and self.config.parallel.tensor_parallel_size == 1 and getattr(self.model, "graph_safe", True))
 
     def available_kv_blocks(self) -> int:
         """KV blocks this rank can hold (collective on GPU with TP > 1: call on every rank). With a draft

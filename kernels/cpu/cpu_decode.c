@@ -52,6 +52,7 @@ struct item_args {
     float scale;
     const float *slopes;                 /* [Hq], or NULL */
     float softcap;                       /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
+    const float *sinks;                  /* [Hq] learned logits that join each head's softmax (gpt-oss), or NULL */
     char *out;                           /* this sequence's output row, first head */
     int64_t o_head;                      /* head stride of out, bytes */
     const uint16_t *k_scale, *v_scale;   /* 8-bit caches: float16 scale bits per (block, slot, KV head) */
@@ -253,7 +254,11 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
     }
     for (int64_t hh = 0; hh < H; hh++) {
         for (int64_t r = 0; r < G; r++) {
-            const float inv = l[hh][r] > 0.0f ? 1.0f / l[hh][r] : 0.0f;
+            /* a sink is one more logit in the softmax with no value row: it only adds to the denominator
+             * (with no visible key m is -inf, the sum inf and the row 0, as the reference gives) */
+            const float sum = a->sinks != NULL ? l[hh][r] + expf(a->sinks[(a->kv_lo + hh) * G + r] - m[hh][r])
+                                               : l[hh][r];
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             char *dst = a->out + ((a->kv_lo + hh) * G + r) * a->o_head;
             for (int64_t c = 0; c < C; c++) store16(dst + c * 16 * elem, acc[hh][r][c] * inv, dtype);
         }
@@ -396,7 +401,8 @@ static inline void store_new(const struct item_args *a, int64_t s, const char *k
  * int32; slopes [Hq] float32 or NULL; window <= 0: none; out [S, Hq, D] (strides o_tok, o_head).
  * slots [S] int32 or NULL: with it, k_new [S, Hkv, D] (strides k_tok, k_head) and v_new (v_tok, v_head)
  * are stored into the caches first (store_new; a float8 cache's rows with the checkpoint's scales k_static /
- * v_static, float16 bits, when not 0). softcap > 0: the scaled scores are soft-capped (Gemma 2). */
+ * v_static, float16 bits, when not 0). softcap > 0: the scaled scores are soft-capped (Gemma 2). sinks [Hq]
+ * float32 or NULL: per-head logits added to each softmax's denominator (gpt-oss's attention sinks). */
 void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       const void *k_cache, const void *v_cache, int64_t c_block, int64_t c_tok, int64_t c_head,
                       int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
@@ -406,7 +412,7 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       const void *k_new, int64_t k_tok, int64_t k_head,
                       const void *v_new, int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap,
                       int cache_dtype, const uint16_t *k_scale, const uint16_t *v_scale, uint16_t k_static,
-                      uint16_t v_static) {
+                      uint16_t v_static, const float *sinks) {
     const int64_t elem = dtype_size(dtype);
     const int64_t celem = cache_dtype == DTYPE_F32 ? 4 : (cache_dtype == DTYPE_BF16 ? 2 : 1);
     /* a work item is one sequence with all its KV heads (each block read once, whole); with fewer
@@ -424,7 +430,7 @@ void paged_decode_cpu(const void *q, int64_t q_tok, int64_t q_head,
             .num_blocks = num_blocks, .block_size = block_size, .head_dim = head_dim, .group = group,
             .kv_lo = kv_lo, .kv_hi = kv_lo + heads_per_item,
             .table = block_tables + s * bt_row, .seq_len = seq_lens[s], .window = window, .scale = scale,
-            .slopes = slopes, .softcap = softcap, .out = (char *)out + s * o_tok * elem, .o_head = o_head * elem,
+            .slopes = slopes, .softcap = softcap, .sinks = sinks, .out = (char *)out + s * o_tok * elem, .o_head = o_head * elem,
             .k_scale = k_scale, .v_scale = v_scale, .num_kv_heads = num_kv_heads,
         };
         if (slots != NULL)

@@ -27,7 +27,7 @@ _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _INT64, _INT64, _PTR, _PTR, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64,
              _INT64, _INT64, _PTR, _INT64, _PTR, ctypes.c_float, _PTR, _INT64, ctypes.c_int, _PTR, _INT64,
              _INT64, ctypes.c_int, _PTR, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, ctypes.c_float, ctypes.c_int,
-             _PTR, _PTR, ctypes.c_uint16, ctypes.c_uint16]
+             _PTR, _PTR, ctypes.c_uint16, ctypes.c_uint16, _PTR]
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -89,7 +89,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
                      sliding_window=None, out=None, new_kv=None, logit_softcap=None, k_scale=None, v_scale=None,
-                     static_scales=None):
+                     static_scales=None, sinks=None):
     """``paged_decode_reference``'s contract through the C kernel (arguments already validated).
 
     q [S, Hq, D] (head_dim contiguous); k/v_cache [NB, bs, Hkv, D]; block_tables [S, max_blocks] int32;
@@ -98,7 +98,7 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
     contract for a decode step, slot < 0 skipped), by the same call. ``logit_softcap``: Gemma 2's soft-capping
     of the scaled scores. ``k_scale`` / ``v_scale`` [NB, bs, Hkv] float16, contiguous: an 8-bit cache's row
     scales (``kv_quant``), into which ``new_kv``'s rows are quantized; ``static_scales``: a float8 cache's
-    checkpoint scales (``kv_quant``) for them.
+    checkpoint scales (``kv_quant``) for them. ``sinks`` [Hq] float32: gpt-oss's per-head sink logits.
     """
     quantized = is_quantized(k_cache.dtype)
     if new_kv is not None and k_cache.dtype != q.dtype and not (quantized and k_scale is not None
@@ -126,7 +126,7 @@ def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_s
         result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads(), *_new_kv_args(new_kv, k_cache),
         float(logit_softcap or 0.0), CACHE_CODES[k_cache.dtype],
         None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
-        *static_scale_bits(static_scales))
+        *static_scale_bits(static_scales), None if sinks is None else sinks.data_ptr())
     if out is None:
         return result
     out.copy_(result)

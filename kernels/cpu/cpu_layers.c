@@ -39,7 +39,8 @@ typedef void (*decode_fn)(const void *q, int64_t q_tok, int64_t q_head, const vo
                           const float *slopes, int64_t window, int dtype, void *out, int64_t o_tok, int64_t o_head,
                           int threads, const void *k_new, int64_t k_tok, int64_t k_head, const void *v_new,
                           int64_t v_tok, int64_t v_head, const int32_t *slots, float softcap, int cache_dtype,
-                          const uint16_t *k_scale, const uint16_t *v_scale, uint16_t k_static, uint16_t v_static);
+                          const uint16_t *k_scale, const uint16_t *v_scale, uint16_t k_static, uint16_t v_static,
+                          const float *sinks);
 
 typedef int (*lora_fn)(const void *x, int64_t xs, int64_t in, const void *a, const void *e, int64_t nr, int64_t out,
                        const int64_t *seg_off, int64_t nseg, const int32_t *order, int64_t count, const int32_t *slots,
@@ -120,7 +121,7 @@ void decode_layers(const struct kernel_table *k, const struct layer_args *layers
                   l->window, dt, s->attn, Hq * D, D, th,
                   (const char *)s->qk + Hq * D * elem, qk_width, D,
                   (const char *)s->qkv + qk_width * elem, qkv_width, D, s->slots, 0.0f, s->cache_dtype,
-                  l->k_scale, l->v_scale, l->k_static, l->v_static);
+                  l->k_scale, l->v_scale, l->k_static, l->v_static, NULL);
         k->gemm(s->attn, Hq * D, rows, Hq * D, l->o, H, NULL, s->o, H, dt, th);
         add_lora(k, l, 1, s, s->attn, Hq * D, s->o, H);
         k->norm(s->o, H, residual, H, l->post_norm, s->normed, H, spare, H, rows, H, s->eps, dt, th);

@@ -66,21 +66,37 @@ def _gather(cache, table, lo: int, hi: int, scales=None):
     return g[:, start:start + hi - lo].transpose(1, 2)
 
 
-def _sdpa(queries, keys, values, mask, scale, softcap):
+def _sdpa(queries, keys, values, mask, scale, softcap, sink_rows=None):
     """SDPA, or with ``softcap`` (Gemma 2) transformers' eager formula: softcap * tanh(scale q k^T / softcap),
-    + mask (bool: visible, float: bias with -inf), softmax, @ v. Rows with no visible key give NaN here (the
-    callers zero them)."""
-    if softcap is None:
+    + mask (bool: visible, float: bias with -inf), softmax, @ v. With ``sink_rows`` (gpt-oss; float32
+    [Hkv, R] for queries [.., Hkv, R, D]) each row's sink logit joins the softmax as one more column that has
+    no value row, as transformers' eager attention concatenates it. Rows with no visible key give NaN here
+    without sinks (the callers zero them) and zeros with them."""
+    if softcap is None and sink_rows is None:
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1), values)
+    if sink_rows is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), values)
+    sink = sink_rows[..., None].expand(*scores.shape[:-1], 1)                    # [.., Hkv, R, 1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, values)
 
 
-def _attend(q_rows, keys, values, row_pos, k_lo: int, k_lens, scale, row_slopes, sliding_window, softcap=None):
+def _sink_rows(sinks, num_kv_heads: int, tokens: int):
+    """[Hq] -> [Hkv, group * T] float32 (row = g * T + t, ``_group_rows``' order), or None."""
+    if sinks is None:
+        return None
+    per_head = sinks.to(torch.float32).view(num_kv_heads, -1, 1)
+    return per_head.expand(-1, -1, tokens).reshape(num_kv_heads, -1)
+
+
+def _attend(q_rows, keys, values, row_pos, k_lo: int, k_lens, scale, row_slopes, sliding_window, softcap=None,
+            sink_rows=None):
     """q_rows [B, Hkv, R, D]; keys/values [B, Hkv, L, D] holding positions [k_lo, k_lo + L);
-    row_pos [B, R] absolute query positions; k_lens [B] keys that exist; row_slopes [Hkv, R] or None.
+    row_pos [B, R] absolute query positions; k_lens [B] keys that exist; row_slopes / sink_rows [Hkv, R] or None.
     -> [B, Hkv, R, D] float32."""
     k_pos = torch.arange(k_lo, k_lo + keys.shape[2], device=keys.device)          # [L]
     visible = (k_pos <= row_pos[:, :, None]) & (k_pos < k_lens[:, None, None])    # [B, R, L]
@@ -91,7 +107,7 @@ def _attend(q_rows, keys, values, row_pos, k_lo: int, k_lens, scale, row_slopes,
     else:
         rel = (k_pos - row_pos[:, :, None]).to(torch.float32)                     # [B, R, L]
         mask = (row_slopes[None, :, :, None] * rel[:, None]).masked_fill_(~visible[:, None], float("-inf"))
-    out = _sdpa(q_rows, keys, values, mask, scale, softcap)
+    out = _sdpa(q_rows, keys, values, mask, scale, softcap, sink_rows)
     return out.nan_to_num_(0.0)                                                   # rows with no key
 
 
@@ -147,7 +163,7 @@ def _length_groups(sorted_lens: list[int], bytes_per_position: int, block_size: 
 
 
 def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-                 logit_softcap=None, k_scale=None, v_scale=None):
+                 logit_softcap=None, k_scale=None, v_scale=None, sinks=None):
     """q [S, Hq, D] one query per sequence at position seq_len - 1 -> [S, Hq, D] float32.
 
     Sequences are sorted by length (so a group pads little) and cut into groups (``_length_groups``).
@@ -166,6 +182,7 @@ def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slope
     tables = block_tables[order]
     queries = q.reshape(num_seqs, num_kv_heads, group, head_dim)[order].to(torch.float32)
     slopes = None if alibi_slopes is None else alibi_slopes.to(torch.float32).view(num_kv_heads, group)
+    sink_rows = None if sinks is None else sinks.to(torch.float32).view(num_kv_heads, group)
     sorted_out = torch.zeros((num_seqs, num_kv_heads, group, head_dim), dtype=torch.float32, device=q.device)
     sorted_lens = [lens_host[i] for i in order_host]
     for s0, s1 in _length_groups(sorted_lens, 2 * 4 * num_kv_heads * head_dim, block_size):
@@ -175,16 +192,16 @@ def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slope
         keys = _blocks_f32(k_cache, k_scale, ids).view(shape).transpose(1, 2)          # [n, Hkv, L, D]
         values = _blocks_f32(v_cache, v_scale, ids).view(shape).transpose(1, 2)
         mask = _decode_mask(lens[s0:s1], shape[1], slopes, sliding_window)
-        sorted_out[s0:s1] = _sdpa(queries[s0:s1], keys, values, mask, scale, logit_softcap)
+        sorted_out[s0:s1] = _sdpa(queries[s0:s1], keys, values, mask, scale, logit_softcap, sink_rows).nan_to_num_(0.0)
     result = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out) if permuted else sorted_out
     return result.view(num_seqs, num_q_heads, head_dim)
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
-                           sliding_window=None, out=None, logit_softcap=None, k_scale=None, v_scale=None):
+                           sliding_window=None, out=None, logit_softcap=None, k_scale=None, v_scale=None, sinks=None):
     """q [num_seqs, num_q_heads, head_dim] -> out [num_seqs, num_q_heads, head_dim] (q.dtype)."""
     result = _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes, sliding_window,
-                          logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
+                          logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
@@ -192,13 +209,13 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, a
 
 
 def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, alibi_slopes,
-                 sliding_window, result, softcap=None, k_scale=None, v_scale=None):
+                 sliding_window, result, softcap=None, k_scale=None, v_scale=None, sinks=None):
     """q_chunk [nq, Hq, D] = the last nq positions of a sequence of seq_len_k keys; writes
     result [nq, Hq, D] float32 one query block at a time (each block's mask stays under the budget
     and only sees keys up to its last query)."""
     nq, num_q_heads, head_dim = q_chunk.shape
     num_kv_heads = k_cache.shape[2]
-    if seq_len_k == nq and alibi_slopes is None and sliding_window is None and softcap is None:
+    if seq_len_k == nq and alibi_slopes is None and sliding_window is None and softcap is None and sinks is None:
         # no history, no bias: plain causal attention, SDPA's is_causal (no mask tensor, no row grouping;
         # the same values, 15-55% less time at 16-256 tokens on the 2-core VM)
         table = table_row[None].long()
@@ -225,14 +242,14 @@ def _prefill_one(q_chunk, k_cache, v_cache, table_row, seq_len_k: int, scale, al
         row_pos = pos.repeat(rows.shape[2] // (t1 - t0))[None]                     # [1, G*T]
         slopes = _row_slopes(alibi_slopes, num_kv_heads, t1 - t0)
         out = _attend(rows, keys[:, :, lo - lo0:hi - lo0], values[:, :, lo - lo0:hi - lo0], row_pos, lo,
-                      k_len, scale, slopes, sliding_window, softcap)
+                      k_len, scale, slopes, sliding_window, softcap, _sink_rows(sinks, num_kv_heads, t1 - t0))
         result[t0:t1] = _ungroup_rows(out, t1 - t0)[0]
 
 
 def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                             alibi_slopes=None, out=None, *, sliding_window=None, decode_rows=None,
                             logit_softcap=None, k_scale=None, v_scale=None, row_chunk_max=ROW_CHUNK_MAX,
-                            chunk_rows=None):
+                            chunk_rows=None, sinks=None):
     """q [total_q, Hq, D] holding each sequence's newest chunk -> out [total_q, Hq, D] (q.dtype).
 
     Length-1 chunks go through one batched decode pass (``decode_rows``, a function with
@@ -252,13 +269,14 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
         return result if out is None else out.copy_(result)
     if chunk_rows is None and decode_rows is not None and max(lengths, default=0) <= short:
         result = _all_rows(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes,
-                           sliding_window, decode_rows, logit_softcap, k_scale, v_scale)
+                           sliding_window, decode_rows, logit_softcap, k_scale, v_scale, sinks)
     else:
         result = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         by_rows = [i for i, n in enumerate(lengths) if 1 <= n <= (1 if chunk_rows is not None else short)]
         if by_rows:
             _rows_into(result, by_rows, cu, k_lens, q, k_cache, v_cache, block_tables, seq_lens_k.dtype, scale,
-                       alibi_slopes, sliding_window, decode_rows or _decode_rows, logit_softcap, k_scale, v_scale)
+                       alibi_slopes, sliding_window, decode_rows or _decode_rows, logit_softcap, k_scale, v_scale,
+                       sinks)
         by_chunks = [i for i, n in enumerate(lengths) if 2 <= n <= short] if chunk_rows is not None else []
         if by_chunks:
             _chunks_into(result, by_chunks, cu, lengths, q, k_cache, v_cache, seq_lens_k, block_tables, scale,
@@ -267,7 +285,7 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
             if lengths[i] > short:
                 start, end = cu[i], cu[i + 1]
                 _prefill_one(q[start:end], k_cache, v_cache, block_tables[i], nk, scale, alibi_slopes,
-                             sliding_window, result[start:end], logit_softcap, k_scale, v_scale)
+                             sliding_window, result[start:end], logit_softcap, k_scale, v_scale, sinks)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
@@ -275,7 +293,7 @@ def paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block
 
 
 def _rows_into(result, seq_ids, cu, k_lens, q, k_cache, v_cache, block_tables, lens_dtype, scale, alibi_slopes,
-               sliding_window, decode_rows, logit_softcap, k_scale, v_scale) -> None:
+               sliding_window, decode_rows, logit_softcap, k_scale, v_scale, sinks=None) -> None:
     """The chunks of sequences ``seq_ids`` as decode rows, one call: token t of a chunk sees the positions up
     to its own. Writes their rows of result [total_q, Hq, D] float32."""
     rows, seqs, lens = [], [], []
@@ -288,7 +306,8 @@ def _rows_into(result, seq_ids, cu, k_lens, q, k_cache, v_cache, block_tables, l
     idx = torch.tensor(seqs, device=q.device)
     row_lens = torch.tensor(lens, dtype=lens_dtype, device=q.device)
     rows_out = decode_rows(q[rows_t], k_cache, v_cache, block_tables[idx], row_lens, scale, alibi_slopes,
-                           sliding_window, logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
+                           sliding_window, logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale,
+                           sinks=sinks)
     result[rows_t] = rows_out.to(torch.float32)
 
 
@@ -306,7 +325,7 @@ def _chunks_into(result, seq_ids, cu, lengths, q, k_cache, v_cache, seq_lens_k, 
 
 
 def _all_rows(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, alibi_slopes, sliding_window,
-              decode_rows, logit_softcap, k_scale, v_scale):
+              decode_rows, logit_softcap, k_scale, v_scale, sinks=None):
     """Every token of q as a decode row, in place (no gather or scatter of q): token t of sequence i,
     whose chunk ends at cu[i + 1], sees the keys up to its own position, seq_len_k[i] - (cu[i + 1] - 1 - t)
     of them, through its sequence's block table. -> [total_q, Hq, D]."""
@@ -318,14 +337,16 @@ def _all_rows(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale
     row_lens = (seq_lens_k.to(torch.long)[seq_of_row] - ends[seq_of_row] + 1
                 + torch.arange(total, device=q.device)).to(seq_lens_k.dtype)           # [total_q]
     return decode_rows(q, k_cache, v_cache, block_tables.index_select(0, seq_of_row), row_lens, scale,
-                       alibi_slopes, sliding_window, logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
+                       alibi_slopes, sliding_window, logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale,
+                       sinks=sinks)
 
 
 def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                               alibi_slopes=None, max_query_len=None, out=None, *, sliding_window=None,
-                              logit_softcap=None, k_scale=None, v_scale=None):
+                              logit_softcap=None, k_scale=None, v_scale=None, sinks=None):
     """Mixed batch: the prefill reference already routes length-1 chunks through the decode pass."""
     return paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                    alibi_slopes=alibi_slopes, out=out, sliding_window=sliding_window,
-                                   logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale)
+                                   logit_softcap=logit_softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+
 

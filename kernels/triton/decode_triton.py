@@ -27,12 +27,12 @@ def _decode_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
     scale_log2, softcap, stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    head_dim, group_size, sliding_window, num_splits,
+    head_dim, group_size, sliding_window, num_splits, sinks_ptr,
     BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
     IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     K_CVT: tl.constexpr = 0, V_CVT: tl.constexpr = 0, F16_MATH: tl.constexpr = False,
-    KEYS_MAJOR: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,6 +79,8 @@ def _decode_kernel(
         tl.store(part_acc_ptr + part[:, None] * head_dim + d[None, :], acc,
                  mask=g_mask[:, None] & d_mask[None, :])
     else:
+        if HAS_SINKS:   # one more logit per head (base 2, as m), with no value row: only the denominator grows
+            l += tl.math.exp2(tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634 - m)
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -139,8 +141,8 @@ def _attend_range(q, scale_log2, start, full_end, end, k_base, v_base, table, q_
 
 @triton.jit
 def _reduce_splits_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_os, stride_oh, head_dim, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_os, stride_oh, head_dim, num_splits, sinks_ptr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -155,6 +157,8 @@ def _reduce_splits_kernel(
     m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
     w = tl.where(ms > float("-inf"), tl.math.exp2(ms - m_ref), 0.0)     # empty splits weigh 0
     l_tot = tl.sum(ls * w, 0)
+    if HAS_SINKS:       # the sink joins the combined softmax once, relative to the same reference max
+        l_tot += tl.math.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - m_ref)
     acc = tl.load(part_acc_ptr + (row * num_splits + sp)[:, None] * head_dim + d[None, :],
                   mask=sp_mask[:, None] & d_mask[None, :], other=0.0)   # [BLOCK_S, BLOCK_D]
     o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot > 0, l_tot, 1.0)
@@ -216,13 +220,14 @@ def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes
 
 def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi_slopes=None,
                         sliding_window=None, out=None, *, num_splits=None, config=None, logit_softcap=None,
-                        k_scale=None, v_scale=None):
+                        k_scale=None, v_scale=None, sinks=None):
     """Launch the decode kernel (and the split reduce). Shapes as in ``pagedray.kernels.paged_decode``;
     ``num_splits`` overrides the automatic choice (tests use it to force the split path) and ``config``
     overrides entries of ``decode_config`` (the benchmark's ``--sweep`` uses it); ``KEYS_MAJOR`` in it computes
     the scores as K @ q^T (``tile_keys_major_triton``), with ``BLOCK_G`` (8 is its narrowest) >= the query
     heads per KV head and a power of two, else ValueError. ``k_scale`` / ``v_scale``: an 8-bit cache's row scales
-    (``kv_quant``)."""
+    (``kv_quant``). ``sinks`` [num_q_heads] float32: gpt-oss's sink logits, added in the last split reduction (or
+    the kernel itself without splits)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -243,8 +248,8 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
                 float(scale) * LOG2E, float(logit_softcap or 1.0), q.stride(0), q.stride(1), out.stride(0),
                 out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-                head_dim, group, sliding_window or 0, splits)
-        consts = dict(BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None,
+                head_dim, group, sliding_window or 0, splits, sinks if sinks is not None else q)
+        consts = dict(BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None,
                       HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
                       HAS_SOFTCAP=logit_softcap is not None, QUANT=k_scale is not None, **cfg)
         if warm_up:                           # compile only (the launch below reuses it): what an SM holds
@@ -272,7 +277,8 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, alib
     if split:
         _reduce_splits_kernel[(num_seqs, num_q_heads)](
             out, part_m, part_l, part_acc, out.stride(0), out.stride(1), head_dim, num_splits,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=cfg["BLOCK_D"], num_warps=4,
+            sinks if sinks is not None else q, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_D=cfg["BLOCK_D"], HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
 

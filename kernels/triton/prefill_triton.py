@@ -34,11 +34,11 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr, alibi_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, scale_log2, softcap, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    num_seqs, head_dim, group_size, sliding_window,
+    num_seqs, head_dim, group_size, sliding_window, sinks_ptr,
     BLOCK_SIZE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SCALE_ROWS: tl.constexpr = False,
+    SCALE_ROWS: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)       # heavy tiles (late in a chunk) launch first
     kv_head = tl.program_id(1)
@@ -89,6 +89,8 @@ def _prefill_kernel(
                                      k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_sb, stride_ss,
                                      BLOCK_SIZE, True, HAS_ALIBI, HAS_WINDOW, IEEE, HAS_SOFTCAP, QUANT, BLOCK_N,
                                      SCALE_ROWS=SCALE_ROWS)
+        if HAS_SINKS:   # one more logit per head (base 2, as m), with no value row: only the denominator grows
+            l += tl.math.exp2(tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * 1.4426950408889634 - m)
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
         o_off = q_idx.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -124,12 +126,12 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, 
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                          alibi_slopes=None, out=None, *, sliding_window=None, config=None, logit_softcap=None,
-                         k_scale=None, v_scale=None):
+                         k_scale=None, v_scale=None, sinks=None):
     """Launch the prefill kernel. Shapes as in ``pagedray.kernels.paged_prefill``; ``config`` overrides
     entries of ``prefill_config`` (the benchmark's ``--sweep`` uses it); ``k_scale`` / ``v_scale``: an 8-bit
     cache's row scales, applied to the K / V rows before the products for bf16 and fp32 queries
     (``tile_triton``'s ``SCALE_ROWS``), to the scores and probabilities for float16 ones, whose range the scaled
-    rows of small values would leave."""
+    rows of small values would leave). ``sinks`` [num_q_heads] float32: gpt-oss's sink logits."""
     total_q, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = seq_lens_k.shape[0]
@@ -147,8 +149,9 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_ta
         float(scale) * LOG2E, float(logit_softcap or 1.0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        num_seqs, head_dim, group, sliding_window or 0,
-        BLOCK_SIZE=block_size, HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window is not None,
+        num_seqs, head_dim, group, sliding_window or 0, sinks if sinks is not None else q,
+        BLOCK_SIZE=block_size, HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None,
+        HAS_WINDOW=sliding_window is not None,
         IEEE=q.dtype == torch.float32, HAS_SOFTCAP=logit_softcap is not None, QUANT=k_scale is not None,
         SCALE_ROWS=k_scale is not None and q.dtype != torch.float16, **cfg,   # float16's range: scores scaled
     )

@@ -70,9 +70,10 @@ def alibi_like_slopes(num_q_heads: int, device: torch.device) -> torch.Tensor:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    alibi_slopes=None, sliding_window=None, softcap=None) -> torch.Tensor:
+                    alibi_slopes=None, sliding_window=None, softcap=None, sinks=None) -> torch.Tensor:
     """float64 oracle. q [nq, Hq, D] are the last nq positions of k/v [nk, Hkv, D] -> [nq, Hq, D];
-    ``softcap``: the scaled scores become softcap * tanh(score / softcap) (Gemma 2)."""
+    ``softcap``: the scaled scores become softcap * tanh(score / softcap) (Gemma 2); ``sinks`` [Hq]: one more
+    logit per head in the softmax, whose probability multiplies no value (gpt-oss)."""
     nq, num_q_heads, _ = q.shape
     nk, num_kv_heads, _ = k.shape
     group = num_q_heads // num_kv_heads
@@ -91,6 +92,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         if alibi_slopes is not None:
             scores = scores + float(alibi_slopes[h]) * (k_pos - q_pos)
         scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = torch.full((nq, 1), float(sinks[h]), dtype=torch.float64)
+            out[:, h] = torch.softmax(torch.cat([scores, sink], dim=1), dim=-1)[:, :-1] @ v64[:, kv]
+            continue
         out[:, h] = torch.softmax(scores, dim=-1) @ v64[:, kv]
     return out
 

@@ -92,6 +92,19 @@ def tiny_config(kind: str):
                                 num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                 rope_parameters=rope, pad_token_id=0, architectures=["Gemma3ForCausalLM"])
+    if kind == "gpt-oss":   # sinks, alternating 8-token windows, biases, YaRN, 4 biased experts with a clamped SwiGLU
+        from transformers import GptOssConfig
+
+        rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 10_000.0}
+        return GptOssConfig(**{**TINY_COMMON, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                            swiglu_limit=1.5, rope_parameters=rope, pad_token_id=0,
+                            architectures=["GptOssForCausalLM"])
+    if kind.endswith("-untied"):   # the family's config with its own LM head (lm_head.weight in the checkpoint)
+        config = tiny_config(kind.removesuffix("-untied"))
+        config.tie_word_embeddings = False
+        return config
     raise ValueError(kind)
 
 
@@ -101,6 +114,11 @@ def save_tiny_model(kind: str, folder, max_shard_size: str | None = None) -> str
 
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    if kind.startswith("gpt-oss"):   # transformers zeroes biases and draws small sinks: make both matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    param.normal_(0.0, 2.0 if name.endswith("sinks") else 0.25)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(folder), **kwargs)
     return str(folder)

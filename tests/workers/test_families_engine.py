@@ -1,5 +1,6 @@
-"""Every family added for #36, end to end through the engine (``LLM``, in process, fp32): greedy tokens equal
-transformers' ``generate`` for 32 new tokens (EOS ignored) in a run that has everything at once: prompts
+"""Every family added for #36 and #67, end to end through the engine (``LLM``, in process, fp32): greedy tokens
+equal transformers' ``generate`` for 32 new tokens (EOS ignored), for both samples of n=2 (forked sequences
+sharing the prompt's blocks), in a run that has everything at once: prompts
 sharing a prefix (prefix-cache hits), a KV pool too small for all of them (preemption and recompute), a
 small token budget (chunked prefill, steps mixing prefill chunks with decode tokens)."""
 
@@ -16,7 +17,7 @@ BLOCK, NEW = 8, 32
 
 
 @pytest.mark.parametrize("kind", ["qwen2-window", "phi3", "phi3-longrope", "gemma2", "gemma3", "qwen3-moe",
-                                  "qwen2-moe", "mixtral"])
+                                  "qwen2-moe", "mixtral", "gpt-oss"])
 def test_prefix_hits_preemption_and_chunks_match_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     rng = random.Random(kind)
@@ -26,10 +27,11 @@ def test_prefix_hits_preemption_and_chunks_match_transformers(kind, tiny_model_p
     llm = LLM(path, dtype="float32", block_size=BLOCK, num_blocks=max(demand // 3, 16), watermark=0.0,
               threads_per_worker=1, max_num_batched_tokens=24, enable_prefix_caching=True)
     try:
-        results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+        results = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=NEW, ignore_eos=True),
                                use_tqdm=False)
         stats = llm.engine.stats()
     finally:
         llm.shutdown()
-    assert [r.outputs[0].token_ids for r in results] == hf_greedy_each(path, prompts, NEW)
+    want = hf_greedy_each(path, prompts, NEW)
+    assert [[o.token_ids for o in r.outputs] for r in results] == [[w, w] for w in want]   # n=2: forked samples
     assert stats.num_preemptions_total > 0 and stats.prefix_hit_tokens_total > 0

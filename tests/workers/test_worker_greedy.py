@@ -26,7 +26,7 @@ def _assert_mixed(plans) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3",
                                   "qwen3-window", "phi3", "phi3-longrope", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe",
-                                  "mixtral"])
+                                  "mixtral", "gpt-oss"])
 def test_tiny_models_match_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     worker, driver = local_driver(path, token_budget=24, max_chunk=16)
@@ -34,6 +34,19 @@ def test_tiny_models_match_transformers(kind, tiny_model_path):
     assert outputs == hf_greedy_each(path, TINY_PROMPTS, NEW_TOKENS)
     _assert_mixed(driver.plans)
     assert worker.num_sequences() == 0  # every finished sequence was released
+
+
+@pytest.mark.parametrize("kind", ["qwen2-untied", "gemma2-untied", "gemma3-untied"])
+def test_untied_lm_head_is_read(kind, tiny_model_path):
+    """Families whose configs tie by default, saved with their own LM head: the head is read, not the
+    embedding reused (every other family's tiny config is already untied)."""
+    from safetensors import safe_open
+
+    path = tiny_model_path(kind)
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        assert not f.get_tensor("lm_head.weight").equal(f.get_tensor("model.embed_tokens.weight"))
+    _, driver = local_driver(path, token_budget=24, max_chunk=16)
+    assert driver.generate(TINY_PROMPTS, NEW_TOKENS) == hf_greedy_each(path, TINY_PROMPTS, NEW_TOKENS)
 
 
 def test_index_sharded_checkpoint(tmp_path):

@@ -8,7 +8,8 @@ untied LM head. ``qwen3``: a single KV head, so both ranks hold a replica of it.
 local and global layers with their own rope (the logprob check fails when the global layers take the local
 rope, which the greedy tokens alone do not catch). ``qwen3-moe``: 6 experts, top-2, each rank holding every
 expert's half of the intermediate dimension, one dense layer; ``qwen2-moe``: plus a gated shared expert;
-``mixtral``: Mixtral's names and renormalised top-2.
+``mixtral``: Mixtral's names and renormalised top-2. ``gpt-oss``: each rank's half of the query heads' sinks,
+the interleaved gate/up columns of its half of every expert, the down bias added on one rank only.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def _check_logprobs(path: str, seq) -> None:
         assert abs(sampled.logprob - row[sampled.token_id].item()) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe", "mixtral",
+                                  "gpt-oss"])
 def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
     path = tiny_model_path(kind)
     params = SamplingParams(temperature=0.0, logprobs=TOP_N)

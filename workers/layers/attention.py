@@ -50,6 +50,7 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window   # None: full causal attention
         self.logit_softcap = logit_softcap     # Gemma 2: scores soft-capped (kernels.paged_decode)
         self.checkpoint_kv_scales: tuple[float, float] | None = None   # (k, v) for a float8 cache (load_kv_scales)
+        self.sinks: torch.Tensor | None = None   # gpt-oss: float32 [num_heads] sink logits (kernels.paged_decode)
 
     def load_kv_scales(self, reader, prefix: str) -> None:
         """A checkpoint calibrated for an FP8 KV cache: ``{prefix}.k_scale`` and ``.v_scale`` (or one
@@ -77,4 +78,5 @@ class PagedAttention(nn.Module):
                                            meta.seq_lens_k, meta.block_tables, self.scale,
                                            max_query_len=meta.max_query_len, sliding_window=self.sliding_window,
                                            validate_values=False, logit_softcap=self.logit_softcap,
-                                           k_scale=kv_layer.k_scale, v_scale=kv_layer.v_scale, static_scales=static)
+                                           k_scale=kv_layer.k_scale, v_scale=kv_layer.v_scale, static_scales=static,
+                                           sinks=self.sinks)

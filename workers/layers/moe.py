@@ -50,6 +50,8 @@ class MoESpec:
     shared_intermediate_size: int = 0   # Qwen2-MoE's shared expert (0: none)
     block: str = "mlp"                  # the layer's checkpoint module
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    swiglu_limit: float | None = None   # gpt-oss: biased experts with a clamped SwiGLU (layers/clamped_moe.py)
+    swiglu_alpha: float = 1.702
 
 
 def _uniform(part: PackedIntWeight) -> PackedIntWeight | None:

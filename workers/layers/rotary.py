@@ -1,8 +1,10 @@
 """Rotary position embedding (rotate-half / NeoX layout, as used by Llama, Qwen2 and Qwen3).
 
 Supported ``rope_type``: ``default``, ``linear`` (positions divided by ``factor``), ``llama3``
-(Llama 3.1+ frequency-dependent scaling) and ``longrope`` (also named ``su``: Phi-3's per-frequency
-``short_factor`` / ``long_factor`` and an attention factor that scales cos and sin). Others raise
+(Llama 3.1+ frequency-dependent scaling), ``longrope`` (also named ``su``: Phi-3's per-frequency
+``short_factor`` / ``long_factor`` and an attention factor that scales cos and sin) and ``yarn`` (gpt-oss:
+frequencies blended between interpolated and extrapolated by a linear ramp over the dimensions between
+``beta_fast`` and ``beta_slow`` rotations, and an attention factor ``0.1 ln(factor) + 1``). Others raise
 ValueError naming the rope type. Every type is an ``inv_freq`` vector (the angle of position p and pair
 i is ``float32(p) * inv_freq[i]``, a single rounded product, the same value any implementation gets)
 and a ``scale`` for cos and sin (1 but for LongRoPE).
@@ -34,7 +36,7 @@ import torch
 
 from ... import kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(hf_config) -> dict:
@@ -72,6 +74,36 @@ def _longrope(exponents: torch.Tensor, params: dict, max_model_len: int | None) 
     return inv_freq, float(attention)
 
 
+def _yarn(exponents: torch.Tensor, head_dim: int, params: dict) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention factor) of YaRN, transformers' arithmetic op for op (so the angles are the same
+    float32 values)."""
+    original = params.get("original_max_position_embeddings")
+    factor = params.get("factor")
+    if not original or not factor:
+        raise ValueError("model: rope_type 'yarn' needs factor and original_max_position_embeddings")
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        scaled = (lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0)   # noqa: E731
+        attention = scaled(mscale) / scaled(mscale_all) if mscale and mscale_all else scaled(1)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+    base = params["rope_theta"]
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp                                                 # 1: keep the original frequency
+    pos_freqs = base ** exponents
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     factor = params["factor"]
     low, high = params["low_freq_factor"], params["high_freq_factor"]
@@ -101,6 +133,8 @@ class RotaryEmbedding:
             inv_freq = _llama3_inv_freq(inv_freq, params)
         elif rope_type == "longrope":
             inv_freq, self.scale = _longrope(exponents, params, max_model_len)
+        elif rope_type == "yarn":
+            inv_freq, self.scale = _yarn(exponents, head_dim, params)
         self.inv_freq = inv_freq.to(device)
         self.head_dim = head_dim
 

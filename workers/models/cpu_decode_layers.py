@@ -161,7 +161,8 @@ def _layer_qualifies(layer, dtype: torch.dtype) -> bool:
     if type(layer) is not DecoderLayer or type(layer.mlp) is not DecoderMLP or layer.mlp.act is not silu_and_mul:
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    return (attn.q_norm is None and attn.attn.logit_softcap is None and attn.head_dim % 16 == 0
+    return (attn.q_norm is None and attn.attn.logit_softcap is None and attn.attn.sinks is None
+            and attn.head_dim % 16 == 0
             and attn.o_proj.bias is None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
             and all(lin.weight is not None and lin.weight.dtype == dtype and cpu_gemm.packable(lin.weight)
                     for lin in _linears(layer)))

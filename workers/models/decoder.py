@@ -30,6 +30,7 @@ from torch import nn
 from ..kv_cache import KVCache
 from ..layers.activation import gelu_tanh_and_mul, silu_and_mul
 from ..layers.attention import AttentionMetadata, PagedAttention
+from ..layers.clamped_moe import ClampedSwigluMoE
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.moe import MoESpec, SparseMoE
@@ -37,7 +38,7 @@ from ..layers.norm import RMSNorm
 from ..layers.partition import HeadPartition, check_even_split, check_head_split
 from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
-from ..weights.weight_loader import CheckpointReader
+from ..weights.weight_loader import CheckpointReader, copy_into
 
 
 class DecodeShortcut(Protocol):
@@ -64,6 +65,7 @@ class ArchSpec:
     attn_softcap: float | None = None   # attention logit soft-capping (Gemma 2)
     moe: MoESpec | None = None          # sparse experts (layers/moe.py) on the layers moe_layers marks
     moe_layers: tuple[bool, ...] = ()
+    attn_sinks: bool = False            # a learned logit per query head in every softmax (gpt-oss's ``sinks``)
 
     def window_of(self, layer: int) -> int | None:
         if self.sliding_layers is None or self.sliding_window is None:
@@ -118,6 +120,9 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype, device, offset) if spec.qk_norm else None
         scale = spec.attn_scale if spec.attn_scale is not None else dims.head_dim ** -0.5
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, dims.head_dim, scale, window, spec.attn_softcap)
+        if spec.attn_sinks:      # float32 [heads_local]: this rank's query heads' sinks
+            self.attn.sinks = torch.zeros(self.num_heads, dtype=torch.float32, device=device)
+        self.first_head = heads.first_head
         self.fused_checkpoint = spec.fused_checkpoint
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
@@ -129,6 +134,9 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             self.q_norm.load(reader, f"{prefix}.q_norm.weight")
             self.k_norm.load(reader, f"{prefix}.k_norm.weight")
+        if self.attn.sinks is not None:
+            name = f"{prefix}.sinks"
+            copy_into(self.attn.sinks, reader.read(name, 0, self.first_head, self.first_head + self.num_heads), name)
         self.attn.load_kv_scales(reader, prefix)
 
     def forward(self, hidden, rope: RotaryStep, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
@@ -183,6 +191,8 @@ class DecoderLayer(nn.Module):
         sparse = spec.moe is not None and spec.moe_layers[index]
         if not sparse:
             self.mlp = DecoderMLP(dims, spec, tp, dtype, device)
+        elif spec.moe.swiglu_limit is not None:
+            self.mlp = ClampedSwigluMoE(dims.hidden_size, spec.moe, tp, dtype, device)
         else:
             size = spec.moe.shared_intermediate_size
             shared = DecoderMLP(replace(dims, intermediate_size=size), spec, tp, dtype, device) if size else None
@@ -240,6 +250,11 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=dims.tie_word_embeddings)
         self.cpu_decode: DecodeShortcut | None = None   # set when the weights are packed (model_loading)
+
+    @property
+    def graph_safe(self) -> bool:
+        """False when a layer reads tensor values on the host (gpt-oss's expert loop): no CUDA graphs then."""
+        return all(getattr(layer.mlp, "graph_safe", True) for layer in self.layers)
 
     @property
     def num_local_kv_heads(self) -> int:

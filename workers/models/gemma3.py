@@ -5,7 +5,8 @@ attention and MLP with Gemma's choices.
   also for the per-head q/k norms; four norms per layer: the attention's and the MLP's outputs are normed
   before they join the residual stream (``input_layernorm`` -> attention -> ``post_attention_layernorm`` ->
   + residual -> ``pre_feedforward_layernorm`` -> MLP -> ``post_feedforward_layernorm`` -> + residual).
-- Embeddings scaled by sqrt(hidden_size) (in the weights' dtype, as transformers does); the LM head is tied.
+- Embeddings scaled by sqrt(hidden_size) (in the weights' dtype, as transformers does); the LM head is tied
+  unless the config says ``tie_word_embeddings: false`` (then ``lm_head.weight`` is read).
 - The MLP gates with GELU-tanh; the softmax scale is ``query_pre_attn_scalar ** -0.5``.
 - ``layer_types`` alternate local layers (``sliding_window``) and global ones, each kind with its own rope
   (``rope_parameters["sliding_attention"]`` / ``["full_attention"]``: base and scaling).
@@ -122,13 +123,14 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         self.embed_scale = math.sqrt(dims.hidden_size)
         self.layers = nn.ModuleList(Gemma3Layer(dims, spec, tp, dtype, device, i) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device, spec.norm_offset)
-        self.lm_head = ParallelLMHead(self.embed_tokens, tied=True)
+        self.lm_head = ParallelLMHead(self.embed_tokens, tied=dims.tie_word_embeddings)
 
     def load_weights(self, reader: CheckpointReader) -> None:
         self.embed_tokens.load(reader, "model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):
             layer.load(reader, f"model.layers.{i}")
         self.norm.load(reader, "model.norm.weight")
+        self.lm_head.load(reader, "lm_head.weight")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 from .decoder import DecoderForCausalLM
 from .gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
+from .gpt_oss import GptOssForCausalLM
 from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
@@ -27,6 +28,7 @@ MODEL_CLASSES = MappingProxyType({
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     # a score head instead of the LM head (decoder.is_classifier): rerankers converted to sequence classification
     "LlamaForSequenceClassification": LlamaForCausalLM,
     "Qwen2ForSequenceClassification": Qwen2ForCausalLM,

@@ -22,6 +22,10 @@ Formats (``quantization_config.quant_method`` in config.json, or the ``quantizat
 * ``fp8`` (FP8 checkpoints, and ``compressed-tensors`` ones whose weights are float 8-bit, as llm-compressor
   writes them): ``weight`` float8_e4m3fn ``[out, in]`` with ``weight_scale`` (one value or one per output
   row) or ``weight_scale_inv`` per ``weight_block_size`` block; weight = fp8 value x scale.
+* ``mxfp4`` (gpt-oss): only the experts are quantized, ``{name}_blocks`` uint8 ``[E, rows, cols / 32, 16]``
+  (two FP4 e2m1 codes a byte, the low nibble first) and ``{name}_scales`` uint8 ``[E, rows, cols / 32]`` (an
+  E8M0 exponent biased by 127 per 32 values): value = FP4 code's value x 2^(scale - 127). Dequantized at load
+  on every device (``dequantize_mxfp4``), to the layout transformers' dequantizer gives (``[E, cols, rows]``).
 * ``int8`` / ``fp8`` as the ``quantization`` option on a full-precision checkpoint: every linear weight of
   the decoder layers (not the embeddings, the LM head, the norms or a MoE router) rounded to 8 bits with
   one scale per output row (max |row| / 127 or / 448, symmetric), computed from the whole row so that
@@ -98,9 +102,11 @@ def resolve(hf_config, option: str) -> WeightQuantization:
         fp8 = weights and all(w.get("type") == "float" and int(w.get("num_bits", 0)) == 8 for w in weights)
         _check(fp8, f"compressed-tensors format {raw.get('format')!r} other than float 8-bit weights")
         return WeightQuantization("fp8", 8)
-    raise ValueError(f"quantization: the checkpoint's quant_method {method!r} is not supported (gptq, awq, fp8 and "
-                     "float 8-bit compressed-tensors checkpoints are; or a full-precision checkpoint with "
-                     "quantization int8 / fp8)")
+    if method == "mxfp4":       # gpt-oss: only the experts are 4-bit (layers/clamped_moe.py dequantizes them)
+        return WeightQuantization("mxfp4", 4, 32)
+    raise ValueError(f"quantization: the checkpoint's quant_method {method!r} is not supported (gptq, awq, fp8, "
+                     "mxfp4 (gpt-oss) and float 8-bit compressed-tensors checkpoints are; or a full-precision "
+                     "checkpoint with quantization int8 / fp8)")
 
 
 def _check(ok, what: str) -> None:
@@ -234,3 +240,21 @@ def quantized_online(name: str) -> bool:
     """True for the weights that ``quantization`` int8 / fp8 rounds: linear weights inside the decoder layers,
     not a MoE router (``...mlp.gate.weight``)."""
     return bool(_LAYER_LINEAR.search(name)) and not name.endswith(".mlp.gate.weight") and "norm" not in name
+
+
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 ``blocks`` uint8 [..., rows, groups, 16] and ``scales`` uint8 [..., rows, groups] -> [..., groups * 32,
+    rows] in ``dtype`` (the transpose of the stored rows: the ``x @ W`` layout of gpt-oss's experts). Exact in
+    float32 and bfloat16 for every exponent a checkpoint uses (a power of two times an e2m1 value)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or tuple(blocks.shape[:-1]) != tuple(scales.shape) \
+            or blocks.shape[-1] != 16:
+        raise ValueError(f"quantization: MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not fit scales "
+                         f"{tuple(scales.shape)} {scales.dtype} (expected uint8 [..., groups, 16] and [..., groups])")
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()                   # [..., rows, groups, 16, 2]
+    values = lut[codes].flatten(-3)                                                    # [..., rows, groups * 32]
+    exponents = (scales.to(torch.int32) - 127).repeat_interleave(32, dim=-1)            # [..., rows, groups * 32]
+    return torch.ldexp(values, exponents.float()).to(dtype).transpose(-1, -2)
