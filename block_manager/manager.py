@@ -36,6 +36,7 @@ from .offload_tier import OffloadTier
 from .prefix_key import BlockKey, is_namespace_root
 from .records import Allocation, BlockManagerStats
 from .session_pins import SessionPins
+from .state_pool import StatePool
 
 _NEVER = float("inf")  # next_hash_at when prefix caching is off
 
@@ -64,9 +65,12 @@ class BlockManager:
     """Global KV block allocator: block tables, prefix cache, fork/CoW, slot mapping."""
 
     def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True,
-                 watermark: float = 0.0, pin_budget: int = 0, pin_ttl_s: float = 300.0, tier_slots: int = 0) -> None:
+                 watermark: float = 0.0, pin_budget: int = 0, pin_ttl_s: float = 300.0, tier_slots: int = 0,
+                 num_state_slots: int = 0) -> None:
         """``pin_budget``: blocks session pins may hold (0: no pins; ``session_pins.py``), for ``pin_ttl_s``;
-        ``tier_slots``: blocks the ranks' second KV tier holds (0: none; ``offload_tier.py``)."""
+        ``tier_slots``: blocks the ranks' second KV tier holds (0: none; ``offload_tier.py``);
+        ``num_state_slots``: a hybrid model's state slots (0: none; ``state_pool.py``): every registered
+        sequence then holds one, taken at registration and fork, given back by ``free``."""
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block_size: must be an integer >= 1, got {block_size!r}")
         if type(num_blocks) is not int or num_blocks < 1:
@@ -81,6 +85,7 @@ class BlockManager:
         self.watermark = float(watermark)
         self.watermark_blocks = int(watermark * num_blocks)
         self.pool = BlockPool(num_blocks)
+        self.states = StatePool(num_state_slots) if num_state_slots else None
         self.pins = SessionPins(self.pool, pin_budget, pin_ttl_s) if pin_budget and enable_prefix_caching else None
         self.tier = OffloadTier(tier_slots) if tier_slots and enable_prefix_caching else None
         self._saves: list[tuple[int, int]] = []           # (block, slot) for the next plan
@@ -199,6 +204,8 @@ class BlockManager:
         For an unknown ``seq_id`` the prefix-cache hit is included and ``watermark_blocks`` must stay free.
         """
         seq = self._seqs.get(seq_id)
+        if seq is None and self.states is not None and not self.states.num_free:
+            return False
         needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens, reuse_cached, pending_tokens, root)
         reserve = 0 if seq is not None else self.watermark_blocks
         return self.pool.num_free_blocks - needed >= reserve
@@ -220,7 +227,11 @@ class BlockManager:
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
-            return self._register(seq_id, token_ids, num_new_tokens, reuse_cached, pending_tokens, root)
+            self._check_state_slot(seq_id)
+            allocation = self._register(seq_id, token_ids, num_new_tokens, reuse_cached, pending_tokens, root)
+            if self.states is not None:
+                self.states.acquire(seq_id)
+            return allocation
         # decode fast path: validate, bump the slot count, touch the pool only at block boundaries
         if type(num_new_tokens) is not int or num_new_tokens < 0:  # noqa: E721
             _require_count("num_new_tokens", num_new_tokens)
@@ -306,6 +317,7 @@ class BlockManager:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise SequenceExistsError(f"child_id: sequence {child_id!r} is already registered")
+        self._check_state_slot(child_id)
         bs = self.block_size
         partial = parent.num_slots % bs != 0
         copies: list[tuple[int, int]] = []
@@ -320,8 +332,20 @@ class BlockManager:
             self.pool.touch(block_id)
         self._seqs[child_id] = _SeqBlocks(table, parent.num_slots, parent.num_hashed, parent.last_key,
                                           parent.next_hash_at)
+        if self.states is not None:
+            self.states.acquire(child_id)
         self._recently_freed.pop(child_id, None)
         return copies
+
+    def _check_state_slot(self, seq_id: Hashable) -> None:
+        """RuntimeError, before anything changes, when a new sequence would find no state slot: the scheduler
+        runs at most ``max_num_seqs`` sequences, as many as there are slots, so this is a bug to report."""
+        if self.states is not None and not self.states.num_free:
+            raise RuntimeError(f"state pool: all {self.states.num_slots} state slots are held (sequence {seq_id!r})")
+
+    def state_slot(self, seq_id: Hashable) -> int:
+        """The sequence's state slot (a hybrid model's; ``state_pool.py``), or -1 without a state pool."""
+        return -1 if self.states is None else self.states.slot_of(seq_id)
 
     def truncate(self, seq_id: Hashable, num_slots: int) -> list[tuple[int, int]]:
         """Roll ``seq_id`` back to its first ``num_slots`` slots (speculative tokens the target model rejected);
@@ -364,6 +388,8 @@ class BlockManager:
         """Release every block of ``seq_id`` (last block first, so the prefix is evicted last)."""
         seq = self._get(seq_id, freeing=True)
         del self._seqs[seq_id]
+        if self.states is not None:
+            self.states.release(seq_id)
         release = self.pool.release
         for block_id in reversed(seq.table):
             release(block_id)
@@ -558,11 +584,15 @@ class BlockManager:
             num_pin_evictions=self.pool.num_pin_evictions,
             num_tier_blocks=0 if self.tier is None else len(self.tier),
             num_tier_saves=0 if self.tier is None else self.tier.num_saved,
-            num_tier_loaded=self.num_tier_loaded, num_tier_load_failures=self.num_tier_load_failures)
+            num_tier_loaded=self.num_tier_loaded, num_tier_load_failures=self.num_tier_load_failures,
+            num_state_slots=0 if self.states is None else self.states.num_slots,
+            num_free_state_slots=0 if self.states is None else self.states.num_free)
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first violated invariant (module and pool docstrings)."""
         self.pool.check_invariants()
+        if self.states is not None:
+            self.states.check_invariants(self._seqs)
         holders = [0] * self.num_blocks
         for block_id, _ in self._loading.values():        # a second-tier load holds its block until it finishes
             holders[block_id] += 1

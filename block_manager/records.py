@@ -36,3 +36,5 @@ class BlockManagerStats:
     num_tier_saves: int = 0  # evicted cached blocks saved to the tier
     num_tier_loaded: int = 0  # tier blocks loaded back into the cache (prefix hits in the second tier)
     num_tier_load_failures: int = 0  # loads that failed on a rank (a miss: computed again)
+    num_state_slots: int = 0  # a hybrid model's state slots (state_pool.py; 0: none)
+    num_free_state_slots: int = 0

@@ -125,7 +125,7 @@ class AsyncEngine:
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.engine = Engine(config, executor)
-        self.config = config
+        self.config = self.engine.config      # as the engine settled it (a hybrid model: cluster/hybrid.py)
         self._clock = clock   # step ages, the watchdog and drain deadlines (tests pass a fake clock)
         self._sleep = sleep   # the idle batch wait's pauses (tests pass one they release by hand)
         self._lock = threading.Lock()             # guards _commands and _pending_adds only

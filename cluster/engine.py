@@ -25,6 +25,7 @@ from pagedray.workers.models.model_info import load_hf_config, model_info
 from pagedray.workers.weights.default_model import resolve_model_path
 
 from .executor import Executor, create_executor
+from .hybrid import settle_hybrid_config
 from .kv_transfers import KVExport, KVLayout, KVTransfers, Transfer
 from .lora_slots import AdapterSlots, LoraRegistry
 from .output_builder import OutputBuilder
@@ -57,6 +58,8 @@ class Engine:
         self.step_limit_s = config.step_limit_s(0)   # the running (or last) step's time limit
         self.model_path = resolve_model_path(config.model.model)
         self.model_info = model_info(self.model_path)
+        if self.model_info.hybrid:
+            self.config = config = settle_hybrid_config(config, self.model_info.architecture)
         self.executor = executor if executor is not None else create_executor(config)
         self.dtype = self.executor.dtype      # what dtype "auto" became on the ranks (dtype_choice.py)
         self.block_manager = self._new_block_manager(self.executor.num_blocks)
@@ -391,7 +394,8 @@ class Engine:
         cache = self.config.cache
         return BlockManager(cache.block_size, num_blocks, enable_prefix_caching=cache.enable_prefix_caching,
                             watermark=cache.watermark, pin_budget=int(cache.kv_pin_max_fraction * num_blocks),
-                            pin_ttl_s=cache.kv_pin_ttl_s, tier_slots=getattr(self.executor, "num_tier_slots", 0))
+                            pin_ttl_s=cache.kv_pin_ttl_s, tier_slots=getattr(self.executor, "num_tier_slots", 0),
+                            num_state_slots=self.config.scheduler.max_num_seqs if self.model_info.hybrid else 0)
 
     def fail(self, exc: BaseException) -> list[RequestOutput]:
         """Marks the engine dead and ends every in-flight request with "error" (blocks freed); returns

@@ -554,6 +554,9 @@ class Scheduler(FairSteps):
         for index in range(1, request.num_unforked + 1):
             child = self._new_sequence(request, index)
             out.block_copies.extend(self.block_manager.fork(parent.seq_id, child.seq_id))
+            if self.block_manager.states is not None:   # a hybrid model: the child continues from the parent's state
+                out.state_copies.append((self.block_manager.state_slot(parent.seq_id),
+                                         self.block_manager.state_slot(child.seq_id)))
             self._kv_mark(child)
             # the parent's in-flight prefill runs before this step's block copies and forward
             child.num_computed_tokens = parent.num_scheduled_through

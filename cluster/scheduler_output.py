@@ -38,6 +38,7 @@ class SchedulerOutput:
     # copy-on-write block copies (src, dst) from forks made for this step (and speculative rollbacks since
     # the previous one)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)   # (parent, child) state slots at a fork
     # speculative rollbacks since the previous output: seq_id -> how many of its blocks (from the start of its
     # table) are unchanged since the workers last saw it; the rest were given back or copied
     kept_blocks: dict[int, int] = field(default_factory=dict)

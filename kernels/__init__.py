@@ -20,9 +20,13 @@ GEMMs on CUDA, a torch loop over experts elsewhere), dispatched the same way (on
 the model layers' exact torch code.
 ``quant_gemm`` (``quant_gemm``): x @ W^T over GPTQ-packed 4 / 8-bit weights (Triton on CUDA, dequantize and
 multiply elsewhere).
+``gated_delta_prefill`` / ``gated_delta_decode`` (``gated_delta``): the gated delta rule of linear-attention
+layers (Qwen3.5's Gated DeltaNet), chunked for a sequence's prefill, one step for a batch of decodes (torch on
+every device; ``reference.gated_delta`` the math).
 ``seeded_uniform(keys, vocab)`` (``seeded_uniform``): the Sampler's noise for seeded rows, a counter-based
 hash of (key, column) for a whole batch in one call; ``noise_keys`` derives the keys from (seed, position).
-Rooms (tests/test_layers.py): this surface (``api``, ``fused_ops``, ``quant_gemm``, ``seeded_uniform``) on
+Rooms (tests/test_layers.py): this surface (``api``, ``fused_ops``, ``quant_gemm``, ``seeded_uniform``,
+``gated_delta``) on
 top; ``triton/`` (the CUDA kernels), ``cpu/`` (the C sources, their loaders and the timed choices) and
 ``reference/`` (the torch references) below it, standing only on ``validation`` and ``kv_quant``.
 Benchmarks (from a checkout): ``python -m benchmarks.kernels`` (CUDA; ``--dry-run`` checks the plumbing on CPU)

@@ -143,7 +143,7 @@ def test_worker_rooms_import_only_the_rooms_below_them():
 # (validation, kv_quant) and the torch references, never on the surface or on each other otherwise
 KERNEL_ROOMS = {"kv_quant": set(), "validation": {"kv_quant"}, "reference": {"kv_quant"},
                 "cpu": {"kv_quant", "validation", "reference"}, "triton": {"kv_quant", "validation"}}
-KERNEL_SURFACE = ("api", "fused_ops", "quant_gemm", "seeded_uniform", "__init__")
+KERNEL_SURFACE = ("api", "fused_ops", "quant_gemm", "seeded_uniform", "gated_delta", "__init__")
 
 
 def test_kernel_rooms_import_only_the_foundations():

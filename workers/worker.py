@@ -95,7 +95,12 @@ class Worker:
             self.drafter = DraftModel(config.scheduler.speculative_model, config, self.model,
                                       self.tp, self.dtype, self.device, self.max_model_len)
         dims = self.model.dims
-        self.kv_spec = KVCacheSpec(dims.num_layers, config.cache.block_size, self.model.num_local_kv_heads,
+        # a hybrid model: its linear layers' state pool, one slot per sequence the scheduler may run (the engine's
+        # block manager hands out the same number: cluster/hybrid.py), allocated before the KV cache is sized
+        self.state_bytes = (self.model.allocate_states(config.scheduler.max_num_seqs)
+                            if hasattr(self.model, "allocate_states") else 0)
+        kv_layers = getattr(self.model, "num_kv_layers", dims.num_layers)   # hybrids: full-attention layers only
+        self.kv_spec = KVCacheSpec(kv_layers, config.cache.block_size, self.model.num_local_kv_heads,
                                    dims.head_dim, kv_quant.cache_dtype(config.cache.kv_cache_dtype, self.dtype))
         self.sampler = (Sampler(seed=config.seed, eos_token_ids=model_info(model_path).eos_token_ids)
                         if self.tp.is_first else None)

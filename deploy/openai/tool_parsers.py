@@ -24,10 +24,12 @@ The contract:
   model writes, from that ``{`` to the matching ``}`` (string-aware), less whitespace outside strings at the
   end. Arguments that turn out malformed (``NaN``, a bad escape) or cut short (``max_tokens``) stay as
   written: the call is not taken back (OpenAI and vLLM do the same). Keys may come in any order; arguments
-  written before the name are held and sent whole with the header.
+  written before the name are held and sent whole with the header. (pythonic, qwen3_xml: the arguments are
+  built here, not the model's text; see their sections.)
 - Text where no known name can be read (not a JSON object, a name that is not a known string, arguments
   that are not an object, a key or name string over 256 characters) stays content, from the marker up to
-  where the reading failed; reading for calls resumes there. Parsing never raises and is linear.
+  where the reading failed; reading for calls resumes there (harmony: the message's body, its header and
+  markers dropped). Parsing never raises and is linear.
 - ``plan.parallel`` false: at most one call. Later calls are read as calls and dropped (neither content nor
   calls), as the non-streamed parser always did.
 
@@ -49,6 +51,19 @@ Formats (``parser``; ``plan.choice`` "required" / "named" ignore it):
   ``true`` / ``false`` / ``null``) become a JSON object. A call is sent whole (header, then its arguments as
   ``json.dumps`` writes them) once its closing parenthesis arrives; one cut short stays content, and so
   does a list's entry that is not a known call with literal keyword arguments (the calls before it stay).
+- ``qwen3_xml`` (Qwen3-Coder, Qwen3.5, Qwen3.6): ``<tool_call>`` blocks holding ``<function=NAME>`` and
+  ``<parameter=KEY>`` tags (tool_parsers_xml.py has the details). A call is committed at the ``>`` of
+  ``<function=NAME>``; its arguments are a JSON object built from the parameters (values typed by the
+  tool's schema), sent one parameter at a time as each value ends, ``}`` when the function ends; a call
+  cut short is closed with the parameters that ended. A ``<tool_call>`` holding JSON is read as hermes.
+- ``harmony`` (gpt-oss; harmony.py has the details): messages ``<|channel|>NAME [to=RECIPIENT]
+  [<|constrain|>json]<|message|>BODY<|end|>`` (or ``<|call|>`` / ``<|return|>``), later ones after
+  ``<|start|>assistant``. A message to ``functions.NAME`` (a known name) whose body is a JSON object is a
+  call, committed at its ``{``, its arguments streaming as written up to the matching ``}`` (cut at the next
+  marker); ``final`` and ``commentary`` bodies (any message that is neither a call nor analysis, also one
+  to an unknown function) are content; ``analysis`` bodies are dropped (the harmony reasoning parser,
+  reasoning.py, makes them ``reasoning_content`` before they reach this stream). Unlike the other formats,
+  no marker or header is ever content: they are special tokens, not the model's text.
 - ``tool_choice: "required"``: the grammar-constrained output is a JSON array of ``{"name", "arguments"}``
   objects, streamed as ``mistral``'s array; named: the output is the function's arguments object, so the
   header is sent at its first ``{`` and the whole object streams as the arguments. An output not of that
@@ -56,7 +71,7 @@ Formats (``parser``; ``plan.choice`` "required" / "named" ignore it):
   calls is content.
 
 ``keeps_special_tokens(parser)`` says whether the format's marker is a special token that the
-detokenizer must keep for the parser to see it (only Mistral's ``[TOOL_CALLS]`` / ``[ARGS]``).
+detokenizer must keep for the parser to see it (Mistral's ``[TOOL_CALLS]`` / ``[ARGS]``, harmony's markers).
 """
 
 from __future__ import annotations
@@ -66,9 +81,11 @@ import json
 import re
 import uuid
 
+from .harmony import HarmonyCalls
+from .tool_parsers_xml import Qwen3XmlCalls
 from .tool_plan import ToolPlan
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "harmony")
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG, _PYTHON_START = "<|python_tag|>", "<|python_start|>"
@@ -81,20 +98,25 @@ _SCALAR = re.compile(r"[\w.+-]*")
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 _MORE, _BAD = object(), object()   # _read_string: wait for text / not a string to read
-# which parser each chat template asks for: the first whose hint its source contains (else hermes)
-_TEMPLATE_HINTS = (("pythonic", ("[func_name1(", "func_name1(params_name1=", "[func_name(")),
-                   ("mistral", ("[TOOL_CALLS]",)),
-                   ("hermes", ("<tool_call>",)),
-                   ("llama3_json", ("<|python_tag|>", "dictionary of argument name and its value")))
+# which parser each chat template asks for: the first one with a hint whose strings its source all
+# contains (else hermes). Qwen3-Coder's template also has "<tool_call>": qwen3_xml comes before hermes.
+_TEMPLATE_HINTS = (("harmony", (("<|channel|>",),)),
+                   ("qwen3_xml", (("<function=", "<parameter="),)),
+                   ("pythonic", (("[func_name1(",), ("func_name1(params_name1=",), ("[func_name(",))),
+                   ("mistral", (("[TOOL_CALLS]",),)),
+                   ("hermes", (("<tool_call>",),)),
+                   ("llama3_json", (("<|python_tag|>",), ("dictionary of argument name and its value",))))
 
 
 def detect_tool_call_parser(chat_template: str | None) -> str:
-    """The parser the chat template's source asks for: its call marker or its instructions (Llama 3.2 / 4's
-    pythonic ``[func_name1(params_name1=params_value1, ...)]``, Mistral's ``[TOOL_CALLS]``, Qwen / Hermes'
+    """The parser the chat template's source asks for: its call marker or its instructions (gpt-oss'
+    harmony ``<|channel|>``, Qwen3-Coder's ``<function=`` with ``<parameter=``, Llama 3.2 / 4's pythonic
+    ``[func_name1(params_name1=params_value1, ...)]``, Mistral's ``[TOOL_CALLS]``, Qwen / Hermes'
     ``<tool_call>``, Llama 3.1's ``<|python_tag|>`` and JSON instructions); ``"hermes"`` when none matches,
     the form tools.py's own system prompt asks for."""
     source = chat_template or ""
-    return next((parser for parser, hints in _TEMPLATE_HINTS if any(hint in source for hint in hints)), "hermes")
+    return next((parser for parser, hints in _TEMPLATE_HINTS
+                 if any(all(part in source for part in hint) for hint in hints)), "hermes")
 
 
 def keeps_special_tokens(parser: str) -> bool:
@@ -103,8 +125,10 @@ def keeps_special_tokens(parser: str) -> bool:
     llama3_json: no (``<|python_tag|>`` is special and skipped: the JSON object then starts the output,
     which is read all the same); pythonic: no (plain text; Llama 4's ``<|python_start|>`` is skipped and the
     list starts the output); mistral: yes (``[TOOL_CALLS]`` and ``[ARGS]`` are control tokens: without them the
-    ``name[ARGS]{...}`` form cannot be read, only an array at the start of the output)."""
-    return parser == "mistral"
+    ``name[ARGS]{...}`` form cannot be read, only an array at the start of the output); qwen3_xml: no
+    (``<tool_call>`` as for hermes; the tags inside are plain text); harmony: yes (``<|channel|>``,
+    ``<|message|>``, ``<|call|>`` ... are special tokens that delimit every message)."""
+    return parser in ("mistral", "harmony")
 
 
 class _Scan:
@@ -123,15 +147,15 @@ class _Scan:
             self._OUTSIDE[key] = re.compile("[" + re.escape(quotes + brackets + stop) + "]")
         self._outside, self._stop = self._OUTSIDE[key], stop
 
-    def advance(self, text: str, i: int) -> tuple[int, bool]:
-        """(where reading stopped, whether the value ended there)."""
-        n = len(text)
+    def advance(self, text: str, i: int, end: int | None = None) -> tuple[int, bool]:
+        """(where reading stopped, whether the value ended there), reading ``text[i:end]``."""
+        n = len(text) if end is None else end
         while i < n:
             if self.quote is not None:
                 if self._escape:
                     self._escape, i = False, i + 1
                     continue
-                m = self._INSIDE[self.quote].search(text, i)
+                m = self._INSIDE[self.quote].search(text, i, n)
                 if m is None:
                     return n, False
                 i = m.end()
@@ -142,7 +166,7 @@ class _Scan:
                     if self.depth <= 0:
                         return i, True
                 continue
-            m = self._outside.search(text, i)
+            m = self._outside.search(text, i, n)
             if m is None:
                 return n, False
             c, i = m.group(), m.end()
@@ -205,14 +229,17 @@ def merge_tool_deltas(deltas: list[dict]) -> tuple[str | None, list[dict]]:
     return "".join(content) or None, [calls[i] for i in sorted(calls)]
 
 
-class ToolCallStream:
+class ToolCallStream(Qwen3XmlCalls, HarmonyCalls):
     """One choice's tool calls, parsed as its text arrives (see the module docstring for the contract).
 
     A state machine over ``_text`` (the undecided tail of the output): ``_state`` is the method reading at
     ``_pos``; it returns True when it moved on, False when it needs more text. ``_start`` is where the
     candidate call being read began (None once committed, or when there is none): a candidate that fails
     is released as content up to where it failed. Invariant: every state decides only on text it has, so
-    a decision never depends on how the text was split."""
+    a decision never depends on how the text was split. The qwen3_xml and harmony states are the mixins'
+    (tool_parsers_xml.py, harmony.py); the states in ``_HOLDS_MARK`` keep the text from ``_mark`` on."""
+
+    _HOLDS_MARK = frozenset({"_arguments", "_py_call"}) | Qwen3XmlCalls.XML_HOLDS_MARK | HarmonyCalls.HARMONY_HOLDS_MARK
 
     def __init__(self, plan: ToolPlan, parser: str = "hermes") -> None:
         if parser not in TOOL_CALL_PARSERS:
@@ -232,6 +259,8 @@ class ToolCallStream:
         self._name = self._key = self._args = None
         self._has_args = False
         self._scan: _Scan | None = None
+        self._xml_args: int | None = None    # qwen3_xml: parameters sent of the open call (None: none open)
+        self._h_content = True               # harmony: whether the body being read is content
         if plan.choice == "named":
             self._marker, self._start_rule = None, ("{", self._begin_named)
         elif plan.choice == "required":
@@ -246,7 +275,12 @@ class ToolCallStream:
                             ("[", self._begin("array", self._open_array))),
                 "pythonic": ((_PYTHON_START, self._begin("pythonic", self._open_array)),
                              ("[", self._begin("pythonic", self._open_array))),
+                "qwen3_xml": ((_OPEN, self._begin("xml", self._xml_open)),
+                              ("<", self._begin("xml", self._xml_function))),
+                "harmony": (None, None),
             }[parser]
+            if parser == "harmony":          # its own reading from the start: no marker to look for
+                self._seq, self._state = "harmony", self._h_lead
 
     # ------------------------------------------------------------------ public
     def feed(self, text: str) -> list[dict]:
@@ -266,6 +300,10 @@ class ToolCallStream:
             self._content_text(self._text[self._pos:])
         elif self._start is not None:
             self._fail(len(self._text))
+        elif self._seq == "harmony":
+            self._h_finish()
+        else:
+            self._xml_finish()
         pending = "".join(self._pending)
         if pending and not self.made_calls:
             self._put("content", None, pending)
@@ -329,7 +367,7 @@ class ToolCallStream:
         keep = self._pos if self._start is None else min(self._pos, self._start)
         if self._state == self._separator:
             keep = min(keep, self._sep)
-        elif self._state in (self._arguments, self._py_call):
+        elif self._state.__name__ in self._HOLDS_MARK:
             keep = min(keep, self._mark)
         if keep > 0:
             self._text = self._text[keep:]
@@ -362,6 +400,10 @@ class ToolCallStream:
     def _goto(self, state) -> bool:
         self._state = state
         return True
+
+    @staticmethod
+    def _new_scan() -> _Scan:
+        return _Scan()
 
     # ------------------------------------------------------------------ content and markers
     def _content(self) -> bool:
@@ -537,7 +579,9 @@ class ToolCallStream:
         """The arguments object from ``_mark``: streamed once committed (``_mark``: how far it was sent), else
         held until the name comes (``_mark``: where it began)."""
         text, read = self._text, self._pos
-        self._pos, done = self._scan.advance(text, read)
+        end, marked = self._h_limit(read) if self._seq == "harmony" else (len(text), False)
+        self._pos, done = self._scan.advance(text, read, end)
+        done = done or marked and self._pos == end   # harmony: a marker ends the arguments
         if self._start is not None:          # before the name: keep it whole
             if not done:
                 return False
@@ -558,6 +602,8 @@ class ToolCallStream:
             return self._goto(self._swallow)
         if self._seq == "single":
             return self._goto(self._content)
+        if self._seq == "harmony":
+            return self._goto(self._h_swallow)
         self._scan = _Scan(depth=1)
         return self._goto(self._rest)
 

@@ -24,3 +24,20 @@ class ToolPlan:
 
     def parameters(self, name: str) -> dict:
         return next(t.get("parameters") or {"type": "object"} for t in self.tools if t["name"] == name)
+
+    def parameter_types(self, name: str, key: str) -> tuple[str, ...]:
+        """The JSON types that function ``name``'s schema declares for its parameter ``key``: the property's
+        ``type`` (a string or a list of them) or, without one, the ``type``s of its ``anyOf`` / ``oneOf``
+        alternatives (``Optional[int]`` is ``anyOf: [{type: integer}, {type: null}]``); () when it declares
+        none (no schema, no such property). For formats whose arguments are text (qwen3_xml)."""
+        properties = self.parameters(name).get("properties")
+        spec = properties.get(key) if isinstance(properties, dict) else None
+        if not isinstance(spec, dict):
+            return ()
+        alternatives = [spec] if "type" in spec else spec.get("anyOf") or spec.get("oneOf") or []
+        types: list[str] = []
+        for alternative in alternatives if isinstance(alternatives, list) else []:
+            kind = alternative.get("type") if isinstance(alternative, dict) else None
+            kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+            types += [t for t in kinds if isinstance(t, str)]
+        return tuple(types)

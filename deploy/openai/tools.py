@@ -18,10 +18,11 @@
 - Parsing (tool_parsers.py has the contract): each choice's text goes through a ``ToolCallStream`` of the
   model's format (``hermes`` by default: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   blocks, or an output that is Llama-3's ``{"name": ..., "parameters": {...}}``; also ``llama3_json``,
-  ``mistral`` and ``pythonic``; ``required`` / named output is the grammar's JSON). A call needs a known
-  ``name`` and arguments that are a JSON object (``parameters`` accepted for ``arguments``); its
-  ``arguments`` are the raw JSON text the model wrote, kept as written when they turn out malformed or cut
-  short (``max_tokens``). Text that is not such a call (invalid JSON, a name that is not a known string,
+  ``mistral``, ``pythonic``, ``qwen3_xml`` and ``harmony``; ``required`` / named output is the grammar's
+  JSON). A call needs a known ``name`` and arguments that are a JSON object (``parameters`` accepted for
+  ``arguments``); its ``arguments`` are the raw JSON text the model wrote (qwen3_xml: the object built from
+  its parameters, typed by the tool's schema), kept as written when they turn out malformed or cut short
+  (``max_tokens``). Text that is not such a call (invalid JSON, a name that is not a known string,
   arguments that are not an object) stays in the content, stripped where it meets calls (``null`` when
   empty); parsing model output never raises and is linear in the text. ``parallel_tool_calls: false``
   keeps the first call and drops later ones.

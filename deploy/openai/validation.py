@@ -19,7 +19,7 @@ from pagedray.workers.contract.sampling_params import MAX_LOGPROBS, SamplingPara
 from .errors import APIError, bad_request
 from .lora_adapters import AdapterTable
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .reasoning import ReasoningStart, ThinkTags, grammar_after_reasoning
+from .reasoning import HarmonyChannels, ReasoningStart, ThinkTags, grammar_after_reasoning
 from .structured_output import requested_grammar
 from .tool_parsers import keeps_special_tokens
 from .tools import ToolPlan, calls_as_text, plan_tools, tool_grammar
@@ -68,7 +68,8 @@ class PreparedRequest:
     tools: ToolPlan | None = None
     # chat with a reasoning parser: the tags and whether the prompt left a block open (reasoning.py)
     reasoning: ReasoningStart | None = None
-    # the detokenizer keeps special tokens (a tool-call format whose marker is one: tool_parsers.py)
+    # the detokenizer keeps special tokens (a tool-call format whose marker is one: tool_parsers.py; a
+    # reasoning format delimited by them: harmony, reasoning.py)
     keep_special_tokens: bool = False
     lora: LoRARequest | None = None     # the LoRA adapter ``model`` named (None: the base model)
     session: str | None = None          # prompt_cache_key: the session whose blocks stay cached
@@ -419,10 +420,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
                  render: Callable[[list[dict], bool, ToolPlan | None, dict, bool], tuple[list[int], str, str]],
                  check_grammar: Callable[[str, str], None] | None = None,
-                 reasoning: ThinkTags | None = None, tool_parser: str = "hermes") -> PreparedRequest:
+                 reasoning: ThinkTags | HarmonyChannels | None = None,
+                 tool_parser: str = "hermes") -> PreparedRequest:
     """Validate a /v1/chat/completions request; ``render`` applies the chat template and returns the prompt's
     token ids, its text and, when its last argument is true, the generation prompt's text; ``reasoning``: the
-    reasoning parser's tags (None: no parsing, reasoning.py);
+    reasoning parser's format (None: no parsing, reasoning.py);
     ``tool_parser``: the model's tool-call format (tool_parsers.py)."""
     lora = check_model(req.model, limits)
     check_fields(req)
@@ -447,8 +449,11 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
     if len(token_ids) >= limits.max_model_len:
         raise bad_request(f"messages: the prompt has {len(token_ids)} tokens, the maximum context length "
                           f"is {limits.max_model_len}", param="messages")
+    # harmony reasoning before the harmony tool parser: the messages that are not reasoning reach it as written
+    raw_messages = tools is not None and tools.choice == "auto" and tool_parser == "harmony"
     # only the text the template adds after the last message decides: a tag in a message is the user's text
-    start = None if reasoning is None else ReasoningStart(reasoning, reasoning.prompt_opens(generation_prompt))
+    start = None if reasoning is None else ReasoningStart(reasoning, reasoning.prompt_opens(generation_prompt),
+                                                          raw_messages)
     grammar = None
     if requested is not None:
         field, grammar = requested
@@ -462,5 +467,6 @@ def prepare_chat(req: ChatCompletionRequest, limits: ModelLimits,
                                    limits.max_model_len - len(token_ids))
     return PreparedRequest(token_ids, sampling_params(req, max_tokens, logprobs, limits.vocab_size, grammar), stops,
                            tools=tools, reasoning=start,
-                           keep_special_tokens=tools is not None and keeps_special_tokens(tool_parser), lora=lora,
+                           keep_special_tokens=tools is not None and keeps_special_tokens(tool_parser)
+                           or start is not None and start.tags.keeps_special_tokens, lora=lora,
                            session=req.prompt_cache_key)

@@ -78,11 +78,13 @@ SERVE_OPTIONS = (
            "least-loaded replica's by more than this moves half the difference there, running requests with their "
            "KV blocks, streams going on token for token (deploy/serve/rebalance.py; 0: off). Needs the cache_aware "
            "router", kind=int, default=0),
-    Option("reasoning_parser", "chat: split <think>...</think> into reasoning_content: 'auto' (when the chat "
-           "template has both tags), 'think' (also 'qwen3', 'deepseek_r1') or 'none'", kind=str, default="auto"),
+    Option("reasoning_parser", "chat: split <think>...</think> (or gpt-oss' harmony analysis channel) into "
+           "reasoning_content: 'auto' ('harmony' when the chat template has <|channel|>, else 'think' when it has "
+           "both tags), 'think' (also 'qwen3', 'deepseek_r1'), 'harmony' or 'none'", kind=str, default="auto"),
     Option("tool_call_parser", "chat with tools: the model's tool-call format, 'auto' (read off a chat template "
            "that renders tools; 'hermes' for one that does not: the server's own tool prompt asks for Hermes "
-           "blocks), 'hermes', 'llama3_json', 'mistral' or 'pythonic'", kind=str, default="auto"),
+           "blocks), 'hermes', 'llama3_json', 'mistral', 'pythonic', 'qwen3_xml' (Qwen3-Coder, Qwen3.5 / 3.6: "
+           "<function=...><parameter=...>) or 'harmony' (gpt-oss)", kind=str, default="auto"),
     Option("autoscaling_config", "Serve's autoscaling of the engine replicas (min_replicas, max_replicas, "
            "target_ongoing_requests, upscale_delay_s, ...; replaces num_replicas)", kind=dict, optional=True),
     Option("models", "more models behind the same API, each an object of this model's options ({model, "

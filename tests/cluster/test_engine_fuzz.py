@@ -37,7 +37,7 @@ TOO_COMPLEX = "(a{1000}){1000}"   # llguidance: lexer too complex, at the first 
 @pytest.fixture(scope="module")
 def tiny_smol_path(tmp_path_factory, default_model_path):
     """A 1-layer random Llama with SmolLM2's vocabulary and tokenizer files (fast, real tokenizer)."""
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)
     path = tmp_path_factory.mktemp("tiny-smol")
@@ -46,11 +46,36 @@ def tiny_smol_path(tmp_path_factory, default_model_path):
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          tie_word_embeddings=True)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    return _save_with_smol_tokenizer(LlamaForCausalLM(config), path, tokenizer, default_model_path)
+
+
+def _save_with_smol_tokenizer(model, path, tokenizer, default_model_path) -> str:
+    """``model`` saved to ``path`` with SmolLM2's generation ids and tokenizer files; returns the folder."""
+    from transformers import GenerationConfig
+
+    model.eval().save_pretrained(path)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{default_model_path}/{name}", path / name)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_smol_hybrid_path(tmp_path_factory, default_model_path):
+    """A 2-layer random Qwen3.5 (one Gated DeltaNet layer, one gated attention layer) with SmolLM2's vocabulary
+    and tokenizer files: the fuzzer's hybrid model, whose sequences each hold a state slot."""
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    path = tmp_path_factory.mktemp("tiny-smol-hybrid")
+    config = Qwen3_5TextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+                               linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=256,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                               tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return _save_with_smol_tokenizer(Qwen3_5ForCausalLM(config), path, tokenizer, default_model_path)
 
 
 class RepeatProposer:
@@ -61,12 +86,15 @@ class RepeatProposer:
         return [[token_ids[-1]] * room for token_ids, room in requests]
 
 
-@pytest.fixture(scope="module", params=["sync", "async_scheduling", "speculative", "draft_model"])
-def engine(request, tiny_smol_path):
+@pytest.fixture(scope="module", params=["sync", "async_scheduling", "speculative", "draft_model", "hybrid"])
+def engine(request, tiny_smol_path, tiny_smol_hybrid_path):
     """``draft_model``: the model drafts for itself on the rank (greedy drafts; accepted where the target
-    samples greedily without a bias, masked by grammars and poisoned rows like any other)."""
-    config = build_engine_config(tiny_smol_path, dtype="float32", block_size=8, num_blocks=96, max_num_seqs=8,
-                                 threads_per_worker=1, async_scheduling=request.param == "async_scheduling",
+    samples greedily without a bias, masked by grammars and poisoned rows like any other). ``hybrid``: a Qwen3.5
+    under async scheduling, whose sequences (n > 1 forks included) each hold a state slot."""
+    hybrid = request.param == "hybrid"
+    config = build_engine_config(tiny_smol_hybrid_path if hybrid else tiny_smol_path, dtype="float32", block_size=8,
+                                 num_blocks=96, max_num_seqs=8, threads_per_worker=1,
+                                 async_scheduling=request.param in ("async_scheduling", "hybrid"),
                                  num_speculative_tokens=3 if request.param in ("speculative", "draft_model") else 0,
                                  speculative_model=tiny_smol_path if request.param == "draft_model" else None)
     engine = Engine(config)
@@ -189,6 +217,9 @@ def test_no_request_kills_the_engine_and_every_block_comes_back(engine, specs):
     event(f"speculative tokens accepted: {stats.spec_decode_num_accepted_tokens_total > 0}")
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_blocks == stats.num_blocks
+    blocks = engine.block_manager.stats()
+    assert blocks.num_state_slots == (8 if engine.model_info.hybrid else 0)    # max_num_seqs for the hybrid
+    assert blocks.num_free_state_slots == blocks.num_state_slots
     engine.block_manager.check_invariants()
 
 

@@ -36,6 +36,19 @@ def _plan() -> StepPlan:
     )
 
 
+def test_state_slots_and_copies_round_trip_and_malformed_copies_are_refused():
+    plan = _plan()
+    plan.new_seqs[0].state_slot = 5
+    plan.state_copies = [(5, 2), (5, 3)]
+    decoded = decode_plan(encode_plan(plan))
+    assert decoded == plan and decoded.new_seqs[0].state_slot == 5 and decoded.state_copies == [(5, 2), (5, 3)]
+    assert decode_plan(encode_plan(_plan())).state_copies == []            # absent on the wire: none
+    obj = msgpack.unpackb(encode_plan(plan))
+    obj["state_copies"] = [[1, "x"]]
+    with pytest.raises(WireError, match="state_copies"):
+        decode_plan(msgpack.packb(obj))
+
+
 def test_plan_round_trip_is_exact():
     plan = _plan()
     decoded = decode_plan(encode_plan(plan))

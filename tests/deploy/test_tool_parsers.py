@@ -8,8 +8,10 @@ import json
 import re
 
 import pytest
+from helpers.tool_streams import checked_stream
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pagedray.deploy.openai.harmony import MARKERS as HARMONY_MARKERS
 from pagedray.deploy.openai.tool_parsers import (
     TOOL_CALL_PARSERS,
     ToolCallStream,
@@ -39,21 +41,7 @@ def parsed(text, plan=AUTO, parser="hermes"):
 
 def stream(pieces, plan=AUTO, parser="hermes"):
     """Every delta of the pieces, checked to be well-formed OpenAI deltas, and the stream."""
-    s = ToolCallStream(plan, parser)
-    deltas = [d for piece in pieces for d in s.feed(piece)] + s.finish()
-    seen = 0
-    for delta in deltas:
-        assert len(delta) == 1 and (delta.get("content") or delta.get("tool_calls"))
-        for entry in delta.get("tool_calls", ()):
-            if "id" in entry:   # a header: the next index, the name, no arguments yet
-                assert entry["index"] == seen and ID.fullmatch(entry["id"]) and entry["type"] == "function"
-                assert entry["function"]["name"] in plan.names and entry["function"]["arguments"] == ""
-                seen += 1
-            else:
-                assert set(entry) == {"index", "function"} and entry["index"] == seen - 1
-                assert entry["function"]["arguments"]
-    assert s.made_calls == (seen > 0) or not plan.parallel
-    return deltas, s
+    return checked_stream(pieces, plan, parser)
 
 
 def streamed(pieces, plan=AUTO, parser="hermes"):
@@ -208,8 +196,8 @@ def test_parser_detection_from_the_chat_template(template, parser):
     assert detect_tool_call_parser(template) == parser
 
 
-def test_only_mistral_needs_special_tokens_kept():
-    assert [keeps_special_tokens(p) for p in TOOL_CALL_PARSERS] == [False, False, True, False]
+def test_only_mistral_and_harmony_need_special_tokens_kept():
+    assert {p for p in TOOL_CALL_PARSERS if keeps_special_tokens(p)} == {"mistral", "harmony"}
 
 
 # ---------------------------------------------------------------- the property: any split streams the whole parse
@@ -229,6 +217,15 @@ FRAGMENTS = {   # whole calls of each format, their pieces, and near misses
     "pythonic": ["get_time()", "get_weather(city='Oslo')", "get_time(tz=\"a)b\", n=[1, (2)])", "nope()",
                  "get_time(1)", "(", ")", "=", "'", ", ", "<|python_start|>", "get_time(x=true)",
                  "[get_time()]", "[get_weather(city='Oslo'), get_time()]"],
+    "qwen3_xml": ["<tool_call>", "</tool_call>", "<function=get_time>", "<function=get_weather>", "<function=nope>",
+                  "</function>", "<parameter=city>", "<parameter=n>", "</parameter>", "\nOslo\n", "<tool_",
+                  "<function=", "<parameter=", "</param", "\n<tool_call>\n<function=get_weather>\n<parameter=city>"
+                  "\nOslo\n</parameter>\n</function>\n</tool_call>", CALLS[0]],
+    "harmony": ["<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.get_time",
+                " to=functions.nope", "to=functions.get_weather", "<|constrain|>json", " json", "<|message|>",
+                "<|end|>", "<|call|>", "<|return|>", "<|chan", "nel|>", '{"city": "Oslo"}', "{}",
+                "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>",
+                "<|channel|>analysis<|message|>hm<|end|>", "<|start|>assistant<|channel|>final<|message|>ok"],
 }
 PLANS = st.sampled_from([AUTO, ONE, REQUIRED, NAMED])
 
@@ -244,5 +241,7 @@ def test_any_split_streams_what_the_whole_text_parses_to(data, parser, plan):
     assert streamed(pieces, plan, parser) == whole
     content, calls = whole
     assert content is None or content.strip() or not calls   # content around calls is stripped: never blank
-    if not calls:
+    if parser == "harmony" and plan.choice == "auto":   # markers are special tokens: never content
+        assert not any(marker in (content or "") + "".join(a for _, a in calls) for marker in HARMONY_MARKERS)
+    elif not calls:
         assert content == (text or None)   # nothing is a call: all of it is content, nothing lost

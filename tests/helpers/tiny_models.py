@@ -101,6 +101,18 @@ def tiny_config(kind: str):
                             head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                             swiglu_limit=1.5, rope_parameters=rope, pad_token_id=0,
                             architectures=["GptOssForCausalLM"])
+    if kind in ("qwen3.5", "qwen3.5-moe"):   # hybrid: 3 linear-attention layers (Gated DeltaNet), then gated attention
+        from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+        common = {**TINY_COMMON, "num_hidden_layers": 4}
+        hybrid = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                      tie_word_embeddings=False, pad_token_id=0)
+        if kind == "qwen3.5":
+            return Qwen3_5TextConfig(**common, **hybrid, architectures=["Qwen3_5ForCausalLM"])
+        del common["intermediate_size"]
+        return Qwen3_5MoeTextConfig(**common, **hybrid, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, architectures=["Qwen3_5MoeForCausalLM"])
     if kind.endswith("-untied"):   # the family's config with its own LM head (lm_head.weight in the checkpoint)
         config = tiny_config(kind.removesuffix("-untied"))
         config.tie_word_embeddings = False
@@ -119,6 +131,13 @@ def save_tiny_model(kind: str, folder, max_shard_size: str | None = None) -> str
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0.0, 2.0 if name.endswith("sinks") else 0.25)
+    if kind.startswith("qwen3.5"):   # mild decays, so each sequence's recurrent state carries over many tokens
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("A_log"):
+                    param.copy_(torch.empty_like(param).uniform_(0.02, 0.2).log())
+                elif name.endswith(("dt_bias", "layernorm.weight", "q_norm.weight", "k_norm.weight", "norm.weight")):
+                    param.normal_(1.0 if name.endswith("linear_attn.norm.weight") else 0.0, 0.25)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(folder), **kwargs)
     return str(folder)

@@ -41,9 +41,12 @@ class DriverSeq:
 
 class PlanDriver:
     def __init__(self, execute, block_size: int, num_blocks: int, token_budget: int = 64, max_chunk: int = 64,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, num_state_slots: int = 16) -> None:
+        """``num_state_slots``: each admitted sequence also holds a state slot (what a hybrid model's engine
+        hands out; other models ignore it); at most the workers' ``max_num_seqs``."""
         self.execute = execute
-        self.block_manager = BlockManager(block_size, num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self.block_manager = BlockManager(block_size, num_blocks, enable_prefix_caching=enable_prefix_caching,
+                                          num_state_slots=num_state_slots)
         self.token_budget = token_budget
         self.max_chunk = max_chunk
         self.step_id = 0
@@ -69,7 +72,8 @@ class PlanDriver:
         table = self.block_manager.block_table(seq.seq_id)
         seq.admitted, seq.num_computed, seq.sent_blocks = True, cached, len(table)
         seq.num_cached_at_admission = cached
-        return NewSequence(seq.seq_id, list(seq.prompt), [], cached, n, table, seq.params)
+        return NewSequence(seq.seq_id, list(seq.prompt), [], cached, n, table, seq.params,
+                           state_slot=self.block_manager.state_slot(seq.seq_id))
 
     def step(self, running: list[DriverSeq], admit: DriverSeq | None) -> StepResult:
         budget = self.token_budget

@@ -10,6 +10,8 @@ rope, which the greedy tokens alone do not catch). ``qwen3-moe``: 6 experts, top
 expert's half of the intermediate dimension, one dense layer; ``qwen2-moe``: plus a gated shared expert;
 ``mixtral``: Mixtral's names and renormalised top-2. ``gpt-oss``: each rank's half of the query heads' sinks,
 the interleaved gate/up columns of its half of every expert, the down bias added on one rank only.
+``qwen3.5`` / ``qwen3.5-moe``: each rank's half of the linear-attention key and value heads (their rows of the
+fused q/k/v projection and of the convolution, their own state slots) and of the gated attention's heads.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _check_logprobs(path: str, seq) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe", "mixtral",
-                                  "gpt-oss"])
+                                  "gpt-oss", "qwen3.5", "qwen3.5-moe"])
 def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
     path = tiny_model_path(kind)
     params = SamplingParams(temperature=0.0, logprobs=TOP_N)

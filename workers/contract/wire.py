@@ -43,7 +43,9 @@ in the cache), ``block_ids`` and the sampling params.
 - ``released_seq_ids``: sequences finished, aborted or preempted since the last plan; the workers
   drop their mirrors (applied before anything else in the plan).
 - ``block_copies``: (src, dst) block pairs to copy in every layer's K and V before the forward
-  (copy-on-write at fork/truncate).
+  (copy-on-write at fork/truncate). ``state_copies``: the same for a hybrid model's state slots (a forked
+  sample starts from its parent's recurrent and convolution state); a ``NewSequence``'s ``state_slot`` names
+  the slot its linear-attention layers read and write for as long as it is mirrored.
 - ``lora_loads``: LoRA adapters to copy into slots before the forward, each from the rank's host copy (read
   earlier, off the step: ``lora_reads``); a ``NewSequence``'s ``lora_slot`` names the slot its tokens use for
   as long as it is mirrored (-1: the base model).
@@ -96,6 +98,7 @@ class NewSequence:
     sampling_params: SamplingParams
     draft_token_ids: list[int] = field(default_factory=list)   # as RunningDelta's
     lora_slot: int = -1        # the LoRA adapter slot its tokens use (a ``LoraLoad`` filled it); -1: none
+    state_slot: int = -1       # its slot of a hybrid model's state pool (-1: the model has none)
 
     @property
     def token_ids(self) -> list[int]:
@@ -171,6 +174,7 @@ class StepPlan:
     kv_imports: list[int] = field(default_factory=list)               # blocks written from kv_import_shards
     kv_import_shards: list[bytes] = field(default_factory=list)       # per source rank: [imports, its block bytes]
     kv_import_tp: int = 0                                             # the source replica's TP size
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots, before the forward
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -271,6 +275,8 @@ def encode_plan(plan: StepPlan) -> bytes:
         obj["kv_import_tp"] = plan.kv_import_tp
     if plan.lora_reads or plan.lora_drops:
         obj["lora_reads"], obj["lora_drops"] = list(map(vars, plan.lora_reads)), list(map(vars, plan.lora_drops))
+    if plan.state_copies:
+        obj["state_copies"] = plan.state_copies
     return _pack(obj)
 
 
@@ -298,6 +304,7 @@ def decode_plan(data: bytes) -> StepPlan:
             kv_imports=_ints(obj.get("kv_imports", []), "kv_imports"),
             kv_import_shards=_byte_strings(obj.get("kv_import_shards", []), "kv_import_shards"),
             kv_import_tp=_count(obj.get("kv_import_tp", 0), "kv_import_tp"),
+            state_copies=_int_pairs(obj.get("state_copies", []), "state_copies"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed StepPlan: {exc}") from exc

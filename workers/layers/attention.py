@@ -35,6 +35,7 @@ class AttentionMetadata:
     seq_lens_k: torch.Tensor      # [seqs] int32: history + scheduled tokens per sequence
     block_tables: torch.Tensor    # [seqs, max_blocks] int32 (padded with 0)
     max_query_len: int
+    state_slots: torch.Tensor | None = None   # [seqs] int32: hybrid models' state slot per sequence (-1: none)
 
 
 class PagedAttention(nn.Module):

@@ -215,6 +215,16 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def load_decoder_weights(model: nn.Module, reader: CheckpointReader) -> None:
+    """Hugging Face's decoder layout: ``model.embed_tokens``, ``model.layers.{i}`` (each layer's ``load``),
+    ``model.norm`` and ``lm_head`` (read only when the head is untied)."""
+    model.embed_tokens.load(reader, "model.embed_tokens.weight")
+    for i, layer in enumerate(model.layers):
+        layer.load(reader, f"model.layers.{i}")
+    model.norm.load(reader, "model.norm.weight")
+    model.lm_head.load(reader, "lm_head.weight")
+
+
 class DecoderForCausalLM(nn.Module):
     """Subclasses define ``arch_spec(hf_config, max_model_len) -> ArchSpec`` (and may reject configs)."""
 
@@ -261,11 +271,7 @@ class DecoderForCausalLM(nn.Module):
         return self.layers[0].self_attn.num_kv_heads
 
     def load_weights(self, reader: CheckpointReader) -> None:
-        self.embed_tokens.load(reader, "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            layer.load(reader, f"model.layers.{i}")
-        self.norm.load(reader, "model.norm.weight")
-        self.lm_head.load(reader, "lm_head.weight")
+        load_decoder_weights(self, reader)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -34,7 +34,7 @@ from ..layers.partition import check_even_split, check_head_split
 from ..layers.rotary import RotaryEmbedding, RotaryStep, rope_parameters
 from ..tp_group import TPGroup
 from ..weights.weight_loader import CheckpointReader
-from .decoder import ArchSpec, DecoderAttention, DecoderForCausalLM, DecoderMLP, ModelDims
+from .decoder import ArchSpec, DecoderAttention, DecoderForCausalLM, DecoderMLP, ModelDims, load_decoder_weights
 from .llama import layer_types_of, sliding_window_of
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
@@ -126,11 +126,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=dims.tie_word_embeddings)
 
     def load_weights(self, reader: CheckpointReader) -> None:
-        self.embed_tokens.load(reader, "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            layer.load(reader, f"model.layers.{i}")
-        self.norm.load(reader, "model.norm.weight")
-        self.lm_head.load(reader, "lm_head.weight")
+        load_decoder_weights(self, reader)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

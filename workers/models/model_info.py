@@ -68,6 +68,11 @@ class ModelInfo:
     tie_word_embeddings: bool
     matryoshka: bool = False   # its config declares Matryoshka embeddings (is_matryoshka / matryoshka_dimensions)
     num_labels: int = 0        # a *ForSequenceClassification checkpoint: its score head's outputs (else 0)
+    num_linear_layers: int = 0  # hybrid models: layers with a recurrent state instead of KV (cluster/hybrid.py)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.num_linear_layers > 0
 
     def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
         """ValueError naming tensor_parallel_size when the heads cannot be split over that many ranks."""
@@ -99,4 +104,5 @@ def model_info(model_path) -> ModelInfo:
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         matryoshka=bool(getattr(cfg, "is_matryoshka", False) or getattr(cfg, "matryoshka_dimensions", None)),
         num_labels=int(getattr(cfg, "num_labels", 0)) if is_classifier(cfg) else 0,
+        num_linear_layers=sum(kind == "linear_attention" for kind in getattr(cfg, "layer_types", None) or []),
     )

@@ -15,6 +15,7 @@ from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from .qwen3_moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_CLASSES = MappingProxyType({
@@ -29,6 +30,8 @@ MODEL_CLASSES = MappingProxyType({
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     # a score head instead of the LM head (decoder.is_classifier): rerankers converted to sequence classification
     "LlamaForSequenceClassification": LlamaForCausalLM,
     "Qwen2ForSequenceClassification": Qwen2ForCausalLM,

@@ -20,6 +20,9 @@ the target is CUDA), in the order of ``FIELDS``; the runner checks the attention
 tensors (no device sync), and ``HostBatch.to_device`` moves the whole step with a single copy and hands
 out views. On CPU the "copy" is the host tensor itself.
 
+``state_slots`` [seqs]: each sequence's slot of a hybrid model's state pool (``NewSequence.state_slot``; -1
+for models without one, and for padding rows).
+
 Padding (``rows=``, decode-only steps, for the CUDA-graph buckets of ``decode_graphs``): rows past the
 real sequences are dummies that write no KV (slot -1), attend one key of block 0 (seq_len 1, a zero
 block-table row) and are never sampled; ``width=`` fixes the block-table width so every step of a
@@ -40,7 +43,7 @@ from ..layers.attention import AttentionMetadata
 from .seq_mirror import BatchedSequence, SequenceState
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens_k", "cu_seqlens_q", "logits_indices",
-          "block_tables")
+          "block_tables", "state_slots")
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class PackedShape:
 
     def lengths(self) -> tuple[int, ...]:
         t, s = self.tokens, self.seqs
-        return (t, t, t, s, s + 1, self.logits, s * self.width)
+        return (t, t, t, s, s + 1, self.logits, s * self.width, s)
 
     @property
     def size(self) -> int:
@@ -81,6 +84,7 @@ def unpack(packed: torch.Tensor, shape: PackedShape, max_query_len: int,
         seq_lens_k=parts["seq_lens_k"],
         block_tables=parts["block_tables"].view(shape.seqs, shape.width),
         max_query_len=max_query_len,
+        state_slots=parts["state_slots"],
     )
     return BatchInputs(parts["input_ids"], parts["positions"], meta, parts["logits_indices"], sampling_seqs,
                        row_drafts)
@@ -120,7 +124,7 @@ def build_host_batch(batch: list[BatchedSequence], block_size: int, pin_memory: 
     if rows is not None and (rows < len(batch) or not is_decode_only(batch)):
         raise ValueError(f"rows: padding to {rows} rows needs a decode-only batch of at most {rows} sequences")
     input_ids: list[int] = []
-    computed, q_lens, tables, sampling = [], [], [], []
+    computed, q_lens, tables, sampling, state_slots = [], [], [], [], []
     for item in batch:
         state, start = item.state, item.state.num_computed_tokens
         input_ids += state.token_slice(start, start + item.num_own_tokens)
@@ -129,12 +133,14 @@ def build_host_batch(batch: list[BatchedSequence], block_size: int, pin_memory: 
         q_lens.append(item.num_scheduled_tokens)
         tables.append(state.block_ids)
         sampling.append(item.samples)
+        state_slots.append(state.state_slot)
     num_pad = 0 if rows is None else rows - len(batch)
     # padding rows: token 0 at position 0 (computed = 0, q_len = 1), table row of zeros, sampled rows
     input_ids += [0] * num_pad
     computed += [0] * num_pad
     q_lens += [1] * num_pad
     tables += [[]] * num_pad
+    state_slots += [-1] * num_pad
     num_seqs = len(tables)
     num_used = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)          # [seqs]
     needed = int(num_used.max()) if num_seqs else 0
@@ -170,7 +176,8 @@ def build_host_batch(batch: list[BatchedSequence], block_size: int, pin_memory: 
         logits_indices = last_token[np.array(sampling, dtype=bool)]
     shape = PackedShape(num_tokens, num_seqs, len(logits_indices), width)
     packed = np.concatenate([np.array(input_ids, dtype=np.int32), positions, slots, computed_a + q_lens_a,
-                             cu_seqlens_q, logits_indices, block_tables.reshape(-1)]).astype(np.int32, copy=False)
+                             cu_seqlens_q, logits_indices, block_tables.reshape(-1),
+                             np.array(state_slots, dtype=np.int32)]).astype(np.int32, copy=False)
     host = torch.from_numpy(packed)                                           # [shape.size] int32
     if pin_memory:
         host = torch.empty(shape.size, dtype=torch.int32, pin_memory=True).copy_(host)
@@ -209,9 +216,11 @@ def build_decode_host_batch(states: list[SequenceState], tables: np.ndarray, blo
     row = np.arange(num_rows, dtype=np.int32)
     slots = block_tables[row, computed // block_size] * block_size + computed % block_size   # [rows]
     slots[n:] = -1
+    state_slots = np.full(num_rows, -1, dtype=np.int32)                            # [rows]; padding: -1
+    state_slots[:n] = np.fromiter(map(_STATE_SLOT, states), dtype=np.int32, count=n)
     shape = PackedShape(num_rows, num_rows, num_rows, width)
     packed = np.concatenate([input_ids, computed, slots, computed + 1, np.arange(num_rows + 1, dtype=np.int32),
-                             row, block_tables.reshape(-1)]).astype(np.int32, copy=False)
+                             row, block_tables.reshape(-1), state_slots]).astype(np.int32, copy=False)
     host = torch.from_numpy(packed)                                                 # [shape.size] int32
     if pin_memory:
         host = torch.empty(shape.size, dtype=torch.int32, pin_memory=True).copy_(host)
@@ -223,6 +232,7 @@ _BLOCKS = operator.attrgetter("block_ids")
 _ROW = operator.attrgetter("row")
 _OUTPUT = operator.attrgetter("output_token_ids")
 _LAST = operator.itemgetter(-1)
+_STATE_SLOT = operator.attrgetter("state_slot")
 
 
 def _speculative_rows(batch: list[BatchedSequence], last_token: np.ndarray):

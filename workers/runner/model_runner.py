@@ -104,8 +104,12 @@ class ModelRunner:
         """Steps 1-3 up to the copy: mirror update, block copies, checked host inputs (None: nothing to run)."""
         check_block_copies(plan.block_copies, self.kv_cache.num_blocks)
         self._load_adapters(plan)
+        if plan.state_copies and not hasattr(self.model, "copy_states"):
+            raise ValueError("state_copies: this model keeps no per-sequence state")
         rows = self.mirror.apply(plan)
         copy_blocks(self.kv_cache, plan.block_copies)
+        if plan.state_copies:
+            self.model.copy_states(plan.state_copies)     # forked samples continue from their parent's state
         if self.drafter is not None:
             self.drafter.apply_plan_bookkeeping(plan.released_seq_ids, plan.block_copies)
             rows = MirrorStep(batch=self.drafter.propose(rows.as_batch()))

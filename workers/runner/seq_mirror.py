@@ -50,6 +50,7 @@ class SequenceState:
     params: SamplingParams
     row: int = -1          # its row of the mirror's BlockTableRows
     lora_slot: int = -1    # its LoRA adapter slot (NewSequence.lora_slot)
+    state_slot: int = -1   # its slot of a hybrid model's state pool (NewSequence.state_slot)
     # output length from which its sampling is a plain argmax (sampler.greedy_from; None: never)
     greedy_from: int | None = field(init=False)
 
@@ -274,7 +275,7 @@ class SequenceMirror:
         for new in plan.new_seqs:
             state = SequenceState(new.seq_id, list(new.prompt_token_ids), list(new.output_token_ids),
                                   new.num_computed_tokens, list(new.block_ids), new.sampling_params,
-                                  self.table_rows.take(new.block_ids), new.lora_slot)
+                                  self.table_rows.take(new.block_ids), new.lora_slot, new.state_slot)
             self._seqs[new.seq_id] = state
             self._num_not_greedy += state.greedy_from != 0
             if new.num_scheduled_tokens:

@@ -1,0 +1,42 @@
+"""A hybrid model's engine (cluster/hybrid.py): prefix caching switched off with a log line saying why, a state
+pool of max_num_seqs slots in the block manager, and the options it cannot take refused before any rank starts
+(ValueError naming the option)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from pagedray.cluster.engine import Engine
+from pagedray.cluster.llm import build_engine_config
+
+
+def test_prefix_caching_goes_off_with_a_log_line_and_the_pool_has_a_slot_per_seat(tiny_model_path, caplog):
+    config = build_engine_config(tiny_model_path("qwen3.5"), dtype="float32", block_size=8, num_blocks=32,
+                                 max_num_seqs=5, threads_per_worker=1, enable_prefix_caching=True)
+    with caplog.at_level(logging.INFO, logger="pagedray.cluster.hybrid"):
+        engine = Engine(config)
+    try:
+        assert not engine.config.cache.enable_prefix_caching and not engine.block_manager.enable_prefix_caching
+        assert any("prefix caching is off for Qwen3_5ForCausalLM" in r.getMessage() for r in caplog.records)
+        assert engine.block_manager.stats().num_state_slots == 5
+    finally:
+        engine.shutdown()
+
+
+def test_a_dense_model_keeps_prefix_caching_and_has_no_state_pool(tiny_model_path):
+    engine = Engine(build_engine_config(tiny_model_path("qwen3"), dtype="float32", block_size=8, num_blocks=32,
+                                        threads_per_worker=1))
+    try:
+        assert engine.config.cache.enable_prefix_caching and engine.block_manager.states is None
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("option, value", [("num_speculative_tokens", 2), ("kv_offload_gib", 0.01),
+                                           ("enable_lora", True)])
+def test_options_a_hybrid_cannot_take_are_refused_naming_them(tiny_model_path, option, value):
+    config = build_engine_config(tiny_model_path("qwen3.5"), dtype="float32", block_size=8, num_blocks=32,
+                                 threads_per_worker=1, **{option: value})
+    with pytest.raises(ValueError, match=f"^{option}: .*Qwen3_5ForCausalLM"):
+        Engine(config)

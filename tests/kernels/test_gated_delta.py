@@ -1,0 +1,107 @@
+"""The gated delta rule (kernels.gated_delta): the chunked form a prefill uses against the token-by-token
+recurrence on random inputs (several block lengths, a non-zero starting state, a length that ends mid-block),
+both against a float64 loop, the batched one-step decode against the loop run per sequence, transformers'
+own chunked function as an independent check, and argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedray.kernels.gated_delta import gated_delta_decode, gated_delta_prefill
+from pagedray.kernels.reference.gated_delta import chunked_reference, recurrent_reference
+
+H, DK, DV = 3, 16, 8
+
+
+def _inputs(gen, tokens: int, dtype=torch.float32):
+    q = torch.randn(tokens, H, DK, generator=gen).to(dtype)
+    k = torch.randn(tokens, H, DK, generator=gen).to(dtype)
+    v = torch.randn(tokens, H, DV, generator=gen).to(dtype)
+    g = -torch.rand(tokens, H, generator=gen) * 0.5            # log decays in (-0.5, 0]
+    beta = torch.rand(tokens, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def _float64_loop(q, k, v, g, beta, state):
+    q, k, v, g, beta, s = (x.double() for x in (q, k, v, g, beta, state))
+    q = q / (q.square().sum(-1, keepdim=True) + 1e-6).sqrt() / DK ** 0.5
+    k = k / (k.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+    out = []
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        d = (v[t] - (k[t][:, :, None] * s).sum(1)) * beta[t][:, None]
+        s = s + k[t][:, :, None] * d[:, None, :]
+        out.append((q[t][:, :, None] * s).sum(1))
+    return torch.stack(out), s
+
+
+@pytest.mark.parametrize("tokens, chunk", [(1, 64), (7, 4), (64, 64), (100, 64), (37, 16)])
+def test_chunked_equals_the_recurrence(tokens, chunk):
+    gen = torch.Generator().manual_seed(tokens * 100 + chunk)
+    inputs = _inputs(gen, tokens)
+    start = torch.randn(H, DK, DV, generator=gen)
+    want_out, want_state = _float64_loop(*inputs, start)
+    s_loop, s_chunk = start.clone(), start.clone()
+    loop = recurrent_reference(*inputs, s_loop)
+    chunked = chunked_reference(*inputs, s_chunk, chunk)
+    for got, state in ((loop, s_loop), (chunked, s_chunk)):
+        torch.testing.assert_close(got.double(), want_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(state.double(), want_state, rtol=1e-4, atol=1e-4)
+    assert (want_state - start.double()).abs().max() > 0.1            # the state moved: the check can fail
+
+
+def test_a_prefill_in_pieces_equals_one_prefill():
+    gen = torch.Generator().manual_seed(5)
+    inputs = _inputs(gen, 50)
+    whole_state, parts_state = torch.zeros(H, DK, DV), torch.zeros(H, DK, DV)
+    whole = gated_delta_prefill(*inputs, whole_state)
+    parts = torch.cat([gated_delta_prefill(*(x[a:b] for x in inputs), parts_state) for a, b in
+                       ((0, 13), (13, 14), (14, 50))])
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(parts_state, whole_state, rtol=1e-5, atol=1e-5)
+
+
+def test_the_batched_decode_equals_each_sequence_alone():
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, g, beta = _inputs(gen, 4)                       # 4 sequences, one token each
+    states = torch.randn(4, H, DK, DV, generator=gen)
+    alone = [recurrent_reference(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], states[i].clone())
+             for i in range(4)]
+    after = [states[i].clone() for i in range(4)]
+    for i in range(4):
+        recurrent_reference(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], after[i])
+    out = gated_delta_decode(q, k, v, g, beta, states)
+    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(states, torch.stack(after), rtol=1e-6, atol=1e-6)
+
+
+def test_matches_transformers_chunked_function():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, g, beta = _inputs(gen, 70)
+    start = torch.randn(H, DK, DV, generator=gen)
+    want, want_state = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                    initial_state=start[None].clone(), output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True)
+    state = start.clone()
+    torch.testing.assert_close(gated_delta_prefill(q, k, v, g, beta, state), want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: {**a, "k": a["k"][:, :, :8]}, "k / v"),
+    (lambda a: {**a, "v": a["v"].double()}, "v: expected"),
+    (lambda a: {**a, "g": a["g"].double()}, "g: expected float32"),
+    (lambda a: {**a, "beta": a["beta"][:2]}, "beta"),
+    (lambda a: {**a, "state": torch.zeros(H, DK, DV + 1)}, "state"),
+    (lambda a: {**a, "q": a["q"][0]}, "q: expected a 3-d"),
+])
+def test_bad_arguments_are_value_errors_naming_them(change, match):
+    gen = torch.Generator().manual_seed(1)
+    args = dict(zip("q k v g beta".split(), _inputs(gen, 3)), state=torch.zeros(H, DK, DV))
+    args = change(args)
+    before = args["state"].clone()
+    with pytest.raises(ValueError, match=match):
+        gated_delta_prefill(args["q"], args["k"], args["v"], args["g"], args["beta"], args["state"])
+    assert torch.equal(args["state"], before)

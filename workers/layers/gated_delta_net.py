@@ -1,0 +1,198 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5 / 3.6 (three of every four layers).
+
+Per token: ``in_proj_qkv`` -> a depthwise causal convolution over the last ``K`` tokens (``conv1d``, kernel
+``K``, no bias) and SiLU -> q, k [Hk, Dk] and v [Hv, Dv]; ``in_proj_z`` (the output gate), ``in_proj_b``
+(``beta = sigmoid(b)``) and ``in_proj_a`` (``g = -exp(A_log) * softplus(a + dt_bias)``, a log decay) per value
+head; q and k repeated to the Hv value heads; the gated delta rule (``kernels.gated_delta``) from the
+sequence's recurrent state; a per-head RMSNorm of the result times ``silu(z)`` (``RMSNormGated``: plain weight,
+normalised in float32); ``out_proj``.
+
+State, per sequence (``LinearStates``: one slot of the pool the block manager hands out, ``StateStep``
+says which): the convolution's last ``K - 1`` inputs [C, K - 1] (the layer's dtype) and the recurrent
+state [Hv, Dk, Dv] (float32). A sequence whose step starts at position 0 starts from zeros (a fresh or a
+recomputed sequence: whatever its slot held before is ignored), so nothing has to clear a slot when it is
+handed out; every other step continues from what the slot holds, which the sequence's own previous step wrote
+(chunked prefill) or its parent's state copied in at a fork (``copy``).
+
+Steps: a decode-only step (one token per sequence) runs every sequence at once: a gather of the states by
+slot, one convolution window and one recurrence step, a scatter back (no host syncs). Otherwise each
+sequence's tokens run alone (its chunk through the chunked rule), in batch order.
+
+Tensor parallelism: rank r holds key heads ``[r Hk/tp, (r+1) Hk/tp)`` and value heads ``[r Hv/tp, ...)`` (the
+value heads of its key heads: Hv is a multiple of Hk), their rows of ``in_proj_qkv`` (q, k and v segments),
+of ``conv1d``, of ``in_proj_z/b/a``, ``A_log`` and ``dt_bias``, and their columns of ``out_proj`` (one
+all-reduce). Its state slots hold only its heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels.gated_delta import gated_delta_decode, gated_delta_prefill
+from ..tp_group import TPGroup
+from ..weights.weight_loader import CheckpointReader, copy_into
+from .linear import ColumnParallelLinear, RowParallelLinear, Segment, empty_param
+from .partition import check_even_split
+
+
+@dataclass(frozen=True)
+class LinearDims:
+    key_heads: int
+    value_heads: int
+    key_dim: int          # per head
+    value_dim: int        # per head
+    conv_kernel: int
+    eps: float
+
+    @classmethod
+    def from_hf(cls, cfg) -> LinearDims:
+        dims = cls(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                   cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps)
+        if dims.value_heads % dims.key_heads:
+            raise ValueError(f"model: linear_num_value_heads={dims.value_heads} is not a multiple of "
+                             f"linear_num_key_heads={dims.key_heads}")
+        if dims.conv_kernel < 1:
+            raise ValueError(f"model: linear_conv_kernel_dim must be >= 1, got {dims.conv_kernel}")
+        return dims
+
+    def check_split(self, tp_size: int) -> None:
+        check_even_split(self.key_heads, tp_size, "linear_num_key_heads")
+
+
+@dataclass(frozen=True)
+class StateStep:
+    """Which state slot each sequence of a step uses. ``slots`` [seqs] int64 (the scratch slot for padding
+    rows); ``fresh`` [seqs] bool: the sequence's first token this step is position 0; ``spans``: per sequence
+    (first token, end token, slot, fresh) on the host, or None for a decode-only step (then token i is
+    sequence i's)."""
+
+    slots: torch.Tensor
+    fresh: torch.Tensor
+    spans: list[tuple[int, int, int, bool]] | None
+
+
+class LinearStates:
+    """One layer's state pool: ``conv`` [slots + 1, C_local, K - 1] and ``recurrent`` [slots + 1, Hv_local, Dk, Dv]
+    float32; the last slot is scratch (padding rows write there)."""
+
+    def __init__(self, num_slots: int, channels: int, kernel: int, heads: int, key_dim: int, value_dim: int,
+                 dtype, device) -> None:
+        self.conv = torch.zeros((num_slots + 1, channels, kernel - 1), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((num_slots + 1, heads, key_dim, value_dim), dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * 4
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(src, dst) slots, in order: dst takes src's state (a fork: the child continues from its parent)."""
+        for src, dst in pairs:
+            self.conv[dst] = self.conv[src]
+            self.recurrent[dst] = self.recurrent[src]
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, dims: LinearDims, tp: TPGroup, dtype, device) -> None:
+        super().__init__()
+        self.dims, self.tp = dims, tp
+        kh = check_even_split(dims.key_heads, tp.world_size, "linear_num_key_heads")
+        vh = dims.value_heads // tp.world_size
+        self.key_heads, self.value_heads = kh, vh
+        key_total, value_total = dims.key_heads * dims.key_dim, dims.value_heads * dims.value_dim
+        k_seg = Segment(key_total, tp.rank * kh * dims.key_dim, kh * dims.key_dim)
+        v_seg = Segment(value_total, tp.rank * vh * dims.value_dim, vh * dims.value_dim)
+        self.segments = (k_seg, k_seg, v_seg)                          # q, k, v rows of in_proj_qkv and conv1d
+        self.in_proj_qkv = ColumnParallelLinear(hidden_size, list(self.segments), False, dtype, device)
+        heads = Segment(dims.value_heads, tp.rank * vh, vh)
+        self.in_proj_zba = ColumnParallelLinear(hidden_size, [v_seg, heads, heads], False, dtype, device)
+        self.channels = 2 * kh * dims.key_dim + vh * dims.value_dim
+        self.conv_weight = empty_param((self.channels, dims.conv_kernel), dtype, device)     # [C_local, K]
+        self.a_log = empty_param((vh,), dtype, device)
+        self.dt_bias = empty_param((vh,), dtype, device)
+        self.norm_weight = empty_param((dims.value_dim,), dtype, device)
+        self.out_proj = RowParallelLinear(value_total, hidden_size, False, tp, dtype, device,
+                                          name="linear_num_value_heads * linear_value_head_dim")
+        self.states: LinearStates | None = None      # allocate_states
+
+    def allocate_states(self, num_slots: int) -> LinearStates:
+        d = self.dims
+        self.states = LinearStates(num_slots, self.channels, d.conv_kernel, self.value_heads, d.key_dim, d.value_dim,
+                                   self.conv_weight.dtype, self.conv_weight.device)
+        return self.states
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        self.in_proj_qkv.load_fused(reader, f"{prefix}.in_proj_qkv")
+        self.in_proj_zba.load(reader, [f"{prefix}.in_proj_z", f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"])
+        name, full = f"{prefix}.conv1d.weight", sum(s.full_rows for s in self.segments)
+        rows, base = [], 0
+        for seg in self.segments:
+            rows.append(reader.read(name, 0, base + seg.start, base + seg.start + seg.rows,
+                                    expect_shape=[full, 1, self.dims.conv_kernel])[:, 0])
+            base += seg.full_rows
+        copy_into(self.conv_weight, torch.cat(rows), name)
+        start = self.tp.rank * self.value_heads
+        for param, leaf in ((self.a_log, "A_log"), (self.dt_bias, "dt_bias")):
+            name = f"{prefix}.{leaf}"
+            copy_into(param, reader.read(name, 0, start, start + self.value_heads,
+                                         expect_shape=[self.dims.value_heads]), name)
+        copy_into(self.norm_weight, reader.read(f"{prefix}.norm.weight", expect_shape=[self.dims.value_dim]),
+                  f"{prefix}.norm.weight")
+        self.out_proj.load(reader, f"{prefix}.out_proj")
+
+    def forward(self, x: torch.Tensor, step: StateStep) -> torch.Tensor:
+        # x [T, hidden] -> [T, hidden]
+        tokens, d = x.shape[0], self.dims
+        mixed = self._convolve(self.in_proj_qkv(x), step)                                 # [T, C_local]
+        kd, vd = self.key_heads * d.key_dim, self.value_heads * d.value_dim
+        q, k, v = mixed.split([kd, kd, vd], dim=-1)
+        repeat = self.value_heads // self.key_heads
+        q = q.reshape(tokens, self.key_heads, d.key_dim).repeat_interleave(repeat, dim=1)     # [T, Hv, Dk]
+        k = k.reshape(tokens, self.key_heads, d.key_dim).repeat_interleave(repeat, dim=1)
+        v = v.reshape(tokens, self.value_heads, d.value_dim)                                  # [T, Hv, Dv]
+        z, b, a = self.in_proj_zba(x).split([vd, self.value_heads, self.value_heads], dim=-1)
+        beta = b.sigmoid().float()                                                            # [T, Hv]
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = self._delta_rule(q, k, v, g, beta, step).to(x.dtype)                         # [T, Hv, Dv]
+        return self.out_proj(self._gated_norm(core, z.reshape(tokens, self.value_heads, d.value_dim))
+                             .reshape(tokens, vd))
+
+    def _convolve(self, qkv: torch.Tensor, step: StateStep) -> torch.Tensor:
+        # qkv [T, C] -> silu(causal depthwise conv) [T, C]; each sequence's last K - 1 inputs kept in its slot
+        conv, weight = self.states.conv, self.conv_weight[:, None, :]                      # [C, 1, K]
+        if step.spans is None:
+            window = torch.cat([conv[step.slots] * ~step.fresh[:, None, None], qkv[:, :, None]], -1)   # [B, C, K]
+            conv[step.slots] = window[:, :, 1:]
+            return F.silu(F.conv1d(window, weight, groups=self.channels)[:, :, 0])
+        out = torch.empty_like(qkv)
+        for start, end, slot, fresh in step.spans:
+            past = torch.zeros_like(conv[slot]) if fresh else conv[slot]                    # [C, K - 1]
+            seq = torch.cat([past, qkv[start:end].t()], -1)                                 # [C, K - 1 + n]
+            conv[slot] = seq[:, seq.shape[1] - conv.shape[2]:]
+            out[start:end] = F.silu(F.conv1d(seq[None], weight, groups=self.channels)[0].t())
+        return out
+
+    def _delta_rule(self, q, k, v, g, beta, step: StateStep) -> torch.Tensor:
+        recurrent = self.states.recurrent
+        if step.spans is None:
+            states = recurrent[step.slots] * ~step.fresh[:, None, None, None]               # [B, Hv, Dk, Dv]
+            out = gated_delta_decode(q, k, v, g, beta, states)
+            recurrent[step.slots] = states
+            return out
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        for start, end, slot, fresh in step.spans:
+            state = recurrent[slot]                                                         # a view: updated in place
+            if fresh:
+                state.zero_()
+            out[start:end] = gated_delta_prefill(q[start:end], k[start:end], v[start:end], g[start:end],
+                                                 beta[start:end], state)
+        return out
+
+    def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # core, z [T, Hv, Dv] -> weight * rmsnorm(core) * silu(z), normalised in float32
+        h = core.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.dims.eps)
+        return ((self.norm_weight * h.to(core.dtype)) * F.silu(z.float())).to(core.dtype)

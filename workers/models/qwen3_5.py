@@ -1,0 +1,273 @@
+"""Qwen3.5 / Qwen3.6 text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``): hybrid attention.
+
+``layer_types`` mixes ``linear_attention`` layers (Gated DeltaNet, ``layers/gated_delta_net.py``: a recurrent
+state per sequence instead of a KV cache) and ``full_attention`` layers (one in four by default), which are
+Qwen3's attention with
+
+- a gate: ``q_proj`` writes, per head, the query's ``head_dim`` rows then a gate's; the attention output is
+  multiplied by ``sigmoid(gate)`` before ``o_proj``;
+- q/k RMSNorm scaling by ``1 + w`` (as every norm of these models), partial rotary (``partial_rotary_factor``:
+  the first ``head_dim * factor`` dimensions of each head rotate; text positions make the multimodal rope
+  the plain one).
+
+The MLP is SiLU-gated (dense), or for the MoE models a sparse MoE with a gated shared expert on every layer
+(``layers/moe.py``, experts renormalised). Only the full-attention layers hold KV blocks (``num_kv_layers``);
+the linear layers' state pool (``allocate_states``: one slot per sequence the scheduler may run, plus a
+scratch slot) is allocated next to the weights, before the KV cache is sized. Which slot a sequence uses
+comes with the step (``AttentionMetadata.state_slots``, handed out by the block manager's state pool).
+
+Not supported (refused before any weight is read, naming the field): another ``layer_types`` kind, an
+activation other than SiLU, attention biases. The vision tower is not loaded (text-only architectures).
+The decode step reads the step's sequence spans on the host when it mixes in prefill chunks, so this family
+runs without CUDA graphs (``graph_safe``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..kv_cache import KVCache
+from ..layers.attention import AttentionMetadata, PagedAttention
+from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.gated_delta_net import GatedDeltaNet, LinearDims, StateStep
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear, Segment
+from ..layers.moe import MoESpec, SparseMoE
+from ..layers.norm import RMSNorm
+from ..layers.partition import HeadPartition, check_even_split, check_head_split
+from ..layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from ..tp_group import TPGroup
+from ..weights.weight_loader import CheckpointReader
+from .decoder import ArchSpec, DecoderMLP, ModelDims, load_decoder_weights
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def _dims(cfg) -> ModelDims:
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"model: hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
+    if getattr(cfg, "attention_bias", False):
+        raise ValueError("model: attention_bias is not supported on this architecture")
+    inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "shared_expert_intermediate_size", 0)
+    return ModelDims(cfg.vocab_size, cfg.hidden_size, inter, cfg.num_hidden_layers, cfg.num_attention_heads,
+                     cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, bool(cfg.tie_word_embeddings))
+
+
+def _layer_types(cfg) -> list[str]:
+    types = list(cfg.layer_types)
+    unknown = sorted(set(types) - {LINEAR, FULL})
+    if unknown or len(types) != cfg.num_hidden_layers:
+        raise ValueError(f"model: layer_types must list {cfg.num_hidden_layers} of {LINEAR!r} / {FULL!r}, got "
+                         f"{unknown or len(types)}")
+    return types
+
+
+def _rope(cfg) -> tuple[int, dict]:
+    """(rotary dimensions per head, rope settings for them)."""
+    params = rope_parameters(cfg)
+    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0
+    dims = int(cfg.head_dim * factor)
+    if dims <= 0 or dims % 2 or dims > cfg.head_dim:
+        raise ValueError(f"model: partial_rotary_factor {factor} gives {dims} rotary dimensions of head_dim "
+                         f"{cfg.head_dim} (need an even number in [2, head_dim])")
+    return dims, params
+
+
+def _moe(cfg) -> MoESpec | None:
+    experts = getattr(cfg, "num_experts", None)
+    if not experts:
+        return None
+    top_k = cfg.num_experts_per_tok
+    if not 0 < top_k <= experts:
+        raise ValueError(f"model: num_experts_per_tok {top_k} of {experts} experts is not a valid routing")
+    return MoESpec(experts, top_k, cfg.moe_intermediate_size, norm_topk_prob=True,
+                   shared_intermediate_size=getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate and partial rotary (module docstring)."""
+
+    def __init__(self, dims: ModelDims, rotary_dims: int, tp: TPGroup, dtype, device) -> None:
+        super().__init__()
+        heads = HeadPartition(dims.num_heads, dims.num_kv_heads, tp.world_size, tp.rank)
+        d = self.head_dim = dims.head_dim
+        self.num_heads, self.num_kv_heads = heads.num_local_heads, heads.num_local_kv_heads
+        self.rotary_dims = rotary_dims
+        # q_proj's rows: per head, the query's then the gate's
+        q = Segment(dims.num_heads * 2 * d, heads.first_head * 2 * d, self.num_heads * 2 * d)
+        kv = Segment(dims.num_kv_heads * d, heads.first_kv_head * d, self.num_kv_heads * d)
+        self.qkv_proj = ColumnParallelLinear(dims.hidden_size, [q, kv, kv], False, dtype, device)
+        self.o_proj = RowParallelLinear(dims.num_heads * d, dims.hidden_size, False, tp, dtype, device,
+                                        name="num_attention_heads * head_dim")
+        self.q_norm = RMSNorm(d, dims.rms_norm_eps, dtype, device, 1.0)
+        self.k_norm = RMSNorm(d, dims.rms_norm_eps, dtype, device, 1.0)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        self.qkv_proj.load(reader, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
+        self.o_proj.load(reader, f"{prefix}.o_proj")
+        self.q_norm.load(reader, f"{prefix}.q_norm.weight")
+        self.k_norm.load(reader, f"{prefix}.k_norm.weight")
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, D]: the first rotary_dims of each head rotated, the rest passed through
+        r = self.rotary_dims
+        if r == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        return torch.cat([apply_rotary(x[..., :r].contiguous(), cos, sin), x[..., r:]], dim=-1)
+
+    def forward(self, hidden, cos_sin, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
+        # hidden [T, hidden] -> [T, hidden]
+        tokens, d, h, hk = hidden.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        qg, k, v = qkv.split([h * 2 * d, hk * d, hk * d], dim=-1)
+        q, gate = qg.view(tokens, h, 2 * d).split([d, d], dim=-1)                     # [T, h, D] each
+        q = self._rotate(self.q_norm(q.contiguous()), *cos_sin)
+        k = self._rotate(self.k_norm(k.reshape(tokens, hk, d)), *cos_sin)
+        out = self.attn(q, k, v.reshape(tokens, hk, d), kv_layer, meta)               # [T, h, D]
+        out = out.reshape(tokens, h * d) * torch.sigmoid(gate.reshape(tokens, h * d))
+        return self.o_proj(out)
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, kind: str, dims: ModelDims, linear: LinearDims, rotary_dims: int, moe: MoESpec | None,
+                 tp: TPGroup, dtype, device) -> None:
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device, 1.0)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device, 1.0)
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(dims.hidden_size, linear, tp, dtype, device)
+        else:
+            self.self_attn = GatedAttention(dims, rotary_dims, tp, dtype, device)
+        if moe is None:
+            self.mlp = DecoderMLP(dims, ArchSpec(), tp, dtype, device)
+        else:
+            shared = DecoderMLP(replace(dims, intermediate_size=moe.shared_intermediate_size), ArchSpec(), tp, dtype,
+                                device) if moe.shared_intermediate_size else None
+            self.mlp = SparseMoE(dims.hidden_size, moe, tp, dtype, device, shared)
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight")
+        self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight")
+        if self.kind == LINEAR:
+            self.linear_attn.load(reader, f"{prefix}.linear_attn")
+        else:
+            self.self_attn.load(reader, f"{prefix}.self_attn")
+        self.mlp.load(reader, f"{prefix}.mlp")
+
+    def forward(self, hidden, residual, cos_sin, kv_layer, meta, step: StateStep):
+        # returns (mlp output, residual stream before it), both [T, hidden]
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.kind == LINEAR:
+            hidden = self.linear_attn(hidden, step)
+        else:
+            hidden = self.self_attn(hidden, cos_sin, kv_layer, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    lora = None           # LoRA is not wired for hybrid layers (ModelLora refuses modules it does not know)
+    cpu_decode = None     # the one-call CPU decode takes plain decoder layers only
+    graph_safe = False    # module docstring
+
+    @classmethod
+    def validate_config(cls, hf_config, max_model_len: int, tp_size: int) -> None:
+        dims = _dims(hf_config)
+        _layer_types(hf_config)
+        check_head_split(dims.num_heads, dims.num_kv_heads, tp_size)
+        LinearDims.from_hf(hf_config).check_split(tp_size)
+        moe = _moe(hf_config)
+        if moe is None:
+            check_even_split(dims.intermediate_size, tp_size, "intermediate_size")
+        else:
+            check_even_split(moe.intermediate_size, tp_size, "moe_intermediate_size")
+            if moe.shared_intermediate_size:
+                check_even_split(moe.shared_intermediate_size, tp_size, "shared_expert_intermediate_size")
+        rotary_dims, params = _rope(hf_config)
+        RotaryEmbedding(rotary_dims, params, torch.device("cpu"), max_model_len)
+
+    def __init__(self, hf_config, tp: TPGroup, dtype: torch.dtype, device: torch.device, max_model_len: int) -> None:
+        super().__init__()
+        self.validate_config(hf_config, max_model_len, tp.world_size)
+        self.dims = dims = _dims(hf_config)
+        self.tp = tp
+        self.kinds = _layer_types(hf_config)
+        rotary_dims, params = _rope(hf_config)
+        self.rotary = RotaryEmbedding(rotary_dims, params, device, max_model_len)
+        linear, moe = LinearDims.from_hf(hf_config), _moe(hf_config)
+        self.embed_tokens = VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp, dtype, device)
+        self.layers = nn.ModuleList(HybridLayer(kind, dims, linear, rotary_dims, moe, tp, dtype, device)
+                                    for kind in self.kinds)
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype, device, 1.0)
+        self.lm_head = ParallelLMHead(self.embed_tokens, tied=dims.tie_word_embeddings)
+        # layer index -> its KV layer (full attention only) or None
+        self.kv_index = [None] * len(self.kinds)
+        for n, i in enumerate(i for i, kind in enumerate(self.kinds) if kind == FULL):
+            self.kv_index[i] = n
+        self.num_state_slots = 0
+
+    @property
+    def num_kv_layers(self) -> int:
+        return sum(kind == FULL for kind in self.kinds)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return next(layer.self_attn.num_kv_heads for layer in self.layers if layer.kind == FULL)
+
+    def allocate_states(self, num_slots: int) -> int:
+        """One state slot per sequence the scheduler may run (``max_num_seqs``) in every linear layer; returns
+        their bytes on this rank."""
+        self.num_state_slots = num_slots
+        return sum(layer.linear_attn.allocate_states(num_slots).nbytes for layer in self.layers if layer.kind == LINEAR)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """(src, dst) slot pairs of a fork, in every linear layer (before the step's forward)."""
+        for pair in pairs:
+            if not all(0 <= s < self.num_state_slots for s in pair):
+                raise ValueError(f"state_copies: pair {pair} is outside [0, {self.num_state_slots})")
+        for layer in self.layers:
+            if layer.kind == LINEAR:
+                layer.linear_attn.states.copy(pairs)
+
+    def load_weights(self, reader: CheckpointReader) -> None:
+        load_decoder_weights(self, reader)
+
+    def _state_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> StateStep:
+        if meta.state_slots is None:
+            raise ValueError("state_slots: a hybrid model's step needs each sequence's state slot")
+        slots = meta.state_slots.long()
+        slots = torch.where(slots < 0, torch.full_like(slots, self.num_state_slots), slots)   # padding: scratch
+        first = meta.cu_seqlens_q[:-1].long()
+        fresh = positions.long()[first] == 0                                                  # [seqs]
+        if meta.max_query_len == 1 and positions.shape[0] == slots.shape[0]:
+            return StateStep(slots, fresh, None)
+        cu = meta.cu_seqlens_q.tolist()
+        spans = [(a, b, s, f) for a, b, s, f in zip(cu, cu[1:], slots.tolist(), fresh.tolist()) if b > a]
+        return StateStep(slots, fresh, spans)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions [tokens]; kv_cache: the full-attention layers' KV on this rank
+        hidden = self.embed_tokens(input_ids)                                     # [T, hidden]
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)                   # [T, 1, rotary_dims] each
+        step = self._state_step(positions, meta)
+        residual = None
+        for layer, kv in zip(self.layers, self.kv_index):
+            hidden, residual = layer(hidden, residual, cos_sin, None if kv is None else kv_cache.layer(kv), meta, step)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden [rows, hidden] -> float32 logits [rows, vocab] on rank 0, None elsewhere
+        return self.lm_head(hidden)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """The same model with ``SparseMoE`` MLPs (``_moe`` reads ``num_experts`` from the config)."""
