@@ -68,11 +68,32 @@ class StateStep:
     """Which state slot each sequence of a step uses. ``slots`` [seqs] int64 (the scratch slot for padding
     rows); ``fresh`` [seqs] bool: the sequence's first token this step is position 0; ``spans``: per sequence
     (first token, end token, slot, fresh) on the host, or None for a decode-only step (then token i is
-    sequence i's)."""
+    sequence i's). A decode-only step may also know on the host that ``slot_range`` ``(first, end)`` are its
+    slots in order (the states are then read and written in place, no gather) and whether ``any_fresh``
+    (None: not known, as on CUDA, where reading it would sync)."""
 
     slots: torch.Tensor
     fresh: torch.Tensor
     spans: list[tuple[int, int, int, bool]] | None
+    slot_range: tuple[int, int] | None = None
+    any_fresh: bool | None = None
+
+    def states(self, pool: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """A decode step's rows of ``pool`` [slots + 1, ...] -> (their states, a view of ``pool`` or a gathered
+        copy to write back), fresh rows zeroed."""
+        if self.slot_range is not None:
+            rows, view = pool[self.slot_range[0]:self.slot_range[1]], True
+        else:
+            rows, view = pool.index_select(0, self.slots), False
+        if self.any_fresh is None:
+            rows.mul_(~self.fresh.reshape(-1, *([1] * (rows.dim() - 1))))
+        elif self.any_fresh:
+            rows[self.fresh] = 0
+        return rows, view
+
+    def write_back(self, pool: torch.Tensor, rows: torch.Tensor, view: bool) -> None:
+        if not view:
+            pool.index_copy_(0, self.slots, rows)
 
 
 class LinearStates:
@@ -164,9 +185,11 @@ class GatedDeltaNet(nn.Module):
         # qkv [T, C] -> silu(causal depthwise conv) [T, C]; each sequence's last K - 1 inputs kept in its slot
         conv, weight = self.states.conv, self.conv_weight[:, None, :]                      # [C, 1, K]
         if step.spans is None:
-            window = torch.cat([conv[step.slots] * ~step.fresh[:, None, None], qkv[:, :, None]], -1)   # [B, C, K]
-            conv[step.slots] = window[:, :, 1:]
-            return F.silu(F.conv1d(window, weight, groups=self.channels)[:, :, 0])
+            past, view = step.states(conv)                                                  # [B, C, K - 1]
+            window = torch.cat([past, qkv[:, :, None]], -1)                                 # [B, C, K]
+            past.copy_(window[:, :, 1:])
+            step.write_back(conv, past, view)
+            return F.silu((window * self.conv_weight).sum(-1))   # one window: a product and a sum, not conv1d
         out = torch.empty_like(qkv)
         for start, end, slot, fresh in step.spans:
             past = torch.zeros_like(conv[slot]) if fresh else conv[slot]                    # [C, K - 1]
@@ -178,9 +201,9 @@ class GatedDeltaNet(nn.Module):
     def _delta_rule(self, q, k, v, g, beta, step: StateStep) -> torch.Tensor:
         recurrent = self.states.recurrent
         if step.spans is None:
-            states = recurrent[step.slots] * ~step.fresh[:, None, None, None]               # [B, Hv, Dk, Dv]
+            states, view = step.states(recurrent)                                           # [B, Hv, Dk, Dv]
             out = gated_delta_decode(q, k, v, g, beta, states)
-            recurrent[step.slots] = states
+            step.write_back(recurrent, states, view)
             return out
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for start, end, slot, fresh in step.spans:

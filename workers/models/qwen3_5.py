@@ -247,7 +247,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         first = meta.cu_seqlens_q[:-1].long()
         fresh = positions.long()[first] == 0                                                  # [seqs]
         if meta.max_query_len == 1 and positions.shape[0] == slots.shape[0]:
-            return StateStep(slots, fresh, None)
+            if slots.is_cuda:                       # no host reads: nothing waits for the GPU here
+                return StateStep(slots, fresh, None)
+            host = slots.tolist()
+            ordered = host == list(range(host[0], host[0] + len(host))) if host else False
+            return StateStep(slots, fresh, None, (host[0], host[0] + len(host)) if ordered else None,
+                             bool(fresh.any()))
         cu = meta.cu_seqlens_q.tolist()
         spans = [(a, b, s, f) for a, b, s, f in zip(cu, cu[1:], slots.tolist(), fresh.tolist()) if b > a]
         return StateStep(slots, fresh, spans)
