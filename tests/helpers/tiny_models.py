@@ -113,6 +113,12 @@ def tiny_config(kind: str):
         del common["intermediate_size"]
         return Qwen3_5MoeTextConfig(**common, **hybrid, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=48, architectures=["Qwen3_5MoeForCausalLM"])
+    if kind == "qwen3.5-vl":   # the multimodal checkpoint (vision tower included), served as its text model
+        from transformers import Qwen3_5Config
+
+        return Qwen3_5Config(text_config=tiny_config("qwen3.5").to_dict(), tie_word_embeddings=False,
+                             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                out_hidden_size=64), architectures=["Qwen3_5ForConditionalGeneration"])
     if kind.endswith("-untied"):   # the family's config with its own LM head (lm_head.weight in the checkpoint)
         config = tiny_config(kind.removesuffix("-untied"))
         config.tie_word_embeddings = False
@@ -125,7 +131,13 @@ def save_tiny_model(kind: str, folder, max_shard_size: str | None = None) -> str
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    config = tiny_config(kind)
+    if kind == "qwen3.5-vl":
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if kind.startswith("gpt-oss"):   # transformers zeroes biases and draws small sinks: make both matter
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -26,7 +26,7 @@ def _assert_mixed(plans) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3",
                                   "qwen3-window", "phi3", "phi3-longrope", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe",
-                                  "mixtral", "gpt-oss", "qwen3.5", "qwen3.5-moe"])
+                                  "mixtral", "gpt-oss", "qwen3.5", "qwen3.5-moe", "qwen3.5-vl"])
 def test_tiny_models_match_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     worker, driver = local_driver(path, token_budget=24, max_chunk=16)

@@ -215,13 +215,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-def load_decoder_weights(model: nn.Module, reader: CheckpointReader) -> None:
-    """Hugging Face's decoder layout: ``model.embed_tokens``, ``model.layers.{i}`` (each layer's ``load``),
-    ``model.norm`` and ``lm_head`` (read only when the head is untied)."""
-    model.embed_tokens.load(reader, "model.embed_tokens.weight")
+def load_decoder_weights(model: nn.Module, reader: CheckpointReader, prefix: str = "model") -> None:
+    """Hugging Face's decoder layout: ``{prefix}.embed_tokens``, ``{prefix}.layers.{i}`` (each layer's ``load``),
+    ``{prefix}.norm`` and ``lm_head`` (read only when the head is untied)."""
+    model.embed_tokens.load(reader, f"{prefix}.embed_tokens.weight")
     for i, layer in enumerate(model.layers):
-        layer.load(reader, f"model.layers.{i}")
-    model.norm.load(reader, "model.norm.weight")
+        layer.load(reader, f"{prefix}.layers.{i}")
+    model.norm.load(reader, f"{prefix}.norm.weight")
     model.lm_head.load(reader, "lm_head.weight")
 
 

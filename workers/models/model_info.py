@@ -19,18 +19,37 @@ from ..layers.partition import check_head_split
 from .decoder import is_classifier
 from .registry import architecture_of
 
+# multimodal checkpoints served as text models: architecture -> where the language model's weights live (its
+# config is the ``text_config``; the vision tower is not loaded, so a request with an image stays a 400)
+TEXT_OF_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "model.language_model",
+                      "Qwen3_5MoeForConditionalGeneration": "model.language_model"}
+
 
 def load_hf_config(model_path):
-    """transformers config of a model folder; ValueError naming `model` when it cannot be read."""
+    """transformers config of a model folder; ValueError naming `model` when it cannot be read. For a multimodal
+    checkpoint of ``TEXT_OF_MULTIMODAL``: its ``text_config``, carrying the checkpoint's ``architectures``, the
+    tied-embeddings flag of the whole model and ``weights_prefix`` (where the language model's tensors are)."""
     from transformers import AutoConfig
 
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model: {str(path)!r} is not a model folder (no config.json)")
     try:
-        return AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"model: cannot read the config of {str(path)!r}: {exc}") from exc
+    names = list(getattr(config, "architectures", None) or [])
+    prefix = next((TEXT_OF_MULTIMODAL[n] for n in names if n in TEXT_OF_MULTIMODAL), None)
+    if prefix is None or getattr(config, "text_config", None) is None:
+        return config
+    text = config.text_config
+    text.architectures = names
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    text.weights_prefix = prefix
+    for name in ("eos_token_id", "bos_token_id"):
+        if getattr(text, name, None) is None and getattr(config, name, None) is not None:
+            setattr(text, name, getattr(config, name))
+    return text
 
 
 def _as_ids(value) -> list[int]:

@@ -17,7 +17,9 @@ scratch slot) is allocated next to the weights, before the KV cache is sized. Wh
 comes with the step (``AttentionMetadata.state_slots``, handed out by the block manager's state pool).
 
 Not supported (refused before any weight is read, naming the field): another ``layer_types`` kind, an
-activation other than SiLU, attention biases. The vision tower is not loaded (text-only architectures).
+activation other than SiLU, attention biases. The multimodal checkpoints (``Qwen3_5ForConditionalGeneration``,
+``Qwen3_5MoeForConditionalGeneration``) load as text models: their ``text_config`` and the
+``model.language_model.*`` tensors (model_info.load_hf_config); the vision tower is not loaded.
 The decode step reads the step's sequence spans on the host when it mixes in prefill chunks, so this family
 runs without CUDA graphs (``graph_safe``).
 """
@@ -212,6 +214,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         for n, i in enumerate(i for i, kind in enumerate(self.kinds) if kind == FULL):
             self.kv_index[i] = n
         self.num_state_slots = 0
+        self.weights_prefix = getattr(hf_config, "weights_prefix", "model")   # a multimodal checkpoint's text part
 
     @property
     def num_kv_layers(self) -> int:
@@ -237,7 +240,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                 layer.linear_attn.states.copy(pairs)
 
     def load_weights(self, reader: CheckpointReader) -> None:
-        load_decoder_weights(self, reader)
+        load_decoder_weights(self, reader, self.weights_prefix)
 
     def _state_step(self, positions: torch.Tensor, meta: AttentionMetadata) -> StateStep:
         if meta.state_slots is None:

@@ -32,6 +32,9 @@ MODEL_CLASSES = MappingProxyType({
     "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    # their multimodal checkpoints, text only (model_info.TEXT_OF_MULTIMODAL: the text config and weights)
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
     # a score head instead of the LM head (decoder.is_classifier): rerankers converted to sequence classification
     "LlamaForSequenceClassification": LlamaForCausalLM,
     "Qwen2ForSequenceClassification": Qwen2ForCausalLM,
