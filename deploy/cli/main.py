@@ -239,6 +239,22 @@ def _prepare_model(model: str | None) -> None:
         if not is_complete(default_cache_dir() / DEFAULT_MODEL_NAME):
             print("fetching and converting the default model (once; ~1-2 minutes) ...", flush=True)
         ensure_default_model()
+        return
+    _note_hybrid(model)
+
+
+def _note_hybrid(model: str) -> None:
+    """Say on this terminal what a hybrid model changes (cluster/hybrid.py; its replicas log it too)."""
+    from pagedray.workers.models.model_info import model_info
+    from pagedray.workers.weights.default_model import resolve_model_path
+
+    try:
+        info = model_info(resolve_model_path(model))
+    except (ValueError, OSError):
+        return          # the replica reports what is wrong with the folder, with its own exception
+    if info.hybrid:
+        print(f"note: {info.architecture} keeps a recurrent state per sequence in {info.num_linear_layers} of its "
+              f"{info.num_hidden_layers} layers: prefix caching is off for it", flush=True)
 
 
 def run_serve(ns: argparse.Namespace) -> int:
