@@ -1,8 +1,11 @@
 """The gated delta rule's entry points (Gated DeltaNet layers: workers/layers/gated_delta_net.py), checked
-before dispatch (ValueError naming the argument), then computed by ``reference.gated_delta`` in float32 on
-every device: ``gated_delta_prefill`` (the tokens of one sequence, the chunked form) and ``gated_delta_decode``
-(one token of each of B sequences, the one-step recurrence). A Triton kernel for CUDA is not written yet; the
-torch code runs there as it is (no host syncs, so it can be captured).
+before dispatch (ValueError naming the argument):
+
+- ``gated_delta_prefill`` (the tokens of one sequence, the chunked form) and ``gated_delta_decode`` (one token
+  of each of B sequences, the one-step recurrence): ``reference.gated_delta`` in float32, the CPU path;
+- ``gated_delta_varlen``: a whole step's sequences at once, each from its slot of a state pool, in place:
+  the Triton kernel (``triton/gated_delta_triton.py``, the recurrent form) on CUDA, the references per
+  sequence elsewhere (the oracle the kernel is tested against).
 
 Shapes: q, k [T or B, H, Dk] and v [.., H, Dv] of one dtype (float32, bfloat16 or float16; k and q already
 repeated to the H value heads); g (log decay, <= 0) and beta [.., H] float32; states float32 and written in
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from .api import _triton_wanted
 from .reference.gated_delta import chunked_reference, decode_step
+from .triton.gated_delta_triton import gated_delta_varlen_triton
 
 CHUNK_SIZE = 64
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,3 +56,36 @@ def gated_delta_decode(q, k, v, g, beta, states: torch.Tensor) -> torch.Tensor:
     """One token of each of B sequences, ``states`` [B, H, Dk, Dv] (updated in place) -> out [B, H, Dv] float32."""
     _check(q, k, v, g, beta, states, 4)
     return decode_step(q, k, v, g, beta, states)
+
+
+def gated_delta_varlen(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                       fresh: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """A step's sequences: sequence i's tokens are ``[cu_seqlens[i], cu_seqlens[i + 1])`` of q, k [T, H, Dk],
+    v [T, H, Dv], g, beta [T, H]; its state is ``pool[slots[i]]`` ([slots, H, Dk, Dv] float32, contiguous,
+    updated in place), from zeros when ``fresh[i]`` -> out [T, H, Dv] float32. Slots of one step are distinct
+    (but for padding rows of no tokens). Triton on CUDA (``use_triton`` forces it, under the interpreter on CPU)."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 4 or not pool.is_contiguous():
+        raise ValueError(f"pool: expected a contiguous 4-d float32 tensor, got {getattr(pool, 'shape', pool)!r}")
+    _check(q, k, v, g, beta, pool[0], 3)
+    num_seqs = slots.shape[0] if isinstance(slots, torch.Tensor) else -1
+    for name, x, dtypes, length in (("slots", slots, (torch.int64,), num_seqs),
+                                    ("cu_seqlens", cu_seqlens, (torch.int32,), num_seqs + 1),
+                                    ("fresh", fresh, (torch.bool,), num_seqs)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype not in dtypes or x.shape[0] != length \
+                or x.device != q.device:
+            raise ValueError(f"{name}: expected {dtypes[0]} [{length}] on {q.device}, got "
+                             f"{getattr(x, 'dtype', None)} {list(getattr(x, 'shape', []))}")
+    if not (g.is_contiguous() and beta.is_contiguous()):
+        raise ValueError("g / beta: expected contiguous [T, H] tensors")
+    if _triton_wanted(use_triton, q.device):
+        return gated_delta_varlen_triton(q, k, v, g, beta, pool, slots, cu_seqlens, fresh)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        if end > start:
+            state = pool[int(slots[i])]
+            if bool(fresh[i]):
+                state.zero_()
+            out[start:end] = chunked_reference(q[start:end], k[start:end], v[start:end], g[start:end],
+                                               beta[start:end], state, CHUNK_SIZE)
+    return out

@@ -105,3 +105,37 @@ def test_bad_arguments_are_value_errors_naming_them(change, match):
     with pytest.raises(ValueError, match=match):
         gated_delta_prefill(args["q"], args["k"], args["v"], args["g"], args["beta"], args["state"])
     assert torch.equal(args["state"], before)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_a_steps_sequences_from_their_pool_slots_in_place(use_triton):
+    """gated_delta_varlen (Triton under the interpreter, and the per-sequence references): a prefill chunk
+    continuing a state, a fresh sequence whose slot holds garbage, two one-token decodes; the slots not in the
+    step are untouched."""
+    from pagedray.kernels.gated_delta import gated_delta_varlen
+
+    gen = torch.Generator().manual_seed(21 + use_triton)
+    lengths, slots, fresh = [5, 3, 1, 1], [4, 0, 2, 5], [False, True, False, False]
+    q, k, v, g, beta = _inputs(gen, sum(lengths))
+    pool = torch.randn(7, H, DK, DV, generator=gen)
+    before = pool.clone()
+    cu = torch.tensor([0, 5, 8, 9, 10], dtype=torch.int32)
+    out = gated_delta_varlen(q, k, v, g, beta, pool, torch.tensor(slots), cu, torch.tensor(fresh),
+                             use_triton=use_triton)
+    for i, (slot, is_fresh) in enumerate(zip(slots, fresh)):
+        a, b = int(cu[i]), int(cu[i + 1])
+        start = torch.zeros(H, DK, DV) if is_fresh else before[slot].clone()
+        want_out, want_state = _float64_loop(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], start)
+        torch.testing.assert_close(out[a:b].double(), want_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[slot].double(), want_state, rtol=1e-4, atol=1e-4)
+    for slot in (1, 3, 6):
+        assert torch.equal(pool[slot], before[slot])
+
+
+def test_varlen_refuses_a_bad_slot_tensor_naming_it():
+    from pagedray.kernels.gated_delta import gated_delta_varlen
+
+    q, k, v, g, beta = _inputs(torch.Generator().manual_seed(1), 2)
+    with pytest.raises(ValueError, match="slots"):
+        gated_delta_varlen(q, k, v, g, beta, torch.zeros(3, H, DK, DV), torch.tensor([0, 1], dtype=torch.int32),
+                           torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([False, False]))

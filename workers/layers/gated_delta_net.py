@@ -14,9 +14,11 @@ recomputed sequence: whatever its slot held before is ignored), so nothing has t
 handed out; every other step continues from what the slot holds, which the sequence's own previous step wrote
 (chunked prefill) or its parent's state copied in at a fork (``copy``).
 
-Steps: a decode-only step (one token per sequence) runs every sequence at once: a gather of the states by
-slot, one convolution window and one recurrence step, a scatter back (no host syncs). Otherwise each
-sequence's tokens run alone (its chunk through the chunked rule), in batch order.
+Steps: a decode-only step (one token per sequence) runs every sequence at once: the states by slot (in
+place when the slots are a range, else a gather and a scatter back), one convolution window and one recurrence
+step (no host syncs on CUDA). Otherwise each sequence's tokens run alone (its chunk through the chunked rule),
+in batch order. On CUDA the delta rule of any step is one Triton launch over every sequence
+(``kernels.gated_delta_varlen``, ``use_triton``), its states updated in the pool in place.
 
 Tensor parallelism: rank r holds key heads ``[r Hk/tp, (r+1) Hk/tp)`` and value heads ``[r Hv/tp, ...)`` (the
 value heads of its key heads: Hv is a multiple of Hk), their rows of ``in_proj_qkv`` (q, k and v segments),
@@ -32,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.gated_delta import gated_delta_decode, gated_delta_prefill
+from ...kernels import fused_triton_path
+from ...kernels.gated_delta import gated_delta_decode, gated_delta_prefill, gated_delta_varlen
 from ..tp_group import TPGroup
 from ..weights.weight_loader import CheckpointReader, copy_into
 from .linear import ColumnParallelLinear, RowParallelLinear, Segment, empty_param
@@ -77,6 +80,7 @@ class StateStep:
     spans: list[tuple[int, int, int, bool]] | None
     slot_range: tuple[int, int] | None = None
     any_fresh: bool | None = None
+    cu_seqlens: torch.Tensor | None = None    # [seqs + 1] int32: each sequence's tokens (the Triton path's)
 
     def states(self, pool: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """A decode step's rows of ``pool`` [slots + 1, ...] -> (their states, a view of ``pool`` or a gathered
@@ -138,6 +142,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(value_total, hidden_size, False, tp, dtype, device,
                                           name="linear_num_value_heads * linear_value_head_dim")
         self.states: LinearStates | None = None      # allocate_states
+        # the delta rule in one Triton launch per step (kernels.gated_delta_varlen) on CUDA; the torch paths on CPU
+        self.use_triton = fused_triton_path(device)
 
     def allocate_states(self, num_slots: int) -> LinearStates:
         d = self.dims
@@ -200,6 +206,9 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule(self, q, k, v, g, beta, step: StateStep) -> torch.Tensor:
         recurrent = self.states.recurrent
+        if self.use_triton:
+            return gated_delta_varlen(q, k, v, g, beta, recurrent, step.slots, step.cu_seqlens, step.fresh,
+                                      use_triton=True)
         if step.spans is None:
             states, view = step.states(recurrent)                                           # [B, Hv, Dk, Dv]
             out = gated_delta_decode(q, k, v, g, beta, states)

@@ -249,16 +249,17 @@ class Qwen3_5ForCausalLM(nn.Module):
         slots = torch.where(slots < 0, torch.full_like(slots, self.num_state_slots), slots)   # padding: scratch
         first = meta.cu_seqlens_q[:-1].long()
         fresh = positions.long()[first] == 0                                                  # [seqs]
+        cu_seqlens = meta.cu_seqlens_q
         if meta.max_query_len == 1 and positions.shape[0] == slots.shape[0]:
             if slots.is_cuda:                       # no host reads: nothing waits for the GPU here
-                return StateStep(slots, fresh, None)
+                return StateStep(slots, fresh, None, cu_seqlens=cu_seqlens)
             host = slots.tolist()
             ordered = host == list(range(host[0], host[0] + len(host))) if host else False
             return StateStep(slots, fresh, None, (host[0], host[0] + len(host)) if ordered else None,
-                             bool(fresh.any()))
-        cu = meta.cu_seqlens_q.tolist()
+                             bool(fresh.any()), cu_seqlens)
+        cu = cu_seqlens.tolist()
         spans = [(a, b, s, f) for a, b, s, f in zip(cu, cu[1:], slots.tolist(), fresh.tolist()) if b > a]
-        return StateStep(slots, fresh, spans)
+        return StateStep(slots, fresh, spans, cu_seqlens=cu_seqlens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
