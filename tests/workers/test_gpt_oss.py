@@ -46,9 +46,11 @@ def test_dequantize_mxfp4_equals_transformers():
 
 def _mxfp4_checkpoint(tmp_path) -> tuple[str, str]:
     """The tiny gpt-oss with its experts rounded to MXFP4: (a folder holding blocks and scales with
-    ``quant_method: mxfp4``, a plain folder holding the same values dequantized: transformers' oracle)."""
+    ``quant_method: mxfp4``, a plain folder holding the same values dequantized by transformers' own converter:
+    the oracle, independent of pagedray's dequantizer)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(tiny_config("gpt-oss"), dtype=torch.float32)
@@ -58,7 +60,7 @@ def _mxfp4_checkpoint(tmp_path) -> tuple[str, str]:
             if name.endswith(("gate_up_proj", "down_proj")):
                 blocks, scales = _to_mxfp4(param)
                 quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
-                param.copy_(dequantize_mxfp4(blocks, scales, torch.float32))
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
             elif name.endswith(("bias", "sinks")):
                 param.normal_(0.0, 2.0 if name.endswith("sinks") else 0.25)
     plain, packed = tmp_path / "plain", tmp_path / "mxfp4"
