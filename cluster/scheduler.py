@@ -10,6 +10,7 @@ Order within a step (each sequence at most once):
 2. running sequences with ONE token left (decodes), in queue order;
 3. running sequences with more than one token left (partial prefills), each takes
    ``min(left, budget)`` tokens (chunked prefill);
+   Steps 3 and 4 share at most ``max_prefill_tokens`` of the budget when it is set.
 4. waiting sequences in queue order while budget and seats remain; a prefix-cache hit becomes
    ``num_computed_tokens`` and only the rest is scheduled (again chunked). Strict head-of-line: when
    the head cannot get its blocks, admission stops for this step. No admission in a step that
@@ -218,6 +219,7 @@ class Scheduler(FairSteps):
             budget = self._schedule_speculative_decodes(decodes, proposals, budget, out)
         else:
             budget, prefills = self._schedule_decodes(budget, out)
+        budget = min(budget, self.config.max_prefill_tokens or budget)   # what prefills and admissions may take
         if self.fair is not None:
             self._fair_prefills_and_admissions(prefills, budget, out)
             self.fair.charge(out.scheduled)

@@ -3,7 +3,8 @@ pool (so preemption, chunking and forks all happen):
 
 - the BlockManager's own invariants hold after every operation;
 - every running sequence holds exactly num_computed_tokens slots; waiting/finished ones hold none;
-- no step schedules more than the token budget or more than max_num_seqs sequences;
+- no step schedules more than the token budget or more than max_num_seqs sequences, nor more prompt tokens
+  than ``max_prefill_tokens`` when it is set;
 - once everything is aborted or finished, every block is free with ref count 0.
 """
 
@@ -31,10 +32,20 @@ def _check(sched, out=None):
 
 
 @settings(max_examples=100, deadline=None)
-@given(ops=OPS, prefix_caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_workloads_keep_invariants_and_end_empty(ops, prefix_caching, policy):
+@given(ops=OPS, prefix_caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
+       max_prefill=st.sampled_from([0, 0, 1, 5]))
+def test_random_workloads_keep_invariants_and_end_empty(ops, prefix_caching, policy, max_prefill):
     sched = make_scheduler(num_blocks=12, block_size=4, budget=16, max_num_seqs=4, policy=policy,
-                           prefix_caching=prefix_caching, max_model_len=40, max_waiting=1000)
+                           prefix_caching=prefix_caching, max_model_len=40, max_waiting=1000,
+                           max_prefill_tokens=max_prefill)
+    num_decodes, schedule_decodes = [], sched._schedule_decodes
+
+    def counted(budget, out):            # the scheduler's step 2: how many rows the decodes are
+        result = schedule_decodes(budget, out)
+        num_decodes.append(len(out.scheduled))
+        return result
+
+    sched._schedule_decodes = counted
     added = 0
     for op in ops:
         if op[0] == "add":
@@ -46,6 +57,9 @@ def test_random_workloads_keep_invariants_and_end_empty(ops, prefix_caching, pol
             out = step(sched)
             _check(sched)
             assert out.num_batched_tokens <= 16 and len(out.scheduled) <= 4
+            if max_prefill:      # the rows after the decodes: partial prefills and admissions
+                prompt = sum(s.num_tokens for s in out.scheduled[num_decodes[-1]:])
+                assert prompt <= max_prefill, (prompt, max_prefill)
         else:
             sched.abort(str(op[1]))
         _check(sched)

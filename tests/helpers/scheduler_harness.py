@@ -15,10 +15,10 @@ FILLER = 7
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, max_num_seqs=16, policy="fcfs",
-                   prefix_caching=False, max_model_len=256, watermark=0.0, max_waiting=64):
+                   prefix_caching=False, max_model_len=256, watermark=0.0, max_waiting=64, max_prefill_tokens=0):
     bm = BlockManager(block_size, num_blocks, enable_prefix_caching=prefix_caching, watermark=watermark)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy,
-                             max_queued_requests=max_waiting)
+                             max_queued_requests=max_waiting, max_prefill_tokens=max_prefill_tokens)
     return Scheduler(config, bm, max_model_len=max_model_len, eos_token_ids={EOS})
 
 

@@ -274,6 +274,11 @@ class SchedulerConfig:
                                                    "preemption by weighted share instead of queue order across "
                                                    "tenants, per-tenant KV caps and queue limits; served as the "
                                                    "'tenants' option, which also maps API keys to tenants")
+    max_prefill_tokens: int = option(0, "the most prompt (prefill) tokens a step carries, decodes not counted "
+                                        "(0: only max_num_batched_tokens bounds them); with tenants they go in "
+                                        "fair-share order. Lower: shorter steps, so a new request of a tenant "
+                                        "under its share waits out less and running streams stall less, at some "
+                                        "cost in prefill throughput")
 
     def validate(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs!r}")
@@ -300,6 +305,8 @@ class SchedulerConfig:
                  "tokens decide the next step's inputs)")
         _require(isinstance(self.tenants, tuple) and all(isinstance(t, TenantConfig) for t in self.tenants),
                  f"tenants: must be a tuple of TenantConfig, got {self.tenants!r:.80}")
+        _require(type(self.max_prefill_tokens) is int and self.max_prefill_tokens >= 0,   # noqa: E721
+                 f"max_prefill_tokens: must be an integer >= 0, got {self.max_prefill_tokens!r}")
         for tenant in self.tenants:
             tenant.validate()
         names = [t.name for t in self.tenants]
