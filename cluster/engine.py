@@ -323,7 +323,7 @@ class Engine:
         info, cache = self.model_info, self.config.cache
         return KVLayout(self.config.model.model, info.architecture, info.num_hidden_layers, info.num_attention_heads,
                         info.num_key_value_heads, info.head_dim, cache.block_size, self.dtype, cache.kv_cache_dtype,
-                        self.config.parallel.tensor_parallel_size)
+                        self.config.parallel.tensor_parallel_size, info.kv_layer_shapes)
 
     def start_export(self, token_ids: list[int], lora: LoRARequest | None = None) -> Transfer:
         """Starts exporting the longest cached run of full blocks of ``token_ids`` (under ``lora``'s chains);

@@ -56,6 +56,7 @@ class KVLayout:
     dtype: str                 # the model's resolved dtype, e.g. "bfloat16"
     kv_cache_dtype: str        # as configured: "auto" (the model's dtype), "int8", "fp8_e4m3"
     tensor_parallel_size: int
+    kv_layer_shapes: tuple[tuple[int, int], ...] = ()   # (KV heads, head_dim) per KV-holding layer (Gemma 4)
 
     def mismatch(self, other: KVLayout) -> str | None:
         """The first field (TP size aside) that differs, as "field: here vs there"; None when they agree."""
@@ -68,8 +69,11 @@ class KVLayout:
     def rank_block_bytes(self) -> int:
         """Bytes of one block on one rank (``workers/kv_blocks.py``)."""
         storage = cache_dtype(self.kv_cache_dtype, getattr(torch, self.dtype))
+        if len(set(self.kv_layer_shapes)) > 1:     # one tensor per head shape (workers/kv_cache.py), never 8-bit
+            tp, element = self.tensor_parallel_size, torch.empty((), dtype=storage).element_size()
+            return 2 * self.block_size * element * sum(max(1, h // tp) * d for h, d in self.kv_layer_shapes)
         heads = max(1, self.num_kv_heads // self.tensor_parallel_size)
-        rows = self.num_layers * 2 * self.block_size * heads
+        rows = (len(self.kv_layer_shapes) or self.num_layers) * 2 * self.block_size * heads
         scale = torch.empty((), dtype=SCALE_DTYPE).element_size() if is_quantized(storage) else 0
         return rows * (self.head_dim * torch.empty((), dtype=storage).element_size() + scale)
 
@@ -174,6 +178,11 @@ class KVTransfers:
         problem = self.layout.mismatch(export.layout)
         if problem is not None:
             raise ValueError(f"export: its layout differs ({problem})")
+        if len(set(self.layout.kv_layer_shapes)) > 1 and export.layout.tensor_parallel_size != \
+                self.layout.tensor_parallel_size:   # workers/kv_blocks.reshard_rows refuses it
+            raise ValueError("export: KV of several head shapes is not re-sharded across TP sizes "
+                             f"(tensor_parallel_size {export.layout.tensor_parallel_size} there, "
+                             f"{self.layout.tensor_parallel_size} here)")
         size = export.num_blocks * export.layout.rank_block_bytes
         if len(export.token_ids) % self.layout.block_size:
             raise ValueError(f"export: {len(export.token_ids)} tokens are not whole blocks of {self.layout.block_size}")

@@ -30,8 +30,10 @@ from .api import _triton_wanted
 from .cpu import cpu_fused, cpu_twins
 from .quant_gemm import PackedExperts, check_packed_experts
 from .reference.fused import (
+    MOE_ACTIVATIONS,
     apply_rotary_reference,
     fused_moe_reference,
+    gate_activation,
     rms_norm_reference,
     rotary_embedding_reference_,
     silu_and_mul_reference,
@@ -172,12 +174,15 @@ def apply_rotary(x, cos, signed_sin):
     return apply_rotary_reference(x, cos, signed_sin)
 
 
-def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, use_triton=None):
+def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, activation="silu", use_triton=None):
     """Mixture-of-experts MLP over the picked experts: x [T, H]; gate_up [E, 2I, H] (gate rows, then up);
     down [E, H, I] (or both ``quant_gemm.PackedExperts``: packed experts); topk_weights [T, k] in x's dtype;
-    topk_ids [T, k] int32/int64 in [0, E) -> [T, H] = sum over the picks of weight * down(silu(gate) * up).
-    Triton on CUDA (``moe_triton``: grouped GEMMs over the rows sorted by expert), the torch loop over experts
-    elsewhere (``fused_moe_reference``; packed experts dequantized first)."""
+    topk_ids [T, k] int32/int64 in [0, E) -> [T, H] = sum over the picks of weight * down(act(gate) * up), act
+    ``activation``'s (``silu``, or ``gelu_tanh``: Gemma 4). Triton on CUDA (``moe_triton``: grouped GEMMs over
+    the rows sorted by expert), the torch loop over experts elsewhere (``fused_moe_reference``; packed experts
+    dequantized first)."""
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {MOE_ACTIVATIONS}, got {activation!r}")
     _check_rows("x", x, (2,))
     packed = isinstance(gate_up, PackedExperts)
     for name, w in (("gate_up", gate_up), ("down", down)):
@@ -203,8 +208,8 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, use_triton=None):
                                                                   or int(topk_ids.max()) >= experts):
         raise ValueError(f"topk_ids: expert ids must lie in [0, {experts})")   # CPU: CUDA never syncs here
     if _triton_wanted(use_triton, x.device):
-        return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids)
+        return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, gate_activation(activation))
     if packed:                                   # the reference: the same values, dequantized
         gate_up, down = gate_up.dequantized(x.dtype), down.dequantized(x.dtype)
-    return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids)
+    return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, activation)
 

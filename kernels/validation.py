@@ -27,7 +27,7 @@ from .kv_quant import QUANTIZED, SCALE_DTYPE
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CACHE_DTYPES = SUPPORTED_DTYPES + QUANTIZED          # 8-bit caches carry float16 scales (kv_quant)
 MIN_HEAD_DIM = 16
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512       # Gemma 4's full-attention layers; the C kernels take up to 256 (their supports())
 HEAD_DIM_MULTIPLE = 8
 
 

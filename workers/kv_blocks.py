@@ -1,14 +1,16 @@
 """A rank's KV blocks as bytes: the one layout the second tier's files and transfers between replicas share.
 
-A block's bytes on a rank: for each cache tensor (the K/V data, then the 8-bit row scales when the cache has
-them), that block's rows of every layer, K then V, in C order: ``t[:, :, block]`` of
+A block's bytes on a rank: for each cache tensor (``KVCache.tensors``: the K/V data, the other head shapes'
+data, then the 8-bit row scales when the cache has them), that block's rows of every layer, K then V, in C
+order: ``t[:, :, block]`` of
 ``data [layers, 2, blocks, block_size, kv_heads_local, head_dim]`` (and of ``scales [layers, 2, blocks,
 block_size, kv_heads_local]``). ``read_blocks`` gives them block after block as ``[n, block_bytes]`` uint8 on
 the host; ``write_blocks`` puts such rows back.
 
 Re-sharding (``reshard_rows``): a replica with another TP size splits the KV heads differently
 (``layers/partition.py``), so rank r of the destination builds its rows from the source ranks' rows, taking
-each of its global KV heads from a source rank that holds it.
+each of its global KV heads from a source rank that holds it. A cache of several head shapes (``kv_cache.py``:
+Gemma 4) is not re-sharded (ValueError): its blocks move only between replicas of one TP size.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .layers.partition import HeadPartition
 
 
 def cache_tensors(kv: KVCache) -> list[torch.Tensor]:
-    return [kv.data] + ([kv.scales] if kv.scales is not None else [])
+    return list(kv.tensors)
 
 
 def block_bytes(kv: KVCache) -> int:
@@ -47,19 +49,20 @@ def read_blocks(kv: KVCache, blocks: list[int], host: bool = True) -> torch.Tens
     return rows.cpu() if host else rows
 
 
-def _split_rows(kv: KVCache, rows: torch.Tensor, heads: int) -> list[torch.Tensor]:
-    """``rows`` [n, bytes] of a rank holding ``heads`` KV heads -> one typed tensor per cache tensor,
-    [n, layers, 2, block_size, heads, ...]."""
+def _split_rows(kv: KVCache, rows: torch.Tensor, heads: int | None) -> list[torch.Tensor]:
+    """``rows`` [n, bytes] of a rank holding ``heads`` KV heads (None: each tensor's own) -> one typed tensor per
+    cache tensor, [n, layers, 2, block_size, heads, ...]."""
     n, out, offset = rows.shape[0], [], 0
     for t in cache_tensors(kv):
-        shape = (t.shape[0], t.shape[1], t.shape[3], heads) + tuple(t.shape[5:])   # one block of t
+        shape = (t.shape[0], t.shape[1], t.shape[3], t.shape[4] if heads is None else heads) + tuple(t.shape[5:])
         size = t.element_size()
         for dim in shape:
             size *= dim
         out.append(rows[:, offset:offset + size].contiguous().view(t.dtype).reshape((n,) + shape))
         offset += size
     if offset != rows.shape[1]:
-        raise ValueError(f"rows: {rows.shape[1]} bytes per block, expected {offset} for {heads} KV heads")
+        raise ValueError(f"rows: {rows.shape[1]} bytes per block, expected {offset} for "
+                         f"{'this cache' if heads is None else heads} KV heads")
     return out
 
 
@@ -70,7 +73,7 @@ def write_blocks(kv: KVCache, blocks: list[int], rows: torch.Tensor) -> None:
         raise ValueError(f"rows: expected uint8 [{len(blocks)}, {block_bytes(kv)}], got {rows.dtype} "
                          f"{list(rows.shape)}")
     index = torch.tensor(blocks, dtype=torch.long, device=kv.data.device)
-    for t, typed in zip(cache_tensors(kv), _split_rows(kv, rows, kv.data.shape[4])):
+    for t, typed in zip(cache_tensors(kv), _split_rows(kv, rows, None)):
         t.index_copy_(2, index, typed.movedim(0, 2).to(t.device))
 
 
@@ -78,6 +81,9 @@ def reshard_rows(kv: KVCache, shards: list[torch.Tensor], partitions: list[HeadP
                  own: HeadPartition) -> torch.Tensor:
     """This rank's rows [n, block_bytes] built from the rows of every source rank (``shards[s]`` [n, bytes]
     holds the KV heads of ``partitions[s]``): each of ``own``'s KV heads comes from a source rank holding it."""
+    if kv.groups:
+        raise ValueError("shards: KV blocks of layers with different head shapes are not re-sharded across tensor "
+                         "parallel sizes (export and import with the same tensor_parallel_size)")
     holder: dict[int, tuple[int, int]] = {}                  # global KV head -> (source rank, its local index)
     for s, part in enumerate(partitions):
         for i in range(part.num_local_kv_heads):

@@ -22,13 +22,12 @@ from .contract.config import EngineConfig
 from .contract.wire import PENDING_TOKEN, LoraRead, SampledToken, StepPlan, StepResult, decode_plan, encode_result
 from .host_memory import keep_freed_memory
 from .kv_blocks import read_blocks, reshard_rows, write_blocks
-from .kv_cache import KVCacheSpec
 from .kv_tier import KVTierStore
 from .layers.packed_gemm import PackReport
 from .layers.partition import HeadPartition
 from .lora.model_lora import ModelLora
 from .models.model_info import load_hf_config, model_info
-from .models.model_loading import load_model, pack_for_cpu, settle_cpu_decode
+from .models.model_loading import kv_cache_spec, load_model, pack_for_cpu, settle_cpu_decode
 from .models.registry import model_class
 from .runner.decode_graphs import CaptureReport, DecodeGraphs
 from .runner.draft_model import DraftModel
@@ -94,14 +93,12 @@ class Worker:
         if config.scheduler.speculative_model is not None:
             self.drafter = DraftModel(config.scheduler.speculative_model, config, self.model,
                                       self.tp, self.dtype, self.device, self.max_model_len)
-        dims = self.model.dims
         # a hybrid model: its linear layers' state pool, one slot per sequence the scheduler may run (the engine's
         # block manager hands out the same number: cluster/hybrid.py), allocated before the KV cache is sized
         self.state_bytes = (self.model.allocate_states(config.scheduler.max_num_seqs)
                             if hasattr(self.model, "allocate_states") else 0)
-        kv_layers = getattr(self.model, "num_kv_layers", dims.num_layers)   # hybrids: full-attention layers only
-        self.kv_spec = KVCacheSpec(kv_layers, config.cache.block_size, self.model.num_local_kv_heads,
-                                   dims.head_dim, kv_quant.cache_dtype(config.cache.kv_cache_dtype, self.dtype))
+        self.kv_spec = kv_cache_spec(self.model, config.cache.block_size,
+                                     kv_quant.cache_dtype(config.cache.kv_cache_dtype, self.dtype))
         self.sampler = (Sampler(seed=config.seed, eos_token_ids=model_info(model_path).eos_token_ids)
                         if self.tp.is_first else None)
         self.grammars = GrammarBook(str(config.model.tokenizer or model_path)) if self.tp.is_first else None

@@ -73,16 +73,18 @@ def available() -> bool:
 
 MAX_BLOCK_SIZE = 64
 MAX_GROUP = 64
+MAX_HEAD_DIM = 256       # the kernel's row buffers (cpu_decode.c)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when ``paged_decode_cpu`` takes these (validated) tensors and the kernel is built: CPU,
-    float32/bfloat16 (the cache in q's dtype or 8-bit), head_dim a multiple of 16 (the kernel's vector width;
-    other head sizes run the torch reference), block_size a multiple of 8 up to 64, at most 64 query heads
+    float32/bfloat16 (the cache in q's dtype or 8-bit), head_dim a multiple of 16 (the kernel's vector width)
+    up to 256 (other head sizes run the torch reference), block_size a multiple of 8 up to 64, at most 64 query heads
     per KV head."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     cache_ok = k_cache.dtype == q.dtype or is_quantized(k_cache.dtype)
     return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and cache_ok and q.shape[2] % 16 == 0
+            and q.shape[2] <= MAX_HEAD_DIM
             and block_size % 8 == 0
             and block_size <= MAX_BLOCK_SIZE and q.shape[1] // num_kv_heads <= MAX_GROUP and available())
 

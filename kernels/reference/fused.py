@@ -71,15 +71,25 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+MOE_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def gate_activation(name: str):
+    """The experts' gate activation by name: ``silu`` (most MoE models) or ``gelu_tanh`` (Gemma 4's
+    ``gelu_pytorch_tanh``)."""
+    return F.silu if name == "silu" else lambda gate: F.gelu(gate, approximate="tanh")
+
+
 def fused_moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     # x [T, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; topk_weights [T, k] (x's dtype);
     # topk_ids [T, k] -> [T, H]: per picked expert, in ascending expert order (transformers' loop),
-    # weight * down(silu(gate) * up) added into the token's row
+    # weight * down(act(gate) * up) added into the token's row (act: ``gate_activation(activation)``)
+    act = gate_activation(activation)
     out = torch.zeros_like(x)
     for e in torch.unique(topk_ids).tolist():
         slot, token = torch.where((topk_ids == e).T)                                 # [k, T] order
         gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[e]) * topk_weights[token, slot, None]
+        y = F.linear(act(gate) * up, down[e]) * topk_weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out

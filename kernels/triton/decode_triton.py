@@ -213,6 +213,8 @@ def decode_config(head_dim: int, group: int, quantized: bool = False, fast_codes
         cfg.update(KEYS_MAJOR=True, BLOCK_G=8, BLOCK_N=64, num_warps=2, num_stages=2, K_CVT=1, V_CVT=2)
     elif quantized and fast_codes:   # 16 KiB of codes a tile: head_dim 256 would hold 1 program per SM at 128
         cfg.update(BLOCK_N=min(128, 16384 // cfg["BLOCK_D"]), num_stages=2, K_CVT=1, V_CVT=2)
+    elif cfg["BLOCK_D"] > 256:       # Gemma 4's 512: 32-key tiles, one stage (64-key double-buffered K and V tiles
+        cfg.update(BLOCK_N=32, num_stages=1)   # would take 256 KiB of shared memory); never run on a GPU yet
     capped = cfg["BLOCK_D"] <= 128 and cfg["BLOCK_G"] <= 16 and not keys_major   # 32 query rows at 128 spilled 336 B
     cfg["maxnreg"] = (168 if quantized and fast_codes else 128) if capped else None
     return cfg

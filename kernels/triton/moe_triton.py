@@ -183,10 +183,11 @@ def _grouped_gemm(a, w, out, weights, sorted_rows, block_experts, top_k, a_by_to
                                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
 
 
-def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, act=torch.nn.functional.silu) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I] (tensors, or both ``PackedExperts`` of those shapes);
     topk_weights [T, k]; topk_ids [T, k] -> [T, H] (x.dtype): sum over the k picks of weight *
-    down(silu(gate) * up) (``reference.fused.fused_moe_reference``)."""
+    down(act(gate) * up) (``reference.fused.fused_moe_reference``; ``act``: the gate's activation, elementwise
+    torch between the two grouped GEMMs)."""
     tokens, top_k = topk_ids.shape
     num_experts, two_inter, _ = gate_up.shape
     cfg = moe_config(tokens, packed=not isinstance(gate_up, torch.Tensor))   # PackedExperts otherwise
@@ -194,7 +195,7 @@ def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
     routed = torch.empty((tokens * top_k, two_inter), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, routed, None, sorted_rows, block_experts, top_k, True, cfg)
     gate, up = routed.chunk(2, dim=-1)
-    hidden = (torch.nn.functional.silu(gate) * up).contiguous()                  # [T*k, I]
+    hidden = (act(gate) * up).contiguous()                                       # [T*k, I]
     per_pick = torch.empty((tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     _grouped_gemm(hidden, down, per_pick, weights, sorted_rows, block_experts, top_k, False, cfg)

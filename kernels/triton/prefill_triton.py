@@ -117,11 +117,14 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, 
     block_m = (128 if wide else 64) if on_gpu else 32
     if on_gpu and wide and large:
         block_m = 256
+    huge = on_gpu and head_dim > 256          # Gemma 4's 512: smaller tiles, one stage (shared memory); never run
+    if huge:                                   # on a GPU yet
+        block_m = 32
     block_q = max(1, block_m // block_g, 16 // block_g)
     return dict(BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=(64 if wide else 32) if on_gpu else 32,
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 num_warps=(8 if head_dim > 64 else 4) if on_gpu else 4,
-                num_stages=3 if on_gpu and wide and large else 2)
+                num_stages=1 if huge else 3 if on_gpu and wide and large else 2)
 
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,

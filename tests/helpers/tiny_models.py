@@ -119,11 +119,68 @@ def tiny_config(kind: str):
         return Qwen3_5Config(text_config=tiny_config("qwen3.5").to_dict(), tie_word_embeddings=False,
                              vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                 out_hidden_size=64), architectures=["Qwen3_5ForConditionalGeneration"])
+    if kind in ("gemma4", "gemma4-moe"):
+        return _gemma4_config(kind)
+    if kind == "gemma4-wide":   # the released checkpoints' head sizes: 256 on sliding layers, 512 on full ones
+        return _gemma4_config("gemma4", head_dim=256, global_head_dim=512)
+    if kind == "gemma4-vl":   # the multimodal checkpoint (a vision tower included), served as its text model
+        from transformers import Gemma4Config
+
+        return Gemma4Config(text_config=tiny_config("gemma4").to_dict(), audio_config=None,
+                            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16),
+                            architectures=["Gemma4ForConditionalGeneration"])
     if kind.endswith("-untied"):   # the family's config with its own LM head (lm_head.weight in the checkpoint)
         config = tiny_config(kind.removesuffix("-untied"))
         config.tie_word_embeddings = False
         return config
     raise ValueError(kind)
+
+
+GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+
+
+def _gemma4_config(kind: str, head_dim: int = 32, global_head_dim: int = 64):
+    """``gemma4``: 6 layers, sliding (8-token window) and full, the full ones with their own head_dim (64 against
+    32) and, with attention_k_eq_v, one KV head (values = keys, replicated at TP=2); per-layer inputs; the last 3
+    layers read earlier layers' KV (a sliding and a full source) with double-wide MLPs; soft-capped logits (cap 10:
+    it binds). ``gemma4-moe``: 4 layers, routed experts (4, top-2) beside every dense MLP, attention biases, no
+    k_eq_v (the full layers keep 2 KV heads and a v_proj), no per-layer inputs, no KV sharing."""
+    from transformers import Gemma4TextConfig
+
+    common = {**TINY_COMMON, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim,
+              "global_head_dim": global_head_dim, "sliding_window": 8, "rope_parameters": GEMMA4_ROPE,
+              "pad_token_id": 0, "architectures": ["Gemma4ForCausalLM"]}
+    local, full = "sliding_attention", "full_attention"
+    if kind == "gemma4":
+        return Gemma4TextConfig(**{**common, "num_hidden_layers": 6},
+                                layer_types=[local, local, full, local, local, full], attention_k_eq_v=True,
+                                num_global_key_value_heads=1, num_kv_shared_layers=3, use_double_wide_mlp=True,
+                                hidden_size_per_layer_input=16,
+                                vocab_size_per_layer_input=TINY_COMMON["vocab_size"], final_logit_softcapping=10.0)
+    return Gemma4TextConfig(**{**common, "num_hidden_layers": 4}, layer_types=[local, full, local, full],
+                            attention_bias=True, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+                            top_k_experts=2, moe_intermediate_size=32)
+
+
+def _perturb_gemma4(model) -> None:
+    """Gemma 4 initialises its norms, layer scalars and router scales to 1 and biases to 0: draw them, so that a
+    mistake in any of them (a ``1 + w`` norm, a missed scalar) changes the tokens. The (tied) embedding is shrunk
+    to std 0.05: scaled by sqrt(hidden_size) at the full 0.25 it outweighs every layer, and greedy decoding just
+    repeats the last token, blind to what the layers do; the final norm's weight is scaled up instead, so that the
+    top logits stay apart."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(0.2)
+        for name, param in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(("norm.weight", "_1.weight", "_2.weight", "router.scale")):
+                param.normal_(1.0, 0.25)
+            elif name.endswith(("layer_scalar", "per_expert_scale")):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.25)
+        final_norm = model.get_decoder().norm.weight          # logits 4x larger: wider margins between tokens
+        final_norm.mul_(4.0)
 
 
 def save_tiny_model(kind: str, folder, max_shard_size: str | None = None) -> str:
@@ -136,6 +193,10 @@ def save_tiny_model(kind: str, folder, max_shard_size: str | None = None) -> str
         from transformers import Qwen3_5ForConditionalGeneration
 
         model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+    elif kind == "gemma4-vl":
+        from transformers import Gemma4ForConditionalGeneration
+
+        model = Gemma4ForConditionalGeneration(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if kind.startswith("gpt-oss"):   # transformers zeroes biases and draws small sinks: make both matter
@@ -143,6 +204,8 @@ def save_tiny_model(kind: str, folder, max_shard_size: str | None = None) -> str
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0.0, 2.0 if name.endswith("sinks") else 0.25)
+    if kind.startswith("gemma4"):
+        _perturb_gemma4(model)
     if kind.startswith("qwen3.5"):   # mild decays, so each sequence's recurrent state carries over many tokens
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -27,20 +27,23 @@ def _case(tokens, experts, top_k, hidden, inter, dtype, seed, only=None):
     return x, gate_up, down, weights.to(dtype).to(device), ids.to(device)
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, dtype, only", [
-    (7, 5, 2, 32, 48, torch.float32, None),
-    (13, 7, 1, 64, 32, torch.float32, None),
-    (3, 9, 8, 32, 16, torch.float32, None),
-    (20, 6, 2, 32, 32, torch.float16, [1, 4]),     # four experts get no token
-    (70, 4, 2, 16, 16, torch.float32, None),       # past 64 tokens: the larger row blocks
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, dtype, only, activation", [
+    (7, 5, 2, 32, 48, torch.float32, None, "silu"),
+    (13, 7, 1, 64, 32, torch.float32, None, "silu"),
+    (3, 9, 8, 32, 16, torch.float32, None, "silu"),
+    (20, 6, 2, 32, 32, torch.float16, [1, 4], "silu"),     # four experts get no token
+    (70, 4, 2, 16, 16, torch.float32, None, "silu"),       # past 64 tokens: the larger row blocks
+    (9, 4, 2, 32, 16, torch.float32, None, "gelu_tanh"),   # Gemma 4's experts
 ])
-def test_triton_matches_the_loop_over_experts(tokens, experts, top_k, hidden, inter, dtype, only):
+def test_triton_matches_the_loop_over_experts(tokens, experts, top_k, hidden, inter, dtype, only, activation):
     case = _case(tokens, experts, top_k, hidden, inter, dtype, seed_of("moe", tokens, experts, top_k), only)
-    want = kernels.fused_moe(*case, use_triton=False)
-    got = kernels.fused_moe(*case, use_triton=True)
+    want = kernels.fused_moe(*case, activation=activation, use_triton=False)
+    got = kernels.fused_moe(*case, activation=activation, use_triton=True)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tolerance)
     assert want.abs().max() > 0.01                  # a real output, not zeros
+    other = kernels.fused_moe(*case, activation="silu" if activation != "silu" else "gelu_tanh", use_triton=False)
+    assert not torch.allclose(other, want, rtol=0, atol=tolerance)   # the activation is the one asked for
 
 
 def test_rows_are_grouped_by_expert_and_padded():
@@ -61,6 +64,8 @@ def test_bad_arguments_are_value_errors_naming_them(change, message):
     case = _case(5, 4, 2, 16, 16, torch.float32, 1)
     with pytest.raises(ValueError, match=message):
         kernels.fused_moe(*change(case))
+    with pytest.raises(ValueError, match="activation: expected one of"):
+        kernels.fused_moe(*case, activation="relu")
 
 
 @pytest.mark.gpu

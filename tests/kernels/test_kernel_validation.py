@@ -76,7 +76,7 @@ def test_decode_rejects(case):
 
 
 def test_unsupported_head_dims_rejected():
-    for head_dim in (20, 8, 512):
+    for head_dim in (20, 8, 520, 1024):
         cache = torch.randn((2, 16, 1, head_dim))
         q = torch.randn((1, 1, head_dim))
         with pytest.raises(ValueError, match="^k_cache: unsupported head_dim"):

@@ -48,6 +48,7 @@ CPU_SPECS = [
     DecodeSpec(4, 1, 128, 16, F16, (250, 18)),                                       # MQA
     DecodeSpec(6, 2, 64, 16, F32, (40, 90), alibi=True, num_splits=5),               # group 3, empty splits
     DecodeSpec(2, 1, 64, 16, F32, (1, 3), window=1, num_splits=4),                   # one key per query
+    DecodeSpec(2, 1, 512, 16, F32, (20, 37), num_splits=2),                          # Gemma 4's head_dim 512
 ]
 GPU_SPECS = [
     DecodeSpec(32, 8, 128, 16, BF16, (1, 17, 512, 2049, 4000, 100, 8191, 33)),
@@ -55,6 +56,7 @@ GPU_SPECS = [
     DecodeSpec(32, 4, 96, 32, F32, (1500, 20, 4097), window=1000),
     DecodeSpec(16, 1, 64, 64, BF16, tuple(range(1, 2000, 97)), alibi=True, num_splits=7),
     DecodeSpec(8, 8, 128, 8, F16, (9000, 5), num_splits=16),
+    DecodeSpec(16, 2, 512, 16, BF16, (1, 700, 3000), window=1024),                  # Gemma 4's full layers
 ]
 
 

@@ -46,6 +46,7 @@ CPU_SPECS = [
     PrefillSpec(16, 2, 64, 64, F16, ((64, 16), (0, 5), (100, 0)), alibi=True),        # GQA 8, empty chunk
     PrefillSpec(4, 1, 128, 16, F16, ((200, 9), (31, 33))),                            # MQA
     PrefillSpec(6, 2, 64, 16, F32, ((10, 25),), alibi=True, window=7),                # group 3
+    PrefillSpec(2, 1, 512, 16, F32, ((9, 20), (0, 5))),                               # Gemma 4's head_dim 512
 ]
 GPU_SPECS = [
     PrefillSpec(32, 8, 128, 16, BF16, ((0, 2048), (1000, 512), (5, 1), (3000, 17), (0, 300))),
@@ -53,6 +54,7 @@ GPU_SPECS = [
     PrefillSpec(32, 4, 96, 32, F32, ((0, 1500), (700, 129)), window=256),
     PrefillSpec(16, 1, 64, 64, BF16, ((129, 1023), (0, 0), (1, 2)), alibi=True, window=100),
     PrefillSpec(12, 4, 128, 8, F16, ((2000, 333), (0, 2500))),
+    PrefillSpec(16, 2, 512, 16, BF16, ((0, 700), (1500, 90), (3, 1)), window=1024),  # Gemma 4's full layers
 ]
 
 

@@ -18,7 +18,8 @@ BLOCK, NEW = 8, 32
 
 
 @pytest.mark.parametrize("kind", ["qwen2-window", "phi3", "phi3-longrope", "gemma2", "gemma3", "qwen3-moe",
-                                  "qwen2-moe", "mixtral", "gpt-oss", "qwen3.5", "qwen3.5-moe"])
+                                  "qwen2-moe", "mixtral", "gpt-oss", "qwen3.5", "qwen3.5-moe", "gemma4",
+                                  "gemma4-moe"])
 def test_prefix_hits_preemption_and_chunks_match_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     rng = random.Random(kind)

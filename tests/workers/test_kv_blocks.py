@@ -64,3 +64,33 @@ def test_resharding_matches_slicing_the_full_cache(quantized, heads, source_tp, 
         assert torch.equal(target.data[:, :, [0, 2]], expected.data[:, :, [1, 4]])
         if quantized:
             assert torch.equal(target.scales[:, :, [0, 2]], expected.scales[:, :, [1, 4]])
+
+
+def test_a_cache_of_several_head_shapes_round_trips_copies_and_refuses_resharding():
+    """Gemma 4's layout (kv_cache.py): one tensor per head shape, every layer's view contiguous, a block's bytes
+    exactly its layers' rows; blocks round-trip and copy-on-write copies reach every group."""
+    from pagedray.workers.kv_cache import KVCacheSpec, copy_blocks
+
+    shapes = ((2, 8), (1, 16), (2, 8))
+    spec = KVCacheSpec(3, BLOCK_SIZE, 2, 8, torch.float32, layer_shapes=shapes)
+    source, target = spec.allocate(BLOCKS, torch.device("cpu")), spec.allocate(BLOCKS, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    for t in source.tensors:
+        t.copy_(torch.randn(t.shape, generator=g))
+    assert [tuple(t.shape) for t in source.tensors] == [(2, 2, BLOCKS, BLOCK_SIZE, 2, 8),
+                                                        (1, 2, BLOCKS, BLOCK_SIZE, 1, 16)]
+    views = [source.layer(i) for i in range(3)]
+    assert [tuple(v.k.shape[2:]) for v in views] == list(shapes) and all(v.k.is_contiguous() for v in views)
+    assert views[2].k.data_ptr() == source.data[1, 0].data_ptr()      # layer 2 is the first shape's second row
+    assert block_bytes(source) == spec.bytes_per_block == 2 * BLOCK_SIZE * 4 * (16 + 16 + 16)
+    write_blocks(target, [1, 5], read_blocks(source, [4, 0]))
+    copy_blocks(target, [(1, 2)])
+    for i in range(3):
+        for s, t in ((4, 1), (0, 5), (4, 2)):
+            assert torch.equal(target.layer(i).k[t], source.layer(i).k[s])
+            assert torch.equal(target.layer(i).v[t], source.layer(i).v[s])
+    part = HeadPartition(4, 2, 1, 0)
+    with pytest.raises(ValueError, match="re-sharded"):
+        reshard_rows(source, [read_blocks(source, [0])], [part], part)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        KVCacheSpec(3, BLOCK_SIZE, 2, 8, torch.int8, layer_shapes=shapes)

@@ -43,7 +43,8 @@ def _cuda_driver(path: str, dtype: str, profile_memory: bool = False, enforce_ea
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe",
-                                  "qwen2-moe", "mixtral", "gpt-oss", "qwen3.5", "qwen3.5-moe"])
+                                  "qwen2-moe", "mixtral", "gpt-oss", "qwen3.5", "qwen3.5-moe", "gemma4", "gemma4-moe",
+                                  "gemma4-wide"])
 def test_fp32_on_cuda_matches_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     worker, driver = _cuda_driver(path, "float32")

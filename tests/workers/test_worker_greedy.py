@@ -26,7 +26,8 @@ def _assert_mixed(plans) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3",
                                   "qwen3-window", "phi3", "phi3-longrope", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe",
-                                  "mixtral", "gpt-oss", "qwen3.5", "qwen3.5-moe", "qwen3.5-vl"])
+                                  "mixtral", "gpt-oss", "qwen3.5", "qwen3.5-moe", "qwen3.5-vl", "gemma4", "gemma4-moe",
+                                  "gemma4-vl", "gemma4-wide"])
 def test_tiny_models_match_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     worker, driver = local_driver(path, token_budget=24, max_chunk=16)
@@ -36,7 +37,7 @@ def test_tiny_models_match_transformers(kind, tiny_model_path):
     assert worker.num_sequences() == 0  # every finished sequence was released
 
 
-@pytest.mark.parametrize("kind", ["qwen2-untied", "gemma2-untied", "gemma3-untied"])
+@pytest.mark.parametrize("kind", ["qwen2-untied", "gemma2-untied", "gemma3-untied", "gemma4-untied"])
 def test_untied_lm_head_is_read(kind, tiny_model_path):
     """Families whose configs tie by default, saved with their own LM head: the head is read, not the
     embedding reused (every other family's tiny config is already untied)."""

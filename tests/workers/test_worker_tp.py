@@ -12,6 +12,10 @@ expert's half of the intermediate dimension, one dense layer; ``qwen2-moe``: plu
 the interleaved gate/up columns of its half of every expert, the down bias added on one rank only.
 ``qwen3.5`` / ``qwen3.5-moe``: each rank's half of the linear-attention key and value heads (their rows of the
 fused q/k/v projection and of the convolution, their own state slots) and of the gated attention's heads.
+``gemma4``: per-layer head shapes (each rank holds one of the 2 sliding KV heads and a replica of the single
+full-attention one, in a cache of two shapes), KV-shared layers reading their source's rows, per-layer inputs
+(the table vocab-parallel), soft-capped logits; ``gemma4-moe``: each rank's half of every expert beside the dense
+MLP, the replicated router, attention biases.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def _check_logprobs(path: str, seq) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe", "mixtral",
-                                  "gpt-oss", "qwen3.5", "qwen3.5-moe"])
+                                  "gpt-oss", "qwen3.5", "qwen3.5-moe", "gemma4", "gemma4-moe"])
 def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
     path = tiny_model_path(kind)
     params = SamplingParams(temperature=0.0, logprobs=TOP_N)

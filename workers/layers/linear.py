@@ -80,6 +80,11 @@ class ColumnParallelLinear(nn.Module):
         return cls(input_size, [Segment(output_size, tp.rank * rows, rows)], bias, dtype, device)
 
     @classmethod
+    def replicated(cls, input_size: int, output_size: int, bias: bool, dtype, device) -> ColumnParallelLinear:
+        """Every rank holds the whole weight (small projections not worth a collective)."""
+        return cls(input_size, [Segment(output_size, 0, output_size)], bias, dtype, device)
+
+    @classmethod
     def merged(cls, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup, dtype, device,
                name: str = "intermediate_size") -> ColumnParallelLinear:
         segments = []

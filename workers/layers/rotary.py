@@ -4,7 +4,10 @@ Supported ``rope_type``: ``default``, ``linear`` (positions divided by ``factor`
 (Llama 3.1+ frequency-dependent scaling), ``longrope`` (also named ``su``: Phi-3's per-frequency
 ``short_factor`` / ``long_factor`` and an attention factor that scales cos and sin) and ``yarn`` (gpt-oss:
 frequencies blended between interpolated and extrapolated by a linear ramp over the dimensions between
-``beta_fast`` and ``beta_slow`` rotations, and an attention factor ``0.1 ln(factor) + 1``). Others raise
+``beta_fast`` and ``beta_slow`` rotations, and an attention factor ``0.1 ln(factor) + 1``) and ``proportional``
+(Gemma 4's global layers: the default frequencies of the whole head for the first
+``int(partial_rotary_factor * head_dim // 2)`` pairs, zero for the rest, so those pairs pass through unrotated;
+all divided by ``factor``, default 1). Others raise
 ValueError naming the rope type. Every type is an ``inv_freq`` vector (the angle of position p and pair
 i is ``float32(p) * inv_freq[i]``, a single rounded product, the same value any implementation gets)
 and a ``scale`` for cos and sin (1 but for LongRoPE).
@@ -36,7 +39,7 @@ import torch
 
 from ... import kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional")
 
 
 def rope_parameters(hf_config) -> dict:
@@ -104,6 +107,18 @@ def _yarn(exponents: torch.Tensor, head_dim: int, params: dict) -> tuple[torch.T
     return inv_freq, float(attention)
 
 
+def _proportional(inv_freq: torch.Tensor, head_dim: int, params: dict) -> torch.Tensor:
+    """Proportional RoPE: ``inv_freq`` [head_dim / 2] kept for the first ``int(partial_rotary_factor * head_dim
+    // 2)`` pairs, zero (no rotation) for the others, then divided by ``factor``."""
+    factor = params.get("partial_rotary_factor", 1.0)
+    factor = 1.0 if factor is None else factor
+    if not 0.0 <= factor <= 1.0:
+        raise ValueError(f"model: proportional rope's partial_rotary_factor must be in [0, 1], got {factor!r}")
+    rotated = int(factor * head_dim // 2)
+    inv_freq = torch.cat([inv_freq[:rotated], torch.zeros(head_dim // 2 - rotated)])
+    return inv_freq / params.get("factor", 1.0)
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     factor = params["factor"]
     low, high = params["low_freq_factor"], params["high_freq_factor"]
@@ -135,6 +150,8 @@ class RotaryEmbedding:
             inv_freq, self.scale = _longrope(exponents, params, max_model_len)
         elif rope_type == "yarn":
             inv_freq, self.scale = _yarn(exponents, head_dim, params)
+        elif rope_type == "proportional":
+            inv_freq = _proportional(inv_freq, head_dim, params)
         self.inv_freq = inv_freq.to(device)
         self.head_dim = head_dim
 

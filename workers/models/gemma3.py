@@ -48,6 +48,13 @@ def _rope(cfg, kind: str) -> dict:
     return params
 
 
+def soft_capped(logits: torch.Tensor | None, cap: float | None) -> torch.Tensor | None:
+    """``final_logit_softcapping``: cap * tanh(logits / cap) on rank 0's float32 logits (None, no cap: as given)."""
+    if logits is None or cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 class Gemma3Layer(nn.Module):
     def __init__(self, dims: ModelDims, spec: ArchSpec, tp: TPGroup, dtype, device, index: int) -> None:
         super().__init__()
@@ -140,10 +147,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden [rows, hidden] -> float32 logits [rows, vocab] on rank 0 (soft-capped on Gemma 2), None elsewhere
-        logits = self.lm_head(hidden)
-        if logits is None or self.final_softcap is None:
-            return logits
-        return torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return soft_capped(self.lm_head(hidden), self.final_softcap)
 
 
 class Gemma2ForCausalLM(Gemma3ForCausalLM):

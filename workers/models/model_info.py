@@ -4,6 +4,11 @@
 ``generation_config.json``. It rejects unsupported architectures up front (ValueError listing the
 supported ones), so the engine fails before starting any worker.
 
+Models whose layers may differ in KV head shape or hold no KV (Gemma 4: ``kv_layer_shapes_of``) give the shape of
+each layer that holds KV (``kv_layer_shapes``, all ranks together, in cache-row order: a block's bytes follow from
+them, not from ``num_hidden_layers``; their config cannot be asked for one ``head_dim``); ``num_key_value_heads`` /
+``head_dim`` are then the first such layer's.
+
 EOS ids are the union, in order of first appearance, of ``config.eos_token_id`` and
 ``generation_config.eos_token_id`` (each an int, a list or absent): chat models often list the
 end-of-turn token only in the generation config.
@@ -17,12 +22,13 @@ from pathlib import Path
 
 from ..layers.partition import check_head_split
 from .decoder import is_classifier
-from .registry import architecture_of
+from .registry import architecture_of, model_class
 
 # multimodal checkpoints served as text models: architecture -> where the language model's weights live (its
 # config is the ``text_config``; the vision tower is not loaded, so a request with an image stays a 400)
 TEXT_OF_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": "model.language_model",
-                      "Qwen3_5MoeForConditionalGeneration": "model.language_model"}
+                      "Qwen3_5MoeForConditionalGeneration": "model.language_model",
+                      "Gemma4ForConditionalGeneration": "model.language_model"}
 
 
 def load_hf_config(model_path):
@@ -88,6 +94,7 @@ class ModelInfo:
     matryoshka: bool = False   # its config declares Matryoshka embeddings (is_matryoshka / matryoshka_dimensions)
     num_labels: int = 0        # a *ForSequenceClassification checkpoint: its score head's outputs (else 0)
     num_linear_layers: int = 0  # hybrid models: layers with a recurrent state instead of KV (cluster/hybrid.py)
+    kv_layer_shapes: tuple[tuple[int, int], ...] = ()   # (KV heads, head_dim) per KV-holding layer (Gemma 4)
 
     @property
     def hybrid(self) -> bool:
@@ -95,7 +102,8 @@ class ModelInfo:
 
     def check_tensor_parallel_size(self, tensor_parallel_size: int) -> None:
         """ValueError naming tensor_parallel_size when the heads cannot be split over that many ranks."""
-        check_head_split(self.num_attention_heads, self.num_key_value_heads, tensor_parallel_size)
+        for heads in sorted({self.num_key_value_heads} | {heads for heads, _ in self.kv_layer_shapes}):
+            check_head_split(self.num_attention_heads, heads, tensor_parallel_size)
 
 
 def model_info(model_path) -> ModelInfo:
@@ -107,6 +115,10 @@ def model_info(model_path) -> ModelInfo:
         if token not in eos:
             eos.append(token)
     num_heads = cfg.num_attention_heads
+    shapes_of = getattr(model_class(cfg), "kv_layer_shapes_of", None)
+    shapes = tuple(shapes_of(cfg)) if shapes_of is not None else ()
+    kv_heads, head_dim = shapes[0] if shapes else (getattr(cfg, "num_key_value_heads", None) or num_heads,
+                                                   getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
     return ModelInfo(
         path=str(path),
         architecture=architecture,
@@ -117,11 +129,12 @@ def model_info(model_path) -> ModelInfo:
         max_position_embeddings=cfg.max_position_embeddings,
         num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         hidden_size=cfg.hidden_size,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         matryoshka=bool(getattr(cfg, "is_matryoshka", False) or getattr(cfg, "matryoshka_dimensions", None)),
         num_labels=int(getattr(cfg, "num_labels", 0)) if is_classifier(cfg) else 0,
         num_linear_layers=sum(kind == "linear_attention" for kind in getattr(cfg, "layer_types", None) or []),
+        kv_layer_shapes=shapes,
     )

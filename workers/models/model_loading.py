@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from ..contract.config import ModelConfig
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, KVCacheSpec
 from ..layers.gemm_timing import plan_table
 from ..layers.packed_gemm import PackReport, pack_linear_weights, packed_gemm_available
 from ..tp_group import TPGroup
@@ -40,6 +40,19 @@ def load_model(model_path: str, hf_config, quantization_option: str, dtype: torc
     if unloaded:   # a meta weight would compute garbage, not fail (F.linear accepts one)
         raise RuntimeError(f"model: parameters left unloaded: {', '.join(unloaded[:4])}")
     return model.eval(), tp, quantization
+
+
+def kv_cache_spec(model: DecoderForCausalLM, block_size: int, cache_dtype: torch.dtype) -> KVCacheSpec:
+    """The KV cache this rank's ``model`` needs: one row per layer that holds KV (``num_kv_layers``: a hybrid's
+    full-attention layers, Gemma 4's layers that do not read another layer's KV; else every layer), of its
+    ``kv_layer_shapes`` (kv_heads_local, head_dim) where the model gives them and they differ (a tensor per
+    shape: ``kv_cache.py``), else of ``num_local_kv_heads`` x ``dims.head_dim``."""
+    shapes = tuple(getattr(model, "kv_layer_shapes", ()))
+    layers = getattr(model, "num_kv_layers", model.dims.num_layers)
+    if len(set(shapes)) > 1:
+        return KVCacheSpec(layers, block_size, shapes[0][0], shapes[0][1], cache_dtype, layer_shapes=shapes)
+    heads, dim = shapes[0] if shapes else (model.num_local_kv_heads, model.dims.head_dim)
+    return KVCacheSpec(layers, block_size, heads, dim, cache_dtype)
 
 
 def pack_for_cpu(model: DecoderForCausalLM, config: ModelConfig, max_num_seqs: int, dtype: torch.dtype,

@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 from .decoder import DecoderForCausalLM
 from .gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
+from .gemma4 import Gemma4ForCausalLM
 from .gpt_oss import GptOssForCausalLM
 from .llama import LlamaForCausalLM
 from .phi3 import Phi3ForCausalLM
@@ -26,6 +27,7 @@ MODEL_CLASSES = MappingProxyType({
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -35,6 +37,7 @@ MODEL_CLASSES = MappingProxyType({
     # their multimodal checkpoints, text only (model_info.TEXT_OF_MULTIMODAL: the text config and weights)
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,
     # a score head instead of the LM head (decoder.is_classifier): rerankers converted to sequence classification
     "LlamaForSequenceClassification": LlamaForCausalLM,
     "Qwen2ForSequenceClassification": Qwen2ForCausalLM,

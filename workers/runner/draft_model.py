@@ -36,10 +36,10 @@ from pagedray.kernels import kv_quant
 
 from ..contract.config import EngineConfig
 from ..contract.wire import MODEL_DRAFT
-from ..kv_cache import KVCacheSpec, copy_blocks
+from ..kv_cache import copy_blocks
 from ..models.decoder import DecoderForCausalLM
 from ..models.model_info import load_hf_config
-from ..models.model_loading import load_model, pack_for_cpu, settle_cpu_decode
+from ..models.model_loading import kv_cache_spec, load_model, pack_for_cpu, settle_cpu_decode
 from ..models.registry import model_class
 from ..sampling.sampling_ops import argmax_rows
 from ..tp_group import TPGroup
@@ -64,9 +64,8 @@ class DraftModel:
             raise ValueError(f"speculative_model: its vocabulary ({vocab} tokens) is larger than the target "
                              f"model's ({target_vocab}); the draft model must share the target's tokenizer")
         pack_for_cpu(self.model, config.model, config.scheduler.max_num_seqs, dtype, device)
-        dims = self.model.dims
-        self.kv_spec = KVCacheSpec(dims.num_layers, config.cache.block_size, self.model.num_local_kv_heads,
-                                   dims.head_dim, kv_quant.cache_dtype(config.cache.kv_cache_dtype, dtype))
+        self.kv_spec = kv_cache_spec(self.model, config.cache.block_size,
+                                     kv_quant.cache_dtype(config.cache.kv_cache_dtype, dtype))
         self.tp = tp
         self.device = device
         self.runner: ModelRunner | None = None     # the draft's forward over its own cache (init_kv_cache)
