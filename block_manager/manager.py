@@ -66,11 +66,12 @@ class BlockManager:
 
     def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True,
                  watermark: float = 0.0, pin_budget: int = 0, pin_ttl_s: float = 300.0, tier_slots: int = 0,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_state_snapshots: int = 0) -> None:
         """``pin_budget``: blocks session pins may hold (0: no pins; ``session_pins.py``), for ``pin_ttl_s``;
         ``tier_slots``: blocks the ranks' second KV tier holds (0: none; ``offload_tier.py``);
         ``num_state_slots``: a hybrid model's state slots (0: none; ``state_pool.py``): every registered
-        sequence then holds one, taken at registration and fork, given back by ``free``."""
+        sequence then holds one, taken at registration and fork, given back by ``free``; ``num_state_snapshots``:
+        the states its prefix cache keeps (a hit on a hybrid model's prefix needs one: ``state_pool.py``)."""
         if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block_size: must be an integer >= 1, got {block_size!r}")
         if type(num_blocks) is not int or num_blocks < 1:
@@ -85,7 +86,8 @@ class BlockManager:
         self.watermark = float(watermark)
         self.watermark_blocks = int(watermark * num_blocks)
         self.pool = BlockPool(num_blocks)
-        self.states = StatePool(num_state_slots) if num_state_slots else None
+        self.states = StatePool(num_state_slots, num_state_snapshots if enable_prefix_caching else 0) \
+            if num_state_slots else None
         self.pins = SessionPins(self.pool, pin_budget, pin_ttl_s) if pin_budget and enable_prefix_caching else None
         self.tier = OffloadTier(tier_slots) if tier_slots and enable_prefix_caching else None
         self._saves: list[tuple[int, int]] = []           # (block, slot) for the next plan
@@ -121,6 +123,19 @@ class BlockManager:
             key = pool.key_of(block_id)  # the canonical object: later equality checks stop at it
             blocks.append(block_id)
         return blocks, key
+
+    def _reusable_prefix(self, token_ids: Sequence[int], root: BlockKey | None = None
+                         ) -> tuple[list[int], BlockKey | None, int]:
+        """``_cached_prefix`` as a new sequence may attach it, and how many blocks the cache holds: with a state
+        pool (a hybrid model) the run is cut back to its deepest block that has a state snapshot, since the
+        sequence must start its linear layers from the state at that point (``state_pool.py``)."""
+        blocks, key = self._cached_prefix(token_ids, root)
+        num_cached = len(blocks)
+        if self.states is not None:
+            while blocks and not self.states.has_snapshot(key):
+                blocks.pop()
+                key = self.pool.key_of(blocks[-1]) if blocks else root
+        return blocks, key, num_cached
 
     def cached_prefix_hashes(self, limit: int) -> list[int]:
         """Hashes of at most ``limit`` cached full-block keys (referenced blocks first, then the last to
@@ -171,14 +186,16 @@ class BlockManager:
         return prefixes
 
     def num_cached_prefix_tokens(self, token_ids: Sequence[int], root: BlockKey | None = None) -> int:
-        """Tokens covered by the longest run of cached full blocks (under ``root``), always < len(token_ids)."""
-        return len(self._cached_prefix(token_ids, root)[0]) * self.block_size
+        """Tokens covered by the longest run of cached full blocks (under ``root``) a new sequence may attach
+        (``_reusable_prefix``), always < len(token_ids)."""
+        return len(self._reusable_prefix(token_ids, root)[0]) * self.block_size
 
     # -- admission / growth -----------------------------------------------------------------------
     def _blocks_to_take(self, seq: _SeqBlocks | None, token_ids: Sequence[int], num_new_tokens: int,
                         reuse_cached: bool = True, pending_tokens: int = 0, root: BlockKey | None = None
-                        ) -> tuple[int, list[int], BlockKey | None]:
-        """(free blocks the call would consume, cached prefix blocks, their last key); validates."""
+                        ) -> tuple[int, list[int], BlockKey | None, int]:
+        """(free blocks the call would consume, cached prefix blocks, their last key, the blocks the cache holds
+        of ``token_ids``: more than those attached when a hybrid's snapshots stop short); validates."""
         _require_count("num_new_tokens", num_new_tokens)
         _require_count("pending_tokens", pending_tokens)
         if seq is None and pending_tokens:
@@ -186,16 +203,16 @@ class BlockManager:
         bs = self.block_size
         if seq is not None:
             total = seq.num_slots + num_new_tokens
-            needed, hit_blocks, last_key = -(-total // bs) - len(seq.table), [], None
+            needed, hit_blocks, last_key, num_cached = -(-total // bs) - len(seq.table), [], None, 0
         else:
-            hit_blocks, last_key = self._cached_prefix(token_ids, root) if reuse_cached else ([], root)
+            hit_blocks, last_key, num_cached = self._reusable_prefix(token_ids, root) if reuse_cached else ([], root, 0)
             total = len(hit_blocks) * bs + num_new_tokens
             revived = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
             needed = -(-total // bs) - len(hit_blocks) + revived
         if len(token_ids) + pending_tokens < total:
             raise ValueError(f"token_ids: {len(token_ids)} tokens given (+ {pending_tokens} pending) but {total} "
                              f"slots would be reserved (num_new_tokens={num_new_tokens})")
-        return max(needed, 0), hit_blocks, last_key
+        return max(needed, 0), hit_blocks, last_key, num_cached
 
     def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
                      reuse_cached: bool = True, pending_tokens: int = 0, root: BlockKey | None = None) -> bool:
@@ -206,7 +223,7 @@ class BlockManager:
         seq = self._seqs.get(seq_id)
         if seq is None and self.states is not None and not self.states.num_free:
             return False
-        needed, _, _ = self._blocks_to_take(seq, token_ids, num_new_tokens, reuse_cached, pending_tokens, root)
+        needed = self._blocks_to_take(seq, token_ids, num_new_tokens, reuse_cached, pending_tokens, root)[0]
         reserve = 0 if seq is not None else self.watermark_blocks
         return self.pool.num_free_blocks - needed >= reserve
 
@@ -270,8 +287,8 @@ class BlockManager:
 
     def _register(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
                   reuse_cached: bool, pending_tokens: int = 0, root: BlockKey | None = None) -> Allocation:
-        needed, hit_blocks, last_key = self._blocks_to_take(None, token_ids, num_new_tokens, reuse_cached,
-                                                            pending_tokens, root)
+        needed, hit_blocks, last_key, num_cached = self._blocks_to_take(None, token_ids, num_new_tokens, reuse_cached,
+                                                                        pending_tokens, root)
         pool = self.pool
         if needed > pool.num_free_blocks:
             raise CannotAllocateError(needed, pool.num_free_blocks, f"registering sequence {seq_id!r}")
@@ -292,7 +309,13 @@ class BlockManager:
                 self._count_hit(last_key)
         if total >= next_hash_at:
             self._hash_full_blocks(seq, token_ids)
-        return Allocation(num_hit * bs, list(table))
+        if self.states is None or not self.states.num_snapshots:
+            return Allocation(num_hit * bs, list(table))
+        # a hybrid model: its seat starts from the hit's snapshot; it takes snapshots where its prompt leaves the
+        # cached blocks (a branch point of prompts sharing them) and at the end of its last full block
+        source = self.states.snapshot_of(last_key) if num_hit else -1
+        points = sorted({p for p in (num_cached * bs, len(token_ids) // bs * bs) if p > num_hit * bs})
+        return Allocation(num_hit * bs, list(table), source, tuple(points))
 
     def _hash_full_blocks(self, seq: _SeqBlocks, token_ids: Sequence[int]) -> None:
         """Key and cache every block of ``seq`` that became full since the last call and whose tokens
@@ -342,6 +365,27 @@ class BlockManager:
         runs at most ``max_num_seqs`` sequences, as many as there are slots, so this is a bug to report."""
         if self.states is not None and not self.states.num_free:
             raise RuntimeError(f"state pool: all {self.states.num_slots} state slots are held (sequence {seq_id!r})")
+
+    def reserve_state_snapshot(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        """A snapshot slot for the state ``seq_id`` reaches after its first ``num_tokens`` tokens (a multiple of
+        the block size, within its hashed blocks), kept under the key of the block they end (``state_pool.py``):
+        the step computing that token writes it. None when that key has one already or every snapshot slot is
+        pending; ValueError for a position that ends no hashed block."""
+        seq = self._get(seq_id)
+        bs = self.block_size
+        if self.states is None or type(num_tokens) is not int or num_tokens % bs \
+                or not 0 < num_tokens // bs <= seq.num_hashed:  # noqa: E721
+            raise ValueError(f"num_tokens: {num_tokens!r} does not end one of the {seq.num_hashed} hashed blocks of "
+                             f"sequence {seq_id!r} (or this block manager keeps no states)")
+        key = seq.last_key
+        for _ in range(seq.num_hashed - num_tokens // bs):
+            key = key.parent
+        return self.states.reserve_snapshot(key)
+
+    def commit_state_snapshots(self) -> None:
+        """The snapshots reserved for earlier plans are written: prefix lookups may use them from now on."""
+        if self.states is not None:
+            self.states.commit_snapshots()
 
     def state_slot(self, seq_id: Hashable) -> int:
         """The sequence's state slot (a hybrid model's; ``state_pool.py``), or -1 without a state pool."""

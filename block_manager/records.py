@@ -16,6 +16,10 @@ class Allocation:
 
     num_cached_tokens: int
     new_block_ids: list[int] = field(default_factory=list)
+    # a hybrid model's registration (state_pool.py): the snapshot slot its seat starts from (-1: from zeros), and
+    # the positions (block ends) at which its prefill takes snapshots for the prefix cache
+    state_source: int = -1
+    snapshot_points: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

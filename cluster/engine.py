@@ -374,6 +374,9 @@ class Engine:
             raise ValueError(f"{what}: blocks move between prefix caches, and enable_prefix_caching is off")
         if self.config.scheduler.speculative_model is not None:
             raise ValueError(f"{what}: not with speculative_model (the draft model's cache does not move)")
+        if self.model_info.hybrid:
+            raise ValueError(f"{what}: not for {self.model_info.architecture} (its recurrent states do not move "
+                             "with the KV blocks: cluster/hybrid.py)")
 
     def _run_transfer(self, transfer: Transfer):
         while not transfer.done and self._dead is None:
@@ -395,7 +398,8 @@ class Engine:
         return BlockManager(cache.block_size, num_blocks, enable_prefix_caching=cache.enable_prefix_caching,
                             watermark=cache.watermark, pin_budget=int(cache.kv_pin_max_fraction * num_blocks),
                             pin_ttl_s=cache.kv_pin_ttl_s, tier_slots=getattr(self.executor, "num_tier_slots", 0),
-                            num_state_slots=self.config.scheduler.max_num_seqs if self.model_info.hybrid else 0)
+                            num_state_slots=self.config.scheduler.max_num_seqs if self.model_info.hybrid else 0,
+                            num_state_snapshots=cache.num_state_snapshots if self.model_info.hybrid else 0)
 
     def fail(self, exc: BaseException) -> list[RequestOutput]:
         """Marks the engine dead and ends every in-flight request with "error" (blocks freed); returns

@@ -1,15 +1,20 @@
 """What a hybrid model (linear-attention layers with a per-sequence recurrent state: Qwen3.5 / 3.6) changes in an
 engine's configuration, settled once before any rank starts.
 
-- Prefix caching is switched off, with a log line saying so: a cached block holds K/V, not the recurrent state
-  the linear layers reached at that position, so a prefix hit would skip tokens whose state is nowhere. (Storing
-  states at block boundaries, as vLLM's hybrid prefix caching does, is not built.) Without it, moving KV between
-  replicas (exports, imports, rebalancing, disaggregation) has nothing to move and falls back to recomputing.
+- Prefix caching keeps recurrent-state snapshots beside the KV blocks (``hybrid_prefix_states`` of them; a
+  cached block holds K/V, not the state the linear layers reached at that position). A sequence takes a
+  snapshot, inside its prefill step, at the end of its prompt's last full block and where its prompt leaves the
+  KV blocks already cached (the point other prompts sharing that prefix branch off); a later prompt reuses the
+  deepest cached block that has a snapshot, its seat's state copied from it (block_manager/state_pool.py).
+  A log line says how many snapshots are kept. With ``hybrid_prefix_states`` 0, prefix caching is switched off
+  (also said in a log line).
+- Moving KV between replicas (exports, imports, peer pulls, rebalancing, disaggregation) would move blocks without
+  their states: peer pulls are switched off, and exports are refused (continuations recompute).
 - Refused, with a ValueError naming the option: speculative decoding (a rejected draft would have advanced the
-  state), the second KV tier (``kv_offload_gib``: it holds cached prefix blocks, and there are none) and LoRA
-  (adapters are not wired into the linear-attention layers).
-- The block manager gets a state pool of ``max_num_seqs`` slots (``block_manager/state_pool.py``), the same
-  number the ranks allocate (``Worker``).
+  state), the second KV tier (``kv_offload_gib``: its blocks come back without states) and LoRA (adapters are not
+  wired into the linear-attention layers).
+- The block manager gets a state pool of ``max_num_seqs`` seats plus the snapshots (``state_pool.py``), the same
+  number of slots every rank allocates (``Worker``).
 """
 
 from __future__ import annotations
@@ -29,12 +34,16 @@ def settle_hybrid_config(config: EngineConfig, architecture: str) -> EngineConfi
         raise ValueError(f"num_speculative_tokens: speculative decoding is not supported for {architecture} (its "
                          "linear-attention state cannot take back rejected drafts)")
     if cache.kv_offload_gib:
-        raise ValueError(f"kv_offload_gib: the second KV tier holds prefix-cache blocks, and {architecture} runs "
-                         "without prefix caching")
+        raise ValueError(f"kv_offload_gib: the second KV tier would bring back blocks without the recurrent states "
+                         f"{architecture} needs with them")
     if model.enable_lora:
         raise ValueError(f"enable_lora: LoRA adapters are not supported for {architecture}")
-    if cache.enable_prefix_caching:
-        log.info("prefix caching is off for %s: its linear-attention layers keep a recurrent state per sequence "
-                 "that cached KV blocks do not hold", architecture)
-        config = replace(config, cache=replace(cache, enable_prefix_caching=False))
-    return config
+    if not cache.enable_prefix_caching:
+        return replace(config, cache=replace(cache, kv_peer_pull=False))
+    if not cache.hybrid_prefix_states:
+        log.info("prefix caching is off for %s: hybrid_prefix_states is 0, and its linear-attention layers keep a "
+                 "recurrent state per sequence that cached KV blocks do not hold", architecture)
+        return replace(config, cache=replace(cache, enable_prefix_caching=False, kv_peer_pull=False))
+    log.info("prefix caching for %s keeps %d recurrent-state snapshots (hybrid_prefix_states): a prefix hit resumes "
+             "from the deepest cached block that has one", architecture, cache.hybrid_prefix_states)
+    return replace(config, cache=replace(cache, kv_peer_pull=False))

@@ -52,7 +52,7 @@ class PlanBuilder:
     def build(self, out: SchedulerOutput) -> StepPlan:
         released = [seq_id for seq_id in out.released_seq_ids if self._known.pop(seq_id, None) is not None]
         plan = StepPlan(step_id=out.step_id, released_seq_ids=released, block_copies=list(out.block_copies),
-                        state_copies=list(out.state_copies),
+                        state_copies=list(out.state_copies), state_snapshots=list(out.state_snapshots),
                         lora_loads=list(out.lora_loads), lora_reads=list(out.lora_reads),
                         lora_drops=list(out.lora_drops), kv_saves=list(out.kv_saves), kv_loads=list(out.kv_loads))
         for seq_id, kept in out.kept_blocks.items():       # told with the sequence's next delta

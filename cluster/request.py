@@ -71,6 +71,9 @@ class Sequence:
     num_pending: int = 0             # tokens those steps sample (ids not known yet)
     kv_blocks: int = 0               # KV blocks it held at ``kv_since`` (the scheduler's ``_kv_mark``)
     kv_since: float = 0.0
+    # a hybrid model's prefill: the positions (block ends) still to take a prefix-cache state snapshot at, from
+    # its registration (``Allocation.snapshot_points``; block_manager/state_pool.py)
+    snapshot_points: tuple[int, ...] = ()
     # the OutputBuilder's cursor: output tokens streamed so far (from ``num_resumed``), and whether the
     # finish was streamed
     num_streamed: int = field(init=False)

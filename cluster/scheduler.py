@@ -196,6 +196,7 @@ class Scheduler(FairSteps):
                               block_copies=self._block_copies, kept_blocks=self._kept_blocks)
         self._released, self._block_copies, self._kept_blocks = [], [], {}
         self._next_step_id += 1
+        self.block_manager.commit_state_snapshots()    # written by the plans before this one
         if self.block_manager.pins is not None:
             self.block_manager.expire_pins(self.clock())
         self._fork_ready_parents(out)
@@ -338,15 +339,27 @@ class Scheduler(FairSteps):
             return {}
         return dict(zip(wanted, self.proposer.propose_batch(requests)))
 
-    @staticmethod
-    def _schedule_tokens(seq: Sequence, num: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
+    def _schedule_tokens(self, seq: Sequence, num: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
         """Adds ``num`` tokens of ``seq`` (slots already reserved; the last ``len(drafts)`` are drafts) to
-        the step."""
+        the step, with the state snapshots its tokens reach (a hybrid model's prefill)."""
         start = seq.num_scheduled_through
         samples = start + num - len(drafts) == seq.num_tokens + seq.num_pending
         seq.num_in_flight += num
         seq.num_pending += samples
         out.scheduled.append(ScheduledSequence(seq, num, start, samples, seq.num_preemptions, tuple(drafts)))
+        if seq.snapshot_points:
+            self._take_snapshots(seq, start + num - len(drafts), out)
+
+    def _take_snapshots(self, seq: Sequence, end: int, out: SchedulerOutput) -> None:
+        """The state snapshots at ``seq``'s points up to ``end`` (its tokens computed through this step): each
+        one the block manager has a slot for is written by this step's forward (block_manager/state_pool.py)."""
+        bm = self.block_manager
+        for point in seq.snapshot_points:
+            if point <= end:
+                slot = bm.reserve_state_snapshot(seq.seq_id, point)
+                if slot is not None:
+                    out.state_snapshots.append((bm.state_slot(seq.seq_id), point, slot))
+        seq.snapshot_points = tuple(p for p in seq.snapshot_points if p > end)
 
     def _reserve(self, seq: Sequence, num: int, out: SchedulerOutput,
                  num_drafts: int = 0) -> bool:
@@ -510,6 +523,9 @@ class Scheduler(FairSteps):
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = allocation.num_cached_tokens
+        seq.snapshot_points = allocation.snapshot_points
+        if allocation.state_source >= 0:     # a hybrid's prefix hit: its seat starts from the snapshot there
+            out.state_copies.append((allocation.state_source, bm.state_slot(seq.seq_id)))
         if seq.index == 0 and seq.num_preemptions == 0:
             seq.request.num_cached_prompt_tokens = allocation.num_cached_tokens
             seq.request.queue_time_s = time.monotonic() - seq.request.added_at

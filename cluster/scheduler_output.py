@@ -38,7 +38,11 @@ class SchedulerOutput:
     # copy-on-write block copies (src, dst) from forks made for this step (and speculative rollbacks since
     # the previous one)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    state_copies: list[tuple[int, int]] = field(default_factory=list)   # (parent, child) state slots at a fork
+    # (src, dst) state slots, before the forward: a fork's (parent, child), a hybrid prefix hit's (snapshot, seat)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (seat, position, snapshot slot): the state a sequence reaches after its first ``position`` tokens, written
+    # during this step's forward (a hybrid model's prefix cache: block_manager/state_pool.py)
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     # speculative rollbacks since the previous output: seq_id -> how many of its blocks (from the start of its
     # table) are unchanged since the workers last saw it; the rest were given back or copied
     kept_blocks: dict[int, int] = field(default_factory=dict)

@@ -89,3 +89,39 @@ def gated_delta_varlen(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor
             out[start:end] = chunked_reference(q[start:end], k[start:end], v[start:end], g[start:end],
                                                beta[start:end], state, CHUNK_SIZE)
     return out
+
+
+def gated_delta_spans(q, k, v, g, beta, pool: torch.Tensor, spans: list[tuple], *,
+                      use_triton: bool | None = None) -> torch.Tensor:
+    """``gated_delta_varlen`` for a step whose sequences are given on the host as ``spans``: per sequence
+    ``(start, end, slot, fresh, cuts)``, its tokens ``[start, end)`` run from ``pool[slot]`` (from zeros when
+    ``fresh``), and for each ``(offset, target)`` of ``cuts`` (offsets ascending, ``0 < offset <= end - start``)
+    ``pool[target]`` takes the state after its first ``offset`` tokens of the step (a hybrid model's prefix-cache
+    snapshot) -> out [T, H, Dv] float32. Runs in phases: phase j runs every sequence's j-th piece between its cuts
+    in one ``gated_delta_varlen`` call, then copies the states the cuts ending those pieces want."""
+    for start, end, _, _, cuts in spans:
+        offsets = [offset for offset, _ in cuts]
+        if offsets != sorted(set(offsets)) or (offsets and not 0 < offsets[0] <= offsets[-1] <= end - start):
+            raise ValueError(f"spans: cuts {cuts} of the sequence at [{start}, {end}) are not ascending offsets in "
+                             f"(0, {end - start}]")
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    pieces = []                  # per sequence: [(first token, end token, snapshot slot after it or None), ...]
+    for start, end, _, _, cuts in spans:
+        bounds = [start] + [start + offset for offset, _ in cuts] + [end]
+        pieces.append([(a, b, cuts[j][1] if j < len(cuts) else None)
+                       for j, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+    device = q.device
+    for phase in range(max((len(p) for p in pieces), default=0)):
+        rows = [(span, p[phase]) for span, p in zip(spans, pieces) if phase < len(p) and p[phase][1] > p[phase][0]]
+        if rows:
+            index = torch.cat([torch.arange(a, b, device=device) for _, (a, b, _) in rows])        # [tokens]
+            lengths = torch.tensor([0] + [b - a for _, (a, b, _) in rows], device=device)
+            cu = lengths.cumsum(0).to(torch.int32)
+            slots = torch.tensor([span[2] for span, _ in rows], dtype=torch.int64, device=device)
+            fresh = torch.tensor([span[3] and phase == 0 for span, _ in rows], dtype=torch.bool, device=device)
+            out[index] = gated_delta_varlen(q[index], k[index], v[index], g[index].contiguous(),
+                                            beta[index].contiguous(), pool, slots, cu, fresh, use_triton=use_triton)
+        for span, p in zip(spans, pieces):
+            if phase < len(p) and p[phase][2] is not None:
+                pool[p[phase][2]].copy_(pool[span[2]])
+    return out

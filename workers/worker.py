@@ -93,10 +93,11 @@ class Worker:
         if config.scheduler.speculative_model is not None:
             self.drafter = DraftModel(config.scheduler.speculative_model, config, self.model,
                                       self.tp, self.dtype, self.device, self.max_model_len)
-        # a hybrid model: its linear layers' state pool, one slot per sequence the scheduler may run (the engine's
-        # block manager hands out the same number: cluster/hybrid.py), allocated before the KV cache is sized
-        self.state_bytes = (self.model.allocate_states(config.scheduler.max_num_seqs)
-                            if hasattr(self.model, "allocate_states") else 0)
+        # a hybrid model: its linear layers' state pool, one slot per sequence the scheduler may run and one per
+        # prefix-cache snapshot (the engine's block manager hands out the same slots: cluster/hybrid.py), allocated
+        # before the KV cache is sized
+        num_states = config.scheduler.max_num_seqs + config.cache.num_state_snapshots
+        self.state_bytes = self.model.allocate_states(num_states) if hasattr(self.model, "allocate_states") else 0
         self.kv_spec = kv_cache_spec(self.model, config.cache.block_size,
                                      kv_quant.cache_dtype(config.cache.kv_cache_dtype, self.dtype))
         self.sampler = (Sampler(seed=config.seed, eos_token_ids=model_info(model_path).eos_token_ids)

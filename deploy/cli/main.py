@@ -254,7 +254,9 @@ def _note_hybrid(model: str) -> None:
         return          # the replica reports what is wrong with the folder, with its own exception
     if info.hybrid:
         print(f"note: {info.architecture} keeps a recurrent state per sequence in {info.num_linear_layers} of its "
-              f"{info.num_hidden_layers} layers: prefix caching is off for it", flush=True)
+              f"{info.num_hidden_layers} layers: a prefix-cache hit needs a snapshot of that state "
+              "(--hybrid-prefix-states of them per replica); speculative decoding, LoRA, the second KV tier and KV "
+              "moves between replicas are off for it", flush=True)
 
 
 def run_serve(ns: argparse.Namespace) -> int:

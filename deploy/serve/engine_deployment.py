@@ -101,7 +101,8 @@ class EngineDeployment(ServedEngine):
         self._prefix_summary_blocks = prefix_summary_blocks
         self._rebalancer: Rebalancer | None = None
         self._rebalancing: asyncio.Task | None = None
-        pull = config.cache.kv_peer_pull and prefix_summary_blocks and config.cache.enable_prefix_caching
+        cache = self._engine.config.cache     # as the engine settled it (a hybrid pulls nothing: cluster/hybrid.py)
+        pull = cache.kv_peer_pull and prefix_summary_blocks and cache.enable_prefix_caching
         if pull or (rebalance_threshold and prefix_summary_blocks):
             peers = own_deployment()      # the cache-aware router's summaries say who holds what, and their loads
             if pull:

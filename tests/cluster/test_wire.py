@@ -49,6 +49,18 @@ def test_state_slots_and_copies_round_trip_and_malformed_copies_are_refused():
         decode_plan(msgpack.packb(obj))
 
 
+def test_state_snapshots_round_trip_and_malformed_ones_are_refused():
+    plan = _plan()
+    plan.state_snapshots = [(5, 16, 9), (2, 8, 10)]
+    assert decode_plan(encode_plan(plan)).state_snapshots == [(5, 16, 9), (2, 8, 10)]
+    assert decode_plan(encode_plan(_plan())).state_snapshots == []         # absent on the wire: none
+    for bad in ([[1, 2]], [[1, 2, "x"]], [7]):
+        obj = msgpack.unpackb(encode_plan(plan))
+        obj["state_snapshots"] = bad
+        with pytest.raises(WireError, match="state_snapshots"):
+            decode_plan(msgpack.packb(obj))
+
+
 def test_plan_round_trip_is_exact():
     plan = _plan()
     decoded = decode_plan(encode_plan(plan))

@@ -538,12 +538,12 @@ def test_the_cli_takes_several_models_as_repeated_model_flags():
     assert cli.serve_args(cli.build_parser().parse_args(["serve", "--model", "/a"])) == {"model": "/a"}
 
 
-def test_serve_says_on_the_terminal_that_a_hybrid_model_runs_without_prefix_caching(tiny_model_path, capsys):
+def test_serve_says_on_the_terminal_what_a_hybrid_model_changes(tiny_model_path, capsys):
     from pagedray.deploy.cli.main import _note_hybrid
 
     _note_hybrid(tiny_model_path("qwen3.5"))
-    assert "Qwen3_5ForCausalLM keeps a recurrent state per sequence in 3 of its 4 layers: prefix caching is off" \
-        in capsys.readouterr().out
+    assert "Qwen3_5ForCausalLM keeps a recurrent state per sequence in 3 of its 4 layers: a prefix-cache hit needs " \
+        "a snapshot of that state (--hybrid-prefix-states" in capsys.readouterr().out
     _note_hybrid(tiny_model_path("qwen3"))
     _note_hybrid("/no/such/folder")               # the replica reports a bad folder, not this note
     assert capsys.readouterr().out == ""

@@ -40,6 +40,7 @@ NON_DEFAULTS = {"model": "/models/x", "tokenizer": "/tok", "dtype": "float16", "
                 "cpu_gemm": "onednn",
                 "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5,
                 "speculative_model": "/models/draft", "max_prefill_tokens": 96, "warm_prefix_tokens": 0,
+                "hybrid_prefix_states": 3,
                 "kv_pin_ttl_s": 60.0,
                 "kv_pin_max_fraction": 0.25, "kv_peer_pull": False, "task": "embed", "pooling_type": "mean",
                 "embed_normalize": False}

@@ -30,8 +30,11 @@ def local_driver(model_path: str, num_blocks: int = 64, block_size: int = 8, tok
     worker = Worker(engine_config(model_path, num_blocks=num_blocks, block_size=block_size,
                                   kv_cache_dtype=kv_cache_dtype, **model_kwargs))
     worker.init_kv_cache(worker.available_kv_blocks())
+    # state slots only for a hybrid model: with them the block manager's prefix hits need state snapshots, which
+    # this driver does not take (the engine's scheduler does: tests/cluster/test_hybrid_prefix_cache.py)
+    slots = 16 if hasattr(worker.model, "allocate_states") else 0
     driver = PlanDriver(worker.execute, block_size, num_blocks, token_budget=token_budget, max_chunk=max_chunk,
-                        enable_prefix_caching=enable_prefix_caching)
+                        enable_prefix_caching=enable_prefix_caching, num_state_slots=slots)
     return worker, driver
 
 

@@ -139,3 +139,39 @@ def test_varlen_refuses_a_bad_slot_tensor_naming_it():
     with pytest.raises(ValueError, match="slots"):
         gated_delta_varlen(q, k, v, g, beta, torch.zeros(3, H, DK, DV), torch.tensor([0, 1], dtype=torch.int32),
                            torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([False, False]))
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_spans_with_cuts_snapshot_the_state_partway_and_finish_like_varlen(use_triton):
+    """gated_delta_spans (Triton under the interpreter, and the references): a sequence cut twice (a snapshot
+    mid-chunk and one at its last token), a fresh one cut once over a garbage slot, one without cuts; each cut's
+    slot holds the float64 loop's state after that many tokens, outputs and final states are the uncut run's, and
+    slots nobody names are untouched."""
+    from pagedray.kernels.gated_delta import gated_delta_spans
+
+    gen = torch.Generator().manual_seed(33 + use_triton)
+    q, k, v, g, beta = _inputs(gen, 20)
+    pool = torch.randn(9, H, DK, DV, generator=gen)
+    before = pool.clone()
+    spans = [(0, 9, 1, False, ((4, 6), (9, 7))), (9, 16, 0, True, ((3, 8),)), (16, 20, 2, False, ())]
+    out = gated_delta_spans(q, k, v, g, beta, pool, spans, use_triton=use_triton)
+    for start, end, slot, fresh, cuts in spans:
+        first = torch.zeros(H, DK, DV) if fresh else before[slot].clone()
+        want_out, want_state = _float64_loop(*(x[start:end] for x in (q, k, v, g, beta)), first)
+        torch.testing.assert_close(out[start:end].double(), want_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[slot].double(), want_state, rtol=1e-4, atol=1e-4)
+        for offset, target in cuts:
+            _, at_cut = _float64_loop(*(x[start:start + offset] for x in (q, k, v, g, beta)), first)
+            torch.testing.assert_close(pool[target].double(), at_cut, rtol=1e-4, atol=1e-4)
+            assert (at_cut - want_state).abs().max() > 1e-2 or offset == end - start   # a wrong cut would show
+    for slot in (3, 4, 5):
+        assert torch.equal(pool[slot], before[slot])
+
+
+def test_spans_refuse_cuts_out_of_order_or_outside_the_tokens():
+    from pagedray.kernels.gated_delta import gated_delta_spans
+
+    q, k, v, g, beta = _inputs(torch.Generator().manual_seed(2), 6)
+    for cuts in (((4, 3), (2, 4)), ((0, 3),), ((7, 3),)):
+        with pytest.raises(ValueError, match="spans: cuts"):
+            gated_delta_spans(q, k, v, g, beta, torch.zeros(5, H, DK, DV), [(0, 6, 0, True, cuts)])

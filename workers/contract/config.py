@@ -155,6 +155,10 @@ class CacheConfig:
                                         "reaches it again; 0: off")
     kv_offload_path: str | None = option(None, "second KV tier: the folder of its files (one sub-folder per rank; "
                                                "default: a temporary folder, removed at shutdown)")
+    hybrid_prefix_states: int = option(16, "hybrid models (Qwen3.5 / 3.6): recurrent-state snapshots the prefix "
+                                           "cache keeps, each the state of its linear-attention layers at the end "
+                                           "of a cached prompt block (a prefix hit needs one; each costs one "
+                                           "sequence's state memory per rank); 0: prefix caching off for them")
     warm_prefix_tokens: int = option(8192, "prefix-cache warm-up, in tokens of the most reused prefixes: a new "
                                            "engine replica prefills a running one's before taking traffic, a "
                                            "rebuilt TP group its own from before (0: off)")
@@ -162,6 +166,12 @@ class CacheConfig:
                                       "cached prefix a peer holds copies the peer's KV blocks instead of "
                                       "computing them, when its measured pull cost beats its measured prefill "
                                       "cost (warm scale-up pulls too)")
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """State snapshots a hybrid model's prefix cache keeps (block_manager/state_pool.py): the engine's block
+        manager hands out this many slots past the seats, and every rank allocates them."""
+        return self.hybrid_prefix_states if self.enable_prefix_caching else 0
 
     def validate(self) -> None:
         _require(self.block_size in BLOCK_SIZES,
@@ -179,6 +189,8 @@ class CacheConfig:
                  f"kv_pin_max_fraction: must be in [0, 1], got {self.kv_pin_max_fraction!r}")
         _require(not isinstance(self.kv_offload_gib, bool) and isinstance(self.kv_offload_gib, (int, float))
                  and self.kv_offload_gib >= 0, f"kv_offload_gib: must be a number >= 0, got {self.kv_offload_gib!r}")
+        _require(type(self.hybrid_prefix_states) is int and self.hybrid_prefix_states >= 0,   # noqa: E721
+                 f"hybrid_prefix_states: must be an integer >= 0, got {self.hybrid_prefix_states!r}")
         _require(type(self.warm_prefix_tokens) is int and self.warm_prefix_tokens >= 0,   # noqa: E721
                  f"warm_prefix_tokens: must be an integer >= 0, got {self.warm_prefix_tokens!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,

@@ -44,8 +44,11 @@ in the cache), ``block_ids`` and the sampling params.
   drop their mirrors (applied before anything else in the plan).
 - ``block_copies``: (src, dst) block pairs to copy in every layer's K and V before the forward
   (copy-on-write at fork/truncate). ``state_copies``: the same for a hybrid model's state slots (a forked
-  sample starts from its parent's recurrent and convolution state); a ``NewSequence``'s ``state_slot`` names
-  the slot its linear-attention layers read and write for as long as it is mirrored.
+  sample starts from its parent's recurrent and convolution state, a prefix hit's seat from the snapshot at
+  the hit); a ``NewSequence``'s ``state_slot`` names the slot its linear-attention layers read and write for as
+  long as it is mirrored. ``state_snapshots``: (seat, position, snapshot slot): during the forward, the state
+  the sequence in that seat reaches after its first ``position`` tokens (one of this step's) is copied to the
+  snapshot slot (a hybrid model's prefix cache).
 - ``lora_loads``: LoRA adapters to copy into slots before the forward, each from the rank's host copy (read
   earlier, off the step: ``lora_reads``); a ``NewSequence``'s ``lora_slot`` names the slot its tokens use for
   as long as it is mirrored (-1: the base model).
@@ -175,6 +178,7 @@ class StepPlan:
     kv_import_shards: list[bytes] = field(default_factory=list)       # per source rank: [imports, its block bytes]
     kv_import_tp: int = 0                                             # the source replica's TP size
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots, before the forward
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)   # (seat, position, slot), during it
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -277,6 +281,8 @@ def encode_plan(plan: StepPlan) -> bytes:
         obj["lora_reads"], obj["lora_drops"] = list(map(vars, plan.lora_reads)), list(map(vars, plan.lora_drops))
     if plan.state_copies:
         obj["state_copies"] = plan.state_copies
+    if plan.state_snapshots:
+        obj["state_snapshots"] = plan.state_snapshots
     return _pack(obj)
 
 
@@ -305,6 +311,7 @@ def decode_plan(data: bytes) -> StepPlan:
             kv_import_shards=_byte_strings(obj.get("kv_import_shards", []), "kv_import_shards"),
             kv_import_tp=_count(obj.get("kv_import_tp", 0), "kv_import_tp"),
             state_copies=_int_pairs(obj.get("state_copies", []), "state_copies"),
+            state_snapshots=_int_triples(obj.get("state_snapshots", []), "state_snapshots"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed StepPlan: {exc}") from exc
@@ -321,6 +328,12 @@ def _int_pairs(pairs: list, field_name: str) -> list[tuple[int, int]]:
     if not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(type(v) is int for v in p) for p in pairs):  # noqa: E721
         raise ValueError(f"{field_name}: must be a list of integer pairs")
     return [(p[0], p[1]) for p in pairs]
+
+
+def _int_triples(triples: list, field_name: str) -> list[tuple[int, int, int]]:
+    if not all(isinstance(t, (list, tuple)) and len(t) == 3 and all(type(v) is int for v in t) for t in triples):  # noqa: E721
+        raise ValueError(f"{field_name}: must be a list of integer triples")
+    return [(t[0], t[1], t[2]) for t in triples]
 
 
 def _ints(values: list, field_name: str) -> list[int]:

@@ -36,6 +36,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor    # [seqs, max_blocks] int32 (padded with 0)
     max_query_len: int
     state_slots: torch.Tensor | None = None   # [seqs] int32: hybrid models' state slot per sequence (-1: none)
+    state_snapshots: tuple = ()   # hybrid models: (seat, position, snapshot slot) taken during this forward (wire.py)
 
 
 class PagedAttention(nn.Module):

@@ -12,7 +12,9 @@ says which): the convolution's last ``K - 1`` inputs [C, K - 1] (the layer's dty
 state [Hv, Dk, Dv] (float32). A sequence whose step starts at position 0 starts from zeros (a fresh or a
 recomputed sequence: whatever its slot held before is ignored), so nothing has to clear a slot when it is
 handed out; every other step continues from what the slot holds, which the sequence's own previous step wrote
-(chunked prefill) or its parent's state copied in at a fork (``copy``).
+(chunked prefill), its parent's state copied in at a fork, or a prefix-cache snapshot copied in at a hit
+(``copy``). A step may also copy the state a sequence reaches partway through its tokens to a snapshot slot
+(``StateStep`` cuts: the prefix cache's snapshots, block_manager/state_pool.py).
 
 Steps: a decode-only step (one token per sequence) runs every sequence at once: the states by slot (in
 place when the slots are a range, else a gather and a scatter back), one convolution window and one recurrence
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import fused_triton_path
-from ...kernels.gated_delta import gated_delta_decode, gated_delta_prefill, gated_delta_varlen
+from ...kernels.gated_delta import gated_delta_decode, gated_delta_prefill, gated_delta_spans, gated_delta_varlen
 from ..tp_group import TPGroup
 from ..weights.weight_loader import CheckpointReader, copy_into
 from .linear import ColumnParallelLinear, RowParallelLinear, Segment, empty_param
@@ -70,17 +72,23 @@ class LinearDims:
 class StateStep:
     """Which state slot each sequence of a step uses. ``slots`` [seqs] int64 (the scratch slot for padding
     rows); ``fresh`` [seqs] bool: the sequence's first token this step is position 0; ``spans``: per sequence
-    (first token, end token, slot, fresh) on the host, or None for a decode-only step (then token i is
-    sequence i's). A decode-only step may also know on the host that ``slot_range`` ``(first, end)`` are its
-    slots in order (the states are then read and written in place, no gather) and whether ``any_fresh``
-    (None: not known, as on CUDA, where reading it would sync)."""
+    (first token, end token, slot, fresh, cuts) on the host, or None for a decode-only step (then token i is
+    sequence i's); ``cuts``: ((offset, snapshot slot), ...), ascending: the state after the sequence's first
+    ``offset`` tokens of the step is copied to that slot (a prefix-cache snapshot: StepPlan.state_snapshots).
+    A decode-only step may also know on the host that ``slot_range`` ``(first, end)`` are its slots in order
+    (the states are then read and written in place, no gather) and whether ``any_fresh`` (None: not known, as on
+    CUDA, where reading it would sync)."""
 
     slots: torch.Tensor
     fresh: torch.Tensor
-    spans: list[tuple[int, int, int, bool]] | None
+    spans: list[tuple[int, int, int, bool, tuple[tuple[int, int], ...]]] | None
     slot_range: tuple[int, int] | None = None
     any_fresh: bool | None = None
     cu_seqlens: torch.Tensor | None = None    # [seqs + 1] int32: each sequence's tokens (the Triton path's)
+
+    @property
+    def has_cuts(self) -> bool:
+        return self.spans is not None and any(span[4] for span in self.spans)
 
     def states(self, pool: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """A decode step's rows of ``pool`` [slots + 1, ...] -> (their states, a view of ``pool`` or a gathered
@@ -197,15 +205,20 @@ class GatedDeltaNet(nn.Module):
             step.write_back(conv, past, view)
             return F.silu((window * self.conv_weight).sum(-1))   # one window: a product and a sum, not conv1d
         out = torch.empty_like(qkv)
-        for start, end, slot, fresh in step.spans:
+        window = conv.shape[2]
+        for start, end, slot, fresh, cuts in step.spans:
             past = torch.zeros_like(conv[slot]) if fresh else conv[slot]                    # [C, K - 1]
             seq = torch.cat([past, qkv[start:end].t()], -1)                                 # [C, K - 1 + n]
-            conv[slot] = seq[:, seq.shape[1] - conv.shape[2]:]
+            for offset, target in cuts:                      # the last K - 1 inputs after ``offset`` tokens
+                conv[target] = seq[:, offset:offset + window]
+            conv[slot] = seq[:, seq.shape[1] - window:]
             out[start:end] = F.silu(F.conv1d(seq[None], weight, groups=self.channels)[0].t())
         return out
 
     def _delta_rule(self, q, k, v, g, beta, step: StateStep) -> torch.Tensor:
         recurrent = self.states.recurrent
+        if step.has_cuts:           # prefix-cache snapshots inside a sequence's tokens: in phases between them
+            return gated_delta_spans(q, k, v, g, beta, recurrent, step.spans, use_triton=self.use_triton)
         if self.use_triton:
             return gated_delta_varlen(q, k, v, g, beta, recurrent, step.slots, step.cu_seqlens, step.fresh,
                                       use_triton=True)
@@ -215,7 +228,7 @@ class GatedDeltaNet(nn.Module):
             step.write_back(recurrent, states, view)
             return out
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        for start, end, slot, fresh in step.spans:
+        for start, end, slot, fresh, _ in step.spans:
             state = recurrent[slot]                                                         # a view: updated in place
             if fresh:
                 state.zero_()

@@ -12,9 +12,10 @@ Qwen3's attention with
 
 The MLP is SiLU-gated (dense), or for the MoE models a sparse MoE with a gated shared expert on every layer
 (``layers/moe.py``, experts renormalised). Only the full-attention layers hold KV blocks (``num_kv_layers``);
-the linear layers' state pool (``allocate_states``: one slot per sequence the scheduler may run, plus a
-scratch slot) is allocated next to the weights, before the KV cache is sized. Which slot a sequence uses
-comes with the step (``AttentionMetadata.state_slots``, handed out by the block manager's state pool).
+the linear layers' state pool (``allocate_states``: one slot per sequence the scheduler may run, one per
+prefix-cache snapshot, plus a scratch slot) is allocated next to the weights, before the KV cache is sized. Which
+slot a sequence uses comes with the step (``AttentionMetadata.state_slots``, handed out by the block manager's
+state pool), and so do the snapshots the step takes (``AttentionMetadata.state_snapshots``).
 
 Not supported (refused before any weight is read, naming the field): another ``layer_types`` kind, an
 activation other than SiLU, attention biases. The multimodal checkpoints (``Qwen3_5ForConditionalGeneration``,
@@ -230,8 +231,18 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.num_state_slots = num_slots
         return sum(layer.linear_attn.allocate_states(num_slots).nbytes for layer in self.layers if layer.kind == LINEAR)
 
+    def check_snapshots(self, snapshots: list[tuple[int, int, int]]) -> None:
+        """ValueError unless every (seat, position, snapshot slot) names slots of the pool and a position >= 1
+        (that the seat's sequence computes it this step is checked by the forward)."""
+        for seat, position, target in snapshots:
+            if not (0 <= seat < self.num_state_slots and 0 <= target < self.num_state_slots and position >= 1
+                    and seat != target):
+                raise ValueError(f"state_snapshots: ({seat}, {position}, {target}) names a slot outside "
+                                 f"[0, {self.num_state_slots}), the same slot twice or a position < 1")
+
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        """(src, dst) slot pairs of a fork, in every linear layer (before the step's forward)."""
+        """(src, dst) slot pairs, in order, in every linear layer (before the step's forward): a fork's
+        (parent, child), a prefix hit's (snapshot, seat)."""
         for pair in pairs:
             if not all(0 <= s < self.num_state_slots for s in pair):
                 raise ValueError(f"state_copies: pair {pair} is outside [0, {self.num_state_slots})")
@@ -250,16 +261,36 @@ class Qwen3_5ForCausalLM(nn.Module):
         first = meta.cu_seqlens_q[:-1].long()
         fresh = positions.long()[first] == 0                                                  # [seqs]
         cu_seqlens = meta.cu_seqlens_q
-        if meta.max_query_len == 1 and positions.shape[0] == slots.shape[0]:
+        if meta.max_query_len == 1 and positions.shape[0] == slots.shape[0] and not meta.state_snapshots:
             if slots.is_cuda:                       # no host reads: nothing waits for the GPU here
                 return StateStep(slots, fresh, None, cu_seqlens=cu_seqlens)
             host = slots.tolist()
             ordered = host == list(range(host[0], host[0] + len(host))) if host else False
             return StateStep(slots, fresh, None, (host[0], host[0] + len(host)) if ordered else None,
                              bool(fresh.any()), cu_seqlens)
-        cu = cu_seqlens.tolist()
-        spans = [(a, b, s, f) for a, b, s, f in zip(cu, cu[1:], slots.tolist(), fresh.tolist()) if b > a]
+        cu, host_slots = cu_seqlens.tolist(), slots.tolist()
+        cuts = self._snapshot_cuts(meta.state_snapshots, positions[first].tolist(), cu, host_slots)
+        spans = [(a, b, s, f, cuts.get(i, ())) for i, (a, b, s, f) in enumerate(zip(cu, cu[1:], host_slots,
+                                                                                      fresh.tolist())) if b > a]
         return StateStep(slots, fresh, spans, cu_seqlens=cu_seqlens)
+
+    @staticmethod
+    def _snapshot_cuts(snapshots, first_positions: list[int], cu: list[int], slots: list[int]
+                       ) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Row -> its (offset within the step's tokens, snapshot slot) cuts, ascending, from the plan's
+        (seat, position, snapshot slot) triples; ValueError for a position the seat's row does not compute."""
+        if not snapshots:
+            return {}
+        row_of = {slot: i for i, slot in enumerate(slots) if cu[i + 1] > cu[i]}
+        cuts: dict[int, list[tuple[int, int]]] = {}
+        for seat, position, target in snapshots:
+            row = row_of.get(seat)
+            offset = -1 if row is None else position - first_positions[row]
+            if row is None or not 0 < offset <= cu[row + 1] - cu[row]:
+                raise ValueError(f"state_snapshots: seat {seat} computes no token ending at position {position} in "
+                                 "this step")
+            cuts.setdefault(row, []).append((offset, target))
+        return {row: tuple(sorted(pairs)) for row, pairs in cuts.items()}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

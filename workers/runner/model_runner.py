@@ -20,7 +20,7 @@ Sampling is not done here: ``Worker`` hands ``StepOutput`` to the Sampler on ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -60,6 +60,7 @@ class PreparedStep:
     host: HostBatch                  # checked host inputs (padded to the bucket when ``bucket`` is set)
     bucket: int | None               # decode-graph bucket, or None for the eager forward
     token_slots: np.ndarray | None = None   # [tokens] each token's LoRA slot (-1: none); None without LoRA
+    state_snapshots: tuple[tuple[int, int, int], ...] = ()   # StepPlan.state_snapshots, taken during the forward
 
 
 class ModelRunner:
@@ -95,7 +96,10 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.batch.set(step.token_slots)
             first_row = len(rows.decode_states)
-            output = self.forward(step.host.to_device(self.device), plan_prompt_rows(rows.batch, first_row),
+            inputs = step.host.to_device(self.device)
+            if step.state_snapshots:
+                inputs = replace(inputs, meta=replace(inputs.meta, state_snapshots=step.state_snapshots))
+            output = self.forward(inputs, plan_prompt_rows(rows.batch, first_row),
                                   plan_pool_rows(rows.batch, first_row))
         self.mirror.mark_computed(step.rows)
         return output
@@ -104,8 +108,10 @@ class ModelRunner:
         """Steps 1-3 up to the copy: mirror update, block copies, checked host inputs (None: nothing to run)."""
         check_block_copies(plan.block_copies, self.kv_cache.num_blocks)
         self._load_adapters(plan)
-        if plan.state_copies and not hasattr(self.model, "copy_states"):
-            raise ValueError("state_copies: this model keeps no per-sequence state")
+        if (plan.state_copies or plan.state_snapshots) and not hasattr(self.model, "copy_states"):
+            raise ValueError("state_copies / state_snapshots: this model keeps no per-sequence state")
+        if plan.state_snapshots:
+            self.model.check_snapshots(plan.state_snapshots)
         rows = self.mirror.apply(plan)
         copy_blocks(self.kv_cache, plan.block_copies)
         if plan.state_copies:
@@ -115,7 +121,8 @@ class ModelRunner:
             rows = MirrorStep(batch=self.drafter.propose(rows.as_batch()))
         if not rows:
             return None
-        bucket = None if self.decode_graphs is None else self.decode_graphs.bucket_for(rows)
+        graphs = self.decode_graphs is not None and not plan.state_snapshots
+        bucket = self.decode_graphs.bucket_for(rows) if graphs else None
         if bucket is not None:
             host = self.decode_graphs.host_batch(rows, bucket, self.mirror.table_rows.tables)
         elif rows.batch:
@@ -124,7 +131,8 @@ class ModelRunner:
             host = build_decode_host_batch(rows.decode_states, self.mirror.table_rows.tables, self.block_size,
                                            pin_memory=self.device.type == "cuda")
         self.check_host_metadata(host)
-        return PreparedStep(rows, host, bucket, self._token_slots(rows, host) if self.lora is not None else None)
+        return PreparedStep(rows, host, bucket, self._token_slots(rows, host) if self.lora is not None else None,
+                            tuple(plan.state_snapshots))
 
     def _load_adapters(self, plan: StepPlan) -> None:
         """The plan's LoRA loads, after checking every slot it names (ValueError, nothing loaded); then its
