@@ -19,7 +19,8 @@ After the generation prompt ``<|start|>assistant`` the model writes messages::
 - What a message is (``message_kind``): a recipient ``functions.NAME`` makes it a call (its body is the
   arguments, a JSON object); otherwise the ``analysis`` channel is reasoning; everything else (``final``,
   ``commentary`` without a recipient, any other channel or recipient) is content. Text outside any message
-  (an output the grammar of ``response_format`` forced, which starts without a header) is content.
+  (a model that skipped its header) is content. A grammar (``response_format``, a required tool choice)
+  constrains the final message's body (reasoning.py's ``grammar_after_reasoning``).
 
 Two readers use this: reasoning.py's ``HarmonySplitter`` (analysis -> ``reasoning_content``) and the
 ``harmony`` tool-call parser, whose states are ``HarmonyCalls`` below (a part of tool_parsers.py's

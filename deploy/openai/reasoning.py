@@ -46,8 +46,11 @@ keeps them for any request, with tools or not):
   the reasoning's reaches the content as written, markers and headers included, so that the tool parser
   (tool_parsers.py) reads the calls and the ``final`` text from it; the reasoning is split as above.
 - Reasoning tokens: as with tags (the tokens of the deltas read while in an analysis message).
-- Grammars are not wrapped: the markers are special tokens that a text grammar does not produce, so the
-  grammar holds the whole output (the model answers without channels, read as content).
+- Grammars constrain the ``final`` message's body: the wrapped grammar (``grammar_after_reasoning``) lets the
+  model write any number of whole analysis messages first (free text between their markers, which the
+  grammar names as special tokens), then requires ``<|channel|>final<|message|>`` and the request's grammar; a
+  generation prompt that ends inside an analysis body starts the output in it. The answer reaches the content
+  and the analysis the reasoning, as without a grammar.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from typing import ClassVar
 
 from .harmony import (
     BODY_ENDS,
+    CHANNEL,
+    END,
     HEADER_STARTS,
     MESSAGE,
     START,
@@ -357,13 +362,13 @@ def split_text(text: str, start: ReasoningStart) -> SplitMessage:
 def grammar_after_reasoning(grammar: str, start: ReasoningStart) -> str:
     """``grammar`` (llguidance's JSON form) allowing a reasoning block before it: from an open block,
     any text up to the end tag; otherwise an optional block that opens the output; then optional
-    whitespace and the original grammar (referenced as a named sub-grammar). harmony: ``grammar`` itself
-    (module docstring)."""
-    if isinstance(start.tags, HarmonyChannels):
-        return grammar
+    whitespace and the original grammar (referenced as a named sub-grammar). harmony: whole analysis messages,
+    then the final channel's header and the original grammar as its body (module docstring)."""
     top = json.loads(grammar)               # built by this server (structured_output.py, tools.py)
     grammars = top["grammars"]
     answer = {**grammars[0], "name": ANSWER_GRAMMAR}
+    if isinstance(start.tags, HarmonyChannels):
+        return json.dumps({**top, "grammars": [{"lark_grammar": _harmony_rules(start.opened)}, answer, *grammars[1:]]})
     end = re.escape(start.tags.end).replace("/", "\\/")
     think = f"think[lazy]: /(?s:.*){end}/"
     if start.opened:
@@ -372,3 +377,14 @@ def grammar_after_reasoning(grammar: str, start: ReasoningStart) -> str:
         rules = f"start: (OPEN think WS?)? @{ANSWER_GRAMMAR}\nOPEN: {json.dumps(start.tags.start)}"
     lark = f"{rules}\nWS: /[ \\t\\r\\n]+/\n{think}"
     return json.dumps({**top, "grammars": [{"lark_grammar": lark}, answer, *grammars[1:]]})
+
+
+def _harmony_rules(opened: bool) -> str:
+    """The lark rules of a harmony output whose final body is ``@ANSWER_GRAMMAR``: llguidance reads ``<|...|>``
+    as one special token of the tokenizer, and THINK (any text) cannot contain one, so each analysis body ends at
+    its ``<|end|>``. ``opened``: the output starts inside an analysis body (``prompt_opens``)."""
+    next_message = f'{END} {START} "assistant"'
+    analysis = f'{CHANNEL} "analysis" {MESSAGE} THINK {next_message}'
+    first = f"THINK {next_message} " if opened else ""
+    return (f'start: {first}analysis* {CHANNEL} "final" {MESSAGE} @{ANSWER_GRAMMAR}\n'
+            f"analysis: {analysis}\nTHINK: /(?s:.*)/")

@@ -368,14 +368,54 @@ def test_harmony_reasoning_and_tool_calls_together():
             assert _reason_then_parse(pieces) == whole, (text, pieces)
 
 
-def test_harmony_prompt_opens_and_grammar_is_not_wrapped():
+def test_harmony_prompt_opens():
     assert not HARMONY.prompt_opens("<|start|>user<|message|>hi<|end|><|start|>assistant")
     assert HARMONY.prompt_opens("<|start|>assistant<|channel|>analysis<|message|>")
     assert not HARMONY.prompt_opens("<|start|>assistant<|channel|>final<|message|>")
     assert not HARMONY.prompt_opens("<|start|>assistant<|channel|>analysis<|message|>x<|end|>")
-    grammar = json.dumps({"grammars": [{"json_schema": {"type": "object"}}]})
-    assert grammar_after_reasoning(grammar, CLOSED) == grammar
     assert HARMONY.keeps_special_tokens and not ThinkTags().keeps_special_tokens
+
+
+SCHEMA_GRAMMAR = json.dumps({"grammars": [{"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                           "required": ["a"], "additionalProperties": False}}]})
+FINAL_JSON = '<|start|>assistant<|channel|>final<|message|>{"a": 4}'
+FINAL_COMPACT = '<|start|>assistant<|channel|>final<|message|>{"a":4}'     # the server's JSON grammars are compact
+
+
+def _harmony_tokenizer(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    return tok
+
+
+def _follows(tok, grammar: str, text: str) -> bool:
+    """Whether llguidance, token by token over ``text`` (markers as special tokens), accepts it as a whole output."""
+    import llguidance.hf
+
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok), grammar, log_level=0)
+    return all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) \
+        and not matcher.is_error() and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("text, follows", [
+    (ANALYSIS + FINAL_JSON, True),                                   # reasoning, then the answer in the final channel
+    (ANALYSIS + "<|start|>assistant" + ANALYSIS + FINAL_JSON, True),  # two analysis messages
+    (FINAL_JSON[len("<|start|>assistant"):], True),                  # straight to the answer
+    ('{"a": 4}', False),                                             # an answer without its channel
+    (ANALYSIS + '<|start|>assistant<|channel|>final<|message|>It is 4.', False),     # not the schema
+    (ANALYSIS + '<|start|>assistant<|channel|>commentary<|message|>{"a": 4}', False),
+    ('<|channel|>analysis<|message|>x' + FINAL_JSON, False),         # a message without its end
+])
+def test_harmony_grammar_constrains_the_final_body_after_free_analysis(tokenizer, text, follows):
+    tok = _harmony_tokenizer(tokenizer)
+    assert _follows(tok, grammar_after_reasoning(SCHEMA_GRAMMAR, CLOSED), text) is follows
+
+
+def test_harmony_grammar_from_a_prompt_that_opens_the_analysis(tokenizer):
+    tok = _harmony_tokenizer(tokenizer)
+    grammar = grammar_after_reasoning(SCHEMA_GRAMMAR, OPEN)
+    assert _follows(tok, grammar, "thinking more.<|end|>" + FINAL_JSON)
+    assert not _follows(tok, grammar, FINAL_JSON[len("<|start|>assistant"):])   # the open body must end first
 
 
 # ---------------------------------------------------------------- detection from the real templates
@@ -418,9 +458,9 @@ MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
 
 
-def _client(tok, text: str):
-    engine = ScriptedEngine(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id],
-                            eos_token_id=tok.eos_token_id)
+def _client(tok, text: str, engine: ScriptedEngine | None = None):
+    engine = engine or ScriptedEngine(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id],
+                                      eos_token_id=tok.eos_token_id)
     limits = ModelLimits("m", frozenset({"m"}), len(tok), 4096)
     return TestClient(create_api(OpenAIService(engine, tok, limits, ServerMetrics("m"))))
 
@@ -455,6 +495,44 @@ def test_gpt_oss_through_the_app_with_and_without_tools(tokenizer):
     assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (reasoning, content) == (
         "The user wants the weather. Call get_weather.", "It is sunny in Oslo.")
     assert calls == [] and choice["finish_reason"] == finish == "stop"
+
+
+def test_gpt_oss_response_format_through_the_app(tokenizer):
+    """A json_schema request to a harmony model: the grammar the engine gets accepts the analysis then the final
+    message (the script), the reasoning stays reasoning and the answer is the content."""
+    tok = _harmony_tokenizer(tokenizer)
+    tok.chat_template = GPT_OSS
+    engine = ScriptedEngine(tok.encode(ANALYSIS + FINAL_COMPACT, add_special_tokens=False) + [tok.eos_token_id],
+                            eos_token_id=tok.eos_token_id)
+    client = _client(tok, "", engine)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"messages": MESSAGES, "max_tokens": 300,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    choice, (reasoning, content, _, finish) = _whole_and_streamed(client, body)
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (reasoning, content) == (
+        "The user wants the weather. Call get_weather.", '{"a":4}')
+    assert choice["finish_reason"] == finish == "stop"
+    grammar = engine.calls[-1][2].grammar
+    assert _follows(tok, grammar, ANALYSIS + FINAL_COMPACT) and not _follows(tok, grammar, '{"a":4}')
+
+
+def test_gpt_oss_required_tool_choice_through_the_app(tokenizer):
+    """A required tool choice on a harmony model: the calls' JSON is the final message's body (the grammar holds
+    it there after free analysis), read as calls; the analysis stays reasoning."""
+    tok = _harmony_tokenizer(tokenizer)
+    tok.chat_template = GPT_OSS
+    final = '<|start|>assistant<|channel|>final<|message|>[{"name":"get_weather","arguments":{"city":"Oslo"}}]'
+    engine = ScriptedEngine(tok.encode(ANALYSIS + final, add_special_tokens=False) + [tok.eos_token_id],
+                            eos_token_id=tok.eos_token_id)
+    client = _client(tok, "", engine)
+    body = {"messages": MESSAGES, "max_tokens": 300, "tools": [WEATHER], "tool_choice": "required"}
+    choice, (reasoning, content, calls, finish) = _whole_and_streamed(client, body)
+    message = choice["message"]
+    assert message["reasoning_content"] == reasoning == "The user wants the weather. Call get_weather."
+    assert [c["function"] for c in message["tool_calls"]] == [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city":"Oslo"}'}]
+    assert not message["content"] and not content and choice["finish_reason"] == finish == "tool_calls"
+    assert _follows(tok, engine.calls[-1][2].grammar, ANALYSIS + final)
 
 
 def test_qwen3_coder_through_the_app(tokenizer):
