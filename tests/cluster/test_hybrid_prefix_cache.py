@@ -12,79 +12,33 @@ and TP=2 on Ray (each rank snapshots and restores its own heads' states)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from helpers.hf_oracle import hf_greedy_each
-from pagedray.cluster import LLM, SamplingParams
-
-BLOCK, NEW = 8, 12
-
-
-def _llm(path: str, async_scheduling: bool, tp: int = 1) -> LLM:
-    return LLM(path, dtype="float32", block_size=BLOCK, num_blocks=64, threads_per_worker=1, tensor_parallel_size=tp,
-               enable_prefix_caching=True, hybrid_prefix_states=4, async_scheduling=async_scheduling)
-
-
-def _one(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
-    result = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)[0]
-    return result.outputs[0].token_ids, result.num_cached_prompt_tokens
+from helpers.hybrid_runs import conversation_and_system_prompt, hybrid_llm
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_conversation_turns_and_a_shared_system_prompt_resume_from_snapshots(tiny_model_path, async_scheduling):
-    _conversation_and_system_prompt(tiny_model_path("qwen3.5"), _llm(tiny_model_path("qwen3.5"), async_scheduling))
+    conversation_and_system_prompt(tiny_model_path("qwen3.5"), hybrid_llm(tiny_model_path("qwen3.5"), async_scheduling))
 
 
 def test_the_same_through_the_triton_delta_rule(tiny_model_path):
     """The CUDA path's delta rule (one Triton launch per phase between cuts) run under the interpreter."""
-    llm = _llm(tiny_model_path("qwen3.5"), False)
+    llm = hybrid_llm(tiny_model_path("qwen3.5"))
     for layer in llm.engine.executor.worker.model.layers:
         if layer.kind == "linear_attention":
             layer.linear_attn.use_triton = True
-    _conversation_and_system_prompt(tiny_model_path("qwen3.5"), llm)
+    conversation_and_system_prompt(tiny_model_path("qwen3.5"), llm)
 
 
 @pytest.mark.integration
 def test_the_same_at_tp2_on_ray(tiny_model_path, ray_session):
-    _conversation_and_system_prompt(tiny_model_path("qwen3.5"), _llm(tiny_model_path("qwen3.5"), False, tp=2))
-
-
-def _conversation_and_system_prompt(path: str, llm: LLM) -> None:
-    rng = random.Random(7)
-    words = lambda n: [rng.randrange(3, 250) for _ in range(n)]   # noqa: E731
-    prompts, outputs, hits = [], [], []
-    try:
-        prompt = words(21)                                # 2 full blocks: a snapshot at 16
-        for _ in range(3):                                # three turns of one conversation
-            tokens, hit = _one(llm, prompt)
-            prompts.append(prompt)
-            outputs.append(tokens)
-            hits.append(hit)
-            prompt = prompt + tokens + words(5)
-        system = words(16)                                # two blocks exactly
-        for _ in range(3):
-            prompt = system + words(11)
-            tokens, hit = _one(llm, prompt)
-            prompts.append(prompt)
-            outputs.append(tokens)
-            hits.append(hit)
-        llm.engine.block_manager.check_invariants()
-        stats = llm.engine.block_manager.stats()
-    finally:
-        llm.shutdown()
-    assert outputs == hf_greedy_each(path, prompts, NEW)
-    # turn 2 (21 + 12 + 5 = 38 tokens) resumes at 16 (turn 1's last full prompt block); turn 3 (55 tokens) at 32
-    # (turn 2's cached KV ends at 32, where its prompt left turn 1's blocks: its branch snapshot). The system
-    # prompt: no hit, no hit (KV cached, no state: it snapshots at 16), then 16.
-    assert hits == [0, 16, 32, 0, 0, 16]
-    assert stats.num_free_state_slots == stats.num_state_slots
+    conversation_and_system_prompt(tiny_model_path("qwen3.5"), hybrid_llm(tiny_model_path("qwen3.5"), tp=2))
 
 
 def test_snapshots_naming_bad_slots_or_positions_are_value_errors(tiny_model_path):
     from pagedray.workers.models.qwen3_5 import Qwen3_5ForCausalLM
 
-    llm = _llm(tiny_model_path("qwen3.5"), False)
+    llm = hybrid_llm(tiny_model_path("qwen3.5"))
     try:
         model = llm.engine.executor.worker.model           # 128 seats + 4 snapshots
         model.check_snapshots([(0, 8, 130)])

@@ -10,6 +10,8 @@ the sampler on the device, against transformers on CPU.
 * CUDA-graph decode (the default on CUDA): the graphs are captured at start-up, decode steps replay
   them (padded to their bucket), and the tokens equal the eager engine's (``enforce_eager``) in fp32
   and bf16, across bucket boundaries, with preemptions and prefix-cache hits in the run.
+* A hybrid model's prefix cache (Qwen3.5: state snapshots, the Triton delta rule split at them): transformers'
+  tokens and the expected hits (helpers/hybrid_runs.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 
 import pytest
 from helpers.hf_oracle import hf_greedy_each
+from helpers.hybrid_runs import conversation_and_system_prompt, hybrid_llm
 from helpers.worker_plans import PlanDriver, log_bucket_runs
 from helpers.worker_setup import engine_config
 from pagedray.cluster import LLM, SamplingParams
@@ -51,6 +54,13 @@ def test_fp32_on_cuda_matches_transformers(kind, tiny_model_path):
     assert worker.device.type == "cuda"
     assert driver.generate(TINY_PROMPTS, NEW_TOKENS) == hf_greedy_each(path, TINY_PROMPTS, NEW_TOKENS)
     assert worker.num_sequences() == 0
+
+
+def test_hybrid_prefix_hits_on_cuda_resume_from_state_snapshots(tiny_model_path):
+    """Qwen3.5 through the engine on CUDA with prefix caching: snapshots taken inside prefill steps (the Triton delta
+    rule in phases between cuts) and copied into seats at hits; transformers' tokens and each hit to the token."""
+    path = tiny_model_path("qwen3.5")
+    conversation_and_system_prompt(path, hybrid_llm(path, device="cuda"))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
