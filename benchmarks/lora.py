@@ -42,18 +42,21 @@ ATTENTION = TARGETS[:4]
 
 
 def module_shapes(config) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each target projection of a Hugging Face decoder config."""
+    """(in, out) features of each target projection of a Hugging Face decoder config (a hybrid's ``layer_types``:
+    its gated q_proj holds a gate row beside each query row)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    hidden, inter = config.hidden_size, config.intermediate_size
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+    gated = 2 if getattr(config, "layer_types", None) and "linear_attention" in config.layer_types else 1
+    hidden = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or config.moe_intermediate_size   # a MoE: one expert's
+    return {"q_proj": (hidden, gated * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
 
 def save_random_adapter(folder, model_path: str, targets, rank: int, alpha: float, seed: int,
                         layers=None, rslora: bool = False, std: float = 0.15) -> str:
-    """A random LoRA adapter of ``model_path``'s model in PEFT's layout (every layer, or ``layers``), saved
-    to ``folder``; returns the folder."""
+    """A random LoRA adapter of ``model_path``'s model in PEFT's layout (every layer, or ``layers``; a hybrid's
+    attention targets in its full-attention layers only), saved to ``folder``; returns the folder."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -62,8 +65,11 @@ def save_random_adapter(folder, model_path: str, targets, rank: int, alpha: floa
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
+    kinds = getattr(config, "layer_types", None)
     for layer in layers if layers is not None else range(config.num_hidden_layers):
         for target in targets:
+            if target in ATTENTION and kinds and kinds[layer] == "linear_attention":
+                continue
             fan_in, fan_out = shapes[target]
             prefix = f"base_model.model.model.layers.{layer}.{'self_attn' if target in ATTENTION else 'mlp'}.{target}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * std

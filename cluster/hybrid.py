@@ -11,8 +11,9 @@ engine's configuration, settled once before any rank starts.
 - Moving KV between replicas (exports, imports, peer pulls, rebalancing, disaggregation) would move blocks without
   their states: peer pulls are switched off, and exports are refused (continuations recompute).
 - Refused, with a ValueError naming the option: speculative decoding (a rejected draft would have advanced the
-  state), the second KV tier (``kv_offload_gib``: its blocks come back without states) and LoRA (adapters are not
-  wired into the linear-attention layers).
+  state) and the second KV tier (``kv_offload_gib``: its blocks come back without states). LoRA adapters adapt the
+  full-attention layers' q/k/v/o and the dense MLPs (workers/lora/model_lora.py); an adapter naming a
+  linear-attention layer's module is refused when it is loaded.
 - The block manager gets a state pool of ``max_num_seqs`` seats plus the snapshots (``state_pool.py``), the same
   number of slots every rank allocates (``Worker``).
 """
@@ -29,15 +30,13 @@ log = logging.getLogger(__name__)
 
 def settle_hybrid_config(config: EngineConfig, architecture: str) -> EngineConfig:
     """``config`` as a hybrid model can run it (module docstring); ValueError naming an option it cannot take."""
-    scheduler, cache, model = config.scheduler, config.cache, config.model
+    scheduler, cache = config.scheduler, config.cache
     if scheduler.num_speculative_tokens or scheduler.speculative_model is not None:
         raise ValueError(f"num_speculative_tokens: speculative decoding is not supported for {architecture} (its "
                          "linear-attention state cannot take back rejected drafts)")
     if cache.kv_offload_gib:
         raise ValueError(f"kv_offload_gib: the second KV tier would bring back blocks without the recurrent states "
                          f"{architecture} needs with them")
-    if model.enable_lora:
-        raise ValueError(f"enable_lora: LoRA adapters are not supported for {architecture}")
     if not cache.enable_prefix_caching:
         return replace(config, cache=replace(cache, kv_peer_pull=False))
     if not cache.hybrid_prefix_states:

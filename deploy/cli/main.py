@@ -255,8 +255,9 @@ def _note_hybrid(model: str) -> None:
     if info.hybrid:
         print(f"note: {info.architecture} keeps a recurrent state per sequence in {info.num_linear_layers} of its "
               f"{info.num_hidden_layers} layers: a prefix-cache hit needs a snapshot of that state "
-              "(--hybrid-prefix-states of them per replica); speculative decoding, LoRA, the second KV tier and KV "
-              "moves between replicas are off for it", flush=True)
+              "(--hybrid-prefix-states of them per replica); speculative decoding, the second KV tier and KV moves "
+              "between replicas are off for it, and LoRA adapters reach its full-attention layers and MLPs only",
+              flush=True)
 
 
 def run_serve(ns: argparse.Namespace) -> int:

@@ -54,8 +54,7 @@ def test_a_dense_model_keeps_prefix_caching_and_has_no_state_pool(tiny_model_pat
         engine.shutdown()
 
 
-@pytest.mark.parametrize("option, value", [("num_speculative_tokens", 2), ("kv_offload_gib", 0.01),
-                                           ("enable_lora", True)])
+@pytest.mark.parametrize("option, value", [("num_speculative_tokens", 2), ("kv_offload_gib", 0.01)])
 def test_options_a_hybrid_cannot_take_are_refused_naming_them(tiny_model_path, option, value):
     config = build_engine_config(tiny_model_path("qwen3.5"), dtype="float32", block_size=8, num_blocks=32,
                                  threads_per_worker=1, **{option: value})

@@ -5,7 +5,9 @@ A folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules`
 [r, in] and ``lora_B.weight`` [out, r]. The adapted weight is ``W + scale * B @ A`` with ``scale =
 lora_alpha / r`` (rsLoRA: ``lora_alpha / sqrt(r)``).
 
-Accepted: targets among q/k/v/o and gate/up/down projections of a dense decoder (``TARGETS``), any rank up
+Accepted: targets among q/k/v/o and gate/up/down projections of a dense decoder (``TARGETS``; a hybrid model's
+q/k/v/o exist in its full-attention layers only, and its gated q_proj holds each head's query and gate rows), any
+rank up
 to the engine's ``max_lora_rank``, no bias (``bias: none``), no DoRA, no ``modules_to_save`` (those change
 weights other than the low-rank pair). Anything else is a ``LoRAError`` (a ValueError) naming the adapter
 and what is wrong, raised before any state changes: ``read_adapter_config`` checks the config and the
@@ -36,20 +38,30 @@ class LoRAError(ValueError):
 
 @dataclass(frozen=True)
 class ModuleShapes:
-    """(in_features, out_features) of each target module of the model, and its layer count."""
+    """(in_features, out_features) of each target module of the model, its layer count, and the layers that have
+    the attention targets (None: every layer; a hybrid model: its full-attention layers)."""
 
     num_layers: int
     shapes: dict[str, tuple[int, int]]
+    attention_layers: frozenset[int] | None = None
 
     @classmethod
     def of_dims(cls, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, num_layers: int,
-                dense_mlp: bool = True) -> ModuleShapes:
-        shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-                  "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden)}
+                dense_mlp: bool = True, gated_query: bool = False, attention_layers=None) -> ModuleShapes:
+        """``gated_query``: q_proj holds a gate row beside each query row (Qwen3.5's gated attention)."""
+        shapes = {"q_proj": (hidden, heads * head_dim * (2 if gated_query else 1)),
+                  "k_proj": (hidden, kv_heads * head_dim), "v_proj": (hidden, kv_heads * head_dim),
+                  "o_proj": (heads * head_dim, hidden)}
         if dense_mlp:
             shapes.update(gate_proj=(hidden, intermediate), up_proj=(hidden, intermediate),
                           down_proj=(intermediate, hidden))
-        return cls(num_layers, shapes)
+        return cls(num_layers, shapes, None if attention_layers is None else frozenset(attention_layers))
+
+    def has(self, layer: int, target: str) -> bool:
+        """Whether layer ``layer`` has module ``target``."""
+        if not 0 <= layer < self.num_layers or target not in self.shapes:
+            return False
+        return target not in ATTENTION_TARGETS or self.attention_layers is None or layer in self.attention_layers
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,9 @@ def _check_shapes(name: str, folder: Path, model: ModuleShapes, rank: int, targe
             raise _fail(name, f"tensor {key!r} adapts {target!r}, which target_modules does not list")
         if not 0 <= layer < model.num_layers:
             raise _fail(name, f"tensor {key!r} names layer {layer}; the model has {model.num_layers}")
+        if not model.has(layer, target):
+            raise _fail(name, f"tensor {key!r} adapts {target!r} of layer {layer}, which has none (a "
+                              "linear-attention layer: only the full-attention layers have q/k/v/o)")
         fan_in, fan_out = model.shapes[target]
         expected = [rank, fan_in] if side == "A" else [fan_out, rank]
         if shape != expected:

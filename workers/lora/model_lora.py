@@ -1,6 +1,8 @@
 """LoRA slots on one rank's model: ``ModelLora.attach`` gives every adaptable linear layer of a dense
-decoder (``models/decoder.py``) its ``LoraLinearSlots``, all sharing one ``LoraBatch``; ``load`` writes an
-adapter into a slot of every layer (sharded like each layer), ``unload`` zeroes it.
+decoder (``models/decoder.py``) or of a hybrid one (``models/qwen3_5.py``: its full-attention layers' projections
+and every dense MLP; the linear-attention layers' projections are not targets) its ``LoraLinearSlots``, all
+sharing one ``LoraBatch``; ``load`` writes an adapter into a slot of every layer (sharded like each layer),
+``unload`` zeroes it.
 
 Reading an adapter's files never holds up a step: the engine orders a read (``start_read``) when a request
 names an adapter the ranks do not hold in host memory; the read runs on this rank's reader thread while steps
@@ -24,6 +26,7 @@ from pagedray.workers.contract.wire import LoraRead
 
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..models.decoder import DecoderAttention, DecoderForCausalLM, DecoderMLP, ModelDims
+from ..models.qwen3_5 import GatedAttention, Qwen3_5ForCausalLM
 from ..models.registry import model_class
 from .adapter import Adapter, LoRAError, ModuleShapes, read_adapter
 from .slots import LoraBatch, LoraLinearSlots
@@ -39,16 +42,18 @@ class ModelLora:
         self.batch = LoraBatch(model.embed_tokens.weight.device, max_loras)
         self.resident: dict[int, str] = {}                   # slot -> adapter name
         self.layers: list[tuple[int, LoraLinearSlots]] = []
-        dims = model.dims
         dense_mlp = all(isinstance(layer.mlp, DecoderMLP) for layer in model.layers)
-        self.shapes = ModuleShapes.of_dims(dims.hidden_size, dims.intermediate_size, dims.num_heads,
-                                           dims.num_kv_heads, dims.head_dim, dims.num_layers, dense_mlp)
+        hybrid = isinstance(model, Qwen3_5ForCausalLM)
+        self.shapes = _shapes(model.dims, dense_mlp, model.kinds if hybrid else None)
         for index, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            if not isinstance(attn, DecoderAttention):
+            attn = getattr(layer, "self_attn", None)
+            if attn is None and hybrid:        # a linear-attention layer: its projections are not targets
+                pass
+            elif isinstance(attn, (GatedAttention if hybrid else DecoderAttention)):
+                self._column(index, attn.qkv_proj, ["q_proj", "k_proj", "v_proj"])
+                self._row(index, attn.o_proj, "o_proj")
+            else:
                 raise ValueError(f"enable_lora: {type(model).__name__} has layers LoRA cannot adapt")
-            self._column(index, attn.qkv_proj, ["q_proj", "k_proj", "v_proj"])
-            self._row(index, attn.o_proj, "o_proj")
             if dense_mlp:
                 self._column(index, layer.mlp.gate_up_proj, ["gate_proj", "up_proj"])
                 self._row(index, layer.mlp.down_proj, "down_proj")
@@ -56,8 +61,9 @@ class ModelLora:
     @classmethod
     def attach(cls, model: torch.nn.Module, max_loras: int, max_rank: int) -> ModelLora:
         """The slots on ``model``'s layers (ValueError naming the model when it has no LoRA support)."""
-        if not isinstance(model, DecoderForCausalLM):
-            raise ValueError(f"enable_lora: {type(model).__name__} has no LoRA support (dense decoders only)")
+        if not isinstance(model, (DecoderForCausalLM, Qwen3_5ForCausalLM)):
+            raise ValueError(f"enable_lora: {type(model).__name__} has no LoRA support (dense decoders and "
+                             "Qwen3.5 hybrids only)")
         lora = cls(model, max_loras, max_rank)
         model.lora = lora
         return lora
@@ -144,9 +150,21 @@ def module_shapes(hf_config, max_model_len: int) -> ModuleShapes:
     """The target modules' shapes of the model ``hf_config`` describes (what the engine checks adapters
     against without loading the model); ValueError when the model has no LoRA support."""
     cls = model_class(hf_config)
+    if issubclass(cls, Qwen3_5ForCausalLM):
+        return _shapes(cls.dims_of(hf_config), not getattr(hf_config, "num_experts", None),
+                       list(hf_config.layer_types))
     if not issubclass(cls, DecoderForCausalLM):
-        raise ValueError(f"enable_lora: {cls.__name__} has no LoRA support (dense decoders only)")
+        raise ValueError(f"enable_lora: {cls.__name__} has no LoRA support (dense decoders and Qwen3.5 hybrids "
+                         "only)")
     spec, dims = cls.arch_spec(hf_config, max_model_len), ModelDims.from_hf(hf_config)
-    dense_mlp = spec.moe is None or not any(spec.moe_layers)
+    return _shapes(dims, spec.moe is None or not any(spec.moe_layers), None)
+
+
+def _shapes(dims: ModelDims, dense_mlp: bool, layer_kinds: list[str] | None) -> ModuleShapes:
+    """``layer_kinds``: a hybrid's layer types (its gated q_proj, and q/k/v/o in its full-attention layers only)."""
+    if layer_kinds is None:
+        return ModuleShapes.of_dims(dims.hidden_size, dims.intermediate_size, dims.num_heads, dims.num_kv_heads,
+                                    dims.head_dim, dims.num_layers, dense_mlp)
+    full = [i for i, kind in enumerate(layer_kinds) if kind == "full_attention"]
     return ModuleShapes.of_dims(dims.hidden_size, dims.intermediate_size, dims.num_heads, dims.num_kv_heads,
-                                dims.head_dim, dims.num_layers, dense_mlp)
+                                dims.head_dim, dims.num_layers, dense_mlp, gated_query=True, attention_layers=full)

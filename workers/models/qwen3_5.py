@@ -176,9 +176,14 @@ class HybridLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    lora = None           # LoRA is not wired for hybrid layers (ModelLora refuses modules it does not know)
+    lora = None           # ModelLora.attach sets it (enable_lora): slots on the full-attention layers and dense MLPs
     cpu_decode = None     # the one-call CPU decode takes plain decoder layers only
     graph_safe = False    # module docstring
+
+    @staticmethod
+    def dims_of(hf_config) -> ModelDims:
+        """The decoder dimensions of ``hf_config`` (a MoE config's intermediate size: its shared expert's)."""
+        return _dims(hf_config)
 
     @classmethod
     def validate_config(cls, hf_config, max_model_len: int, tp_size: int) -> None:
