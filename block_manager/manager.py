@@ -103,6 +103,7 @@ class BlockManager:
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self._prefix_hits: dict[BlockKey, int] = {}   # deepest block a prefix hit reused -> hits (hot_prefixes)
+        self._trailing: dict[Hashable, BlockKey] = {}  # a decoding hybrid sequence's latest state snapshot
 
     # -- prefix lookup ----------------------------------------------------------------------------
     def _cached_prefix(self, token_ids: Sequence[int], root: BlockKey | None = None, whole: bool = False
@@ -366,6 +367,23 @@ class BlockManager:
         if self.states is not None and not self.states.num_free:
             raise RuntimeError(f"state pool: all {self.states.num_slots} state slots are held (sequence {seq_id!r})")
 
+    def trail_state_snapshot(self, seq_id: Hashable, num_tokens: int) -> int | None:
+        """A decode step's snapshot: ``reserve_state_snapshot`` at the block ``num_tokens`` ends, when that block is
+        hashed already (None when its last token is still pending: async scheduling), giving back the sequence's
+        previous trailing snapshot. A finished sequence's last one stays cached, for a conversation's next turn."""
+        seq = self._get(seq_id)
+        if self.states is None or num_tokens % self.block_size or not 0 < num_tokens // self.block_size \
+                <= seq.num_hashed:
+            return None
+        key = self._block_key(seq, num_tokens)
+        slot = self.states.reserve_snapshot(key)
+        if slot is not None:
+            previous = self._trailing.get(seq_id)
+            if previous is not None:
+                self.states.release_snapshot(previous)
+            self._trailing[seq_id] = key
+        return slot
+
     def reserve_state_snapshot(self, seq_id: Hashable, num_tokens: int) -> int | None:
         """A snapshot slot for the state ``seq_id`` reaches after its first ``num_tokens`` tokens (a multiple of
         the block size, within its hashed blocks), kept under the key of the block they end (``state_pool.py``):
@@ -377,10 +395,14 @@ class BlockManager:
                 or not 0 < num_tokens // bs <= seq.num_hashed:  # noqa: E721
             raise ValueError(f"num_tokens: {num_tokens!r} does not end one of the {seq.num_hashed} hashed blocks of "
                              f"sequence {seq_id!r} (or this block manager keeps no states)")
+        return self.states.reserve_snapshot(self._block_key(seq, num_tokens))
+
+    def _block_key(self, seq: _SeqBlocks, num_tokens: int) -> BlockKey:
+        """The key of ``seq``'s hashed block that ends at token ``num_tokens``."""
         key = seq.last_key
-        for _ in range(seq.num_hashed - num_tokens // bs):
+        for _ in range(seq.num_hashed - num_tokens // self.block_size):
             key = key.parent
-        return self.states.reserve_snapshot(key)
+        return key
 
     def commit_state_snapshots(self) -> None:
         """The snapshots reserved for earlier plans are written: prefix lookups may use them from now on."""
@@ -434,6 +456,7 @@ class BlockManager:
         del self._seqs[seq_id]
         if self.states is not None:
             self.states.release(seq_id)
+            self._trailing.pop(seq_id, None)
         release = self.pool.release
         for block_id in reversed(seq.table):
             release(block_id)

@@ -12,8 +12,9 @@ copy of it instead of from zeros (cluster/hybrid.py).
   forward. It stays pending, invisible to lookups, until ``commit_snapshots`` (the next plan): a prompt admitted
   into the same step copies its state before that forward, when the snapshot is not written yet.
 - Committed snapshots are evicted least recently used first (a hit refreshes one); a pending one is never
-  evicted, so a slot is written at most once per step. A snapshot whose KV blocks were evicted is never used
-  (a hit needs the blocks too) and goes with the LRU.
+  evicted, so a slot is written at most once per step. A decoding sequence keeps one trailing snapshot at its last
+  block end (the block manager's ``trail_state_snapshot``): the next one gives the previous back. A snapshot
+  whose KV blocks were evicted is never used (a hit needs the blocks too) and goes with the LRU.
 
 Invariants (``check_invariants``): every seat is free xor held by exactly one sequence; a sequence holds at
 most one seat; ``num_free + len(held) == num_slots``; every snapshot slot is free xor committed xor pending,
@@ -91,6 +92,12 @@ class StatePool:
             return None
         self._pending[key] = slot
         return slot
+
+    def release_snapshot(self, key: Hashable) -> None:
+        """Gives the committed snapshot under ``key`` back (nothing when it was evicted already)."""
+        slot = self._snapshots.pop(key, None)
+        if slot is not None:
+            self._free_snapshots.append(slot)
 
     def commit_snapshots(self) -> None:
         """The pending snapshots were written (their plan ran before any later one): lookups find them now."""

@@ -4,8 +4,9 @@ engine's configuration, settled once before any rank starts.
 - Prefix caching keeps recurrent-state snapshots beside the KV blocks (``hybrid_prefix_states`` of them; a
   cached block holds K/V, not the state the linear layers reached at that position). A sequence takes a
   snapshot, inside its prefill step, at the end of its prompt's last full block and where its prompt leaves the
-  KV blocks already cached (the point other prompts sharing that prefix branch off); a later prompt reuses the
-  deepest cached block that has a snapshot, its seat's state copied from it (block_manager/state_pool.py).
+  KV blocks already cached (the point other prompts sharing that prefix branch off), and one while decoding at
+  its latest block end; a later prompt reuses the deepest cached block that has a snapshot, its seat's state
+  copied from it (block_manager/state_pool.py).
   A log line says how many snapshots are kept. With ``hybrid_prefix_states`` 0, prefix caching is switched off
   (also said in a log line).
 - Moving KV between replicas (exports, imports, peer pulls, rebalancing, disaggregation) would move blocks without

@@ -249,8 +249,13 @@ class Scheduler(FairSteps):
         scheduled for it at once; one with more is returned for step 3, as ``(seq, left)`` in queue order.
         A slot inside the sequence's last block is taken without a block search (``BlockManager.add_slot``),
         the rest through ``_reserve``, which may preempt a later sequence (skipped when reached) or this
-        one. Returns the budget left and the partial prefills."""
-        add_slot, append = self.block_manager.add_slot, out.scheduled.append
+        one. A hybrid model's sequence whose token this step ends a block takes a trailing state snapshot there
+        (``BlockManager.trail_state_snapshot``: a conversation's next turn resumes after this output). Returns the
+        budget left and the partial prefills."""
+        bm = self.block_manager
+        add_slot, append = bm.add_slot, out.scheduled.append
+        trail = bm.trail_state_snapshot if bm.states is not None and bm.states.num_snapshots else None
+        block_size = bm.block_size
         running, max_len = SequenceStatus.RUNNING, self.max_model_len
         prefills = []
         for seq in tuple(self.running):               # a preemption removes its victim from self.running
@@ -276,6 +281,10 @@ class Scheduler(FairSteps):
             seq.num_pending += samples
             append(ScheduledSequence(seq, 1, start, samples, seq.num_preemptions))
             budget -= 1
+            if trail is not None and (start + 1) % block_size == 0:
+                slot = trail(seq.seq_id, start + 1)
+                if slot is not None:
+                    out.state_snapshots.append((bm.state_slot(seq.seq_id), start + 1, slot))
         return budget, prefills
 
     def _schedule_prefills(self, prefills: list, budget: int, out: SchedulerOutput) -> int:

@@ -18,7 +18,8 @@ def test_later_turns_hit_with_snapshots_and_never_without(tiny_model_path):
                                                  seed=1, vocab=250)
         finally:
             llm.shutdown()
-    # turn 2 (30 tokens) resumes at 16, turn 1's last full block; turn 3 (40 tokens) at 24, turn 2's
-    assert results[4]["cached_prompt_tokens"] == 2 * (16 + 24)
+    # turn 2 (30 tokens) resumes at 16, turn 1's last full block (turn 1 computed 23 tokens: no decode snapshot);
+    # turn 3 (40 tokens) at 32, where turn 2's decode ended a block (30 + 3 computed tokens)
+    assert results[4]["cached_prompt_tokens"] == 2 * (16 + 32)
     assert results[0]["cached_prompt_tokens"] == 0
     assert results[4]["prompt_tokens"] == results[0]["prompt_tokens"] == 2 * (20 + 30 + 40)

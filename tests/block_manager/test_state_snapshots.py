@@ -1,8 +1,9 @@
 """The prefix cache of hybrid models (block_manager/state_pool.py, ``BlockManager`` with ``num_state_snapshots``):
 a prefix hit stops at the deepest cached block that has a committed state snapshot and names that snapshot as its
 seat's source; a registration lists the points where its prefill takes snapshots (where it leaves the cached
-blocks, and its last full block's end); snapshots stay invisible until committed, are evicted least recently used
-first, never while pending; random interleavings keep every invariant."""
+blocks, and its last full block's end); a decoding sequence keeps one trailing snapshot at its latest block end and
+leaves it cached when it ends; snapshots stay invisible until committed, are evicted least recently used first,
+never while pending; random interleavings keep every invariant."""
 
 from __future__ import annotations
 
@@ -127,3 +128,27 @@ def test_random_prompts_keep_the_invariants_and_hits_always_name_a_snapshot(seed
         if rng.random() < 0.5:
             bm.commit_state_snapshots()
         bm.check_invariants()
+
+
+def test_a_decoding_sequence_keeps_one_trailing_snapshot_and_leaves_its_last():
+    bm = _manager(seats=2, snapshots=3)
+    tokens = list(range(40, 47))                          # 7 prompt tokens: no full block
+    bm.allocate_slots("a", tokens, 7)
+    for token in range(100, 110):                         # decode: one token a step, its id known (sync scheduling)
+        tokens.append(token)
+        if not bm.add_slot("a", tokens):
+            bm.allocate_slots("a", tokens, 1)
+        ends_block = len(tokens) % BS == 0
+        slot = bm.trail_state_snapshot("a", len(tokens))
+        assert (slot is not None) == ends_block
+        bm.commit_state_snapshots()
+        if ends_block:
+            assert bm.states.snapshot_of(bm._block_key(bm._seqs["a"], len(tokens))) == slot
+        bm.check_invariants()
+    assert len(bm.states._snapshots) == 1                 # at 16 only: the one at 8 was given back
+    bm.free("a")
+    assert bm.num_cached_prefix_tokens(tokens + [1]) == 16    # the last one stays for the next turn
+    pending = BlockManager(BS, 16, num_state_slots=1, num_state_snapshots=2)
+    pending.allocate_slots("p", list(range(7)), 7)
+    pending.allocate_slots("p", list(range(7)), 1, pending_tokens=1)   # its 8th token not known yet (async)
+    assert pending.trail_state_snapshot("p", 8) is None

@@ -157,7 +157,7 @@ class CacheConfig:
                                                "default: a temporary folder, removed at shutdown)")
     hybrid_prefix_states: int = option(16, "hybrid models (Qwen3.5 / 3.6): recurrent-state snapshots the prefix "
                                            "cache keeps, each the state of its linear-attention layers at the end "
-                                           "of a cached prompt block (a prefix hit needs one; each costs one "
+                                           "of a cached block (a prefix hit needs one; each costs one "
                                            "sequence's state memory per rank); 0: prefix caching off for them")
     warm_prefix_tokens: int = option(8192, "prefix-cache warm-up, in tokens of the most reused prefixes: a new "
                                            "engine replica prefills a running one's before taking traffic, a "

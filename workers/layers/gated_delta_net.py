@@ -85,6 +85,7 @@ class StateStep:
     slot_range: tuple[int, int] | None = None
     any_fresh: bool | None = None
     cu_seqlens: torch.Tensor | None = None    # [seqs + 1] int32: each sequence's tokens (the Triton path's)
+    after: tuple[tuple[int, int], ...] = ()   # a decode step's (seat, snapshot slot) copies after the forward
 
     @property
     def has_cuts(self) -> bool:

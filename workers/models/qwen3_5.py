@@ -266,13 +266,17 @@ class Qwen3_5ForCausalLM(nn.Module):
         first = meta.cu_seqlens_q[:-1].long()
         fresh = positions.long()[first] == 0                                                  # [seqs]
         cu_seqlens = meta.cu_seqlens_q
-        if meta.max_query_len == 1 and positions.shape[0] == slots.shape[0] and not meta.state_snapshots:
+        if meta.max_query_len == 1 and positions.shape[0] == slots.shape[0]:
+            # a decode step's snapshots end its one token: the seats' states after the forward (a trailing snapshot)
+            after = tuple((seat, target) for seat, _, target in meta.state_snapshots)
             if slots.is_cuda:                       # no host reads: nothing waits for the GPU here
-                return StateStep(slots, fresh, None, cu_seqlens=cu_seqlens)
+                return StateStep(slots, fresh, None, cu_seqlens=cu_seqlens, after=after)
             host = slots.tolist()
+            if after:
+                self._snapshot_cuts(meta.state_snapshots, positions.tolist(), list(range(len(host) + 1)), host)
             ordered = host == list(range(host[0], host[0] + len(host))) if host else False
             return StateStep(slots, fresh, None, (host[0], host[0] + len(host)) if ordered else None,
-                             bool(fresh.any()), cu_seqlens)
+                             bool(fresh.any()), cu_seqlens, after)
         cu, host_slots = cu_seqlens.tolist(), slots.tolist()
         cuts = self._snapshot_cuts(meta.state_snapshots, positions[first].tolist(), cu, host_slots)
         spans = [(a, b, s, f, cuts.get(i, ())) for i, (a, b, s, f) in enumerate(zip(cu, cu[1:], host_slots,
@@ -306,6 +310,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         residual = None
         for layer, kv in zip(self.layers, self.kv_index):
             hidden, residual = layer(hidden, residual, cos_sin, None if kv is None else kv_cache.layer(kv), meta, step)
+        if step.after:
+            self.copy_states(list(step.after))
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
