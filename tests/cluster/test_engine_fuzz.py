@@ -86,12 +86,14 @@ class RepeatProposer:
         return [[token_ids[-1]] * room for token_ids, room in requests]
 
 
-@pytest.fixture(scope="module", params=["sync", "async_scheduling", "speculative", "draft_model", "hybrid"])
+@pytest.fixture(scope="module", params=["sync", "async_scheduling", "speculative", "draft_model", "hybrid",
+                                        "hybrid_sync"])
 def engine(request, tiny_smol_path, tiny_smol_hybrid_path):
     """``draft_model``: the model drafts for itself on the rank (greedy drafts; accepted where the target
     samples greedily without a bias, masked by grammars and poisoned rows like any other). ``hybrid``: a Qwen3.5
-    under async scheduling, whose sequences (n > 1 forks included) each hold a state slot."""
-    hybrid = request.param == "hybrid"
+    under async scheduling, whose sequences (n > 1 forks included) each hold a state slot; ``hybrid_sync``: the same
+    scheduled synchronously, where decoding sequences also take trailing prefix-cache state snapshots."""
+    hybrid = request.param.startswith("hybrid")
     config = build_engine_config(tiny_smol_hybrid_path if hybrid else tiny_smol_path, dtype="float32", block_size=8,
                                  num_blocks=96, max_num_seqs=8, threads_per_worker=1,
                                  async_scheduling=request.param in ("async_scheduling", "hybrid"),
