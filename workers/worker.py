@@ -96,8 +96,7 @@ class Worker:
         # a hybrid model: its linear layers' state pool, one slot per sequence the scheduler may run and one per
         # prefix-cache snapshot (the engine's block manager hands out the same slots: cluster/hybrid.py), allocated
         # before the KV cache is sized
-        num_states = config.scheduler.max_num_seqs + config.cache.num_state_snapshots
-        self.state_bytes = self.model.allocate_states(num_states) if hasattr(self.model, "allocate_states") else 0
+        self.state_bytes = self._allocate_states(config) if hasattr(self.model, "allocate_states") else 0
         self.kv_spec = kv_cache_spec(self.model, config.cache.block_size,
                                      kv_quant.cache_dtype(config.cache.kv_cache_dtype, self.dtype))
         self.sampler = (Sampler(seed=config.seed, eos_token_ids=model_info(model_path).eos_token_ids)
@@ -112,6 +111,17 @@ class Worker:
     def uses_decode_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.config.model.enforce_eager
                 and self.config.parallel.tensor_parallel_size == 1 and getattr(self.model, "graph_safe", True))
+
+    def _allocate_states(self, config: EngineConfig) -> int:
+        """The hybrid model's state slots (``max_num_seqs`` seats + the prefix cache's snapshots); their bytes on
+        this rank. ValueError naming both options when the device cannot hold them."""
+        seats, snapshots = config.scheduler.max_num_seqs, config.cache.num_state_snapshots
+        try:
+            return self.model.allocate_states(seats + snapshots)
+        except (RuntimeError, MemoryError) as exc:   # torch's allocators (CPU and CUDA out-of-memory) raise these
+            raise ValueError(f"max_num_seqs / hybrid_prefix_states: {seats} + {snapshots} recurrent-state slots do not "
+                             f"fit on this rank's {self.device.type} ({str(exc).splitlines()[0][:200]}); lower "
+                             "either") from None
 
     def available_kv_blocks(self) -> int:
         """KV blocks this rank can hold (collective on GPU with TP > 1: call on every rank). With a draft

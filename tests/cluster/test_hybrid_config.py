@@ -60,3 +60,19 @@ def test_options_a_hybrid_cannot_take_are_refused_naming_them(tiny_model_path, o
                                  threads_per_worker=1, **{option: value})
     with pytest.raises(ValueError, match=f"^{option}: .*Qwen3_5ForCausalLM"):
         Engine(config)
+
+
+def test_a_state_pool_the_device_cannot_hold_is_a_value_error_naming_both_options(tiny_model_path, monkeypatch):
+    """What torch raises when the seats + snapshots do not fit (the allocator is replaced here: a real allocation
+    that large would depend on the machine's overcommit policy) reaches the caller as a ValueError naming them."""
+    from pagedray.workers.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    def too_big(self, num_slots):
+        raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {num_slots} slots")
+
+    monkeypatch.setattr(Qwen3_5ForCausalLM, "allocate_states", too_big)
+    config = build_engine_config(tiny_model_path("qwen3.5"), dtype="float32", block_size=8, num_blocks=32,
+                                 max_num_seqs=5, threads_per_worker=1, hybrid_prefix_states=10**9)
+    with pytest.raises(ValueError, match=r"^max_num_seqs / hybrid_prefix_states: 5 \+ 1000000000 recurrent-state "
+                                         r"slots do not fit on this rank's cpu \(DefaultCPUAllocator"):
+        Engine(config)
