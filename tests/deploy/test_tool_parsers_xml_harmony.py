@@ -546,3 +546,20 @@ def test_qwen3_coder_through_the_app(tokenizer):
     assert [c["function"] for c in choice["message"]["tool_calls"]] == [c["function"] for c in calls] == [
         {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'}]
     assert choice["finish_reason"] == finish == "tool_calls"
+
+
+def test_a_harmony_grammar_on_a_tokenizer_without_its_markers_is_a_400_and_nothing_reaches_the_engine(tokenizer):
+    """reasoning_parser forced to harmony on a tokenizer without the marker tokens: the wrapped grammar names
+    special tokens the tokenizer lacks, so response_format is refused (400 naming it); other requests go on."""
+    engine = ScriptedEngine(tokenizer.encode("hi", add_special_tokens=False) + [tokenizer.eos_token_id],
+                            eos_token_id=tokenizer.eos_token_id)
+    limits = ModelLimits("m", frozenset({"m"}), len(tokenizer), 4096)
+    client = TestClient(create_api(OpenAIService(engine, tokenizer, limits, ServerMetrics("m"),
+                                                 reasoning_parser="harmony")))
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}}
+    refused = client.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+    assert "<|channel|>" in refused.json()["error"]["message"] and engine.calls == []
+    assert client.post("/v1/chat/completions", json={**body, "response_format": None}).status_code == 200
+    assert client.get("/health").status_code == 200
