@@ -17,13 +17,15 @@
 # issue #60; run it next to "engine", whose busy fraction it explains) and "lora" (benchmarks.lora_kernel: the
 # LoRA product of a 64-row batch over 8 adapters against the layer alone and the dense-merged product, after
 # checking it against the dense reference; then benchmarks.lora --random-qwen3: 8 adapters of rank 16 against
-# the base model with 64 requests at once, the issue #63 goal >= 0.85x).
+# the base model with 64 requests at once, the issue #63 goal >= 0.85x) and "delta" (benchmarks.gated_delta_kernel:
+# the chunked Triton gated delta rule that prefill steps of Qwen3.5 / 3.6 run, against the recurrent kernel and the
+# torch path, issue #67; never run on a GPU yet).
 #
 # Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, *.json the figures.
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
 # first when present. KV8GOAL_S, TEST_S, BENCH_S, MOE_S, KV8_S, KVSWEEP_S (each half), QGEMM_S, SPEC_S, HOSTSTEP_S and LORA_S bound
 # the stages in seconds, so that a stage that hangs or crawls still leaves the others' output; every result
-# is printed as it comes. A lease is 15 minutes of device time, the machine's start included, and one call
+# is printed as it comes (DELTA_S bounds "delta"). A lease is 15 minutes of device time, the machine's start included, and one call
 # at most 10: the default STAGES="kv8goal tests kv8" takes about 6 minutes on an H100 with a cold Triton cache
 # (2026-11-27: kv8goal ~1.5, the tests over 3.7 cold and 2.4 warm, kv8 ~0.5), leaving room to rerun one stage after
 # a fix. The others: STAGES="engine moe", then "qgemm".
@@ -89,6 +91,12 @@ else
     timeout "${BENCH_S:-420}" python3 -m benchmarks.gpu_engine --hf-max-s 30 --out "$OUT/gpu.json"
 fi
 echo "gpu_engine exit: $?"
+fi
+
+if wanted delta; then
+echo "== benchmarks.gated_delta_kernel (Qwen3.5's linear-attention layer: chunked against recurrent, prefill steps) =="
+timeout "${DELTA_S:-150}" python3 -m benchmarks.gated_delta_kernel --out "$OUT/gated_delta_kernel.json"
+echo "gated_delta_kernel exit: $?"
 fi
 
 if wanted moe; then

@@ -4,8 +4,9 @@ before dispatch (ValueError naming the argument):
 - ``gated_delta_prefill`` (the tokens of one sequence, the chunked form) and ``gated_delta_decode`` (one token
   of each of B sequences, the one-step recurrence): ``reference.gated_delta`` in float32, the CPU path;
 - ``gated_delta_varlen``: a whole step's sequences at once, each from its slot of a state pool, in place:
-  the Triton kernel (``triton/gated_delta_triton.py``, the recurrent form) on CUDA, the references per
-  sequence elsewhere (the oracle the kernel is tested against).
+  a Triton kernel on CUDA (``triton/gated_delta_triton.py``: the chunked form for a step that prefills,
+  ``chunked=True``; the recurrent form for a decode-only step, which stays free of host reads for CUDA
+  graphs), the references per sequence elsewhere (the oracle the kernels are tested against).
 
 Shapes: q, k [T or B, H, Dk] and v [.., H, Dv] of one dtype (float32, bfloat16 or float16; k and q already
 repeated to the H value heads); g (log decay, <= 0) and beta [.., H] float32; states float32 and written in
@@ -59,11 +60,13 @@ def gated_delta_decode(q, k, v, g, beta, states: torch.Tensor) -> torch.Tensor:
 
 
 def gated_delta_varlen(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                       fresh: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+                       fresh: torch.Tensor, *, use_triton: bool | None = None, chunked: bool = False) -> torch.Tensor:
     """A step's sequences: sequence i's tokens are ``[cu_seqlens[i], cu_seqlens[i + 1])`` of q, k [T, H, Dk],
     v [T, H, Dv], g, beta [T, H]; its state is ``pool[slots[i]]`` ([slots, H, Dk, Dv] float32, contiguous,
     updated in place), from zeros when ``fresh[i]`` -> out [T, H, Dv] float32. Slots of one step are distinct
-    (but for padding rows of no tokens). Triton on CUDA (``use_triton`` forces it, under the interpreter on CPU)."""
+    (but for padding rows of no tokens). Triton on CUDA (``use_triton`` forces it, under the interpreter on CPU):
+    its chunked kernel when ``chunked`` (a step with prompt tokens), its recurrent one otherwise (decodes). The
+    torch path runs each sequence through ``chunked_reference`` either way."""
     if not isinstance(pool, torch.Tensor) or pool.dim() != 4 or not pool.is_contiguous():
         raise ValueError(f"pool: expected a contiguous 4-d float32 tensor, got {getattr(pool, 'shape', pool)!r}")
     _check(q, k, v, g, beta, pool[0], 3)
@@ -78,7 +81,7 @@ def gated_delta_varlen(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor
     if not (g.is_contiguous() and beta.is_contiguous()):
         raise ValueError("g / beta: expected contiguous [T, H] tensors")
     if _triton_wanted(use_triton, q.device):
-        return gated_delta_varlen_triton(q, k, v, g, beta, pool, slots, cu_seqlens, fresh)
+        return gated_delta_varlen_triton(q, k, v, g, beta, pool, slots, cu_seqlens, fresh, chunked)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     bounds = cu_seqlens.tolist()
     for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
@@ -120,7 +123,8 @@ def gated_delta_spans(q, k, v, g, beta, pool: torch.Tensor, spans: list[tuple], 
             slots = torch.tensor([span[2] for span, _ in rows], dtype=torch.int64, device=device)
             fresh = torch.tensor([span[3] and phase == 0 for span, _ in rows], dtype=torch.bool, device=device)
             out[index] = gated_delta_varlen(q[index], k[index], v[index], g[index].contiguous(),
-                                            beta[index].contiguous(), pool, slots, cu, fresh, use_triton=use_triton)
+                                            beta[index].contiguous(), pool, slots, cu, fresh, use_triton=use_triton,
+                                            chunked=True)
         for span, p in zip(spans, pieces):
             if phase < len(p) and p[phase][2] is not None:
                 pool[p[phase][2]].copy_(pool[span[2]])

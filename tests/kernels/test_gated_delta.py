@@ -107,29 +107,67 @@ def test_bad_arguments_are_value_errors_naming_them(change, match):
     assert torch.equal(args["state"], before)
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_a_steps_sequences_from_their_pool_slots_in_place(use_triton):
-    """gated_delta_varlen (Triton under the interpreter, and the per-sequence references): a prefill chunk
-    continuing a state, a fresh sequence whose slot holds garbage, two one-token decodes; the slots not in the
+@pytest.mark.parametrize("use_triton, chunked", [(False, False), (True, False), (True, True)])
+def test_a_steps_sequences_from_their_pool_slots_in_place(use_triton, chunked):
+    """gated_delta_varlen (the Triton kernels under the interpreter: recurrent and chunked; and the per-sequence
+    references): a prefill chunk continuing a state over two of the chunked kernel's blocks and a part, a fresh
+    sequence whose slot holds garbage, two one-token decodes, a padding row of no tokens; the slots not in the
     step are untouched."""
     from pagedray.kernels.gated_delta import gated_delta_varlen
+    from pagedray.kernels.triton.gated_delta_triton import CHUNK
 
-    gen = torch.Generator().manual_seed(21 + use_triton)
-    lengths, slots, fresh = [5, 3, 1, 1], [4, 0, 2, 5], [False, True, False, False]
+    gen = torch.Generator().manual_seed(21 + use_triton + 2 * chunked)
+    lengths, slots, fresh = [2 * CHUNK + 5, 3, 1, 0, 1], [4, 0, 2, 3, 5], [False, True, False, False, False]
     q, k, v, g, beta = _inputs(gen, sum(lengths))
     pool = torch.randn(7, H, DK, DV, generator=gen)
     before = pool.clone()
-    cu = torch.tensor([0, 5, 8, 9, 10], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     out = gated_delta_varlen(q, k, v, g, beta, pool, torch.tensor(slots), cu, torch.tensor(fresh),
-                             use_triton=use_triton)
+                             use_triton=use_triton, chunked=chunked)
     for i, (slot, is_fresh) in enumerate(zip(slots, fresh)):
         a, b = int(cu[i]), int(cu[i + 1])
+        if a == b:
+            continue
         start = torch.zeros(H, DK, DV) if is_fresh else before[slot].clone()
         want_out, want_state = _float64_loop(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], start)
         torch.testing.assert_close(out[a:b].double(), want_out, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(pool[slot].double(), want_state, rtol=1e-4, atol=1e-4)
     for slot in (1, 3, 6):
         assert torch.equal(pool[slot], before[slot])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_chunked_kernel_on_keys_from_few_directions_and_strong_decays(dtype):
+    """The chunked Triton kernel (interpreter) where its triangular inverse is hardest: keys drawn around three
+    directions (k_i . k_j near +-1), beta near 1, decays down to -4, head dims not powers of two (padded blocks),
+    inputs in ``dtype``: outputs and state against the float64 loop on the same (rounded) inputs."""
+    from pagedray.kernels.gated_delta import gated_delta_varlen
+
+    gen = torch.Generator().manual_seed(5 if dtype == torch.float32 else 6)
+    tokens, heads, dk, dv = 70, 2, 24, 20
+    directions = torch.randn(3, heads, dk, generator=gen)
+    k = (directions[torch.randint(0, 3, (tokens,), generator=gen)]
+         + 0.05 * torch.randn(tokens, heads, dk, generator=gen)).to(dtype)
+    q = torch.randn(tokens, heads, dk, generator=gen).to(dtype)
+    v = torch.randn(tokens, heads, dv, generator=gen).to(dtype)
+    g = -torch.rand(tokens, heads, generator=gen) * 4
+    beta = 0.9 + 0.1 * torch.rand(tokens, heads, generator=gen)
+    pool = torch.randn(2, heads, dk, dv, generator=gen)
+    start = pool[1].clone()
+    out = gated_delta_varlen(q, k, v, g, beta, pool, torch.tensor([1]), torch.tensor([0, tokens], dtype=torch.int32),
+                             torch.tensor([False]), use_triton=True, chunked=True)
+    qd, kd = (x.double() for x in (q, k))
+    qd = qd / (qd.square().sum(-1, keepdim=True) + 1e-6).sqrt() / dk ** 0.5
+    kd = kd / (kd.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+    s, want = start.double(), []
+    for t in range(tokens):
+        s = s * g[t].double().exp()[:, None, None]
+        d = (v[t].double() - (kd[t][:, :, None] * s).sum(1)) * beta[t].double()[:, None]
+        s = s + kd[t][:, :, None] * d[:, None, :]
+        want.append((qd[t][:, :, None] * s).sum(1))
+    torch.testing.assert_close(out.double(), torch.stack(want), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool[1].double(), s, rtol=1e-4, atol=1e-4)
+    assert (s - start.double()).abs().max() > 0.1
 
 
 def test_varlen_refuses_a_bad_slot_tensor_naming_it():

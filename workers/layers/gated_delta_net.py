@@ -20,7 +20,8 @@ Steps: a decode-only step (one token per sequence) runs every sequence at once: 
 place when the slots are a range, else a gather and a scatter back), one convolution window and one recurrence
 step (no host syncs on CUDA). Otherwise each sequence's tokens run alone (its chunk through the chunked rule),
 in batch order. On CUDA the delta rule of any step is one Triton launch over every sequence
-(``kernels.gated_delta_varlen``, ``use_triton``), its states updated in the pool in place.
+(``kernels.gated_delta_varlen``, ``use_triton``), its states updated in the pool in place: the chunked kernel
+when the step has prompt tokens (``spans`` set), the recurrent one for a decode-only step.
 
 Tensor parallelism: rank r holds key heads ``[r Hk/tp, (r+1) Hk/tp)`` and value heads ``[r Hv/tp, ...)`` (the
 value heads of its key heads: Hv is a multiple of Hk), their rows of ``in_proj_qkv`` (q, k and v segments),
@@ -222,7 +223,7 @@ class GatedDeltaNet(nn.Module):
             return gated_delta_spans(q, k, v, g, beta, recurrent, step.spans, use_triton=self.use_triton)
         if self.use_triton:
             return gated_delta_varlen(q, k, v, g, beta, recurrent, step.slots, step.cu_seqlens, step.fresh,
-                                      use_triton=True)
+                                      use_triton=True, chunked=step.spans is not None)
         if step.spans is None:
             states, view = step.states(recurrent)                                           # [B, Hv, Dk, Dv]
             out = gated_delta_decode(q, k, v, g, beta, states)
