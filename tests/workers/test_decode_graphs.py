@@ -98,6 +98,24 @@ def test_static_decode_path_matches_transformers(kind, tiny_model_path):
     assert len(log) < len(driver.plans)
 
 
+@pytest.mark.parametrize("kind, use_triton", [("qwen3.5", False), ("qwen3.5", True), ("qwen3.5-moe", False)])
+def test_hybrid_static_decode_path_without_host_reads_matches_transformers(kind, use_triton, tiny_model_path):
+    """Qwen3.5 (dense and MoE) decode steps through the static buffers CUDA graphs replay, on the path a CUDA step
+    takes (``decode_reads_host`` off: slots, fresh flags and the delta rule's states stay tensors; padding rows
+    share the scratch slot); the torch delta rule and the Triton kernel under the interpreter."""
+    path = tiny_model_path(kind)
+    worker, driver = local_driver(path, token_budget=24, max_chunk=16)
+    worker.model.decode_reads_host = False
+    assert worker.model.graph_safe
+    for layer in worker.model.layers:
+        if layer.kind == "linear_attention":
+            layer.linear_attn.use_triton = use_triton
+    log = _with_static_decode(worker, max_num_seqs=6)
+    assert driver.generate(PROMPTS, NEW_TOKENS) == hf_greedy_each(path, PROMPTS, NEW_TOKENS)
+    assert worker.num_sequences() == 0
+    assert (3, 4) in log and (5, 6) in log            # padded buckets: several rows on the scratch slot
+
+
 def test_static_decode_path_with_prefix_hits_and_preemption(tiny_model_path):
     path = tiny_model_path("llama")
     prompts = [[7, 8, 9, 10] * 4 + [i + 20, i + 40] for i in range(5)]     # a shared 16-token prefix

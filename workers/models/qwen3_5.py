@@ -21,8 +21,12 @@ Not supported (refused before any weight is read, naming the field): another ``l
 activation other than SiLU, attention biases. The multimodal checkpoints (``Qwen3_5ForConditionalGeneration``,
 ``Qwen3_5MoeForConditionalGeneration``) load as text models: their ``text_config`` and the
 ``model.language_model.*`` tensors (model_info.load_hf_config); the vision tower is not loaded.
-The decode step reads the step's sequence spans on the host when it mixes in prefill chunks, so this family
-runs without CUDA graphs (``graph_safe``).
+CUDA graphs (``workers/runner/decode_graphs.py``): a decode-only step reads nothing on the host on CUDA (its
+slots, fresh flags and the recurrent Triton kernel stay on the device; bucket padding rows share the scratch
+slot, whose contents nobody reads), so the dense and MoE hybrids capture their decode steps like the dense
+families (``graph_safe``). Steps with prompt tokens read their spans on the host and run eagerly, as do decode
+steps that take a prefix-cache snapshot (``ModelRunner.prepare``). On CPU a decode step reads its slots on the
+host (an in-place slot range; ``decode_reads_host``).
 """
 
 from __future__ import annotations
@@ -178,7 +182,12 @@ class HybridLayer(nn.Module):
 class Qwen3_5ForCausalLM(nn.Module):
     lora = None           # ModelLora.attach sets it (enable_lora): slots on the full-attention layers and dense MLPs
     cpu_decode = None     # the one-call CPU decode takes plain decoder layers only
-    graph_safe = False    # module docstring
+    decode_reads_host = True   # CPU decode steps: False takes CUDA's path (no host reads), as the CPU tests do
+
+    @property
+    def graph_safe(self) -> bool:
+        """Decode steps capture in CUDA graphs unless an MLP reads tensor values on the host (module docstring)."""
+        return all(getattr(layer.mlp, "graph_safe", True) for layer in self.layers)
 
     @staticmethod
     def dims_of(hf_config) -> ModelDims:
@@ -269,7 +278,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         if meta.max_query_len == 1 and positions.shape[0] == slots.shape[0]:
             # a decode step's snapshots end its one token: the seats' states after the forward (a trailing snapshot)
             after = tuple((seat, target) for seat, _, target in meta.state_snapshots)
-            if slots.is_cuda:                       # no host reads: nothing waits for the GPU here
+            if slots.is_cuda or not self.decode_reads_host:   # no host reads: nothing waits for the GPU here
                 return StateStep(slots, fresh, None, cu_seqlens=cu_seqlens, after=after)
             host = slots.tolist()
             if after:
