@@ -15,7 +15,8 @@ the same on CPU metadata for a cache on any device (the check before the host-to
 The model's small ops (``fused_ops``): ``rms_norm`` (optional fused residual add, also per head on a
 strided q/k view), ``rotary_embedding_`` (in place on q and k), ``apply_rotary`` (CPU: a rotated copy),
 ``silu_and_mul`` and ``fused_moe`` (mixture-of-experts over the picked experts: ``moe_triton``'s grouped
-GEMMs on CUDA, a torch loop over experts elsewhere), dispatched the same way (on CPU, RMSNorm and
+GEMMs on CUDA, a torch loop over experts elsewhere; optional expert biases, and gpt-oss's ``ClampedSwiglu``
+as the activation), dispatched the same way (on CPU, RMSNorm and
 ``apply_rotary`` are one C call each, ``cpu_fused.c``); their ``*_reference`` twins (``reference.fused``) are
 the model layers' exact torch code.
 ``quant_gemm`` (``quant_gemm``): x @ W^T over GPTQ-packed 4 / 8-bit weights (Triton on CUDA, dequantize and
@@ -51,6 +52,7 @@ from .reference.attention import (
     store_kv_reference,
 )
 from .reference.fused import (
+    ClampedSwiglu,
     apply_rotary_reference,
     fused_moe_reference,
     rms_norm_reference,
@@ -79,6 +81,7 @@ __all__ = [
     "silu_and_mul",
     "fused_moe",
     "fused_moe_reference",
+    "ClampedSwiglu",
     "rms_norm_reference",
     "rotary_cos_sin",
     "apply_rotary_reference",

@@ -31,9 +31,10 @@ from .cpu import cpu_fused, cpu_twins
 from .quant_gemm import PackedExperts, check_packed_experts
 from .reference.fused import (
     MOE_ACTIVATIONS,
+    ClampedSwiglu,
     apply_rotary_reference,
+    expert_glu,
     fused_moe_reference,
-    gate_activation,
     rms_norm_reference,
     rotary_embedding_reference_,
     silu_and_mul_reference,
@@ -174,15 +175,17 @@ def apply_rotary(x, cos, signed_sin):
     return apply_rotary_reference(x, cos, signed_sin)
 
 
-def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, activation="silu", use_triton=None):
+def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, activation="silu", gate_up_bias=None, down_bias=None,
+              use_triton=None):
     """Mixture-of-experts MLP over the picked experts: x [T, H]; gate_up [E, 2I, H] (gate rows, then up);
     down [E, H, I] (or both ``quant_gemm.PackedExperts``: packed experts); topk_weights [T, k] in x's dtype;
-    topk_ids [T, k] int32/int64 in [0, E) -> [T, H] = sum over the picks of weight * down(act(gate) * up), act
-    ``activation``'s (``silu``, or ``gelu_tanh``: Gemma 4). Triton on CUDA (``moe_triton``: grouped GEMMs over
-    the rows sorted by expert), the torch loop over experts elsewhere (``fused_moe_reference``; packed experts
-    dequantized first)."""
-    if activation not in MOE_ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {MOE_ACTIVATIONS}, got {activation!r}")
+    topk_ids [T, k] int32/int64 in [0, E); optional biases in x's dtype: gate_up_bias [E, 2I] (gate half first),
+    down_bias [E, H] -> [T, H] = sum over the picks of weight * (down(glu(gate, up)) + down_bias). ``activation``:
+    ``silu`` or ``gelu_tanh`` (Gemma 4) for ``act(gate) * up``, or a ``ClampedSwiglu`` (gpt-oss). Triton on CUDA
+    (``moe_triton``: grouped GEMMs over the rows sorted by expert), the torch loop over experts elsewhere
+    (``fused_moe_reference``; packed experts dequantized first)."""
+    if not (isinstance(activation, ClampedSwiglu) or activation in MOE_ACTIVATIONS):
+        raise ValueError(f"activation: expected one of {MOE_ACTIVATIONS} or a ClampedSwiglu, got {activation!r}")
     _check_rows("x", x, (2,))
     packed = isinstance(gate_up, PackedExperts)
     for name, w in (("gate_up", gate_up), ("down", down)):
@@ -196,6 +199,11 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, activation="silu", us
     if hidden != x.shape[1] or two_inter % 2 or tuple(down.shape) != (experts, hidden, two_inter // 2):
         raise ValueError(f"gate_up / down: shapes {tuple(gate_up.shape)} / {tuple(down.shape)} do not fit x "
                          f"{tuple(x.shape)} (expected [E, 2I, {x.shape[1]}] and [E, {x.shape[1]}, I])")
+    for name, bias, width in (("gate_up_bias", gate_up_bias, two_inter), ("down_bias", down_bias, hidden)):
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (experts, width)
+                                 or bias.dtype != x.dtype or bias.device != x.device or not bias.is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous {x.dtype} [{experts}, {width}] on {x.device}, got "
+                             f"{getattr(bias, 'dtype', type(bias).__name__)} {list(getattr(bias, 'shape', []))}")
     v.check_tensor("topk_ids", topk_ids, 2, x.device)
     if topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids: expected int32/int64 [{x.shape[0]}, k], got {topk_ids.dtype} "
@@ -208,8 +216,9 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, *, activation="silu", us
                                                                   or int(topk_ids.max()) >= experts):
         raise ValueError(f"topk_ids: expert ids must lie in [0, {experts})")   # CPU: CUDA never syncs here
     if _triton_wanted(use_triton, x.device):
-        return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, gate_activation(activation))
+        return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, expert_glu(activation), gate_up_bias,
+                                down_bias)
     if packed:                                   # the reference: the same values, dequantized
         gate_up, down = gate_up.dequantized(x.dtype), down.dequantized(x.dtype)
-    return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, activation)
+    return fused_moe_reference(x, gate_up, down, topk_weights, topk_ids, activation, gate_up_bias, down_bias)
 

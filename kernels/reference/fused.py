@@ -15,6 +15,8 @@ in the kernels: summation order, and ``rsqrt``, ``cos``, ``sin``, ``exp`` from a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -74,22 +76,47 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 MOE_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation on (gate, up): ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = clamp(gate, max=limit)``."""
+
+    limit: float
+    alpha: float = 1.702
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def gate_activation(name: str):
     """The experts' gate activation by name: ``silu`` (most MoE models) or ``gelu_tanh`` (Gemma 4's
     ``gelu_pytorch_tanh``)."""
     return F.silu if name == "silu" else lambda gate: F.gelu(gate, approximate="tanh")
 
 
-def fused_moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    # x [T, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; topk_weights [T, k] (x's dtype);
-    # topk_ids [T, k] -> [T, H]: per picked expert, in ascending expert order (transformers' loop),
-    # weight * down(act(gate) * up) added into the token's row (act: ``gate_activation(activation)``)
+def expert_glu(activation):
+    """(gate, up) -> the experts' hidden rows: ``act(gate) * up`` for a named ``activation`` (MOE_ACTIVATIONS), or
+    the ``ClampedSwiglu`` itself."""
+    if isinstance(activation, ClampedSwiglu):
+        return activation
     act = gate_activation(activation)
+    return lambda gate, up: act(gate) * up
+
+
+def fused_moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, activation="silu", gate_up_bias: torch.Tensor | None = None,
+                        down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x [T, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; topk_weights [T, k] (x's dtype);
+    # topk_ids [T, k]; optional biases gate_up_bias [E, 2I] (gate half first), down_bias [E, H] -> [T, H]: per
+    # picked expert, in ascending expert order (transformers' loop), weight * (down(glu(gate, up)) + down_bias)
+    # added into the token's row (glu: ``expert_glu(activation)``)
+    glu = expert_glu(activation)
     out = torch.zeros_like(x)
     for e in torch.unique(topk_ids).tolist():
         slot, token = torch.where((topk_ids == e).T)                                 # [k, T] order
-        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, down[e]) * topk_weights[token, slot, None]
+        gate, up = F.linear(x[token], gate_up[e], None if gate_up_bias is None else gate_up_bias[e]).chunk(2, dim=-1)
+        y = F.linear(glu(gate, up), down[e], None if down_bias is None else down_bias[e]) \
+            * topk_weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out

@@ -183,20 +183,27 @@ def _grouped_gemm(a, w, out, weights, sorted_rows, block_experts, top_k, a_by_to
                                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
 
 
-def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, act=torch.nn.functional.silu) -> torch.Tensor:
+def fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, glu=None, gate_up_bias=None, down_bias=None
+                     ) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I] (tensors, or both ``PackedExperts`` of those shapes);
-    topk_weights [T, k]; topk_ids [T, k] -> [T, H] (x.dtype): sum over the k picks of weight *
-    down(act(gate) * up) (``reference.fused.fused_moe_reference``; ``act``: the gate's activation, elementwise
-    torch between the two grouped GEMMs)."""
+    topk_weights [T, k]; topk_ids [T, k]; optional gate_up_bias [E, 2I], down_bias [E, H] -> [T, H] (x.dtype): sum
+    over the k picks of weight * (down(glu(gate, up)) + down_bias) (``reference.fused.fused_moe_reference``;
+    ``glu``: elementwise torch between the two grouped GEMMs, ``act(gate) * up`` with SiLU by default; the biases
+    are gathered by each routed row's expert, so nothing reaches the host)."""
     tokens, top_k = topk_ids.shape
     num_experts, two_inter, _ = gate_up.shape
     cfg = moe_config(tokens, packed=not isinstance(gate_up, torch.Tensor))   # PackedExperts otherwise
     sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
     routed = torch.empty((tokens * top_k, two_inter), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, routed, None, sorted_rows, block_experts, top_k, True, cfg)
+    expert_of_row = topk_ids.reshape(-1)                                         # [T*k]: row token * k + slot
+    if gate_up_bias is not None:
+        routed += gate_up_bias[expert_of_row]
     gate, up = routed.chunk(2, dim=-1)
-    hidden = (act(gate) * up).contiguous()                                       # [T*k, I]
+    hidden = (glu(gate, up) if glu is not None else torch.nn.functional.silu(gate) * up).contiguous()   # [T*k, I]
     per_pick = torch.empty((tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     _grouped_gemm(hidden, down, per_pick, weights, sorted_rows, block_experts, top_k, False, cfg)
+    if down_bias is not None:
+        per_pick += down_bias[expert_of_row] * weights[:, None]
     return per_pick.view(tokens, top_k, -1).sum(dim=1)

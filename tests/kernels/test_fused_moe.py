@@ -46,6 +46,37 @@ def test_triton_matches_the_loop_over_experts(tokens, experts, top_k, hidden, in
     assert not torch.allclose(other, want, rtol=0, atol=tolerance)   # the activation is the one asked for
 
 
+@pytest.mark.parametrize("tokens, dtype", [(11, torch.float32), (70, torch.float32), (9, torch.float16)])
+def test_biased_experts_with_the_clamped_swiglu_match_a_float64_loop(tokens, dtype):
+    """gpt-oss's experts (biases on both products, ``ClampedSwiglu`` with a limit the gates and ups reach): the
+    Triton kernels (interpreter) and the torch loop against a float64 per-token sum; a missing bias would show."""
+    experts, top_k, hidden, inter = 5, 2, 32, 16
+    x, gate_up, down, weights, ids = _case(tokens, experts, top_k, hidden, inter, dtype, seed_of("moe-b", tokens))
+    gen = torch.Generator().manual_seed(tokens)
+    x = x * 6                                                      # gate_up values beyond the limit of 1.5
+    gate_up_bias = torch.randn(experts, 2 * inter, generator=gen).to(dtype).to(x.device)
+    down_bias = torch.randn(experts, hidden, generator=gen).to(dtype).to(x.device)
+    act = kernels.ClampedSwiglu(limit=1.5, alpha=1.702)
+    want = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for slot in range(top_k):
+            e = int(ids[t, slot])
+            h = gate_up[e].double() @ x[t].double() + gate_up_bias[e].double()
+            gate, up = h[:inter].clamp(max=1.5), h[inter:].clamp(-1.5, 1.5)
+            y = down[e].double() @ ((up + 1) * gate * torch.sigmoid(1.702 * gate)) + down_bias[e].double()
+            want[t] += weights[t, slot].double() * y
+    assert (gate_up[ids[0, 0]].double() @ x[0].double()).abs().max() > 1.5        # the clamps bite
+    tolerance = 2e-4 if dtype == torch.float32 else 6e-2
+    for use_triton in (False, True):
+        got = kernels.fused_moe(x, gate_up, down, weights, ids, activation=act, gate_up_bias=gate_up_bias,
+                                down_bias=down_bias, use_triton=use_triton)
+        torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=tolerance * float(want.abs().max()))
+    with pytest.raises(ValueError, match="gate_up_bias"):
+        kernels.fused_moe(x, gate_up, down, weights, ids, activation=act, gate_up_bias=gate_up_bias[:, :inter])
+    with pytest.raises(ValueError, match="down_bias"):
+        kernels.fused_moe(x, gate_up, down, weights, ids, activation=act, down_bias=down_bias.double())
+
+
 def test_rows_are_grouped_by_expert_and_padded():
     ids = torch.tensor([[3, 0], [0, 2], [3, 0]])                     # rows 0..5 = token * 2 + slot
     rows, experts = align_by_expert(ids, num_experts=5, block_m=4)

@@ -110,3 +110,25 @@ def test_yarn_frequencies_and_factor_equal_transformers(params):
 def test_yarn_without_its_factor_is_refused():
     with pytest.raises(ValueError, match="yarn"):
         RotaryEmbedding(16, {"rope_type": "yarn", "rope_theta": 10_000.0}, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_the_fused_expert_layout_of_cuda_matches_transformers(use_triton, tiny_model_path, monkeypatch):
+    """The layout and call CUDA runs (``ClampedSwigluMoE.fused``: experts rearranged gates-first at load, one
+    ``kernels.fused_moe`` call with the biases and the clamped SwiGLU, no host reads: graph-safe), built on CPU;
+    the torch loop over experts and the grouped Triton GEMMs under the interpreter give transformers' tokens."""
+    from pagedray.workers.layers import clamped_moe
+
+    monkeypatch.setattr(clamped_moe, "fused_triton_path", lambda device: True)
+    path = tiny_model_path("gpt-oss")
+    worker, driver = local_driver(path, token_budget=24, max_chunk=16)
+    moes = [layer.mlp for layer in worker.model.layers]
+    assert all(moe.fused for moe in moes) and worker.model.graph_safe
+    for moe in moes:
+        moe.use_triton = use_triton
+    assert driver.generate(PROMPTS, 24) == hf_greedy_each(path, PROMPTS, 24)
+
+
+def test_the_loop_layout_of_cpu_is_not_graph_safe(tiny_model_path):
+    worker, _ = local_driver(tiny_model_path("gpt-oss"))
+    assert not any(layer.mlp.fused for layer in worker.model.layers) and not worker.model.graph_safe
