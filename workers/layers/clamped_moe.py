@@ -95,7 +95,7 @@ class ClampedSwigluMoE(nn.Module):
             gate_up = self._expert(reader, f"{base}.gate_up_proj", expert, [h, 2 * full])[:, 2 * lo:2 * hi]
             down = self._expert(reader, f"{base}.down_proj", expert, [full, h])[lo:hi]           # [I_local, H]
             if self.fused:
-                gate_up, down = _gates_first(gate_up).T, down.T                                 # [2 I_local, H], [H, I_local]
+                gate_up, down = _gates_first(gate_up).T, down.T              # [2 I_local, H], [H, I_local]
             copy_into(self.gate_up[expert], gate_up, f"{base}.gate_up_proj")
             copy_into(self.down[expert], down, f"{base}.down_proj")
 
