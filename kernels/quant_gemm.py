@@ -6,7 +6,9 @@ packed lowest bits first; ``zeros`` int32 and ``scales`` ``[groups, N]``; ``g_id
 ``perm`` int32 ``[K]`` or None (row k multiplies x's column ``perm[k]``).
 weight row k = (code[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n], times x[:, perm[k]].
 ``float8`` (8 bits only): a code is a float8 e4m3fn bit pattern, weight row k = e4m3(code[k, n]) *
-scales[g_idx[k], n], and the zero points are not read (FP8 checkpoints and ``quantization`` fp8).
+scales[g_idx[k], n], and the zero points are not read (FP8 checkpoints and ``quantization`` fp8). Packed
+experts may also hold ``float4`` codes (4 bits: float4 e2m1 bit patterns, MXFP4's, times a power-of-two scale
+per group of 32; gpt-oss's experts on CUDA), read the same way.
 ``group_rows`` is the load-time step that makes the fast path apply: it sorts an activation-order weight's rows
 by group (recording ``perm``) and reports ``group_size`` when ``g_idx[k] == k // group_size``. The unpacking and
 packing helpers are shared with the checkpoint loader (``workers.quantization``).
@@ -77,12 +79,18 @@ def group_rows(qweight, zeros, scales, g_idx, bits: int):
     return qweight, zeros, scales, g_idx, perm, uniform_group_size(g_idx)
 
 
-def dequantize_packed(qweight, zeros, scales, g_idx, bits: int, float8: bool = False) -> torch.Tensor:
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)   # by code
+
+
+def dequantize_packed(qweight, zeros, scales, g_idx, bits: int, float8: bool = False, float4: bool = False
+                      ) -> torch.Tensor:
     """The packed weight as float32 W^T [K, N] (the checkpoint loader's dense path and the reference's)."""
     groups = g_idx.long()
     codes = unpack_along_rows(qweight, bits)
     if float8:
         return codes.to(torch.uint8).view(torch.float8_e4m3fn).float() * scales[groups].float()
+    if float4:
+        return torch.tensor(E2M1_VALUES, device=codes.device)[codes.long()] * scales[groups].float()
     return (codes - zeros[groups]).float() * scales[groups].float()
 
 
@@ -147,7 +155,9 @@ def quant_gemm(x, qweight, zeros, scales, g_idx, bits: int, *, perm=None, group_
 class PackedExperts:
     """Every expert's weight ``[E, N, K]`` (out, in) packed as ``quant_gemm`` takes one: qweight int32
     ``[E, K / per_word, N]``, zeros int32 and scales ``[E, groups, N]``, and one ``g_idx`` int32 ``[K]`` for all
-    experts, ``g_idx[k] == k // group_size`` (uniform groups: activation-order experts are not packed)."""
+    experts, ``g_idx[k] == k // group_size`` (uniform groups: activation-order experts are not packed). ``float8``:
+    8-bit e4m3 codes; ``float4``: 4-bit e2m1 codes (MXFP4: groups of 32, power-of-two scales); the zero points of
+    float codes are not read."""
 
     qweight: torch.Tensor
     zeros: torch.Tensor
@@ -156,6 +166,7 @@ class PackedExperts:
     bits: int
     group_size: int
     float8: bool = False
+    float4: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -168,7 +179,7 @@ class PackedExperts:
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The experts' weights ``[E, N, K]`` in ``dtype`` (the values the packed kernel computes with)."""
-        return torch.stack([dequantize_packed(q, z, s, self.g_idx, self.bits, self.float8).t()
+        return torch.stack([dequantize_packed(q, z, s, self.g_idx, self.bits, self.float8, self.float4).t()
                             for q, z, s in zip(self.qweight, self.zeros, self.scales)]).to(dtype)
 
 
@@ -183,8 +194,10 @@ def check_packed_experts(name: str, p: PackedExperts, device: torch.device) -> N
         if (dtype is not None and t.dtype != dtype) or not t.is_contiguous():
             raise ValueError(f"{name}.{field}: expected a contiguous {dtype or 'float'} tensor, got {t.dtype}")
     groups = p.zeros.shape[1]
-    if (p.bits not in (4, 8) or (p.float8 and p.bits != 8) or p.g_idx.shape[0] != k or p.group_size < 1
+    if (p.bits not in (4, 8) or (p.float8 and p.bits != 8) or (p.float4 and (p.bits != 4 or p.float8))
+            or p.g_idx.shape[0] != k or p.group_size < 1
             or tuple(p.zeros.shape) != (experts, groups, n) or p.scales.shape != p.zeros.shape
             or groups != -(-k // p.group_size)):
-        raise ValueError(f"{name}: inconsistent packed experts (bits {p.bits}, qweight {tuple(p.qweight.shape)}, "
+        raise ValueError(f"{name}: inconsistent packed experts (bits {p.bits}, float8 {p.float8}, float4 {p.float4}, "
+                         f"qweight {tuple(p.qweight.shape)}, "
                          f"zeros / scales {tuple(p.zeros.shape)} / {tuple(p.scales.shape)}, group_size {p.group_size})")

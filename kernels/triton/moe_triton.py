@@ -10,7 +10,7 @@ computes, for one block of rows and ``BLOCK_N`` output columns, ``a[row] @ w[exp
 token's row of x for the first GEMM, the routed row itself for the second), accumulating in float32; with
 ``MUL_WEIGHT`` each row is scaled by its top-k weight. The caller sums the ``top_k`` rows of each token.
 
-Packed experts (``quant_gemm.PackedExperts``: a GPTQ / AWQ / int8 / FP8 checkpoint's experts on CUDA):
+Packed experts (``quant_gemm.PackedExperts``: a GPTQ / AWQ / int8 / FP8 / MXFP4 checkpoint's experts on CUDA):
 ``_grouped_packed_gemm_kernel`` is the same grouped GEMM whose weight tile is unpacked and dequantized from
 the expert's words by ``quant_gemm_triton``'s helpers (each word loaded once; up to 16 tokens one ``tl.dot``
 per position in the word, above that the slice unpacked in row order for one ``tl.dot``: ``WIDE``), so the
@@ -172,7 +172,8 @@ def _grouped_gemm(a, w, out, weights, sorted_rows, block_experts, top_k, a_by_to
         _grouped_packed_gemm_kernel[grid](
             a, w.qweight, w.zeros, w.scales, w.g_idx, out, weights, sorted_rows, block_experts, out.shape[0], n_out,
             k_in, top_k, w.group_size, a.stride(0), w.qweight.stride(0), w.qweight.stride(1), w.zeros.stride(0),
-            w.zeros.stride(1), w.scales.stride(0), w.scales.stride(1), out.stride(0), BITS=w.bits, FLOAT8=w.float8,
+            w.zeros.stride(1), w.scales.stride(0), w.scales.stride(1), out.stride(0), BITS=w.bits,
+            FLOAT8=2 if w.float4 else int(w.float8),
             GROUPED=grouped, A_BY_TOKEN=a_by_token, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32,
             WIDE=cfg["WIDE"], LOG2_PER_WORD=(32 // w.bits).bit_length() - 1,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=block_kw, num_warps=cfg["num_warps"])

@@ -67,8 +67,22 @@ def _e4m3_to_f32(codes):
 
 
 @triton.jit
+def _e2m1_to_f32(codes):
+    """int32 codes in [0, 16), float4 e2m1 bit patterns (MXFP4's: a sign, 2 exponent bits, 1 mantissa bit) ->
+    their values as float32, exactly: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and the negatives."""
+    exponent = (codes >> 1) & 3
+    mantissa = (codes & 1).to(tl.float32)
+    value = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+    return tl.where((codes & 8) != 0, -value, value)
+
+
+@triton.jit
 def _dequantize(codes, zeros, scales, FLOAT8: tl.constexpr):
-    """Codes (int32) with their group's zero points and float32 scales -> float32 weights."""
+    """Codes (int32) with their group's zero points and float32 scales -> float32 weights. ``FLOAT8``: 0 (or
+    False) integer codes minus zero points; 1 (True) float8 e4m3 codes; 2 float4 e2m1 codes (packed experts
+    only). Float codes read no zero point."""
+    if FLOAT8 == 2:
+        return _e2m1_to_f32(codes) * scales
     if FLOAT8:
         return _e4m3_to_f32(codes) * scales
     return (codes - zeros).to(tl.float32) * scales

@@ -71,6 +71,7 @@ def test_moe_kernel_dry_run_checks_and_times_every_row(tmp_path):
     assert all(r["fused_ms"] > 0 and r["loop_ms"] > 0 and r["tflops"] > 0 and r["gbps"] > 0 for r in rows)
     assert all(1 <= r["experts_hit"] <= DRY["experts"] for r in rows)
     assert all(r["packed4_ms"] > 0 and r["packed4_vs_fused"] > 0 for r in rows)     # 4-bit experts, checked too
+    assert all(r["mxfp4_ms"] > 0 and r["mxfp4_vs_fused"] > 0 for r in rows)         # MXFP4 experts, checked too
 
 
 def test_kv8_kernel_dry_run_checks_and_times_every_row(tmp_path):

@@ -4,31 +4,15 @@ that refuse configs this model cannot run."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from helpers.hf_oracle import hf_greedy_each
-from helpers.tiny_models import tiny_config
+from helpers.mxfp4_checkpoints import mxfp4_checkpoint
 from helpers.worker_setup import local_driver
 from pagedray.workers.layers.rotary import RotaryEmbedding, rope_parameters
-from pagedray.workers.weights.quantization import FP4_E2M1_VALUES, dequantize_mxfp4
+from pagedray.workers.weights.quantization import dequantize_mxfp4
 
 PROMPTS = [[5, 17, 33, 8, 99, 120, 7], list(range(3, 40))]
-
-
-def _to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, in, out] (transformers' expert layout) -> (blocks uint8 [E, out, in / 32, 16], scales uint8
-    [E, out, in / 32]): per 32 inputs of an output row the smallest power of two that fits max |x| in 6, each
-    value rounded to the nearest e2m1 value."""
-    rows = weight.transpose(1, 2).float()                                       # [E, out, in]
-    groups = rows.reshape(*rows.shape[:2], -1, 32)                               # [E, out, G, 32]
-    amax = groups.abs().amax(-1).clamp_min(2.0 ** -100)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)               # [E, out, G]
-    lut = torch.tensor(FP4_E2M1_VALUES)
-    codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)                         # [E, out, G, 16]
-    return blocks, (exponent + 127).to(torch.uint8)
 
 
 def test_dequantize_mxfp4_equals_transformers():
@@ -44,40 +28,8 @@ def test_dequantize_mxfp4_equals_transformers():
         dequantize_mxfp4(blocks, scales[..., :3], torch.float32)
 
 
-def _mxfp4_checkpoint(tmp_path) -> tuple[str, str]:
-    """The tiny gpt-oss with its experts rounded to MXFP4: (a folder holding blocks and scales with
-    ``quant_method: mxfp4``, a plain folder holding the same values dequantized by transformers' own converter:
-    the oracle, independent of pagedray's dequantizer)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(tiny_config("gpt-oss"), dtype=torch.float32)
-    quantized = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("gate_up_proj", "down_proj")):
-                blocks, scales = _to_mxfp4(param)
-                quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
-                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-            elif name.endswith(("bias", "sinks")):
-                param.normal_(0.0, 2.0 if name.endswith("sinks") else 0.25)
-    plain, packed = tmp_path / "plain", tmp_path / "mxfp4"
-    model.save_pretrained(str(plain))
-    model.save_pretrained(str(packed))
-    tensors = {k: v for k, v in load_file(str(packed / "model.safetensors")).items()
-               if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
-    save_file({**tensors, **quantized}, str(packed / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((packed / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (packed / "config.json").write_text(json.dumps(config))
-    return str(packed), str(plain)
-
-
 def test_an_mxfp4_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path):
-    packed, plain = _mxfp4_checkpoint(tmp_path)
+    packed, plain = mxfp4_checkpoint(tmp_path)
     from safetensors import safe_open
 
     with safe_open(f"{packed}/model.safetensors", "pt") as f:
@@ -132,3 +84,22 @@ def test_the_fused_expert_layout_of_cuda_matches_transformers(use_triton, tiny_m
 def test_the_loop_layout_of_cpu_is_not_graph_safe(tiny_model_path):
     worker, _ = local_driver(tiny_model_path("gpt-oss"))
     assert not any(layer.mlp.fused for layer in worker.model.layers) and not worker.model.graph_safe
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_mxfp4_experts_kept_in_4_bits_in_the_fused_layout_match_transformers(use_triton, tmp_path, monkeypatch):
+    """CUDA's layout for an MXFP4 checkpoint, built on CPU: the experts stay 4-bit (float4 ``PackedExperts``: the
+    checkpoint's e2m1 codes and scales, no 16-bit copy), through the packed grouped GEMM under the interpreter
+    and through its dequantized reference; transformers' tokens on its own dequantized weights."""
+    from pagedray.workers.layers import clamped_moe
+
+    monkeypatch.setattr(clamped_moe, "fused_triton_path", lambda device: True)
+    packed, plain = mxfp4_checkpoint(tmp_path)
+    worker, driver = local_driver(packed, token_budget=24, max_chunk=16)
+    moes = [layer.mlp for layer in worker.model.layers]
+    assert all(moe.packed is not None and moe.gate_up is None for moe in moes) and worker.model.graph_safe
+    gate_up, down = moes[0].packed
+    assert gate_up.float4 and gate_up.bits == 4 and gate_up.group_size == 32 and down.float4
+    for moe in moes:
+        moe.use_triton = use_triton
+    assert driver.generate(PROMPTS, 24) == hf_greedy_each(plain, PROMPTS, 24)

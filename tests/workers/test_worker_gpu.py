@@ -63,6 +63,18 @@ def test_hybrid_prefix_hits_on_cuda_resume_from_state_snapshots(tiny_model_path)
     conversation_and_system_prompt(path, hybrid_llm(path, device="cuda"))
 
 
+def test_gpt_oss_mxfp4_experts_stay_4_bit_on_cuda_and_match_transformers(tmp_path):
+    """An MXFP4 gpt-oss on CUDA keeps its experts as float4 packed experts (the packed grouped GEMM with the
+    clamped SwiGLU; CUDA graphs included): fp32 greedy tokens equal transformers' on its dequantized weights."""
+    from helpers.mxfp4_checkpoints import mxfp4_checkpoint
+
+    packed, plain = mxfp4_checkpoint(tmp_path)
+    worker, driver = _cuda_driver(packed, "float32")
+    moes = [layer.mlp for layer in worker.model.layers]
+    assert all(moe.packed is not None and moe.packed[0].float4 for moe in moes) and worker.uses_decode_graphs
+    assert driver.generate(TINY_PROMPTS, NEW_TOKENS) == hf_greedy_each(plain, TINY_PROMPTS, NEW_TOKENS)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 def test_8bit_kv_cache_on_cuda_gives_the_cpu_engines_tokens(kv_cache_dtype, tiny_model_path):
     """fp32 with an 8-bit KV cache: the Triton store / decode / prefill (CUDA graphs included) give the

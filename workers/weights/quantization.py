@@ -47,7 +47,7 @@ import re
 from dataclasses import dataclass, replace
 
 import torch
-from pagedray.kernels.quant_gemm import group_rows, pack_rows, unpack_along_cols
+from pagedray.kernels.quant_gemm import E2M1_VALUES, group_rows, pack_rows, unpack_along_cols
 
 from ... import kernels
 
@@ -242,7 +242,7 @@ def quantized_online(name: str) -> bool:
     return bool(_LAYER_LINEAR.search(name)) and not name.endswith(".mlp.gate.weight") and "norm" not in name
 
 
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_E2M1_VALUES = E2M1_VALUES   # MXFP4's value of each 4-bit code
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -258,3 +258,22 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = lut[codes].flatten(-3)                                                    # [..., rows, groups * 32]
     exponents = (scales.to(torch.int32) - 127).repeat_interleave(32, dim=-1)            # [..., rows, groups * 32]
     return torch.ldexp(values, exponents.float()).to(dtype).transpose(-1, -2)
+
+
+MXFP4_GROUP = 32
+
+
+def mxfp4_to_packed_rows(blocks: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | slice,
+                         inputs: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's MXFP4 weight (``blocks`` uint8 [out, in / 32, 16], ``scales`` uint8 [out, in / 32]), its output
+    ``rows`` (an index tensor or a slice) and its ``inputs`` (a slice on whole groups of 32) -> the 4-bit packed
+    layout of ``kernels.quant_gemm`` for ``W^T`` [K = inputs, N = rows]: (qweight int32 [K / 8, N] of the e2m1
+    codes, unchanged; scales float32 [K / 32, N], each 2^(e - 127), exact). The codes are not rounded again: the
+    packed experts compute with the checkpoint's values."""
+    if (inputs.start or 0) % MXFP4_GROUP or (inputs.stop - (inputs.start or 0)) % MXFP4_GROUP:
+        raise ValueError(f"quantization: an MXFP4 input slice must lie on groups of {MXFP4_GROUP}, got {inputs}")
+    groups = slice((inputs.start or 0) // MXFP4_GROUP, inputs.stop // MXFP4_GROUP)
+    picked = blocks[rows][:, groups]                                                   # [N, G, 16]
+    codes = torch.stack([picked & 0x0F, picked >> 4], dim=-1).flatten(1)                # [N, K] (even index low)
+    exponents = scales[rows][:, groups].to(torch.float32) - 127                        # [N, G]
+    return pack_rows(codes.T.contiguous(), 4), torch.exp2(exponents).T.contiguous()
