@@ -11,8 +11,8 @@ a quantized checkpoint's experts stay on CUDA) through the packed grouped GEMM, 
 the bf16 fused kernel; and the same experts in MXFP4 (e2m1 codes, a power-of-two scale per 32 inputs: how
 gpt-oss's experts stay on CUDA), its ms and speed against bf16. Each row is first checked against the loop
 (the packed ones on their dequantized experts). Timing: ``triton.testing.do_bench`` (median) on CUDA.
-``--dry-run``: tiny shapes on CPU through the Triton interpreter (re-executes itself with ``TRITON_INTERPRET=1``) to check the plumbing; its
-numbers mean nothing.
+``--dry-run``: tiny shapes on CPU through the Triton interpreter (re-executes itself with
+``TRITON_INTERPRET=1``) to check the plumbing; its numbers mean nothing.
 """
 
 from __future__ import annotations
