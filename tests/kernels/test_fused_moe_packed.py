@@ -1,8 +1,9 @@
 """``kernels.fused_moe`` over packed experts (``quant_gemm.PackedExperts``: 4-bit groups, 8-bit codes with zero
-points, float8 codes, MXFP4's float4 e2m1 codes with power-of-two scales): the Triton kernel (``_grouped_packed_gemm_kernel``, the interpreter on CPU) against the
-loop over experts on the dequantized weights, and the reference path against the same loop on weights
-dequantized by hand from the codes (not through ``dequantize_packed``). Groups that fill a K slice (one row of
-scales per slice) and groups that do not (each row's group read); experts that get no token."""
+points, float8 codes, MXFP4's float4 e2m1 codes with power-of-two scales): the Triton kernel
+(``_grouped_packed_gemm_kernel``, the interpreter on CPU) against the loop over experts on the dequantized weights,
+and the reference path against the same loop on weights dequantized by hand from the codes (not through
+``dequantize_packed``). Groups that fill a K slice (one row of scales per slice) and groups that do not (each
+row's group read); experts that get no token."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from helpers.quantized_checkpoints import pack_words
 from pagedray import kernels
 from pagedray.kernels.quant_gemm import PackedExperts
 from pagedray.kernels.triton import moe_triton
-
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]   # OCP MX spec
 
