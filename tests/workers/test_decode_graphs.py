@@ -84,7 +84,7 @@ def _with_static_decode(worker: Worker, max_num_seqs: int) -> list[tuple[int, in
     return log_bucket_runs(graphs)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral-window", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral-window", "qwen3", "gemma4", "gemma4-moe"])
 def test_static_decode_path_matches_transformers(kind, tiny_model_path):
     path = tiny_model_path(kind)
     worker, driver = local_driver(path, token_budget=24, max_chunk=16)

@@ -25,7 +25,7 @@ def test_kv_cache_rows_belong_to_the_layers_that_compute_kv(tiny_model_path):
     assert worker.kv_spec.layer_shapes == (SLIDING, SLIDING, FULL)
     assert worker.kv_spec.bytes_per_block == 2 * 8 * 4 * (2 * 32 + 2 * 32 + 64)
     assert [tuple(t.shape) for t in kv.tensors] == [(2, 2, 64, 8, 2, 32), (1, 2, 64, 8, 1, 64)]
-    assert model.cpu_decode is None and not model.graph_safe and model.lora is None
+    assert model.cpu_decode is None and model.graph_safe and model.lora is None
     info = model_info(path)
     assert info.kv_layer_shapes == (SLIDING, SLIDING, FULL)
     assert (info.num_key_value_heads, info.head_dim) == SLIDING

@@ -125,7 +125,8 @@ GRAPH_PROMPTS = TINY_PROMPTS + [[9, 8, 7, 6, 5, 4, 3, 2], [150, 3, 77, 21, 18]]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3.5", "qwen3.5-moe", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3.5", "qwen3.5-moe", "gpt-oss", "gemma4",
+                                  "gemma4-moe"])
 def test_graph_replay_matches_eager(kind, dtype, tiny_model_path):
     path = tiny_model_path(kind)
     worker, driver = _cuda_driver(path, dtype)
