@@ -7,23 +7,9 @@ from __future__ import annotations
 import json
 
 import torch
-from pagedray.workers.weights.quantization import FP4_E2M1_VALUES
+from pagedray.workers.weights.quantization import quantize_mxfp4
 
 from helpers.tiny_models import tiny_config
-
-
-def to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, in, out] (transformers' expert layout) -> (blocks uint8 [E, out, in / 32, 16], scales uint8
-    [E, out, in / 32]): per 32 inputs of an output row the smallest power of two that fits max |x| in 6, each
-    value rounded to the nearest e2m1 value."""
-    rows = weight.transpose(1, 2).float()                                       # [E, out, in]
-    groups = rows.reshape(*rows.shape[:2], -1, 32)                               # [E, out, G, 32]
-    amax = groups.abs().amax(-1).clamp_min(2.0 ** -100)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)               # [E, out, G]
-    lut = torch.tensor(FP4_E2M1_VALUES)
-    codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)                         # [E, out, G, 16]
-    return blocks, (exponent + 127).to(torch.uint8)
 
 
 def mxfp4_checkpoint(tmp_path) -> tuple[str, str]:
@@ -40,7 +26,7 @@ def mxfp4_checkpoint(tmp_path) -> tuple[str, str]:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("gate_up_proj", "down_proj")):
-                blocks, scales = to_mxfp4(param)
+                blocks, scales = quantize_mxfp4(param)
                 quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
                 param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
             elif name.endswith(("bias", "sinks")):

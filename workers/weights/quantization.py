@@ -263,6 +263,23 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 MXFP4_GROUP = 32
 
 
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts ``[E, in, out]`` (transformers' layout) rounded to MXFP4 as a checkpoint stores them -> (blocks uint8
+    ``[E, out, in / 32, 16]``, scales uint8 ``[E, out, in / 32]``): per 32 inputs of an output row the smallest power
+    of two that fits max |x| in 6, each value rounded to the nearest e2m1 value (``dequantize_mxfp4`` inverts it;
+    benchmarks and tests make MXFP4 checkpoints with it)."""
+    lut = torch.tensor(FP4_E2M1_VALUES)
+    blocks, scales = [], []
+    for expert in weight:                                     # one expert at a time: the argmin holds 16x its values
+        groups = expert.T.float().reshape(expert.shape[1], -1, MXFP4_GROUP)                # [out, G, 32]
+        amax = groups.abs().amax(-1).clamp_min(2.0 ** -100)
+        exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)                   # [out, G]
+        codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
+        blocks.append(codes[..., 0::2] | (codes[..., 1::2] << 4))                         # two codes a byte, low first
+        scales.append((exponent + 127).to(torch.uint8))
+    return torch.stack(blocks), torch.stack(scales)
+
+
 def mxfp4_to_packed_rows(blocks: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | slice,
                          inputs: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert's MXFP4 weight (``blocks`` uint8 [out, in / 32, 16], ``scales`` uint8 [out, in / 32]), its output
