@@ -44,6 +44,7 @@ import triton
 from pagedray.kernels.triton import (
     activation_triton,
     decode_triton,
+    gated_delta_triton,
     moe_triton,
     norm_triton,
     prefill_triton,
@@ -222,6 +223,16 @@ def variants() -> dict[str, tuple]:
                       WIDE=cfg["WIDE"], LOG2_PER_WORD=3, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=16)
         out[f"fused moe packed 4-bit bf16, {tokens} tok"] = (
             moe_triton._grouped_packed_gemm_kernel, "bf16", consts, dict(num_warps=cfg["num_warps"]), packed)
+        out[f"fused moe packed mxfp4 bf16, {tokens} tok"] = (      # gpt-oss: e2m1 codes, float32 scales
+            moe_triton._grouped_packed_gemm_kernel, "bf16", {**consts, "FLOAT8": 2}, dict(num_warps=cfg["num_warps"]),
+            {**packed, "scales_ptr": "*fp32"})
+    delta = {"g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32", "pool_ptr": "*fp32", "slots_ptr": "*i64",
+             "cu_ptr": "*i32", "fresh_ptr": "*i8"}           # Qwen3.5's head dims (128), as the launcher sets them
+    out["gated delta recurrent bf16"] = (gated_delta_triton._gated_delta_kernel, "bf16",
+                                         dict(BLOCK_K=128, BLOCK_V=32), dict(num_warps=4), delta)
+    out["gated delta chunked bf16"] = (gated_delta_triton._gated_delta_chunked_kernel, "bf16",
+                                       dict(CHUNK_T=gated_delta_triton.CHUNK, BLOCK_K=128, BLOCK_V=32),
+                                       dict(num_warps=4), delta)
     return out
 
 
