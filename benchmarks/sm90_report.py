@@ -230,9 +230,11 @@ def variants() -> dict[str, tuple]:
              "cu_ptr": "*i32", "fresh_ptr": "*i8"}           # Qwen3.5's head dims (128), as the launcher sets them
     out["gated delta recurrent bf16"] = (gated_delta_triton._gated_delta_kernel, "bf16",
                                          dict(BLOCK_K=128, BLOCK_V=32), dict(num_warps=4), delta)
-    out["gated delta chunked bf16"] = (gated_delta_triton._gated_delta_chunked_kernel, "bf16",
-                                       dict(CHUNK_T=gated_delta_triton.CHUNK, BLOCK_K=128, BLOCK_V=32),
-                                       dict(num_warps=4), delta)
+    for data_type in ("bf16", "fp32"):                        # TF32 tensor cores, and IEEE products for fp32
+        cfg, options = _launch_options(gated_delta_triton.chunked_config(128, DATA_TYPES[data_type]))
+        out[f"gated delta chunked {data_type}"] = (gated_delta_triton._gated_delta_chunked_kernel, data_type,
+                                                   dict(CHUNK_T=gated_delta_triton.CHUNK, BLOCK_K=128, **cfg),
+                                                   options, delta)
     return out
 
 

@@ -17,7 +17,9 @@ each token's output columns and store the state back:
 
 Which one runs is the caller's choice (``chunked``): the layer knows on the host whether a step is decode-only.
 Both are tested under the interpreter (``TRITON_INTERPRET=1``) against the float64 loop; neither has run on a GPU
-yet, so ``CHUNK`` (32), ``BLOCK_V`` and the warp count are first guesses, not tuned.
+yet. The chunked kernel's tile and product precision (``chunked_config``: TF32 tensor cores for 16-bit models,
+IEEE float32 products for float32 ones) were chosen from its sm_90 compile (``benchmarks.sm90_report``), not
+from timings.
 """
 
 from __future__ import annotations
@@ -82,11 +84,10 @@ def gated_delta_varlen_triton(q, k, v, g, beta, pool, slots, cu_seqlens, fresh, 
     args = (q, k, v, g, beta, out, pool, slots, cu_seqlens, fresh.to(torch.int8),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), out.stride(0),
             out.stride(1), pool.stride(0), pool.stride(1), pool.stride(2), key_dim, value_dim, key_dim ** -0.5)
-    if chunked:   # tl.dot wants every block dimension >= 16
-        block_v = min(32, max(16, triton.next_power_of_2(value_dim)))
-        grid = (num_seqs, heads, triton.cdiv(value_dim, block_v))
-        _gated_delta_chunked_kernel[grid](*args, CHUNK_T=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
-                                          BLOCK_V=block_v)
+    if chunked:
+        cfg = chunked_config(value_dim, q.dtype)
+        grid = (num_seqs, heads, triton.cdiv(value_dim, cfg["BLOCK_V"]))
+        _gated_delta_chunked_kernel[grid](*args, CHUNK_T=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)), **cfg)
         return out
     block_v = min(32, triton.next_power_of_2(value_dim))
     grid = (num_seqs, heads, triton.cdiv(value_dim, block_v))
@@ -96,12 +97,22 @@ def gated_delta_varlen_triton(q, k, v, g, beta, pool, slots, cu_seqlens, fresh, 
 CHUNK = 32   # tokens per block of the chunked kernel (>= 16 for tl.dot)
 
 
+def chunked_config(value_dim: int, dtype: torch.dtype) -> dict:
+    """The chunked kernel's launch constants. float32 models: IEEE float32 products (the fp32 references'
+    tolerance), 32 value dims a program, 4 warps. 16-bit models: TF32 tensor-core products over float32 tiles
+    (finer than the bf16 / fp16 inputs), 64 value dims, 8 warps: the sm_90 compile with the fewest instructions
+    per token and value dim, 352 B spilled (docs/design/kernels.md). Value blocks stay >= 16 for ``tl.dot``."""
+    if dtype == torch.float32:
+        return dict(BLOCK_V=min(32, max(16, triton.next_power_of_2(value_dim))), PRECISION="ieee", num_warps=4)
+    return dict(BLOCK_V=min(64, max(16, triton.next_power_of_2(value_dim))), PRECISION="tf32", num_warps=8)
+
+
 @triton.jit
 def _gated_delta_chunked_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, cu_ptr, fresh_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
     stride_ps, stride_ph, stride_pk, key_dim, value_dim, q_scale,
-    CHUNK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    CHUNK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -139,22 +150,22 @@ def _gated_delta_chunked_kernel(
             beta = tl.load(beta_ptr + t * stride_gt + head, mask=t_mask, other=0.0)
             cum = tl.cumsum(g, 0)                                                     # G_i  [C]
             decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))   # [C, C], 0 above
-            kkt = tl.dot(k, tl.trans(k), input_precision="ieee")                      # k_i . k_j  [C, C]
+            kkt = tl.dot(k, tl.trans(k), input_precision=PRECISION)                   # k_i . k_j  [C, C]
             a = tl.where(strict, beta[:, None] * decay * kkt, 0.0)
             inverse = eye                                                             # T = (I + A)^-1
             for i in range(1, CHUNK_T):
                 a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), 0)                # A[i, :]  [C]
                 t_row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
                 inverse = tl.where(rows[:, None] == i, t_row[None, :], inverse)
-            known = tl.dot(k, state, input_precision="ieee")                          # K S  [C, BLOCK_V]
+            known = tl.dot(k, state, input_precision=PRECISION)                       # K S  [C, BLOCK_V]
             rhs = beta[:, None] * (v - tl.exp(cum)[:, None] * known)
-            deltas = tl.dot(inverse, rhs, input_precision="ieee")                     # D  [C, BLOCK_V]
-            scores = tl.where(lower, decay * tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)
-            o = tl.exp(cum)[:, None] * tl.dot(q, state, input_precision="ieee") \
-                + tl.dot(scores, deltas, input_precision="ieee")
+            deltas = tl.dot(inverse, rhs, input_precision=PRECISION)                  # D  [C, BLOCK_V]
+            scores = tl.where(lower, decay * tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
+            o = tl.exp(cum)[:, None] * tl.dot(q, state, input_precision=PRECISION) \
+                + tl.dot(scores, deltas, input_precision=PRECISION)
             tl.store(out_ptr + t[:, None] * stride_ot + head * stride_oh + vv[None, :], o,
                      mask=t_mask[:, None] & v_mask[None, :])
             last = tl.sum(g, 0)                                                       # G_C (masked g are 0)
             weighted = k * tl.exp(last - cum)[:, None]                                # [C, BLOCK_K]
-            state = state * tl.exp(last) + tl.dot(tl.trans(weighted), deltas, input_precision="ieee")
+            state = state * tl.exp(last) + tl.dot(tl.trans(weighted), deltas, input_precision=PRECISION)
         tl.store(state_ptrs, state, mask=state_mask)

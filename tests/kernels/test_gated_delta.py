@@ -213,3 +213,39 @@ def test_spans_refuse_cuts_out_of_order_or_outside_the_tokens():
     for cuts in (((4, 3), (2, 4)), ((0, 3),), ((7, 3),)):
         with pytest.raises(ValueError, match="spans: cuts"):
             gated_delta_spans(q, k, v, g, beta, torch.zeros(5, H, DK, DV), [(0, 6, 0, True, cuts)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_the_chunked_kernel_on_cuda_matches_a_float64_loop(dtype, tolerance):
+    """Qwen3.5's head dims (128) on CUDA: IEEE products for float32 inputs, TF32 tensor cores for bfloat16 ones
+    (``chunked_config``); three sequences of several blocks from random states, outputs and states."""
+    from pagedray.kernels.gated_delta import gated_delta_varlen
+
+    gen = torch.Generator().manual_seed(77)
+    lengths, heads, dim = [150, 37, 113], 4, 128
+    tokens = sum(lengths)
+    q, k = (torch.randn(tokens, heads, dim, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    g = -torch.rand(tokens, heads, generator=gen)
+    beta = torch.rand(tokens, heads, generator=gen)
+    pool = torch.randn(4, heads, dim, dim, generator=gen) * 0.1
+    start = pool.clone()
+    cu = torch.tensor([0, 150, 187, 300], dtype=torch.int32)
+    slots, fresh = torch.tensor([2, 0, 3]), torch.tensor([False, False, False])
+    out = gated_delta_varlen(*(x.cuda() for x in (q, k, v, g, beta)), pool_cuda := pool.cuda(), slots.cuda(),
+                             cu.cuda(), fresh.cuda(), use_triton=True, chunked=True).cpu()
+    for i, slot in enumerate(slots.tolist()):
+        a, b = int(cu[i]), int(cu[i + 1])
+        qd, kd = (x[a:b].double() for x in (q, k))
+        qd = qd / (qd.square().sum(-1, keepdim=True) + 1e-6).sqrt() / dim ** 0.5
+        kd = kd / (kd.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+        s, want = start[slot].double(), []
+        for t in range(b - a):
+            s = s * g[a + t].double().exp()[:, None, None]
+            d = (v[a + t].double() - (kd[t][:, :, None] * s).sum(1)) * beta[a + t].double()[:, None]
+            s = s + kd[t][:, :, None] * d[:, None, :]
+            want.append((qd[t][:, :, None] * s).sum(1))
+        want = torch.stack(want)
+        torch.testing.assert_close(out[a:b].double(), want, rtol=0, atol=tolerance * float(want.abs().max()))
+        torch.testing.assert_close(pool_cuda[slot].cpu().double(), s, rtol=0, atol=tolerance * float(s.abs().max()))
