@@ -170,10 +170,14 @@ def _replacement_warmed_from_its_peer(app, before: list[str]) -> None:
     for its hot prefixes and prefilled them before taking traffic (deploy/serve/warm_up.py; what it gives:
     test_warm_up.py). A replica that started with the app may or may not have found the other one up (on a
     loaded machine the two start apart), so only the replacement is checked."""
+    def replaced() -> bool:   # a replica that was not there before runs beside the survivor (right after the kill,
+        # Serve may still count the killed one as running: two running replicas alone prove nothing)
+        return bool(set(_engine_replicas()) - set(before)) and _running_engine_replicas() == 2
+
     deadline = time.monotonic() + 300                 # hang guard: Serve replaced the killed replica
-    while _running_engine_replicas() != 2 and time.monotonic() < deadline:
+    while not replaced() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _running_engine_replicas() == 2
+    assert replaced(), (_engine_replicas(), before)
     reports = {}
     deadline = time.monotonic() + 300   # hang guard: the driver's router learns of the replacement asynchronously
     while len(reports) < 2 and time.monotonic() < deadline:
