@@ -249,3 +249,27 @@ def test_the_chunked_kernel_on_cuda_matches_a_float64_loop(dtype, tolerance):
         want = torch.stack(want)
         torch.testing.assert_close(out[a:b].double(), want, rtol=0, atol=tolerance * float(want.abs().max()))
         torch.testing.assert_close(pool_cuda[slot].cpu().double(), s, rtol=0, atol=tolerance * float(s.abs().max()))
+
+
+@pytest.mark.parametrize("case", ["one key", "underflowing decays"])
+def test_the_chunked_kernel_at_the_extremes_of_its_inverse_and_decays(case):
+    """The chunked Triton kernel (interpreter) where its triangular inverse is at its worst (every key the same,
+    beta 1, no decay: every entry of A is 1 below the diagonal) and where every decay underflows (g = -60): finite,
+    and the float64 loop's outputs and state."""
+    from pagedray.kernels.gated_delta import gated_delta_varlen
+
+    gen = torch.Generator().manual_seed(3)
+    tokens = 70
+    q, k, v, g, beta = _inputs(gen, tokens)
+    if case == "one key":
+        k, g, beta = k[:1].expand(tokens, H, DK).contiguous(), torch.zeros(tokens, H), torch.ones(tokens, H)
+    else:
+        g = torch.full((tokens, H), -60.0)
+    pool = torch.randn(2, H, DK, DV, generator=gen)
+    start = pool[0].clone()
+    out = gated_delta_varlen(q, k, v, g, beta, pool, torch.tensor([0]), torch.tensor([0, tokens], dtype=torch.int32),
+                             torch.tensor([False]), use_triton=True, chunked=True)
+    want_out, want_state = _float64_loop(q, k, v, g, beta, start)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool[0].double(), want_state, rtol=1e-4, atol=1e-4)
