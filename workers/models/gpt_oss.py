@@ -6,7 +6,8 @@
 - ``layer_types`` alternating ``sliding_attention`` (``sliding_window``, 128) and ``full_attention``;
 - q/k/v and o biases (``attention_bias``), YaRN rope (``rope_parameters``; rotary.py);
 - a MoE on every layer with a router bias, softmax over the top-k logits and biased experts with a clamped
-  SwiGLU (``layers/clamped_moe.py``), MXFP4 experts dequantized at load;
+  SwiGLU (``layers/clamped_moe.py``: a loop over the picked experts on CPU, the grouped Triton MoE on CUDA),
+  MXFP4 experts dequantized at load on CPU and kept in 4 bits on CUDA;
 - an untied LM head unless ``tie_word_embeddings``.
 
 The harmony chat format (channels, tool calls) is the front's (deploy/openai). Refused up front, naming the

@@ -25,7 +25,8 @@ Formats (``quantization_config.quant_method`` in config.json, or the ``quantizat
 * ``mxfp4`` (gpt-oss): only the experts are quantized, ``{name}_blocks`` uint8 ``[E, rows, cols / 32, 16]``
   (two FP4 e2m1 codes a byte, the low nibble first) and ``{name}_scales`` uint8 ``[E, rows, cols / 32]`` (an
   E8M0 exponent biased by 127 per 32 values): value = FP4 code's value x 2^(scale - 127). Dequantized at load
-  on every device (``dequantize_mxfp4``), to the layout transformers' dequantizer gives (``[E, cols, rows]``).
+  on CPU (``dequantize_mxfp4``, to the layout transformers' dequantizer gives: ``[E, cols, rows]``); on CUDA kept
+  in 4 bits, the codes and scales repacked for the packed MoE kernel (``mxfp4_to_packed_rows``).
 * ``int8`` / ``fp8`` as the ``quantization`` option on a full-precision checkpoint: every linear weight of
   the decoder layers (not the embeddings, the LM head, the norms or a MoE router) rounded to 8 bits with
   one scale per output row (max |row| / 127 or / 448, symmetric), computed from the whole row so that
@@ -102,7 +103,7 @@ def resolve(hf_config, option: str) -> WeightQuantization:
         fp8 = weights and all(w.get("type") == "float" and int(w.get("num_bits", 0)) == 8 for w in weights)
         _check(fp8, f"compressed-tensors format {raw.get('format')!r} other than float 8-bit weights")
         return WeightQuantization("fp8", 8)
-    if method == "mxfp4":       # gpt-oss: only the experts are 4-bit (layers/clamped_moe.py dequantizes them)
+    if method == "mxfp4":       # gpt-oss: only the experts are 4-bit (layers/clamped_moe.py reads them)
         return WeightQuantization("mxfp4", 4, 32)
     raise ValueError(f"quantization: the checkpoint's quant_method {method!r} is not supported (gptq, awq, fp8, "
                      "mxfp4 (gpt-oss) and float 8-bit compressed-tensors checkpoints are; or a full-precision "
