@@ -39,6 +39,22 @@ class AttentionMetadata:
     state_snapshots: tuple = ()   # hybrid models: (seat, position, snapshot slot) taken during this forward (wire.py)
 
 
+@dataclass(frozen=True)
+class LastLayerRows:
+    """The rows the last decoder layer finishes when only the sampling rows' hidden states are wanted.
+
+    Every token's key and value are still written into the cache; only the sampling rows' queries are
+    attended, and only their rows go through ``o_proj``, the MLP and the final norm. Each sequence's kept
+    rows are the last ones of its chunk (its last token, then its drafts'), so attending them is the same
+    causal varlen call over fewer queries. Built on the host by ``input_batch.last_layer_rows``.
+    """
+
+    rows: torch.Tensor            # [kept] int32: the kept token rows (= logits_indices), ascending
+    seqs: torch.Tensor            # [kept seqs] int32: the sequences holding them, in batch order
+    cu_seqlens_q: torch.Tensor    # [kept seqs + 1] int32: kept rows per such sequence, cumulated
+    max_query_len: int            # the most kept rows of one sequence (1 unless drafts are verified)
+
+
 class PagedAttention(nn.Module):
     """q [tokens, heads_local, head_dim], k/v [tokens, kv_heads_local, head_dim] -> [tokens, heads_local, head_dim]."""
 
@@ -73,9 +89,21 @@ class PagedAttention(nn.Module):
         self.checkpoint_kv_scales = (values[0], values[1])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: KVLayer,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, keep: LastLayerRows | None = None) -> torch.Tensor:
         # kv_layer.k / .v [num_blocks, block_size, kv_heads_local, head_dim] (+ row scales when 8-bit)
+        # keep: every k / v row is stored, only keep.rows of q attend -> [kept, heads_local, head_dim]
         static = self.checkpoint_kv_scales if kv_layer.k.dtype == torch.float8_e4m3fn else None
+        if keep is not None:
+            kernels.store_kv(k, v, kv_layer.k, kv_layer.v, meta.slot_mapping, validate_values=False,
+                             k_scale=kv_layer.k_scale, v_scale=kv_layer.v_scale, static_scales=static)
+            if keep.rows.shape[0] == 0:
+                return q.new_empty((0,) + tuple(q.shape[1:]))
+            return kernels.paged_attention(q.index_select(0, keep.rows), kv_layer.k, kv_layer.v, keep.cu_seqlens_q,
+                                           meta.seq_lens_k.index_select(0, keep.seqs),
+                                           meta.block_tables.index_select(0, keep.seqs), self.scale,
+                                           max_query_len=keep.max_query_len, sliding_window=self.sliding_window,
+                                           validate_values=False, logit_softcap=self.logit_softcap,
+                                           k_scale=kv_layer.k_scale, v_scale=kv_layer.v_scale, sinks=self.sinks)
         return kernels.store_kv_and_attend(q, k, v, kv_layer.k, kv_layer.v, meta.slot_mapping, meta.cu_seqlens_q,
                                            meta.seq_lens_k, meta.block_tables, self.scale,
                                            max_query_len=meta.max_query_len, sliding_window=self.sliding_window,

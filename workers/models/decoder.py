@@ -29,7 +29,7 @@ from torch import nn
 
 from ..kv_cache import KVCache
 from ..layers.activation import gelu_tanh_and_mul, silu_and_mul
-from ..layers.attention import AttentionMetadata, PagedAttention
+from ..layers.attention import AttentionMetadata, LastLayerRows, PagedAttention
 from ..layers.clamped_moe import ClampedSwigluMoE
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -139,8 +139,9 @@ class DecoderAttention(nn.Module):
             copy_into(self.attn.sinks, reader.read(name, 0, self.first_head, self.first_head + self.num_heads), name)
         self.attn.load_kv_scales(reader, prefix)
 
-    def forward(self, hidden, rope: RotaryStep, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
-        # hidden [tokens, hidden] -> [tokens, hidden]; q, k, v are views of the fused projection
+    def forward(self, hidden, rope: RotaryStep, kv_layer, meta: AttentionMetadata,
+                keep: LastLayerRows | None = None) -> torch.Tensor:
+        # hidden [tokens, hidden] -> [tokens, hidden] ([kept, hidden] with keep); q, k, v: views of the fused projection
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(tokens, -1, self.head_dim)      # [tokens, Hq + 2 Hkv, D]
         q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
@@ -156,8 +157,10 @@ class DecoderAttention(nn.Module):
         else:
             q = rope.apply(self.q_norm(qkv[:, :q_end]))
             k = rope.apply(self.k_norm(qkv[:, q_end:k_end]))
-        out = self.attn(q, k, qkv[:, k_end:], kv_layer, meta)          # [tokens, heads_local, head_dim]
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        out = self.attn(q, k, qkv[:, k_end:], kv_layer, meta, keep)    # [tokens or kept, heads_local, head_dim]
+        if out.shape[0] == 0:                 # keep without rows: only the keys and values were wanted
+            return hidden.new_empty((0, hidden.shape[1]))
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderMLP(nn.Module):
@@ -204,13 +207,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight")
         self.mlp.load(reader, f"{prefix}.{getattr(self.mlp, 'checkpoint_name', 'mlp')}")
 
-    def forward(self, hidden, residual, rope: RotaryStep, kv_layer, meta):
-        # returns (mlp output, residual stream before it), both [tokens, hidden]
+    def forward(self, hidden, residual, rope: RotaryStep, kv_layer, meta, keep: LastLayerRows | None = None):
+        # returns (mlp output, residual stream before it), both [tokens, hidden] ([kept, hidden] with keep)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, kv_layer, meta)
+        hidden = self.self_attn(hidden, rope, kv_layer, meta, keep)
+        if keep is not None:
+            if keep.rows.shape[0] == 0:       # nothing samples: the keys and values are stored, nothing else is wanted
+                return hidden, hidden
+            residual = residual.index_select(0, keep.rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -229,6 +236,9 @@ class DecoderForCausalLM(nn.Module):
     """Subclasses define ``arch_spec(hf_config, max_model_len) -> ArchSpec`` (and may reject configs)."""
 
     lora = None     # workers/lora/model_lora.ModelLora once LoRA slots are attached (enable_lora)
+    # forward takes ``keep`` (LastLayerRows): the last layer finishes only the sampling rows (a subclass
+    # with a forward of its own sets this False)
+    takes_last_layer_rows = True
 
     @staticmethod
     def arch_spec(hf_config, max_model_len: int) -> ArchSpec:
@@ -274,16 +284,22 @@ class DecoderForCausalLM(nn.Module):
         load_decoder_weights(self, reader)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, keep: LastLayerRows | None = None) -> torch.Tensor:
         # input_ids, positions [tokens]; kv_cache: this rank's shard (workers.kv_cache)
+        # -> [tokens, hidden], or with keep only keep.rows' hidden states [kept, hidden] (LastLayerRows)
         hidden = self.embed_tokens(input_ids)                                   # [tokens, hidden]
         rope = self.rotary.for_step(positions, hidden.dtype)                   # shared by every layer
         if self.cpu_decode is not None and self.cpu_decode.takes(kv_cache, hidden, meta):
             hidden, residual = self.cpu_decode.forward_layers(hidden, rope, kv_cache, meta)   # the same, in one C call
+            if keep is not None:
+                hidden, residual = hidden.index_select(0, keep.rows), residual.index_select(0, keep.rows)
         else:
             residual = None
+            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                hidden, residual = layer(hidden, residual, rope, kv_cache.layer(i), meta)
+                hidden, residual = layer(hidden, residual, rope, kv_cache.layer(i), meta, keep if i == last else None)
+        if hidden.shape[0] == 0:
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -80,6 +80,7 @@ class Gemma3Layer(nn.Module):
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
     SOFTCAP = False     # Gemma 2 soft-caps; Gemma 3's configs never do
+    takes_last_layer_rows = False   # its forward runs every row through every layer
     QK_NORM = True
 
     @classmethod

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..layers.attention import AttentionMetadata
+from ..layers.attention import AttentionMetadata, LastLayerRows
 from .seq_mirror import BatchedSequence, SequenceState
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens_k", "cu_seqlens_q", "logits_indices",
@@ -54,6 +54,8 @@ class BatchInputs:
     logits_indices: torch.Tensor   # [sampling rows] int32: index of each sampling row's token
     sampling_seqs: list[SequenceState]       # one per sampling row (a sequence with drafts: one per position)
     row_drafts: tuple[tuple[int, ...], ...] = ()   # per row: the drafts before its position (() if none)
+    # set when fewer rows sample than the step has tokens: what the last layer must finish (LastLayerRows)
+    last_layer: LastLayerRows | None = None
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,13 @@ class PackedShape:
 
 
 def unpack(packed: torch.Tensor, shape: PackedShape, max_query_len: int,
-           sampling_seqs: list[SequenceState], row_drafts: tuple[tuple[int, ...], ...] = ()) -> BatchInputs:
-    """Views of one packed int32 tensor (host or device) as the step's inputs."""
+           sampling_seqs: list[SequenceState], row_drafts: tuple[tuple[int, ...], ...] = (),
+           kept_seqs: KeptSeqs | None = None) -> BatchInputs:
+    """Views of one packed int32 tensor (host or device) as the step's inputs (``kept_seqs``: on the
+    packed tensor's device)."""
     parts = dict(zip(FIELDS, packed[:shape.size].split(shape.lengths())))
+    last_layer = None if kept_seqs is None else LastLayerRows(parts["logits_indices"], kept_seqs.seqs,
+                                                              kept_seqs.cu_seqlens_q, kept_seqs.max_query_len)
     meta = AttentionMetadata(
         slot_mapping=parts["slot_mapping"],
         cu_seqlens_q=parts["cu_seqlens_q"],
@@ -87,7 +93,41 @@ def unpack(packed: torch.Tensor, shape: PackedShape, max_query_len: int,
         state_slots=parts["state_slots"],
     )
     return BatchInputs(parts["input_ids"], parts["positions"], meta, parts["logits_indices"], sampling_seqs,
-                       row_drafts)
+                       row_drafts, last_layer)
+
+
+@dataclass(frozen=True)
+class KeptSeqs:
+    """``LastLayerRows`` less its rows (those are the packed ``logits_indices``)."""
+
+    seqs: torch.Tensor            # [kept seqs] int32
+    cu_seqlens_q: torch.Tensor    # [kept seqs + 1] int32
+    max_query_len: int
+
+    def to(self, device: torch.device) -> KeptSeqs:
+        return KeptSeqs(self.seqs.to(device, non_blocking=True), self.cu_seqlens_q.to(device, non_blocking=True),
+                        self.max_query_len)
+
+
+def kept_seqs(logits_indices: np.ndarray, cu_seqlens_q: np.ndarray) -> KeptSeqs | None:
+    """The sequences whose rows the last layer must finish, when fewer rows sample than there are tokens;
+    None when every token samples (a decode step: nothing to leave out) or when some sequence's sampling
+    rows are not the last rows of its chunk (the attention call needs them to be; never the case for the
+    rows ``build_host_batch`` makes). logits_indices [rows] int32 ascending, cu_seqlens_q [seqs + 1]."""
+    if len(logits_indices) == int(cu_seqlens_q[-1]):
+        return None
+    before = np.searchsorted(logits_indices, cu_seqlens_q).astype(np.int32)      # [seqs + 1] rows before each seq
+    counts = np.diff(before)                                                     # [seqs] sampling rows per seq
+    if before[-1] != len(logits_indices) or (counts > np.diff(cu_seqlens_q)).any():
+        return None
+    seq_of_row = np.repeat(np.arange(len(counts)), counts)                       # [rows]
+    from_end = before[seq_of_row + 1] - np.arange(len(logits_indices))           # 1 for each seq's last row
+    if not np.array_equal(logits_indices, cu_seqlens_q[seq_of_row + 1] - from_end):
+        return None
+    seqs = np.flatnonzero(counts).astype(np.int32)
+    cu = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(counts[seqs], out=cu[1:])
+    return KeptSeqs(torch.from_numpy(seqs), torch.from_numpy(cu), int(counts.max()) if len(counts) else 0)
 
 
 @dataclass(frozen=True)
@@ -98,17 +138,20 @@ class HostBatch:
     sampling_seqs: list[SequenceState]
     num_real_rows: int                  # sequences of the plan (rows past them are padding)
     row_drafts: tuple[tuple[int, ...], ...] = ()   # BatchInputs.row_drafts
+    kept_seqs: KeptSeqs | None = None   # host tensors (BatchInputs.last_layer)
 
     @functools.cached_property
     def inputs(self) -> BatchInputs:
         """The host tensors (what the runner checks before the copy; made once)."""
-        return unpack(self.packed, self.shape, self.max_query_len, self.sampling_seqs, self.row_drafts)
+        return unpack(self.packed, self.shape, self.max_query_len, self.sampling_seqs, self.row_drafts,
+                      self.kept_seqs)
 
     def to_device(self, device: torch.device) -> BatchInputs:
         if device.type == "cpu":
             return self.inputs
         packed = self.packed.to(device, non_blocking=True)
-        return unpack(packed, self.shape, self.max_query_len, self.sampling_seqs, self.row_drafts)
+        kept = None if self.kept_seqs is None else self.kept_seqs.to(device)
+        return unpack(packed, self.shape, self.max_query_len, self.sampling_seqs, self.row_drafts, kept)
 
 
 def is_decode_only(batch: list[BatchedSequence]) -> bool:
@@ -181,7 +224,8 @@ def build_host_batch(batch: list[BatchedSequence], block_size: int, pin_memory: 
     host = torch.from_numpy(packed)                                           # [shape.size] int32
     if pin_memory:
         host = torch.empty(shape.size, dtype=torch.int32, pin_memory=True).copy_(host)
-    return HostBatch(host, shape, max(q_lens), sampling_seqs, len(batch), row_drafts)
+    kept = None if rows is not None else kept_seqs(logits_indices, cu_seqlens_q)
+    return HostBatch(host, shape, max(q_lens), sampling_seqs, len(batch), row_drafts, kept)
 
 
 def build_decode_host_batch(states: list[SequenceState], tables: np.ndarray, block_size: int,

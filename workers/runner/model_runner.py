@@ -173,11 +173,20 @@ class ModelRunner:
     def forward(self, inputs: BatchInputs, prompt_rows: list[PromptRows] | None = None,
                 pool_rows: list[PoolRows] | None = None) -> StepOutput:
         """The eager model forward over the batch, then the LM head at the sampling rows (and at the
-        prompt rows of sequences that asked for prompt logprobs), and the pooling requests' parts."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)   # [tokens, hidden]
+        prompt rows of sequences that asked for prompt logprobs), and the pooling requests' parts.
+        When only the sampling rows' hidden states are wanted (no prompt logprobs, no pooling, no LoRA, whose
+        per-token slots cover every row) the last layer finishes only those rows (``LastLayerRows``)."""
+        keep = inputs.last_layer
+        if (keep is not None and not prompt_rows and not pool_rows and self.lora is None
+                and getattr(self.model, "takes_last_layer_rows", False)):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, keep)   # [rows, hidden]
+            sampled = hidden
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)   # [tokens, hidden]
+            sampled = hidden[inputs.logits_indices] if inputs.sampling_seqs else None
         logits = None
         if inputs.sampling_seqs:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])                 # [rows, vocab]
+            logits = self.model.compute_logits(sampled)                                        # [rows, vocab]
         prompt = compute_prompt_logprobs(self.model, hidden, prompt_rows) if prompt_rows else []
         pooled = compute_pooled(self.model, hidden, pool_rows) if pool_rows else []
         return StepOutput(logits, inputs.sampling_seqs, prompt, inputs.row_drafts, pooled)
