@@ -26,7 +26,7 @@ import os
 import torch
 
 from . import validation as v
-from .cpu import cpu_decode, cpu_prefill, cpu_twins
+from .cpu import cpu_decode, cpu_fused, cpu_prefill, cpu_twins
 from .reference.attention import paged_decode_reference, paged_prefill_reference, store_kv_reference
 from .triton.decode_triton import paged_decode_triton
 from .triton.prefill_triton import paged_prefill_triton
@@ -62,6 +62,8 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, *, validate_values=None
     v.check_slot_mapping(slot_mapping, key.shape[0], k_cache, check)
     if _triton_wanted(use_triton, k_cache.device):
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, static_scales)
+    elif k_scale is None and cpu_fused.supports_store_kv(key, value, k_cache, v_cache, slot_mapping):
+        cpu_fused.store_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, static_scales)
 

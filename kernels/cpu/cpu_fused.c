@@ -1,5 +1,6 @@
 /* Three of the decoder's small ops for the CPU, one call each instead of 3-9 torch ops: RMSNorm (with
- * the residual add), rotate-half rotary and SiLU(gate) * up. Built and loaded by cpu_fused.py; called through
+ * the residual add), rotate-half rotary and SiLU(gate) * up; and the store of a step's keys and values into
+ * a cache of their own dtype (a copy per token row, where torch's index_copy_ first copied the strided rows). Built and loaded by cpu_fused.py; called through
  * ctypes with raw pointers and element strides.
  *
  * Numerics follow reference/fused.py op for op: every op that torch runs on a bfloat16 tensor rounds
@@ -149,5 +150,19 @@ void silu_mul_rows(const void *gate_up, int64_t gu_row, void *out, int64_t o_row
             const float silu = (x < 0.0f ? x * e : x) / (1.0f + e);
             store1(o, i, round1(silu, dtype) * load1(u, i, dtype), dtype);
         }
+    }
+}
+
+/* key / value [tokens, row] (token strides k_tok / v_tok, rows contiguous; row = kv_heads * head_dim elements
+ * of elem bytes) -> the caches' rows at slots[t] (caches [num_slots, row], contiguous). A slot < 0 or
+ * >= num_slots is skipped (the callers check slots before the step; this keeps a bad one inside the cache). */
+void store_kv_rows(const void *key, int64_t k_tok, const void *value, int64_t v_tok, void *k_cache, void *v_cache,
+                   const int32_t *slots, int64_t tokens, int64_t row, int64_t num_slots, int64_t elem) {
+    const size_t bytes = (size_t)(row * elem);
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) continue;
+        memcpy((char *)k_cache + slot * (int64_t)bytes, (const char *)key + t * k_tok * elem, bytes);
+        memcpy((char *)v_cache + slot * (int64_t)bytes, (const char *)value + t * v_tok * elem, bytes);
     }
 }

@@ -1,4 +1,5 @@
-"""Two of the decoder's small ops on CPU in C (``cpu_fused.c``): RMSNorm with the residual add, and rotary.
+"""Small decoder ops on CPU in C (``cpu_fused.c``): RMSNorm with the residual add, rotary, SiLU * up, and the
+store of a step's keys and values into a cache of their dtype.
 
 On CPU these ran as torch ops (``reference.fused``): 4-9 small ops per call, 91 calls per decode step
 of SmolLM2, where each op's dispatch costs as much as its arithmetic at decode sizes. One C call each
@@ -31,6 +32,7 @@ _SIGNATURES = {
     "rms_norm_rows": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _F32, _INT, _INT],
     "rotary_rows": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _INT],
     "silu_mul_rows": [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT],
+    "store_kv_rows": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
 }
 
 
@@ -100,3 +102,25 @@ def silu_and_mul_cpu(gate_up):
     _library().silu_mul_rows(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, width // 2,
                              DTYPE_CODES[gate_up.dtype], torch.get_num_threads())
     return out
+
+
+def supports_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> bool:
+    """key / value [tokens, kv_heads, D] with each token's row contiguous, caches contiguous on CPU in key's
+    dtype (not 8-bit: those rows are quantized), int32 / int64 slots."""
+    def rows_contiguous(t):
+        return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+    return (key.device.type == "cpu" and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+            and key.element_size() in (2, 4) and rows_contiguous(key) and rows_contiguous(value)
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype in (torch.int32, torch.int64) and _library() is not None)
+
+
+def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """key / value [tokens, kv_heads, D] -> the caches [NB, bs, kv_heads, D] at slot_mapping [tokens]
+    (slot = block * bs + offset; < 0 skipped). As ``store_kv_reference``, one C call."""
+    tokens, heads, head_dim = key.shape
+    slot_mapping = slot_mapping.to(torch.int32).contiguous()     # held by this frame during the call
+    _library().store_kv_rows(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+                             v_cache.data_ptr(), slot_mapping.data_ptr(), tokens, heads * head_dim,
+                             k_cache.shape[0] * k_cache.shape[1], key.element_size())

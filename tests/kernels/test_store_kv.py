@@ -1,4 +1,4 @@
-"""store_kv (Triton kernel and torch reference): new K/V land in exactly their slots, negative slots are
+"""store_kv (Triton kernel, CPU C kernel and torch reference): new K/V land in exactly their slots, negative slots are
 skipped, every other slot keeps its previous (random) contents."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers.paged_kv_cases import kernel_device, seed_of
 from pagedray.kernels import store_kv, store_kv_reference
+from pagedray.kernels.cpu import cpu_fused
 
 
 def _expected_cache(cache: torch.Tensor, new: torch.Tensor, slots: list[int]) -> torch.Tensor:
@@ -28,7 +29,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "c", "reference"])
 @pytest.mark.parametrize("num_tokens,kv_heads,head_dim,block_size,dtype,slot_dtype", CASES)
 def test_store_kv_writes_only_mapped_slots(num_tokens, kv_heads, head_dim, block_size, dtype, slot_dtype,
                                            impl):
@@ -51,6 +52,11 @@ def test_store_kv_writes_only_mapped_slots(num_tokens, kv_heads, head_dim, block
 
     if impl == "triton":
         store_kv(key, value, k_cache, v_cache, slot_mapping, use_triton=True, validate_values=True)
+    elif impl == "c":
+        if device.type != "cpu":
+            pytest.skip("the C store is the CPU's")
+        assert cpu_fused.supports_store_kv(key, value, k_cache, v_cache, slot_mapping)
+        store_kv(key, value, k_cache, v_cache, slot_mapping, use_triton=False, validate_values=True)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
@@ -59,7 +65,7 @@ def test_store_kv_writes_only_mapped_slots(num_tokens, kv_heads, head_dim, block
     assert torch.equal(kv[0], layer0_before)
 
 
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "c"])
 def test_store_kv_all_slots_skipped_changes_nothing(impl):
     device = kernel_device()
     gen = torch.Generator().manual_seed(3)
