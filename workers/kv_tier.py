@@ -11,7 +11,8 @@ under its folder.
 - Every file carries a CRC-32 of its bytes, kept in memory when saved. A load whose file is missing, has the
   wrong size or a different CRC is a failure (the block is left as it was): the engine then treats the prefix
   as not cached and computes it again, never a wrong token.
-- On CUDA the bytes go through host memory to the same files (a pinned host tier is not built).
+- On CUDA with a folder the bytes go through host memory to the same files; without one the tier is pinned host
+  memory (``kv_host_tier.py``, chosen by ``open_tier_store``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import torch
 
 from .kv_blocks import block_bytes, read_blocks, write_blocks
 from .kv_cache import KVCache
+from .kv_host_tier import HostTierStore
 
 DEFAULT_PREFIX = "pagedray-kv-tier-"
 log = logging.getLogger(__name__)
@@ -92,5 +95,27 @@ class KVTierStore:
         write_blocks(self.kv_cache, [block], rows)
         return True
 
+    def save_many(self, pairs: list[tuple[int, int]]) -> None:
+        """(block, slot) pairs, saved one after the other (``HostTierStore``'s interface)."""
+        for block, slot in pairs:
+            self.save(block, slot)
+
+    def wait_loads(self) -> None:
+        """Loads are done when ``load_many`` returns (``HostTierStore`` orders CUDA streams here)."""
+
+    def load_many(self, pairs: list[tuple[int, int]]) -> tuple[list[bool], float]:
+        """(slot, block) pairs: (per pair: loaded or not, the seconds the reads took)."""
+        started = time.perf_counter()
+        loaded = [self.load(slot, block) for slot, block in pairs]
+        return loaded, time.perf_counter() - started
+
     def close(self) -> None:
         shutil.rmtree(self.root if self._owns_root else self.folder, ignore_errors=True)
+
+
+def open_tier_store(kv_cache: KVCache, folder: str | None, rank: int, num_slots: int) -> KVTierStore | HostTierStore:
+    """The rank's second tier: files under ``folder`` when one is given or the cache is on the CPU (whose first
+    tier already is host memory); pinned host memory on CUDA without a folder (``kv_host_tier.py``)."""
+    if folder is None and kv_cache.data.device.type == "cuda":
+        return HostTierStore(kv_cache, num_slots)
+    return KVTierStore(kv_cache, folder, rank)

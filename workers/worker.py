@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from concurrent.futures import Future, wait
 from dataclasses import replace
 
@@ -22,7 +21,8 @@ from .contract.config import EngineConfig
 from .contract.wire import PENDING_TOKEN, LoraRead, SampledToken, StepPlan, StepResult, decode_plan, encode_result
 from .host_memory import keep_freed_memory
 from .kv_blocks import read_blocks, reshard_rows, write_blocks
-from .kv_tier import KVTierStore
+from .kv_host_tier import HostTierStore
+from .kv_tier import KVTierStore, open_tier_store
 from .layers.packed_gemm import PackReport
 from .layers.partition import HeadPartition
 from .lora.model_lora import ModelLora
@@ -103,7 +103,8 @@ class Worker:
                         if self.tp.is_first else None)
         self.grammars = GrammarBook(str(config.model.tokenizer or model_path)) if self.tp.is_first else None
         self.runner: ModelRunner | None = None
-        self.kv_tier: KVTierStore | None = None   # the second KV tier (kv_offload_gib), once the cache exists
+        # the second KV tier (kv_offload_gib), once the cache exists
+        self.kv_tier: KVTierStore | HostTierStore | None = None
         self.graph_report: CaptureReport | None = None
         self._last_sampled: list[SampledToken] = []   # rank 0: what its last step drew (the list it returned)
 
@@ -146,7 +147,7 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         kv_cache = self.kv_spec.allocate(num_blocks, self.device)
         if self.kv_tier_slots():
-            self.kv_tier = KVTierStore(kv_cache, self.config.cache.kv_offload_path, self.rank)
+            self.kv_tier = open_tier_store(kv_cache, self.config.cache.kv_offload_path, self.rank, self.kv_tier_slots())
         settle_cpu_decode(self.model, kv_cache, self.config.cache.block_size)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks)
@@ -160,6 +161,8 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult | None:
         if self.runner is None:
             raise RuntimeError("Worker.execute: call init_kv_cache(num_blocks) first")
+        if self.kv_tier is not None:
+            self.kv_tier.wait_loads()          # earlier steps' tier loads land before this step reads the cache
         tier_failures, load_s = self._move_tier_blocks(plan)
         exported = self._export_blocks(plan.kv_exports)
         self._import_blocks(plan)
@@ -206,11 +209,9 @@ class Worker:
             if not 0 <= block < num_blocks or slot < 0:
                 raise ValueError(f"kv_saves / kv_loads: block {block} / slot {slot} outside the cache "
                                  f"(0..{num_blocks - 1}) or negative")
-        for block, slot in plan.kv_saves:
-            self.kv_tier.save(block, slot)
-        started = time.perf_counter()
-        failed = [0 if self.kv_tier.load(slot, block) else 1 for slot, block in plan.kv_loads]
-        load_s = time.perf_counter() - started
+        self.kv_tier.save_many(plan.kv_saves)
+        loaded, load_s = self.kv_tier.load_many(plan.kv_loads)
+        failed = [0 if ok else 1 for ok in loaded]
         if self.tp.world_size > 1 and failed:
             flags = torch.tensor(failed, dtype=torch.int32, device=self.device)
             failed = self.tp.all_reduce(flags).tolist()

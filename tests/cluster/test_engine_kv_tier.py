@@ -4,38 +4,16 @@ tier, has it loaded back before it runs, and generates transformers' tokens; cor
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from helpers.engine_runs import run_alone
 from helpers.hf_oracle import hf_greedy
 from helpers.thread_tp import ThreadTPExecutor, thread_tp_workers
+from helpers.tier_runs import NEW, evict_then_return
 from helpers.worker_setup import engine_config
-from pagedray.cluster import LLM, SamplingParams
+from pagedray.cluster import LLM
 from pagedray.cluster.engine import Engine
 
 BLOCK = 8
-NEW = 8
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 TIER = {"kv_offload_gib": 0.002}     # ~2 MB a rank: hundreds of the tiny model's blocks
-
-
-def _evict_then_return(engine: Engine, corrupt=None) -> tuple[list[int], list[int], int]:
-    """A prompt, a flood that evicts every block it left, then the prompt again with more tokens:
-    (that prompt, its tokens, its cached prompt tokens). ``corrupt()`` runs before the return."""
-    rng = random.Random(5)
-    first = [rng.randrange(2, 500) for _ in range(35)]
-    run_alone(engine, "first", first, GREEDY)
-    for i in range(3):
-        run_alone(engine, f"flood{i}", [rng.randrange(2, 500) for _ in range(60)], GREEDY)
-    assert engine.block_manager.num_cached_prefix_tokens(first) == 0       # gone from the cache ...
-    assert engine.block_manager.stats().num_tier_blocks > 0                 # ... into the tier
-    if corrupt is not None:
-        corrupt()
-    again = first + [rng.randrange(2, 500) for _ in range(6)]
-    tokens, cached = run_alone(engine, "again", again, GREEDY)
-    engine.block_manager.check_invariants()
-    return again, tokens, cached
 
 
 def _llm(path, **kwargs) -> LLM:
@@ -45,7 +23,7 @@ def _llm(path, **kwargs) -> LLM:
 
 def test_an_evicted_prefix_comes_back_from_the_tier_exactly(tiny_llama_path, tiny_hf_model):
     with _llm(tiny_llama_path) as llm:
-        again, tokens, cached = _evict_then_return(llm.engine)
+        again, tokens, cached = evict_then_return(llm.engine)
         stats = llm.engine.block_manager.stats()
     assert cached == 32 and stats.num_tier_loaded == 4 and stats.num_tier_load_failures == 0
     assert tokens == hf_greedy(tiny_hf_model, again, NEW)
@@ -61,7 +39,7 @@ def test_corrupt_tier_files_are_a_miss_never_a_wrong_token(tiny_llama_path, tiny
             file.write_bytes(bytes(data))
 
     with _llm(tiny_llama_path, kv_offload_path=str(tmp_path)) as llm:
-        again, tokens, cached = _evict_then_return(llm.engine, corrupt)
+        again, tokens, cached = evict_then_return(llm.engine, corrupt)
         stats = llm.engine.block_manager.stats()
     assert cached == 0 and stats.num_tier_load_failures == 4 and stats.num_tier_loaded == 0
     assert tokens == hf_greedy(tiny_hf_model, again, NEW)
@@ -72,7 +50,7 @@ def test_tensor_parallel_ranks_each_move_their_shard(tiny_llama_path, tiny_hf_mo
                                 **TIER)
     engine = Engine(engine_config(tiny_llama_path, tp=2, num_blocks=16, kv_offload_path=str(tmp_path), **TIER),
                     executor=ThreadTPExecutor(workers, 16))
-    again, tokens, cached = _evict_then_return(engine)
+    again, tokens, cached = evict_then_return(engine)
     assert cached == 32 and engine.block_manager.stats().num_tier_loaded == 4
     assert {f.name for f in (tmp_path / "rank0").glob("*.kv")} == {f.name for f in (tmp_path / "rank1").glob("*.kv")}
     assert tokens == hf_greedy(tiny_hf_model, again, NEW)
@@ -87,6 +65,6 @@ def test_the_tier_is_refused_with_a_draft_model(tiny_llama_path):
 def test_tensor_parallel_rank_actors_over_ray_use_the_tier(ray_session, tiny_llama_path, tiny_hf_model):
     with _llm(tiny_llama_path, tensor_parallel_size=2) as llm:
         assert llm.config.parallel.use_ray and llm.engine.executor.num_tier_slots > 0
-        again, tokens, cached = _evict_then_return(llm.engine)
+        again, tokens, cached = evict_then_return(llm.engine)
         assert cached == 32 and llm.engine.block_manager.stats().num_tier_loaded == 4
     assert tokens == hf_greedy(tiny_hf_model, again, NEW)

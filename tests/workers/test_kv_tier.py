@@ -3,22 +3,13 @@ a corrupt, short or missing file is a failed load that leaves the block as it wa
 
 import pytest
 import torch
-from pagedray.workers.kv_cache import KVCache
+from helpers.tier_runs import small_kv_cache
 from pagedray.workers.kv_tier import KVTierStore
-
-
-def _cache(quantized: bool) -> KVCache:
-    gen = torch.Generator().manual_seed(0)
-    shape = (3, 2, 6, 4, 2, 8)                                    # [layers, 2, blocks, block_size, heads, dim]
-    if quantized:
-        data = torch.randint(-128, 127, shape, generator=gen, dtype=torch.int8)
-        return KVCache(data, torch.rand(shape[:-1], generator=gen).to(torch.float16))
-    return KVCache(torch.randn(shape, generator=gen).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_a_saved_block_loads_back_exactly(tmp_path, quantized):
-    cache = _cache(quantized)
+    cache = small_kv_cache(quantized)
     store = KVTierStore(cache, str(tmp_path), rank=1)
     tensors = [cache.data] + ([cache.scales] if quantized else [])
     original = [t[:, :, 2].clone() for t in tensors]
@@ -34,7 +25,7 @@ def test_a_saved_block_loads_back_exactly(tmp_path, quantized):
 
 
 def test_corrupt_short_or_missing_files_are_failed_loads(tmp_path):
-    cache = _cache(False)
+    cache = small_kv_cache(False)
     store = KVTierStore(cache, str(tmp_path), rank=0)
     for slot, block in ((0, 0), (1, 1), (2, 2)):
         store.save(block, slot)
@@ -58,7 +49,7 @@ def test_the_default_folder_is_per_process_and_orphans_are_removed(tmp_path, mon
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     orphan = tmp_path / f"{kv_tier.DEFAULT_PREFIX}999999999"      # no such process
     (orphan / "rank0").mkdir(parents=True)
-    store = KVTierStore(_cache(False), None, rank=0)
+    store = KVTierStore(small_kv_cache(False), None, rank=0)
     assert not orphan.exists() and store.folder.parent.name == f"{kv_tier.DEFAULT_PREFIX}{os.getpid()}"
     store.save(1, 0)
     assert store.load(0, 2)
@@ -67,7 +58,7 @@ def test_the_default_folder_is_per_process_and_orphans_are_removed(tmp_path, mon
 
 
 def test_a_save_the_disk_refuses_is_a_miss_not_a_failed_step(tmp_path):
-    cache = _cache(False)
+    cache = small_kv_cache(False)
     store = KVTierStore(cache, str(tmp_path), rank=0)
     (store.folder / "3.kv").mkdir()                  # writing the slot's file fails (a directory is in the way)
     store.save(1, 3)

@@ -151,10 +151,11 @@ class CacheConfig:
     kv_pin_max_fraction: float = option(0.5, "session pins: at most this fraction of the KV blocks pinned in all "
                                              "(0: no pins); the sessions pinned longest ago make room first")
     kv_offload_gib: float = option(0.0, "second KV tier per rank: a cached prefix block evicted from the KV cache is "
-                                        "saved here (files in kv_offload_path) and loaded back when a prompt "
-                                        "reaches it again; 0: off")
+                                        "saved here (files in kv_offload_path; on CUDA without a path, pinned host "
+                                        "memory) and loaded back when a prompt reaches it again; 0: off")
     kv_offload_path: str | None = option(None, "second KV tier: the folder of its files (one sub-folder per rank; "
-                                               "default: a temporary folder, removed at shutdown)")
+                                               "default: a temporary folder, removed at shutdown; on CUDA the "
+                                               "default is pinned host memory instead of files)")
     hybrid_prefix_states: int = option(16, "hybrid models (Qwen3.5 / 3.6): recurrent-state snapshots the prefix "
                                            "cache keeps, each the state of its linear-attention layers at the end "
                                            "of a cached block (a prefix hit needs one; each costs one "
