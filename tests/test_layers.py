@@ -105,11 +105,13 @@ def test_deploy_rooms_import_only_the_rooms_below_them():
 
 
 # pagedray.workers' rooms (workers/__init__.py): the contract at the bottom, then the rank's foundations
-# (kv_cache, its blocks as bytes kv_blocks, its second tier kv_tier, tp_group, host_memory), weights, layers, models,
+# (kv_cache, its blocks as bytes kv_blocks, its second tier kv_tier over files or kv_host_tier in host memory, tp_group,
+# host_memory), weights, layers, models,
 # lora, sampling and runner; worker, ray_worker and step_channel, the rank itself, stand on top and may import any
 # of them
 WORKER_ROOMS = {"contract": set(), "kv_cache": set(), "tp_group": set(), "host_memory": set(),
-                "kv_blocks": {"kv_cache", "layers"}, "kv_tier": {"kv_cache", "kv_blocks"},
+                "kv_blocks": {"kv_cache", "layers"}, "kv_host_tier": {"kv_cache", "kv_blocks"},
+                "kv_tier": {"kv_cache", "kv_blocks", "kv_host_tier"},
                 "weights": {"contract"}, "sampling": {"contract"},
                 "layers": {"weights", "kv_cache", "tp_group"},
                 "models": {"contract", "weights", "layers", "kv_cache", "tp_group"},

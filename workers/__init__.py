@@ -2,9 +2,9 @@
 
 Rooms, from the bottom (tests/test_layers.py holds each to the rooms below it):
 - ``contract/``: what crosses the engine-worker boundary (config, sampling params, the wire types);
-- ``kv_cache``, ``kv_blocks``, ``kv_tier``, ``tp_group``, ``host_memory``: the rank's KV tensors, its blocks as
-  bytes (the tier's files and transfers between replicas; head re-sharding uses ``layers.partition``), its second
-  KV tier (files), its process group, its allocator;
+- ``kv_cache``, ``kv_blocks``, ``kv_tier``, ``kv_host_tier``, ``tp_group``, ``host_memory``: the rank's KV tensors,
+  its blocks as bytes (the tier's files and transfers between replicas; head re-sharding uses ``layers.partition``),
+  its second KV tier (files; pinned host memory on CUDA), its process group, its allocator;
 - ``weights/``: checkpoint reading, quantization formats, the default model, the dtype choice;
 - ``layers/``: the tensor-parallel layers; ``models/``: the model families on them, model loading and info;
 - ``lora/``: LoRA adapters on the layers (PEFT files checked, per-layer slots, the grouped product);
