@@ -20,13 +20,15 @@
 # the base model with 64 requests at once, the issue #63 goal >= 0.85x) and "delta" (benchmarks.gated_delta_kernel:
 # the chunked Triton gated delta rule that prefill steps of Qwen3.5 / 3.6 run, against the recurrent kernel and the
 # torch path, issue #67; never run on a GPU yet) and "families" (benchmarks.gpu_families: Qwen3.5, gpt-oss (bf16 and
-# MXFP4 experts) and Gemma 4 against a dense Qwen3 of the same shape, throughput and a 4k prefill, issue #67).
+# MXFP4 experts) and Gemma 4 against a dense Qwen3 of the same shape, throughput and a 4k prefill, issue #67) and
+# "tier" (benchmarks.kv_host_tier: the pinned host-memory second KV tier's save / load rates against a pinned copy,
+# and how much of a forward its side-stream copies overlap, issue #64; never run on a GPU yet).
 #
 # Logs and JSON go to $OUT (default gpu_out/): run.log holds everything printed, *.json the figures.
 # Wheels in .whl/ (platformdirs, which the project needs and such an image may lack) are installed
 # first when present. KV8GOAL_S, TEST_S, BENCH_S, MOE_S, KV8_S, KVSWEEP_S (each half), QGEMM_S, SPEC_S, HOSTSTEP_S and LORA_S bound
 # the stages in seconds, so that a stage that hangs or crawls still leaves the others' output; every result
-# is printed as it comes (DELTA_S bounds "delta", FAMILIES_S "families"). A lease is 15 minutes of device time, the machine's start included, and one call
+# is printed as it comes (DELTA_S bounds "delta", FAMILIES_S "families", TIER_S "tier"). A lease is 15 minutes of device time, the machine's start included, and one call
 # at most 10: the default STAGES="kv8goal tests kv8" takes about 6 minutes on an H100 with a cold Triton cache
 # (2026-11-27: kv8goal ~1.5, the tests over 3.7 cold and 2.4 warm, kv8 ~0.5), leaving room to rerun one stage after
 # a fix. The others: STAGES="engine moe", then "qgemm".
@@ -104,6 +106,12 @@ if wanted families; then
 echo "== benchmarks.gpu_families (the 2026 families against a dense model of their shape, bf16, graphs) =="
 timeout "${FAMILIES_S:-420}" python3 -m benchmarks.gpu_families --out "$OUT/gpu_families.json"
 echo "gpu_families exit: $?"
+fi
+
+if wanted tier; then
+echo "== benchmarks.kv_host_tier (the pinned host-memory KV tier: copy rates and overlap with a forward) =="
+timeout "${TIER_S:-120}" python3 -m benchmarks.kv_host_tier --out "$OUT/kv_host_tier.json"
+echo "kv_host_tier exit: $?"
 fi
 
 if wanted moe; then
