@@ -46,7 +46,7 @@ class LastLayerRows:
     Every token's key and value are still written into the cache; only the sampling rows' queries are
     attended, and only their rows go through ``o_proj``, the MLP and the final norm. Each sequence's kept
     rows are the last ones of its chunk (its last token, then its drafts'), so attending them is the same
-    causal varlen call over fewer queries. Built on the host by ``input_batch.last_layer_rows``.
+    causal varlen call over fewer queries. Built on the host by ``runner.input_batch.kept_seqs``.
     """
 
     rows: torch.Tensor            # [kept] int32: the kept token rows (= logits_indices), ascending
