@@ -93,8 +93,11 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
             for (int64_t d = 0; d < D; d++) kt[d][j] = 0.0f;
         }
         for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK) {
-            if (pos[r0 + ROW_BLOCK - 1] < first) continue;           /* the chunk is after every row */
-            for (int64_t k16 = 0; k16 < n16; k16 += 16) {            /* scores, masked */
+            const int64_t last = pos[r0 + ROW_BLOCK - 1];            /* the block's latest row (pos never decreases) */
+            if (last < first) continue;                              /* the chunk is after every row */
+            /* keys past the block's latest row are masked for all its rows: only [first, first + nb) are scored */
+            const int64_t nb = (last + 1 < end ? last + 1 : end) - first, nb16 = (nb + 15) / 16 * 16;
+            for (int64_t k16 = 0; k16 < nb16; k16 += 16) {           /* scores, masked */
                 v16f sc[ROW_BLOCK];
                 for (int rr = 0; rr < ROW_BLOCK; rr++) sc[rr] = splat16(0.0f);
                 for (int64_t d = 0; d < D; d++) {
@@ -114,7 +117,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
             for (int rr = 0; rr < ROW_BLOCK; rr++) {                 /* online softmax, one step per chunk */
                 const int64_t r = r0 + rr;
                 v16f vmax = splat16(-INFINITY);
-                for (int64_t k16 = 0; k16 < n16; k16 += 16) {
+                for (int64_t k16 = 0; k16 < nb16; k16 += 16) {
                     v16f x;
                     memcpy(&x, &p[rr][k16], sizeof x);
                     vmax = select16(x > vmax, x, vmax);
@@ -128,7 +131,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
                 const float new_max = cmax > m[r] ? cmax : m[r];
                 correction[rr] = m[r] == -INFINITY ? 0.0f : exp8(splat8(m[r] - new_max))[0];
                 v16f sum = splat16(0.0f);
-                for (int64_t k16 = 0; k16 < n16; k16 += 16) {
+                for (int64_t k16 = 0; k16 < nb16; k16 += 16) {
                     v16f x;
                     memcpy(&x, &p[rr][k16], sizeof x);
                     x = exp16(x - splat16(new_max));
@@ -142,7 +145,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
             for (int rr = 0; rr < ROW_BLOCK; rr++) {
                 for (int64_t c = 0; c < C; c++) o[rr][c] = acc[r0 + rr][c] * splat16(correction[rr]);
             }
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = 0; j < nb; j++) {
                 for (int64_t c = 0; c < C; c++) {
                     v16f vv;
                     memcpy(&vv, &vb[j][c * 16], sizeof vv);

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import pytest
 import torch
@@ -96,6 +97,18 @@ def test_the_faster_product_is_chosen_per_row_bucket_and_cached(monkeypatch, tmp
     clock.calls.clear()
     gemm_timing.plan_table(_Model(), "auto", max_num_seqs=200, cache=cache, timer=clock.timer)
     assert clock.calls
+
+
+@pytest.mark.parametrize("c_ms, want", [(2.0, "c"), (2.1, "c"), (2.2, "onednn"), (1.5, "c")])
+def test_another_product_takes_a_bucket_from_the_c_gemm_only_when_faster_by_more_than_the_margin(c_ms, want):
+    # onednn 2.0 ms in every bucket; mkl slower everywhere; the C GEMM at c_ms (C_MARGIN = 1.05: 2.1 is within it)
+    times = {"c": (c_ms,) * len(ROW_BUCKETS), "onednn": (2.0,) * len(ROW_BUCKETS), "mkl": (9.0,) * len(ROW_BUCKETS)}
+    assert gemm_timing._plan(times) == (want,) * len(ROW_BUCKETS)
+    # without the C GEMM among the candidates, the fastest wins
+    assert gemm_timing._plan({"onednn": (2.0,) * 7, "mkl": (1.9,) * 7}) == ("mkl",) * 7
+    # a bucket the C GEMM was not timed at (inf) is another product's, then filled as before
+    partial = {"c": (1.0,) * 5 + (math.inf,) * 2, "onednn": (2.0,) * 5 + (math.inf,) * 2}
+    assert gemm_timing._plan(partial) == ("c",) * 7
 
 
 @needs_onednn

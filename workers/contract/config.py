@@ -57,7 +57,8 @@ class ModelConfig:
                                             "pagedray's C GEMM (AVX-512) or oneDNN's and multiply with it (faster "
                                             "linear layers; as much memory again as the weights)")
     cpu_gemm: str = option("auto", "CPU linear products: auto (each weight shape and row count runs the product "
-                                   "timed fastest on this CPU at load, cached on disk; PAGEDRAY_CPU_GEMM in the "
+                                   "timed fastest on this CPU at load, the C GEMM unless another is more than 5% "
+                                   "faster, cached on disk; PAGEDRAY_CPU_GEMM in the "
                                    "environment overrides auto) | c (pagedray's C GEMM, AVX-512) | onednn (oneDNN's "
                                    "packed product; AMX where the CPU has it) | mkl (float32: F.linear)")
     quantization: str = option("auto", "weights: auto (as the checkpoint is: full precision, or GPTQ / AWQ / FP8 "

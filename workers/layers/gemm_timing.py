@@ -9,8 +9,13 @@ How it is timed (``plan_table``):
   as in a real decode step, each weight comes from memory.
 - Prefill buckets are compute-bound: one module of each shape, back to back.
 - ``REPEATS`` rounds after a warm-up round, the products in a rotated order each round; the median of the
-  rounds. A shape is timed only up to the rows it can see (the LM head: ``max_num_seqs``); the buckets
-  above take the decision of the largest timed one.
+  rounds. The fastest product takes a bucket, but another product must be more than ``C_MARGIN`` times
+  faster to take it from the C GEMM: at prefill sizes the products timed within 1-3% of each other on the
+  2-core AMD EPYC, so such a choice was noise, and the whole prefill of 16 prompts (1,044 tokens) ran 0.96x
+  as long with the C GEMM everywhere as with the plan those ties gave (3 interleaved runs, 2026-11-30). On a
+  CPU with AMX, oneDNN is 3-11x faster there (#59) and keeps those buckets. A shape is timed only up to the
+  rows it can see (the LM head: ``max_num_seqs``); the buckets above take the decision of the largest timed
+  one.
 - The decisions (and the times behind them) are cached on disk (``kernels.cpu_choice.ChoiceCache``), per
   dtype, shape, thread count and row limit, so a restart on the same CPU, torch and kernels times nothing.
 
@@ -40,6 +45,7 @@ log = logging.getLogger(__name__)
 COLD_ROWS = 32
 COLD_BYTES = 96 * 2**20
 REPEATS = 3
+C_MARGIN = 1.05     # the C GEMM keeps a bucket unless another product is faster by more than this (module doc)
 Shape = tuple[int, int]
 
 
@@ -162,8 +168,11 @@ def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats:
 
 
 def _plan(times: dict[str, tuple[float, ...]]) -> tuple[str, ...]:
-    """The fastest product per bucket; a bucket no product was timed at takes the largest timed bucket's."""
+    """The fastest product per bucket, the C GEMM unless another is faster by more than ``C_MARGIN``; a bucket
+    no product was timed at takes the largest timed bucket's."""
     plan = list(cpu_choice.pick(times))
+    if "c" in times:
+        plan = ["c" if times["c"][b] <= C_MARGIN * times[p][b] else p for b, p in enumerate(plan)]
     timed = [b for b in range(len(ROW_BUCKETS)) if any(math.isfinite(t[b]) for t in times.values())]
     for b in range(len(ROW_BUCKETS)):
         if b not in timed:
