@@ -59,6 +59,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,7 @@ PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?
                              r"(?:-t(\d+))?(-kv8|-kvfp8)?(?:-gemm(c|onednn|mkl))?(-bf16|-fp32)?")
 GEMM_SUFFIX = re.compile(r"-gemm(c|onednn|mkl)")
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
+PORT_RELEASE_TIMEOUT_S = 60.0   # how long a stopped server may keep its port before the next one starts anyway
 # (label, path in a loadtest summary, higher is better)
 CLOSED_ROWS = (("completed", ("completed",), True), ("failed", ("failed",), False),
                ("output tok/s", ("output_tok_per_s",), True), ("req/s", ("req_per_s",), True),
@@ -244,11 +246,34 @@ def system_specs(names: list[str], model_path: str, port: int, args: argparse.Na
     return specs
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host:port`` now (a bind with SO_REUSEADDR, as uvicorn binds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def wait_port_free(port: int, timeout_s: float, poll_s: float = 0.5) -> bool:
+    """Polls ``port_is_free`` until it holds or ``timeout_s`` passed; whether it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not port_is_free(port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 class RunningServer:
-    """A server subprocess in its own session; stopped (SIGINT, then SIGKILL) on exit."""
+    """A server subprocess in its own session; stopped (SIGINT, then SIGKILL) on exit, which returns once its
+    port is free again: a process of the stopped server (a Ray worker serving HTTP itself) could still hold it
+    when the next round's server starts, which then failed with Serve's NoAvailablePortError (2026-11-30)."""
 
     def __init__(self, spec: SystemSpec, port: int, log_path: pathlib.Path, ray_num_cpus: int | None = None) -> None:
-        self.spec, self.url, self.log_path = spec, f"http://127.0.0.1:{port}", log_path
+        self.spec, self.port, self.url, self.log_path = spec, port, f"http://127.0.0.1:{port}", log_path
         self.ray_num_cpus = ray_num_cpus
         self.proc: subprocess.Popen | None = None
 
@@ -294,6 +319,9 @@ class RunningServer:
                 self.proc.wait(timeout=30)
         self._log.close()
         self._ray_tmp.cleanup()
+        if not wait_port_free(self.port, PORT_RELEASE_TIMEOUT_S):
+            print(f"warning: port {self.port} still taken {PORT_RELEASE_TIMEOUT_S:.0f} s after {self.spec.name} "
+                  "stopped", file=sys.stderr, flush=True)
 
 
 def measure_server(spec: SystemSpec, args: argparse.Namespace, prompts, log_path: pathlib.Path) -> dict:

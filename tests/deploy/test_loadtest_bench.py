@@ -14,7 +14,9 @@ from benchmarks.serving import (
     build_parser,
     build_ratios,
     load_values,
+    port_is_free,
     system_specs,
+    wait_port_free,
 )
 
 
@@ -191,3 +193,15 @@ def test_pagedray_servers_get_a_private_local_ray_and_the_peer_does_not(tmp_path
         assert not os.path.exists(ray_tmp)  # the private folder is removed on exit
     assert outputs["pagedray-tp1"] == ["local", "True", '{"CPU":3}']
     assert outputs["peer"] == ["auto", "False", "-"]
+
+
+def test_a_stopped_servers_port_is_waited_for_until_it_is_free():
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert not port_is_free(port)
+        assert wait_port_free(port, timeout_s=0.0) is False      # still held: gives up at the deadline
+    assert port_is_free(port) and wait_port_free(port, timeout_s=0.0) is True
