@@ -17,10 +17,7 @@
  * oneDNN read bf16 weights at ~27 GB/s where this loop, with each tile's weights prefetched 4 KB ahead,
  * reads at ~40 GB/s (docs/design/kernels.md: the measurements). Rows up to 16 share one pass over a
  * tile (one weight load feeds 16 products); more rows go in blocks of 12 rows over two tiles, so the
- * weights of a tile pair are loaded from memory once and from cache for the later blocks. Only the first
- * block of a tile pair prefetches: the later ones find the pair in L2, where the prefetches only took load
- * slots from the products (without them: 1.07x faster at 1,044 rows over SmolLM2's 30 layers, bit for bit
- * the same; AMD EPYC, 2026-11-30).
+ * weights of a tile pair are loaded from memory once and from cache for the later blocks.
  *
  * Sums are float32 in k order (bfloat16: the two products of a pair added inside vdpbf16ps); bfloat16
  * outputs are rounded once at the end, nearest even, as torch rounds (cpu_vec.h: store16_first). */
@@ -86,10 +83,10 @@ static inline v16i load_step(const char *src) {
 
 /* rows x (tiles * 16) outputs. x: rows of 4-byte steps (row stride xs steps); tile 0 at pt and tile 1
  * (tiles == 2) right after it; columns = output columns left from this tile on (may be < 16);
- * bias and y element pointers of dtype (element size `size`); prefetch: the weights PREFETCH_STEPS ahead */
+ * bias and y element pointers of dtype (element size `size`) */
 static inline __attribute__((always_inline)) void block(
         const uint32_t *x, int64_t xs, const int rows, const int tiles, int64_t steps, const char *pt,
-        const char *bias, char *y, int64_t ys, int64_t columns, const int dtype, const int prefetch) {
+        const char *bias, char *y, int64_t ys, int64_t columns, const int dtype) {
     const int size = dtype == DTYPE_BF16 ? 2 : 4;
     v16f acc[16][2];
     #pragma GCC unroll 16
@@ -99,11 +96,11 @@ static inline __attribute__((always_inline)) void block(
     const char *pt1 = pt + steps * STEP_BYTES;
     for (int64_t j = 0; j < steps; j++) {
         const v16i w0 = load_step(pt + j * STEP_BYTES);
-        if (prefetch) __builtin_prefetch(pt + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
+        __builtin_prefetch(pt + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
         v16i w1 = w0;
         if (tiles == 2) {
             w1 = load_step(pt1 + j * STEP_BYTES);
-            if (prefetch) __builtin_prefetch(pt1 + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
+            __builtin_prefetch(pt1 + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
         }
         #pragma GCC unroll 16
         for (int i = 0; i < rows; i++) {
@@ -122,8 +119,8 @@ static inline __attribute__((always_inline)) void block(
 }
 
 #define ROWS_CASE(R) case R: \
-    if (dtype == DTYPE_BF16) block(x, xs, R, 1, steps, pt, bias, y, ys, columns, DTYPE_BF16, 1); \
-    else block(x, xs, R, 1, steps, pt, bias, y, ys, columns, DTYPE_F32, 1); \
+    if (dtype == DTYPE_BF16) block(x, xs, R, 1, steps, pt, bias, y, ys, columns, DTYPE_BF16); \
+    else block(x, xs, R, 1, steps, pt, bias, y, ys, columns, DTYPE_F32); \
     break;
 /* rows (1..16) x one tile, the row count and dtype constants in each instance */
 static void one_tile(const uint32_t *x, int64_t xs, int rows, int64_t steps, const char *pt, const char *bias,
@@ -136,14 +133,9 @@ static void one_tile(const uint32_t *x, int64_t xs, int rows, int64_t steps, con
 }
 
 static void two_tiles(const uint32_t *x, int64_t xs, int64_t steps, const char *pt, const char *bias,
-                      char *y, int64_t ys, int64_t columns, int dtype, int first) {
-    if (dtype == DTYPE_BF16) {
-        if (first) block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_BF16, 1);
-        else block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_BF16, 0);
-    } else {
-        if (first) block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_F32, 1);
-        else block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_F32, 0);
-    }
+                      char *y, int64_t ys, int64_t columns, int dtype) {
+    if (dtype == DTYPE_BF16) block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_BF16);
+    else block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_F32);
 }
 
 /* x [m, k] of dtype (row stride x_stride elements; bfloat16: k even); p tile-packed W [n, k]; bias [n]
@@ -163,10 +155,7 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
                      yc + t * TILE * size, y_stride, n - t * TILE, dtype);
         return;
     }
-    /* tile pairs handed out one at a time: a thread that another process preempts (the server's own, on a
-     * machine with as many cores as threads) leaves its pairs to the others instead of making them wait at the
-     * end; each pair is ~0.2 ms at 1,024 rows, so the hand-out costs nothing, and every output is the same */
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t q = 0; q < (tiles + 1) / 2; q++) {
         const int64_t t = 2 * q;
         for (int64_t r = 0; r < m; r += BLOCK_ROWS) {
@@ -174,7 +163,7 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
             char *yr = yc + r * y_stride * size;
             if (t + 1 < tiles && rows == BLOCK_ROWS) {
                 two_tiles(x32 + r * xs, xs, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
-                          yr + t * TILE * size, y_stride, n - t * TILE, dtype, r == 0);
+                          yr + t * TILE * size, y_stride, n - t * TILE, dtype);
                 continue;
             }
             for (int64_t u = t; u < t + 2 && u < tiles; u++)
