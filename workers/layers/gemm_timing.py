@@ -10,10 +10,10 @@ How it is timed (``plan_table``):
 - Prefill buckets are compute-bound: one module of each shape, back to back.
 - ``REPEATS`` rounds after a warm-up round, the products in a rotated order each round; the median of the
   rounds. The fastest product takes a bucket, but another product must be more than ``C_MARGIN`` times
-  faster to take it from the C GEMM: at prefill sizes the products timed within 1-3% of each other on the
-  2-core AMD EPYC, so such a choice was noise, and the whole prefill of 16 prompts (1,044 tokens) ran 0.96x
-  as long with the C GEMM everywhere as with the plan those ties gave (3 interleaved runs, 2026-11-30). On a
-  CPU with AMX, oneDNN is 3-11x faster there (#59) and keeps those buckets. A shape is timed only up to the
+  faster to take it from the C GEMM: products a few percent apart swap places between timings on the same
+  machine (576x576 at 2,048 rows on the 2-core AMD EPYC: oneDNN 5.11 vs 5.39 ms on 2026-11-29, C 3.57 vs
+  3.69 on 2026-11-30 and 3.21 vs 3.51 an hour earlier), so such a difference is no reason to leave the C GEMM.
+  On a CPU with AMX, oneDNN is 3-11x faster there (#59) and keeps those buckets. A shape is timed only up to the
   rows it can see (the LM head: ``max_num_seqs``); the buckets above take the decision of the largest timed
   one.
 - The decisions (and the times behind them) are cached on disk (``kernels.cpu_choice.ChoiceCache``), per
