@@ -11,8 +11,9 @@ How it is timed (``plan_table``):
 - ``REPEATS`` rounds after a warm-up round, the products in a rotated order each round; the median of the
   rounds. The fastest product takes a bucket, but another product must be more than ``C_MARGIN`` times
   faster to take it from the C GEMM: products a few percent apart swap places between timings on the same
-  machine (576x576 at 2,048 rows on the 2-core AMD EPYC: oneDNN 5.11 vs 5.39 ms on 2026-11-29, C 3.57 vs
-  3.69 on 2026-11-30 and 3.21 vs 3.51 an hour earlier), so such a difference is no reason to leave the C GEMM.
+  machine (576x576 at 2,048 rows on the 2-core AMD EPYC: oneDNN ahead 5.11 vs 5.39 ms on 2026-11-29 and 3.57
+  vs 3.69 on 2026-11-30, the C GEMM ahead 3.21 vs 3.51 an hour before that), so such a difference is no reason
+  to leave the C GEMM.
   On a CPU with AMX, oneDNN is 3-11x faster there (#59) and keeps those buckets. A shape is timed only up to the
   rows it can see (the LM head: ``max_num_seqs``); the buckets above take the decision of the largest timed
   one.
