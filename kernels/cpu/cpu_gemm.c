@@ -17,11 +17,14 @@
  * oneDNN read bf16 weights at ~27 GB/s where this loop, with each tile's weights prefetched 4 KB ahead,
  * reads at ~40 GB/s (docs/design/kernels.md: the measurements). Rows up to 16 share one pass over a
  * tile (one weight load feeds 16 products); more rows go in blocks of 12 rows over two tiles, so the
- * weights of a tile pair are loaded from memory once and from cache for the later blocks.
+ * weights of a tile pair are loaded from memory once and from cache for the later blocks. A block of 8 rows
+ * or more is first copied step-major (pack_rows), so the loop reads each step's row values at fixed offsets
+ * from one pointer (2-core EPYC, a decode step's 121 products: 8-16% faster at 8-16 rows, ~2.5% at 1,024).
  *
  * Sums are float32 in k order (bfloat16: the two products of a pair added inside vdpbf16ps); bfloat16
  * outputs are rounded once at the end, nearest even, as torch rounds (cpu_vec.h: store16_first). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_vec.h"
@@ -63,15 +66,20 @@ void pack_weight(const void *w, int64_t n, int64_t k, void *p, int dtype, int th
                 }
 }
 
-/* acc += one step of k: x's 4 bytes (a float32, or a bfloat16 pair) times the tile's 64 bytes w (vdpbf16ps:
- * the instruction this kernel exists for, so it is named here) */
-static inline v16f madd(v16f acc, uint32_t x, v16i w, int dtype) {
+/* acc += one step of k: x's 4 bytes at *x (a float32, or a bfloat16 pair) times the tile's 64 bytes w. bfloat16:
+ * vdpbf16ps (the instruction this kernel exists for, so it is named here) with x as its broadcast memory
+ * operand ({1to16}), one instruction per step and row; GCC does not fold the broadcast load itself, and a
+ * separate vpbroadcastd per step and row held the loop to ~78% of the instruction's rate */
+static inline v16f madd(v16f acc, const uint32_t *x, v16i w, int dtype) {
 #if HAS_BF16
-    if (dtype == DTYPE_BF16)
-        return (v16f)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)x), (__m512bh)w);
+    if (dtype == DTYPE_BF16) {
+        __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+        return acc;
+    }
 #endif
-    union { uint32_t u; float f; } v = {.u = x};
-    return fma16(splat16(v.f), (v16f)w, acc);
+    float v;
+    memcpy(&v, x, sizeof v);
+    return fma16(splat16(v), (v16f)w, acc);
 }
 
 /* the tile's 64 bytes for one step of k */
@@ -81,13 +89,26 @@ static inline v16i load_step(const char *src) {
     return w;
 }
 
-/* rows x (tiles * 16) outputs. x: rows of 4-byte steps (row stride xs steps); tile 0 at pt and tile 1
+/* x's rows, 4-byte steps (row stride xs steps) -> xp [steps][rows]: each step's values of every row side by
+ * side, so the inner loop reads them at constant offsets from one pointer. With a pointer per row, blocks of
+ * PACKED_FROM rows or more ran out of general registers (row pointers spilled into vector registers: ~6
+ * extra moves per step at 16 rows); below that, packing costs more than it saves, and rows are read in place. */
+#define PACKED_FROM 8
+static inline void pack_rows(const uint32_t *x, int64_t xs, int64_t rows, int64_t j0, int64_t j1, uint32_t *xp) {
+    for (int64_t j = j0; j < j1; j++)
+        for (int64_t i = 0; i < rows; i++) xp[j * rows + i] = x[i * xs + j];
+}
+
+/* rows x (tiles * 16) outputs. x: the rows' steps, row i's step j at x[i * xs + j] (rows < PACKED_FROM: in
+ * place) or packed by pack_rows at x[j * rows + i] (rows >= PACKED_FROM; xs unused); tile 0 at pt and tile 1
  * (tiles == 2) right after it; columns = output columns left from this tile on (may be < 16);
  * bias and y element pointers of dtype (element size `size`) */
 static inline __attribute__((always_inline)) void block(
         const uint32_t *x, int64_t xs, const int rows, const int tiles, int64_t steps, const char *pt,
         const char *bias, char *y, int64_t ys, int64_t columns, const int dtype) {
     const int size = dtype == DTYPE_BF16 ? 2 : 4;
+    const int packed = rows >= PACKED_FROM;
+    const int64_t row_stride = packed ? 1 : xs, step_stride = packed ? rows : 1;
     v16f acc[16][2];
     #pragma GCC unroll 16
     for (int i = 0; i < rows; i++)
@@ -102,11 +123,11 @@ static inline __attribute__((always_inline)) void block(
             w1 = load_step(pt1 + j * STEP_BYTES);
             __builtin_prefetch(pt1 + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
         }
+        const uint32_t *xj = x + j * step_stride;
         #pragma GCC unroll 16
         for (int i = 0; i < rows; i++) {
-            const uint32_t a = x[i * xs + j];
-            acc[i][0] = madd(acc[i][0], a, w0, dtype);
-            if (tiles == 2) acc[i][1] = madd(acc[i][1], a, w1, dtype);
+            acc[i][0] = madd(acc[i][0], xj + i * row_stride, w0, dtype);
+            if (tiles == 2) acc[i][1] = madd(acc[i][1], xj + i * row_stride, w1, dtype);
         }
     }
     #pragma GCC unroll 2
@@ -122,7 +143,7 @@ static inline __attribute__((always_inline)) void block(
     if (dtype == DTYPE_BF16) block(x, xs, R, 1, steps, pt, bias, y, ys, columns, DTYPE_BF16); \
     else block(x, xs, R, 1, steps, pt, bias, y, ys, columns, DTYPE_F32); \
     break;
-/* rows (1..16) x one tile, the row count and dtype constants in each instance */
+/* rows (1..16) x one tile, the row count and dtype constants in each instance (x as block takes it) */
 static void one_tile(const uint32_t *x, int64_t xs, int rows, int64_t steps, const char *pt, const char *bias,
                      char *y, int64_t ys, int64_t columns, int dtype) {
     switch (rows) {
@@ -132,14 +153,44 @@ static void one_tile(const uint32_t *x, int64_t xs, int rows, int64_t steps, con
     }
 }
 
-static void two_tiles(const uint32_t *x, int64_t xs, int64_t steps, const char *pt, const char *bias,
+static void two_tiles(const uint32_t *xp, int64_t steps, const char *pt, const char *bias,
                       char *y, int64_t ys, int64_t columns, int dtype) {
-    if (dtype == DTYPE_BF16) block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_BF16);
-    else block(x, xs, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_F32);
+    if (dtype == DTYPE_BF16) block(xp, 0, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_BF16);
+    else block(xp, 0, BLOCK_ROWS, 2, steps, pt, bias, y, ys, columns, DTYPE_F32);
+}
+
+#define PACK_STEPS 64           /* steps of k per packing task */
+
+/* the calling thread's buffer for packed rows (grown to the largest x seen, kept for the next call) */
+static __thread uint32_t *packed_x;
+static __thread size_t packed_x_bytes;
+
+static uint32_t *packed_x_buffer(size_t bytes) {
+    if (bytes > packed_x_bytes) {
+        free(packed_x);
+        packed_x = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        packed_x_bytes = packed_x ? bytes : 0;
+    }
+    return packed_x;
+}
+
+/* m < PACKED_FROM rows of x read in place, the tiles split over the threads (gemm's arguments; element
+ * strides of x and y in their 4-byte steps / elements) */
+static void rows_in_place(const uint32_t *x32, int64_t xs, int64_t m, int64_t steps, const char *pc, int64_t n,
+                          const char *bc, char *yc, int64_t y_stride, int dtype, int threads) {
+    const int size = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t tiles = (n + TILE - 1) / TILE, tile_bytes = steps * STEP_BYTES;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++)
+        one_tile(x32, xs, (int)m, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
+                 yc + t * TILE * size, y_stride, n - t * TILE, dtype);
 }
 
 /* x [m, k] of dtype (row stride x_stride elements; bfloat16: k even); p tile-packed W [n, k]; bias [n]
- * or NULL; y [m, n] (row stride y_stride). x rows are read 4 bytes at a time (a float32, a bf16 pair). */
+ * or NULL; y [m, n] (row stride y_stride). x rows are read 4 bytes at a time (a float32, a bf16 pair), in
+ * blocks (m <= 16: one block of m rows; else blocks of BLOCK_ROWS, the last one shorter); a block of
+ * PACKED_FROM rows or more is first packed by pack_rows, into the calling thread's buffer. Where that buffer
+ * cannot be allocated, the rows go in place, PACKED_FROM - 1 at a time (the same sums, slower). */
 void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, int64_t n, const void *bias,
           void *y, int64_t y_stride, int dtype, int threads) {
     const int size = dtype == DTYPE_BF16 ? 2 : 4;
@@ -148,27 +199,42 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
     const uint32_t *x32 = (const uint32_t *)x;
     const char *pc = (const char *)p, *bc = (const char *)bias;
     char *yc = (char *)y;
-    if (m <= 16) {
-        #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int64_t t = 0; t < tiles; t++)
-            one_tile(x32, xs, (int)m, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
-                     yc + t * TILE * size, y_stride, n - t * TILE, dtype);
+    uint32_t *xp = m < PACKED_FROM ? NULL : packed_x_buffer((size_t)m * (size_t)steps * 4);  /* row r: xp + r * steps */
+    if (!xp) {
+        for (int64_t r = 0; r < m; r += PACKED_FROM - 1)
+            rows_in_place(x32 + r * xs, xs, m - r < PACKED_FROM - 1 ? m - r : PACKED_FROM - 1, steps, pc, n, bc,
+                          yc + r * y_stride * size, y_stride, dtype, threads);
         return;
     }
-    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t q = 0; q < (tiles + 1) / 2; q++) {
-        const int64_t t = 2 * q;
-        for (int64_t r = 0; r < m; r += BLOCK_ROWS) {
-            const int64_t rows = m - r < BLOCK_ROWS ? m - r : BLOCK_ROWS;
-            char *yr = yc + r * y_stride * size;
-            if (t + 1 < tiles && rows == BLOCK_ROWS) {
-                two_tiles(x32 + r * xs, xs, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
-                          yr + t * TILE * size, y_stride, n - t * TILE, dtype);
-                continue;
+    const int64_t block_rows = m <= 16 ? m : BLOCK_ROWS, blocks = (m + block_rows - 1) / block_rows;
+    const int64_t chunks = (steps + PACK_STEPS - 1) / PACK_STEPS;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < blocks * chunks; task++) {
+            const int64_t b = task / chunks, c = task % chunks, r = b * block_rows;
+            const int64_t rows = m - r < block_rows ? m - r : block_rows;
+            const int64_t j1 = (c + 1) * PACK_STEPS < steps ? (c + 1) * PACK_STEPS : steps;
+            if (rows >= PACKED_FROM) pack_rows(x32 + r * xs, xs, rows, c * PACK_STEPS, j1, xp + r * steps);
+        }
+        /* nowait: the parallel region's end is the one barrier after the products. m <= 16: one block, a tile
+         * per task; else a pair of tiles per task, its weights loaded from memory once for every row block */
+        #pragma omp for schedule(static) nowait
+        for (int64_t q = 0; q < (m <= 16 ? tiles : (tiles + 1) / 2); q++) {
+            const int64_t t = m <= 16 ? q : 2 * q, last = m <= 16 ? t + 1 : t + 2;
+            for (int64_t r = 0; r < m; r += block_rows) {
+                const int64_t rows = m - r < block_rows ? m - r : block_rows;
+                const uint32_t *xr = rows >= PACKED_FROM ? xp + r * steps : x32 + r * xs;
+                char *yr = yc + r * y_stride * size;
+                if (last == t + 2 && t + 1 < tiles && rows == BLOCK_ROWS) {
+                    two_tiles(xr, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
+                              yr + t * TILE * size, y_stride, n - t * TILE, dtype);
+                    continue;
+                }
+                for (int64_t u = t; u < last && u < tiles; u++)
+                    one_tile(xr, xs, (int)rows, steps, pc + u * tile_bytes, bc ? bc + u * TILE * size : 0,
+                             yr + u * TILE * size, y_stride, n - u * TILE, dtype);
             }
-            for (int64_t u = t; u < t + 2 && u < tiles; u++)
-                one_tile(x32 + r * xs, xs, (int)rows, steps, pc + u * tile_bytes, bc ? bc + u * TILE * size : 0,
-                         yr + u * TILE * size, y_stride, n - u * TILE, dtype);
         }
     }
 }

@@ -1,8 +1,8 @@
 """The CPU GEMM in C (``kernels/cpu/cpu_gemm.c``), float32 and bfloat16, against a float64 product on random
-inputs: every row count the kernel treats differently (1..16 rows in one pass, blocks of 12 over tile
-pairs, their tails), output widths that end inside a tile, bias, 1 and 2 threads, strided, misaligned
-and 3-D inputs; the packed layouts element by element; the argument checks; the layers' choice between
-it and oneDNN."""
+inputs: every row count the kernel treats differently (1..7 rows read in place, 8..16 packed step-major in
+one pass, blocks of 12 over tile pairs, their tails read in place or packed), output widths that end inside
+a tile, bias, 1 and 2 threads, strided, misaligned and 3-D inputs; each row's bits the same in any block;
+the packed layouts element by element; the argument checks; the layers' choice between it and oneDNN."""
 
 from __future__ import annotations
 
@@ -38,9 +38,25 @@ def test_product_matches_float64(dtype, out_features, in_features, with_bias, to
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)   # [out, in]
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None    # [out]
     packed = cpu_gemm.pack(weight)
-    for rows in (1, 2, 7, 15, 16, 17, 24, 25, 36, 100):
+    for rows in (1, 2, 7, 8, 12, 15, 16, 17, 20, 23, 24, 25, 36, 100):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)                    # [rows, in]
         _assert_product(cpu_gemm.linear(x, packed, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_gets_the_bits_it_gets_alone(dtype, torch_threads):
+    """A row's sums are the same whichever block it is in, read in place or packed (the same k order): every
+    row of a product of 8..40 rows equals, bit for bit, that row multiplied alone (one row: read in place)."""
+    gen = torch.Generator().manual_seed(11)
+    weight = (torch.randn(83, 160, generator=gen) * 0.1).to(dtype)              # [out, in]: a tile left partial
+    bias = torch.randn(83, generator=gen).to(dtype)
+    packed = cpu_gemm.pack(weight)
+    wide = torch.randn(40, 2 * 160, generator=gen).to(dtype)
+    for rows in (8, 11, 16, 20, 31, 40):
+        x = wide[:rows, 3:163]                                                   # [rows, in], row stride 320
+        y = cpu_gemm.linear(x, packed, bias)
+        alone = torch.cat([cpu_gemm.linear(x[i:i + 1], packed, bias) for i in range(rows)])
+        assert torch.equal(y, alone), rows
 
 
 @needs_gemm
