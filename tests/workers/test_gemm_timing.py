@@ -99,6 +99,31 @@ def test_the_faster_product_is_chosen_per_row_bucket_and_cached(monkeypatch, tmp
     assert clock.calls
 
 
+@needs_onednn
+@pytest.mark.skipif(not cpu_gemm.available(torch.float32), reason="no AVX-512 for kernels.cpu_gemm")
+def test_prefill_buckets_take_the_median_of_more_rounds_so_a_noisy_stretch_does_not_decide(monkeypatch):
+    """The C GEMM is faster (1 ms against oneDNN's 2), but its first three timed prefill rounds of each shape
+    hit a noisy stretch (9 ms): with REPEATS rounds that would be the median; with 2 * REPEATS + 1 it is not."""
+    seen: dict[tuple, int] = {}
+
+    def cost(product, rows, shape):
+        if product != "c" or rows <= gemm_timing.COLD_ROWS:
+            return {"c": 1.0, "onednn": 2.0, "mkl": 3.0}[product]
+        calls = seen[(rows, shape)] = seen.get((rows, shape), 0) + 1
+        return 9.0 if 1 < calls <= 1 + gemm_timing.REPEATS else 1.0   # one module per shape; call 1: the warm-up
+
+    clock = _FakeClock(cost)
+    monkeypatch.setattr(gemm_timing, "run_product", clock.run)
+    model = _Model()
+    times = gemm_timing.time_products([model.layers[0][0], model.layers[1][0]], {(48, 32): 2048},
+                                      timer=clock.timer)[(48, 32)]
+    prefill = [b for b, rows in enumerate(ROW_BUCKETS) if rows > gemm_timing.COLD_ROWS]
+    assert all(times["c"][b] == pytest.approx(1.0) for b in prefill)
+    assert gemm_timing._plan(times) == ("c",) * len(ROW_BUCKETS)
+    # rounds per bucket: decode buckets a warm-up + REPEATS, prefill buckets a warm-up + 2 * REPEATS + 1
+    assert all(seen[(rows, (48, 32))] == 2 * gemm_timing.REPEATS + 2 for rows in ROW_BUCKETS if rows > 32)
+
+
 @pytest.mark.parametrize("c_ms, want", [(2.0, "c"), (2.1, "c"), (2.2, "onednn"), (1.5, "c")])
 def test_another_product_takes_a_bucket_from_the_c_gemm_only_when_faster_by_more_than_the_margin(c_ms, want):
     # onednn 2.0 ms in every bucket; mkl slower everywhere; the C GEMM at c_ms (C_MARGIN = 1.05: 2.1 is within it)

@@ -8,12 +8,17 @@ How it is timed (``plan_table``):
   cache, then one module of every shape not yet seen, such as the LM head), each call timed on its own:
   as in a real decode step, each weight comes from memory.
 - Prefill buckets are compute-bound: one module of each shape, back to back.
-- ``REPEATS`` rounds after a warm-up round, the products in a rotated order each round; the median of the
-  rounds. The fastest product takes a bucket, but another product must be more than ``C_MARGIN`` times
-  faster to take it from the C GEMM: products a few percent apart swap places between timings on the same
-  machine (576x576 at 2,048 rows on the 2-core AMD EPYC: oneDNN ahead 5.11 vs 5.39 ms on 2026-11-29 and 3.57
-  vs 3.69 on 2026-11-30, the C GEMM ahead 3.21 vs 3.51 an hour before that), so such a difference is no reason
-  to leave the C GEMM.
+- ``REPEATS`` rounds after a warm-up round (prefill buckets: ``2 * REPEATS + 1``), the products in a rotated
+  order each round; the median of the rounds. Prefill buckets get more rounds because they are cheap (a few
+  hundred ms in all) and because one noisy stretch there decided a shape for good: a plan timed while the
+  previous server's processes were still exiting gave the C GEMM 25.6 ms against oneDNN's 18.4 ms for
+  3072x576 at 2,048 rows, and so sent that shape's prefill to oneDNN, while alternating calls measured the
+  C GEMM 1.01-1.19x faster at every row count from 998 to 2,048 (2-core AMD EPYC, 2026-11-30).
+  The fastest product takes a bucket, but another product must be more than ``C_MARGIN`` times faster to
+  take it from the C GEMM: products a few percent apart swap places between timings on the same machine
+  (576x576 at 2,048 rows on the 2-core AMD EPYC: oneDNN ahead 5.11 vs 5.39 ms on 2026-11-29 and 3.57 vs 3.69
+  on 2026-11-30, the C GEMM ahead 3.21 vs 3.51 an hour before that), so such a difference is no reason to
+  leave the C GEMM.
   On a CPU with AMX, oneDNN is 3-11x faster there (#59) and keeps those buckets. A shape is timed only up to the
   rows it can see (the LM head: ``max_num_seqs``); the buckets above take the decision of the largest timed
   one.
@@ -150,7 +155,7 @@ def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats:
     samples = {(shape, p, b): [] for shape in groups for p in products[shape] for b in range(len(ROW_BUCKETS))}
     for b, rows in enumerate(ROW_BUCKETS):
         modules = cold if rows <= COLD_ROWS else hot
-        for round_ in range(repeats + 1):
+        for round_ in range((repeats if rows <= COLD_ROWS else 2 * repeats + 1) + 1):
             for product in names[round_ % len(names):] + names[:round_ % len(names)]:
                 totals: dict[Shape, list[float]] = {}
                 for module in modules:
