@@ -4,12 +4,12 @@
         [--skip-offline] [--skip-floor] [--model default]       (or ``python benchmarks/serving.py ...``)
 
 Each server is started as a subprocess on 127.0.0.1 (its log goes to ``<out-dir>/<system>-r<round>.log``),
-waited for on ``/health``, warmed up with two requests (model load and first-call costs are not
-measured), then given the same load: a closed loop (``--num-requests`` requests, ``--concurrency``) and an
-open-loop rate sweep, with the same seeded prompts and greedy decoding; then it is stopped. Every system
-runs once per round, ``--rounds`` rounds (>= 3) in an order that alternates between rounds (A B, then
-B A; ``benchmarks.rounds``), so only one server is alive at a time and a slow stretch of the shared
-machine hits every system alike. Two in-process rows run in the same rounds (``benchmarks.serving_baselines``
+waited for on ``/health``, warmed up with two requests of other prompts (model load and first-call costs are
+not measured; ``warm_up_prompts``), then given the same load: a closed loop (``--num-requests`` requests,
+``--concurrency``) and an open-loop rate sweep, with the same seeded prompts and greedy decoding; then it is
+stopped. Every system runs once per round, ``--rounds`` rounds (>= 3) in an order that alternates between
+rounds (A B, then B A; ``benchmarks.rounds``), so only one server is alive at a time and a slow stretch of the
+shared machine hits every system alike. Two in-process rows run in the same rounds (``benchmarks.serving_baselines``
 documents both): "offline" -- the same prompts and max_tokens through ``pagedray.cluster.LLM`` (TP=1,
 the servers' threads, at most ``--concurrency`` in flight) -- and "floor" -- the arithmetic floor, the
 seconds a Hugging Face forward (fp32, no_grad, same threads) needs for the prefill of every prompt (in
@@ -83,6 +83,7 @@ PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
 PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(?:-iw(\d+))?(-async)?(-sock)?"
                              r"(?:-t(\d+))?(-kv8|-kvfp8)?(?:-gemm(c|onednn|mkl))?(-bf16|-fp32)?")
 GEMM_SUFFIX = re.compile(r"-gemm(c|onednn|mkl)")
+WARM_UP_SEED_OFFSET = 1_000_003   # the warm-up's prompts come from seed + this (warm_up_prompts)
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
 PORT_RELEASE_TIMEOUT_S = 60.0   # how long a stopped server may keep its port before the next one starts anyway
 # (label, path in a loadtest summary, higher is better)
@@ -324,6 +325,14 @@ class RunningServer:
                   "stopped", file=sys.stderr, flush=True)
 
 
+def warm_up_prompts(args: argparse.Namespace) -> list:
+    """Two prompts drawn like the load's but from another seed: a warm-up that sent the load's own prompts would
+    leave them in a prefix cache (pagedray's 16-token blocks keep them; vLLM for CPU's 128-token blocks keep
+    almost nothing of prompts this short), and the first wave would prefill fewer tokens on one side only."""
+    return synthetic_prompts(2, parse_length_range(args.input_len, "input_len"),
+                             parse_length_range(args.output_len, "output_len"), args.seed + WARM_UP_SEED_OFFSET)
+
+
 def measure_server(spec: SystemSpec, args: argparse.Namespace, prompts, log_path: pathlib.Path) -> dict:
     """Start the server, warm it up, run the closed loop and the sweep, stop it; values and details."""
     sweep_rates = rates(args)
@@ -332,12 +341,12 @@ def measure_server(spec: SystemSpec, args: argparse.Namespace, prompts, log_path
         options = RequestOptions(model=server.model_name(), temperature=0.0, timeout_s=args.timeout)
         check = args.check and spec.tensor_parallel_size is not None
 
-        def run(loads: list[LoadSpec], checked: bool = False):
-            config = LoadtestConfig(options=options, prompts=prompts, loads=loads, url=server.url,
+        def run(loads: list[LoadSpec], checked: bool = False, sent=prompts):
+            config = LoadtestConfig(options=options, prompts=sent, loads=loads, url=server.url,
                                     metrics_url="", progress=not args.no_progress, check=checked)
             return asyncio.run(run_loadtest(config))
 
-        run([LoadSpec(num_requests=2, concurrency=2)])  # warm-up, not recorded
+        run([LoadSpec(num_requests=2, concurrency=2)], sent=warm_up_prompts(args))  # warm-up, not recorded
         closed = run([LoadSpec(num_requests=args.num_requests, concurrency=args.concurrency, seed=args.seed)],
                      check)
         sweep = run([LoadSpec(num_requests=args.sweep_requests, rate=r, seed=args.seed) for r in sweep_rates]) \

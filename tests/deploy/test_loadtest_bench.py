@@ -3,6 +3,7 @@ tuned peer only on request), the values taken from a load summary, the ratios pe
 peer's best variant, the offline and floor ratios, the table, the private Ray of pagedray servers."""
 
 import pytest
+from pagedray.deploy.loadtest.prompts import parse_length_range, synthetic_prompts
 
 from benchmarks import rounds
 from benchmarks.serving import (
@@ -17,6 +18,7 @@ from benchmarks.serving import (
     port_is_free,
     system_specs,
     wait_port_free,
+    warm_up_prompts,
 )
 
 
@@ -205,3 +207,14 @@ def test_a_stopped_servers_port_is_waited_for_until_it_is_free():
         assert not port_is_free(port)
         assert wait_port_free(port, timeout_s=0.0) is False      # still held: gives up at the deadline
     assert port_is_free(port) and wait_port_free(port, timeout_s=0.0) is True
+
+
+def test_the_warm_up_sends_none_of_the_loads_prompts():
+    """A warm-up with the load's own prompts would leave them in pagedray's prefix cache (and hardly in vLLM's)."""
+    args = build_parser().parse_args(["--input-len", "8:120", "--num-requests", "32"])
+    load = synthetic_prompts(args.num_requests, parse_length_range(args.input_len, "input_len"),
+                             parse_length_range(args.output_len, "output_len"), args.seed)
+    warm_up = warm_up_prompts(args)
+    assert len(warm_up) == 2
+    assert not {p.prompt for p in warm_up} & {p.prompt for p in load}
+    assert warm_up_prompts(args) == warm_up        # seeded: every server gets the same warm-up
