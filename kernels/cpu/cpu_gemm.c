@@ -66,20 +66,15 @@ void pack_weight(const void *w, int64_t n, int64_t k, void *p, int dtype, int th
                 }
 }
 
-/* acc += one step of k: x's 4 bytes at *x (a float32, or a bfloat16 pair) times the tile's 64 bytes w. bfloat16:
- * vdpbf16ps (the instruction this kernel exists for, so it is named here) with x as its broadcast memory
- * operand ({1to16}), one instruction per step and row; GCC does not fold the broadcast load itself, and a
- * separate vpbroadcastd per step and row held the loop to ~78% of the instruction's rate */
-static inline v16f madd(v16f acc, const uint32_t *x, v16i w, int dtype) {
+/* acc += one step of k: x's 4 bytes (a float32, or a bfloat16 pair) times the tile's 64 bytes w (vdpbf16ps:
+ * the instruction this kernel exists for, so it is named here) */
+static inline v16f madd(v16f acc, uint32_t x, v16i w, int dtype) {
 #if HAS_BF16
-    if (dtype == DTYPE_BF16) {
-        __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-        return acc;
-    }
+    if (dtype == DTYPE_BF16)
+        return (v16f)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)x), (__m512bh)w);
 #endif
-    float v;
-    memcpy(&v, x, sizeof v);
-    return fma16(splat16(v), (v16f)w, acc);
+    union { uint32_t u; float f; } v = {.u = x};
+    return fma16(splat16(v.f), (v16f)w, acc);
 }
 
 /* the tile's 64 bytes for one step of k */
@@ -126,8 +121,9 @@ static inline __attribute__((always_inline)) void block(
         const uint32_t *xj = x + j * step_stride;
         #pragma GCC unroll 16
         for (int i = 0; i < rows; i++) {
-            acc[i][0] = madd(acc[i][0], xj + i * row_stride, w0, dtype);
-            if (tiles == 2) acc[i][1] = madd(acc[i][1], xj + i * row_stride, w1, dtype);
+            const uint32_t a = xj[i * row_stride];
+            acc[i][0] = madd(acc[i][0], a, w0, dtype);
+            if (tiles == 2) acc[i][1] = madd(acc[i][1], a, w1, dtype);
         }
     }
     #pragma GCC unroll 2

@@ -9,11 +9,12 @@ How it is timed (``plan_table``):
   as in a real decode step, each weight comes from memory.
 - Prefill buckets are compute-bound: one module of each shape, back to back.
 - ``REPEATS`` rounds after a warm-up round (prefill buckets: ``2 * REPEATS + 1``), the products in a rotated
-  order each round; the median of the rounds. Prefill buckets get more rounds because they are cheap (a few
-  hundred ms in all) and because one noisy stretch there decided a shape for good: a plan timed at a server
-  start in the middle of a serving benchmark gave the C GEMM 25.6 ms against oneDNN's 18.4 ms for 3072x576
-  at 2,048 rows, and so sent that shape's prefill to oneDNN, while alternating calls measured the C GEMM
-  1.01-1.19x faster at every row count from 998 to 2,048 (2-core AMD EPYC, 2026-11-30).
+  order each round; the median of the rounds. Prefill buckets get more rounds because they are cheap (0.6 s
+  more in bf16, 1.3 s in fp32, at a first start here) and because one noisy stretch there decided a shape for
+  good: a plan timed at a server start in the middle of a serving benchmark gave the C GEMM 25.6 ms against
+  oneDNN's 18.4 ms for 3072x576 at 2,048 rows, and so sent that shape's prefill to oneDNN, while alternating
+  calls measured the C GEMM 1.01-1.19x faster at every row count from 998 to 2,048 (2-core AMD EPYC,
+  2026-11-30).
   The fastest product takes a bucket, but another product must be more than ``C_MARGIN`` times faster to
   take it from the C GEMM: products a few percent apart swap places between timings on the same machine
   (576x576 at 2,048 rows on the 2-core AMD EPYC: oneDNN ahead 5.11 vs 5.39 ms on 2026-11-29 and 3.57 vs 3.69
