@@ -3,10 +3,11 @@ each product's time per weight shape and row count, the product the dispatch cho
 is from the best.
 
 What is timed: one "step" of SmolLM2-135M's linear layers at a given row count: 30 layers' qkv, o_proj,
-gate/up and down_proj, each layer with its own random weights, plus the 49,152-row LM head (up to
-``--max-num-seqs`` rows, as in the engine, which runs it on sampled rows only), so every weight comes from
-DRAM as in a real decode step (270 MB in bf16, 540 MB in fp32). Each call is timed on its own and summed
-per shape. Systems:
+gate/up (with the SiLU * up that follows it, as the engine times and runs it: the C GEMM fused, the others
+then ``kernels.silu_and_mul``; "+silu" in the tables) and down_proj, each layer with its own random weights,
+plus the 49,152-row LM head (up to ``--max-num-seqs`` rows, as in the engine, which runs it on sampled rows
+only), so every weight comes from DRAM as in a real decode step (270 MB in bf16, 540 MB in fp32). Each call
+is timed on its own and summed per shape. Systems:
 
 - ``c``: pagedray's C GEMM on tile-packed weights (AVX-512);
 - ``onednn``: oneDNN's packed product (AMX where the CPU has it);
@@ -39,6 +40,7 @@ if not __package__:  # `python benchmarks/<name>.py`: import from the repo root,
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
+from pagedray import kernels
 from pagedray.kernels.cpu import cpu_choice
 from pagedray.kernels.cpu.cpu_choice import ChoiceCache
 from pagedray.workers.layers import gemm_timing, packed_gemm
@@ -59,6 +61,7 @@ class _Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.packed_weight = None
+        self.silu_after = weight.shape[0] == 2 * INTERMEDIATE     # the merged gate/up projection
 
 
 def build_model(gen: torch.Generator, dtype: torch.dtype) -> nn.Module:
@@ -85,16 +88,19 @@ def operands(system: str, modules: list[nn.Module], table: gemm_timing.PlanTable
     return [gemm_timing._operand(system, m.weight) for m in modules]
 
 
-def product(system: str, x: torch.Tensor, operand, weight: torch.Tensor) -> torch.Tensor:
-    if system == "int8":
-        return torch._weight_int8pack_mm(x, *operand)
-    if system == "dispatch":
-        return packed_gemm.linear(x, weight, None, operand)
-    return gemm_timing.run_product(system, x, operand)
+def product(system: str, x: torch.Tensor, operand, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+    """x times one module's operand for ``system``; ``silu``: then SiLU * up (fused where the C GEMM runs)."""
+    if system not in ("int8", "dispatch"):
+        return gemm_timing.run_product(system, x, operand, silu)
+    fused = packed_gemm.linear_silu_mul(x, None, operand) if system == "dispatch" and silu else None
+    if fused is not None:
+        return fused
+    y = torch._weight_int8pack_mm(x, *operand) if system == "int8" else packed_gemm.linear(x, weight, None, operand)
+    return kernels.silu_and_mul(y) if silu else y
 
 
 def shape_key(shape) -> str:
-    return f"{shape[0]}x{shape[1]}"
+    return gemm_timing.shape_name(shape)
 
 
 def measure(system: str, modules: list[nn.Module], ops: list, inputs: dict[int, torch.Tensor], rows_list: list[int],
@@ -106,11 +112,11 @@ def measure(system: str, modules: list[nn.Module], ops: list, inputs: dict[int, 
         for step in range(steps + 1):
             total, calls = 0.0, {}
             for module, operand in zip(modules, ops):
-                shape = tuple(module.weight.shape)
+                shape = gemm_timing.plan_key(module)
                 if shape == (VOCAB, HIDDEN) and rows > max_head_rows:
                     continue
                 start = time.perf_counter()
-                product(system, inputs[shape[1]][:rows], operand, module.weight)
+                product(system, inputs[shape[1]][:rows], operand, module.weight, gemm_timing.SILU in shape)
                 elapsed = (time.perf_counter() - start) * 1e3
                 total += elapsed
                 calls.setdefault(shape, []).append(elapsed)

@@ -133,12 +133,8 @@ void silu_mul_rows(const void *gate_up, int64_t gu_row, void *out, int64_t o_row
     for (int64_t r = 0; r < rows; r++) {
         const char *g = (const char *)gate_up + r * gu_row * elem, *u = g + inter * elem;
         char *o = (char *)out + r * o_row * elem;
-        for (int64_t i = 0; i < vec16; i += 16) {
-            const v16f x = load16_at(g, i, dtype);
-            const v16f e = exp16(neg_abs16(x));                              /* exp(-|x|) */
-            const v16f silu = select16_lt(x, splat16(0.0f), x * e, x) / (splat16(1.0f) + e);
-            store16_at(o, i, round16(silu, dtype) * load16_at(u, i, dtype), dtype);
-        }
+        for (int64_t i = 0; i < vec16; i += 16)
+            store16_at(o, i, silu_mul16(load16_at(g, i, dtype), load16_at(u, i, dtype), dtype), dtype);
         for (int64_t i = vec16; i < vec; i += 8) {
             const v8f x = load8_at(g, i, dtype);
             const v8f e = exp8(neg_abs8(x));

@@ -28,6 +28,7 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "pack_weight": [_PTR, _I64, _I64, _PTR, _INT, _INT],
     "gemm": [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT],
+    "gemm_silu_mul": [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT],
 }
 
 
@@ -97,12 +98,18 @@ def _check(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None)
                          f"{tuple(bias.shape)} on {bias.device}")
 
 
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x [..., in] as [rows, in] the kernels can read 4 bytes at a time (cpu_gemm.c)."""
+    rows = x.reshape(-1, in_features)
+    if rows.stride(1) != 1 or (rows.stride(0) * rows.element_size()) % 4 or rows.data_ptr() % 4:
+        rows = rows.contiguous()
+    return rows
+
+
 def linear(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> x @ W^T (+ bias) [..., out], in the weight's dtype."""
     _check(x, packed, bias)
-    rows = x.reshape(-1, packed.in_features)
-    if rows.stride(1) != 1 or (rows.stride(0) * rows.element_size()) % 4 or rows.data_ptr() % 4:
-        rows = rows.contiguous()                      # rows are read 4 bytes at a time (cpu_gemm.c)
+    rows = _rows(x, packed.in_features)
     out = torch.empty((rows.shape[0], packed.out_features), dtype=x.dtype)
     if rows.shape[0]:
         bias = None if bias is None else bias.contiguous()
@@ -110,3 +117,28 @@ def linear(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None 
                         packed.out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
                         out.stride(0), DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out.reshape(*x.shape[:-1], packed.out_features)
+
+
+def fuses_silu_mul(packed: TilePackedWeight) -> bool:
+    """Whether ``silu_mul_linear`` takes this weight: a merged gate/up projection whose halves start on a tile
+    (out_features = 2 * inter, inter a multiple of 16)."""
+    return isinstance(packed, TilePackedWeight) and packed.out_features % (2 * TILE) == 0
+
+
+def silu_mul_linear(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in], packed W [2 * inter, in] (the gate's rows, then the up rows) -> silu(gate) * up [..., inter]:
+    the bits of ``linear`` followed by ``cpu_fused.silu_and_mul_cpu``, in one pass that never writes the
+    [rows, 2 * inter] product."""
+    _check(x, packed, bias)
+    if not fuses_silu_mul(packed):
+        raise ValueError(f"packed: a fused gate/up product needs out_features = 2 * inter with inter a multiple of "
+                         f"{TILE}, got {packed.out_features}")
+    inter = packed.out_features // 2
+    rows = _rows(x, packed.in_features)
+    out = torch.empty((rows.shape[0], inter), dtype=x.dtype)
+    if rows.shape[0]:
+        bias = None if bias is None else bias.contiguous()
+        _library().gemm_silu_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.in_features,
+                                 packed.data.data_ptr(), inter, None if bias is None else bias.data_ptr(),
+                                 out.data_ptr(), out.stride(0), DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out.reshape(*x.shape[:-1], inter)

@@ -293,4 +293,14 @@ DEFINE_EXP(16, v16f, v16i)
 #endif
 #undef DEFINE_EXP
 
+/* SiLU(g) * u as torch computes F.silu(gate) * up in dtype: silu = g / (1 + exp(-g)) in float32, rounded to
+ * dtype, times u (the caller's store rounds the product). g and u hold values of dtype. exp16 takes
+ * exp(-|g|) <= 1, so a negative g goes as g * e / (1 + e), the same value. Shared by cpu_fused.c's
+ * silu_mul_rows and cpu_gemm.c's fused gate/up product, so the two give the same bits. */
+static inline v16f silu_mul16(v16f g, v16f u, int dtype) {
+    const v16f e = exp16(neg_abs16(g));
+    const v16f silu = select16_lt(g, splat16(0.0f), g * e, g) / (splat16(1.0f) + e);
+    return round16(silu, dtype) * u;
+}
+
 #endif

@@ -30,20 +30,25 @@ def test_cpu_gemm_systems_compute_the_same_products_and_the_table_names_the_choi
     for index, module in enumerate(modules):
         x = torch.randn(3, module.weight.shape[1], generator=gen).bfloat16()
         exact = x.double() @ module.weight.double().T
+        silu = gemm_timing.SILU in gemm_timing.plan_key(module)      # the gate/up projection: SiLU * up follows
+        if silu:
+            gate, up = exact.chunk(2, dim=-1)
+            exact = torch.nn.functional.silu(gate) * up
         for system in systems:
-            got = gemm_bench.product(system, x, ops[system][index], module.weight).double()
+            got = gemm_bench.product(system, x, ops[system][index], module.weight, silu).double()
             bound = (0.03 if system == "int8" else 0.02) * exact.abs().max()
             assert (got - exact).abs().max() <= bound, system
     inputs = {k: torch.randn(16, k, generator=gen).bfloat16() for k in (gemm_bench.HIDDEN, gemm_bench.INTERMEDIATE)}
     runs = [Run(system, r, gemm_bench.measure(system, modules, ops[system], inputs, [1, 16], 1, 8),
                 (0, 0, 0), (0, 0, 0)) for r in range(2) for system in systems]
-    assert all(set(run.values) == {"ms_1_rows", "ms_16_rows", "960x576_1", "576x576_1", "3072x576_1",
-                                   "576x1536_1", "64x576_1", "960x576_16", "576x576_16", "3072x576_16",
+    assert all(set(run.values) == {"ms_1_rows", "ms_16_rows", "960x576_1", "576x576_1", "3072x576+silu_1",
+                                   "576x1536_1", "64x576_1", "960x576_16", "576x576_16", "3072x576+silu_16",
                                    "576x1536_16"} for run in runs)    # the head's 16 rows exceed max_num_seqs=8
     rows = gemm_bench.choice_rows(runs, table, ["c", "onednn"], [1, 16], 8, ("int8",))
     assert len(rows) == 9
+    keys = {gemm_timing.shape_name(key): key for key in table.shapes}
     for row in rows:
-        assert row["chosen"] == table.shapes[tuple(map(int, row["shape"].split("x")))].plan[
+        assert row["chosen"] == table.shapes[keys[row["shape"]]].plan[
             cpu_choice.bucket_index(row["rows"])]
         assert row["chosen/best"] == row[f"{row['chosen']}_ms"] / min(row["c_ms"], row["onednn_ms"]) >= 1.0
         assert row["int8/chosen"] == row["int8_ms"] / row[f"{row['chosen']}_ms"]

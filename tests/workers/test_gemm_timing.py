@@ -56,7 +56,7 @@ class _FakeClock:
     def __init__(self, cost) -> None:
         self.now, self.cost, self.calls = 0.0, cost, []
 
-    def run(self, product, x, operand):
+    def run(self, product, x, operand, silu=False):
         shape = (operand.out_features, operand.in_features) if product == "c" else None
         self.calls.append(product)
         self.now += self.cost(product, x.shape[0], shape) / 1e3
@@ -122,6 +122,38 @@ def test_prefill_buckets_take_the_median_of_more_rounds_so_a_noisy_stretch_does_
     assert gemm_timing._plan(times) == ("c",) * len(ROW_BUCKETS)
     # rounds per bucket: decode buckets a warm-up + REPEATS, prefill buckets a warm-up + 2 * REPEATS + 1
     assert all(seen[(rows, (48, 32))] == 2 * gemm_timing.REPEATS + 2 for rows in ROW_BUCKETS if rows > 32)
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_gemm.available(torch.float32), reason="no AVX-512 for kernels.cpu_gemm")
+def test_a_gate_up_projection_is_timed_with_its_activation_under_a_plan_of_its_own(monkeypatch, tmp_path):
+    """A 64x32 weight that SiLU * up follows and a plain one of the same shape: the first is timed with the
+    activation (the C GEMM fused) and gets its own plan, "+silu" in the table; the plain one keeps its own."""
+    silu_calls, real = [], gemm_timing.run_product
+
+    def run(product, x, operand, silu=False):
+        silu_calls.append(silu)
+        y = real(product, x, operand, silu)
+        costs = {"c": 1.0, "onednn": 2.0, "mkl": 3.0} if silu else {"c": 3.0, "onednn": 2.0, "mkl": 2.5}
+        clock.now += costs[product] / 1e3
+        return y
+
+    clock = _FakeClock(None)
+    monkeypatch.setattr(gemm_timing, "run_product", run)
+    gen = torch.Generator().manual_seed(5)
+    gate_up, plain = _Slot(64, 32, gen), _Slot(64, 32, gen)
+    gate_up.silu_after = True
+    model = nn.ModuleList([gate_up, plain])
+    table = gemm_timing.plan_table(model, "auto", max_num_seqs=16, cache=ChoiceCache(tmp_path, key="k"),
+                                   timer=clock.timer)
+    assert set(table.shapes) == {(64, 32, gemm_timing.SILU), (64, 32)}
+    assert table.plan(gate_up) == ("c",) * len(ROW_BUCKETS) and table.plan(plain) == ("onednn",) * len(ROW_BUCKETS)
+    assert True in silu_calls and False in silu_calls
+    assert "64x32+silu" in table.format()
+    # the timed call really is the fused pass: SiLU * up of the product's halves
+    x = torch.randn(5, 32)
+    fused = real("c", x, cpu_gemm.pack(gate_up.weight), True)
+    assert torch.equal(fused, cpu_gemm.silu_mul_linear(x, cpu_gemm.pack(gate_up.weight))) and fused.shape == (5, 32)
 
 
 @pytest.mark.parametrize("c_ms, want", [(2.0, "c"), (2.1, "c"), (2.2, "onednn"), (1.5, "c")])

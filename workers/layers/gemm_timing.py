@@ -23,6 +23,10 @@ How it is timed (``plan_table``):
   On a CPU with AMX, oneDNN is 3-11x faster there (#59) and keeps those buckets. A shape is timed only up to the
   rows it can see (the LM head: ``max_num_seqs``); the buckets above take the decision of the largest timed
   one.
+- A merged gate/up projection that SiLU * up follows (``silu_after``, set by the decoder's MLP) is timed with the
+  activation: the C GEMM as its fused pass (``cpu_gemm.silu_mul_linear``, which never writes the [rows, 2 * inter]
+  product), the others as their product then ``kernels.silu_and_mul``, since that is what each costs the layer.
+  Its plan is its own (key ``(out, in, "silu")``, "+silu" in the log), apart from any plain weight of that shape.
 - The decisions (and the times behind them) are cached on disk (``kernels.cpu_choice.ChoiceCache``), per
   dtype, shape, thread count and row limit, so a restart on the same CPU, torch and kernels times nothing.
 
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pagedray import kernels
 from pagedray.kernels.cpu import cpu_choice, cpu_gemm
 from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS
 from torch import nn
@@ -53,7 +58,20 @@ COLD_ROWS = 32
 COLD_BYTES = 96 * 2**20
 REPEATS = 3
 C_MARGIN = 1.05     # the C GEMM keeps a bucket unless another product is faster by more than this (module doc)
-Shape = tuple[int, int]
+SILU = "silu"
+Shape = tuple   # a weight's (out, in), or (out, in, SILU) for a gate/up projection timed with its activation
+
+
+def plan_key(module: nn.Module) -> Shape:
+    """The key of ``module``'s plan: its weight's shape, with ``SILU`` when SiLU * up follows it and the C GEMM
+    can fuse the two (``cpu_gemm.fuses_silu_mul``: the halves start on a tile)."""
+    shape = tuple(module.weight.shape)
+    fusable = shape[0] % (2 * cpu_gemm.TILE) == 0
+    return (*shape, SILU) if getattr(module, "silu_after", False) and fusable else shape
+
+
+def shape_name(key: Shape) -> str:
+    return f"{key[0]}x{key[1]}" + ("+silu" if SILU in key else "")
 
 
 @dataclass(frozen=True)
@@ -72,28 +90,28 @@ class PlanTable:
     source: str        # "timed", "cached" or "forced by ..."
 
     def plan(self, module: nn.Module) -> tuple[str, ...]:
-        return self.shapes[tuple(module.weight.shape)].plan
+        return self.shapes[plan_key(module)].plan
 
     def format(self) -> str:
         """The table for the start-up log: per shape and bucket the product chosen and, where timed,
         the next best product's time over the chosen one's."""
         lines = [f"linear products ({self.source}; {cpu_choice.cpu_model()}, {self.threads} threads, "
                  f"{str(self.dtype).removeprefix('torch.')}), rows: " + " ".join(f"{r:>13}" for r in ROW_BUCKETS)]
-        for (out, inp), entry in self.shapes.items():
+        for key, entry in self.shapes.items():
             cells = []
             for i, product in enumerate(entry.plan):
                 others = [t[i] for name, t in entry.times.items() if name != product and math.isfinite(t[i])]
                 mine = entry.times.get(product, (math.inf,) * len(ROW_BUCKETS))[i]
                 cells.append(product if not others or not math.isfinite(mine) or mine <= 0
                              else f"{product} {min(others) / mine:.2f}x")
-            lines.append(f"  {out}x{inp}: " + " ".join(f"{c:>13}" for c in cells))
+            lines.append(f"  {shape_name(key)}: " + " ".join(f"{c:>13}" for c in cells))
         return "\n".join(lines)
 
 
 def _groups(modules: list[nn.Module]) -> dict[Shape, list[nn.Module]]:
     groups: dict[Shape, list[nn.Module]] = {}
     for module in modules:
-        groups.setdefault(tuple(module.weight.shape), []).append(module)
+        groups.setdefault(plan_key(module), []).append(module)
     return groups
 
 
@@ -102,8 +120,8 @@ def _forced(groups: dict[Shape, list[nn.Module]], product: str, origin: str) -> 
     for shape, modules in groups.items():
         usable = candidates(modules[0].weight)
         if product not in usable:
-            raise ValueError(f"{origin}: {product!r} cannot run a {modules[0].weight.dtype} {list(shape)} weight on "
-                             f"this CPU (products here: {', '.join(usable)})")
+            raise ValueError(f"{origin}: {product!r} cannot run a {modules[0].weight.dtype} {list(shape[:2])} weight "
+                             f"on this CPU (products here: {', '.join(usable)})")
         out[shape] = ShapePlan({}, (product,) * len(ROW_BUCKETS))
     return out
 
@@ -116,13 +134,16 @@ def _operand(product: str, weight: torch.Tensor):
     return weight
 
 
-def run_product(product: str, x: torch.Tensor, operand) -> torch.Tensor:
-    """x [rows, in] times one product's operand (``_operand``) -> [rows, out]."""
+def run_product(product: str, x: torch.Tensor, operand, silu: bool = False) -> torch.Tensor:
+    """x [rows, in] times one product's operand (``_operand``) -> [rows, out]; ``silu``: then SiLU * up of the
+    two halves -> [rows, out / 2] (the C GEMM fused, the others followed by ``kernels.silu_and_mul``)."""
     if product == "c":
-        return cpu_gemm.linear(x, operand)
+        return cpu_gemm.silu_mul_linear(x, operand) if silu else cpu_gemm.linear(x, operand)
     if product == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], "")
-    return F.linear(x, operand)
+        y = torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], "")
+    else:
+        y = F.linear(x, operand)
+    return kernels.silu_and_mul(y) if silu else y
 
 
 def _passes(modules: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -134,7 +155,7 @@ def _passes(modules: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]
         cold.append(module)
         covered += module.weight.numel() * module.weight.element_size()
     groups = _groups(modules)
-    seen = {tuple(m.weight.shape) for m in cold}
+    seen = {plan_key(m) for m in cold}
     cold += [ms[0] for shape, ms in groups.items() if shape not in seen]
     return cold, [ms[0] for ms in groups.values()]
 
@@ -147,7 +168,7 @@ def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats:
     cold, hot = _passes(modules)
     products = {shape: candidates(ms[0].weight) for shape, ms in groups.items()}
     operands = {(id(m), p): _operand(p, m.weight) for m in {id(m): m for m in cold + hot}.values()
-                for p in products[tuple(m.weight.shape)]}
+                for p in products[plan_key(m)]}
     widths = {shape[1] for shape in groups}
     dtype = next(iter(groups.values()))[0].weight.dtype
     gen = torch.Generator().manual_seed(0)
@@ -160,12 +181,12 @@ def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats:
             for product in names[round_ % len(names):] + names[:round_ % len(names)]:
                 totals: dict[Shape, list[float]] = {}
                 for module in modules:
-                    shape = tuple(module.weight.shape)
+                    shape = plan_key(module)
                     if product not in products[shape] or rows > row_caps[shape]:
                         continue
                     x = inputs[shape[1]][:rows]
                     start = timer()
-                    run_product(product, x, operands[(id(module), product)])
+                    run_product(product, x, operands[(id(module), product)], SILU in shape)
                     totals.setdefault(shape, []).append((timer() - start) * 1e3)
                 if round_:   # round 0 warms up
                     for shape, calls in totals.items():
@@ -188,7 +209,7 @@ def _plan(times: dict[str, tuple[float, ...]]) -> tuple[str, ...]:
 
 
 def _entry_name(dtype: torch.dtype, shape: Shape, threads: int, cap: int) -> str:
-    return f"linear {str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]} threads={threads} rows<={cap}"
+    return f"linear {str(dtype).removeprefix('torch.')} {shape_name(shape)} threads={threads} rows<={cap}"
 
 
 def plan_table(model: nn.Module, option: str, max_num_seqs: int, cache: cpu_choice.ChoiceCache | None = None,

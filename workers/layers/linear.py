@@ -30,7 +30,8 @@ from torch import nn
 from ..tp_group import TPGroup
 from ..weights.quantization import PackedIntWeight
 from ..weights.weight_loader import CheckpointReader, copy_into
-from .packed_gemm import PackedLinear, linear
+from .activation import silu_and_mul
+from .packed_gemm import PackedLinear, linear, linear_silu_mul
 from .partition import HeadPartition, check_even_split
 
 
@@ -72,6 +73,9 @@ class ColumnParallelLinear(nn.Module):
         self.packed_weight: PackedLinear | None = None
         self.quant: list[PackedIntWeight] | None = None
         self.lora: LinearDelta | None = None      # LoRA slots (workers/lora), added to the output when set
+        # a merged [gate; up] projection that SiLU * up follows (DecoderMLP sets it): ``forward_silu_and_mul`` may
+        # fuse the two, and the CPU plan times this layer's products with the activation (``gemm_timing``)
+        self.silu_after = False
 
     @classmethod
     def split(cls, input_size: int, output_size: int, bias: bool, tp: TPGroup, dtype, device,
@@ -167,6 +171,14 @@ class ColumnParallelLinear(nn.Module):
         if self.lora is not None:
             self.lora.add_delta(x, y)
         return y
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this merged gate/up projection: x [tokens, in] -> [tokens, out_local / 2]. One C pass
+        where the CPU plan runs the C GEMM at this row count (``packed_gemm.linear_silu_mul``: the same bits), else
+        the product then ``silu_and_mul``."""
+        fused = None if self.quant is not None or self.lora is not None else linear_silu_mul(
+            x, self.bias, self.packed_weight)
+        return silu_and_mul(self(x)) if fused is None else fused
 
 
 class RowParallelLinear(nn.Module):

@@ -104,6 +104,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
+def linear_silu_mul(x: torch.Tensor, bias: torch.Tensor | None, packed: PackedLinear | None) -> torch.Tensor | None:
+    """x [..., in] through a merged gate/up weight [2 * inter, in] -> silu(gate) * up [..., inter] in one C pass
+    (``cpu_gemm.silu_mul_linear``: the same bits as the C GEMM then ``kernels.silu_and_mul``) when the plan runs
+    the C GEMM at x's row count and the weight's halves start on a tile; else None (the caller multiplies and
+    then applies the activation)."""
+    if packed is None or packed.tile is None or not cpu_gemm.fuses_silu_mul(packed.tile):
+        return None
+    if packed.product(x.numel() // max(x.shape[-1], 1)) != "c":
+        return None
+    return cpu_gemm.silu_mul_linear(x, packed.tile, bias)
+
+
 @dataclass(frozen=True)
 class PackReport:
     """What ``pack_linear_weights`` did: matrices packed, the bytes of their packed copies, and the plan

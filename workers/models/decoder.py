@@ -173,6 +173,7 @@ class DecoderMLP(nn.Module):
                                            name="intermediate_size")
         self.fused_checkpoint = spec.fused_checkpoint
         self.act = gelu_tanh_and_mul if spec.gelu_tanh else silu_and_mul
+        self.gate_up_proj.silu_after = not spec.gelu_tanh
 
     def load(self, reader: CheckpointReader, prefix: str) -> None:
         if self.fused_checkpoint:
@@ -182,6 +183,8 @@ class DecoderMLP(nn.Module):
         self.down_proj.load(reader, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.silu_after:
+            return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
