@@ -87,17 +87,18 @@ def _add_options(parser: argparse.ArgumentParser, options, repeatable: tuple[str
     ``repeatable`` option's flag may be given several times (a list of its values)."""
     for option in options:
         kind = cli_type(option)
+        text = option.help.replace("%", "%%")       # argparse %-formats help strings ("5% faster" is "% f")
         if option.name in repeatable:
             parser.add_argument(option.flag, type=kind, action="append", default=None,
-                                help=option.help + " (repeat the flag for several)")
+                                help=text + " (repeat the flag for several)")
         elif kind is list:
-            parser.add_argument(option.flag, type=json_list, default=None, help=option.help + " (JSON)")
+            parser.add_argument(option.flag, type=json_list, default=None, help=text + " (JSON)")
         elif kind is dict:
-            parser.add_argument(option.flag, type=json_object, default=None, help=option.help + " (JSON)")
+            parser.add_argument(option.flag, type=json_object, default=None, help=text + " (JSON)")
         elif kind is bool:
-            parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None, help=option.help)
+            parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            parser.add_argument(option.flag, type=kind, default=None, help=option.help)
+            parser.add_argument(option.flag, type=kind, default=None, help=text)
 
 
 def generate_options() -> list:

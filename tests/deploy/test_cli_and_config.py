@@ -547,3 +547,15 @@ def test_serve_says_on_the_terminal_what_a_hybrid_model_changes(tiny_model_path,
     _note_hybrid(tiny_model_path("qwen3"))
     _note_hybrid("/no/such/folder")               # the replica reports a bad folder, not this note
     assert capsys.readouterr().out == ""
+
+
+def test_every_subcommand_prints_its_help_with_the_options_text(capsys):
+    """argparse %-formats help strings: an option's help with a bare % (cpu_gemm's "more than 5% faster")
+    once made ``pagedray serve --help`` crash with a TypeError."""
+    parser = cli.build_parser()
+    [subcommands] = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    assert "serve" in subcommands.choices
+    for name, sub in subcommands.choices.items():
+        text = sub.format_help()
+        assert text.startswith("usage:"), name
+    assert "more than 5% faster" in " ".join(subcommands.choices["serve"].format_help().split())
