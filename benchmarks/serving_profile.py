@@ -49,7 +49,7 @@ from pagedray.deploy.loadtest.prompts import parse_length_range, synthetic_promp
 from pagedray.deploy.loadtest.runner import LoadSpec
 
 from benchmarks.common import write_json
-from benchmarks.serving import RunningServer, system_specs
+from benchmarks.serving import RunningServer, system_specs, warm_up_prompts
 
 # (substring of the process command line, role); the first match wins
 ROLES = (("RayWorker", "TP worker"), ("PagedEngine", "engine replica"), ("OpenAIIngress", "ingress"),
@@ -126,12 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_healthy(args.startup_timeout)
         options = RequestOptions(model=server.model_name(), temperature=0.0, timeout_s=1800.0)
 
-        def run(load: LoadSpec):
-            config = LoadtestConfig(options=options, prompts=prompts, loads=[load], url=server.url,
+        def run(load: LoadSpec, sent=prompts):
+            config = LoadtestConfig(options=options, prompts=sent, loads=[load], url=server.url,
                                     metrics_url="", progress=False)
             return asyncio.run(run_loadtest(config))
 
-        run(LoadSpec(num_requests=2, concurrency=2))   # warm-up, not profiled
+        # warm-up, not profiled: prompts outside the load, so that none of the load's sits in the prefix cache
+        run(LoadSpec(num_requests=2, concurrency=2), warm_up_prompts(args))
         counters_before = engine_counters(server.url)
         before, started = cpu_times(server.proc.pid), time.monotonic()
         report = run(LoadSpec(num_requests=args.num_requests, concurrency=args.concurrency, seed=args.seed))
