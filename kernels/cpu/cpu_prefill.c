@@ -13,6 +13,14 @@
  * cpu_decode.c converts a chunk once per query
  * row instead, which dominates when a chunk has many query rows.
  *
+ * bfloat16 on AVX512-BF16 (prefill_item_bf16): the two products run through vdpbf16ps, which multiplies two
+ * bf16 pairs per lane into float32 sums: scores from q's and k's dimension pairs (kt holds each key's pairs,
+ * 4 bytes a key; the scale multiplies the sum), and p @ V from the probabilities rounded to bf16, two keys a
+ * step (vp holds the two keys' values of each dimension side by side). Half the instructions of the float32
+ * FMAs, and the chunk's keys are copied as bits instead of widened. The softmax (max, exp, sum) stays float32;
+ * rounding p to bf16 is what transformers' bf16 attention does too (its softmax output is cast to bf16 before
+ * the product). Against the float64 oracle the error stays at the output's own bf16 rounding (tests). 
+ *
  * Key j is visible from the query at position p when j <= p and, with a window W > 0, j > p - W. Token i
  * of a chunk of n tokens of a sequence of seq_len keys is at position seq_len - n + i. Block ids are
  * clamped into [0, num_blocks) (the callers check them; the clamp keeps a bad id from reading outside the
@@ -43,6 +51,43 @@ struct prefill_args {
     int64_t kv_head, window;
     float scale;
 };
+
+/* bytes from the cache's start to the item's KV head of key `key` (its block id clamped into the cache) */
+static inline int64_t key_offset(const struct prefill_args *a, int64_t key) {
+    int64_t block = a->table[key / a->block_size];
+    block = block < 0 ? 0 : (block >= a->num_blocks ? a->num_blocks - 1 : block);
+    return block * a->c_block + (key % a->block_size) * a->c_tok + a->kv_head * a->c_head;
+}
+
+/* One online-softmax step of one row over a chunk's scores p[0, nb16) (the masked ones -inf): p becomes
+ * exp(p - the new max), or zeros when nothing in the chunk is visible; m and l are the row's running max and
+ * sum. Returns the factor the row's earlier sums take (1 when nothing is visible). */
+static inline float softmax_step(float *p, int64_t nb16, float *m, float *l) {
+    v16f vmax = splat16(-INFINITY);
+    for (int64_t k16 = 0; k16 < nb16; k16 += 16) {
+        v16f x;
+        memcpy(&x, &p[k16], sizeof x);
+        vmax = select16(x > vmax, x, vmax);
+    }
+    const float cmax = hmax16(vmax);
+    if (cmax == -INFINITY) {
+        memset(p, 0, CHUNK * sizeof(float));
+        return 1.0f;
+    }
+    const float new_max = cmax > *m ? cmax : *m;
+    const float correction = *m == -INFINITY ? 0.0f : exp8(splat8(*m - new_max))[0];
+    v16f sum = splat16(0.0f);
+    for (int64_t k16 = 0; k16 < nb16; k16 += 16) {
+        v16f x;
+        memcpy(&x, &p[k16], sizeof x);
+        x = exp16(x - splat16(new_max));
+        memcpy(&p[k16], &x, sizeof x);
+        sum += x;
+    }
+    *l = *l * correction + hsum16(sum);
+    *m = new_max;
+    return correction;
+}
 
 /* One item; D = 16 C. rows = (tokens i0..i1) x G heads, row r = (i - i0) * G + g, padded to a multiple of
  * ROW_BLOCK with copies of the last row (computed, never stored), so every inner loop has constant bounds
@@ -80,10 +125,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
         const int64_t end = (b0 + chunk_blocks) * bs < hi ? (b0 + chunk_blocks) * bs : hi;
         const int64_t n = end - first, n16 = (n + 15) / 16 * 16;
         for (int64_t j = 0; j < n; j++) {                            /* the chunk's keys, as float32 */
-            const int64_t key = first + j;
-            int64_t block = a->table[key / bs];
-            block = block < 0 ? 0 : (block >= a->num_blocks ? a->num_blocks - 1 : block);
-            const int64_t off = block * a->c_block + (key % bs) * a->c_tok + a->kv_head * a->c_head;
+            const int64_t off = key_offset(a, first + j);
             for (int64_t c = 0; c < C; c++) {
                 const v16f kx = load16(a->k + off + c * 16 * elem, dtype);
                 const v16f vx = load16(a->v + off + c * 16 * elem, dtype);
@@ -116,33 +158,8 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
                 }
             }
             float correction[ROW_BLOCK];
-            for (int rr = 0; rr < ROW_BLOCK; rr++) {                 /* online softmax, one step per chunk */
-                const int64_t r = r0 + rr;
-                v16f vmax = splat16(-INFINITY);
-                for (int64_t k16 = 0; k16 < nb16; k16 += 16) {
-                    v16f x;
-                    memcpy(&x, &p[rr][k16], sizeof x);
-                    vmax = select16(x > vmax, x, vmax);
-                }
-                const float cmax = hmax16(vmax);
-                if (cmax == -INFINITY) {                               /* nothing visible in this chunk */
-                    memset(p[rr], 0, sizeof p[rr]);
-                    correction[rr] = 1.0f;
-                    continue;
-                }
-                const float new_max = cmax > m[r] ? cmax : m[r];
-                correction[rr] = m[r] == -INFINITY ? 0.0f : exp8(splat8(m[r] - new_max))[0];
-                v16f sum = splat16(0.0f);
-                for (int64_t k16 = 0; k16 < nb16; k16 += 16) {
-                    v16f x;
-                    memcpy(&x, &p[rr][k16], sizeof x);
-                    x = exp16(x - splat16(new_max));
-                    memcpy(&p[rr][k16], &x, sizeof x);
-                    sum += x;
-                }
-                l[r] = l[r] * correction[rr] + hsum16(sum);
-                m[r] = new_max;
-            }
+            for (int rr = 0; rr < ROW_BLOCK; rr++)                   /* online softmax, one step per chunk */
+                correction[rr] = softmax_step(p[rr], nb16, &m[r0 + rr], &l[r0 + rr]);
             v16f o[ROW_BLOCK][C];                                     /* acc += p @ V, in registers */
             for (int rr = 0; rr < ROW_BLOCK; rr++) {
                 for (int64_t c = 0; c < C; c++) o[rr][c] = acc[r0 + rr][c] * splat16(correction[rr]);
@@ -166,6 +183,117 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
         for (int64_t c = 0; c < C; c++) store16(dst + c * 16 * elem, acc[r][c] * inv, dtype);
     }
 }
+
+#if defined(__AVX512BF16__)
+/* prefill_item for bfloat16 through vdpbf16ps (two products per lane and instruction, twice the float32 FMA's):
+ * scores from the q / k bf16 pairs of two dimensions (kt: each key's dimension pairs transposed, 4 bytes a key),
+ * times scale after the sum; probabilities rounded to bf16 (nearest even) for p @ V, which takes two keys a step
+ * (vp: the two keys' values of each dimension side by side). The softmax, its max and its sum stay float32 as in
+ * prefill_item. */
+static inline __attribute__((always_inline)) void prefill_item_bf16(const struct prefill_args *a, int64_t C) {
+    const int64_t D = 16 * C, D2 = D / 2, G = a->group, bs = a->block_size;
+    const int64_t rows = (a->i1 - a->i0) * G, padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+    const int64_t p_first = a->first_pos + a->i0, p_last = a->first_pos + a->i1 - 1;
+    const int64_t lo = (a->window > 0 && p_first - a->window + 1 > 0) ? p_first - a->window + 1 : 0;
+    const int64_t hi = p_last + 1;                                   /* keys [lo, hi) */
+    const int64_t chunk_blocks = CHUNK / bs;
+    uint32_t qp[padded][D2];                                         /* q's dimension pairs, unscaled */
+    v16f acc[padded][C];
+    float m[padded], l[padded];
+    int32_t pos[padded];
+    uint32_t kt[D2][CHUNK] __attribute__((aligned(64)));            /* kt[e][j]: key j's dimensions 2e, 2e + 1 */
+    uint32_t vp[CHUNK / 2][D] __attribute__((aligned(64)));         /* vp[i][d]: keys 2i, 2i + 1 at dimension d */
+    float p[ROW_BLOCK][CHUNK] __attribute__((aligned(64)));
+    uint32_t pp[ROW_BLOCK][CHUNK / 2] __attribute__((aligned(64))); /* p as bf16 pairs of keys */
+    for (int64_t r = 0; r < padded; r++) {
+        const int64_t real = r < rows ? r : rows - 1;
+        const int64_t i = a->i0 + real / G, head = a->kv_head * G + real % G;
+        memcpy(qp[r], a->q + (a->token0 + i) * a->q_tok + head * a->q_head, (size_t)D * 2);
+        for (int64_t c = 0; c < C; c++) acc[r][c] = splat16(0.0f);
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        pos[r] = (int32_t)(a->first_pos + i);
+    }
+    for (int64_t b0 = lo / bs; b0 * bs < hi; b0 += chunk_blocks) {
+        const int64_t first = lo > b0 * bs ? lo : b0 * bs;
+        const int64_t end = (b0 + chunk_blocks) * bs < hi ? (b0 + chunk_blocks) * bs : hi;
+        const int64_t n = end - first, n16 = (n + 15) / 16 * 16;
+        for (int64_t j = 0; j < n; j++) {                            /* the chunk's keys as bf16 pairs */
+            const int64_t off = key_offset(a, first + j);
+            uint32_t kr[D2];
+            memcpy(kr, a->k + off, (size_t)D * 2);
+            for (int64_t e = 0; e < D2; e++) kt[e][j] = kr[e];
+            uint16_t vr[D], *vdst = (uint16_t *)vp[j / 2];
+            memcpy(vr, a->v + off, (size_t)D * 2);
+            for (int64_t d = 0; d < D; d++) vdst[2 * d + (j & 1)] = vr[d];
+        }
+        for (int64_t j = n; j < (n + 31) / 32 * 32; j++)             /* zeros up to the 32-key step */
+            for (int64_t e = 0; e < D2; e++) kt[e][j] = 0;
+        if (n & 1) {                                                  /* the last pair's missing key: zeros */
+            uint16_t *vdst = (uint16_t *)vp[n / 2];
+            for (int64_t d = 0; d < D; d++) vdst[2 * d + 1] = 0;
+        }
+        for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK) {
+            const int64_t last = pos[r0 + ROW_BLOCK - 1];
+            if (last < first) continue;
+            const int64_t nb = (last + 1 < end ? last + 1 : end) - first, nb16 = (nb + 15) / 16 * 16;
+            for (int64_t k32 = 0; k32 < nb16; k32 += 32) {           /* 32 keys at a time: 8 independent sums */
+                const int two = k32 + 16 < nb16;
+                __m512 sc[ROW_BLOCK][2];
+                for (int rr = 0; rr < ROW_BLOCK; rr++) sc[rr][0] = sc[rr][1] = _mm512_setzero_ps();
+                for (int64_t e = 0; e < D2; e++) {
+                    const __m512bh k0 = (__m512bh)_mm512_load_si512(&kt[e][k32]);
+                    const __m512bh k1 = (__m512bh)_mm512_load_si512(&kt[e][k32 + 16]);   /* zeros past the chunk */
+                    for (int rr = 0; rr < ROW_BLOCK; rr++) {
+                        const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qp[r0 + rr][e]);
+                        sc[rr][0] = _mm512_dpbf16_ps(sc[rr][0], qv, k0);
+                        sc[rr][1] = _mm512_dpbf16_ps(sc[rr][1], qv, k1);
+                    }
+                }
+                for (int h = 0; h < 1 + two; h++) {
+                    const v16i key = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} +
+                                     (int32_t)(first + k32 + 16 * h);
+                    for (int rr = 0; rr < ROW_BLOCK; rr++) {
+                        v16i visible = (key <= pos[r0 + rr]) & (key < (int32_t)end);
+                        if (a->window > 0) visible &= key > pos[r0 + rr] - (int32_t)a->window;
+                        const v16f masked = select16(visible, (v16f)sc[rr][h] * splat16(a->scale), splat16(-INFINITY));
+                        memcpy(&p[rr][k32 + 16 * h], &masked, sizeof masked);
+                    }
+                }
+            }
+            float correction[ROW_BLOCK];
+            for (int rr = 0; rr < ROW_BLOCK; rr++) {                 /* online softmax, as prefill_item */
+                correction[rr] = softmax_step(p[rr], nb16, &m[r0 + rr], &l[r0 + rr]);
+                for (int64_t k32 = 0; k32 < nb16; k32 += 32) {        /* keys k32 .. k32 + 31 as 16 bf16 pairs */
+                    const __m512 lo16 = _mm512_load_ps(&p[rr][k32]);
+                    const __m512 hi16 = k32 + 16 < nb16 ? _mm512_load_ps(&p[rr][k32 + 16]) : _mm512_setzero_ps();
+                    _mm512_store_si512(&pp[rr][k32 / 2], (__m512i)_mm512_cvtne2ps_pbh(hi16, lo16));
+                }
+            }
+            __m512 o[ROW_BLOCK][C];                                   /* acc += p @ V, two keys a step */
+            for (int rr = 0; rr < ROW_BLOCK; rr++) {
+                for (int64_t c = 0; c < C; c++) o[rr][c] = (__m512)(acc[r0 + rr][c] * splat16(correction[rr]));
+            }
+            for (int64_t i = 0; i < (nb + 1) / 2; i++) {
+                for (int64_t c = 0; c < C; c++) {
+                    const __m512bh vv = (__m512bh)_mm512_load_si512(&vp[i][c * 16]);
+                    for (int rr = 0; rr < ROW_BLOCK; rr++)
+                        o[rr][c] = _mm512_dpbf16_ps(o[rr][c], (__m512bh)_mm512_set1_epi32((int)pp[rr][i]), vv);
+                }
+            }
+            for (int rr = 0; rr < ROW_BLOCK; rr++) {
+                for (int64_t c = 0; c < C; c++) acc[r0 + rr][c] = (v16f)o[rr][c];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t i = a->i0 + r / G, head = a->kv_head * G + r % G;
+        char *dst = a->out + (a->token0 + i) * a->o_tok + head * a->o_head;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int64_t c = 0; c < C; c++) store16(dst + c * 16 * 2, acc[r][c] * inv, DTYPE_BF16);
+    }
+}
+#endif
 
 /* q [T, Hq, D] (strides q_tok, q_head in elements) holding each sequence's newest chunk, cu_q [S + 1]
  * int32 the chunks' offsets; caches [NB, bs, Hkv, D] (element strides c_block, c_tok, c_head, 1) in q's
@@ -212,9 +340,15 @@ int paged_prefill_cpu(const void *q, int64_t q_tok, int64_t q_head,
             else if (head_dim == 128) prefill_item(&a, DTYPE_F32, 8);
             else prefill_item(&a, DTYPE_F32, head_dim / 16);
         } else {
+#if defined(__AVX512BF16__)
+            if (head_dim == 64) prefill_item_bf16(&a, 4);
+            else if (head_dim == 128) prefill_item_bf16(&a, 8);
+            else prefill_item_bf16(&a, head_dim / 16);
+#else
             if (head_dim == 64) prefill_item(&a, DTYPE_BF16, 4);
             else if (head_dim == 128) prefill_item(&a, DTYPE_BF16, 8);
             else prefill_item(&a, DTYPE_BF16, head_dim / 16);
+#endif
         }
     }
     free(tile_seq);

@@ -26,6 +26,8 @@ CASES = [
     (64, 1, 64, 16, BF16, ((5, 3), (0, 9)), None),                          # G 64: one token per tile
     (2, 1, 256, 32, BF16, ((17, 40), (1, 65)), 8),                          # head_dim 256, short window
     (3, 1, 64, 16, F32, ((0, 600), (100, 300)), None),                      # long chunks: 10+ key chunks
+    (3, 1, 64, 16, BF16, ((0, 600), (100, 301)), None),                     # the same in bf16 (pairs of keys)
+    (4, 4, 80, 8, BF16, ((0, 33), (7, 1), (0, 2)), 5),                      # bf16: 5 x 16 dims, odd key counts
 ]
 
 
