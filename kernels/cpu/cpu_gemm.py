@@ -119,10 +119,10 @@ def linear(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None 
     return out.reshape(*x.shape[:-1], packed.out_features)
 
 
-def fuses_silu_mul(packed: TilePackedWeight) -> bool:
-    """Whether ``silu_mul_linear`` takes this weight: a merged gate/up projection whose halves start on a tile
-    (out_features = 2 * inter, inter a multiple of 16)."""
-    return isinstance(packed, TilePackedWeight) and packed.out_features % (2 * TILE) == 0
+def fuses_silu_mul(out_features: int) -> bool:
+    """Whether ``silu_mul_linear`` takes a merged gate/up weight of ``out_features`` rows: its halves must start on
+    a tile (out_features = 2 * inter, inter a multiple of 16)."""
+    return out_features % (2 * TILE) == 0
 
 
 def silu_mul_linear(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +130,7 @@ def silu_mul_linear(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tenso
     the bits of ``linear`` followed by ``cpu_fused.silu_and_mul_cpu``, in one pass that never writes the
     [rows, 2 * inter] product."""
     _check(x, packed, bias)
-    if not fuses_silu_mul(packed):
+    if not fuses_silu_mul(packed.out_features):
         raise ValueError(f"packed: a fused gate/up product needs out_features = 2 * inter with inter a multiple of "
                          f"{TILE}, got {packed.out_features}")
     inter = packed.out_features // 2

@@ -150,6 +150,9 @@ def test_a_gate_up_projection_is_timed_with_its_activation_under_a_plan_of_its_o
     assert table.plan(gate_up) == ("c",) * len(ROW_BUCKETS) and table.plan(plain) == ("onednn",) * len(ROW_BUCKETS)
     assert True in silu_calls and False in silu_calls
     assert "64x32+silu" in table.format()
+    # with LoRA slots the layer never fuses (the delta goes before the activation): it is timed as a plain weight
+    gate_up.lora = object()
+    assert gemm_timing.plan_key(gate_up) == (64, 32) and table.plan(plain) == ("onednn",) * len(ROW_BUCKETS)
     # the timed call really is the fused pass: SiLU * up of the product's halves
     x = torch.randn(5, 32)
     fused = real("c", x, cpu_gemm.pack(gate_up.weight), True)

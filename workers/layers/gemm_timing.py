@@ -64,10 +64,11 @@ Shape = tuple   # a weight's (out, in), or (out, in, SILU) for a gate/up project
 
 def plan_key(module: nn.Module) -> Shape:
     """The key of ``module``'s plan: its weight's shape, with ``SILU`` when SiLU * up follows it and the C GEMM
-    can fuse the two (``cpu_gemm.fuses_silu_mul``: the halves start on a tile)."""
+    can fuse the two (``cpu_gemm.fuses_silu_mul``: the halves start on a tile; no LoRA slots, whose delta goes
+    between the product and the activation: ``ColumnParallelLinear.forward_silu_and_mul``)."""
     shape = tuple(module.weight.shape)
-    fusable = shape[0] % (2 * cpu_gemm.TILE) == 0
-    return (*shape, SILU) if getattr(module, "silu_after", False) and fusable else shape
+    fused = getattr(module, "silu_after", False) and getattr(module, "lora", None) is None
+    return (*shape, SILU) if fused and cpu_gemm.fuses_silu_mul(shape[0]) else shape
 
 
 def shape_name(key: Shape) -> str:

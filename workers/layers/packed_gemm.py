@@ -109,7 +109,7 @@ def linear_silu_mul(x: torch.Tensor, bias: torch.Tensor | None, packed: PackedLi
     (``cpu_gemm.silu_mul_linear``: the same bits as the C GEMM then ``kernels.silu_and_mul``) when the plan runs
     the C GEMM at x's row count and the weight's halves start on a tile; else None (the caller multiplies and
     then applies the activation)."""
-    if packed is None or packed.tile is None or not cpu_gemm.fuses_silu_mul(packed.tile):
+    if packed is None or packed.tile is None or not cpu_gemm.fuses_silu_mul(packed.tile.out_features):
         return None
     if packed.product(x.numel() // max(x.shape[-1], 1)) != "c":
         return None
