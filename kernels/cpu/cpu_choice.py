@@ -38,8 +38,9 @@ ROW_BUCKETS = (1, 4, 16, 32, 128, 512, 2048)
 _EDGES = tuple(math.sqrt(a * b) for a, b in zip(ROW_BUCKETS, ROW_BUCKETS[1:]))
 PRODUCTS = ("auto", "c", "onednn", "mkl")
 PRODUCT_ENV = "PAGEDRAY_CPU_GEMM"
-# 2: the C GEMM keeps a bucket within gemm_timing.C_MARGIN of the fastest; 3: prefill buckets timed in 7 rounds
-CACHE_VERSION = 3
+# 2: the C GEMM keeps a bucket within gemm_timing.C_MARGIN of the fastest; 3: prefill buckets timed in 7 rounds;
+# 4: close prefill calls timed in gemm_timing.CLOSE_ROUNDS more rounds at the end
+CACHE_VERSION = 4
 
 
 def bucket_index(rows: int) -> int:

@@ -126,6 +126,41 @@ def test_prefill_buckets_take_the_median_of_more_rounds_so_a_noisy_stretch_does_
 
 @needs_onednn
 @pytest.mark.skipif(not cpu_gemm.available(torch.float32), reason="no AVX-512 for kernels.cpu_gemm")
+def test_a_close_prefill_call_is_timed_again_at_the_end_and_decided_on_the_longer_record(monkeypatch):
+    """Shape 48x32: in its bucket rounds the C GEMM looks within the margin of oneDNN (2.05 against 2.0 ms),
+    which would keep it; in the later rounds it takes 2.6 ms (its cost in a step), and over both records
+    oneDNN is faster by more than the margin. Shape 32x64 (C 1 ms, oneDNN 2: not close) and the decode
+    buckets get no more rounds."""
+    seen: dict[tuple, int] = {}
+
+    def cost(product, rows, shape):
+        if product == "c":
+            calls = seen[(rows, shape)] = seen.get((rows, shape), 0) + 1
+            if shape == (32, 64) or rows <= gemm_timing.COLD_ROWS:
+                return 1.0
+            return 2.05 if calls <= 2 * gemm_timing.REPEATS + 2 else 2.6   # the bucket's warm-up + rounds, then later
+        return {"onednn": 2.0, "mkl": 3.0}[product]
+
+    clock = _FakeClock(cost)
+    monkeypatch.setattr(gemm_timing, "run_product", clock.run)
+    model = _Model()
+    modules = [model.layers[0][0], model.layers[0][1]]
+    times = gemm_timing.time_products(modules, {(48, 32): 2048, (32, 64): 2048}, timer=clock.timer)
+    prefill = [b for b, rows in enumerate(ROW_BUCKETS) if rows > gemm_timing.COLD_ROWS]
+    rounds = 2 * gemm_timing.REPEATS + 1
+    for b in prefill:
+        rows = ROW_BUCKETS[b]
+        assert seen[(rows, (48, 32))] == 1 + rounds + gemm_timing.CLOSE_ROUNDS
+        assert seen[(rows, (32, 64))] == 1 + rounds
+        assert times[(48, 32)]["c"][b] > gemm_timing.C_MARGIN * times[(48, 32)]["onednn"][b]
+    assert all(seen[(rows, (48, 32))] == 1 + gemm_timing.REPEATS for rows in ROW_BUCKETS if rows <= 32)
+    plan = gemm_timing._plan(times[(48, 32)])
+    assert plan == tuple("onednn" if b in prefill else "c" for b in range(len(ROW_BUCKETS)))
+    assert gemm_timing._plan(times[(32, 64)]) == ("c",) * len(ROW_BUCKETS)
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_gemm.available(torch.float32), reason="no AVX-512 for kernels.cpu_gemm")
 def test_a_gate_up_projection_is_timed_with_its_activation_under_a_plan_of_its_own(monkeypatch, tmp_path):
     """A 64x32 weight that SiLU * up follows and a plain one of the same shape: the first is timed with the
     activation (the C GEMM fused) and gets its own plan, "+silu" in the table; the plain one keeps its own."""
