@@ -17,9 +17,13 @@
  * oneDNN read bf16 weights at ~27 GB/s where this loop, with each tile's weights prefetched 4 KB ahead,
  * reads at ~40 GB/s (docs/design/kernels.md: the measurements). Rows up to 16 share one pass over a
  * tile (one weight load feeds 16 products); more rows go in blocks of 12 rows over two tiles, so the
- * weights of a tile pair are loaded from memory once and from cache for the later blocks. A block of 8 rows
- * or more is first copied step-major (pack_rows), so the loop reads each step's row values at fixed offsets
- * from one pointer (2-core EPYC, a decode step's 121 products: 8-16% faster at 8-16 rows, ~2.5% at 1,024).
+ * weights of a tile pair are loaded from memory once and from cache for the later blocks. A block of 8-16
+ * rows (m <= 16) is first copied step-major (pack_rows), so the loop reads each step's row values at fixed
+ * offsets from one pointer (2-core EPYC, a decode step's 121 products: 8-16% faster at 8-16 rows). The
+ * 12-row blocks of m > 16 are read in place through four row pointers, three rows each (row, row + xs,
+ * row + 2 xs: a base plus a scaled index, so the loop needs 6 general registers, not 12): no copy at all,
+ * 0.83-0.95x the time of packing them at 17-2,048 rows (2-core EPYC, 2026-12-01; the gate/up + SiLU pass
+ * 0.95-1.0x).
  *
  * Sums are float32 in k order (bfloat16: the two products of a pair added inside vdpbf16ps); bfloat16
  * outputs are rounded once at the end, nearest even, as torch rounds (cpu_vec.h: store16_first).
@@ -92,26 +96,31 @@ static inline v16i load_step(const char *src) {
 /* x's rows, 4-byte steps (row stride xs steps) -> xp [steps][rows]: each step's values of every row side by
  * side, so the inner loop reads them at constant offsets from one pointer. With a pointer per row, blocks of
  * PACKED_FROM rows or more ran out of general registers (row pointers spilled into vector registers: ~6
- * extra moves per step at 16 rows); below that, packing costs more than it saves, and rows are read in place. */
+ * extra moves per step at 16 rows); below that, packing costs more than it saves, and rows are read in place.
+ * Used for the one block of 8-16 rows (m <= 16); the 12-row blocks of larger m read their rows in place in
+ * triplets (block). */
 #define PACKED_FROM 8
 static inline void pack_rows(const uint32_t *x, int64_t xs, int64_t rows, int64_t j0, int64_t j1, uint32_t *xp) {
     for (int64_t j = j0; j < j1; j++)
         for (int64_t i = 0; i < rows; i++) xp[j * rows + i] = x[i * xs + j];
 }
 
-/* rows x (tiles * 16) outputs. x: the rows' steps, row i's step j at x[i * xs + j] (rows < PACKED_FROM: in
- * place) or packed by pack_rows at x[j * rows + i] (rows >= PACKED_FROM; xs unused); tile 0 at pt with its bias
+/* rows x (tiles * 16) outputs. x: the rows' steps, row i's step j at x[i * xs + j] (packed 0: in place; at
+ * BLOCK_ROWS rows read as four triplets of rows, b0..b3 below) or at x[j * rows + i] (packed 1: pack_rows's
+ * layout; xs unused); tile 0 at pt with its bias
  * at bias, tile 1 (tiles == 2) at pt1 with its bias at bias1; columns = output columns left from this tile on
  * (may be < 16); bias, bias1 (either may be NULL) and y element pointers of dtype (element size `size`).
  * fuse (tiles == 2, columns >= 16): tile 0 holds gate columns and tile 1 the up columns of the same 16
  * outputs; each sum is rounded to dtype as a store would, and y gets silu_mul16 of the two (16 outputs). */
 static inline __attribute__((always_inline)) void block(
-        const uint32_t *x, int64_t xs, const int rows, const int tiles, int64_t steps, const char *pt,
-        const char *pt1, const char *bias, const char *bias1, char *y, int64_t ys, int64_t columns,
+        const uint32_t *x, int64_t xs, const int packed, const int rows, const int tiles, int64_t steps,
+        const char *pt, const char *pt1, const char *bias, const char *bias1, char *y, int64_t ys, int64_t columns,
         const int fuse, const int dtype) {
     const int size = dtype == DTYPE_BF16 ? 2 : 4;
-    const int packed = rows >= PACKED_FROM;
+    const int triplets = !packed && rows == BLOCK_ROWS;
     const int64_t row_stride = packed ? 1 : xs, step_stride = packed ? rows : 1;
+    const uint32_t *b0 = x, *b1 = x + 3 * xs, *b2 = x + 6 * xs, *b3 = x + 9 * xs;   /* triplets: rows 3i, 3i+1, 3i+2 */
+    const int64_t s1 = xs, s2 = 2 * xs;
     v16f acc[16][2];
     #pragma GCC unroll 16
     for (int i = 0; i < rows; i++)
@@ -124,6 +133,17 @@ static inline __attribute__((always_inline)) void block(
         if (tiles == 2) {
             w1 = load_step(pt1 + j * STEP_BYTES);
             __builtin_prefetch(pt1 + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
+        }
+        if (triplets) {
+            const uint32_t a[12] = {b0[0], b0[s1], b0[s2], b1[0], b1[s1], b1[s2],
+                                    b2[0], b2[s1], b2[s2], b3[0], b3[s1], b3[s2]};
+            #pragma GCC unroll 12
+            for (int i = 0; i < 12; i++) {
+                acc[i][0] = madd(acc[i][0], a[i], w0, dtype);
+                if (tiles == 2) acc[i][1] = madd(acc[i][1], a[i], w1, dtype);
+            }
+            b0++, b1++, b2++, b3++;
+            continue;
         }
         const uint32_t *xj = x + j * step_stride;
         #pragma GCC unroll 16
@@ -151,13 +171,16 @@ static inline __attribute__((always_inline)) void block(
     }
 }
 
+/* an instance of block per row count, packing (1 only from PACKED_FROM rows) and dtype: all constants in it */
+#define ROWS_BLOCK(R, P) \
+    if (dtype == DTYPE_BF16) block(x, xs, P, R, 1, steps, pt, pt, bias, bias, y, ys, columns, 0, DTYPE_BF16); \
+    else block(x, xs, P, R, 1, steps, pt, pt, bias, bias, y, ys, columns, 0, DTYPE_F32);
 #define ROWS_CASE(R) case R: \
-    if (dtype == DTYPE_BF16) block(x, xs, R, 1, steps, pt, pt, bias, bias, y, ys, columns, 0, DTYPE_BF16); \
-    else block(x, xs, R, 1, steps, pt, pt, bias, bias, y, ys, columns, 0, DTYPE_F32); \
+    if (R >= PACKED_FROM && packed) { ROWS_BLOCK(R, 1) } else { ROWS_BLOCK(R, 0) } \
     break;
 /* rows (1..16) x one tile, the row count and dtype constants in each instance (x as block takes it) */
-static void one_tile(const uint32_t *x, int64_t xs, int rows, int64_t steps, const char *pt, const char *bias,
-                     char *y, int64_t ys, int64_t columns, int dtype) {
+static void one_tile(const uint32_t *x, int64_t xs, int packed, int rows, int64_t steps, const char *pt,
+                     const char *bias, char *y, int64_t ys, int64_t columns, int dtype) {
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
         ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12) ROWS_CASE(13) ROWS_CASE(14)
@@ -165,20 +188,23 @@ static void one_tile(const uint32_t *x, int64_t xs, int rows, int64_t steps, con
     }
 }
 
-static void two_tiles(const uint32_t *xp, int64_t steps, const char *pt, const char *bias,
+/* BLOCK_ROWS rows read in place (row stride xs) x two tiles */
+static void two_tiles(const uint32_t *x, int64_t xs, int64_t steps, const char *pt, const char *bias,
                       char *y, int64_t ys, int64_t columns, int dtype) {
     const char *pt1 = pt + steps * STEP_BYTES, *bias1 = bias ? bias + TILE * dtype_size(dtype) : NULL;
-    if (dtype == DTYPE_BF16) block(xp, 0, BLOCK_ROWS, 2, steps, pt, pt1, bias, bias1, y, ys, columns, 0, DTYPE_BF16);
-    else block(xp, 0, BLOCK_ROWS, 2, steps, pt, pt1, bias, bias1, y, ys, columns, 0, DTYPE_F32);
+    if (dtype == DTYPE_BF16) block(x, xs, 0, BLOCK_ROWS, 2, steps, pt, pt1, bias, bias1, y, ys, columns, 0, DTYPE_BF16);
+    else block(x, xs, 0, BLOCK_ROWS, 2, steps, pt, pt1, bias, bias1, y, ys, columns, 0, DTYPE_F32);
 }
 
+#define PAIR_BLOCK(R, P) \
+    if (dtype == DTYPE_BF16) block(x, xs, P, R, 2, steps, pg, pu, bg, bu, y, ys, TILE, 1, DTYPE_BF16); \
+    else block(x, xs, P, R, 2, steps, pg, pu, bg, bu, y, ys, TILE, 1, DTYPE_F32);
 #define PAIR_CASE(R) case R: \
-    if (dtype == DTYPE_BF16) block(x, xs, R, 2, steps, pg, pu, bg, bu, y, ys, TILE, 1, DTYPE_BF16); \
-    else block(x, xs, R, 2, steps, pg, pu, bg, bu, y, ys, TILE, 1, DTYPE_F32); \
+    if (R >= PACKED_FROM && packed) { PAIR_BLOCK(R, 1) } else { PAIR_BLOCK(R, 0) } \
     break;
 /* rows (1..BLOCK_ROWS) x 16 outputs silu(gate) * up from gate tile pg and up tile pu (x as block takes it) */
-static void gate_up_pair(const uint32_t *x, int64_t xs, int rows, int64_t steps, const char *pg, const char *pu,
-                         const char *bg, const char *bu, char *y, int64_t ys, int dtype) {
+static void gate_up_pair(const uint32_t *x, int64_t xs, int packed, int rows, int64_t steps, const char *pg,
+                         const char *pu, const char *bg, const char *bu, char *y, int64_t ys, int dtype) {
     switch (rows) {
         PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4) PAIR_CASE(5) PAIR_CASE(6) PAIR_CASE(7)
         PAIR_CASE(8) PAIR_CASE(9) PAIR_CASE(10) PAIR_CASE(11) PAIR_CASE(12)
@@ -222,15 +248,16 @@ static void rows_in_place(const uint32_t *x32, int64_t xs, int64_t m, int64_t st
     const int64_t tiles = (n + TILE - 1) / TILE, tile_bytes = steps * STEP_BYTES;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++)
-        one_tile(x32, xs, (int)m, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
+        one_tile(x32, xs, 0, (int)m, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
                  yc + t * TILE * size, y_stride, n - t * TILE, dtype);
 }
 
 /* x [m, k] of dtype (row stride x_stride elements; bfloat16: k even); p tile-packed W [n, k]; bias [n]
  * or NULL; y [m, n] (row stride y_stride). x rows are read 4 bytes at a time (a float32, a bf16 pair), in
- * blocks (m <= 16: one block of m rows; else blocks of BLOCK_ROWS, the last one shorter); a block of
- * PACKED_FROM rows or more is first packed by pack_rows, into the calling thread's buffer. Where that buffer
- * cannot be allocated, the rows go in place, PACKED_FROM - 1 at a time (the same sums, slower). */
+ * blocks (m <= 16: one block of m rows; else blocks of BLOCK_ROWS, the last one shorter, all read in place);
+ * a block of PACKED_FROM..16 rows (m <= 16) is first packed by pack_rows, into the calling thread's buffer.
+ * Where that buffer cannot be allocated, the rows go in place, PACKED_FROM - 1 at a time (the same sums,
+ * slower). */
 void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, int64_t n, const void *bias,
           void *y, int64_t y_stride, int dtype, int threads) {
     const int size = dtype == DTYPE_BF16 ? 2 : 4;
@@ -239,8 +266,9 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
     const uint32_t *x32 = (const uint32_t *)x;
     const char *pc = (const char *)p, *bc = (const char *)bias;
     char *yc = (char *)y;
-    uint32_t *xp = m < PACKED_FROM ? NULL : packed_x_buffer((size_t)m * (size_t)steps * 4);  /* row r: xp + r * steps */
-    if (!xp) {
+    const int packs = m >= PACKED_FROM && m <= 16;       /* one block of 8-16 rows; larger m reads in place */
+    uint32_t *xp = packs ? packed_x_buffer((size_t)m * (size_t)steps * 4) : NULL;   /* [steps][m] */
+    if (packs && !xp) {
         for (int64_t r = 0; r < m; r += PACKED_FROM - 1)
             rows_in_place(x32 + r * xs, xs, m - r < PACKED_FROM - 1 ? m - r : PACKED_FROM - 1, steps, pc, n, bc,
                           yc + r * y_stride * size, y_stride, dtype, threads);
@@ -249,7 +277,7 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
     const int64_t block_rows = m <= 16 ? m : BLOCK_ROWS;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        pack_blocks(x32, xs, m, steps, block_rows, xp);
+        if (xp) pack_blocks(x32, xs, m, steps, block_rows, xp);
         /* nowait: the parallel region's end is the one barrier after the products. m <= 16: one block, a tile
          * per task; else a pair of tiles per task, its weights loaded from memory once for every row block */
         #pragma omp for schedule(static) nowait
@@ -257,15 +285,16 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
             const int64_t t = m <= 16 ? q : 2 * q, last = m <= 16 ? t + 1 : t + 2;
             for (int64_t r = 0; r < m; r += block_rows) {
                 const int64_t rows = m - r < block_rows ? m - r : block_rows;
-                const uint32_t *xr = rows >= PACKED_FROM ? xp + r * steps : x32 + r * xs;
+                const int packed = xp != NULL && rows >= PACKED_FROM;
+                const uint32_t *xr = packed ? xp + r * steps : x32 + r * xs;
                 char *yr = yc + r * y_stride * size;
-                if (last == t + 2 && t + 1 < tiles && rows == BLOCK_ROWS) {
-                    two_tiles(xr, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
+                if (last == t + 2 && t + 1 < tiles && rows == BLOCK_ROWS) {      /* m > 16: in place */
+                    two_tiles(xr, xs, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
                               yr + t * TILE * size, y_stride, n - t * TILE, dtype);
                     continue;
                 }
                 for (int64_t u = t; u < last && u < tiles; u++)
-                    one_tile(xr, xs, (int)rows, steps, pc + u * tile_bytes, bc ? bc + u * TILE * size : 0,
+                    one_tile(xr, xs, packed, (int)rows, steps, pc + u * tile_bytes, bc ? bc + u * TILE * size : 0,
                              yr + u * TILE * size, y_stride, n - u * TILE, dtype);
             }
         }
@@ -277,7 +306,8 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
  * silu(x @ Wg^T + bg) * (x @ Wu^T + bu), each sum rounded to dtype first: the bits of gemm followed by
  * cpu_fused.c's silu_mul_rows, without the [m, 2 * inter] product between them. A task is one pair (gate
  * tile q, up tile q) over every block of BLOCK_ROWS rows, so the pair's weights come from memory once;
- * rows are packed as in gemm (in place, PACKED_FROM - 1 at a time, where the buffer cannot be allocated). */
+ * rows are read as in gemm (a block of 8-16 rows packed, or in place PACKED_FROM - 1 at a time where the
+ * buffer cannot be allocated; the 12-row blocks of m > 16 in place). */
 void gemm_silu_mul(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, int64_t inter,
                    const void *bias, void *y, int64_t y_stride, int dtype, int threads) {
     const int size = dtype == DTYPE_BF16 ? 2 : 4;
@@ -286,17 +316,19 @@ void gemm_silu_mul(const void *x, int64_t x_stride, int64_t m, int64_t k, const 
     const uint32_t *x32 = (const uint32_t *)x;
     const char *pc = (const char *)p, *bc = (const char *)bias;
     char *yc = (char *)y;
-    uint32_t *xp = m < PACKED_FROM ? NULL : packed_x_buffer((size_t)m * (size_t)steps * 4);  /* row r: xp + r * steps */
-    const int64_t block_rows = xp ? BLOCK_ROWS : PACKED_FROM - 1;
+    const int packs = m >= PACKED_FROM && m <= 16;
+    uint32_t *xp = packs ? packed_x_buffer((size_t)m * (size_t)steps * 4) : NULL;   /* [steps][m] */
+    const int64_t block_rows = xp || m > 16 ? BLOCK_ROWS : PACKED_FROM - 1;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        pack_blocks(x32, xs, m, steps, block_rows, xp);
+        if (xp) pack_blocks(x32, xs, m, steps, block_rows, xp);
         #pragma omp for schedule(static) nowait
         for (int64_t q = 0; q < pairs; q++) {
             const char *bg = bc ? bc + q * TILE * size : NULL, *bu = bc ? bc + (inter + q * TILE) * size : NULL;
             for (int64_t r = 0; r < m; r += block_rows) {
                 const int64_t rows = m - r < block_rows ? m - r : block_rows;
-                gate_up_pair(rows >= PACKED_FROM ? xp + r * steps : x32 + r * xs, xs, (int)rows, steps,
+                const int packed = xp != NULL && rows >= PACKED_FROM;
+                gate_up_pair(packed ? xp + r * steps : x32 + r * xs, xs, packed, (int)rows, steps,
                              pc + q * tile_bytes, pc + (pairs + q) * tile_bytes, bg, bu,
                              yc + (r * y_stride + q * TILE) * size, y_stride, dtype);
             }

@@ -1,6 +1,7 @@
 """The CPU GEMM in C (``kernels/cpu/cpu_gemm.c``), float32 and bfloat16, against a float64 product on random
 inputs: every row count the kernel treats differently (1..7 rows read in place, 8..16 packed step-major in
-one pass, blocks of 12 over tile pairs, their tails read in place or packed), output widths that end inside
+one pass, from 17 rows blocks of 12 over tile pairs read in place in triplets of rows, their tails read in
+place), output widths that end inside
 a tile, bias, 1 and 2 threads, strided, misaligned and 3-D inputs; each row's bits the same in any block;
 the packed layouts element by element; the argument checks; the layers' choice between it and oneDNN."""
 
@@ -45,8 +46,9 @@ def test_product_matches_float64(dtype, out_features, in_features, with_bias, to
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_row_gets_the_bits_it_gets_alone(dtype, torch_threads):
-    """A row's sums are the same whichever block it is in, read in place or packed (the same k order): every
-    row of a product of 8..40 rows equals, bit for bit, that row multiplied alone (one row: read in place)."""
+    """A row's sums are the same whichever block it is in, read in place (in triplets of rows from 17 rows on)
+    or packed (the same k order): every row of a product of 8..40 rows equals, bit for bit, that row multiplied
+    alone (one row: read in place); so does every row of a row repeated through a zero row stride."""
     gen = torch.Generator().manual_seed(11)
     weight = (torch.randn(83, 160, generator=gen) * 0.1).to(dtype)              # [out, in]: a tile left partial
     bias = torch.randn(83, generator=gen).to(dtype)
@@ -57,6 +59,11 @@ def test_each_row_gets_the_bits_it_gets_alone(dtype, torch_threads):
         y = cpu_gemm.linear(x, packed, bias)
         alone = torch.cat([cpu_gemm.linear(x[i:i + 1], packed, bias) for i in range(rows)])
         assert torch.equal(y, alone), rows
+    # one row repeated through a zero row stride (an expanded tensor): every row read in place or packed is it
+    for rows in (5, 12, 16, 29):
+        x = wide[0, 3:163].expand(rows, 160)                                     # [rows, in], row stride 0
+        assert x.stride(0) == 0
+        assert torch.equal(cpu_gemm.linear(x, packed, bias), alone[:1].expand(rows, 83)), rows
 
 
 @needs_gemm

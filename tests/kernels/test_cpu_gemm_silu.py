@@ -1,8 +1,9 @@
 """The merged gate/up product fused with SiLU * up (``cpu_gemm.silu_mul_linear``, ``cpu_gemm.c``'s
 gemm_silu_mul) on random inputs: bit for bit the C GEMM followed by ``cpu_fused``'s SiLU * up at every row
-count the kernel treats differently (1..7 rows read in place, blocks of 12 packed, their tails), with bias,
-strided rows, 1 and 2 threads; close to torch's ``F.silu(gate) * up``; refused where the halves do not start
-on a tile; and the layer runs it only where its plan runs the C GEMM."""
+count the kernel treats differently (1..7 rows read in place, 8..16 a packed block of up to 12 and its tail,
+from 17 rows blocks of 12 read in place in triplets of rows, their tails), with bias, strided rows, 1 and 2
+threads; close to torch's ``F.silu(gate) * up``; refused where the halves do not start on a tile; and the
+layer runs it only where its plan runs the C GEMM."""
 
 from __future__ import annotations
 
