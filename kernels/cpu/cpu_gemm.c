@@ -22,8 +22,8 @@
  * offsets from one pointer (2-core EPYC, a decode step's 121 products: 8-16% faster at 8-16 rows). The
  * 12-row blocks of m > 16 are read in place through four row pointers, three rows each (row, row + xs,
  * row + 2 xs: a base plus a scaled index, so the loop needs 6 general registers, not 12): no copy at all,
- * 0.83-0.95x the time of packing them at 17-2,048 rows (2-core EPYC, 2026-12-01; the gate/up + SiLU pass
- * 0.95-1.0x).
+ * 0.92-0.98x the time of packing them at 17-2,048 rows for the 576- and 960-wide layers, 0.97-1.01x for the
+ * gate/up + SiLU pass (2-core EPYC, 2026-12-01, the builds alternated in one process; docs/design/kernels.md).
  *
  * Sums are float32 in k order (bfloat16: the two products of a pair added inside vdpbf16ps); bfloat16
  * outputs are rounded once at the end, nearest even, as torch rounds (cpu_vec.h: store16_first).
@@ -107,9 +107,9 @@ static inline void pack_rows(const uint32_t *x, int64_t xs, int64_t rows, int64_
 
 /* rows x (tiles * 16) outputs. x: the rows' steps, row i's step j at x[i * xs + j] (packed 0: in place; at
  * BLOCK_ROWS rows read as four triplets of rows, b0..b3 below) or at x[j * rows + i] (packed 1: pack_rows's
- * layout; xs unused); tile 0 at pt with its bias
- * at bias, tile 1 (tiles == 2) at pt1 with its bias at bias1; columns = output columns left from this tile on
- * (may be < 16); bias, bias1 (either may be NULL) and y element pointers of dtype (element size `size`).
+ * layout; xs unused); tile 0 at pt with its bias at bias, tile 1 (tiles == 2) at pt1 with its bias at bias1;
+ * columns = output columns left from this tile on (may be < 16); bias, bias1 (either may be NULL) and y
+ * element pointers of dtype (element size `size`).
  * fuse (tiles == 2, columns >= 16): tile 0 holds gate columns and tile 1 the up columns of the same 16
  * outputs; each sum is rounded to dtype as a store would, and y gets silu_mul16 of the two (16 outputs). */
 static inline __attribute__((always_inline)) void block(
