@@ -59,6 +59,30 @@ static inline int64_t key_offset(const struct prefill_args *a, int64_t key) {
     return block * a->c_block + (key % a->block_size) * a->c_tok + a->kv_head * a->c_head;
 }
 
+/* bytes from q's (or out's) start, strides tok / head in bytes, to item row r: token i0 + r / G of the chunk,
+ * query head kv_head * G + r % G */
+static inline int64_t row_offset(const struct prefill_args *a, int64_t r, int64_t tok, int64_t head) {
+    return (a->token0 + a->i0 + r / a->group) * tok + (a->kv_head * a->group + r % a->group) * head;
+}
+
+/* the online softmax's running max m and sum l of padded rows 0..padded-1 at their start, and each row's
+ * position (row r >= rows: a copy of the last row) */
+static inline void start_rows(const struct prefill_args *a, int64_t rows, int64_t padded, float *m, float *l,
+                              int32_t *pos) {
+    for (int64_t r = 0; r < padded; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        pos[r] = (int32_t)(a->first_pos + a->i0 + (r < rows ? r : rows - 1) / a->group);
+    }
+}
+
+/* the keys [first, end) of the chunk of blocks from block b0 on (chunk_blocks blocks of bs keys), within [lo, hi) */
+static inline void chunk_keys(int64_t b0, int64_t bs, int64_t chunk_blocks, int64_t lo, int64_t hi, int64_t *first,
+                              int64_t *end) {
+    *first = lo > b0 * bs ? lo : b0 * bs;
+    *end = (b0 + chunk_blocks) * bs < hi ? (b0 + chunk_blocks) * bs : hi;
+}
+
 /* One online-softmax step of one row over a chunk's scores p[0, nb16) (the masked ones -inf): p becomes
  * exp(p - the new max), or zeros when nothing in the chunk is visible; m and l are the row's running max and
  * sum. Returns the factor the row's earlier sums take (1 when nothing is visible). */
@@ -109,20 +133,17 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
     float p[ROW_BLOCK][CHUNK] __attribute__((aligned(64)));          /* a row block's probabilities */
     for (int64_t r = 0; r < padded; r++) {
         const int64_t real = r < rows ? r : rows - 1;
-        const int64_t i = a->i0 + real / G, head = a->kv_head * G + real % G;
-        const char *src = a->q + (a->token0 + i) * a->q_tok + head * a->q_head;
+        const char *src = a->q + row_offset(a, real, a->q_tok, a->q_head);
         for (int64_t c = 0; c < C; c++) {
             const v16f x = load16(src + c * 16 * elem, dtype) * splat16(a->scale);
             memcpy(&qs[r][c * 16], &x, sizeof x);
             acc[r][c] = splat16(0.0f);
         }
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        pos[r] = (int32_t)(a->first_pos + i);
     }
+    start_rows(a, rows, padded, m, l, pos);
     for (int64_t b0 = lo / bs; b0 * bs < hi; b0 += chunk_blocks) {
-        const int64_t first = lo > b0 * bs ? lo : b0 * bs;
-        const int64_t end = (b0 + chunk_blocks) * bs < hi ? (b0 + chunk_blocks) * bs : hi;
+        int64_t first, end;
+        chunk_keys(b0, bs, chunk_blocks, lo, hi, &first, &end);
         const int64_t n = end - first, n16 = (n + 15) / 16 * 16;
         for (int64_t j = 0; j < n; j++) {                            /* the chunk's keys, as float32 */
             const int64_t off = key_offset(a, first + j);
@@ -177,8 +198,7 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t i = a->i0 + r / G, head = a->kv_head * G + r % G;
-        char *dst = a->out + (a->token0 + i) * a->o_tok + head * a->o_head;
+        char *dst = a->out + row_offset(a, r, a->o_tok, a->o_head);
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         for (int64_t c = 0; c < C; c++) store16(dst + c * 16 * elem, acc[r][c] * inv, dtype);
     }
@@ -207,16 +227,13 @@ static inline __attribute__((always_inline)) void prefill_item_bf16(const struct
     uint32_t pp[ROW_BLOCK][CHUNK / 2] __attribute__((aligned(64))); /* p as bf16 pairs of keys */
     for (int64_t r = 0; r < padded; r++) {
         const int64_t real = r < rows ? r : rows - 1;
-        const int64_t i = a->i0 + real / G, head = a->kv_head * G + real % G;
-        memcpy(qp[r], a->q + (a->token0 + i) * a->q_tok + head * a->q_head, (size_t)D * 2);
+        memcpy(qp[r], a->q + row_offset(a, real, a->q_tok, a->q_head), (size_t)D * 2);
         for (int64_t c = 0; c < C; c++) acc[r][c] = splat16(0.0f);
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        pos[r] = (int32_t)(a->first_pos + i);
     }
+    start_rows(a, rows, padded, m, l, pos);
     for (int64_t b0 = lo / bs; b0 * bs < hi; b0 += chunk_blocks) {
-        const int64_t first = lo > b0 * bs ? lo : b0 * bs;
-        const int64_t end = (b0 + chunk_blocks) * bs < hi ? (b0 + chunk_blocks) * bs : hi;
+        int64_t first, end;
+        chunk_keys(b0, bs, chunk_blocks, lo, hi, &first, &end);
         const int64_t n = end - first, n16 = (n + 15) / 16 * 16;
         for (int64_t j = 0; j < n; j++) {                            /* the chunk's keys as bf16 pairs */
             const int64_t off = key_offset(a, first + j);
@@ -287,8 +304,7 @@ static inline __attribute__((always_inline)) void prefill_item_bf16(const struct
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t i = a->i0 + r / G, head = a->kv_head * G + r % G;
-        char *dst = a->out + (a->token0 + i) * a->o_tok + head * a->o_head;
+        char *dst = a->out + row_offset(a, r, a->o_tok, a->o_head);
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         for (int64_t c = 0; c < C; c++) store16(dst + c * 16 * 2, acc[r][c] * inv, DTYPE_BF16);
     }
