@@ -10,6 +10,7 @@ only), so every weight comes from DRAM as in a real decode step (270 MB in bf16,
 is timed on its own and summed per shape. Systems:
 
 - ``c``: pagedray's C GEMM on tile-packed weights (AVX-512);
+- ``amx`` (bfloat16, on a CPU with AMX): pagedray's AMX product on the same tile-packed weights;
 - ``onednn``: oneDNN's packed product (AMX where the CPU has it);
 - ``mkl`` (float32): ``F.linear`` on the plain weights;
 - ``dispatch``: each weight on the product its shape's plan names for the row count: the plan is made by

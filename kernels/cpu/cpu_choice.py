@@ -13,7 +13,7 @@ per row bucket: the best product at 1 row (memory-bound) need not be the best at
   change of any of them opens a new file and the old decisions are never read again. Inside the file each
   entry is named by what was timed (the caller's name: kind, dtype, shape, threads). Two processes writing
   at once each write a private file and rename it into place; the last one's entries win.
-- ``forced_product``: ``PAGEDRAY_CPU_GEMM=auto|c|onednn|mkl`` in the environment overrides a configured
+- ``forced_product``: ``PAGEDRAY_CPU_GEMM=auto|c|amx|onednn|mkl`` in the environment overrides a configured
   ``auto`` (for comparing the products on one machine; a configured product wins over it).
 """
 
@@ -36,11 +36,11 @@ from . import cpu_build
 ROW_BUCKETS = (1, 4, 16, 32, 128, 512, 2048)
 # a row count below _EDGES[i] (the buckets' geometric midpoints) belongs to bucket i
 _EDGES = tuple(math.sqrt(a * b) for a, b in zip(ROW_BUCKETS, ROW_BUCKETS[1:]))
-PRODUCTS = ("auto", "c", "onednn", "mkl")
+PRODUCTS = ("auto", "c", "amx", "onednn", "mkl")
 PRODUCT_ENV = "PAGEDRAY_CPU_GEMM"
 # 2: the C GEMM keeps a bucket within gemm_timing.C_MARGIN of the fastest; 3: prefill buckets timed in 7 rounds;
-# 4: close prefill calls timed in gemm_timing.CLOSE_ROUNDS more rounds at the end
-CACHE_VERSION = 4
+# 4: close prefill calls timed in gemm_timing.CLOSE_ROUNDS more rounds at the end; 5: the AMX product
+CACHE_VERSION = 5
 
 
 def bucket_index(rows: int) -> int:

@@ -83,7 +83,8 @@ def pack(weight: torch.Tensor) -> TilePackedWeight:
     return TilePackedWeight(data, out_features, in_features)
 
 
-def _check(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None) -> None:
+def check(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None) -> None:
+    """A ValueError naming the argument unless x [..., in], ``packed`` and ``bias`` fit one product."""
     if not isinstance(packed, TilePackedWeight):
         raise ValueError(f"packed: expected a TilePackedWeight from pack, got {type(packed).__name__}")
     dtype = packed.data.dtype
@@ -106,17 +107,25 @@ def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return rows
 
 
-def linear(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] -> x @ W^T (+ bias) [..., out], in the weight's dtype."""
-    _check(x, packed, bias)
+def multiply(function, x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None, width: int
+             ) -> torch.Tensor:
+    """x [..., in] through ``function``, a C product with ``gemm``'s signature on tile-packed weights (this
+    library's ``gemm`` / ``gemm_silu_mul``, ``cpu_amx``'s), which writes ``width`` outputs per row -> [..., width].
+    The caller has checked the arguments (``check``, and what its product needs beyond it)."""
     rows = _rows(x, packed.in_features)
-    out = torch.empty((rows.shape[0], packed.out_features), dtype=x.dtype)
+    out = torch.empty((rows.shape[0], width), dtype=x.dtype)
     if rows.shape[0]:
         bias = None if bias is None else bias.contiguous()
-        _library().gemm(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.in_features, packed.data.data_ptr(),
-                        packed.out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                        out.stride(0), DTYPE_CODES[x.dtype], torch.get_num_threads())
-    return out.reshape(*x.shape[:-1], packed.out_features)
+        function(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.in_features, packed.data.data_ptr(), width,
+                 None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), DTYPE_CODES[x.dtype],
+                 torch.get_num_threads())
+    return out.reshape(*x.shape[:-1], width)
+
+
+def linear(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] -> x @ W^T (+ bias) [..., out], in the weight's dtype."""
+    check(x, packed, bias)
+    return multiply(_library().gemm, x, packed, bias, packed.out_features)
 
 
 def fuses_silu_mul(out_features: int) -> bool:
@@ -129,16 +138,14 @@ def silu_mul_linear(x: torch.Tensor, packed: TilePackedWeight, bias: torch.Tenso
     """x [..., in], packed W [2 * inter, in] (the gate's rows, then the up rows) -> silu(gate) * up [..., inter]:
     the bits of ``linear`` followed by ``cpu_fused.silu_and_mul_cpu``, in one pass that never writes the
     [rows, 2 * inter] product."""
-    _check(x, packed, bias)
+    check(x, packed, bias)
+    check_fused(packed)
+    return multiply(_library().gemm_silu_mul, x, packed, bias, packed.out_features // 2)
+
+
+def check_fused(packed: TilePackedWeight) -> None:
+    """(after ``check``) A ValueError unless ``packed`` is a merged gate/up weight a fused product takes
+    (``fuses_silu_mul``)."""
     if not fuses_silu_mul(packed.out_features):
         raise ValueError(f"packed: a fused gate/up product needs out_features = 2 * inter with inter a multiple of "
                          f"{TILE}, got {packed.out_features}")
-    inter = packed.out_features // 2
-    rows = _rows(x, packed.in_features)
-    out = torch.empty((rows.shape[0], inter), dtype=x.dtype)
-    if rows.shape[0]:
-        bias = None if bias is None else bias.contiguous()
-        _library().gemm_silu_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], packed.in_features,
-                                 packed.data.data_ptr(), inter, None if bias is None else bias.data_ptr(),
-                                 out.data_ptr(), out.stride(0), DTYPE_CODES[x.dtype], torch.get_num_threads())
-    return out.reshape(*x.shape[:-1], inter)

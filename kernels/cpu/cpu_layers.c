@@ -2,8 +2,9 @@
  * each layer (checks, allocations, ctypes, nn.Module dispatch: ~170 us a layer on the 2-core VM, a fifth
  * of a float32 decode step of SmolLM2) become one. Built and loaded by cpu_layers.py.
  *
- * Nothing is computed here: every op is a call to the function the Python path calls (cpu_gemm.c's gemm,
- * cpu_fused.c's rms_norm_rows / rotary_rows / silu_mul_rows, cpu_decode.c's paged_decode_cpu), through
+ * Nothing is computed here: every op is a call to the function the Python path calls (the step's product on
+ * tile-packed weights, step_args.gemm: cpu_gemm.c's gemm or cpu_amx.c's amx_gemm, as the layers' plans run
+ * at this row count; cpu_fused.c's rms_norm_rows / rotary_rows / silu_mul_rows, cpu_decode.c's paged_decode_cpu), through
  * pointers into those libraries, with the arguments the Python path passes (strides included), so a step
  * gives bit for bit the Python path's result. Per layer, as workers/models/decoder.py:
  *
@@ -47,7 +48,6 @@ typedef int (*lora_fn)(const void *x, int64_t xs, int64_t in, const void *a, con
                        const float *scales, void *y, int64_t ys, int dtype, int threads);
 
 struct kernel_table {            /* the other libraries' functions (cpu_layers.py fills it once) */
-    gemm_fn gemm;
     norm_fn norm;
     rotary_fn rotary;
     silu_fn silu;
@@ -86,6 +86,7 @@ struct step_args {
     const int32_t *lora_order, *lora_slots;
     int64_t lora_count;
     const float *lora_scales;
+    gemm_fn gemm;                /* the product of every linear layer in this step (cpu_gemm.c's gemm, cpu_amx.c's) */
 };
 
 /* y += the step's LoRA rows' products of x for product p of layer l (nothing without LoRA rows or slots) */
@@ -113,7 +114,7 @@ void decode_layers(const struct kernel_table *k, const struct layer_args *layers
             k->norm(s->hidden_buf, H, residual, H, l->input_norm, s->normed, H, spare, H, rows, H, s->eps, dt, th);
             char *t = residual; residual = spare; spare = t;
         }
-        k->gemm(s->normed, H, rows, H, l->qkv, qkv_width, l->qkv_bias, s->qkv, qkv_width, dt, th);
+        s->gemm(s->normed, H, rows, H, l->qkv, qkv_width, l->qkv_bias, s->qkv, qkv_width, dt, th);
         add_lora(k, l, 0, s, s->normed, H, s->qkv, qkv_width);
         k->rotary(s->qkv, qkv_width, s->cos, s->signed_sin, s->qk, rows, Hq + Hkv, D, dt, th);
         k->decode(s->qk, qk_width, D, l->k_cache, l->v_cache, s->c_block, s->c_tok, s->c_head, s->num_blocks,
@@ -122,14 +123,14 @@ void decode_layers(const struct kernel_table *k, const struct layer_args *layers
                   (const char *)s->qk + Hq * D * elem, qk_width, D,
                   (const char *)s->qkv + qk_width * elem, qkv_width, D, s->slots, 0.0f, s->cache_dtype,
                   l->k_scale, l->v_scale, l->k_static, l->v_static, NULL);
-        k->gemm(s->attn, Hq * D, rows, Hq * D, l->o, H, NULL, s->o, H, dt, th);
+        s->gemm(s->attn, Hq * D, rows, Hq * D, l->o, H, NULL, s->o, H, dt, th);
         add_lora(k, l, 1, s, s->attn, Hq * D, s->o, H);
         k->norm(s->o, H, residual, H, l->post_norm, s->normed, H, spare, H, rows, H, s->eps, dt, th);
         { char *t = residual; residual = spare; spare = t; }
-        k->gemm(s->normed, H, rows, H, l->gate_up, 2 * I, NULL, s->gate_up, 2 * I, dt, th);
+        s->gemm(s->normed, H, rows, H, l->gate_up, 2 * I, NULL, s->gate_up, 2 * I, dt, th);
         add_lora(k, l, 2, s, s->normed, H, s->gate_up, 2 * I);
         k->silu(s->gate_up, 2 * I, s->act, I, rows, I, dt, th);
-        k->gemm(s->act, I, rows, I, l->down, H, NULL, s->hidden_buf, H, dt, th);
+        s->gemm(s->act, I, rows, I, l->down, H, NULL, s->hidden_buf, H, dt, th);
         add_lora(k, l, 3, s, s->act, I, s->hidden_buf, H);
     }
     if (residual != (char *)s->residual) memcpy(s->residual, residual, (size_t)(rows * H * elem));

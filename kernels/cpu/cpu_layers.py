@@ -1,6 +1,6 @@
 """A decode step's dense decoder layers in one C call (``cpu_layers.c``), built on first use.
 
-The C function calls the other CPU libraries' functions (``cpu_gemm``, ``cpu_fused``, ``cpu_decode``)
+The C function calls the other CPU libraries' functions (``cpu_gemm`` or ``cpu_amx``, ``cpu_fused``, ``cpu_decode``)
 through pointers, with the arguments their Python wrappers pass, so its result is bit for bit the
 layer-by-layer path's; what it saves is the Python around them (~170 us a layer on the 2-core VM).
 ``available(dtype)`` is False when any of the four libraries is missing (no compiler, no AVX-512 for
@@ -16,7 +16,7 @@ import pathlib
 
 import torch
 
-from . import cpu_build, cpu_decode, cpu_fused, cpu_gemm, cpu_lora
+from . import cpu_amx, cpu_build, cpu_decode, cpu_fused, cpu_gemm, cpu_lora
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_layers.c")
 DTYPE_CODES = cpu_build.DTYPE_CODES
@@ -24,7 +24,7 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 
 class KernelTable(ctypes.Structure):
-    _fields_ = [("gemm", _P), ("norm", _P), ("rotary", _P), ("silu", _P), ("decode", _P), ("lora", _P)]
+    _fields_ = [("norm", _P), ("rotary", _P), ("silu", _P), ("decode", _P), ("lora", _P)]
 
 
 class LoraProj(ctypes.Structure):
@@ -47,7 +47,7 @@ class StepArgs(ctypes.Structure):
                 ("cos", _P), ("signed_sin", _P),
                 ("hidden_buf", _P), ("residual", _P), ("spare_residual", _P), ("normed", _P), ("qkv", _P),
                 ("qk", _P), ("attn", _P), ("o", _P), ("gate_up", _P), ("act", _P),
-                ("lora_order", _P), ("lora_slots", _P), ("lora_count", _I64), ("lora_scales", _P)]
+                ("lora_order", _P), ("lora_slots", _P), ("lora_count", _I64), ("lora_scales", _P), ("gemm", _P)]
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -69,10 +69,20 @@ def _address(function) -> int:
 def kernel_table() -> KernelTable:
     """The other libraries' functions (call ``available`` first)."""
     fused, lora = cpu_fused._library(), cpu_lora._library()
-    return KernelTable(_address(cpu_gemm._library().gemm), _address(fused.rms_norm_rows),
+    return KernelTable(_address(fused.rms_norm_rows),
                        _address(fused.rotary_rows), _address(fused.silu_mul_rows),
                        _address(cpu_decode._library().paged_decode_cpu),
                        None if lora is None else _address(lora.lora_add))
+
+
+def gemm_address(product: str) -> int:
+    """The address of the C function of ``product`` (``packed_gemm.TILE_PRODUCTS``: "c" or "amx") for
+    ``StepArgs.gemm``; the caller has checked that the product is available."""
+    if product == "amx":
+        return _address(cpu_amx._library().amx_gemm)
+    if product == "c":
+        return _address(cpu_gemm._library().gemm)
+    raise ValueError(f"product: the one call runs 'c' or 'amx', got {product!r}")
 
 
 def takes_lora() -> bool:

@@ -59,7 +59,7 @@ def test_forced_product_option_then_environment(monkeypatch):
     assert cpu_choice.forced_product("mkl") == "mkl"                      # the configured product wins
     monkeypatch.setenv(cpu_choice.PRODUCT_ENV, "auto")
     assert cpu_choice.forced_product("auto") is None
-    monkeypatch.setenv(cpu_choice.PRODUCT_ENV, "amx")
+    monkeypatch.setenv(cpu_choice.PRODUCT_ENV, "tiles")
     with pytest.raises(ValueError, match=f"^{cpu_choice.PRODUCT_ENV}"):
         cpu_choice.forced_product("auto")
     with pytest.raises(ValueError, match="^cpu_gemm"):

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 from helpers.worker_setup import local_driver
-from pagedray.kernels.cpu import cpu_layers
+from pagedray.kernels.cpu import cpu_amx, cpu_layers
+from pagedray.workers.models import cpu_decode_layers
 
 needs_layers = pytest.mark.skipif(not cpu_layers.available(torch.float32),
                                   reason="the CPU C kernels are not built here (no compiler or no AVX-512)")
@@ -106,3 +107,24 @@ def test_an_8bit_cache_takes_the_one_call(kv_cache_dtype, scaled, tiny_model_pat
     if scaled:
         written = worker.runner.kv_cache.scales[0, 0].flatten()
         assert written.gt(0).sum() > 50 and (written[written > 0].float() == static_scale(0.03)).all()
+
+
+def test_the_one_call_runs_the_tile_product_most_plans_run():
+    pick = cpu_decode_layers.one_call_product
+    assert pick(["c"] * 4, amx_takes_all=True) == "c"
+    assert pick(["amx", "amx", "c", "onednn"], amx_takes_all=True) == "amx"
+    assert pick(["amx", "c"], amx_takes_all=True) == "c"                  # a tie: the C GEMM first
+    assert pick(["onednn"] * 4, amx_takes_all=True) == "amx"              # no tile plan: AMX where it runs all
+    assert pick(["onednn"] * 4, amx_takes_all=False) == "c"
+    assert pick(["amx", "amx", "c"], amx_takes_all=False) == "c"          # never AMX where some weight cannot
+
+
+@pytest.mark.skipif(not cpu_amx.available(), reason="this CPU, its kernel or the compiler has no AMX-BF16")
+def test_the_one_call_runs_the_amx_product_bit_for_bit_as_the_layer_loop(tiny_model_path):
+    path = tiny_model_path("llama")
+    eager_tokens, eager_logits, _, _ = _run(path, True, "bfloat16", cpu_gemm="amx")
+    tokens, logits, calls, worker = _run(path, False, "bfloat16", cpu_gemm="amx")
+    path_ = worker.model.cpu_decode
+    assert set(path_.products.values()) == {"amx"} and path_.buckets == set(path_.products)
+    assert tokens == eager_tokens and len(calls) >= 12
+    assert all(g is None and w is None or torch.equal(g, w) for g, w in zip(logits, eager_logits))

@@ -309,3 +309,17 @@ def test_a_contested_decode_bucket_is_settled_by_timing_the_whole_step(one_call_
     eager, eager_driver = local_driver(path, dtype="float32", enforce_eager=True)
     assert tokens == eager_driver.generate(PROMPTS, 10)
     assert tokens == hf_greedy_each(path, PROMPTS, 10)
+
+
+def test_the_fastest_tile_product_keeps_a_bucket_unless_another_is_faster_by_more_than_the_margin():
+    """The C GEMM and the AMX product both run on the tile-packed copy (and in the one-call path): the faster
+    of the two is the tile product of a bucket, and oneDNN must beat it by more than C_MARGIN to take it."""
+    n = len(ROW_BUCKETS)
+    times = {"c": (1.0, 1.0, 3.0, 6.0, 9.0, 9.0, 9.0), "amx": (1.2, 1.1, 2.0, 2.0, 2.0, 2.05, 2.0),
+             "onednn": (2.0,) * 5 + (1.6, 1.98)}
+    assert gemm_timing._plan(times) == ("c", "c", "amx", "amx", "amx", "onednn", "amx")
+    assert gemm_timing._plan({"amx": (1.0,) * n, "onednn": (0.5,) * n}) == ("onednn",) * n
+    # a close call is one between the best tile product and the best other product, whichever tile product
+    assert gemm_timing._is_close({"c": 9.0, "amx": 2.0, "onednn": 1.9})
+    assert not gemm_timing._is_close({"c": 9.0, "amx": 4.0, "onednn": 1.9})
+    assert not gemm_timing._is_close({"amx": 2.0, "c": 2.1})          # no product on another copy

@@ -24,7 +24,7 @@ POLICIES = ("fcfs", "priority")
 BLOCK_SIZES = (8, 16, 32, 64)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")     # names of kernels.kv_quant.KV_CACHE_DTYPES, plus auto
 QUANTIZATIONS = ("auto", "none", "int8", "fp8")     # workers.quantization resolves them with the checkpoint's
-CPU_GEMMS = ("auto", "c", "onednn", "mkl")          # kernels.cpu_choice.PRODUCTS
+CPU_GEMMS = ("auto", "c", "amx", "onednn", "mkl")          # kernels.cpu_choice.PRODUCTS
 TASKS = ("generate", "embed", "score")              # cluster/pooling.py: what a model is served for
 POOLING_TYPES = ("last", "mean")                    # workers/runner/pooling.py
 
@@ -57,9 +57,10 @@ class ModelConfig:
                                             "pagedray's C GEMM (AVX-512) or oneDNN's and multiply with it (faster "
                                             "linear layers; as much memory again as the weights)")
     cpu_gemm: str = option("auto", "CPU linear products: auto (each weight shape and row count runs the product "
-                                   "timed fastest on this CPU at load, the C GEMM unless another is more than 5% "
-                                   "faster, cached on disk; PAGEDRAY_CPU_GEMM in the "
-                                   "environment overrides auto) | c (pagedray's C GEMM, AVX-512) | onednn (oneDNN's "
+                                   "timed fastest on this CPU at load, the C GEMM or AMX product unless another "
+                                   "is more than 5% faster, cached on disk; PAGEDRAY_CPU_GEMM in the "
+                                   "environment overrides auto) | c (pagedray's C GEMM, AVX-512) | amx (pagedray's AMX "
+                                   "product, bfloat16 on a CPU with AMX) | onednn (oneDNN's "
                                    "packed product; AMX where the CPU has it) | mkl (float32: F.linear)")
     quantization: str = option("auto", "weights: auto (as the checkpoint is: full precision, or GPTQ / AWQ / FP8 "
                                        "read from it) | none | int8 | fp8 (8 bits per weight, one scale per output "

@@ -16,25 +16,25 @@ How it is timed (``plan_table``):
   calls measured the C GEMM 1.01-1.19x faster at every row count from 998 to 2,048 (2-core AMD EPYC,
   2026-11-30).
   The fastest product takes a bucket, but another product must be more than ``C_MARGIN`` times faster to
-  take it from the C GEMM: products a few percent apart swap places between timings on the same machine
-  (576x576 at 2,048 rows on the 2-core AMD EPYC: oneDNN ahead 5.11 vs 5.39 ms on 2026-11-29 and 3.57 vs 3.69
-  on 2026-11-30, the C GEMM ahead 3.21 vs 3.51 an hour before that), so such a difference is no reason to
-  leave the C GEMM.
-- A close call is timed again: where, after every bucket is timed, the C GEMM and the fastest other product
-  of a prefill bucket are within ``CLOSE`` of each other, that shape gets ``CLOSE_ROUNDS`` more rounds at that
-  bucket, and the decision takes the median of both records. Seven rounds at a start were not enough there:
-  fp32, 576x576 at 2,048 rows, a plan timed as ``benchmarks.cpu_gemm`` starts saw the C GEMM 0.95-0.98x
-  oneDNN's time and kept it, and the benchmark's rounds then measured it 1.14-1.16x oneDNN's (two of five
-  runs on 2026-12-01, 2-core AMD EPYC); four plans timed in a row in one process put the same ratio at 1.03,
-  1.15, 1.17 and 1.17. With the extra rounds, four in a row gave 1.15-1.18, and oneDNN took the bucket each
-  time.
-  On a CPU with AMX, oneDNN is 3-11x faster there (#59) and keeps those buckets. A shape is timed only up to the
-  rows it can see (the LM head: ``max_num_seqs``); the buckets above take the decision of the largest timed
-  one.
-- A merged gate/up projection that SiLU * up follows (``silu_after``, set by the decoder's MLP) is timed with the
-  activation: the C GEMM as its fused pass (``cpu_gemm.silu_mul_linear``, which never writes the [rows, 2 * inter]
-  product), the others as their product then ``kernels.silu_and_mul``, since that is what each costs the layer.
-  Its plan is its own (key ``(out, in, "silu")``, "+silu" in the log), apart from any plain weight of that shape.
+  take it from the fastest tile product (the C GEMM or the AMX product, which the one-call decode path can
+  run too): products a few percent apart swap places between timings on the same machine (576x576 at 2,048
+  rows on the 2-core AMD EPYC: oneDNN ahead 5.11 vs 5.39 ms on 2026-11-29 and 3.57 vs 3.69 on 2026-11-30,
+  the C GEMM ahead 3.21 vs 3.51 an hour before that), so such a difference is no reason to leave the C GEMM.
+- A close call is timed again: where, after every bucket is timed, the fastest tile product and the fastest
+  other product of a prefill bucket are within ``CLOSE`` of each other, that shape gets ``CLOSE_ROUNDS`` more
+  rounds at that bucket, and the decision takes the median of both records. Seven rounds at a start were not
+  enough there: fp32, 576x576 at 2,048 rows, a plan timed as ``benchmarks.cpu_gemm`` starts saw the C GEMM
+  0.95-0.98x oneDNN's time and kept it, and the benchmark's rounds then measured it 1.14-1.16x oneDNN's (two
+  of five runs on 2026-12-01, 2-core AMD EPYC); four plans timed in a row in one process put the same ratio
+  at 1.03, 1.15, 1.17 and 1.17. With the extra rounds, four in a row gave 1.15-1.18, and oneDNN took the
+  bucket each time. On a CPU with AMX, oneDNN is 3-11x faster than the C GEMM there (#59); the AMX product
+  competes with it. A shape is timed only up to the rows it can see (the LM head: ``max_num_seqs``); the
+  buckets above take the decision of the largest timed one.
+- A merged gate/up projection that SiLU * up follows (``silu_after``, set by the decoder's MLP) is timed with
+  the activation: the tile products as their fused passes (``cpu_gemm.silu_mul_linear``,
+  ``cpu_amx.silu_mul_linear``, which never write the [rows, 2 * inter] product), the others as their product
+  then ``kernels.silu_and_mul``, since that is what each costs the layer. Its plan is its own (key
+  ``(out, in, "silu")``, "+silu" in the log), apart from any plain weight of that shape.
 - The decisions (and the times behind them) are cached on disk (``kernels.cpu_choice.ChoiceCache``), per
   dtype, shape, thread count and row limit, so a restart on the same CPU, torch and kernels times nothing.
 
@@ -54,19 +54,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from pagedray import kernels
-from pagedray.kernels.cpu import cpu_choice, cpu_gemm
+from pagedray.kernels.cpu import cpu_amx, cpu_choice, cpu_gemm
 from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS
 from torch import nn
 
-from .packed_gemm import candidates, packable_modules
+from .packed_gemm import TILE_PRODUCTS, candidates, packable_modules
 
 log = logging.getLogger(__name__)
 
 COLD_ROWS = 32
 COLD_BYTES = 96 * 2**20
 REPEATS = 3
-C_MARGIN = 1.05     # the C GEMM keeps a bucket unless another product is faster by more than this (module doc)
-CLOSE = 1.15        # a prefill bucket where the C GEMM and the best other product are within this factor ...
+C_MARGIN = 1.05     # a tile product keeps a bucket unless another product is faster by more than this (module doc)
+CLOSE = 1.15        # a prefill bucket where the best tile product and the best other are within this factor ...
 CLOSE_ROUNDS = 2 * REPEATS + 1   # ... gets this many more rounds, after every bucket (module doc)
 SILU = "silu"
 Shape = tuple   # a weight's (out, in), or (out, in, SILU) for a gate/up projection timed with its activation
@@ -137,8 +137,13 @@ def _forced(groups: dict[Shape, list[nn.Module]], product: str, origin: str) -> 
     return out
 
 
+def _operand_kind(product: str) -> str:
+    """Products that read the same copy of a weight share it (the tile products: the tile-packed one)."""
+    return "tile" if product in TILE_PRODUCTS else product
+
+
 def _operand(product: str, weight: torch.Tensor):
-    if product == "c":
+    if product in TILE_PRODUCTS:
         return cpu_gemm.pack(weight)
     if product == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
@@ -148,8 +153,9 @@ def _operand(product: str, weight: torch.Tensor):
 def run_product(product: str, x: torch.Tensor, operand, silu: bool = False) -> torch.Tensor:
     """x [rows, in] times one product's operand (``_operand``) -> [rows, out]; ``silu``: then SiLU * up of the
     two halves -> [rows, out / 2] (the C GEMM fused, the others followed by ``kernels.silu_and_mul``)."""
-    if product == "c":
-        return cpu_gemm.silu_mul_linear(x, operand) if silu else cpu_gemm.linear(x, operand)
+    if product in TILE_PRODUCTS:
+        kernel = cpu_gemm if product == "c" else cpu_amx
+        return kernel.silu_mul_linear(x, operand) if silu else kernel.linear(x, operand)
     if product == "onednn":
         y = torch.ops.mkldnn._linear_pointwise(x, operand, None, "none", [], "")
     else:
@@ -171,10 +177,19 @@ def _passes(modules: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]
     return cold, [ms[0] for ms in groups.values()]
 
 
+def _best_tile(times: dict) -> str | None:
+    """The tile product (``TILE_PRODUCTS``) with the least time in ``times`` (product -> ms), or None when
+    ``times`` has none."""
+    tiles = [p for p in TILE_PRODUCTS if p in times]
+    return min(tiles, key=lambda p: times[p]) if tiles else None
+
+
 def _is_close(times: dict[str, float]) -> bool:
-    """True when the C GEMM and the fastest other product are within ``CLOSE`` of each other (ms per call)."""
-    others = [t for p, t in times.items() if p != "c"]
-    return "c" in times and bool(others) and 1 / CLOSE <= times["c"] / min(others) <= CLOSE
+    """True when the fastest tile product and the fastest other product are within ``CLOSE`` of each other
+    (ms per call)."""
+    tile = _best_tile(times)
+    others = [t for p, t in times.items() if p not in TILE_PRODUCTS]
+    return tile is not None and bool(others) and 1 / CLOSE <= times[tile] / min(others) <= CLOSE
 
 
 def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats: int = REPEATS,
@@ -185,7 +200,7 @@ def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats:
     groups = _groups(modules)
     cold, hot = _passes(modules)
     products = {shape: candidates(ms[0].weight) for shape, ms in groups.items()}
-    operands = {(id(m), p): _operand(p, m.weight) for m in {id(m): m for m in cold + hot}.values()
+    operands = {(id(m), _operand_kind(p)): _operand(p, m.weight) for m in {id(m): m for m in cold + hot}.values()
                 for p in products[plan_key(m)]}
     widths = {shape[1] for shape in groups}
     dtype = next(iter(groups.values()))[0].weight.dtype
@@ -207,7 +222,7 @@ def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats:
                         continue
                     x = inputs[shape[1]][:rows]
                     start = timer()
-                    run_product(product, x, operands[(id(module), product)], SILU in shape)
+                    run_product(product, x, operands[(id(module), _operand_kind(product))], SILU in shape)
                     totals.setdefault(shape, []).append((timer() - start) * 1e3)
                 if round_ or not warm_up:
                     for shape, calls in totals.items():
@@ -227,11 +242,13 @@ def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats:
 
 
 def _plan(times: dict[str, tuple[float, ...]]) -> tuple[str, ...]:
-    """The fastest product per bucket, the C GEMM unless another is faster by more than ``C_MARGIN``; a bucket
-    no product was timed at takes the largest timed bucket's."""
+    """The fastest product per bucket, the fastest tile product (the C GEMM, the AMX product) unless another is
+    faster by more than ``C_MARGIN``; a bucket no product was timed at takes the largest timed bucket's."""
     plan = list(cpu_choice.pick(times))
-    if "c" in times:
-        plan = ["c" if times["c"][b] <= C_MARGIN * times[p][b] else p for b, p in enumerate(plan)]
+    for b, fastest in enumerate(plan):
+        tile = _best_tile({p: t[b] for p, t in times.items()})
+        if tile is not None and times[tile][b] <= C_MARGIN * times[fastest][b]:
+            plan[b] = tile
     timed = [b for b in range(len(ROW_BUCKETS)) if any(math.isfinite(t[b]) for t in times.values())]
     for b in range(len(ROW_BUCKETS)):
         if b not in timed:

@@ -1,9 +1,11 @@
 """CPU linear layers over weights packed once at load, each row count on the product measured fastest here.
 
 ``F.linear`` on CPU hands an fp32 weight to MKL's sgemm and a bf16 one to oneDNN, and both re-lay the
-whole weight out on every call. Three products can run a layer instead (``PRODUCTS``):
+whole weight out on every call. Four products can run a layer instead (``PRODUCTS``):
 
 - ``c``: pagedray's C GEMM (``kernels.cpu_gemm``, AVX-512; bf16 needs AVX512-BF16) on a tile-packed copy;
+- ``amx`` (bfloat16, on a CPU with AMX): pagedray's AMX product (``kernels.cpu_amx``) on the same tile-packed
+  copy (``TILE_PRODUCTS``: the products the one-call decode path can run);
 - ``onednn``: oneDNN's packed product (``torch.ops.mkldnn._linear_pointwise``) on a copy reordered once
   into its blocked layout (no batch-size hint, so one copy serves every row count); AMX where the CPU
   has it;
@@ -22,12 +24,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pagedray.kernels.cpu import cpu_gemm
+from pagedray.kernels.cpu import cpu_amx, cpu_gemm
 from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS, bucket_index
 from torch import nn
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-PRODUCTS = ("c", "onednn", "mkl")
+PRODUCTS = ("c", "amx", "onednn", "mkl")
+TILE_PRODUCTS = ("c", "amx")          # the C products on the tile-packed copy
 
 
 def packed_gemm_available(dtype: torch.dtype) -> bool:
@@ -44,6 +47,8 @@ def candidates(weight: torch.Tensor) -> tuple[str, ...]:
     out = []
     if cpu_gemm.packable(weight):
         out.append("c")
+    if cpu_amx.takes(weight):
+        out.append("amx")
     if packed_gemm_available(weight.dtype):
         out.append("onednn")
     if weight.dtype == torch.float32:
@@ -56,7 +61,7 @@ class PackedLinear:
     """A weight's packed copies and the product each row bucket runs (``plan[i]`` for ``ROW_BUCKETS[i]``)."""
 
     plan: tuple[str, ...]
-    tile: cpu_gemm.TilePackedWeight | None = None     # for "c"
+    tile: cpu_gemm.TilePackedWeight | None = None     # for "c" and "amx"
     onednn: torch.Tensor | None = None                # for "onednn": oneDNN's opaque copy, [out, in]
 
     def product(self, rows: int) -> str:
@@ -68,9 +73,9 @@ class PackedLinear:
         return sum(c.numel() * c.element_size() for c in copies)
 
     def without_tile(self) -> PackedLinear:
-        """The same without the tile-packed copy (for a plan that no longer runs ``c``)."""
-        if "c" in self.plan:
-            raise ValueError(f"plan: {self.plan} still runs the C GEMM")
+        """The same without the tile-packed copy (for a plan that runs no ``TILE_PRODUCTS``)."""
+        if set(self.plan) & set(TILE_PRODUCTS):
+            raise ValueError(f"plan: {self.plan} still runs a product on the tile-packed copy")
         return PackedLinear(self.plan, None, self.onednn)
 
 
@@ -86,7 +91,7 @@ def pack_weight(weight: torch.Tensor, plan: tuple[str, ...] | str, keep_tile: bo
         raise ValueError(f"plan: one of {usable} per row bucket ({len(ROW_BUCKETS)}) for a {weight.dtype} "
                          f"{tuple(weight.shape)} weight on this CPU, got {plan}")
     weight = weight.detach().contiguous()
-    tile = cpu_gemm.pack(weight) if "c" in plan or (keep_tile and "c" in usable) else None
+    tile = cpu_gemm.pack(weight) if set(plan) & set(TILE_PRODUCTS) or (keep_tile and "c" in usable) else None
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight) if "onednn" in plan else None
     return PackedLinear(plan, tile, onednn)
 
@@ -99,6 +104,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     product = packed.product(x.numel() // max(x.shape[-1], 1))
     if product == "c":
         return cpu_gemm.linear(x, packed.tile, bias)
+    if product == "amx":
+        return cpu_amx.linear(x, packed.tile, bias)
     if product == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -106,14 +113,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def linear_silu_mul(x: torch.Tensor, bias: torch.Tensor | None, packed: PackedLinear | None) -> torch.Tensor | None:
     """x [..., in] through a merged gate/up weight [2 * inter, in] -> silu(gate) * up [..., inter] in one C pass
-    (``cpu_gemm.silu_mul_linear``: the same bits as the C GEMM then ``kernels.silu_and_mul``) when the plan runs
-    the C GEMM at x's row count and the weight's halves start on a tile; else None (the caller multiplies and
-    then applies the activation)."""
+    (``cpu_gemm.silu_mul_linear`` / ``cpu_amx.silu_mul_linear``: the same bits as that product then
+    ``kernels.silu_and_mul``) when the plan runs a C product at x's row count and the weight's halves start on
+    a tile; else None (the caller multiplies and then applies the activation)."""
     if packed is None or packed.tile is None or not cpu_gemm.fuses_silu_mul(packed.tile.out_features):
         return None
-    if packed.product(x.numel() // max(x.shape[-1], 1)) != "c":
-        return None
-    return cpu_gemm.silu_mul_linear(x, packed.tile, bias)
+    product = packed.product(x.numel() // max(x.shape[-1], 1))
+    if product == "c":
+        return cpu_gemm.silu_mul_linear(x, packed.tile, bias)
+    if product == "amx":
+        return cpu_amx.silu_mul_linear(x, packed.tile, bias)
+    return None
 
 
 @dataclass(frozen=True)

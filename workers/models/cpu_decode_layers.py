@@ -13,12 +13,15 @@ libraries built, every layer a ``DecoderLayer`` with a SiLU MLP (no experts), no
 soft-capping, no bias but the qkv projection's, every linear weight tile-packable for ``cpu_gemm``, and the
 model's own ``forward`` (Gemma's differs).
 
-Which decode steps take it (``buckets``, by row bucket, ``kernels.cpu_choice``): the path runs the C GEMM,
-so where every decoder-layer weight's measured plan (``layers/gemm_timing.py``) runs the C GEMM at a bucket,
-the path runs what the layer loop would, minus the Python, and takes that bucket. A bucket where some
-weight's plan runs another product (oneDNN's AMX product, say) is *contested*: the layer loop with that
-product against this path with the C GEMM, decided by timing a whole decode step both ways once the KV cache
-exists (``settle``), cached on disk like the GEMM plans. The tile-packed copies are kept until then and
+Which decode steps take it (``buckets``, by row bucket, ``kernels.cpu_choice``): the path runs one product
+on the tile-packed weights per step (``products``: the C GEMM or, on a CPU with AMX, the AMX product;
+``packed_gemm.TILE_PRODUCTS``), so where every decoder-layer weight's measured plan (``layers/gemm_timing.py``)
+runs the same tile product at a bucket, the path runs what the layer loop would, minus the Python, and takes
+that bucket with that product. A bucket where the plans run other products (oneDNN's, or the two tile
+products mixed) is *contested*: the layer loop with those products against this path with the tile product
+most of the plans run there (none: the AMX product where every weight takes it, else the C GEMM), decided
+by timing a whole decode step both ways once the KV cache exists (``settle``), cached on disk like the GEMM
+plans. The tile-packed copies are kept until then and
 dropped where no bucket needs them. Per step: a KV cache in the model's dtype or of 8-bit rows (int8 or
 float8) and a block size the decode kernel takes. ``enforce_eager`` turns the path off (the layer-by-layer
 path, whose modules forward hooks can see, as CUDA's eager steps).
@@ -33,13 +36,14 @@ import time
 from collections.abc import Callable
 
 import torch
-from pagedray.kernels.cpu import cpu_choice, cpu_decode, cpu_gemm, cpu_layers
+from pagedray.kernels.cpu import cpu_amx, cpu_choice, cpu_decode, cpu_gemm, cpu_layers
 from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS, bucket_index
 from pagedray.kernels.kv_quant import is_quantized
 
 from ..kv_cache import KVCache
 from ..layers.activation import silu_and_mul
 from ..layers.attention import AttentionMetadata
+from ..layers.packed_gemm import TILE_PRODUCTS
 from ..layers.rotary import RotaryStep
 from .decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP
 
@@ -54,8 +58,12 @@ class CpuDecodeLayers:
     def __init__(self, model, max_rows: int) -> None:
         self.model = model
         last = bucket_index(max_rows)                # decode steps have at most max_num_seqs rows
-        plans = [lin.packed_weight.plan for layer in model.layers for lin in _linears(layer)]
-        uncontested = {b for b in range(last + 1) if all(plan[b] == "c" for plan in plans)}
+        linears = decoder_linears(model)
+        self.products: dict[int, str] = {b: one_call_product([lin.packed_weight.plan[b] for lin in linears],
+                                                             all(cpu_amx.takes(lin.weight) for lin in linears))
+                                         for b in range(last + 1)}
+        uncontested = {b for b in range(last + 1)
+                       if all(lin.packed_weight.plan[b] == self.products[b] for lin in linears)}
         self.buckets: frozenset[int] = frozenset(uncontested)
         self.contested: frozenset[int] = frozenset(range(last + 1)) - self.buckets
         first = model.layers[0].self_attn
@@ -134,6 +142,7 @@ class CpuDecodeLayers:
             k_cache.shape[0], k_cache.shape[1], *k_cache.stride()[:3],
             tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), tables.stride(0), cos.data_ptr(), sin.data_ptr(),
             hidden.data_ptr(), *(b.data_ptr() for b in bufs))
+        step.gemm = cpu_layers.gemm_address(self.products[bucket_index(rows)])
         lora = self.model.lora
         if lora is not None and lora.batch.groups:       # takes() checked that the call adds their products
             batch = lora.batch
@@ -141,6 +150,18 @@ class CpuDecodeLayers:
             step.lora_count, step.lora_scales = batch.order.numel(), batch.scales.data_ptr()
         cpu_layers.decode_layers(self._prepare(kv_cache, hidden.dtype), step)   # takes() said it is not None
         return hidden, residual
+
+
+def one_call_product(plans: list[str], amx_takes_all: bool) -> str:
+    """The tile product the one call runs at a bucket where the decoder's weights run ``plans`` (one product
+    each): the tile product most of them run (ties: ``TILE_PRODUCTS`` order); where none runs one, the AMX
+    product. The AMX product only where it takes every weight (``amx_takes_all``); else the C GEMM."""
+    if not amx_takes_all:
+        return "c"
+    counts = {p: plans.count(p) for p in TILE_PRODUCTS}
+    if not any(counts.values()):
+        return "amx"
+    return max(TILE_PRODUCTS, key=lambda p: (counts[p], -TILE_PRODUCTS.index(p)))
 
 
 def _lora_proj(lin) -> cpu_layers.LoraProj:
@@ -244,12 +265,12 @@ def settle(model, kv_cache: KVCache, block_size: int, cache: cpu_choice.ChoiceCa
     won = {b for b, r in results.items() if r["one_call_ms"] <= r["layer_loop_ms"]}
     path.buckets, path.contested = frozenset((path.buckets - path.contested) | won), frozenset()
     for bucket, r in sorted(results.items()):
-        log.info("decode steps of %d rows: one call (C GEMM) %.2f ms, layer loop (measured plan) %.2f ms: %s",
-                 ROW_BUCKETS[bucket], r["one_call_ms"], r["layer_loop_ms"],
+        log.info("decode steps of %d rows: one call (%s) %.2f ms, layer loop (measured plan) %.2f ms: %s",
+                 ROW_BUCKETS[bucket], path.products[bucket], r["one_call_ms"], r["layer_loop_ms"],
                  "one call" if bucket in won else "layer loop")
     if not path.buckets:
         model.cpu_decode = None
         for lin in decoder_linears(model):
-            if "c" not in lin.packed_weight.plan:
+            if not set(lin.packed_weight.plan) & set(TILE_PRODUCTS):
                 lin.packed_weight = lin.packed_weight.without_tile()
     return results
