@@ -81,8 +81,8 @@ from benchmarks.rounds import Metric, Ratio, run_rounds
 
 PEER, PEER_TUNED, OFFLINE, FLOOR = "peer", "peer-tuned", "offline", "floor"
 PAGEDRAY_SYSTEM = re.compile(r"pagedray-tp(\d+)(-local)?(-ei|-sep)?(?:-si(\d+))?(?:-iw(\d+))?(-async)?(-sock)?"
-                             r"(?:-t(\d+))?(-kv8|-kvfp8)?(?:-gemm(c|onednn|mkl))?(-bf16|-fp32)?")
-GEMM_SUFFIX = re.compile(r"-gemm(c|onednn|mkl)")
+                             r"(?:-t(\d+))?(-kv8|-kvfp8)?(?:-gemm(c|amx|onednn|mkl))?(-bf16|-fp32)?")
+GEMM_SUFFIX = re.compile(r"-gemm(c|amx|onednn|mkl)")
 WARM_UP_SEED_OFFSET = 1_000_003   # the warm-up's prompts come from seed + this (warm_up_prompts)
 PAGEDRAY_CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
 PORT_RELEASE_TIMEOUT_S = 60.0   # how long a stopped server may keep its port before the next one starts anyway

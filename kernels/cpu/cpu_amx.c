@@ -15,15 +15,21 @@
  *   B tiles (tmm2, tmm3): two packed tiles' P[t][16 s .. 16 s + 15], 16 rows of 64 bytes each;
  *   C tiles (tmm4, tmm5): the float32 sums of the A block times each B tile, [rows, 16] each.
  *
- * A task multiplies every block of 16 rows of x by a pair of packed tiles, so a pair's weights come from
- * memory once per call and from cache for its later row blocks. m <= 16 is one block of m rows; for m > 16
- * every block has 16 rows, the last one ending at row m (it overlaps the one before and writes only its new
- * rows), so one tile configuration serves the call and x is always read in place. A pair of tiles, not four:
- * a B tile register is then never reloaded within a step of k while a product still reads it (2-core Xeon,
- * a decode step's layers at 16 rows: four tiles through three B registers took 1.08x the time). k must be a multiple of 32 (whole
- * tiles: amx_takes); anything else keeps cpu_gemm.c. The sums: float32, each tile product adding its 16
- * pairs in k order, each pair's two products as tdpbf16ps adds them (denormal inputs and outputs flushed
- * to zero); not always the bits of cpu_gemm.c (tests/kernels/test_cpu_amx.py bounds the difference).
+ * A task is a pair of packed tiles (each thread takes a contiguous range of tasks). m <= 16 is one A block of
+ * m rows; for m > 16 every block has 16 rows, the last one ending at row m (it overlaps the one before and
+ * writes only its new rows), so one tile configuration serves the call and x is always read in place. A
+ * thread runs its tasks over CHUNK_BLOCKS blocks of rows at a time (64 rows of x stay in cache while its
+ * weights pass; 2-core Xeon, 2,048 rows, a layer's four products: 0.54x the time of every task over every
+ * row in turn, which re-read x from memory for each task). A pair of tiles, not four: a B tile register is
+ * then never reloaded within a step of k while a product still reads it (16 rows: four tiles through three B
+ * registers took 1.10x the time; two A blocks at once gave no steady gain). These figures are single runs
+ * alternated in one process on a VM whose speed swings 2x between runs: they chose the layout, and the
+ * dispatch (workers/layers/gemm_timing.py) decides per shape and row count whether it runs at all.
+ *
+ * k must be a multiple of 32 (whole tile products: cpu_amx.py's takes); anything else keeps the other
+ * products. The sums: float32, each tile product adding its 16 pairs in k order, each pair's two products as
+ * tdpbf16ps adds them (denormal inputs and outputs flushed to zero); not always the bits of cpu_gemm.c
+ * (tests/kernels/test_cpu_amx.py bounds the difference).
  *
  * amx_gemm_silu_mul: the merged gate/up projection and the SiLU * up after it, as cpu_gemm.c's
  * gemm_silu_mul: a task's pair is gate tile q and up tile q, each sum rounded to bfloat16 as a store would,
@@ -44,6 +50,7 @@
 #define STEP_BYTES 64           /* one packed tile's weights for one pair of k */
 #define B_BYTES (PAIRS * STEP_BYTES)   /* one B tile: 1 KB of a packed tile */
 #define PREFETCH_B 2            /* B tiles ahead that each task's two weight streams prefetch */
+#define CHUNK_BLOCKS 4          /* 16-row blocks a thread runs all its tasks over before the next ones */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -81,7 +88,7 @@ static inline void prefetch_b(const char *b) {
 
 /* The sums of one A block (x0, row stride xb bytes) times G packed tiles (b0, b1) over all of k, stored to
  * out [G][TILE_ROWS][16] floats. The weights' two streams are prefetched PREFETCH_B tiles ahead (2-core Xeon,
- * a decode step's linear layers at 1-16 rows: 0.80x the time without). G a constant in each instance: tile
+ * a decode step's linear layers at 1-16 rows: ~0.8x the time without). G a constant in each instance: tile
  * registers are immediates. */
 static inline __attribute__((always_inline)) void tile_sums(const char *x0, int64_t xb, int64_t pairs,
                                                             const char *b0, const char *b1, const int G, float *out) {
@@ -145,20 +152,22 @@ static void run(const char *x, int64_t x_stride, int64_t m, int64_t k, const cha
     {
         float out[2 * TILE_ROWS * TILE] __attribute__((aligned(64)));   /* [G][16 rows][16 columns] */
         configure(rows);
-        #pragma omp for schedule(static)
-        for (int64_t q = 0; q < tasks; q++) {
-            const char *b0 = p + (fuse ? q : 2 * q) * tile_bytes;
-            const char *b1 = fuse ? p + (tasks + q) * tile_bytes : b0 + tile_bytes;
-            const int G = fuse || 2 * q + 1 < tiles ? 2 : 1;
-            const int64_t col = fuse ? q * TILE : 2 * q * TILE;
-            for (int64_t i = 0; i < blocks; i++) {
-                const int64_t first = i < blocks - 1 ? i * TILE_ROWS : m - rows;   /* the block's first row */
-                const int64_t from = i * TILE_ROWS, to = from + TILE_ROWS < m ? from + TILE_ROWS : m;
-                if (G > 1) tile_sums(x + first * xb, xb, pairs, b0, b1, 2, out);
-                else tile_sums(x + first * xb, xb, pairs, b0, b1, 1, out);
-                write_rows(out, first, from, to, G, col, n, bias, y, y_stride, fuse);
+        const int64_t id = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t q0 = tasks * id / team, q1 = tasks * (id + 1) / team;     /* this thread's tasks */
+        for (int64_t c = 0; c < blocks; c += CHUNK_BLOCKS)
+            for (int64_t q = q0; q < q1; q++) {
+                const char *b0 = p + (fuse ? q : 2 * q) * tile_bytes;
+                const char *b1 = fuse ? p + (tasks + q) * tile_bytes : b0 + tile_bytes;
+                const int G = fuse || 2 * q + 1 < tiles ? 2 : 1;
+                const int64_t col = fuse ? q * TILE : 2 * q * TILE;
+                for (int64_t i = c; i < blocks && i < c + CHUNK_BLOCKS; i++) {
+                    const int64_t first = i < blocks - 1 ? i * TILE_ROWS : m - rows;   /* the block's first row */
+                    const int64_t from = i * TILE_ROWS, to = from + TILE_ROWS < m ? from + TILE_ROWS : m;
+                    if (G > 1) tile_sums(x + first * xb, xb, pairs, b0, b1, 2, out);
+                    else tile_sums(x + first * xb, xb, pairs, b0, b1, 1, out);
+                    write_rows(out, first, from, to, G, col, n, bias, y, y_stride, fuse);
+                }
             }
-        }
         _tile_release();
     }
 }
