@@ -59,9 +59,10 @@ class CpuDecodeLayers:
         self.model = model
         last = bucket_index(max_rows)                # decode steps have at most max_num_seqs rows
         linears = decoder_linears(model)
+        amx_takes_all = all(cpu_amx.takes(lin.weight) for lin in linears)
         self.products: dict[int, str] = {b: one_call_product([lin.packed_weight.plan[b] for lin in linears],
-                                                             all(cpu_amx.takes(lin.weight) for lin in linears))
-                                         for b in range(last + 1)}
+                                                             amx_takes_all) for b in range(last + 1)}
+        self._gemm_address = {b: cpu_layers.gemm_address(p) for b, p in self.products.items()}   # StepArgs.gemm
         uncontested = {b for b in range(last + 1)
                        if all(lin.packed_weight.plan[b] == self.products[b] for lin in linears)}
         self.buckets: frozenset[int] = frozenset(uncontested)
@@ -142,7 +143,7 @@ class CpuDecodeLayers:
             k_cache.shape[0], k_cache.shape[1], *k_cache.stride()[:3],
             tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), tables.stride(0), cos.data_ptr(), sin.data_ptr(),
             hidden.data_ptr(), *(b.data_ptr() for b in bufs))
-        step.gemm = cpu_layers.gemm_address(self.products[bucket_index(rows)])
+        step.gemm = self._gemm_address[bucket_index(rows)]
         lora = self.model.lora
         if lora is not None and lora.batch.groups:       # takes() checked that the call adds their products
             batch = lora.batch
