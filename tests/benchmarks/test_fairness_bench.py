@@ -3,9 +3,12 @@ report holds every metric and ratio, and only the flooded systems report flood t
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import fairness, rounds
 
 
+@pytest.mark.slow   # a benchmark's plumbing, ~35 s: the extended tier (README: -m slow)
 def test_a_dry_run_reports_solo_fifo_and_fair(default_model_path, monkeypatch, tmp_path):
     monkeypatch.setattr(rounds, "settle", lambda *args, **kwargs: None)   # no wait for a quiet machine
     report = fairness.main(["--dry-run", "--model", str(default_model_path), "--out", str(tmp_path / "f.json")])

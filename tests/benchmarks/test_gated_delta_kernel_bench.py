@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 
+@pytest.mark.slow   # a benchmark's plumbing, ~35 s: the extended tier (README: -m slow)
 def test_dry_run_checks_and_writes_every_step(tmp_path):
     from benchmarks.gated_delta_kernel import DRY, run
 

@@ -7,7 +7,8 @@ import pytest
 
 from benchmarks import kv_transfer
 
-pytestmark = pytest.mark.integration   # the object store: Ray
+# slow: the extended tier (README: -m slow); CI keeps none of it (a benchmark's plumbing)
+pytestmark = [pytest.mark.integration, pytest.mark.slow]   # starts Ray, Serve or a process
 
 
 def test_both_systems_measure_and_the_ratios_pair_them(ray_session):

@@ -97,6 +97,7 @@ def test_the_target_as_its_own_draft_model_accepts_every_greedy_draft(tiny_llama
     assert stats.num_steps_total < plain_stats.num_steps_total / 2
 
 
+@pytest.mark.slow   # the extended tier (README: -m slow): the draft model in process, TP=2 on Ray without it
 @pytest.mark.integration
 def test_tp2_on_ray_with_a_draft_model_matches_local(ray_session, tiny_llama_path, draft_model_path):
     """Both models sharded over the two ranks; the drafts (argmax on rank 0, broadcast) agree on both."""

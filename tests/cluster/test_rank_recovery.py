@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("draft", [False, True])
+@pytest.mark.parametrize("draft", [False, pytest.param(True, marks=pytest.mark.slow)])   # slow: -m slow
 def test_tp2_rank_sigkilled_mid_decode_is_rebuilt_and_outputs_match_undisturbed_run(ray_session, tiny_llama_path,
                                                                                      draft):
     """``draft``: the model drafts for itself on the ranks (speculative_model): the rebuilt ranks load the

@@ -94,6 +94,7 @@ def test_tp2_on_ray_matches_local_and_hf_then_detects_a_dead_rank(ray_session, t
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
 
 
+@pytest.mark.slow   # the extended tier (README: -m slow): CI keeps TP=2 on one node
 @pytest.mark.timeout(400)
 def test_tp2_across_two_simulated_nodes_with_spread_matches_local_and_moves_blocks_to_a_third(tiny_llama_path,
                                                                                                local_tokens):

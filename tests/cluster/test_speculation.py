@@ -283,6 +283,7 @@ def test_smollm2_greedy_on_repetitive_text_equals_transformers(default_model_pat
     assert stats.spec_decode_num_accepted_tokens_total > 0
 
 
+@pytest.mark.slow   # the extended tier (README: -m slow): speculation in process, TP=2 on Ray without it
 @pytest.mark.integration
 def test_tp2_on_ray_with_speculation_matches_local(ray_session, tiny_llama_path):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

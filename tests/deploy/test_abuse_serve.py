@@ -34,7 +34,7 @@ from helpers.serve_fixtures import API_KEY, APP_ARGS, start_app, stop_app, strea
 pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-FUZZ_EXAMPLES = 1000
+FUZZ_EXAMPLES = 500     # ~20 s on 2 cores (the engine-level fuzz in test_engine_fuzz.py runs beside it)
 FUZZ_CONCURRENCY = 4
 CAPACITY = APP_ARGS["max_num_seqs"] + APP_ARGS["max_queued_requests"]
 OVERLOAD_REQUESTS = 10 * CAPACITY

@@ -19,7 +19,8 @@ import pytest
 from helpers.serve_fixtures import API_KEY, start_app, stop_app, tp_worker_pids
 from pagedray.deploy.openai.sse import parse_sse
 
-pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+# slow: the extended tier (README: -m slow); CI keeps test_serve_app.py's dead engine replica replaced mid-stream
+pytestmark = [pytest.mark.integration, pytest.mark.slow]   # starts Ray, Serve or a process
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HANG_GUARD_S = 300

@@ -10,7 +10,8 @@ import httpx
 import pytest
 from helpers.serve_fixtures import API_KEY, APP_NAME, start_app, stop_app
 
-pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+# slow: the extended tier (README: -m slow); CI keeps test_disaggregation.py's units; opt-in layout
+pytestmark = [pytest.mark.integration, pytest.mark.slow]   # starts Ray, Serve or a process
 
 PROMPT_TEXT = "The lighthouse keeper wrote in his log every evening, describing the weather and the ships. "
 CASES = [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}]

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from helpers.serve_fixtures import API_KEY, counter_total, failovers_total, start_app, stop_app, stream_in_thread
 
-pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+# slow: the extended tier (README: -m slow); CI keeps test_rebalance.py (rebalancing is off by default)
+pytestmark = [pytest.mark.integration, pytest.mark.slow]   # starts Ray, Serve or a process
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "Here is a long list of the animals of the forest, one per line, with a short note on each:"

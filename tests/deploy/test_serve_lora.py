@@ -71,6 +71,7 @@ def _streamed_text(response) -> str:
     return "".join(text)
 
 
+@pytest.mark.slow   # the extended tier (README: -m slow): test_lora.py's engine-level load and unload
 def test_adapters_loaded_and_unloaded_under_load_lose_no_request(app, default_model_path, adapter, tmp_path):
     from contextlib import ExitStack
 

@@ -22,7 +22,8 @@ from test_cli_serve_failure import CLI, free_port
 
 from benchmarks.listening_sockets import listening_sockets
 
-pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+# slow: the extended tier (README: -m slow); CI keeps test_loopback.py's units; .ci/serve_smoke starts `pagedray serve`
+pytestmark = [pytest.mark.integration, pytest.mark.slow]   # starts Ray, Serve or a process
 
 HANG_GUARD_S = 900
 

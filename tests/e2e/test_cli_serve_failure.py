@@ -12,7 +12,7 @@ import sys
 import pytest
 from pagedray.deploy.cli.main import free_port
 
-pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+pytestmark = [pytest.mark.integration, pytest.mark.slow]   # a process; slow (-m slow): CI keeps test_startup.py's units
 
 CLI = "import sys; from pagedray.deploy.cli.main import main; sys.exit(main(sys.argv[1:]))"
 

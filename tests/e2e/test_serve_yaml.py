@@ -32,7 +32,8 @@ import pytest
 import yaml
 from helpers.ports import free_ports
 
-pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+# slow: the extended tier (README: -m slow); CI keeps .ci/serve_smoke, which deploys serve.yaml as the README says
+pytestmark = [pytest.mark.integration, pytest.mark.slow]   # starts Ray, Serve or a process
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 YAML_PATH = REPO / "deploy" / "serve" / "serve.yaml"

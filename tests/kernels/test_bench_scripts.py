@@ -40,6 +40,7 @@ def test_bench_dry_run_writes_every_row(tmp_path):
     assert all(r["ms"] > 0 and r["sdpa_ms"] > 0 for r in prefill)
 
 
+@pytest.mark.slow   # the extended tier (README: -m slow): a benchmark's plumbing
 def test_sweep_dry_run_checks_and_times_every_config(tmp_path):
     from benchmarks.kernel_sweep import DRY, decode_variants, grid_configs
 
@@ -62,6 +63,7 @@ def test_sweep_dry_run_checks_and_times_every_config(tmp_path):
     assert all(sum(r["config"] == "default" for r in rows if r["shape"] == s) == 1 for s in shapes)
 
 
+@pytest.mark.slow   # the extended tier (README: -m slow): a benchmark's plumbing
 def test_moe_kernel_dry_run_checks_and_times_every_row(tmp_path):
     from benchmarks.moe_kernel import DRY
 
@@ -74,6 +76,7 @@ def test_moe_kernel_dry_run_checks_and_times_every_row(tmp_path):
     assert all(r["mxfp4_ms"] > 0 and r["mxfp4_vs_fused"] > 0 for r in rows)         # MXFP4 experts, checked too
 
 
+@pytest.mark.slow   # the extended tier (README: -m slow): a benchmark's plumbing
 def test_kv8_kernel_dry_run_checks_and_times_every_row(tmp_path):
     from benchmarks.kv8_kernel import DRY
 
@@ -85,6 +88,7 @@ def test_kv8_kernel_dry_run_checks_and_times_every_row(tmp_path):
     assert [r["cache"] for r in report["rows"] if r["kind"] == "prefill"] == [DRY["dtype"], *DRY["cache_dtypes"]]
 
 
+@pytest.mark.slow   # the extended tier (README: -m slow): a benchmark's plumbing
 def test_kv8_goal_dry_run_times_every_system_in_every_round(tmp_path):
     from benchmarks.kv8_goal import BASELINE, DRY, DRY_CANDIDATES
 
@@ -99,6 +103,7 @@ def test_kv8_goal_dry_run_times_every_system_in_every_round(tmp_path):
     assert all(ratio["calls_per_s"]["median"] > 0 for ratio in ratios.values())
 
 
+@pytest.mark.slow   # the extended tier (README: -m slow): a benchmark's plumbing
 def test_kv8_goal_times_only_the_candidates_named(tmp_path):
     """``--candidates`` (the rerun after a lease changes the default) times bf16 and the named candidates alone;
     a name it does not know is a usage error naming the option, before anything runs."""

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration   # starts Ray, Serve or a process (tests/conftest.py)
+pytestmark = [pytest.mark.integration, pytest.mark.slow]   # a process; slow (-m slow): ~70 s of sm_90 compiles for
+# code properties (spills, tensor cores, wide loads), not values: the extended tier
 
 REPO = pathlib.Path(__file__).resolve().parents[2]  # `python -m benchmarks.<name>` runs from here
 

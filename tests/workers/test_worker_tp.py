@@ -46,8 +46,15 @@ def _check_logprobs(path: str, seq) -> None:
         assert abs(sampled.logprob - row[sampled.token_id].item()) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe", "qwen2-moe", "mixtral",
-                                  "gpt-oss", "qwen3.5", "qwen3.5-moe", "gemma4", "gemma4-moe"])
+def _extended(*values):
+    """Parameters of the extended tier (README: -m slow): CI keeps one family of each kind of split."""
+    return [pytest.param(*value if isinstance(value, tuple) else (value,), marks=pytest.mark.slow) for value in values]
+
+
+# CI: a dense GQA model, sliding + global layers, an MoE, attention sinks, a hybrid, Gemma 4's shared KV
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3-moe", "gpt-oss", "qwen3.5", "gemma4",
+                                  *_extended("qwen3", "phi3", "gemma2", "qwen2-moe", "mixtral", "qwen3.5-moe",
+                                             "gemma4-moe")])
 def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
     path = tiny_model_path(kind)
     params = SamplingParams(temperature=0.0, logprobs=TOP_N)
@@ -65,7 +72,7 @@ def test_tp2_matches_tp1_and_transformers(kind, tiny_model_path, ray_session):
         _check_logprobs(path, seq)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e4m3 with checkpoint scales"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", *_extended("fp8_e4m3", "fp8_e4m3 with checkpoint scales")])
 def test_tp2_with_an_8bit_kv_cache_matches_tp1(kv_cache_dtype, tiny_model_path, ray_session, tmp_path):
     """Each rank quantizes its own KV heads' rows (llama: one KV head per rank): TP=2 gives TP=1's tokens,
     and logprobs within 1e-4 of TP=1's (both 8-bit). With checkpoint scales every rank reads the same
@@ -94,8 +101,8 @@ def test_tp2_with_an_8bit_kv_cache_matches_tp1(kv_cache_dtype, tiny_model_path, 
                                        torch.tensor([v for _, v in a.top_logprobs]), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt, options", [("gptq", dict(group=16, desc_act=True, v2=False)), ("awq", dict(group=16)),
-                                          ("fp8", dict(block=16)), ("int8", {})])
+@pytest.mark.parametrize("fmt, options", [("gptq", dict(group=16, desc_act=True, v2=False)),
+                                          *_extended(("awq", dict(group=16)), ("fp8", dict(block=16))), ("int8", {})])
 def test_tp2_splits_quantized_weights_as_the_dense_ones(fmt, options, tiny_model_path, ray_session, tmp_path):
     """GPTQ (desc_act: every rank's input rows keep their groups), AWQ, block-scaled FP8 and ``quantization``
     int8: TP=2 gives the greedy tokens of transformers on the dequantized weights, logprobs within 1e-4."""
