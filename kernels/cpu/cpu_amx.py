@@ -54,11 +54,15 @@ def takes(weight: torch.Tensor) -> bool:
             and weight.shape[1] % K_MULTIPLE == 0 and cpu_gemm.packable(weight) and available())
 
 
-def _check(x: torch.Tensor, packed: cpu_gemm.TilePackedWeight, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, packed: cpu_gemm.TilePackedWeight, bias: torch.Tensor | None,
+           fused: bool = False) -> None:
+    """The arguments first, then whether this CPU can run it: a bad argument is named on every CPU."""
     cpu_gemm.check(x, packed, bias)
     if packed.data.dtype != torch.bfloat16 or packed.in_features % K_MULTIPLE:
         raise ValueError(f"packed: the AMX product takes a bfloat16 weight with a multiple of {K_MULTIPLE} input "
                          f"features, got {packed.data.dtype} with {packed.in_features}")
+    if fused:
+        cpu_gemm.check_fused(packed)
     if not available():
         raise ValueError("packed: the AMX product cannot run on this CPU (no AMX-BF16, or the tile state refused)")
 
@@ -73,7 +77,6 @@ def silu_mul_linear(x: torch.Tensor, packed: cpu_gemm.TilePackedWeight, bias: to
                     ) -> torch.Tensor:
     """x [..., in], packed W [2 * inter, in] (gate rows, then up rows) -> silu(gate) * up [..., inter], each sum
     rounded to bfloat16 first, in one pass (as ``cpu_gemm.silu_mul_linear``)."""
-    _check(x, packed, bias)
-    cpu_gemm.check_fused(packed)
+    _check(x, packed, bias, fused=True)
     return cpu_gemm.multiply(_library().amx_gemm_silu_mul, x, packed, bias, packed.out_features // 2)
 
