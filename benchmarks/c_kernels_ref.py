@@ -11,7 +11,7 @@ The cases are SmolLM2-135M's shapes, in bfloat16 and float32:
 - the GEMM on the four weight shapes at 1 / 16 / 128 / 512 rows (the LM head at 1 / 16);
 - SiLU * up, RMSNorm with the residual, and rotary at 1 / 16 / 512 rows;
 - paged decode (16 sequences x 512 tokens, 64 x 256);
-- paged prefill of one prompt of 512 and of 2,048 tokens.
+- paged prefill of one prompt of 512 and of 2,048 tokens, and of 16 prompts of 100 (a serving wave).
 
 The table gives each case's median [min-max] per system and the ratio this / REF (lower is faster).
 """
@@ -104,6 +104,15 @@ def build_cases(dry_run: bool) -> dict:
             tables = torch.arange(tokens // block, dtype=torch.int32).view(1, -1)
             cases[f"prefill {tag} {tokens}"] = (lambda q=q, k=k_cache, v=v_cache, c=cu, n=lens, t=tables:
                                                 cpu_prefill.paged_prefill_cpu(q, k, v, c, n, t, 0.125))
+        prompts, tokens = (2, 16) if dry_run else (16, 100)   # a serving wave: 16 prompts of 100 tokens
+        blocks = prompts * ((tokens + block - 1) // block)
+        k_cache, v_cache = rand(blocks, block, 3, 64, dtype=dtype), rand(blocks, block, 3, 64, dtype=dtype)
+        q = rand(prompts * tokens, 9, 64, dtype=dtype)
+        cu = torch.arange(0, prompts * tokens + 1, tokens, dtype=torch.int32)
+        lens = torch.full((prompts,), tokens, dtype=torch.int32)
+        tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(prompts, -1)
+        cases[f"prefill {tag} {prompts}x{tokens}"] = (lambda q=q, k=k_cache, v=v_cache, c=cu, n=lens, t=tables:
+                                                      cpu_prefill.paged_prefill_cpu(q, k, v, c, n, t, 0.125))
     return cases
 
 

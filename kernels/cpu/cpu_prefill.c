@@ -21,6 +21,11 @@
  * rounding p to bf16 is what transformers' bf16 attention does too (its softmax output is cast to bf16 before
  * the product). Against the float64 oracle the error stays at the output's own bf16 rounding (tests). 
  *
+ * bfloat16 on AMX (prefill_item_amx, where the build targets AMX and Linux grants the tile state; the caller's
+ * use_amx and head_dim % 32 == 0): the same chunks, masks and softmax, with kt and vp as the B tiles of the two
+ * products (they already are tdpbf16ps's pair layout) and 16 rows at a time as the A side. Its items are 4x
+ * as large (AMX_ITEM_ROWS): the repacking of a key chunk then costs a quarter per row.
+ *
  * Key j is visible from the query at position p when j <= p and, with a window W > 0, j > p - W. Token i
  * of a chunk of n tokens of a sequence of seq_len keys is at position seq_len - n + i. Block ids are
  * clamped into [0, num_blocks) (the callers check them; the clamp keeps a bad id from reading outside the
@@ -31,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "cpu_vec.h"
 
@@ -74,6 +81,13 @@ static inline void start_rows(const struct prefill_args *a, int64_t rows, int64_
         l[r] = 0.0f;
         pos[r] = (int32_t)(a->first_pos + a->i0 + (r < rows ? r : rows - 1) / a->group);
     }
+}
+
+/* the keys [lo, hi) an item's rows see: from its first row's window start to its last row's position */
+static inline void item_keys(const struct prefill_args *a, int64_t *lo, int64_t *hi) {
+    const int64_t p_first = a->first_pos + a->i0, p_last = a->first_pos + a->i1 - 1;
+    *lo = (a->window > 0 && p_first - a->window + 1 > 0) ? p_first - a->window + 1 : 0;
+    *hi = p_last + 1;
 }
 
 /* the keys [first, end) of the chunk of blocks from block b0 on (chunk_blocks blocks of bs keys), within [lo, hi) */
@@ -120,9 +134,8 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
     const int64_t elem = dtype_size(dtype);
     const int64_t D = 16 * C, G = a->group, bs = a->block_size;
     const int64_t rows = (a->i1 - a->i0) * G, padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
-    const int64_t p_first = a->first_pos + a->i0, p_last = a->first_pos + a->i1 - 1;
-    const int64_t lo = (a->window > 0 && p_first - a->window + 1 > 0) ? p_first - a->window + 1 : 0;
-    const int64_t hi = p_last + 1;                                   /* keys [lo, hi) */
+    int64_t lo, hi;                                                  /* keys [lo, hi) */
+    item_keys(a, &lo, &hi);
     const int64_t chunk_blocks = CHUNK / bs;
     float qs[padded][D] __attribute__((aligned(64)));                /* scaled queries */
     v16f acc[padded][C];
@@ -205,6 +218,23 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
 }
 
 #if defined(__AVX512BF16__)
+/* The n keys from position `first` as bf16 pairs, both items' operand layouts: kt[e][j] key j's dimensions
+ * 2e, 2e + 1; vp[i][d] keys 2i, 2i + 1 at dimension d (D = head_dim). */
+static inline __attribute__((always_inline)) void pair_chunk(const struct prefill_args *a, int64_t first,
+                                                             int64_t n, int64_t D, uint32_t kt[][CHUNK],
+                                                             uint32_t vp[][D]) {
+    const int64_t D2 = D / 2;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t off = key_offset(a, first + j);
+        uint32_t kr[D2];
+        memcpy(kr, a->k + off, (size_t)D * 2);
+        for (int64_t e = 0; e < D2; e++) kt[e][j] = kr[e];
+        uint16_t vr[D], *vdst = (uint16_t *)vp[j / 2];
+        memcpy(vr, a->v + off, (size_t)D * 2);
+        for (int64_t d = 0; d < D; d++) vdst[2 * d + (j & 1)] = vr[d];
+    }
+}
+
 /* prefill_item for bfloat16 through vdpbf16ps (two products per lane and instruction, twice the float32 FMA's):
  * scores from the q / k bf16 pairs of two dimensions (kt: each key's dimension pairs transposed, 4 bytes a key),
  * times scale after the sum; probabilities rounded to bf16 (nearest even) for p @ V, which takes two keys a step
@@ -213,9 +243,8 @@ static inline __attribute__((always_inline)) void prefill_item(const struct pref
 static inline __attribute__((always_inline)) void prefill_item_bf16(const struct prefill_args *a, int64_t C) {
     const int64_t D = 16 * C, D2 = D / 2, G = a->group, bs = a->block_size;
     const int64_t rows = (a->i1 - a->i0) * G, padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
-    const int64_t p_first = a->first_pos + a->i0, p_last = a->first_pos + a->i1 - 1;
-    const int64_t lo = (a->window > 0 && p_first - a->window + 1 > 0) ? p_first - a->window + 1 : 0;
-    const int64_t hi = p_last + 1;                                   /* keys [lo, hi) */
+    int64_t lo, hi;                                                  /* keys [lo, hi) */
+    item_keys(a, &lo, &hi);
     const int64_t chunk_blocks = CHUNK / bs;
     uint32_t qp[padded][D2];                                         /* q's dimension pairs, unscaled */
     v16f acc[padded][C];
@@ -234,16 +263,8 @@ static inline __attribute__((always_inline)) void prefill_item_bf16(const struct
     for (int64_t b0 = lo / bs; b0 * bs < hi; b0 += chunk_blocks) {
         int64_t first, end;
         chunk_keys(b0, bs, chunk_blocks, lo, hi, &first, &end);
-        const int64_t n = end - first, n16 = (n + 15) / 16 * 16;
-        for (int64_t j = 0; j < n; j++) {                            /* the chunk's keys as bf16 pairs */
-            const int64_t off = key_offset(a, first + j);
-            uint32_t kr[D2];
-            memcpy(kr, a->k + off, (size_t)D * 2);
-            for (int64_t e = 0; e < D2; e++) kt[e][j] = kr[e];
-            uint16_t vr[D], *vdst = (uint16_t *)vp[j / 2];
-            memcpy(vr, a->v + off, (size_t)D * 2);
-            for (int64_t d = 0; d < D; d++) vdst[2 * d + (j & 1)] = vr[d];
-        }
+        const int64_t n = end - first;
+        pair_chunk(a, first, n, D, kt, vp);
         for (int64_t j = n; j < (n + 31) / 32 * 32; j++)             /* zeros up to the 32-key step */
             for (int64_t e = 0; e < D2; e++) kt[e][j] = 0;
         if (n & 1) {                                                  /* the last pair's missing key: zeros */
@@ -311,6 +332,155 @@ static inline __attribute__((always_inline)) void prefill_item_bf16(const struct
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(SYS_arch_prctl)
+#define PREFILL_AMX 1
+#define AMX_ROWS 16     /* rows per A tile: items run their rows 16 at a time */
+#define AMX_ITEM_ROWS 192 /* rows per item at head_dim 64 (64 tokens x 3 heads; half at 128, a quarter at 256,
+                             * so an item's buffers stay ~100 KiB of stack): each key chunk is repacked once per
+                             * item, and its tile products are too quick to hide the repacking of 48 rows' items */
+
+/* 1 when this process may use the AMX tiles (Linux grants the tile state per process: asked once, before
+ * the threads start) */
+static int amx_granted(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+
+/* tiles of 16 rows of 64 bytes: tmm0 A, tmm1 / tmm2 B (alternating, so a load does not wait on the product
+ * still reading the other), tmm4..tmm7 C */
+static void configure_tiles(void) {
+    struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = AMX_ROWS;
+        c.colsb[t] = 64;
+    }
+    __asm__ volatile("" : : "r"(&c) : "memory");   /* ldtilecfg's asm names only c's first 8 bytes as read */
+    _tile_loadconfig(&c);
+}
+
+/* product T (of `count`): B tile register BR (1 or 2, alternating) times tmm0 into C tile register CR = 4 + T
+ * (the intrinsics take register numbers as literal tokens) */
+#define TILE_PRODUCT(T, CR, BR, count, b, stride)                           \
+    if ((count) > (T)) {                                                     \
+        _tile_loadd(BR, (b), (stride));                                      \
+        _tile_dpbf16ps(CR, 0, BR);                                           \
+    }
+#define TILE_STORE(T, CR, count, dst, stride) if ((count) > (T)) _tile_stored(CR, (dst), (stride))
+#define TILE_ZERO(T, CR, count) if ((count) > (T)) _tile_zero(CR)
+
+/* prefill_item_bf16 through the AMX tiles; D = 16 C, a multiple of 32. The same keys, masks, online softmax
+ * and bf16-rounded probabilities; the two products as tile products on the same operand layouts (kt's
+ * dimension pairs are QK^T's B operand, vp's key pairs P @ V's): per 16 rows and chunk, the scores are up to
+ * 4 C tiles of 16 keys (D / 32 steps of k), P @ V up to 4 C tiles of 16 dimensions at a time (two steps of
+ * 32 keys). Rows padded to a multiple of 16 with copies of the last row (computed, never stored). */
+static inline __attribute__((always_inline)) void prefill_item_amx(const struct prefill_args *a, int64_t C) {
+    const int64_t D = 16 * C, D2 = D / 2, G = a->group, bs = a->block_size;
+    const int64_t rows = (a->i1 - a->i0) * G, padded = (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    int64_t lo, hi;                                                  /* keys [lo, hi) */
+    item_keys(a, &lo, &hi);
+    const int64_t chunk_blocks = CHUNK / bs;
+    uint16_t qa[padded][D] __attribute__((aligned(64)));             /* q's rows: the A operand of QK^T */
+    float acc[padded][D] __attribute__((aligned(64)));
+    float m[padded], l[padded];
+    int32_t pos[padded];
+    uint32_t kt[D2][CHUNK] __attribute__((aligned(64)));            /* kt[e][j]: key j's dimensions 2e, 2e + 1 */
+    uint32_t vp[CHUNK / 2][D] __attribute__((aligned(64)));         /* vp[i][d]: keys 2i, 2i + 1 at dimension d */
+    float p[AMX_ROWS][CHUNK] __attribute__((aligned(64)));          /* scores, then probabilities */
+    uint32_t pp[AMX_ROWS][CHUNK / 2] __attribute__((aligned(64)));  /* p as bf16 pairs: the A operand of P @ V */
+    float o[AMX_ROWS][D] __attribute__((aligned(64)));              /* P @ V of one chunk */
+    for (int64_t r = 0; r < padded; r++) {
+        const int64_t real = r < rows ? r : rows - 1;
+        memcpy(qa[r], a->q + row_offset(a, real, a->q_tok, a->q_head), (size_t)D * 2);
+        memset(acc[r], 0, (size_t)D * sizeof(float));
+    }
+    start_rows(a, rows, padded, m, l, pos);
+    configure_tiles();
+    for (int64_t b0 = lo / bs; b0 * bs < hi; b0 += chunk_blocks) {
+        int64_t first, end;
+        chunk_keys(b0, bs, chunk_blocks, lo, hi, &first, &end);
+        const int64_t n = end - first;
+        pair_chunk(a, first, n, D, kt, vp);
+        for (int64_t j = n; j < (n + 15) / 16 * 16; j++)             /* zeros up to the tile's 16 keys */
+            for (int64_t e = 0; e < D2; e++) kt[e][j] = 0;
+        for (int64_t j = n; j < (n + 31) / 32 * 32; j++) {           /* and up to the 32 keys of a P @ V step */
+            uint16_t *vdst = (uint16_t *)vp[j / 2];                  /* (p is 0 there; stale V could be NaN) */
+            for (int64_t d = 0; d < D; d++) vdst[2 * d + (j & 1)] = 0;
+        }
+        for (int64_t r0 = 0; r0 < padded; r0 += AMX_ROWS) {
+            const int64_t last = pos[r0 + AMX_ROWS - 1];
+            if (last < first) continue;
+            const int64_t nb = (last + 1 < end ? last + 1 : end) - first;
+            const int64_t key_tiles = (nb + 15) / 16, steps = (nb + 31) / 32;
+            TILE_ZERO(0, 4, key_tiles); TILE_ZERO(1, 5, key_tiles); TILE_ZERO(2, 6, key_tiles); TILE_ZERO(3, 7, key_tiles);
+            for (int64_t e = 0; e < D2; e += 16) {                   /* scores: 32 dimensions a step */
+                _tile_loadd(0, qa[r0] + 2 * e, D * 2);
+                TILE_PRODUCT(0, 4, 1, key_tiles, &kt[e][0], CHUNK * 4);
+                TILE_PRODUCT(1, 5, 2, key_tiles, &kt[e][16], CHUNK * 4);
+                TILE_PRODUCT(2, 6, 1, key_tiles, &kt[e][32], CHUNK * 4);
+                TILE_PRODUCT(3, 7, 2, key_tiles, &kt[e][48], CHUNK * 4);
+            }
+            TILE_STORE(0, 4, key_tiles, &p[0][0], CHUNK * 4); TILE_STORE(1, 5, key_tiles, &p[0][16], CHUNK * 4);
+            TILE_STORE(2, 6, key_tiles, &p[0][32], CHUNK * 4); TILE_STORE(3, 7, key_tiles, &p[0][48], CHUNK * 4);
+            float correction[AMX_ROWS];
+            for (int rr = 0; rr < AMX_ROWS; rr++) {
+                for (int64_t k16 = 0; k16 < key_tiles * 16; k16 += 16) {
+                    const v16i key = (v16i){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (int32_t)(first + k16);
+                    v16i visible = (key <= pos[r0 + rr]) & (key < (int32_t)end);
+                    if (a->window > 0) visible &= key > pos[r0 + rr] - (int32_t)a->window;
+                    v16f x;
+                    memcpy(&x, &p[rr][k16], sizeof x);
+                    x = select16(visible, x * splat16(a->scale), splat16(-INFINITY));
+                    memcpy(&p[rr][k16], &x, sizeof x);
+                }
+                correction[rr] = softmax_step(p[rr], key_tiles * 16, &m[r0 + rr], &l[r0 + rr]);
+                for (int64_t k32 = 0; k32 < steps * 32; k32 += 32) {  /* keys k32 .. k32 + 31 as 16 bf16 pairs */
+                    const __m512 lo16 = _mm512_load_ps(&p[rr][k32]);
+                    const __m512 hi16 = k32 + 16 < key_tiles * 16 ? _mm512_load_ps(&p[rr][k32 + 16])
+                                                                  : _mm512_setzero_ps();
+                    _mm512_store_si512(&pp[rr][k32 / 2], (__m512i)_mm512_cvtne2ps_pbh(hi16, lo16));
+                }
+            }
+            for (int64_t c0 = 0; c0 < C; c0 += 4) {                  /* P @ V, 64 dimensions at a time */
+                const int64_t dim_tiles = C - c0 < 4 ? C - c0 : 4;
+                TILE_ZERO(0, 4, dim_tiles); TILE_ZERO(1, 5, dim_tiles); TILE_ZERO(2, 6, dim_tiles); TILE_ZERO(3, 7, dim_tiles);
+                for (int64_t h = 0; h < steps; h++) {
+                    _tile_loadd(0, &pp[0][16 * h], CHUNK * 2);
+                    TILE_PRODUCT(0, 4, 1, dim_tiles, &vp[16 * h][16 * c0], D * 4);
+                    TILE_PRODUCT(1, 5, 2, dim_tiles, &vp[16 * h][16 * c0 + 16], D * 4);
+                    TILE_PRODUCT(2, 6, 1, dim_tiles, &vp[16 * h][16 * c0 + 32], D * 4);
+                    TILE_PRODUCT(3, 7, 2, dim_tiles, &vp[16 * h][16 * c0 + 48], D * 4);
+                }
+                TILE_STORE(0, 4, dim_tiles, &o[0][16 * c0], D * 4); TILE_STORE(1, 5, dim_tiles, &o[0][16 * c0 + 16], D * 4);
+                TILE_STORE(2, 6, dim_tiles, &o[0][16 * c0 + 32], D * 4);
+                TILE_STORE(3, 7, dim_tiles, &o[0][16 * c0 + 48], D * 4);
+            }
+            for (int rr = 0; rr < AMX_ROWS; rr++) {                  /* acc = acc * correction + P @ V */
+                for (int64_t c = 0; c < C; c++) {
+                    v16f x, y;
+                    memcpy(&x, &acc[r0 + rr][16 * c], sizeof x);
+                    memcpy(&y, &o[rr][16 * c], sizeof y);
+                    x = x * splat16(correction[rr]) + y;
+                    memcpy(&acc[r0 + rr][16 * c], &x, sizeof x);
+                }
+            }
+        }
+    }
+    _tile_release();
+    for (int64_t r = 0; r < rows; r++) {
+        char *dst = a->out + row_offset(a, r, a->o_tok, a->o_head);
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int64_t c = 0; c < C; c++) {
+            v16f x;
+            memcpy(&x, &acc[r][16 * c], sizeof x);
+            store16(dst + c * 16 * 2, x * inv, DTYPE_BF16);
+        }
+    }
+}
+#endif
+
 /* q [T, Hq, D] (strides q_tok, q_head in elements) holding each sequence's newest chunk, cu_q [S + 1]
  * int32 the chunks' offsets; caches [NB, bs, Hkv, D] (element strides c_block, c_tok, c_head, 1) in q's
  * dtype; block_tables [S, max_blocks] int32 (row stride bt_row); seq_lens [S] int32 (history + chunk);
@@ -320,9 +490,19 @@ int paged_prefill_cpu(const void *q, int64_t q_tok, int64_t q_head,
                       int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
                       int64_t num_seqs, int64_t group, const int32_t *block_tables, int64_t bt_row,
                       const int32_t *cu_q, const int32_t *seq_lens, float scale, int64_t window,
-                      int dtype, void *out, int64_t o_tok, int64_t o_head, int threads) {
+                      int dtype, void *out, int64_t o_tok, int64_t o_head, int threads, int use_amx) {
     const int64_t elem = dtype_size(dtype);
-    const int64_t tile = ITEM_ROWS / group > 0 ? ITEM_ROWS / group : 1;
+#if defined(PREFILL_AMX)
+    const int amx = use_amx && dtype == DTYPE_BF16 && head_dim % 32 == 0 && amx_granted();
+#else
+    (void)use_amx;
+#endif
+#if defined(PREFILL_AMX)
+    const int64_t item_rows = amx ? (head_dim <= 64 ? AMX_ITEM_ROWS : AMX_ITEM_ROWS * 64 / head_dim) : ITEM_ROWS;
+#else
+    const int64_t item_rows = ITEM_ROWS;
+#endif
+    const int64_t tile = item_rows / group > 0 ? item_rows / group : 1;
     int64_t tiles = 0;
     for (int64_t s = 0; s < num_seqs; s++) tiles += (cu_q[s + 1] - cu_q[s] + tile - 1) / tile;
     int64_t *tile_seq = malloc((size_t)(tiles > 0 ? tiles : 1) * 2 * sizeof(int64_t));
@@ -356,6 +536,14 @@ int paged_prefill_cpu(const void *q, int64_t q_tok, int64_t q_head,
             else if (head_dim == 128) prefill_item(&a, DTYPE_F32, 8);
             else prefill_item(&a, DTYPE_F32, head_dim / 16);
         } else {
+#if defined(PREFILL_AMX)
+            if (amx) {
+                if (head_dim == 64) prefill_item_amx(&a, 4);
+                else if (head_dim == 128) prefill_item_amx(&a, 8);
+                else prefill_item_amx(&a, head_dim / 16);
+                continue;
+            }
+#endif
 #if defined(__AVX512BF16__)
             if (head_dim == 64) prefill_item_bf16(&a, 4);
             else if (head_dim == 128) prefill_item_bf16(&a, 8);
@@ -369,4 +557,14 @@ int paged_prefill_cpu(const void *q, int64_t q_tok, int64_t q_head,
     }
     free(tile_seq);
     return 0;
+}
+
+/* 1 when paged_prefill_cpu runs bfloat16 items through the AMX tiles (the build targets AMX and Linux grants
+ * the tile state); 0 where it keeps the AVX-512 / generic items */
+int paged_prefill_amx(void) {
+#if defined(PREFILL_AMX)
+    return amx_granted();
+#else
+    return 0;
+#endif
 }

@@ -27,11 +27,14 @@ DTYPE_CODES = cpu_build.DTYPE_CODES
 MAX_HEAD_DIM = 256
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURE = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64,
-              _PTR, _PTR, ctypes.c_float, _I64, ctypes.c_int, _PTR, _I64, _I64, ctypes.c_int]
+              _PTR, _PTR, ctypes.c_float, _I64, ctypes.c_int, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int]
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    cpu_build.declare(library, {"paged_prefill_cpu": _SIGNATURE}, restype=ctypes.c_int)
+    signatures = {"paged_prefill_cpu": _SIGNATURE}
+    if hasattr(library, "paged_prefill_amx"):     # absent from an older commit's library (benchmarks.c_kernels_ref)
+        signatures["paged_prefill_amx"] = []
+    cpu_build.declare(library, signatures, restype=ctypes.c_int)
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,10 +53,19 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, alibi_slopes=None, logit_so
             and alibi_slopes is None and logit_softcap is None and _library() is not None)
 
 
-def paged_prefill_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, sliding_window=None):
+def amx_items() -> bool:
+    """True when bfloat16 items with head_dim a multiple of 32 run through the AMX tiles here (the build
+    targets AMX and Linux grants the tile state)."""
+    library = _library()
+    return library is not None and hasattr(library, "paged_prefill_amx") and bool(library.paged_prefill_amx())
+
+
+def paged_prefill_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, sliding_window=None,
+                      amx: bool = True):
     """q [T, Hq, D] holding each sequence's newest chunk (offsets cu_seqlens_q [S + 1] int32), caches
     [NB, bs, Hkv, D] in q's dtype, seq_lens_k [S] int32 (history + chunk), block_tables [S, max_blocks]
-    int32 -> [T, Hq, D] in q's dtype (arguments already validated; ``supports`` checked)."""
+    int32 -> [T, Hq, D] in q's dtype (arguments already validated; ``supports`` checked). ``amx``: bfloat16
+    items through the AMX tiles where ``amx_items()`` (False: the AVX-512 items, for tests and benchmarks)."""
     total, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     if q.stride(2) != 1:
@@ -69,7 +81,8 @@ def paged_prefill_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), strides[0], strides[1],
         strides[2], num_blocks, block_size, num_kv_heads, head_dim, lens.shape[0], num_q_heads // num_kv_heads,
         tables.data_ptr(), tables.stride(0), cu.data_ptr(), lens.data_ptr(), float(scale), int(sliding_window or 0),
-        DTYPE_CODES[q.dtype], result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads())
+        DTYPE_CODES[q.dtype], result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads(),
+        int(amx))
     if status != 0:
         raise MemoryError("paged_prefill_cpu: out of memory for the work list")
     return result

@@ -64,6 +64,36 @@ def test_kernel_matches_dense_oracle(case, strided_q):
     assert_close_to_oracle(out, _oracle(q, paged, cu, scale, window), case[4])
 
 
+BF16_CASES = [case for case in CASES if case[4] == BF16]
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=_case_id)
+def test_bf16_items_match_the_oracle_with_and_without_the_amx_tiles(case):
+    """Both bf16 item kinds (AMX tiles where the CPU has them, the AVX-512 / generic items) stay at the output's
+    bf16 rounding; where AMX runs, heads of a multiple of 32 take it (rows in items of 192 at head_dim 64)."""
+    q, paged, cu, scale, window = _inputs(case, seed_of("amx", _case_id(case)))
+    oracle = _oracle(q, paged, cu, scale, window)
+    for amx in (True, False):
+        out = cpu_prefill.paged_prefill_cpu(q, paged.k_cache, paged.v_cache, cu, paged.seq_lens,
+                                            paged.block_tables, scale, window, amx=amx)
+        assert_close_to_oracle(out, oracle, BF16)
+
+
+@pytest.mark.skipif(not cpu_prefill.amx_items(), reason="no AMX tiles on this CPU / kernel / compiler")
+def test_the_amx_items_run_where_the_cpu_has_them():
+    """A long bf16 chunk (600 tokens: many 64-key chunks, items of 64 tokens) through the tiles and through
+    the AVX-512 items: both close to the oracle, and not the same bits (the tile products add in another
+    order), so the tile path did run."""
+    case = (3, 1, 64, 16, BF16, ((0, 600), (100, 301)), None)
+    q, paged, cu, scale, window = _inputs(case, 11)
+    args = (q, paged.k_cache, paged.v_cache, cu, paged.seq_lens, paged.block_tables, scale, window)
+    tiles, vectors = cpu_prefill.paged_prefill_cpu(*args, amx=True), cpu_prefill.paged_prefill_cpu(*args, amx=False)
+    oracle = _oracle(q, paged, cu, scale, window)
+    assert_close_to_oracle(tiles, oracle, BF16)
+    assert_close_to_oracle(vectors, oracle, BF16)
+    assert not torch.equal(tiles, vectors)
+
+
 def test_refuses_what_it_does_not_compute():
     q, cache = torch.randn(3, 4, 64), torch.randn(2, 16, 2, 64)
     assert cpu_prefill.supports(q, cache)
