@@ -9,7 +9,9 @@ its load. ``CacheAwareRouter`` runs in every process that holds a handle to the 
 matches) and picks:
 
 - the replica holding the longest run of the prompt's leading blocks, among the replicas whose load
-  (requests in flight there) is at most ``max_imbalance`` above the least-loaded replica's;
+  (requests in flight there: Serve's cached queue length, else the summary's running and waiting sequences
+  plus the ``generate`` calls this router sent there since that summary arrived) is at most
+  ``max_imbalance`` above the least-loaded replica's;
   ties go to the less loaded. With a second KV tier a replica also reports the hashes of blocks there and
   what one saves against computing it (``tier_weight``, measured: cluster/tier_cost.py); the blocks of the
   prompt in its tier right after its cached run count ``tier_weight`` each;
@@ -227,6 +229,8 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         self._max_imbalance = max_imbalance
         self._sent: dict[ReplicaID, collections.OrderedDict[int, None]] = {}
         self._reported: dict[tuple, tuple[list, frozenset[int]]] = {}   # (the reported list, its set)
+        # per replica: its summary as last seen here, and the generate calls routed there since it arrived
+        self._since_summary: dict[ReplicaID, tuple[dict | None, int]] = {}
 
     def _reported_set(self, replica: RunningReplica, field: str) -> frozenset[int]:
         hashes = (replica.routing_stats or {}).get(field) or []
@@ -247,11 +251,22 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
                            float(stats.get("tier_weight") or 0.0))
 
     def _load(self, replica: RunningReplica) -> int:
+        """Serve's cached queue length of the replica, else its last summary's sequences plus the generate calls
+        this router sent it since that summary arrived (a summary is up to ``ROUTING_STATS_PERIOD_S`` old: right
+        after a burst it still says idle, and every request of the burst would pile onto one replica)."""
+        sent = self._sent_since_summary(replica)
         queued = self.replica_queue_len_cache.get(replica.replica_id)
         if queued is not None:
             return queued
         stats = (replica.routing_stats or {}).get("stats") or {}   # {}: a replica not polled yet
-        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+        return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)) + sent
+
+    def _sent_since_summary(self, replica: RunningReplica) -> int:
+        seen, sent = self._since_summary.get(replica.replica_id, (None, 0))
+        if seen is not replica.routing_stats:      # a new summary counts what was sent before it
+            self._since_summary[replica.replica_id] = (replica.routing_stats, 0)
+            return 0
+        return sent
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -282,11 +297,15 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         prompt = generate_prompt(pending_request)
         if prompt is None:
             return
+        if replica_id in self._since_summary:      # set when the choice read the replica's load
+            seen, sent = self._since_summary[replica_id]
+            self._since_summary[replica_id] = (seen, sent + 1)
         remember_sent(self._sent.setdefault(replica_id, collections.OrderedDict()),
                       prompt_hashes(prompt, self._block_size, generate_adapter(pending_request)))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._sent.pop(replica_id, None)
+        self._since_summary.pop(replica_id, None)
         for field in ("prefix_hashes", "tier_hashes"):
             self._reported.pop((replica_id, field), None)

@@ -195,6 +195,33 @@ def test_the_router_follows_reported_caches_and_its_own_sends_and_respects_load(
     asyncio.run(scenario())
 
 
+def test_a_burst_over_stale_summaries_counts_the_calls_sent_since_each_summary():
+    """Summaries come once a poll period; right after a burst they still say idle, so with Serve's queue-length
+    cache empty every call of the burst went to the same replica. The router adds the generate calls it sent
+    since a replica's summary arrived; that replica's next summary, which includes them, replaces the count."""
+    async def scenario():
+        router = make_router()
+        idle = {"stats": {"num_running": 0, "num_waiting": 0}, "prefix_hashes": []}
+        a, b = FakeReplica("a", dict(idle)), FakeReplica("b", dict(idle))
+        short = [7]                                        # shorter than a block: the least-loaded rule alone
+        placed = []
+        for _ in range(4):
+            [chosen] = await router.choose_replicas([a, b], generate_call(short))
+            placed.append(chosen[0].replica_id)            # Serve sends it to the first chosen one with room
+            router.on_request_routed(generate_call(short), chosen[0].replica_id, None)
+        assert placed == ["a", "b", "a", "b"]
+        router.on_request_routed(FakeRequest([], FakeMetadata("stats")), "a", None)   # no prompt: not counted
+        a.routing_stats = {"stats": {"num_running": 1, "num_waiting": 1}, "prefix_hashes": []}   # its 2, reported
+        assert await router.choose_replicas([a, b], generate_call(short)) == [[a, b]]
+        b.routing_stats = {"stats": {"num_running": 0, "num_waiting": 0}, "prefix_hashes": []}   # b's 2 finished
+        assert await router.choose_replicas([a, b], generate_call(short)) == [[b]]
+        router.on_replica_actor_died("b")
+        b2 = FakeReplica("b", dict(idle))
+        assert await router.choose_replicas([a, b2], generate_call(short)) == [[b2]]
+
+    asyncio.run(scenario())
+
+
 def test_a_generate_call_asks_serve_to_back_off_when_no_chosen_replica_has_room():
     """Else a request that no replica can take yet is retried in a tight loop on the router's thread."""
     async def scenario():
