@@ -262,6 +262,9 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         return int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)) + sent
 
     def _sent_since_summary(self, replica: RunningReplica) -> int:
+        """The generate calls routed to ``replica`` since its summary object changed. Serve hands a new object per
+        broadcast of the replica list, which may also come with another replica's report: the count then restarts
+        early and undercounts until the next report, never over."""
         seen, sent = self._since_summary.get(replica.replica_id, (None, 0))
         if seen is not replica.routing_stats:      # a new summary counts what was sent before it
             self._since_summary[replica.replica_id] = (replica.routing_stats, 0)
