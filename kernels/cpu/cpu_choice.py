@@ -5,7 +5,8 @@ through oneDNN's AMX tiles 3-11x faster than the C loop that beats oneDNN on an 
 a choice is made by measurement on the machine that runs, never from a CPU-feature guess, and it is kept
 per row bucket: the best product at 1 row (memory-bound) need not be the best at 2,048 (compute-bound).
 
-- ``ROW_BUCKETS`` are the row counts that are timed. A call with ``r`` rows takes the decision of the
+- ``ROW_BUCKETS`` are the row counts a decision is kept for (a caller may time some of them only where it
+  needs to: ``workers/layers/gemm_timing.REFINED_ROWS``). A call with ``r`` rows takes the decision of the
   bucket nearest ``r`` on a log scale (``bucket_index``; halfway goes to the larger bucket).
 - ``pick`` keeps, per bucket, the candidate with the least time (ties: the first one named).
 - ``ChoiceCache``: decisions live in ``<user cache>/pagedray/cpu_choice/<key>.json``. ``cache_key`` hashes
@@ -33,14 +34,15 @@ import torch
 
 from . import cpu_build
 
-ROW_BUCKETS = (1, 4, 16, 32, 128, 512, 2048)
+ROW_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # a row count below _EDGES[i] (the buckets' geometric midpoints) belongs to bucket i
 _EDGES = tuple(math.sqrt(a * b) for a, b in zip(ROW_BUCKETS, ROW_BUCKETS[1:]))
 PRODUCTS = ("auto", "c", "amx", "onednn", "mkl")
 PRODUCT_ENV = "PAGEDRAY_CPU_GEMM"
 # 2: the C GEMM keeps a bucket within gemm_timing.C_MARGIN of the fastest; 3: prefill buckets timed in 7 rounds;
-# 4: close prefill calls timed in gemm_timing.CLOSE_ROUNDS more rounds at the end; 5: the AMX product
-CACHE_VERSION = 5
+# 4: close prefill calls timed in gemm_timing.CLOSE_ROUNDS more rounds at the end; 5: the AMX product;
+# 6: buckets of 64, 256 and 1,024 rows (gemm_timing.REFINED_ROWS)
+CACHE_VERSION = 6
 
 
 def bucket_index(rows: int) -> int:

@@ -11,8 +11,9 @@ from pagedray.kernels.cpu.cpu_choice import ROW_BUCKETS, ChoiceCache, bucket_ind
 
 
 def test_a_row_count_takes_the_nearest_bucket_on_a_log_scale():
-    assert [ROW_BUCKETS[bucket_index(r)] for r in (1, 2, 3, 7, 8, 16, 22, 23, 63, 64, 255, 256, 1024, 9000)] == \
-        [1, 4, 4, 4, 16, 16, 16, 32, 32, 128, 128, 512, 2048, 2048]
+    assert [ROW_BUCKETS[bucket_index(r)] for r in (1, 2, 3, 7, 8, 16, 22, 23, 45, 46, 90, 91, 181, 182, 362, 363,
+                                                    724, 725, 1448, 1449, 9000)] == \
+        [1, 4, 4, 4, 16, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256, 512, 512, 1024, 1024, 2048, 2048]
     assert all(ROW_BUCKETS[bucket_index(b)] == b for b in ROW_BUCKETS)
 
 

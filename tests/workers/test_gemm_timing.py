@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -50,6 +51,15 @@ class _Model(nn.Module):
         self.lm_head = _Slot(96, 32, gen)
 
 
+@pytest.fixture
+def any_cpu(monkeypatch):
+    """The plan's logic on every CPU: the C GEMM, oneDNN and MKL all "run" every weight (the fake clock times
+    them), whatever this CPU has; an operand is a stand-in that knows its weight's shape."""
+    monkeypatch.setattr(gemm_timing, "candidates", lambda weight: ("c", "onednn", "mkl"))
+    monkeypatch.setattr(gemm_timing, "_operand", lambda product, weight: SimpleNamespace(
+        out_features=weight.shape[0], in_features=weight.shape[1]))
+
+
 class _FakeClock:
     """``run_product`` advances the clock by ``cost(product, rows, shape)`` ms; ``timer`` reads it in seconds."""
 
@@ -69,9 +79,7 @@ def _c_fast_below_128(product, rows, shape):
     return {"c": 1.0 if rows < 128 else 3.0, "onednn": 2.0, "mkl": 2.5}[product]
 
 
-@needs_onednn
-@pytest.mark.skipif(not cpu_gemm.available(torch.float32), reason="no AVX-512 for kernels.cpu_gemm")
-def test_the_faster_product_is_chosen_per_row_bucket_and_cached(monkeypatch, tmp_path):
+def test_the_faster_product_is_chosen_per_row_bucket_and_cached(any_cpu, monkeypatch, tmp_path):
     clock = _FakeClock(_c_fast_below_128)
     monkeypatch.setattr(gemm_timing, "run_product", clock.run)
     model, cache = _Model(), ChoiceCache(tmp_path, key="k1")
@@ -99,9 +107,7 @@ def test_the_faster_product_is_chosen_per_row_bucket_and_cached(monkeypatch, tmp
     assert clock.calls
 
 
-@needs_onednn
-@pytest.mark.skipif(not cpu_gemm.available(torch.float32), reason="no AVX-512 for kernels.cpu_gemm")
-def test_prefill_buckets_take_the_median_of_more_rounds_so_a_noisy_stretch_does_not_decide(monkeypatch):
+def test_prefill_buckets_take_the_median_of_more_rounds_so_a_noisy_stretch_does_not_decide(any_cpu, monkeypatch):
     """The C GEMM is faster (1 ms against oneDNN's 2), but its first three timed prefill rounds of each shape
     hit a noisy stretch (9 ms): with REPEATS rounds that would be the median; with 2 * REPEATS + 1 it is not."""
     seen: dict[tuple, int] = {}
@@ -118,15 +124,15 @@ def test_prefill_buckets_take_the_median_of_more_rounds_so_a_noisy_stretch_does_
     times = gemm_timing.time_products([model.layers[0][0], model.layers[1][0]], {(48, 32): 2048},
                                       timer=clock.timer)[(48, 32)]
     prefill = [b for b, rows in enumerate(ROW_BUCKETS) if rows > gemm_timing.COLD_ROWS]
-    assert all(times["c"][b] == pytest.approx(1.0) for b in prefill)
+    refined = [b for b in prefill if ROW_BUCKETS[b] in gemm_timing.REFINED_ROWS]
+    assert all(times["c"][b] == pytest.approx(1.0) for b in prefill if b not in refined)
+    assert all(times["c"][b] == math.inf for b in refined)     # between buckets that agree: not timed
     assert gemm_timing._plan(times) == ("c",) * len(ROW_BUCKETS)
     # rounds per bucket: decode buckets a warm-up + REPEATS, prefill buckets a warm-up + 2 * REPEATS + 1
-    assert all(seen[(rows, (48, 32))] == 2 * gemm_timing.REPEATS + 2 for rows in ROW_BUCKETS if rows > 32)
+    assert all(seen[(ROW_BUCKETS[b], (48, 32))] == 2 * gemm_timing.REPEATS + 2 for b in prefill if b not in refined)
 
 
-@needs_onednn
-@pytest.mark.skipif(not cpu_gemm.available(torch.float32), reason="no AVX-512 for kernels.cpu_gemm")
-def test_a_close_prefill_call_is_timed_again_at_the_end_and_decided_on_the_longer_record(monkeypatch):
+def test_a_close_prefill_call_is_timed_again_at_the_end_and_decided_on_the_longer_record(any_cpu, monkeypatch):
     """Shape 48x32: in its bucket rounds the C GEMM looks within the margin of oneDNN (2.05 against 2.0 ms),
     which would keep it; in the later rounds it takes 2.6 ms (its cost in a step), and over both records
     oneDNN is faster by more than the margin. Shape 32x64 (C 1 ms, oneDNN 2: not close) and the decode
@@ -150,12 +156,47 @@ def test_a_close_prefill_call_is_timed_again_at_the_end_and_decided_on_the_longe
     rounds = 2 * gemm_timing.REPEATS + 1
     for b in prefill:
         rows = ROW_BUCKETS[b]
+        if rows in (256, 1024):     # refined buckets between two oneDNN buckets (48x32), two C ones (32x64)
+            assert (rows, (48, 32)) not in seen and (rows, (32, 64)) not in seen
+            continue
+        # 64 rows: a refined bucket between the C GEMM's 32 and oneDNN's 128, so timed, and close again
         assert seen[(rows, (48, 32))] == 1 + rounds + gemm_timing.CLOSE_ROUNDS
-        assert seen[(rows, (32, 64))] == 1 + rounds
+        assert seen.get((rows, (32, 64)), 0) == (0 if rows == 64 else 1 + rounds)
         assert times[(48, 32)]["c"][b] > gemm_timing.C_MARGIN * times[(48, 32)]["onednn"][b]
     assert all(seen[(rows, (48, 32))] == 1 + gemm_timing.REPEATS for rows in ROW_BUCKETS if rows <= 32)
     plan = gemm_timing._plan(times[(48, 32)])
     assert plan == tuple("onednn" if b in prefill else "c" for b in range(len(ROW_BUCKETS)))
+    assert gemm_timing._plan(times[(32, 64)]) == ("c",) * len(ROW_BUCKETS)
+
+
+def test_a_bucket_between_two_that_chose_differently_is_timed_and_one_between_two_that_agree_is_not(any_cpu,
+                                                                                                    monkeypatch):
+    """48x32: the C GEMM is faster up to 200 rows, oneDNN from there, so 128 rows take the C GEMM and 512 oneDNN:
+    the 256-row bucket between them is timed (oneDNN wins it, as a call of 256 rows would run), while 64 and
+    1,024 rows, between buckets that agree, are not (they take their neighbours' product). 32x64: the C GEMM
+    everywhere, no bucket of REFINED_ROWS timed."""
+    seen: dict[tuple, int] = {}
+
+    def cost(product, rows, shape):
+        if product == "c":
+            seen[(rows, shape)] = seen.get((rows, shape), 0) + 1
+            return 1.0 if shape == (32, 64) or rows < 200 else 3.0
+        return {"onednn": 2.0, "mkl": 9.0}[product]
+
+    clock = _FakeClock(cost)
+    monkeypatch.setattr(gemm_timing, "run_product", clock.run)
+    model = _Model()
+    times = gemm_timing.time_products([model.layers[0][0], model.layers[0][1]], {(48, 32): 2048, (32, 64): 2048},
+                                      timer=clock.timer)
+    assert set(gemm_timing.REFINED_ROWS) == {64, 256, 1024} and set(gemm_timing.REFINED_ROWS) < set(ROW_BUCKETS)
+    assert seen[(256, (48, 32))] == 2 * gemm_timing.REPEATS + 2              # a warm-up and a prefill bucket's rounds
+    assert not {key for key in seen if key[0] in (64, 1024) or (key[0] == 256 and key[1] == (32, 64))}
+    at = {rows: b for b, rows in enumerate(ROW_BUCKETS)}
+    assert times[(48, 32)]["onednn"][at[256]] == pytest.approx(2.0)
+    assert times[(48, 32)]["c"][at[256]] == pytest.approx(3.0)
+    assert times[(48, 32)]["c"][at[1024]] == math.inf and times[(32, 64)]["c"][at[256]] == math.inf
+    plan = dict(zip(ROW_BUCKETS, gemm_timing._plan(times[(48, 32)])))
+    assert plan == {rows: "c" if rows < 200 else "onednn" for rows in ROW_BUCKETS}
     assert gemm_timing._plan(times[(32, 64)]) == ("c",) * len(ROW_BUCKETS)
 
 
@@ -200,10 +241,11 @@ def test_another_product_takes_a_bucket_from_the_c_gemm_only_when_faster_by_more
     times = {"c": (c_ms,) * len(ROW_BUCKETS), "onednn": (2.0,) * len(ROW_BUCKETS), "mkl": (9.0,) * len(ROW_BUCKETS)}
     assert gemm_timing._plan(times) == (want,) * len(ROW_BUCKETS)
     # without the C GEMM among the candidates, the fastest wins
-    assert gemm_timing._plan({"onednn": (2.0,) * 7, "mkl": (1.9,) * 7}) == ("mkl",) * 7
+    n = len(ROW_BUCKETS)
+    assert gemm_timing._plan({"onednn": (2.0,) * n, "mkl": (1.9,) * n}) == ("mkl",) * n
     # a bucket the C GEMM was not timed at (inf) is another product's, then filled as before
-    partial = {"c": (1.0,) * 5 + (math.inf,) * 2, "onednn": (2.0,) * 5 + (math.inf,) * 2}
-    assert gemm_timing._plan(partial) == ("c",) * 7
+    partial = {"c": (1.0,) * (n - 2) + (math.inf,) * 2, "onednn": (2.0,) * (n - 2) + (math.inf,) * 2}
+    assert gemm_timing._plan(partial) == ("c",) * n
 
 
 @needs_onednn
@@ -315,9 +357,13 @@ def test_the_fastest_tile_product_keeps_a_bucket_unless_another_is_faster_by_mor
     """The C GEMM and the AMX product both run on the tile-packed copy (and in the one-call path): the faster
     of the two is the tile product of a bucket, and oneDNN must beat it by more than C_MARGIN to take it."""
     n = len(ROW_BUCKETS)
-    times = {"c": (1.0, 1.0, 3.0, 6.0, 9.0, 9.0, 9.0), "amx": (1.2, 1.1, 2.0, 2.0, 2.0, 2.05, 2.0),
-             "onednn": (2.0,) * 5 + (1.6, 1.98)}
-    assert gemm_timing._plan(times) == ("c", "c", "amx", "amx", "amx", "onednn", "amx")
+    by_rows = {"c": (1.0, 1.0, 3.0, 6.0, 9.0, 9.0, 9.0), "amx": (1.2, 1.1, 2.0, 2.0, 2.0, 2.05, 2.0),
+               "onednn": (2.0,) * 5 + (1.6, 1.98)}    # at 1, 4, 16, 32, 128, 512, 2,048 rows; the others not timed
+    timed = [b for b, rows in enumerate(ROW_BUCKETS) if rows not in gemm_timing.REFINED_ROWS]
+    times = {p: tuple(t[timed.index(b)] if b in timed else math.inf for b in range(n)) for p, t in by_rows.items()}
+    want = dict(zip((1, 4, 16, 32, 128, 512, 2048), ("c", "c", "amx", "amx", "amx", "onednn", "amx")))
+    want.update({64: "amx", 256: "amx", 1024: "onednn"})    # an untimed bucket takes the one below's decision
+    assert gemm_timing._plan(times) == tuple(want[rows] for rows in ROW_BUCKETS)
     assert gemm_timing._plan({"amx": (1.0,) * n, "onednn": (0.5,) * n}) == ("onednn",) * n
     # a close call is one between the best tile product and the best other product, whichever tile product
     assert gemm_timing._is_close({"c": 9.0, "amx": 2.0, "onednn": 1.9})

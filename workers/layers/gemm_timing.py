@@ -35,6 +35,15 @@ How it is timed (``plan_table``):
   ``cpu_amx.silu_mul_linear``, which never write the [rows, 2 * inter] product), the others as their product
   then ``kernels.silu_and_mul``, since that is what each costs the layer. Its plan is its own (key
   ``(out, in, "silu")``, "+silu" in the log), apart from any plain weight of that shape.
+- Between two timed prefill buckets the product that wins can change: a crossover. ``REFINED_ROWS`` (64, 256,
+  1,024: the geometric midpoints of 32 / 128 / 512 / 2,048) are buckets of their own, timed (like a prefill
+  bucket, close calls again) for the shapes whose buckets either side chose different products, and
+  elsewhere given the decision both sides share. Without them a call of 64 or 1,024 rows took a neighbour's
+  decision across a crossover: on the 2-core Intel Xeon with AMX (2026-12-01, ``benchmarks.cpu_gemm``),
+  576x1536 at 1,024 rows ran oneDNN (the 2,048-row winner) at 1.23x the AMX product's time, 960x576 at
+  1.19x, and fp32 gate/up + SiLU at 64 rows oneDNN (the 128-row winner) at 1.39x the C GEMM's: three of the
+  four misses of more than 10% in those runs. Where no crossover exists (the C GEMM everywhere on the AMD
+  EPYC), they cost no time.
 - The decisions (and the times behind them) are cached on disk (``kernels.cpu_choice.ChoiceCache``), per
   dtype, shape, thread count and row limit, so a restart on the same CPU, torch and kernels times nothing.
 
@@ -68,6 +77,7 @@ REPEATS = 3
 C_MARGIN = 1.05     # a tile product keeps a bucket unless another product is faster by more than this (module doc)
 CLOSE = 1.15        # a prefill bucket where the best tile product and the best other are within this factor ...
 CLOSE_ROUNDS = 2 * REPEATS + 1   # ... gets this many more rounds, after every bucket (module doc)
+REFINED_ROWS = (64, 256, 1024)   # buckets timed for a shape only where the buckets either side disagree (module doc)
 SILU = "silu"
 Shape = tuple   # a weight's (out, in), or (out, in, SILU) for a gate/up projection timed with its activation
 
@@ -195,8 +205,8 @@ def _is_close(times: dict[str, float]) -> bool:
 def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats: int = REPEATS,
                   timer: Callable[[], float] = time.perf_counter) -> dict[Shape, dict[str, tuple[float, ...]]]:
     """Median ms per call of every product that can run each shape of ``modules`` (in model order), per
-    bucket (inf above the shape's cap in ``row_caps``); close prefill calls get ``CLOSE_ROUNDS`` more rounds,
-    after every bucket (module doc)."""
+    bucket (inf above the shape's cap in ``row_caps``, and at a ``REFINED_ROWS`` bucket whose neighbours agree);
+    close prefill calls get ``CLOSE_ROUNDS`` more rounds, after every bucket (module doc)."""
     groups = _groups(modules)
     cold, hot = _passes(modules)
     products = {shape: candidates(ms[0].weight) for shape, ms in groups.items()}
@@ -231,14 +241,28 @@ def time_products(modules: list[nn.Module], row_caps: dict[Shape, int], repeats:
     def medians(shape: Shape, b: int) -> dict[str, float]:
         return {p: statistics.median(samples[(shape, p, b)]) for p in products[shape] if samples[(shape, p, b)]}
 
-    for b, rows in enumerate(ROW_BUCKETS):
+    def times_of(shape: Shape) -> dict[str, tuple[float, ...]]:
+        return {p: tuple(medians(shape, b).get(p, math.inf) for b in range(len(ROW_BUCKETS))) for p in products[shape]}
+
+    def retime_close(buckets: list[int]) -> None:
+        for b in buckets:
+            close = [m for m in hot if ROW_BUCKETS[b] > COLD_ROWS and _is_close(medians(plan_key(m), b))]
+            if close:
+                time_rounds(b, close, CLOSE_ROUNDS, False)
+
+    base = [b for b, rows in enumerate(ROW_BUCKETS) if rows not in REFINED_ROWS]
+    for b in base:
+        rows = ROW_BUCKETS[b]
         time_rounds(b, cold if rows <= COLD_ROWS else hot, repeats if rows <= COLD_ROWS else 2 * repeats + 1, True)
-    for b, rows in enumerate(ROW_BUCKETS):
-        close = [m for m in hot if rows > COLD_ROWS and _is_close(medians(plan_key(m), b))]
-        if close:
-            time_rounds(b, close, CLOSE_ROUNDS, False)
-    return {shape: {p: tuple(medians(shape, b).get(p, math.inf) for b in range(len(ROW_BUCKETS)))
-                    for p in products[shape]} for shape in groups}
+    retime_close(base)
+    refined = [b for b, rows in enumerate(ROW_BUCKETS) if rows in REFINED_ROWS]
+    plans = {shape: _plan(times_of(shape)) for shape in groups}
+    for b in refined:      # a bucket between two timed ones: timed for the shapes whose two neighbours disagree
+        split = [m for m in hot if plans[plan_key(m)][b - 1] != plans[plan_key(m)][b + 1]]
+        if split:
+            time_rounds(b, split, 2 * repeats + 1, True)
+    retime_close(refined)
+    return {shape: times_of(shape) for shape in groups}
 
 
 def _plan(times: dict[str, tuple[float, ...]]) -> tuple[str, ...]:
