@@ -15,7 +15,7 @@ from pagedray.workers.layers import packed_gemm
 F32, BF16 = torch.float32, torch.bfloat16
 needs_gemm = pytest.mark.skipif(not cpu_gemm.available(F32), reason="this CPU or compiler has no AVX-512")
 needs_bf16 = pytest.mark.skipif(not cpu_gemm.available(BF16), reason="this CPU or compiler has no AVX512-BF16")
-DTYPES = [pytest.param(F32, id="f32"), pytest.param(BF16, id="bf16", marks=needs_bf16)]
+DTYPES = [pytest.param(F32, id="f32", marks=needs_gemm), pytest.param(BF16, id="bf16", marks=needs_bf16)]
 
 
 def _assert_product(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

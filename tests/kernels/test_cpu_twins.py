@@ -140,8 +140,10 @@ def test_prefill_values_do_not_depend_on_the_rows_length(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rows", ROW_BUCKETS)
 def test_both_twins_agree_at_every_timed_row_count(dtype, rows):
-    """What the timing may pick at each bucket gives the same values: bf16 bit for bit (SiLU: within an ulp of
-    its rounding), fp32 within the last bits (the C sum of squares and exp differ in order / polynomial)."""
+    """What the timing may pick at each bucket gives the same values: fp32 within the last bits (the C sum of
+    squares and exp differ in order / polynomial from torch's, whose reduction order follows the CPU's vector
+    width); bf16 within one bf16 ulp, the rounding of those float32 values (an element whose float32 value lies
+    at a rounding boundary can round either way: 1 of 16,384 at 256 rows on an AVX2 AMD EPYC)."""
     gen = torch.Generator().manual_seed(rows)
     x, residual = (torch.randn(rows, 64, generator=gen).to(dtype) for _ in range(2))
     weight = torch.randn(64, generator=gen).to(dtype)
@@ -151,8 +153,9 @@ def test_both_twins_agree_at_every_timed_row_count(dtype, rows):
     pairs = [(cpu_fused.rms_norm_cpu(x, weight, 1e-6, residual)[0], rms_norm_reference(x, weight, 1e-6, residual)[0]),
              (cpu_fused.apply_rotary_cpu(heads, cos, sin), apply_rotary_reference(heads, cos, sin))]
     for got, expected in pairs:
-        if dtype == torch.bfloat16:
-            assert torch.equal(got, expected)
+        if dtype == torch.bfloat16:   # one ulp of a bf16 value v is at most 2^-7 |v|
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=0)
+            assert (got != expected).float().mean() < 1e-3      # and that only where the rounding is a tie-break
         else:
             torch.testing.assert_close(got, expected, rtol=2 ** -20, atol=0)
     rtol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -20
