@@ -189,6 +189,10 @@ def test_a_bucket_between_two_that_chose_differently_is_timed_and_one_between_tw
     times = gemm_timing.time_products([model.layers[0][0], model.layers[0][1]], {(48, 32): 2048, (32, 64): 2048},
                                       timer=clock.timer)
     assert set(gemm_timing.REFINED_ROWS) == {64, 256, 1024} and set(gemm_timing.REFINED_ROWS) < set(ROW_BUCKETS)
+    # time_products compares a refined bucket's two neighbours: both must be timed buckets (never refined, never
+    # past the ends)
+    refined = [b for b, rows in enumerate(ROW_BUCKETS) if rows in gemm_timing.REFINED_ROWS]
+    assert all(0 < b < len(ROW_BUCKETS) - 1 and {b - 1, b + 1}.isdisjoint(refined) for b in refined)
     assert seen[(256, (48, 32))] == 2 * gemm_timing.REPEATS + 2              # a warm-up and a prefill bucket's rounds
     assert not {key for key in seen if key[0] in (64, 1024) or (key[0] == 256 and key[1] == (32, 64))}
     at = {rows: b for b, rows in enumerate(ROW_BUCKETS)}

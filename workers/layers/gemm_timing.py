@@ -77,7 +77,9 @@ REPEATS = 3
 C_MARGIN = 1.05     # a tile product keeps a bucket unless another product is faster by more than this (module doc)
 CLOSE = 1.15        # a prefill bucket where the best tile product and the best other are within this factor ...
 CLOSE_ROUNDS = 2 * REPEATS + 1   # ... gets this many more rounds, after every bucket (module doc)
-REFINED_ROWS = (64, 256, 1024)   # buckets timed for a shape only where the buckets either side disagree (module doc)
+# buckets timed for a shape only where the buckets either side disagree (module doc); each must sit between two
+# buckets that are always timed (time_products compares a refined bucket's two neighbours)
+REFINED_ROWS = (64, 256, 1024)
 SILU = "silu"
 Shape = tuple   # a weight's (out, in), or (out, in, SILU) for a gate/up projection timed with its activation
 
