@@ -61,8 +61,16 @@ def use(libraries: dict[str, ctypes.CDLL]) -> None:
         module._library = lambda library=libraries[name]: library
 
 
-def build_cases(dry_run: bool) -> dict:
-    """Case name -> a call of one wrapper on fixed random inputs."""
+def gemm_dtypes(systems: list[dict[str, ctypes.CDLL]]) -> tuple[torch.dtype, ...]:
+    """The dtypes whose GEMM every system's library runs on this CPU (an older source may build none: before
+    2026-12-02 the float32 GEMM needed AVX-512)."""
+    return tuple(dtype for dtype in (torch.bfloat16, torch.float32)
+                 if all(lib["cpu_gemm"].gemm_supported(cpu_build.DTYPE_CODES[dtype]) for lib in systems))
+
+
+def build_cases(dry_run: bool, gemm: tuple[torch.dtype, ...] | None = None) -> dict:
+    """Case name -> a call of one wrapper on fixed random inputs; GEMM cases in the dtypes ``gemm`` names
+    (default: those this checkout's GEMM runs here)."""
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape, dtype):
@@ -72,7 +80,7 @@ def build_cases(dry_run: bool) -> dict:
     rows_gemm, rows_small = ((1, 16), (1, 16)) if dry_run else ((1, 16, 128, 512), (1, 16, 512))
     shapes = ((576, 576), (1536, 576)) if dry_run else ((576, 576), (1536, 576), (576, 1536), (49152, 576))
     for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
-        if cpu_gemm.available(dtype):
+        if (cpu_gemm.available(dtype) if gemm is None else dtype in gemm):
             for n, k in shapes:
                 packed = cpu_gemm.pack(rand(n, k, dtype=dtype))
                 for m in (rows_gemm[:2] if n == 49152 else rows_gemm):
@@ -136,12 +144,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not all(module._library() is not None for module in MODULES.values()):
         raise SystemExit("c_kernels_ref: the C kernels are unavailable here (no compiler, or PAGEDRAY_CPU_KERNELS=0)")
-    cases = build_cases(args.dry_run)
     budget = 0.002 if args.dry_run else 0.05
     originals = {name: module._library for name, module in MODULES.items()}
     with ref_import_root(args.ref) as root:
         libraries = {THIS: load_libraries(pathlib.Path(__file__).resolve().parents[1]),
                      args.ref: load_libraries(root / "pagedray")}
+        both = gemm_dtypes(list(libraries.values()))
+        for dtype in {torch.bfloat16, torch.float32} - set(both):
+            if cpu_gemm.available(dtype):
+                print(f"the GEMM in {dtype}: {args.ref}'s source has none for this CPU, not timed")
+        cases = build_cases(args.dry_run, both)
 
         def measure(system: str, round_index: int) -> dict:
             use(libraries[system])

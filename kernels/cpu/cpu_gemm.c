@@ -1,9 +1,9 @@
 /* GEMM for the CPU linear layers: y [m, n] = x [m, k] @ W [n, k]^T (+ bias), float32 or bfloat16,
  * float32 sums.
  *
- * Built where the compiler targets AVX-512 (-march=native on such a CPU): float32 needs AVX512F,
- * bfloat16 AVX512-BF16. gemm_supported(dtype) says which; elsewhere the library has only that function,
- * which answers 0, and the layers keep oneDNN's packed product.
+ * Built where the compiler targets AVX-512 or AVX2 with FMA (-march=native on such a CPU): float32 needs
+ * AVX512F or AVX2 + FMA, bfloat16 AVX512-BF16. gemm_supported(dtype) says which; elsewhere the library has
+ * only that function, which answers 0, and the layers keep oneDNN's packed product.
  *
  * Weight layout, written once at load by pack_weight ("tile-packed"): 64 bytes per step of k:
  *   float32:  P [ceil(n / 16)][k][16]          tile t holds output columns 16t .. 16t+15;
@@ -28,6 +28,12 @@
  * Sums are float32 in k order (bfloat16: the two products of a pair added inside vdpbf16ps); bfloat16
  * outputs are rounded once at the end, nearest even, as torch rounds (cpu_vec.h: store16_first).
  *
+ * On AVX2 (16 ymm registers, a tile's 16 sums of one row take two) the same loops run with smaller blocks:
+ * at most ONE_TILE_ROWS = 6 rows over one tile (12 sums, 2 weight halves, 1 broadcast), more rows in blocks
+ * of 6 over the same tile (its weights from memory once, then from cache), read in place (no packing below
+ * PACKED_FROM rows), and a gate/up pair as its gate tile, then its up tile (gate_up_pair). The sums are the
+ * same float32 sums in the same k order, so both widths give the same bits.
+ *
  * gemm_silu_mul: the merged gate/up projection and the SiLU * up after it in one pass (a tile pair = 16 gate
  * and the same 16 up columns), the bits of gemm then cpu_fused.c's silu_mul_rows; it never writes the
  * [m, 2 * inter] product (2-core EPYC, bf16, 1,100 rows: 0.96x the time of the two calls, 10 ms of a
@@ -38,13 +44,22 @@
 
 #include "cpu_vec.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <omp.h>
 
-#define TILE 16                 /* output columns per tile: one zmm of float32 sums */
+#define TILE 16                 /* output columns per tile: one zmm (two ymm) of float32 sums */
 #define STEP_BYTES 64           /* one tile's weights for one step of k */
 #define PREFETCH_STEPS 64       /* prefetch distance: 64 steps * 64 bytes = 4 KB ahead */
-#define BLOCK_ROWS 12           /* rows per block when m > 16 (12 rows x 2 tiles = 24 accumulators) */
+#define BLOCK_ROWS 12           /* AVX-512, m > ONE_TILE_ROWS: rows per block over 2 tiles (24 accumulators) */
+#ifdef __AVX512F__
+#define ONE_TILE_ROWS 16        /* rows up to this share one pass over one tile (16 zmm sums) */
+#define PAIR_ROWS BLOCK_ROWS    /* rows per block of a gate/up pair */
+#define TILE_PAIRS 1            /* m > ONE_TILE_ROWS: blocks of BLOCK_ROWS rows over a tile pair */
+#else
+#define ONE_TILE_ROWS 6         /* 12 ymm sums + 2 weight halves + 1 broadcast of 16 registers */
+#define PAIR_ROWS ONE_TILE_ROWS /* gate_up_pair: the gate tile, then the up tile */
+#define TILE_PAIRS 0            /* m > ONE_TILE_ROWS: blocks of ONE_TILE_ROWS rows over one tile */
+#endif
 
 #ifdef __AVX512BF16__
 #define HAS_BF16 1
@@ -75,22 +90,49 @@ void pack_weight(const void *w, int64_t n, int64_t k, void *p, int dtype, int th
                 }
 }
 
-/* acc += one step of k: x's 4 bytes (a float32, or a bfloat16 pair) times the tile's 64 bytes w (vdpbf16ps:
- * the instruction this kernel exists for, so it is named here) */
-static inline v16f madd(v16f acc, uint32_t x, v16i w, int dtype) {
+/* The loop's registers: a tile's 16 float32 sums of one row are PARTS registers of vsum, its 64 bytes of weights
+ * for one step of k PARTS registers of vstep. The sums are named by register type, not as a 16-float vector:
+ * GCC keeps a v16f that has no register of its own (AVX2) in memory, and a 6-row block ran ~40x slower so. */
+#ifdef __AVX512F__
+typedef v16f vsum;
+typedef v16i vstep;
+#else
+typedef v8f vsum;
+typedef v8i vstep;
+#endif
+#define PARTS (TILE * 4 / (int)sizeof(vsum))    /* 1 (AVX-512) or 2 (AVX2) */
+
+/* acc += one step of k: x's 4 bytes (a float32, or a bfloat16 pair) times one register of the tile's weights w
+ * (vdpbf16ps: the instruction this kernel exists for, so it is named here) */
+static inline vsum madd(vsum acc, uint32_t x, vstep w, int dtype) {
 #if HAS_BF16
     if (dtype == DTYPE_BF16)
-        return (v16f)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)x), (__m512bh)w);
+        return (vsum)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)x), (__m512bh)w);
 #endif
+    (void)dtype;
     union { uint32_t u; float f; } v = {.u = x};
+#ifdef __AVX512F__
     return fma16(splat16(v.f), (v16f)w, acc);
+#else
+    return fma8(splat8(v.f), (v8f)w, acc);
+#endif
 }
 
-/* the tile's 64 bytes for one step of k */
-static inline v16i load_step(const char *src) {
-    v16i w;
+/* one register of weights at src */
+static inline vstep load_step(const char *src) {
+    vstep w;
     memcpy(&w, src, sizeof w);
     return w;
+}
+
+/* a tile's 16 sums of one row from its PARTS registers (first, last) */
+static inline v16f tile_sums(vsum first, vsum last) {
+#ifdef __AVX512F__
+    (void)last;
+    return first;
+#else
+    return __builtin_shufflevector(first, last, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
 }
 
 /* x's rows, 4-byte steps (row stride xs steps) -> xp [steps][rows]: each step's values of every row side by
@@ -121,27 +163,26 @@ static inline __attribute__((always_inline)) void block(
     const int64_t row_stride = packed ? 1 : xs, step_stride = packed ? rows : 1;
     const uint32_t *b0 = x, *b1 = x + 3 * xs, *b2 = x + 6 * xs, *b3 = x + 9 * xs;   /* triplets: rows 3i, 3i+1, 3i+2 */
     const int64_t s1 = xs, s2 = 2 * xs;
-    v16f acc[16][2];
+    const int regs = tiles * PARTS;               /* registers of sums per row: tile 0's parts, then tile 1's */
+    vsum acc[16][2 * PARTS];
     #pragma GCC unroll 16
     for (int i = 0; i < rows; i++)
-        #pragma GCC unroll 2
-        for (int t = 0; t < tiles; t++) acc[i][t] = splat16(0.0f);
+        #pragma GCC unroll 4
+        for (int c = 0; c < regs; c++) acc[i][c] = (vsum){0};
     for (int64_t j = 0; j < steps; j++) {
-        const v16i w0 = load_step(pt + j * STEP_BYTES);
+        vstep w[2 * PARTS];
+        #pragma GCC unroll 4
+        for (int c = 0; c < regs; c++)
+            w[c] = load_step((c < PARTS ? pt : pt1) + j * STEP_BYTES + (c % PARTS) * (int)sizeof(vstep));
         __builtin_prefetch(pt + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
-        v16i w1 = w0;
-        if (tiles == 2) {
-            w1 = load_step(pt1 + j * STEP_BYTES);
-            __builtin_prefetch(pt1 + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
-        }
+        if (tiles == 2) __builtin_prefetch(pt1 + (j + PREFETCH_STEPS) * STEP_BYTES, 0, 3);
         if (triplets) {
             const uint32_t a[12] = {b0[0], b0[s1], b0[s2], b1[0], b1[s1], b1[s2],
                                     b2[0], b2[s1], b2[s2], b3[0], b3[s1], b3[s2]};
             #pragma GCC unroll 12
-            for (int i = 0; i < 12; i++) {
-                acc[i][0] = madd(acc[i][0], a[i], w0, dtype);
-                if (tiles == 2) acc[i][1] = madd(acc[i][1], a[i], w1, dtype);
-            }
+            for (int i = 0; i < 12; i++)
+                #pragma GCC unroll 4
+                for (int c = 0; c < regs; c++) acc[i][c] = madd(acc[i][c], a[i], w[c], dtype);
             b0++, b1++, b2++, b3++;
             continue;
         }
@@ -149,16 +190,17 @@ static inline __attribute__((always_inline)) void block(
         #pragma GCC unroll 16
         for (int i = 0; i < rows; i++) {
             const uint32_t a = xj[i * row_stride];
-            acc[i][0] = madd(acc[i][0], a, w0, dtype);
-            if (tiles == 2) acc[i][1] = madd(acc[i][1], a, w1, dtype);
+            #pragma GCC unroll 4
+            for (int c = 0; c < regs; c++) acc[i][c] = madd(acc[i][c], a, w[c], dtype);
         }
     }
     if (fuse) {
         const v16f bg = bias ? load16(bias, dtype) : splat16(0.0f), bu = bias1 ? load16(bias1, dtype) : splat16(0.0f);
         #pragma GCC unroll 16
-        for (int i = 0; i < rows; i++)
-            store16(y + i * ys * size, silu_mul16(round16(acc[i][0] + bg, dtype), round16(acc[i][1] + bu, dtype), dtype),
-                    dtype);
+        for (int i = 0; i < rows; i++) {
+            const v16f gate = tile_sums(acc[i][0], acc[i][PARTS - 1]), up = tile_sums(acc[i][PARTS], acc[i][regs - 1]);
+            store16(y + i * ys * size, silu_mul16(round16(gate + bg, dtype), round16(up + bu, dtype), dtype), dtype);
+        }
         return;
     }
     #pragma GCC unroll 2
@@ -167,48 +209,74 @@ static inline __attribute__((always_inline)) void block(
         const char *bt = t ? bias1 : bias;
         const v16f b = bt ? load16_first(bt, left, dtype) : splat16(0.0f);
         #pragma GCC unroll 16
-        for (int i = 0; i < rows; i++) store16_first(y + (i * ys + TILE * t) * size, left, acc[i][t] + b, dtype);
+        for (int i = 0; i < rows; i++)
+            store16_first(y + (i * ys + TILE * t) * size, left,
+                          tile_sums(acc[i][t * PARTS], acc[i][t * PARTS + PARTS - 1]) + b, dtype);
     }
 }
 
 /* an instance of block per row count, packing (1 only from PACKED_FROM rows) and dtype: all constants in it */
 #define ROWS_BLOCK(R, P) \
-    if (dtype == DTYPE_BF16) block(x, xs, P, R, 1, steps, pt, pt, bias, bias, y, ys, columns, 0, DTYPE_BF16); \
+    if (HAS_BF16 && dtype == DTYPE_BF16) \
+        block(x, xs, P, R, 1, steps, pt, pt, bias, bias, y, ys, columns, 0, DTYPE_BF16); \
     else block(x, xs, P, R, 1, steps, pt, pt, bias, bias, y, ys, columns, 0, DTYPE_F32);
 #define ROWS_CASE(R) case R: \
     if (R >= PACKED_FROM && packed) { ROWS_BLOCK(R, 1) } else { ROWS_BLOCK(R, 0) } \
     break;
-/* rows (1..16) x one tile, the row count and dtype constants in each instance (x as block takes it) */
+/* rows (1..ONE_TILE_ROWS) x one tile, the row count and dtype constants in each instance (x as block takes it) */
 static void one_tile(const uint32_t *x, int64_t xs, int packed, int rows, int64_t steps, const char *pt,
                      const char *bias, char *y, int64_t ys, int64_t columns, int dtype) {
     switch (rows) {
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
-        ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12) ROWS_CASE(13) ROWS_CASE(14)
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
+#if ONE_TILE_ROWS > 6
+        ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12) ROWS_CASE(13) ROWS_CASE(14)
         ROWS_CASE(15) ROWS_CASE(16)
+#endif
     }
 }
 
-/* BLOCK_ROWS rows read in place (row stride xs) x two tiles */
+/* BLOCK_ROWS rows read in place (row stride xs) x two tiles (TILE_PAIRS only) */
 static void two_tiles(const uint32_t *x, int64_t xs, int64_t steps, const char *pt, const char *bias,
                       char *y, int64_t ys, int64_t columns, int dtype) {
     const char *pt1 = pt + steps * STEP_BYTES, *bias1 = bias ? bias + TILE * dtype_size(dtype) : NULL;
+#if TILE_PAIRS
     if (dtype == DTYPE_BF16) block(x, xs, 0, BLOCK_ROWS, 2, steps, pt, pt1, bias, bias1, y, ys, columns, 0, DTYPE_BF16);
     else block(x, xs, 0, BLOCK_ROWS, 2, steps, pt, pt1, bias, bias1, y, ys, columns, 0, DTYPE_F32);
+#else
+    (void)x, (void)xs, (void)steps, (void)pt, (void)pt1, (void)bias, (void)bias1, (void)y, (void)ys, (void)columns,
+        (void)dtype;
+#endif
 }
 
+#if TILE_PAIRS
 #define PAIR_BLOCK(R, P) \
-    if (dtype == DTYPE_BF16) block(x, xs, P, R, 2, steps, pg, pu, bg, bu, y, ys, TILE, 1, DTYPE_BF16); \
+    if (HAS_BF16 && dtype == DTYPE_BF16) block(x, xs, P, R, 2, steps, pg, pu, bg, bu, y, ys, TILE, 1, DTYPE_BF16); \
     else block(x, xs, P, R, 2, steps, pg, pu, bg, bu, y, ys, TILE, 1, DTYPE_F32);
 #define PAIR_CASE(R) case R: \
     if (R >= PACKED_FROM && packed) { PAIR_BLOCK(R, 1) } else { PAIR_BLOCK(R, 0) } \
     break;
-/* rows (1..BLOCK_ROWS) x 16 outputs silu(gate) * up from gate tile pg and up tile pu (x as block takes it) */
+#endif
+/* rows (1..PAIR_ROWS) x 16 outputs silu(gate) * up from gate tile pg and up tile pu (x as block takes it).
+ * AVX2: a pair's 4 registers of sums per row leave room for 3 rows, and GCC then spilled sums to the stack
+ * (1.5x the time of oneDNN + SiLU at 128 rows; 2-row blocks 1.7x); so the gate tile, then the up tile, each as
+ * one_tile's block of up to 6 rows, their float32 sums (bias added) kept here, then SiLU * up: the same bits
+ * (float32 only there, so round16 is the identity). */
 static void gate_up_pair(const uint32_t *x, int64_t xs, int packed, int rows, int64_t steps, const char *pg,
                          const char *pu, const char *bg, const char *bu, char *y, int64_t ys, int dtype) {
+#if TILE_PAIRS
     switch (rows) {
-        PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4) PAIR_CASE(5) PAIR_CASE(6) PAIR_CASE(7)
-        PAIR_CASE(8) PAIR_CASE(9) PAIR_CASE(10) PAIR_CASE(11) PAIR_CASE(12)
+        PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4) PAIR_CASE(5) PAIR_CASE(6) PAIR_CASE(7) PAIR_CASE(8)
+        PAIR_CASE(9) PAIR_CASE(10) PAIR_CASE(11) PAIR_CASE(12)
     }
+#else
+    (void)dtype;
+    float gate[PAIR_ROWS * TILE], up[PAIR_ROWS * TILE];        /* [rows][16] */
+    one_tile(x, xs, packed, rows, steps, pg, bg, (char *)gate, TILE, TILE, DTYPE_F32);
+    one_tile(x, xs, packed, rows, steps, pu, bu, (char *)up, TILE, TILE, DTYPE_F32);
+    for (int i = 0; i < rows; i++)
+        store16(y + i * ys * 4, silu_mul16(load16((const char *)(gate + i * TILE), DTYPE_F32),
+                                           load16((const char *)(up + i * TILE), DTYPE_F32), DTYPE_F32), DTYPE_F32);
+#endif
 }
 
 #define PACK_STEPS 64           /* steps of k per packing task */
@@ -254,8 +322,9 @@ static void rows_in_place(const uint32_t *x32, int64_t xs, int64_t m, int64_t st
 
 /* x [m, k] of dtype (row stride x_stride elements; bfloat16: k even); p tile-packed W [n, k]; bias [n]
  * or NULL; y [m, n] (row stride y_stride). x rows are read 4 bytes at a time (a float32, a bf16 pair), in
- * blocks (m <= 16: one block of m rows; else blocks of BLOCK_ROWS, the last one shorter, all read in place);
- * a block of PACKED_FROM..16 rows (m <= 16) is first packed by pack_rows, into the calling thread's buffer.
+ * blocks (m <= ONE_TILE_ROWS: one block of m rows; else blocks of BLOCK_ROWS over a tile pair, AVX2: of
+ * ONE_TILE_ROWS over one tile, the last one shorter, all read in place); a block of PACKED_FROM..16 rows
+ * (AVX-512, m <= 16) is first packed by pack_rows, into the calling thread's buffer.
  * Where that buffer cannot be allocated, the rows go in place, PACKED_FROM - 1 at a time (the same sums,
  * slower). */
 void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, int64_t n, const void *bias,
@@ -266,7 +335,7 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
     const uint32_t *x32 = (const uint32_t *)x;
     const char *pc = (const char *)p, *bc = (const char *)bias;
     char *yc = (char *)y;
-    const int packs = m >= PACKED_FROM && m <= 16;       /* one block of 8-16 rows; larger m reads in place */
+    const int packs = m >= PACKED_FROM && m <= ONE_TILE_ROWS;   /* one block of 8-16 rows; more: in place */
     uint32_t *xp = packs ? packed_x_buffer((size_t)m * (size_t)steps * 4) : NULL;   /* [steps][m] */
     if (packs && !xp) {
         for (int64_t r = 0; r < m; r += PACKED_FROM - 1)
@@ -274,21 +343,23 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
                           yc + r * y_stride * size, y_stride, dtype, threads);
         return;
     }
-    const int64_t block_rows = m <= 16 ? m : BLOCK_ROWS;
+    const int pairs = m > ONE_TILE_ROWS && TILE_PAIRS;          /* blocks over tile pairs */
+    const int64_t block_rows = m <= ONE_TILE_ROWS ? m : pairs ? BLOCK_ROWS : ONE_TILE_ROWS;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         if (xp) pack_blocks(x32, xs, m, steps, block_rows, xp);
-        /* nowait: the parallel region's end is the one barrier after the products. m <= 16: one block, a tile
-         * per task; else a pair of tiles per task, its weights loaded from memory once for every row block */
+        /* nowait: the parallel region's end is the one barrier after the products. A tile per task (m <=
+         * ONE_TILE_ROWS: one block; AVX2: every block of 6 rows), or a pair of tiles per task, its weights
+         * loaded from memory once for every row block */
         #pragma omp for schedule(static) nowait
-        for (int64_t q = 0; q < (m <= 16 ? tiles : (tiles + 1) / 2); q++) {
-            const int64_t t = m <= 16 ? q : 2 * q, last = m <= 16 ? t + 1 : t + 2;
+        for (int64_t q = 0; q < (pairs ? (tiles + 1) / 2 : tiles); q++) {
+            const int64_t t = pairs ? 2 * q : q, last = pairs ? t + 2 : t + 1;
             for (int64_t r = 0; r < m; r += block_rows) {
                 const int64_t rows = m - r < block_rows ? m - r : block_rows;
                 const int packed = xp != NULL && rows >= PACKED_FROM;
                 const uint32_t *xr = packed ? xp + r * steps : x32 + r * xs;
                 char *yr = yc + r * y_stride * size;
-                if (last == t + 2 && t + 1 < tiles && rows == BLOCK_ROWS) {      /* m > 16: in place */
+                if (last == t + 2 && t + 1 < tiles && rows == BLOCK_ROWS) {      /* pairs: in place */
                     two_tiles(xr, xs, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
                               yr + t * TILE * size, y_stride, n - t * TILE, dtype);
                     continue;
@@ -305,9 +376,10 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
  * the up rows; inter a multiple of 16), bias [2 * inter] or NULL; y [m, inter] (row stride y_stride) =
  * silu(x @ Wg^T + bg) * (x @ Wu^T + bu), each sum rounded to dtype first: the bits of gemm followed by
  * cpu_fused.c's silu_mul_rows, without the [m, 2 * inter] product between them. A task is one pair (gate
- * tile q, up tile q) over every block of BLOCK_ROWS rows, so the pair's weights come from memory once;
- * rows are read as in gemm (a block of 8-16 rows packed, or in place PACKED_FROM - 1 at a time where the
- * buffer cannot be allocated; the 12-row blocks of m > 16 in place). */
+ * tile q, up tile q) over every block of PAIR_ROWS rows, so the pair's weights come from memory once;
+ * rows are read as in gemm (AVX-512: a block of 8-16 rows packed, or in place PACKED_FROM - 1 at a time where
+ * the buffer cannot be allocated; the 12-row blocks of m > 16 in place; AVX2: blocks of 6 rows in place,
+ * gate tile then up tile). */
 void gemm_silu_mul(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, int64_t inter,
                    const void *bias, void *y, int64_t y_stride, int dtype, int threads) {
     const int size = dtype == DTYPE_BF16 ? 2 : 4;
@@ -316,9 +388,9 @@ void gemm_silu_mul(const void *x, int64_t x_stride, int64_t m, int64_t k, const 
     const uint32_t *x32 = (const uint32_t *)x;
     const char *pc = (const char *)p, *bc = (const char *)bias;
     char *yc = (char *)y;
-    const int packs = m >= PACKED_FROM && m <= 16;
+    const int packs = m >= PACKED_FROM && m <= ONE_TILE_ROWS;
     uint32_t *xp = packs ? packed_x_buffer((size_t)m * (size_t)steps * 4) : NULL;   /* [steps][m] */
-    const int64_t block_rows = xp || m > 16 ? BLOCK_ROWS : PACKED_FROM - 1;
+    const int64_t block_rows = !TILE_PAIRS ? PAIR_ROWS : xp || m > 16 ? BLOCK_ROWS : PACKED_FROM - 1;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         if (xp) pack_blocks(x32, xs, m, steps, block_rows, xp);

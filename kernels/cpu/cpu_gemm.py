@@ -1,10 +1,13 @@
-"""The CPU linear layers in C (``cpu_gemm.c``) on AVX-512 CPUs: y = x @ W^T (+ bias), float32 or bfloat16.
+"""The CPU linear layers in C (``cpu_gemm.c``): y = x @ W^T (+ bias), float32 (AVX-512, or AVX2 with FMA) or
+bfloat16 (AVX512-BF16).
 
 A decode step's linear layers stream every weight once per step; oneDNN's packed bf16 product read
 them at ~27 GB/s on a 2-core EPYC, this loop at ~40 GB/s (its weights tile-packed once at load,
-``pack``, the layout ``cpu_gemm.c`` describes). Sums are float32; bfloat16 outputs are rounded once.
+``pack``, the layout ``cpu_gemm.c`` describes). Sums are float32; bfloat16 outputs are rounded once. The
+AVX2 build runs smaller blocks of rows and gives the same bits.
 
-``available(dtype)`` is False where the compiler does not target AVX-512 (bfloat16: AVX512-BF16), where
+``available(dtype)`` is False where the compiler targets neither AVX-512 nor AVX2 with FMA (bfloat16:
+AVX512-BF16), where
 the C build fails or with ``PAGEDRAY_CPU_KERNELS=0`` (``cpu_build``); the layers then keep oneDNN's
 packed weights (``workers/layers/packed_gemm.py`` chooses). Every argument is checked before the C
 call: a wrong one is a ValueError naming it.
@@ -55,7 +58,8 @@ def _library() -> ctypes.CDLL | None:
 
 @functools.lru_cache(maxsize=None)
 def available(dtype: torch.dtype) -> bool:
-    """True when the C GEMM is built for this CPU in ``dtype`` (float32: AVX512F; bfloat16: AVX512-BF16)."""
+    """True when the C GEMM is built for this CPU in ``dtype`` (float32: AVX512F or AVX2 + FMA; bfloat16:
+    AVX512-BF16)."""
     library = _library()
     return dtype in DTYPE_CODES and library is not None and bool(library.gemm_supported(DTYPE_CODES[dtype]))
 
@@ -71,7 +75,7 @@ def pack(weight: torch.Tensor) -> TilePackedWeight:
     """weight [out, in] float32 / bfloat16 on CPU -> its tile-packed copy."""
     if not packable(weight):
         raise ValueError(f"weight: tile packing needs a 2-D float32 or bfloat16 (even number of columns) CPU "
-                         f"tensor and a CPU with AVX-512 (bfloat16: AVX512-BF16), got {tuple(weight.shape)} "
+                         f"tensor and a CPU with AVX-512 or AVX2 (bfloat16: AVX512-BF16), got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
     out_features, in_features = weight.shape
     weight = weight.detach().contiguous()

@@ -3,9 +3,9 @@
 The C function calls the other CPU libraries' functions (``cpu_gemm`` or ``cpu_amx``, ``cpu_fused``, ``cpu_decode``)
 through pointers, with the arguments their Python wrappers pass, so its result is bit for bit the
 layer-by-layer path's; what it saves is the Python around them (~170 us a layer on the 2-core VM).
-``available(dtype)`` is False when any of the four libraries is missing (no compiler, no AVX-512 for
-the GEMM, ``PAGEDRAY_CPU_KERNELS=0``). The model-side glue (which models qualify, the per-step
-arguments) is ``workers/models/cpu_decode_layers.py``.
+``available(dtype)`` is False when any of the four libraries is missing (no compiler, neither AVX-512
+nor AVX2 + FMA for the GEMM, AVX512-BF16 for bfloat16, ``PAGEDRAY_CPU_KERNELS=0``). The model-side glue
+(which models qualify, the per-step arguments) is ``workers/models/cpu_decode_layers.py``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from pagedray.kernels.cpu import cpu_fused
+from pagedray.kernels.cpu import cpu_build, cpu_fused, cpu_gemm
 
 from benchmarks import c_kernels_ref, rounds
 from benchmarks.common import REPO, ref_import_root
@@ -57,9 +57,31 @@ def test_a_dry_run_reports_every_case_for_both_systems_and_their_ratio(monkeypat
     # a loaded machine: no waiting for the load to settle (the numbers of a dry run mean nothing)
     monkeypatch.setattr(c_kernels_ref, "run_rounds", functools.partial(rounds.run_rounds, sleep=lambda s: None))
     report = c_kernels_ref.main(["--dry-run", "--ref", "HEAD", "--out", str(tmp_path / "out.json")])
-    cases = c_kernels_ref.build_cases(dry_run=True)
+    with ref_import_root("HEAD") as root:
+        both = c_kernels_ref.gemm_dtypes([c_kernels_ref.load_libraries(REPO),
+                                          c_kernels_ref.load_libraries(root / "pagedray")])
+    cases = c_kernels_ref.build_cases(dry_run=True, gemm=both)
     assert any(name.startswith("decode") for name in cases) and any(name.startswith("silu") for name in cases)
     ratio = report["summary"]["ratios"]["this / HEAD"]
     assert set(ratio) == set(cases) and all(value["median"] > 0 for value in ratio.values())
     assert (tmp_path / "out.json").is_file()
     assert {name: module._library for name, module in c_kernels_ref.MODULES.items()} == loaders   # put back
+
+
+@pytest.mark.skipif(not cpu_gemm.available(torch.float32), reason="the C GEMM is not built here")
+def test_gemm_cases_only_in_the_dtypes_every_systems_library_runs():
+    """A REF whose source builds no GEMM for this CPU in some dtype (float32 needed AVX-512 before 2026-12-02)
+    times no GEMM case in that dtype; the other cases stay."""
+    class Library:
+        def __init__(self, *dtypes):
+            self.codes = {cpu_build.DTYPE_CODES[d] for d in dtypes}
+
+        def gemm_supported(self, code):
+            return int(code in self.codes)
+    both, f32 = Library(torch.bfloat16, torch.float32), Library(torch.float32)
+    assert c_kernels_ref.gemm_dtypes([{"cpu_gemm": both}, {"cpu_gemm": f32}]) == (torch.float32,)
+    assert c_kernels_ref.gemm_dtypes([{"cpu_gemm": both}, {"cpu_gemm": Library()}]) == ()
+    names = c_kernels_ref.build_cases(dry_run=True, gemm=(torch.float32,))
+    assert any(n.startswith("gemm f32") for n in names) and not any(n.startswith("gemm bf16") for n in names)
+    assert any(n.startswith("silu bf16") for n in names)
+    assert not any(n.startswith("gemm") for n in c_kernels_ref.build_cases(dry_run=True, gemm=()))

@@ -1,19 +1,24 @@
 """The CPU GEMM in C (``kernels/cpu/cpu_gemm.c``), float32 and bfloat16, against a float64 product on random
-inputs: every row count the kernel treats differently (1..7 rows read in place, 8..16 packed step-major in
-one pass, from 17 rows blocks of 12 over tile pairs read in place in triplets of rows, their tails read in
-place), output widths that end inside
-a tile, bias, 1 and 2 threads, strided, misaligned and 3-D inputs; each row's bits the same in any block;
-the packed layouts element by element; the argument checks; the layers' choice between it and oneDNN."""
+inputs: every row count the kernel treats differently (AVX-512: 1..7 rows read in place, 8..16 packed
+step-major in one pass, from 17 rows blocks of 12 over tile pairs read in place in triplets of rows, their
+tails read in place; AVX2: blocks of up to 6 rows over one tile), output widths that end inside a tile, bias,
+1 and 2 threads, strided, misaligned and 3-D inputs; each row's bits the same in any block; the packed
+layouts element by element; the argument checks; the layers' choice between it and oneDNN; the
+AVX2 build's bits equal to the native build's."""
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
+
 import pytest
 import torch
-from pagedray.kernels.cpu import cpu_gemm
+from pagedray.kernels.cpu import cpu_build, cpu_gemm
 from pagedray.workers.layers import packed_gemm
 
 F32, BF16 = torch.float32, torch.bfloat16
-needs_gemm = pytest.mark.skipif(not cpu_gemm.available(F32), reason="this CPU or compiler has no AVX-512")
+needs_gemm = pytest.mark.skipif(not cpu_gemm.available(F32), reason="this CPU or compiler has neither AVX-512 nor AVX2")
 needs_bf16 = pytest.mark.skipif(not cpu_gemm.available(BF16), reason="this CPU or compiler has no AVX512-BF16")
 DTYPES = [pytest.param(F32, id="f32", marks=needs_gemm), pytest.param(BF16, id="bf16", marks=needs_bf16)]
 
@@ -141,7 +146,45 @@ def test_layers_tile_pack_for_the_c_product_and_offer_it_only_where_it_runs(monk
         assert "c" not in packed_gemm.candidates(torch.randn(48, 33).bfloat16())   # odd inputs: oneDNN's
     x = torch.randn(5, 32)
     _assert_product(packed_gemm.linear(x, weight, None, packed), x, weight, None)
-    monkeypatch.setattr(cpu_gemm, "available", lambda dtype: False)                   # no AVX-512
+    monkeypatch.setattr(cpu_gemm, "available", lambda dtype: False)                   # no AVX-512 or AVX2
     assert "c" not in packed_gemm.candidates(weight) and "c" not in packed_gemm.candidates(weight.bfloat16())
     with pytest.raises(ValueError, match="^plan"):
         packed_gemm.pack_weight(weight, "c")
+
+
+def _avx2_build(tmp) -> ctypes.CDLL:
+    """cpu_gemm.c compiled for x86-64-v3 (AVX2 + FMA, no AVX-512): the build an AVX2-only CPU gets."""
+    source = cpu_gemm.SOURCE
+    target = tmp / "cpu_gemm-x86-64-v3.so"
+    flags = [f for f in cpu_build.FLAGS if not f.startswith("-march")]
+    subprocess.run(["cc", *flags, "-march=x86-64-v3", "-I", str(source.parent), "-o", str(target), str(source),
+                    "-lm"], check=True, capture_output=True)
+    library = ctypes.CDLL(str(target))
+    library.gemm_supported.argtypes, library.gemm_supported.restype = [ctypes.c_int], ctypes.c_int
+    cpu_build.declare(library, cpu_gemm._SIGNATURES)
+    return library
+
+
+@needs_gemm
+def test_the_avx2_build_gives_the_native_builds_bits(tmp_path, torch_threads):
+    """On AVX2 the kernel runs smaller blocks (6 rows over one tile, gate/up pairs 3 rows at a time) but the same
+    float32 sums in the same k order: the x86-64-v3 build's products (plain and gate/up + SiLU) equal the
+    native build's bit for bit at every row count its blocks treat differently, and the float64 product."""
+    if shutil.which("cc") is None or not {"avx2", "fma", "f16c"} <= set(cpu_build._cpu_flags().split()):
+        pytest.skip("no C compiler, or this CPU runs no AVX2 code")
+    avx2 = _avx2_build(tmp_path)
+    assert avx2.gemm_supported(cpu_build.DTYPE_CODES[F32]) == 1
+    assert avx2.gemm_supported(cpu_build.DTYPE_CODES[BF16]) == 0     # vdpbf16ps is AVX512-BF16's
+    gen = torch.Generator().manual_seed(21)
+    for out_features, in_features in ((83, 160), (96, 64)):         # a partial tile; gate/up halves of 48
+        weight = torch.randn(out_features, in_features, generator=gen) * 0.1                     # [out, in]
+        bias = torch.randn(out_features, generator=gen)
+        packed = cpu_gemm.pack(weight)
+        for rows in (1, 3, 4, 6, 7, 12, 13, 16, 17, 40):
+            x = torch.randn(rows, in_features, generator=gen)                                   # [rows, in]
+            y = cpu_gemm.multiply(avx2.gemm, x, packed, bias, out_features)
+            _assert_product(y, x, weight, bias)
+            assert torch.equal(y, cpu_gemm.linear(x, packed, bias)), (out_features, rows)
+            if cpu_gemm.fuses_silu_mul(out_features):
+                fused = cpu_gemm.multiply(avx2.gemm_silu_mul, x, packed, bias, out_features // 2)
+                assert torch.equal(fused, cpu_gemm.silu_mul_linear(x, packed, bias)), rows

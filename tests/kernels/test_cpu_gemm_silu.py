@@ -1,9 +1,9 @@
 """The merged gate/up product fused with SiLU * up (``cpu_gemm.silu_mul_linear``, ``cpu_gemm.c``'s
 gemm_silu_mul) on random inputs: bit for bit the C GEMM followed by ``cpu_fused``'s SiLU * up at every row
-count the kernel treats differently (1..7 rows read in place, 8..16 a packed block of up to 12 and its tail,
-from 17 rows blocks of 12 read in place in triplets of rows, their tails), with bias, strided rows, 1 and 2
-threads; close to torch's ``F.silu(gate) * up``; refused where the halves do not start on a tile; and the
-layer runs it only where its plan runs the C GEMM."""
+count the kernel treats differently (AVX-512: 1..7 rows read in place, 8..16 a packed block of up to 12 and
+its tail, from 17 rows blocks of 12 read in place in triplets of rows, their tails; AVX2: 6-row blocks, gate
+then up), with bias, strided rows, 1 and 2 threads; close to torch's ``F.silu(gate) * up``; refused where the
+halves do not start on a tile; and the layer runs it only where its plan runs the C GEMM."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pagedray.workers.layers import packed_gemm
 from pagedray.workers.layers.linear import ColumnParallelLinear, Segment
 
 F32, BF16 = torch.float32, torch.bfloat16
-needs_gemm = pytest.mark.skipif(not cpu_gemm.available(F32), reason="this CPU or compiler has no AVX-512")
+needs_gemm = pytest.mark.skipif(not cpu_gemm.available(F32), reason="this CPU or compiler has neither AVX-512 nor AVX2")
 needs_bf16 = pytest.mark.skipif(not cpu_gemm.available(BF16), reason="this CPU or compiler has no AVX512-BF16")
 DTYPES = [pytest.param(F32, id="f32", marks=needs_gemm), pytest.param(BF16, id="bf16", marks=needs_bf16)]
 ROWS = (1, 2, 7, 8, 11, 12, 13, 19, 24, 25, 40, 100)

@@ -14,12 +14,15 @@ from pagedray.kernels.cpu import cpu_amx, cpu_layers
 from pagedray.workers.models import cpu_decode_layers
 
 needs_layers = pytest.mark.skipif(not cpu_layers.available(torch.float32),
-                                  reason="the CPU C kernels are not built here (no compiler or no AVX-512)")
+                                  reason="the CPU C kernels are not built here (no compiler, no AVX-512 or AVX2)")
 PROMPT_LENGTHS = (5, 17, 30, 9)
 
 
 def _run(path: str, enforce_eager: bool, dtype: str, threads: int = 1, **kwargs):
-    """(tokens per prompt, logits of every step, one-call runs, the worker) for a fixed set of prompts."""
+    """(tokens per prompt, logits of every step, one-call runs, the worker) for a fixed set of prompts. Both
+    paths run the C GEMM unless ``cpu_gemm`` says otherwise: a timed plan may give a bucket to oneDNN, which
+    the layer loop would run and the one call, winning that bucket's timing, would not (other bits)."""
+    kwargs.setdefault("cpu_gemm", "c")
     worker, driver = local_driver(path, token_budget=24, max_chunk=16, dtype=dtype, enforce_eager=enforce_eager,
                                   **kwargs)
     logits, calls = [], []

@@ -19,6 +19,7 @@ from pagedray.workers.layers import packed_gemm
 from pagedray.workers.layers.embedding import ParallelLMHead
 from pagedray.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedray.workers.layers.packed_gemm import linear, pack_weight, packed_gemm_available
+from pagedray.workers.models import cpu_decode_layers
 from pagedray.workers.worker import Worker
 
 needs_onednn = pytest.mark.skipif(not packed_gemm_available(torch.float32), reason="torch has no oneDNN packed GEMM")
@@ -32,7 +33,7 @@ needs_onednn_bf16 = pytest.mark.skipif(not packed_gemm_available(torch.bfloat16)
 @pytest.mark.parametrize("packing", ["c", "onednn", "mkl"])
 def test_packed_product_agrees_with_f_linear(out_features, in_features, with_bias, packing, torch_threads):
     if packing == "c" and not cpu_gemm.available(torch.float32):
-        pytest.skip("this CPU or compiler has no AVX-512 for kernels.cpu_gemm")
+        pytest.skip("this CPU or compiler has neither AVX-512 nor AVX2 for kernels.cpu_gemm")
     gen = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05      # [out, in]
     bias = torch.randn(out_features, generator=gen) if with_bias else None    # [out]
@@ -115,12 +116,16 @@ def test_worker_packs_every_linear_layer_and_the_lm_head(kind, dtype, tiny_model
     report = worker.pack_report
     assert report.matrices == len(layers)
     assert report.weight_bytes == sum(m.weight.numel() * m.weight.element_size() for m in layers)
-    # a weight has a packed copy for every packed product its plan names (MKL, which a timed fp32 plan may pick
-    # on a CPU without the C GEMM, reads the plain weight)
+    # a weight has a packed copy for every packed product its plan names (MKL, which a timed fp32 plan may pick,
+    # reads the plain weight), and a decoder layer's weight keeps its tile-packed copy where the one-call decode
+    # path runs (it reads that copy whatever the plan)
     assert report.packed_bytes == sum(m.packed_weight.packed_bytes for m in layers)
+    one_call = {id(m) for m in cpu_decode_layers.decoder_linears(worker.model)} if worker.model.cpu_decode else set()
     for m in layers:
         own = m.weight.numel() * m.weight.element_size()
-        assert (m.packed_weight.packed_bytes >= own) == (set(m.packed_weight.plan) != {"mkl"})
+        runs_tile = bool(set(m.packed_weight.plan) & set(packed_gemm.TILE_PRODUCTS)) or id(m) in one_call
+        assert (m.packed_weight.tile is not None) == runs_tile
+        assert (m.packed_weight.packed_bytes >= own) == (set(m.packed_weight.plan) != {"mkl"} or runs_tile)
     assert report.table.source.startswith("forced") == (cpu_choice.forced_product("auto") is not None)
     for m in layers:
         plan = m.packed_weight.plan

@@ -54,8 +54,8 @@ class ModelConfig:
                                         "CPU instead of the one C call over every layer (TP=1, dense Llama-style "
                                         "models)")
     cpu_packed_weights: bool = option(True, "CPU, float32/bfloat16: keep a copy of each weight packed for "
-                                            "pagedray's C GEMM (AVX-512) or oneDNN's and multiply with it (faster "
-                                            "linear layers; as much memory again as the weights)")
+                                            "pagedray's C GEMM (AVX-512 or AVX2) or oneDNN's and multiply with it "
+                                            "(faster linear layers; as much memory again as the weights)")
     cpu_gemm: str = option("auto", "CPU linear products: auto (each weight shape and row count runs the product "
                                    "timed fastest on this CPU at load, the C GEMM or AMX product unless another "
                                    "is more than 5% faster, cached on disk; PAGEDRAY_CPU_GEMM in the "

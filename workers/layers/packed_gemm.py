@@ -3,7 +3,7 @@
 ``F.linear`` on CPU hands an fp32 weight to MKL's sgemm and a bf16 one to oneDNN, and both re-lay the
 whole weight out on every call. Four products can run a layer instead (``PRODUCTS``):
 
-- ``c``: pagedray's C GEMM (``kernels.cpu_gemm``, AVX-512; bf16 needs AVX512-BF16) on a tile-packed copy;
+- ``c``: pagedray's C GEMM (``kernels.cpu_gemm``, AVX-512 or AVX2; bf16 needs AVX512-BF16) on a tile-packed copy;
 - ``amx`` (bfloat16, on a CPU with AMX): pagedray's AMX product (``kernels.cpu_amx``) on the same tile-packed
   copy (``TILE_PRODUCTS``: the products the one-call decode path can run);
 - ``onednn``: oneDNN's packed product (``torch.ops.mkldnn._linear_pointwise``) on a copy reordered once
