@@ -245,12 +245,14 @@ def test_tensor_parallel_ranks_over_ray_serve_a_mixed_batch_exactly(ray_session,
         assert result.outputs[0].token_ids == references(prompt, name), name
 
 
-def test_decode_buckets_take_each_rows_adapter_slot(tiny_llama_path, adapters, references):
+def test_decode_buckets_take_each_rows_adapter_slot(tiny_llama_path, adapters, references, monkeypatch):
     """The CUDA-graph decode path (run eagerly on CPU: the same static buffers and padded buckets) with adapter
-    rows, base rows and padding rows in one bucket."""
+    rows, base rows and padding rows in one bucket. The reads finish inline: on a loaded machine a reader thread
+    can finish each adapter after the requests before it are done, and no bucket would then mix them."""
     from helpers.worker_plans import log_bucket_runs
     from pagedray.workers.runner.decode_graphs import DecodeGraphs
 
+    monkeypatch.setattr(model_lora, "ThreadPoolExecutor", InlineReader)
     prompts = _prompts(10, 5)
     names = ["all", None, "attn", "mlp", "all"]
     loras = [None if name is None else LoRARequest(name, adapters[name]) for name in names]
