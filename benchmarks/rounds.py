@@ -112,9 +112,10 @@ def capture(system: str, round_index: int, measure: Callable[[], dict], *,
 
 
 def settle(cpus: int, *, loadavg: Callable[[], tuple] = os.getloadavg, sleep: Callable[[float], None] = time.sleep,
-           max_s: float = SETTLE_MAX_S, poll_s: float = SETTLE_POLL_S) -> float:
-    """Waits until the 1-minute load average is at most NOISY_LOAD_PER_CPU per CPU, or ``max_s`` seconds;
-    returns the seconds waited."""
+           max_s: float | None = None, poll_s: float = SETTLE_POLL_S) -> float:
+    """Waits until the 1-minute load average is at most NOISY_LOAD_PER_CPU per CPU, or ``max_s`` seconds
+    (default: ``SETTLE_MAX_S`` as it is at the call; the test suite sets it to 0); returns the seconds waited."""
+    max_s = SETTLE_MAX_S if max_s is None else max_s
     waited = 0.0
     while is_noisy(loadavg()[0], cpus) and waited < max_s:
         sleep(poll_s)

@@ -13,6 +13,8 @@
   chose on a busy machine; the tests of the timed choice (tests/workers/test_gemm_timing.py) clear it.
   Likewise the C kernels' torch twins (``PAGEDRAY_CPU_TWINS=c``: the C kernel, and decode rows for
   prefill chunks up to ``reference.ROW_CHUNK_MAX``); tests/kernels/test_cpu_twins.py sets its own.
+- Benchmarks' dry runs never wait for a quiet machine: ``benchmarks.rounds.SETTLE_MAX_S`` is 0 here (a test
+  suite on 2 cores keeps the load above the settle threshold, and each run would wait up to 120 s for nothing).
 - Tiers: a module that starts Ray, Serve or another process says ``pytestmark =
   pytest.mark.integration``; any test that asks for ``ray_session`` gets the marker too. ``python3 -m
   pytest -m "not integration"`` is the fast tier, the plain command (what CI runs) runs everything
@@ -30,6 +32,8 @@ import pytest  # noqa: E402
 from pagedray.deploy.cli.ray_env import LOCAL_RAY_ENV  # noqa: E402
 from pagedray.kernels.cpu import cpu_choice, cpu_gemm, cpu_twins  # noqa: E402
 
+from benchmarks import rounds  # noqa: E402
+
 if cpu_gemm.available(torch.float32) and cpu_gemm.available(torch.bfloat16):
     os.environ.setdefault(cpu_choice.PRODUCT_ENV, "c")
 os.environ.setdefault(cpu_twins.TWINS_ENV, "c")
@@ -38,6 +42,8 @@ os.environ.setdefault(cpu_twins.TWINS_ENV, "c")
 # environment: Serve's proxy checks that survive a loaded machine, workers at normal priority
 for _name, _value in LOCAL_RAY_ENV.items():
     os.environ.setdefault(_name, _value)
+
+rounds.SETTLE_MAX_S = 0.0
 
 RAY_NUM_CPUS = 8
 

@@ -4,14 +4,13 @@ names, and a dry run reports every case for both systems with a ratio."""
 
 from __future__ import annotations
 
-import functools
 import shutil
 
 import pytest
 import torch
 from pagedray.kernels.cpu import cpu_build, cpu_fused, cpu_gemm
 
-from benchmarks import c_kernels_ref, rounds
+from benchmarks import c_kernels_ref
 from benchmarks.common import REPO, ref_import_root
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or shutil.which("git") is None
@@ -54,8 +53,6 @@ def test_the_wrappers_call_the_library_a_system_names(monkeypatch):
 
 def test_a_dry_run_reports_every_case_for_both_systems_and_their_ratio(monkeypatch, tmp_path):
     loaders = {name: module._library for name, module in c_kernels_ref.MODULES.items()}
-    # a loaded machine: no waiting for the load to settle (the numbers of a dry run mean nothing)
-    monkeypatch.setattr(c_kernels_ref, "run_rounds", functools.partial(rounds.run_rounds, sleep=lambda s: None))
     report = c_kernels_ref.main(["--dry-run", "--ref", "HEAD", "--out", str(tmp_path / "out.json")])
     with ref_import_root("HEAD") as root:
         both = c_kernels_ref.gemm_dtypes([c_kernels_ref.load_libraries(REPO),

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import fairness, rounds
+from benchmarks import fairness
 
 
 @pytest.mark.slow   # a benchmark's plumbing, ~35 s: the extended tier (README: -m slow)
 def test_a_dry_run_reports_solo_fifo_and_fair(default_model_path, monkeypatch, tmp_path):
-    monkeypatch.setattr(rounds, "settle", lambda *args, **kwargs: None)   # no wait for a quiet machine
     report = fairness.main(["--dry-run", "--model", str(default_model_path), "--out", str(tmp_path / "f.json")])
     systems = report["summary"]["systems"]
     assert set(systems) == {"solo", "fifo", "fair"}

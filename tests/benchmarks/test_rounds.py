@@ -65,7 +65,8 @@ def test_noisy_means_more_than_one_per_cpu_before_the_run():
 
 def test_settle_waits_for_the_load_to_fall_but_not_forever():
     loads, naps = iter([5.0, 4.0, 3.0, 1.5, 9.0]), []
-    waited = rounds.settle(2, loadavg=lambda: (next(loads), 0.0, 0.0), sleep=naps.append, poll_s=5.0)
+    waited = rounds.settle(2, loadavg=lambda: (next(loads), 0.0, 0.0), sleep=naps.append, max_s=120.0,
+                           poll_s=5.0)
     assert waited == 15.0 and naps == [5.0, 5.0, 5.0]
     naps.clear()
     assert rounds.settle(2, loadavg=lambda: (8.0, 0.0, 0.0), sleep=naps.append, max_s=20.0, poll_s=5.0) == 20.0
