@@ -77,7 +77,7 @@ def save_random_adapter(folder, model_path: str, targets, rank: int, alpha: floa
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
-        "use_rslora": rslora, "lora_dropout": 0.0, "base_model_name_or_path": model_path,
+        "use_rslora": rslora, "lora_dropout": 0.0, "base_model_name_or_path": str(model_path),
         "layers_to_transform": None if layers is None else list(layers)}))
     return str(folder)
 

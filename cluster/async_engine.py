@@ -364,7 +364,19 @@ class AsyncEngine:
                 logger.error("the step loop stopped", exc_info=exc)
             raise EngineDeadError("engine dead: the step loop stopped (the server log has the details)")
 
-    async def check_health(self) -> None:
+    async def check_alive(self) -> None:
+        """Liveness (Serve's replica hook): ``check_health``, except that a TP group being rebuilt after a rank
+        failure counts as alive. A rebuild loads the model again, which takes longer than Serve's three failed
+        checks (~15 s) for any real model, or for a small one on a loaded machine: Serve would replace the
+        replica and cut the streams the rebuild is about to resume. Every wait of a rebuild is bounded
+        (placement, ``ray_executor.START_TIMEOUT_S``), and a rebuild that fails leaves the engine dead, which
+        this then reports."""
+        if self.engine.recovering:
+            self._raise_if_down()
+            return
+        await self.check_health()
+
+    def _raise_if_down(self) -> None:
         if self._closed:
             raise EngineDeadError("the engine has been shut down")
         if self._stalled is not None:
@@ -372,6 +384,10 @@ class AsyncEngine:
         self._raise_if_loop_failed()
         if self.engine.is_dead:
             self.engine.check_health()
+
+    async def check_health(self) -> None:
+        """Alive and serving: also raises while the TP group is being rebuilt (readiness, /health)."""
+        self._raise_if_down()
         if self.engine.recovering:
             raise EngineDeadError("a TP rank failed; the TP group is being rebuilt (in-flight requests resume after)")
         started, limit = self._step_started, self.engine.step_limit_s

@@ -25,7 +25,7 @@ too (every 10 s), which reads no summary: build_app then passes ``prefix_summary
 poll leaves the step thread alone (no walk over the cached keys).
 ``check_health`` is also Serve's replica health hook: a dead engine (a step failure no request owns, rank
 restarts used up), a failed step loop or a stalled step makes Serve replace the replica after three
-failed checks ``HEALTH_CHECK_PERIOD_S`` apart.
+failed checks ``HEALTH_CHECK_PERIOD_S`` apart; a TP group being rebuilt does not (``served_engine.py``).
 
 Draining (``served_engine.py`` holds the state; the same with ``engine_in_ingress``):
 - ``drain(timeout_s)``: the replica stops admitting (new requests get ``EngineDrainingError`` -> HTTP

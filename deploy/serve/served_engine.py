@@ -6,12 +6,15 @@ Two replicas hold one: the engine deployment (``engine_deployment.py``, the defa
 down the same way.
 
 Health, one name per question: ``check_health`` asks "alive?" (no dead rank, failed step loop or
-stalled step; Serve's replica hook), ``check_ready`` asks "alive and taking requests?" (/health).
+stalled step; Serve's replica hook), ``check_ready`` asks "alive and taking requests?" (/health, and the
+replica states the routers read).
 
 Invariants:
 - Draining is one-way: once ``drain`` has begun, ``generate`` refuses (``EngineDrainingError`` -> 503)
   and ``check_ready`` fails, so load balancers stop sending; ``check_health`` stays healthy, so Serve
   does not kill the replica together with the requests that are finishing.
+- A TP group being rebuilt after a rank failure is alive but not ready (``AsyncEngine.check_alive``): /health
+  says 503 and the routers send elsewhere, while Serve keeps the replica whose streams the rebuild resumes.
 - ``close`` aborts whatever is still running and stops the TP workers; it is safe to call twice.
 """
 
@@ -159,19 +162,22 @@ class ServedEngine:
         await self._engine.check_lora(lora)
 
     async def check_health(self) -> None:
-        """Alive (Serve's replica health hook): raises for a dead rank, a failed step loop or a stalled step."""
-        await self._engine.check_health()
+        """Alive (Serve's replica health hook): raises for a dead rank, a failed step loop or a stalled step;
+        not while the TP group is being rebuilt (module doc)."""
+        await self._engine.check_alive()
 
     async def check_ready(self) -> None:
-        """Alive and taking requests (/health): also fails while draining (stop sending traffic here)."""
+        """Alive and taking requests (/health): also fails while draining (stop sending traffic here) and while
+        the TP group is being rebuilt."""
         if self._draining:
             raise EngineDrainingError("the engine is draining and accepts no new requests")
-        await self.check_health()
+        await self._engine.check_health()
 
     async def _health_state(self) -> tuple[bool, str]:
-        """``check_health`` as (healthy, the reason when not), for reports that must not raise."""
+        """Whether the engine serves (``AsyncEngine.check_health``: a rebuild counts as down) as (healthy, the
+        reason when not), for reports that must not raise."""
         try:
-            await self.check_health()
+            await self._engine.check_health()
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             return False, str(exc)
         return True, ""

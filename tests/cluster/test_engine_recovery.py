@@ -112,18 +112,26 @@ def test_max_rank_restarts_is_validated():
 
 
 def test_async_engine_reports_unhealthy_while_rebuilding_and_streams_resume(tiny_llama_path):
-    # the rebuild takes longer than the stall watchdog's grace: it must not end the streams
+    """The rebuild takes longer than the stall watchdog's grace: it must not end the streams. Meanwhile the
+    replica is not ready (/health 503, routers send elsewhere) but alive: Serve's hook passes, so Serve does not
+    replace the replica whose streams the rebuild resumes (it did after three checks, ~15 s, on a loaded
+    machine). The test holds the rebuild until it has looked."""
     import asyncio
+    import threading
 
     from pagedray.cluster.async_engine import STALL_GRACE_FACTOR, AsyncEngine
+    from pagedray.deploy.serve.served_engine import ServedEngine
 
     step_timeout_s = 0.2
     rebuild_s = STALL_GRACE_FACTOR * step_timeout_s + 0.5
     expected, _, _ = _run(_engine(tiny_llama_path, FakeExecutor(32)))
-    fake = RecoverableFakeExecutor(32, fail_at_steps=(2,), rebuild_s=rebuild_s)
+    hold = threading.Event()
+    fake = RecoverableFakeExecutor(32, fail_at_steps=(2,), rebuild_s=rebuild_s, hold=hold)
     config = EngineConfig(model=ModelConfig(model=tiny_llama_path), cache=CacheConfig(block_size=8, num_blocks=32),
                           step_timeout_s=step_timeout_s, step_timeout_per_token_s=0.0)
     engine = AsyncEngine(config, executor=fake)
+    served = object.__new__(ServedEngine)          # the replica's view of this engine
+    served._engine, served._draining, served._closed, served._config = engine, False, False, config
 
     async def consume(rid):
         tokens = {}
@@ -136,13 +144,20 @@ def test_async_engine_reports_unhealthy_while_rebuilding_and_streams_resume(tiny
 
     async def main():
         tasks = [asyncio.create_task(consume(rid)) for rid in PROMPTS]
-        await asyncio.to_thread(fake.rebuilding.wait, 10)
+        assert await asyncio.to_thread(fake.rebuilding.wait, 60)
         with pytest.raises(EngineDeadError, match="being rebuilt"):
             await engine.check_health()
+        with pytest.raises(EngineDeadError, match="being rebuilt"):
+            await served.check_ready()                 # /health: 503
+        assert not (await served.routing_stats("r0", 0))["healthy"]   # routers: elsewhere
+        await engine.check_alive()
+        await served.check_health()                    # Serve's hook: alive
+        hold.set()
         merged = {}
         for part in await asyncio.gather(*tasks):
             merged.update(part)
         await engine.check_health()
+        await served.check_ready()
         return merged
     try:
         assert asyncio.run(main()) == expected

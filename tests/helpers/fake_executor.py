@@ -122,15 +122,17 @@ class RankFailure(RuntimeError):
 class RecoverableFakeExecutor(FakeExecutor):
     """TEST DOUBLE: like FakeExecutor, but the steps listed in ``fail_at_steps`` (0-based plan count) raise
     RankFailure, and ``rebuild()`` replaces the "TP group": the mirror (KV contents) is wiped.
-    ``rebuild_fails`` makes rebuild raise instead."""
+    ``rebuild_fails`` makes rebuild raise instead; ``hold`` (a threading.Event) keeps rebuild() running, after
+    its ``rebuild_s``, until the test sets it."""
 
-    def __init__(self, num_blocks, fail_at_steps=(), rebuild_fails=False, rebuild_s=0.0, **kwargs):
+    def __init__(self, num_blocks, fail_at_steps=(), rebuild_fails=False, rebuild_s=0.0, hold=None, **kwargs):
         import threading
 
         super().__init__(num_blocks, **kwargs)
         self.fail_at_steps = set(fail_at_steps)
         self.rebuild_fails = rebuild_fails
-        self.rebuild_s = rebuild_s           # how long rebuild() takes
+        self.rebuild_s = rebuild_s           # how long rebuild() takes at least
+        self.hold = hold
         self.rebuilding = threading.Event()  # set while rebuild() runs
         self.num_rebuilds = 0
 
@@ -151,6 +153,8 @@ class RecoverableFakeExecutor(FakeExecutor):
             raise RuntimeError("simulated rebuild failure")
         self.rebuilding.set()
         time.sleep(self.rebuild_s)
+        if self.hold is not None:
+            assert self.hold.wait(120), "hang guard: the test never released the rebuild"
         self.rebuilding.clear()
         self.num_rebuilds += 1
         self.mirror = {}
