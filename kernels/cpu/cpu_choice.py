@@ -14,6 +14,12 @@ per row bucket: the best product at 1 row (memory-bound) need not be the best at
   change of any of them opens a new file and the old decisions are never read again. Inside the file each
   entry is named by what was timed (the caller's name: kind, dtype, shape, threads). Two processes writing
   at once each write a private file and rename it into place; the last one's entries win.
+- A busy machine's timings are not kept: when the 1-minute load average per CPU is above
+  ``BUSY_LOAD_PER_CPU`` as the cache is opened (before the timing) or as the decisions are put, other work
+  shared the cores and a time can be off by several times (seen: a one-call decode step timed at 978 ms
+  against 36 ms, which kept the slower layer loop and halved serving throughput at every later start).
+  Those decisions hold for the process that made them (its callers have them) and the next start times
+  again. ``CACHE_VERSION`` 7 dropped the files written before this rule.
 - ``forced_product``: ``PAGEDRAY_CPU_GEMM=auto|c|amx|onednn|mkl`` in the environment overrides a configured
   ``auto`` (for comparing the products on one machine; a configured product wins over it).
 """
@@ -23,16 +29,19 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import math
 import os
 import pathlib
 import platform
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from . import cpu_build
+
+log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # a row count below _EDGES[i] (the buckets' geometric midpoints) belongs to bucket i
@@ -42,7 +51,8 @@ PRODUCT_ENV = "PAGEDRAY_CPU_GEMM"
 # 2: the C GEMM keeps a bucket within gemm_timing.C_MARGIN of the fastest; 3: prefill buckets timed in 7 rounds;
 # 4: close prefill calls timed in gemm_timing.CLOSE_ROUNDS more rounds at the end; 5: the AMX product;
 # 6: buckets of 64, 256 and 1,024 rows (gemm_timing.REFINED_ROWS)
-CACHE_VERSION = 6
+CACHE_VERSION = 7
+BUSY_LOAD_PER_CPU = 1.0   # above this 1-minute load average per CPU, timings are not kept (module doc)
 
 
 def bucket_index(rows: int) -> int:
@@ -97,11 +107,21 @@ def default_folder() -> pathlib.Path:
 
 
 class ChoiceCache:
-    """Decisions (entry name -> any JSON value) kept in ``folder/<key>.json``."""
+    """Decisions (entry name -> any JSON value) kept in ``folder/<key>.json``; open it before timing (the load
+    is read then, module doc)."""
 
-    def __init__(self, folder: pathlib.Path | None = None, key: str | None = None) -> None:
+    def __init__(self, folder: pathlib.Path | None = None, key: str | None = None,
+                 loadavg: Callable[[], tuple] = os.getloadavg) -> None:
         self.folder = default_folder() if folder is None else pathlib.Path(folder)
         self.path = self.folder / f"{cache_key() if key is None else key}.json"
+        self._loadavg = loadavg
+        self.load_at_open = self._load_per_cpu()
+
+    def _load_per_cpu(self) -> float:
+        try:
+            return self._loadavg()[0] / (os.cpu_count() or 1)
+        except OSError:          # no load average on this platform: nothing says the machine is busy
+            return 0.0
 
     def entries(self) -> dict:
         try:
@@ -113,8 +133,14 @@ class ChoiceCache:
     def get(self, name: str):
         return self.entries().get(name)
 
-    def put(self, values: Mapping) -> None:
-        """Adds (or replaces) ``values``' entries, keeping the file's others."""
+    def put(self, values: Mapping) -> bool:
+        """Adds (or replaces) ``values``' entries, keeping the file's others; unless the machine is or was busy
+        (module doc): then nothing is written. True when written."""
+        load = max(self.load_at_open, self._load_per_cpu())
+        if load > BUSY_LOAD_PER_CPU:
+            log.warning("CPU kernel choices %s timed on a busy machine (1-minute load %.2f per CPU): used by this "
+                        "process, not kept; the next start times them again", ", ".join(map(str, values)), load)
+            return False
         merged = {**self.entries(), **values}
         self.folder.mkdir(parents=True, exist_ok=True)
         fd, private = tempfile.mkstemp(suffix=".json", dir=self.folder)
@@ -125,6 +151,7 @@ class ChoiceCache:
         finally:
             if os.path.exists(private):
                 os.unlink(private)
+        return True
 
 
 def forced_product(option: str) -> str | None:

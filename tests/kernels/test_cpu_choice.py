@@ -4,6 +4,7 @@ on-disk cache and its key, and the forced product."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 from pagedray.kernels.cpu import cpu_choice
@@ -65,3 +66,20 @@ def test_forced_product_option_then_environment(monkeypatch):
         cpu_choice.forced_product("auto")
     with pytest.raises(ValueError, match="^cpu_gemm"):
         cpu_choice.forced_product("fast")
+
+
+def test_a_busy_machines_timings_are_used_but_not_kept(tmp_path, monkeypatch, caplog):
+    """Above BUSY_LOAD_PER_CPU when the cache is opened (before the timing) or when the decisions are put, nothing
+    is written: the next start times again. A quiet machine's decisions are kept."""
+    monkeypatch.setattr(cpu_choice, "BUSY_LOAD_PER_CPU", 1.0)
+    cpus = os.cpu_count() or 1
+    loads = {"now": 0.5 * cpus}
+    cache = ChoiceCache(tmp_path, key="k", loadavg=lambda: (loads["now"], 0.0, 0.0))
+    assert cache.put({"quiet": 1}) is True
+    loads["now"] = 3.0 * cpus                                              # busy by the time of the put
+    assert cache.put({"busy at put": 2}) is False
+    assert "busy at put timed on a busy machine" in caplog.text
+    opened_busy = ChoiceCache(tmp_path, key="k", loadavg=lambda: (loads["now"], 0.0, 0.0))
+    loads["now"] = 0.2 * cpus                                              # quiet again after the timing
+    assert opened_busy.put({"busy at open": 3}) is False
+    assert ChoiceCache(tmp_path, key="k").entries() == {"quiet": 1}
