@@ -50,7 +50,8 @@ PRODUCTS = ("auto", "c", "amx", "onednn", "mkl")
 PRODUCT_ENV = "PAGEDRAY_CPU_GEMM"
 # 2: the C GEMM keeps a bucket within gemm_timing.C_MARGIN of the fastest; 3: prefill buckets timed in 7 rounds;
 # 4: close prefill calls timed in gemm_timing.CLOSE_ROUNDS more rounds at the end; 5: the AMX product;
-# 6: buckets of 64, 256 and 1,024 rows (gemm_timing.REFINED_ROWS)
+# 6: buckets of 64, 256 and 1,024 rows (gemm_timing.REFINED_ROWS); 7: a busy machine's timings are not kept (older
+# files may hold some)
 CACHE_VERSION = 7
 BUSY_LOAD_PER_CPU = 1.0   # above this 1-minute load average per CPU, timings are not kept (module doc)
 
