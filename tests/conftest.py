@@ -13,9 +13,9 @@
   chose on a busy machine; the tests of the timed choice (tests/workers/test_gemm_timing.py) clear it.
   Likewise the C kernels' torch twins (``PAGEDRAY_CPU_TWINS=c``: the C kernel, and decode rows for
   prefill chunks up to ``reference.ROW_CHUNK_MAX``); tests/kernels/test_cpu_twins.py sets its own.
-- The CPU kernel choices are kept on disk however loaded the machine is (``cpu_choice.BUSY_LOAD_PER_CPU`` is
-  infinite here; tests/kernels/test_cpu_choice.py sets it to check the rule), so that the tests of the cache do
-  not depend on what else the machine runs.
+- The CPU kernel choices are kept on disk however loaded the machine is (``cpu_choice.BUSY_WAIT_PER_S`` and
+  ``BUSY_LOAD_PER_CPU`` are infinite here; tests/kernels/test_cpu_choice.py sets them to check the rules), so
+  that the tests of the cache do not depend on what else the machine runs.
 - Benchmarks' dry runs never wait for a quiet machine: ``benchmarks.rounds.SETTLE_MAX_S`` is 0 here (a test
   suite on 2 cores keeps the load above the settle threshold, and each run would wait up to 120 s for nothing).
 - Tiers: a module that starts Ray, Serve or another process says ``pytestmark =
@@ -49,6 +49,7 @@ for _name, _value in LOCAL_RAY_ENV.items():
 
 rounds.SETTLE_MAX_S = 0.0
 cpu_choice.BUSY_LOAD_PER_CPU = math.inf
+cpu_choice.BUSY_WAIT_PER_S = math.inf
 
 RAY_NUM_CPUS = 8
 

@@ -14,12 +14,21 @@ per row bucket: the best product at 1 row (memory-bound) need not be the best at
   change of any of them opens a new file and the old decisions are never read again. Inside the file each
   entry is named by what was timed (the caller's name: kind, dtype, shape, threads). Two processes writing
   at once each write a private file and rename it into place; the last one's entries win.
-- A busy machine's timings are not kept: when the 1-minute load average per CPU is above
-  ``BUSY_LOAD_PER_CPU`` as the cache is opened (before the timing) or as the decisions are put, other work
-  shared the cores and a time can be off by several times (seen: a one-call decode step timed at 978 ms
-  against 36 ms, which kept the slower layer loop and halved serving throughput at every later start).
-  Those decisions hold for the process that made them (its callers have them) and the next start times
-  again. ``CACHE_VERSION`` 7 dropped the files written before this rule.
+- A busy machine's timings are not kept: when other work shared the cores while they were timed, a time can be
+  off by several times (seen: a one-call decode step timed at 978 ms against 36 ms, which kept the slower layer
+  loop and halved serving throughput at every later start). Those decisions hold for the process that made them
+  (its callers have them) and the next start times again. ``CACHE_VERSION`` 7 dropped the files written before
+  this rule. What says "busy":
+  - on Linux, this process's own threads: the seconds they spent runnable but waiting for a CPU (each thread's
+    run-queue delay, ``/proc/self/task/*/schedstat``; ``run_queue_wait_s``) from the opening of the cache to
+    the put, per second of that window, above ``BUSY_WAIT_PER_S``. It counts only what delayed this timing, so
+    it also holds in a container on a large shared host, where the load average is the whole host's and
+    ``os.cpu_count()`` is not this process's share. Measured on the 2-core AMD EPYC VM (2026-12-03, a bf16 plan
+    of ``gemm_timing``): 0.005-0.007 s per second on the quiet machine, 0.72-0.75 with one busy loop beside it.
+    A loop started a second before such a plan left the 1-minute load average at 0.56 per CPU, which the
+    load rule below would have let pass; the run-queue rule did not keep that plan;
+  - where the kernel does not report that delay: the 1-minute load average per CPU above
+    ``BUSY_LOAD_PER_CPU`` as the cache is opened (before the timing) or as the decisions are put.
 - ``forced_product``: ``PAGEDRAY_CPU_GEMM=auto|c|amx|onednn|mkl`` in the environment overrides a configured
   ``auto`` (for comparing the products on one machine; a configured product wins over it).
 """
@@ -35,6 +44,7 @@ import os
 import pathlib
 import platform
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -54,6 +64,7 @@ PRODUCT_ENV = "PAGEDRAY_CPU_GEMM"
 # files may hold some)
 CACHE_VERSION = 7
 BUSY_LOAD_PER_CPU = 1.0   # above this 1-minute load average per CPU, timings are not kept (module doc)
+BUSY_WAIT_PER_S = 0.2     # above this run-queue wait of this process's threads per second, the same (module doc)
 
 
 def bucket_index(rows: int) -> int:
@@ -107,22 +118,51 @@ def default_folder() -> pathlib.Path:
     return pathlib.Path(platformdirs.user_cache_dir("pagedray")) / "cpu_choice"
 
 
+def run_queue_wait_s() -> float | None:
+    """Seconds this process's threads, summed, have been runnable but waiting for a CPU (each thread's run-queue
+    delay, the second field of ``/proc/self/task/<tid>/schedstat``, Linux); None where the kernel reports none."""
+    total, seen = 0, False
+    for stat in pathlib.Path("/proc/self/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[1])
+        except (OSError, ValueError, IndexError):     # a thread that ended meanwhile
+            continue
+        seen = True
+    return total / 1e9 if seen else None
+
+
 class ChoiceCache:
-    """Decisions (entry name -> any JSON value) kept in ``folder/<key>.json``; open it before timing (the load
-    is read then, module doc)."""
+    """Decisions (entry name -> any JSON value) kept in ``folder/<key>.json``; open it right before timing (what
+    says busy is read from then on, module doc)."""
 
     def __init__(self, folder: pathlib.Path | None = None, key: str | None = None,
-                 loadavg: Callable[[], tuple] = os.getloadavg) -> None:
+                 loadavg: Callable[[], tuple] = os.getloadavg,
+                 run_queue_wait: Callable[[], float | None] = run_queue_wait_s,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.folder = default_folder() if folder is None else pathlib.Path(folder)
         self.path = self.folder / f"{cache_key() if key is None else key}.json"
         self._loadavg = loadavg
+        self._run_queue_wait = run_queue_wait
+        self._clock = clock
         self.load_at_open = self._load_per_cpu()
+        self._wait_at_open = run_queue_wait()
+        self._opened = clock()
 
     def _load_per_cpu(self) -> float:
         try:
             return self._loadavg()[0] / (os.cpu_count() or 1)
         except OSError:          # no load average on this platform: nothing says the machine is busy
             return 0.0
+
+    def busy(self) -> str | None:
+        """Why the timings since the opening cannot be trusted (module doc), or None when nothing says so."""
+        wait = self._run_queue_wait()
+        if self._wait_at_open is not None and wait is not None:
+            per_s = max(wait - self._wait_at_open, 0.0) / max(self._clock() - self._opened, 1e-9)
+            return (f"this process's threads waited {per_s:.2f} s for a CPU per second of the timing"
+                    if per_s > BUSY_WAIT_PER_S else None)
+        load = max(self.load_at_open, self._load_per_cpu())
+        return f"1-minute load {load:.2f} per CPU" if load > BUSY_LOAD_PER_CPU else None
 
     def entries(self) -> dict:
         try:
@@ -137,10 +177,10 @@ class ChoiceCache:
     def put(self, values: Mapping) -> bool:
         """Adds (or replaces) ``values``' entries, keeping the file's others; unless the machine is or was busy
         (module doc): then nothing is written. True when written."""
-        load = max(self.load_at_open, self._load_per_cpu())
-        if load > BUSY_LOAD_PER_CPU:
-            log.warning("CPU kernel choices %s timed on a busy machine (1-minute load %.2f per CPU): used by this "
-                        "process, not kept; the next start times them again", ", ".join(map(str, values)), load)
+        why = self.busy()
+        if why is not None:
+            log.warning("CPU kernel choices %s timed on a busy machine (%s): used by this process, not kept; the "
+                        "next start times them again", ", ".join(map(str, values)), why)
             return False
         merged = {**self.entries(), **values}
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 from pagedray.kernels.cpu import cpu_choice
@@ -68,18 +69,56 @@ def test_forced_product_option_then_environment(monkeypatch):
         cpu_choice.forced_product("fast")
 
 
+def test_a_contended_timing_is_used_but_not_kept_whatever_the_load_average(tmp_path, monkeypatch, caplog):
+    """Where the kernel reports run-queue delays: above BUSY_WAIT_PER_S seconds waited for a CPU by this process's
+    threads per second between the opening and the put, nothing is written; below it the decisions are kept even
+    under a host-wide load average far above BUSY_LOAD_PER_CPU (a container on a busy shared host)."""
+    monkeypatch.setattr(cpu_choice, "BUSY_WAIT_PER_S", 0.2)
+    monkeypatch.setattr(cpu_choice, "BUSY_LOAD_PER_CPU", 1.0)
+    cpus = os.cpu_count() or 1
+    state = {"wait": 10.0, "now": 100.0}
+
+    def opened() -> ChoiceCache:
+        return ChoiceCache(tmp_path, key="k", loadavg=lambda: (50.0 * cpus, 0.0, 0.0),
+                           run_queue_wait=lambda: state["wait"], clock=lambda: state["now"])
+
+    cache = opened()
+    state["now"] += 4.0
+    state["wait"] += 0.1                                      # 0.025 s per second: this timing ran undisturbed
+    assert cache.put({"undisturbed": 1}) is True
+    cache = opened()
+    state["now"] += 4.0
+    state["wait"] += 2.0                                      # 0.5 s per second: other work held the cores
+    assert cache.put({"contended": 2}) is False
+    assert "waited 0.50 s for a CPU per second of the timing" in caplog.text
+    assert ChoiceCache(tmp_path, key="k").entries() == {"undisturbed": 1}
+
+
+def test_run_queue_wait_reads_this_process_threads():
+    """On a Linux that reports it, the sum of the threads' run-queue delays: a number of seconds that never falls
+    while the threads live."""
+    if not list(Path("/proc/self/task").glob("*/schedstat")):
+        pytest.skip("this kernel reports no run-queue delays")
+    first = cpu_choice.run_queue_wait_s()
+    sum(range(200_000))
+    second = cpu_choice.run_queue_wait_s()
+    assert isinstance(first, float) and 0.0 <= first <= second
+
+
 def test_a_busy_machines_timings_are_used_but_not_kept(tmp_path, monkeypatch, caplog):
-    """Above BUSY_LOAD_PER_CPU when the cache is opened (before the timing) or when the decisions are put, nothing
-    is written: the next start times again. A quiet machine's decisions are kept."""
+    """Where the kernel reports no run-queue delays: above BUSY_LOAD_PER_CPU when the cache is opened (before the
+    timing) or when the decisions are put, nothing is written: the next start times again. A quiet machine's
+    decisions are kept."""
     monkeypatch.setattr(cpu_choice, "BUSY_LOAD_PER_CPU", 1.0)
     cpus = os.cpu_count() or 1
     loads = {"now": 0.5 * cpus}
-    cache = ChoiceCache(tmp_path, key="k", loadavg=lambda: (loads["now"], 0.0, 0.0))
+    cache = ChoiceCache(tmp_path, key="k", loadavg=lambda: (loads["now"], 0.0, 0.0), run_queue_wait=lambda: None)
     assert cache.put({"quiet": 1}) is True
     loads["now"] = 3.0 * cpus                                              # busy by the time of the put
     assert cache.put({"busy at put": 2}) is False
     assert "busy at put timed on a busy machine" in caplog.text
-    opened_busy = ChoiceCache(tmp_path, key="k", loadavg=lambda: (loads["now"], 0.0, 0.0))
+    opened_busy = ChoiceCache(tmp_path, key="k", loadavg=lambda: (loads["now"], 0.0, 0.0),
+                              run_queue_wait=lambda: None)
     loads["now"] = 0.2 * cpus                                              # quiet again after the timing
     assert opened_busy.put({"busy at open": 3}) is False
     assert ChoiceCache(tmp_path, key="k").entries() == {"quiet": 1}
