@@ -356,6 +356,10 @@ def test_a_contested_decode_bucket_is_settled_by_timing_the_whole_step(one_call_
     eager, eager_driver = local_driver(path, dtype="float32", enforce_eager=True)
     assert tokens == eager_driver.generate(PROMPTS, 10)
     assert tokens == hf_greedy_each(path, PROMPTS, 10)
+    puts = []
+    monkeypatch.setattr(cache, "put", lambda values: puts.append(values) or True)
+    local_driver(path, dtype="float32")        # a second start on this CPU: every choice comes from the cache
+    assert timed[-1] == results and puts == []
 
 
 def test_the_fastest_tile_product_keeps_a_bucket_unless_another_is_faster_by_more_than_the_margin():

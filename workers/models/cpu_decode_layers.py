@@ -242,11 +242,12 @@ def settle(model, kv_cache: KVCache, block_size: int, cache: cpu_choice.ChoiceCa
     name = (f"one-call decode {str(model.embed_tokens.weight.dtype).removeprefix('torch.')} dims={dims} "
             f"cache={str(kv_cache.data.dtype).removeprefix('torch.')} threads={torch.get_num_threads()} plans={plans}")
     stored = cache.get(name) or {}
-    results, num_blocks, buckets = {}, kv_cache.data.shape[2], path.buckets
+    results, num_blocks, buckets, timed = {}, kv_cache.data.shape[2], path.buckets, False
     for bucket in sorted(path.contested):
         if isinstance(stored.get(str(bucket)), dict):
             results[bucket] = stored[str(bucket)]
             continue
+        timed = True
         input_ids, positions, meta = _timing_batch(ROW_BUCKETS[bucket], block_size, num_blocks)
         times = {True: [], False: []}
         try:
@@ -262,7 +263,8 @@ def settle(model, kv_cache: KVCache, block_size: int, cache: cpu_choice.ChoiceCa
             model.cpu_decode, path.buckets = path, buckets
         results[bucket] = {"one_call_ms": statistics.median(times[True]),
                            "layer_loop_ms": statistics.median(times[False])}
-    cache.put({name: {str(b): r for b, r in results.items()}})
+    if timed:       # nothing to keep (and no busy machine to report) when every bucket came from the cache
+        cache.put({name: {str(b): r for b, r in results.items()}})
     won = {b for b, r in results.items() if r["one_call_ms"] <= r["layer_loop_ms"]}
     path.buckets, path.contested = frozenset((path.buckets - path.contested) | won), frozenset()
     for bucket, r in sorted(results.items()):
