@@ -131,3 +131,53 @@ def top_k_top_p_by_sort(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+CDF_CHUNK = 1024   # vocabulary entries per chunk of draw_by_cdf's first search
+
+
+def draw_by_cdf(scaled: torch.Tensor, uniform: torch.Tensor,
+                chunk: int = CDF_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scaled [rows, vocab]`` float32 logits after temperature and filters (removed tokens at -inf),
+    ``uniform [rows]`` float64 in [0, 1) -> (token ids ``[rows]`` int64, ok ``[rows]`` bool).
+
+    Inverse-CDF draw: with weights ``w = exp(scaled - row max)`` and ``target = uniform * sum(w)``, the token
+    is the first whose running sum of w exceeds the target, so token i comes out with probability
+    ``w_i / sum(w)``. The sums are float64 (exact for any weight above ~1e-16 of the total) and taken in two
+    levels: the weights' sums per chunk of ``chunk`` entries and their running sum pick the chunk, then the
+    running sum inside that one chunk picks the token, so no float64 copy of the whole row is made (a
+    float64 ``cumsum`` of 16 x 49,152 float32 took 4.2 ms, converting them being most of it). A token of
+    weight 0 (filtered out, underflowed, or the padding of the last chunk) is never drawn: the first index
+    past a target has a weight > 0, and each level is capped at its last index with one, in case the
+    rounding of a sum puts the target at the very end. A row is not ok when its total is not finite (a NaN
+    in it, a +inf logit, or every token at -inf); its token is then any valid index.
+
+    Cost on CPU, the Sampler's whole call on 16 x 49,152 logits at temperature 1 (SmolLM2's vocabulary, 2
+    threads, glibc's malloc set as a CPU worker sets it: workers/host_memory.py): 1.8 ms median, against 5.9
+    ms with the exponential race it replaced (one ``E = -log(U)`` per entry; ``torch.rand`` alone took 4.9
+    ms); this function 1.0-1.2 ms of it (2-core AMD EPYC VM, 2026-12-03, 5 x 40 calls each)."""
+    rows, vocab = scaled.shape
+    num_chunks = -(-vocab // chunk)
+    weights = (scaled - scaled.amax(dim=1, keepdim=True)).exp_()              # [rows, vocab], max 1 in an ok row
+    if num_chunks * chunk != vocab:
+        weights = torch.nn.functional.pad(weights, (0, num_chunks * chunk - vocab))   # zeros: never drawn
+    chunks = weights.view(rows, num_chunks, chunk)                              # [rows, num_chunks, chunk]
+    chunk_cdf = chunks.sum(dim=2, dtype=torch.float64).cumsum(dim=1)            # [rows, num_chunks]
+    total = chunk_cdf[:, -1:].contiguous()                                      # [rows, 1], >= 1 in an ok row
+    target = uniform[:, None] * total                                           # [rows, 1]
+    c = _first_above(chunk_cdf, target, total)                                  # [rows, 1] chunk index
+    before = torch.where(c > 0, chunk_cdf.gather(1, (c - 1).clamp_(min=0)), 0.0)   # [rows, 1] weight before it
+    inner = chunks.gather(1, c[:, :, None].expand(rows, 1, chunk))[:, 0]          # [rows, chunk]
+    inner_cdf = inner.cumsum(dim=1, dtype=torch.float64)                        # [rows, chunk]
+    j = _first_above(inner_cdf, target - before, inner_cdf[:, -1:].contiguous())   # [rows, 1]
+    tokens = (c * chunk + j).clamp_(max=vocab - 1)[:, 0]
+    return tokens, total[:, 0].isfinite()
+
+
+def _first_above(cdf: torch.Tensor, target: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``cdf [rows, n]`` nondecreasing, ``target`` and ``total`` (= ``cdf[:, -1:]``) ``[rows, 1]`` -> ``[rows, 1]``:
+    the first index whose value exceeds the target, at most the last index where the cdf grows (the first
+    that reaches the total), and within [0, n - 1] whatever the values (a NaN row)."""
+    first = torch.searchsorted(cdf, target.contiguous(), right=True)
+    last_growth = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(first, last_growth).clamp_(max=cdf.shape[1] - 1)
