@@ -51,6 +51,12 @@
 #define STEP_BYTES 64           /* one tile's weights for one step of k */
 #define PREFETCH_STEPS 64       /* prefetch distance: 64 steps * 64 bytes = 4 KB ahead */
 #define BLOCK_ROWS 12           /* AVX-512, m > ONE_TILE_ROWS: rows per block over 2 tiles (24 accumulators) */
+/* From this many rows (a prefill) the tasks are dealt out one at a time (schedule dynamic) instead of in
+ * equal halves (static): a task is then a tile or a tile pair over every block of rows, tens of microseconds
+ * or more, so taking one costs nothing, and a thread the OS preempts (a server's front end shares the
+ * cores) leaves its remaining tasks to the other instead of making it wait at the end. Below it (a decode
+ * step: a task is one tile of a few microseconds) the split stays static. */
+#define SHARED_FROM 17
 #ifdef __AVX512F__
 #define ONE_TILE_ROWS 16        /* rows up to this share one pass over one tile (16 zmm sums) */
 #define PAIR_ROWS BLOCK_ROWS    /* rows per block of a gate/up pair */
@@ -320,6 +326,37 @@ static void rows_in_place(const uint32_t *x32, int64_t xs, int64_t m, int64_t st
                  yc + t * TILE * size, y_stride, n - t * TILE, dtype);
 }
 
+/* One gemm or gemm_silu_mul call's operands, as those derive them (block_rows: rows per block; pairs: gemm's blocks
+ * go over tile pairs) */
+struct gemm_call {
+    const uint32_t *x32, *xp;
+    int64_t xs, m, steps, tiles, n, tile_bytes, block_rows, y_stride;
+    const char *pc, *bc;
+    char *yc;
+    int pairs, size, dtype;
+};
+
+/* Task q of a gemm call: a tile (m <= ONE_TILE_ROWS: one block; AVX2: every block of 6 rows), or a pair of
+ * tiles, its weights loaded from memory once for every row block */
+static inline __attribute__((always_inline)) void gemm_task(const struct gemm_call *c, int64_t q) {
+    const int64_t t = c->pairs ? 2 * q : q, last = c->pairs ? t + 2 : t + 1;
+    const int size = c->size;
+    for (int64_t r = 0; r < c->m; r += c->block_rows) {
+        const int64_t rows = c->m - r < c->block_rows ? c->m - r : c->block_rows;
+        const int packed = c->xp != NULL && rows >= PACKED_FROM;
+        const uint32_t *xr = packed ? c->xp + r * c->steps : c->x32 + r * c->xs;
+        char *yr = c->yc + r * c->y_stride * size;
+        if (last == t + 2 && t + 1 < c->tiles && rows == BLOCK_ROWS) {      /* pairs: in place */
+            two_tiles(xr, c->xs, c->steps, c->pc + t * c->tile_bytes, c->bc ? c->bc + t * TILE * size : 0,
+                      yr + t * TILE * size, c->y_stride, c->n - t * TILE, c->dtype);
+            continue;
+        }
+        for (int64_t u = t; u < last && u < c->tiles; u++)
+            one_tile(xr, c->xs, packed, (int)rows, c->steps, c->pc + u * c->tile_bytes,
+                     c->bc ? c->bc + u * TILE * size : 0, yr + u * TILE * size, c->y_stride, c->n - u * TILE, c->dtype);
+    }
+}
+
 /* x [m, k] of dtype (row stride x_stride elements; bfloat16: k even); p tile-packed W [n, k]; bias [n]
  * or NULL; y [m, n] (row stride y_stride). x rows are read 4 bytes at a time (a float32, a bf16 pair), in
  * blocks (m <= ONE_TILE_ROWS: one block of m rows; else blocks of BLOCK_ROWS over a tile pair, AVX2: of
@@ -344,31 +381,35 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
         return;
     }
     const int pairs = m > ONE_TILE_ROWS && TILE_PAIRS;          /* blocks over tile pairs */
-    const int64_t block_rows = m <= ONE_TILE_ROWS ? m : pairs ? BLOCK_ROWS : ONE_TILE_ROWS;
+    const struct gemm_call call = {x32, xp, xs, m, steps, tiles, n, tile_bytes,
+                                   m <= ONE_TILE_ROWS ? m : pairs ? BLOCK_ROWS : ONE_TILE_ROWS,
+                                   y_stride, pc, bc, yc, pairs, size, dtype};
+    const int64_t tasks = pairs ? (tiles + 1) / 2 : tiles;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        if (xp) pack_blocks(x32, xs, m, steps, block_rows, xp);
-        /* nowait: the parallel region's end is the one barrier after the products. A tile per task (m <=
-         * ONE_TILE_ROWS: one block; AVX2: every block of 6 rows), or a pair of tiles per task, its weights
-         * loaded from memory once for every row block */
-        #pragma omp for schedule(static) nowait
-        for (int64_t q = 0; q < (pairs ? (tiles + 1) / 2 : tiles); q++) {
-            const int64_t t = pairs ? 2 * q : q, last = pairs ? t + 2 : t + 1;
-            for (int64_t r = 0; r < m; r += block_rows) {
-                const int64_t rows = m - r < block_rows ? m - r : block_rows;
-                const int packed = xp != NULL && rows >= PACKED_FROM;
-                const uint32_t *xr = packed ? xp + r * steps : x32 + r * xs;
-                char *yr = yc + r * y_stride * size;
-                if (last == t + 2 && t + 1 < tiles && rows == BLOCK_ROWS) {      /* pairs: in place */
-                    two_tiles(xr, xs, steps, pc + t * tile_bytes, bc ? bc + t * TILE * size : 0,
-                              yr + t * TILE * size, y_stride, n - t * TILE, dtype);
-                    continue;
-                }
-                for (int64_t u = t; u < last && u < tiles; u++)
-                    one_tile(xr, xs, packed, (int)rows, steps, pc + u * tile_bytes, bc ? bc + u * TILE * size : 0,
-                             yr + u * TILE * size, y_stride, n - u * TILE, dtype);
-            }
+        if (xp) pack_blocks(x32, xs, m, steps, call.block_rows, xp);
+        /* nowait: the parallel region's end is the one barrier after the products (schedules: SHARED_FROM) */
+        if (m >= SHARED_FROM) {
+            #pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t q = 0; q < tasks; q++) gemm_task(&call, q);
+        } else {
+            #pragma omp for schedule(static) nowait
+            for (int64_t q = 0; q < tasks; q++) gemm_task(&call, q);
         }
+    }
+}
+
+/* Task q of a gemm_silu_mul call (c->n: inter; c->tiles: its pairs): gate tile q and up tile q over every block
+ * of rows */
+static inline __attribute__((always_inline)) void silu_task(const struct gemm_call *c, int64_t q) {
+    const int size = c->size;
+    const char *bg = c->bc ? c->bc + q * TILE * size : NULL, *bu = c->bc ? c->bc + (c->n + q * TILE) * size : NULL;
+    for (int64_t r = 0; r < c->m; r += c->block_rows) {
+        const int64_t rows = c->m - r < c->block_rows ? c->m - r : c->block_rows;
+        const int packed = c->xp != NULL && rows >= PACKED_FROM;
+        gate_up_pair(packed ? c->xp + r * c->steps : c->x32 + r * c->xs, c->xs, packed, (int)rows, c->steps,
+                     c->pc + q * c->tile_bytes, c->pc + (c->tiles + q) * c->tile_bytes, bg, bu,
+                     c->yc + (r * c->y_stride + q * TILE) * size, c->y_stride, c->dtype);
     }
 }
 
@@ -391,19 +432,17 @@ void gemm_silu_mul(const void *x, int64_t x_stride, int64_t m, int64_t k, const 
     const int packs = m >= PACKED_FROM && m <= ONE_TILE_ROWS;
     uint32_t *xp = packs ? packed_x_buffer((size_t)m * (size_t)steps * 4) : NULL;   /* [steps][m] */
     const int64_t block_rows = !TILE_PAIRS ? PAIR_ROWS : xp || m > 16 ? BLOCK_ROWS : PACKED_FROM - 1;
+    const struct gemm_call call = {x32, xp, xs, m, steps, pairs, inter, tile_bytes, block_rows, y_stride, pc, bc, yc,
+                                   1, size, dtype};
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         if (xp) pack_blocks(x32, xs, m, steps, block_rows, xp);
-        #pragma omp for schedule(static) nowait
-        for (int64_t q = 0; q < pairs; q++) {
-            const char *bg = bc ? bc + q * TILE * size : NULL, *bu = bc ? bc + (inter + q * TILE) * size : NULL;
-            for (int64_t r = 0; r < m; r += block_rows) {
-                const int64_t rows = m - r < block_rows ? m - r : block_rows;
-                const int packed = xp != NULL && rows >= PACKED_FROM;
-                gate_up_pair(packed ? xp + r * steps : x32 + r * xs, xs, packed, (int)rows, steps,
-                             pc + q * tile_bytes, pc + (pairs + q) * tile_bytes, bg, bu,
-                             yc + (r * y_stride + q * TILE) * size, y_stride, dtype);
-            }
+        if (m >= SHARED_FROM) {
+            #pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t q = 0; q < pairs; q++) silu_task(&call, q);
+        } else {
+            #pragma omp for schedule(static) nowait
+            for (int64_t q = 0; q < pairs; q++) silu_task(&call, q);
         }
     }
 }
