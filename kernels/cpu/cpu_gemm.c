@@ -338,7 +338,7 @@ struct gemm_call {
 
 /* Task q of a gemm call: a tile (m <= ONE_TILE_ROWS: one block; AVX2: every block of 6 rows), or a pair of
  * tiles, its weights loaded from memory once for every row block */
-static inline __attribute__((always_inline)) void gemm_task(const struct gemm_call *c, int64_t q) {
+static void gemm_task(const struct gemm_call *c, int64_t q) {
     const int64_t t = c->pairs ? 2 * q : q, last = c->pairs ? t + 2 : t + 1;
     const int size = c->size;
     for (int64_t r = 0; r < c->m; r += c->block_rows) {
@@ -354,6 +354,19 @@ static inline __attribute__((always_inline)) void gemm_task(const struct gemm_ca
         for (int64_t u = t; u < last && u < c->tiles; u++)
             one_tile(xr, c->xs, packed, (int)rows, c->steps, c->pc + u * c->tile_bytes,
                      c->bc ? c->bc + u * TILE * size : 0, yr + u * TILE * size, c->y_stride, c->n - u * TILE, c->dtype);
+    }
+}
+
+/* Inside a parallel region, with its threads: tasks 0 .. tasks - 1 of call c, each run by task(c, q), dealt out
+ * one at a time from SHARED_FROM rows, in equal static halves below (SHARED_FROM says why); nowait: the
+ * parallel region's end is the one barrier after the products */
+static void deal_tasks(const struct gemm_call *c, int64_t tasks, void (*task)(const struct gemm_call *, int64_t)) {
+    if (c->m >= SHARED_FROM) {
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t q = 0; q < tasks; q++) task(c, q);
+    } else {
+        #pragma omp for schedule(static) nowait
+        for (int64_t q = 0; q < tasks; q++) task(c, q);
     }
 }
 
@@ -388,20 +401,13 @@ void gemm(const void *x, int64_t x_stride, int64_t m, int64_t k, const void *p, 
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         if (xp) pack_blocks(x32, xs, m, steps, call.block_rows, xp);
-        /* nowait: the parallel region's end is the one barrier after the products (schedules: SHARED_FROM) */
-        if (m >= SHARED_FROM) {
-            #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t q = 0; q < tasks; q++) gemm_task(&call, q);
-        } else {
-            #pragma omp for schedule(static) nowait
-            for (int64_t q = 0; q < tasks; q++) gemm_task(&call, q);
-        }
+        deal_tasks(&call, tasks, gemm_task);
     }
 }
 
 /* Task q of a gemm_silu_mul call (c->n: inter; c->tiles: its pairs): gate tile q and up tile q over every block
  * of rows */
-static inline __attribute__((always_inline)) void silu_task(const struct gemm_call *c, int64_t q) {
+static void silu_task(const struct gemm_call *c, int64_t q) {
     const int size = c->size;
     const char *bg = c->bc ? c->bc + q * TILE * size : NULL, *bu = c->bc ? c->bc + (c->n + q * TILE) * size : NULL;
     for (int64_t r = 0; r < c->m; r += c->block_rows) {
@@ -437,13 +443,7 @@ void gemm_silu_mul(const void *x, int64_t x_stride, int64_t m, int64_t k, const 
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         if (xp) pack_blocks(x32, xs, m, steps, block_rows, xp);
-        if (m >= SHARED_FROM) {
-            #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t q = 0; q < pairs; q++) silu_task(&call, q);
-        } else {
-            #pragma omp for schedule(static) nowait
-            for (int64_t q = 0; q < pairs; q++) silu_task(&call, q);
-        }
+        deal_tasks(&call, pairs, silu_task);
     }
 }
 
