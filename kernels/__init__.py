@@ -34,62 +34,73 @@ Benchmarks (from a checkout): ``python -m benchmarks.kernels`` (CUDA; ``--dry-ru
 and ``python -m benchmarks.kernel_reference`` (CPU timing of the references against dense SDPA).
 """
 
-from .api import (
-    check_host_step_metadata,
-    check_step_metadata,
-    paged_attention,
-    paged_decode,
-    paged_prefill,
-    store_kv,
-    store_kv_and_attend,
-)
-from .fused_ops import apply_rotary, fused_moe, fused_triton_path, rms_norm, rotary_embedding_, silu_and_mul
-from .quant_gemm import quant_gemm, quant_gemm_reference
-from .reference.attention import (
-    paged_attention_reference,
-    paged_decode_reference,
-    paged_prefill_reference,
-    store_kv_reference,
-)
-from .reference.fused import (
-    ClampedSwiglu,
-    apply_rotary_reference,
-    fused_moe_reference,
-    rms_norm_reference,
-    rotary_cos_sin,
-    rotary_embedding_reference_,
-    silu_and_mul_reference,
-)
-from .seeded_uniform import noise_keys, seeded_uniform, seeded_uniform_reference
+import sys
 
-__all__ = [
-    "check_step_metadata",
-    "check_host_step_metadata",
-    "store_kv",
-    "store_kv_and_attend",
-    "paged_decode",
-    "paged_prefill",
-    "paged_attention",
-    "store_kv_reference",
-    "paged_decode_reference",
-    "paged_prefill_reference",
-    "paged_attention_reference",
-    "fused_triton_path",
-    "rms_norm",
-    "rotary_embedding_",
-    "apply_rotary",
-    "silu_and_mul",
-    "fused_moe",
-    "fused_moe_reference",
-    "ClampedSwiglu",
-    "rms_norm_reference",
-    "rotary_cos_sin",
-    "apply_rotary_reference",
-    "rotary_embedding_reference_",
-    "silu_and_mul_reference",
-    "quant_gemm",
-    "quant_gemm_reference",
-    "noise_keys",
-    "seeded_uniform",
-    "seeded_uniform_reference",
-]
+if __name__ == "kernels":
+    # Imported as the top-level `kernels` (the checkout's root is on sys.path): Hugging Face's `kernels`,
+    # which transformers imports, owns that name; shadowed_name.py hands it over.
+    from .shadowed_name import hand_over_to_installed_kernels
+
+    hand_over_to_installed_kernels(__file__)
+    del hand_over_to_installed_kernels
+    sys.modules.pop("kernels.shadowed_name", None)
+else:
+    from .api import (
+        check_host_step_metadata,
+        check_step_metadata,
+        paged_attention,
+        paged_decode,
+        paged_prefill,
+        store_kv,
+        store_kv_and_attend,
+    )
+    from .fused_ops import apply_rotary, fused_moe, fused_triton_path, rms_norm, rotary_embedding_, silu_and_mul
+    from .quant_gemm import quant_gemm, quant_gemm_reference
+    from .reference.attention import (
+        paged_attention_reference,
+        paged_decode_reference,
+        paged_prefill_reference,
+        store_kv_reference,
+    )
+    from .reference.fused import (
+        ClampedSwiglu,
+        apply_rotary_reference,
+        fused_moe_reference,
+        rms_norm_reference,
+        rotary_cos_sin,
+        rotary_embedding_reference_,
+        silu_and_mul_reference,
+    )
+    from .seeded_uniform import noise_keys, seeded_uniform, seeded_uniform_reference
+
+    __all__ = [
+        "check_step_metadata",
+        "check_host_step_metadata",
+        "store_kv",
+        "store_kv_and_attend",
+        "paged_decode",
+        "paged_prefill",
+        "paged_attention",
+        "store_kv_reference",
+        "paged_decode_reference",
+        "paged_prefill_reference",
+        "paged_attention_reference",
+        "fused_triton_path",
+        "rms_norm",
+        "rotary_embedding_",
+        "apply_rotary",
+        "silu_and_mul",
+        "fused_moe",
+        "fused_moe_reference",
+        "ClampedSwiglu",
+        "rms_norm_reference",
+        "rotary_cos_sin",
+        "apply_rotary_reference",
+        "rotary_embedding_reference_",
+        "silu_and_mul_reference",
+        "quant_gemm",
+        "quant_gemm_reference",
+        "noise_keys",
+        "seeded_uniform",
+        "seeded_uniform_reference",
+    ]
