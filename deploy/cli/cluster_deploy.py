@@ -106,12 +106,12 @@ def deploy(config_path: Path, address: str | None, timeout_s: float, environ: di
     while not healthy(host, port):
         if clock() >= deadline:
             raise DeployError(f"the app did not answer http://{host}:{port}/health within {timeout_s:g} s; "
-                              f"serve status:\n{_status(run, serve, env, address)}")
+                              f"serve status:\n{shortened(_status(run, serve, env, address))}")
         if clock() >= next_status:
             next_status = clock() + STATUS_EVERY_S
             report = _status(run, serve, env, address)
-            if "DEPLOY_FAILED" in report:
-                raise DeployError(f"a deployment failed to start; serve status:\n{report}")
+            if "DEPLOY_FAILED" in report:           # the whole report: a replica's traceback can run for pages
+                raise DeployError(f"a deployment failed to start; serve status:\n{shortened(report)}")
         sleep(1.0)
     return f"http://{host}:{port}"
 
@@ -124,7 +124,15 @@ def _dashboard_address(address: str) -> str:
 def _status(run, serve: list[str], env: dict[str, str], address: str | None) -> str:
     argv = [*serve, "status"] + (["--address", _dashboard_address(address)] if address else [])
     done = run(argv, env=env, capture_output=True, text=True)
-    return (done.stdout + done.stderr).strip()[-4000:]
+    return (done.stdout + done.stderr).strip()
+
+
+def shortened(report: str, head: int = 2500, tail: int = 2500) -> str:
+    """``report`` with its middle left out when longer than ``head + tail`` characters: the head holds the
+    applications' and deployments' statuses and messages, the tail the end of a replica's traceback."""
+    if len(report) <= head + tail:
+        return report
+    return f"{report[:head]}\n... ({len(report) - head - tail} characters left out) ...\n{report[-tail:]}"
 
 
 def run_deploy(config: str, address: str | None, timeout_s: float) -> int:

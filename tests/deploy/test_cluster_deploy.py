@@ -83,6 +83,19 @@ def test_a_replica_that_fails_to_start_ends_the_wait_with_serve_status():
     assert fake.calls.count("serve status") == 1
 
 
+def test_deploy_failed_is_seen_above_a_replica_traceback_of_many_pages():
+    traceback = "".join(f"  File \"frame_{i}.py\", line {i}, in f\n    call_{i}()\n" for i in range(2000))
+    report = ("applications:\n  pagedray:\n    status: DEPLOY_FAILED\n    message: failed to start 3 times\n"
+              f"{traceback}ImportError: cannot import name 'X' from 'kernels'\n")
+    fake = FakeCli({"serve status": (0, report)})
+    with pytest.raises(DeployError) as failed:
+        _deploy(fake, healthy_after=10**6)
+    assert fake.calls.count("serve status") == 1              # the first report ends the wait
+    shown = str(failed.value)
+    assert "status: DEPLOY_FAILED" in shown and shown.endswith("from 'kernels'")   # head and tail both kept
+    assert "characters left out" in shown and len(shown) < len(report) // 10
+
+
 def test_an_app_that_never_answers_times_out_with_serve_status():
     fake = FakeCli({"serve status": (0, "status: DEPLOYING")})
     clock = Clock()
