@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import pathlib
@@ -131,6 +132,18 @@ def print_ratio(report: dict, ratio: str, metric: str, label: str, goal: str, di
     if value is not None:
         print(f"{label}: {value['median']:.{digits}f}x [{value['min']:.{digits}f}-{value['max']:.{digits}f}] "
               f"(goal {goal})")
+
+
+def hf_cache_kwargs(model, cache) -> dict:
+    """The keyword a transformers model's forward takes its KV cache by, with ``cache``: ``cache`` from
+    transformers 5.25 on (where ``past_key_values`` is deprecated, to go in 5.40), ``past_key_values`` before."""
+    takes_cache = "cache" in inspect.signature(getattr(model, "forward", model)).parameters
+    return {"cache" if takes_cache else "past_key_values": cache}
+
+
+def hf_returned_cache(output):
+    """The KV cache a transformers forward returned (``cache`` from 5.25 on, ``past_key_values`` before)."""
+    return output["cache"] if "cache" in output else output["past_key_values"]
 
 
 def hf_continuous_batching(model, token_id_prompts: list[list[int]], max_tokens: list[int], pad_token_id: int,

@@ -21,7 +21,7 @@ the workload's tokens on the same threads (the engine's step shapes are not visi
   lengths, cost in proportion to tokens). One untimed warm-up forward first.
 - Decode: the closed loop keeps ``batch`` requests in flight (its concurrency, capped by the number of
   requests). One wave of ``batch`` sequences of the mean prompt length is prefilled (untimed), then
-  ``mean max_tokens - 1`` decode steps are timed through HF's KV cache (``past_key_values``), so each
+  ``mean max_tokens - 1`` decode steps are timed through HF's KV cache object, so each
   step attends over the right, growing context. The wave's time is scaled to the workload's decode
   tokens: x ``(sum(max_tokens) - requests) / (batch * steps)`` (``scale_decode``; the first output token
   of each request comes from its prefill).
@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 from pagedray.deploy.loadtest.prompts import PromptSpec
 
-from benchmarks.common import Timer
+from benchmarks.common import Timer, hf_cache_kwargs, hf_returned_cache
 
 
 def prefill_groups(lengths: Sequence[int], chunk_tokens: int) -> list[list[int]]:
@@ -112,11 +112,11 @@ def _decode_wave_seconds(model, token_ids: list[list[int]], batch: int, steps: i
     ids = torch.tensor([[pool[(row * prompt_len + j) % len(pool)] for j in range(prompt_len)]
                         for row in range(batch)])
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)   # the wave's prefill: untimed
-    past, last = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    past, last = hf_returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
     start = time.perf_counter()
     for _ in range(steps):
-        out = model(input_ids=last, past_key_values=past, use_cache=True)
-        past, last = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        out = model(input_ids=last, use_cache=True, **hf_cache_kwargs(model, past))
+        past, last = hf_returned_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
     return time.perf_counter() - start
 
 

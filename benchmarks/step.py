@@ -69,6 +69,7 @@ from pagedray.workers.layers.attention import PagedAttention
 from pagedray.workers.weights.default_model import resolve_model_path
 from pagedray.workers.worker import Worker
 
+from benchmarks.common import hf_cache_kwargs
 from benchmarks.rounds import environment
 
 BLOCK_SIZE = 16
@@ -206,7 +207,8 @@ class HFScenario:
     def step(self, times: PhaseTimes | None) -> None:
         start = time.perf_counter()
         self.mask = torch.cat([self.mask, torch.ones(self.mask.shape[0], 1, dtype=torch.long)], dim=1)
-        self.model(input_ids=self.tokens, attention_mask=self.mask, past_key_values=self.cache, use_cache=True)
+        self.model(input_ids=self.tokens, attention_mask=self.mask, use_cache=True,
+                   **hf_cache_kwargs(self.model, self.cache))
         if self.prefill:
             self.model(input_ids=self.chunk, use_cache=True, logits_to_keep=1)
         if times is not None:
