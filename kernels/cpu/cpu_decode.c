@@ -21,6 +21,13 @@
  * Vectors are cpu_vec.h's: 16 floats along head_dim (a multiple of 16), 8 along tokens (block_size is
  * a multiple of 8), so the same source compiles to AVX2 or AVX-512 by -march=native.
  *
+ * bfloat16 q and cache where the build has AVX512-BF16 (PAIR_DOT) and head_dim is a multiple of 32: the keys
+ * are not converted; each score is vdpbf16ps over q's and the key's dimension pairs, read from the cache (the
+ * products are exact in float32, the sums float32 in pair order), then times scale (after the sum, where the
+ * float32 path scales q first). The values are still converted for p @ V, whose p stays float32. 16 sequences,
+ * SmolLM2's heads, 30 layers' caches, the builds alternated (2-core AMD EPYC, 2026-12-03): 0.86-0.88x the
+ * time at 64-200 tokens, 0.80x at 1,000; outputs within one bf16 rounding of the float32 path's.
+ *
  * Key j is visible from the query at p = seq_len - 1 when j <= p and, with a window W > 0, j > p - W.
  * A sequence with seq_len <= 0 outputs zeros. Block ids are clamped into [0, num_blocks) (the
  * Python wrapper's callers check them; the clamp only keeps a bad id from reading outside the cache).
@@ -44,6 +51,11 @@
 #include <immintrin.h>
 #endif
 
+#ifdef __AVX512BF16__
+#define PAIR_DOT 1
+#else
+#define PAIR_DOT 0
+#endif
 #define CACHE_I8 2
 #define CACHE_FP8 3
 
@@ -153,6 +165,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
     const int64_t celem = cdtype == DTYPE_F32 ? 4 : (cdtype == DTYPE_BF16 ? 2 : 1);   /* the caches */
     const int64_t bs = a->block_size, G = a->group, D = 16 * C;
     const int64_t H = a->kv_hi - a->kv_lo;
+    const int pair_keys = PAIR_DOT && dtype == DTYPE_BF16 && cdtype == DTYPE_BF16 && C % 2 == 0;
     const int64_t pos = a->seq_len - 1;
     const int64_t lo = (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
     int64_t chunk_blocks = (CHUNK_FLOATS / D < MAX_CHUNK ? CHUNK_FLOATS / D : MAX_CHUNK) / bs;
@@ -208,6 +221,14 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                         }
                         krow[n] = kd;
                         vrow[n] = vd;
+                    } else if (pair_keys) {              /* keys stay bf16 in the cache: scores by vdpbf16ps */
+                        float *vd = vbuf + n * D;
+                        for (int64_t c = 0; c < C; c++) {
+                            const v16f vx = load16_bf16(v_src + c * 32);
+                            memcpy(vd + c * 16, &vx, sizeof vx);
+                        }
+                        krow[n] = (const float *)k_src;
+                        vrow[n] = vd;
                     } else {
                         float *kd = kbuf + n * D, *vd = vbuf + n * D;
                         for (int64_t c = 0; c < C; c++) {
@@ -231,12 +252,25 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
                 for (int64_t i8 = 0; i8 < n8; i8 += 8) {
                     v16f d16[8];
                     for (int64_t i = 0; i < 8; i++) d16[i] = splat16(0.0f);
-                    for (int64_t c = 0; c < C; c++) {
-                        for (int64_t i = 0; i < 8; i++) d16[i] += qv[c] * load16_f32((const char *)(krow[i8 + i] + c * 16));
+                    if (pair_keys) {
+#if PAIR_DOT
+                        const char *qrow = a->q + head * a->q_head;
+                        for (int64_t c2 = 0; c2 < C / 2; c2++) {
+                            const __m512bh qp = (__m512bh)_mm512_loadu_si512(qrow + c2 * 64);
+                            for (int64_t i = 0; i < 8; i++)
+                                d16[i] = (v16f)_mm512_dpbf16_ps((__m512)d16[i], qp,
+                                    (__m512bh)_mm512_loadu_si512((const char *)krow[i8 + i] + c2 * 64));
+                        }
+#endif
+                    } else {
+                        for (int64_t c = 0; c < C; c++) {
+                            for (int64_t i = 0; i < 8; i++) d16[i] += qv[c] * load16_f32((const char *)(krow[i8 + i] + c * 16));
+                        }
                     }
                     v8f d[8];
                     for (int64_t i = 0; i < 8; i++) d[i] = halves_sum(d16[i]);
                     v8f s = hsum8x8(d);
+                    if (pair_keys) s *= splat8(a->scale);
                     const v8i idx = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)i8;
                     if (a->softcap > 0.0f) {
                         for (int i = 0; i < 8; i++) s[i] = a->softcap * tanhf(s[i] / a->softcap);

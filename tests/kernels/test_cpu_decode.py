@@ -33,6 +33,7 @@ SPECS = [
     (16, 2, 96, 64, F32, (100, 1, 65, 129), True, 30),            # group 8, ALiBi + window, head_dim 96
     (4, 1, 256, 16, F32, (250, 18), True, None),                  # MQA, head_dim 256
     (2, 1, 64, 8, BF16, (1, 3, 77), False, 1),                    # one visible key per query
+    (6, 2, 48, 16, BF16, (5, 70, 130), False, None),              # bf16 with an odd number of 16-wide parts
 ]
 
 
