@@ -246,7 +246,8 @@ static inline __attribute__((always_inline)) void decode_item(const struct item_
             for (int64_t r = 0; r < G; r++) {
                 const int64_t head = h * G + r;
                 v16f qv[C];
-                for (int64_t c = 0; c < C; c++) qv[c] = load16(a->q + head * a->q_head + c * 16 * elem, dtype) * splat16(a->scale);
+                for (int64_t c = 0; c < C && !pair_keys; c++)   /* the pairs path reads q's bf16 pairs instead */
+                    qv[c] = load16(a->q + head * a->q_head + c * 16 * elem, dtype) * splat16(a->scale);
                 v8f sc[MAX_CHUNK / 8 + 1];
                 v8f chunk_max = splat8(-INFINITY);
                 for (int64_t i8 = 0; i8 < n8; i8 += 8) {
